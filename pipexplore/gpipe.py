@@ -1,0 +1,239 @@
+"""GPipe: an ``nn.Sequential`` split into partitions on devices, run over micro-batches."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union, cast
+
+import torch
+from torch import nn
+
+from pipexplore import microbatch
+from pipexplore.batchnorm import DeferredBatchNorm
+from pipexplore.checkpoint import has_randomness
+from pipexplore.microbatch import TensorOrTensors
+from pipexplore.pipeline import Pipeline
+from pipexplore.skip.layout import SkipLayout, inspect_skip_layout
+from pipexplore.skip.skippable import verify_skippables
+from pipexplore.stream import AbstractStream, new_stream
+
+__all__ = ["GPipe", "BalanceError", "Device", "Devices"]
+
+Device = Union[torch.device, int, str]
+Devices = Union[Iterable[Device], list[Device]]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+MOVING_DENIED = TypeError(
+    "denied to move parameters and buffers, because GPipe should manage device placement; "
+    "choose the devices with GPipe(module, balance, devices=[...]) instead"
+)
+
+
+class BalanceError(ValueError):
+    """A ``balance`` that does not describe the module (wrong sum, empty partitions)."""
+
+
+def _as_device(device: Device) -> torch.device:
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{device!r} is not a device: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device '{device}' does not exist: CUDA is not available on this machine; "
+                             "use devices=['cpu', ...]")
+        count = torch.cuda.device_count()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise ValueError(f"device '{device}' does not exist: {count} CUDA device(s) visible "
+                             f"(cuda:0..cuda:{count - 1})")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise ValueError(f"device '{device}' is not supported: use 'cpu' or 'cuda:N'")
+    return device
+
+
+def default_devices(num_partitions: int) -> list[torch.device]:
+    """The visible CUDA devices, or the CPU for every partition on a machine without one."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")] * num_partitions
+
+
+def verify_module(module: nn.Sequential) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}; "
+                        "wrap your layers in nn.Sequential, or trace the model with pipexplore.trace")
+    seen: dict[int, int] = {}
+    for index, layer in enumerate(module):
+        if id(layer) in seen:
+            raise ValueError(f"module with duplicate children is not supported: layer {index} is the same "
+                             f"module as layer {seen[id(layer)]}")
+        seen[id(layer)] = index
+
+
+def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
+    try:
+        balance = [int(b) for b in balance]
+    except TypeError:
+        raise TypeError(f"balance must be a list of ints, got {balance!r}") from None
+    if not balance:
+        raise BalanceError("balance is empty: give one layer count per partition, e.g. balance=[2, 2]")
+    if sum(balance) != len(module):
+        raise BalanceError(f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers")
+    for j, b in enumerate(balance):
+        if b <= 0:
+            raise BalanceError(f"balance {balance}: partition {j} has {b} layers; every partition needs at least 1")
+    return balance
+
+
+def split_module(module: nn.Sequential, balance: Sequence[int],
+                 devices: Sequence[torch.device]) -> list[nn.Sequential]:
+    """Cut ``module`` into ``nn.Sequential`` partitions (keeping layer names) on ``devices``."""
+    if len(balance) > len(devices):
+        raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
+                         f"partitions: {len(balance)})")
+    names = list(module._modules.keys())
+    layers = list(module)
+    partitions: list[nn.Sequential] = []
+    start = 0
+    for size, device in zip(balance, devices):
+        part = nn.Sequential(OrderedDict((names[k], layers[k]) for k in range(start, start + size)))
+        partitions.append(part.to(device))
+        start += size
+
+    owner: dict[int, int] = {}
+    for j, part in enumerate(partitions):
+        for name, param in part.named_parameters(remove_duplicate=False):
+            other = owner.setdefault(id(param), j)
+            if other != j:
+                raise ValueError(f"parameter '{name}' of partition {j} is shared with partition {other}; "
+                                 "a parameter shared across partitions is not supported: keep the layers "
+                                 "that share it in one partition")
+    return partitions
+
+
+class GPipe(nn.Module):
+    """Pipeline parallelism for an ``nn.Sequential`` (torchgpipe-compatible).
+
+    Example::
+
+        model = nn.Sequential(a, b, c, d)
+        model = GPipe(model, balance=[1, 1, 1, 1], devices=['cpu'] * 4, chunks=8)
+        output = model(input)          # input on model.devices[0]
+        output.sum().backward()
+
+    Args:
+        module: the ``nn.Sequential`` to partition.
+        balance: layers per partition.
+        devices: one device per partition (``'cpu'`` may repeat); default: the visible CUDA
+            devices, or the CPU for every partition when there are none.
+        chunks: micro-batches per mini-batch.
+        checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``.
+        deferred_batch_norm: track BatchNorm statistics per mini-batch.
+    """
+
+    balance: list[int]
+    devices: list[torch.device]
+    chunks: int
+    checkpoint: str
+
+    def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
+                 devices: Optional[Devices] = None, chunks: int = 1, checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False) -> None:
+        super().__init__()
+        if balance is None:
+            raise ValueError("balance is required: give the number of layers per partition, "
+                             "or compute it with pipexplore.balance.balance_by_time")
+        chunks = int(chunks)
+        if chunks <= 0:
+            raise ValueError(f"number of chunks must be a positive integer, got {chunks}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
+
+        verify_module(module)
+        balance = verify_balance(module, list(balance))
+        verify_skippables(module)
+
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
+
+        resolved = default_devices(len(balance)) if devices is None else [_as_device(d) for d in devices]
+        self.partitions = cast(nn.ModuleList, nn.ModuleList(split_module(module, balance, resolved)))
+        self.devices = resolved[: len(balance)]
+        self.balance = balance
+        self._copy_streams: list[list[AbstractStream]] = []
+        self._skip_layout: SkipLayout = inspect_skip_layout(list(self.partitions))
+        self._rng_locks = self._make_rng_locks()
+
+    def _make_rng_locks(self) -> list[Optional[threading.Lock]]:
+        # Partitions that share a device share its random generator: those that draw from it
+        # take turns while checkpointed, so that recomputation replays the same masks.
+        locks: dict[torch.device, threading.Lock] = {}
+        shared = {d for d in self.devices if self.devices.count(d) > 1}
+        return [
+            locks.setdefault(d, threading.Lock()) if d in shared and has_randomness(p) else None
+            for p, d in zip(self.partitions, self.devices)
+        ]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if index < 0:
+            index += len(self)
+        for partition in self.partitions:
+            if index < len(partition):
+                return cast(nn.Module, partition[index])
+            index -= len(partition)
+        raise IndexError("layer index out of range")
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    # GPipe places the partitions; moving them as a whole would break that.
+    def cuda(self, device: Any = None) -> "GPipe":
+        raise MOVING_DENIED
+
+    def cpu(self) -> "GPipe":
+        raise MOVING_DENIED
+
+    def to(self, *args: Any, **kwargs: Any) -> "GPipe":  # type: ignore[override]
+        # Changing the dtype is fine; moving is not.
+        if "device" in kwargs or "tensor" in kwargs:
+            raise MOVING_DENIED
+        if args:
+            if isinstance(args[0], (torch.device, int, str)):
+                raise MOVING_DENIED
+            if torch.is_tensor(args[0]):
+                raise MOVING_DENIED
+        return cast("GPipe", super().to(*args, **kwargs))
+
+    def _ensure_copy_streams(self) -> list[list[AbstractStream]]:
+        if not self._copy_streams:
+            self._copy_streams = [[new_stream(d) for _ in range(self.chunks)] for d in self.devices]
+        return self._copy_streams
+
+    def checkpoint_stop(self, num_microbatches: int) -> int:
+        """Micro-batches ``0 .. stop-1`` are checkpointed (none in eval mode)."""
+        if not self.training:
+            return 0
+        return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[self.checkpoint]
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Run ``input`` (a tensor or a tuple of tensors on ``devices[0]``) through the pipeline."""
+        microbatch.check(input)
+        if not self.devices:
+            return input  # an empty nn.Sequential is the identity
+        batches = microbatch.scatter(input, self.chunks)
+        pipeline = Pipeline(batches, list(self.partitions), self.devices, self._ensure_copy_streams(),
+                            self._skip_layout, self.checkpoint_stop(len(batches)), self._rng_locks)
+        pipeline.run()
+        return microbatch.gather(batches)
+

@@ -1,0 +1,132 @@
+"""The GPipe schedule: micro-batch ``i`` on partition ``j`` runs at clock tick ``i + j``."""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Optional, Sequence, cast
+
+import torch
+from torch import Tensor, nn
+
+from pipexplore.checkpoint import Checkpointing
+from pipexplore.copy import Copy, Wait
+from pipexplore.dependency import depend
+from pipexplore.microbatch import Batch
+from pipexplore.skip.layout import SkipLayout
+from pipexplore.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
+from pipexplore.stream import AbstractStream, current_stream, use_device
+from pipexplore.worker import ExcInfo, Task, spawn_workers
+
+__all__ = ["Pipeline", "clock_cycles"]
+
+
+def clock_cycles(m: int, n: int) -> Iterable[list[tuple[int, int]]]:
+    """The ``(micro-batch, partition)`` pairs of each clock tick, for ``m`` micro-batches and ``n`` partitions.
+
+    ::
+
+        k  (i,j) (i,j) (i,j)
+        -  ----- ----- -----
+        0  (0,0)
+        1  (1,0) (0,1)
+        2  (2,0) (1,1) (0,2)
+        3        (2,1) (1,2)
+        4              (2,2)
+    """
+    for k in range(m + n - 1):
+        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    batch[:] = Copy.apply(prev_stream, next_stream, *batch)
+    batch[:] = tuple(x if x.is_floating_point() else x.detach() for x in batch)
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    batch[:] = Wait.apply(prev_stream, next_stream, *batch)
+    batch[:] = tuple(x if x.is_floating_point() else x.detach() for x in batch)
+
+
+class Pipeline:
+    """Runs one mini-batch (as ``batches``) through ``partitions`` on ``devices``.
+
+    ``rng_locks[j]`` (or ``None``) is held by partition ``j`` while a checkpointed forward
+    draws random numbers, when another partition shares its device's generator.
+    """
+
+    def __init__(self, batches: list[Batch], partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
+                 copy_streams: list[list[AbstractStream]], skip_layout: SkipLayout, checkpoint_stop: int,
+                 rng_locks: Optional[Sequence[Optional[threading.Lock]]] = None) -> None:
+        self.batches = batches
+        self.partitions = partitions
+        self.devices = devices
+        self.copy_streams = copy_streams
+        self.skip_layout = skip_layout
+        self.checkpoint_stop = checkpoint_stop
+        self.rng_locks = list(rng_locks) if rng_locks is not None else [None] * len(partitions)
+
+    def run(self) -> None:
+        m, n = len(self.batches), len(self.partitions)
+        skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
+        with spawn_workers(list(self.devices)) as (in_queues, out_queues):
+            for schedule in clock_cycles(m, n):
+                self.fence(schedule, skip_trackers)
+                self.compute(schedule, skip_trackers, in_queues, out_queues)
+
+    def fence(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals]) -> None:
+        """Order backward across micro-batches and copy inputs (and skips) to the next partition."""
+        batches, copy_streams = self.batches, self.copy_streams
+        for i, j in schedule:
+            # Partition j runs backward on micro-batch i-1 only after micro-batch i (mirrored order).
+            if i != 0:
+                depend(batches[i - 1], batches[i])
+            next_stream = copy_streams[j][i]
+            for stash_partition, ns, name in self.skip_layout.copy_policy(j):
+                skip_trackers[i].copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
+            if j != 0:
+                copy(batches[i], copy_streams[j - 1][i], next_stream)
+
+    def compute(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals],
+                in_queues: list, out_queues: list) -> None:
+        """Run the tick's tasks in the partitions' workers, then schedule recomputation."""
+        batches, partitions, devices = self.batches, self.partitions, self.devices
+        copy_streams = self.copy_streams
+        n = len(partitions)
+        streams = [current_stream(d) for d in devices]
+
+        for i, j in schedule:
+            batch = batches[i]
+            if j != 0:
+                wait(batch, copy_streams[j][i], streams[j])
+            task = self._task(batch, i, j, streams[j], skip_trackers[i])
+            in_queues[j].put(task)
+
+        exc_info: Optional[ExcInfo] = None
+        for i, j in schedule:
+            ok, payload = out_queues[j].get()
+            if exc_info is not None:
+                continue
+            if not ok:
+                exc_info = cast(ExcInfo, payload)
+                continue
+            task, batch = cast(tuple[Task, Batch], payload)
+            if j != n - 1:
+                wait(batch, streams[j], copy_streams[j][i])
+            with use_device(devices[j]):
+                task.finalize(batch)
+            batches[i] = batch
+
+        if exc_info is not None:
+            raise exc_info[1].with_traceback(exc_info[2])
+
+    def _task(self, batch: Batch, i: int, j: int, stream: AbstractStream,
+              skip_tracker: SkipTrackerThroughPortals) -> Task:
+        partition = self.partitions[j]
+
+        def function(input: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+            with use_skip_tracker(skip_tracker):
+                return partition(input)
+
+        if i < self.checkpoint_stop:
+            chk = Checkpointing(function, batch, self.rng_locks[j])
+            return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
+        return Task(stream, compute=lambda: batch.call(function), finalize=None)

@@ -1,0 +1,83 @@
+"""Worker threads: one per partition, each running its partition's tasks in order."""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from queue import Queue
+from types import TracebackType
+from typing import Callable, Generator, Optional, Union
+
+import torch
+
+from pipexplore.microbatch import Batch
+from pipexplore.stream import AbstractStream, use_device, use_stream
+
+__all__ = ["Task", "spawn_workers"]
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+InQueue = Queue[Optional["Task"]]
+OutQueue = Queue[tuple[bool, Union[tuple["Task", Batch], ExcInfo, None]]]
+
+
+class Task:
+    """One partition on one micro-batch: ``compute`` in the worker, ``finalize`` back in the caller.
+
+    The grad mode of the thread that made the task is used for both.
+    """
+
+    def __init__(self, stream: AbstractStream, *, compute: Callable[[], Batch],
+                 finalize: Optional[Callable[[Batch], None]]) -> None:
+        self.stream = stream
+        self._compute = compute
+        self._finalize = finalize
+        self._grad_enabled = torch.is_grad_enabled()
+
+    def compute(self) -> Batch:
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            return self._compute()
+
+    def finalize(self, batch: Batch) -> None:
+        if self._finalize is None:
+            return
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            self._finalize(batch)
+
+
+def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> None:
+    with use_device(device):
+        while True:
+            task = in_queue.get()
+            if task is None:
+                break
+            try:
+                batch = task.compute()
+            except BaseException:
+                out_queue.put((False, sys.exc_info()))  # type: ignore[arg-type]
+                continue
+            out_queue.put((True, (task, batch)))
+            del task, batch
+
+
+@contextmanager
+def spawn_workers(devices: list[torch.device], name: str = "pipexplore") -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
+    """Start one worker thread per entry of ``devices`` (one per partition); join them on exit.
+
+    Partitions that share a device get threads of their own, so they still overlap where the
+    device allows (the CPU's cores, or host-side work while a GPU computes).
+    """
+    in_queues: list[InQueue] = [Queue() for _ in devices]
+    out_queues: list[OutQueue] = [Queue() for _ in devices]
+    threads = [
+        threading.Thread(target=_worker, args=(iq, oq, d), name=f"{name}-partition{j}", daemon=True)
+        for j, (iq, oq, d) in enumerate(zip(in_queues, out_queues, devices))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        yield in_queues, out_queues
+    finally:
+        for q in in_queues:
+            q.put(None)
+        for t in threads:
+            t.join()

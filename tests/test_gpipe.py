@@ -1,0 +1,405 @@
+"""GPipe: results equal the unsplit nn.Sequential; scheduling, checkpointing and portals behave."""
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from models import Sleep, plain_model, tuple_model, unet_model
+from pipexplore import GPipe, is_checkpointing, is_recomputing
+from pipexplore.pipeline import clock_cycles
+
+BALANCES = {
+    "plain": [[8], [4, 4], [3, 3, 2], [1, 2, 3, 2]],
+    # unet: outer skip 1→7, inner 3→5. These cross 0, 1, and several partitions.
+    "unet": [[9], [6, 3], [2, 6, 1], [4, 2, 2, 1], [1, 3, 3, 2]],
+}
+
+
+def _reference_step(model: nn.Sequential, input):
+    ref = copy.deepcopy(model)
+    out = ref(input)
+    (out.pow(2).sum()).backward()
+    return out, [p.grad for p in ref.parameters()]
+
+
+def _pipe_step(model: nn.Sequential, input, **kwargs):
+    pipe = GPipe(copy.deepcopy(model), **kwargs)
+    out = pipe(input)
+    (out.pow(2).sum()).backward()
+    return pipe, out, [p.grad for p in pipe.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("kind,balance", [(k, b) for k, bs in BALANCES.items() for b in bs],
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, list) else v)
+def test_outputs_and_gradients_equal_sequential(kind, balance, chunks, checkpoint):
+    model = plain_model() if kind == "plain" else unet_model()
+    x = torch.randn(10, 6, requires_grad=True)  # 10 rows: not divisible by 3 or 8
+    expected, expected_grads = _reference_step(model, x)
+    expected_input_grad = x.grad.clone()
+    x.grad = None
+    pipe, out, grads = _pipe_step(model, x, balance=balance, devices=["cpu"] * len(balance),
+                                  chunks=chunks, checkpoint=checkpoint)
+    torch.testing.assert_close(out, expected)
+    assert len(grads) == len(expected_grads)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(x.grad, expected_input_grad)
+
+
+@pytest.mark.parametrize("chunks", [2, 5])
+def test_every_chunk_count_1_to_8_plain(chunks):
+    for c in range(1, 9):
+        model = plain_model()
+        x = torch.randn(7, 6)
+        expected, expected_grads = _reference_step(model, x)
+        _, out, grads = _pipe_step(model, x, balance=[2, 2, 2, 2], devices=["cpu"] * 4, chunks=c)
+        torch.testing.assert_close(out, expected)
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_tuple_inputs_and_outputs(checkpoint):
+    model = tuple_model()
+    a, b = torch.randn(9, 6), torch.randn(9, 6)
+    labels = torch.arange(9)
+    ref = copy.deepcopy(model)
+    s, p, l = ref((a, b, labels))
+    (s.sum() + p.pow(2).sum()).backward()
+    pipe = GPipe(copy.deepcopy(model), balance=[1, 2, 1], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    ps, pp, pl = pipe((a, b, labels))
+    (ps.sum() + pp.pow(2).sum()).backward()
+    torch.testing.assert_close(ps, s)
+    torch.testing.assert_close(pp, p)
+    assert torch.equal(pl, labels + 3) and pl.dtype == torch.int64
+    for g, e in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(g.grad, e.grad)
+
+
+def test_eval_mode_runs_without_checkpointing_and_no_grad():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((is_checkpointing(), torch.is_grad_enabled()))
+            return x
+
+    pipe = GPipe(nn.Sequential(nn.Linear(3, 3), Probe()), balance=[1, 1], devices=["cpu", "cpu"], chunks=2,
+                 checkpoint="always")
+    pipe.eval()
+    with torch.no_grad():
+        out = pipe(torch.randn(4, 3))
+    assert not out.requires_grad
+    assert seen == [(False, False), (False, False)]
+
+
+def test_is_checkpointing_and_is_recomputing_seen_by_layers():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((is_checkpointing(), is_recomputing()))
+            return x * 2
+
+    pipe = GPipe(nn.Sequential(nn.Linear(3, 3), Probe()), balance=[1, 1], devices=["cpu", "cpu"], chunks=2,
+                 checkpoint="except_last")
+    out = pipe(torch.randn(4, 3))
+    assert sorted(seen) == [(False, False), (True, False)]  # micro-batch 1 not checkpointed
+    seen.clear()
+    out.sum().backward()
+    assert seen == [(False, True)]  # micro-batch 0 recomputed once
+
+
+@pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
+def test_dropout_recomputation_replays_the_same_mask(balance):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+    pipe = GPipe(model, balance=balance, devices=["cpu"] * len(balance), chunks=4, checkpoint="always")
+    masks: dict[bool, dict[float, torch.Tensor]] = {False: {}, True: {}}
+
+    def keep(module, args, output):
+        # Key each micro-batch by its (deterministic) input, note where dropout zeroed.
+        masks[is_recomputing()][round(args[0].sum().item(), 3)] = output == 0
+
+    model[1].register_forward_hook(keep)
+    model[3].register_forward_hook(keep)
+    x = torch.randn(32, 16, requires_grad=True)
+    out = pipe(x)
+    out.sum().backward()
+    assert len(masks[False]) == 8 and masks[False].keys() == masks[True].keys()
+    for key, first in masks[False].items():
+        assert torch.equal(first, masks[True][key])
+    assert any(m.any() for m in masks[False].values()) and not all(m.all() for m in masks[False].values())
+
+
+def test_skip_tensors_are_freed_after_backward():
+    refs: list = []
+    model = unet_model(refs=refs)
+    pipe = GPipe(model, balance=[2, 6, 1], devices=["cpu"] * 3, chunks=4, checkpoint="except_last")
+    out = pipe(torch.randn(8, 6))
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert refs, "the stash layers ran"
+    assert all(r() is None for r in refs)
+
+
+def test_crossing_skip_is_freed_right_after_its_pop_without_checkpointing():
+    refs: list = []
+    model = unet_model(refs=refs)
+    # outer skip 1 → 7 crosses from partition 0 to 2; nothing in autograd keeps `y * 2` alive.
+    pipe = GPipe(model, balance=[2, 6, 1], devices=["cpu"] * 3, chunks=2, checkpoint="never")
+    out = pipe(torch.randn(4, 6))
+    gc.collect()
+    outer_refs = refs[0::2]  # stash order per micro-batch: outer, inner
+    assert all(r() is None for r in outer_refs)
+    out.sum().backward()
+
+
+def test_crossing_skip_is_kept_for_recomputation_under_checkpointing():
+    refs: list = []
+    pipe = GPipe(unet_model(refs=refs), balance=[2, 6, 1], devices=["cpu"] * 3, chunks=2, checkpoint="always")
+    out = pipe(torch.randn(4, 6))
+    gc.collect()
+    assert any(r() is not None for r in refs)  # the pop partition will recompute with it
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_partitions_sharing_the_cpu_overlap():
+    log: list = []
+    model = nn.Sequential(Sleep(0.05, log, "p0"), Sleep(0.05, log, "p1"))
+    pipe = GPipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    pipe(torch.ones(4, 1))
+    p0 = [(s, e) for tag, s, e in log if tag == "p0"]
+    p1 = [(s, e) for tag, s, e in log if tag == "p1"]
+    overlaps = sum(1 for s0, e0 in p0 for s1, e1 in p1 if s0 < e1 and s1 < e0)
+    # Ticks 1..3 each run partition 0 on micro-batch i and partition 1 on micro-batch i-1 together.
+    assert overlaps >= 3
+
+
+def test_one_worker_thread_per_partition_and_none_left_behind():
+    names = []
+
+    class Who(nn.Module):
+        def forward(self, x):
+            names.append(threading.current_thread().name)
+            return x
+
+    before = set(threading.enumerate())
+    pipe = GPipe(nn.Sequential(Who(), Who(), Who()), balance=[1, 1, 1], devices=["cpu"] * 3, chunks=2)
+    pipe(torch.ones(2, 1))
+    assert set(names) == {"pipexplore-partition0", "pipexplore-partition1", "pipexplore-partition2"}
+    assert set(threading.enumerate()) == before
+
+
+def test_micro_batch_i_on_partition_j_at_tick_i_plus_j():
+    assert list(clock_cycles(3, 3)) == [
+        [(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1), (0, 2)], [(2, 1), (1, 2)], [(2, 2)],
+    ]
+    assert list(clock_cycles(1, 2)) == [[(0, 0)], [(0, 1)]]
+
+
+def test_backward_runs_in_mirrored_order():
+    order = []
+
+    class _NoteGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, j):
+            ctx.j, ctx.key = j, int(x[0, 0].item())
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            order.append((ctx.j, ctx.key))
+            return g, None
+
+    class Note(nn.Module):
+        def __init__(self, j):
+            super().__init__()
+            self.j = j
+
+        def forward(self, x):
+            return _NoteGrad.apply(x, self.j)
+
+    pipe = GPipe(nn.Sequential(Note(0), Note(1), nn.Linear(1, 1)), balance=[1, 2], devices=["cpu", "cpu"],
+                 chunks=3, checkpoint="never")
+    x = torch.tensor([[0.0], [1.0], [2.0]], requires_grad=True)
+    pipe(x).sum().backward()
+    # Every partition sees the micro-batches in reverse, and partition 1 before partition 0.
+    assert [key for j, key in order if j == 1] == [2, 1, 0]
+    assert [key for j, key in order if j == 0] == [2, 1, 0]
+    assert order.index((1, 0)) < order.index((0, 0))
+
+
+def test_deferred_batch_norm_tracks_statistics_per_mini_batch():
+    bn = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), bn)
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 4) * 3 + 1
+    ref(x)
+    pipe = GPipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True,
+                 checkpoint="always")
+    pipe(x).sum().backward()  # recomputation must not count twice
+    deferred = pipe.partitions[1][0]
+    assert type(deferred).__name__ == "DeferredBatchNorm"
+    torch.testing.assert_close(deferred.running_mean, ref[1].running_mean)
+    torch.testing.assert_close(deferred.running_var, ref[1].running_var)
+    assert int(deferred.num_batches_tracked) == 1
+
+
+def test_attributes_and_layer_access():
+    model = plain_model()
+    layers = list(model)
+    pipe = GPipe(model, balance=[3, 5], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
+    assert pipe.balance == [3, 5] and pipe.chunks == 2 and pipe.checkpoint == "never"
+    assert pipe.devices == [torch.device("cpu")] * 2
+    assert [len(p) for p in pipe.partitions] == [3, 5]
+    assert len(pipe) == 8 and list(pipe) == layers and pipe[-1] is layers[-1] and pipe[3] is layers[3]
+    assert list(pipe.partitions[1]._modules) == ["3", "4", "5", "6", "7"]
+
+
+def test_default_devices_without_cuda_are_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    pipe = GPipe(plain_model(), balance=[4, 4])
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+# ---- errors, raised at construction with messages that say what to do ----
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(balance=[4, 3]), ValueError, r"balance \[4, 3\] sums to 7 but the module has 8 layers"),
+    (dict(balance=[8, 0]), ValueError, r"sums to 8 but the module has 8|partition 1 has 0 layers"),
+    (dict(balance=[9, -1]), ValueError, r"partition 1 has -1 layers; every partition needs at least 1"),
+    (dict(balance=[]), ValueError, r"balance is empty"),
+    (dict(balance=None), ValueError, r"balance is required"),
+    (dict(balance=[4, 4], chunks=0), ValueError, r"number of chunks must be a positive integer, got 0"),
+    (dict(balance=[4, 4], checkpoint="sometimes"), ValueError,
+     r"checkpoint is not one of 'always', 'except_last', or 'never', got 'sometimes'"),
+    (dict(balance=[2, 2, 4], devices=["cpu", "cpu"]), IndexError,
+     r"too few devices to hold given partitions \(devices: 2, partitions: 3\)"),
+    (dict(balance=[4, 4], devices=["tpu:0", "cpu"]), (ValueError, RuntimeError), r"tpu"),
+])
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        GPipe(plain_model(), **kwargs)
+
+
+def test_zero_partition_message():
+    with pytest.raises(ValueError, match=r"partition 1 has 0 layers"):
+        GPipe(plain_model(), balance=[8, 0], devices=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda():
+    with pytest.raises(ValueError, match=r"device 'cuda:0' does not exist: CUDA is not available"):
+        GPipe(plain_model(), balance=[4, 4], devices=["cuda:0", "cpu"])
+
+
+@pytest.mark.gpu
+def test_cuda_device_that_does_not_exist():
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device 'cuda:{n}' does not exist: {n} CUDA device\(s\) visible"):
+        GPipe(plain_model(), balance=[4, 4], devices=[f"cuda:{n}", "cpu"])
+
+
+def test_non_sequential_module():
+    with pytest.raises(TypeError, match="module must be nn.Sequential to be partitioned, got Linear"):
+        GPipe(nn.Linear(2, 2), balance=[1])
+
+
+def test_repeated_module():
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="duplicate children.*layer 2 is the same module as layer 0"):
+        GPipe(nn.Sequential(layer, nn.ReLU(), layer), balance=[1, 1, 1], devices=["cpu"] * 3)
+
+
+def test_parameter_shared_across_partitions():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match="parameter '1.weight' of partition 1 is shared with partition 0"):
+        GPipe(nn.Sequential(a, b), balance=[1, 1], devices=["cpu"] * 2)
+    # Within one partition sharing is fine.
+    GPipe(nn.Sequential(a, b), balance=[2], devices=["cpu"])
+
+
+def test_unmatched_skips_are_refused_at_construction():
+    model = unet_model()
+    del model[7]  # the outer pop
+    with pytest.raises(TypeError, match=r"no layer pops 'skip'.*layer '1' \(StashLinear\) stashes"):
+        GPipe(model, balance=[4, 4], devices=["cpu"] * 2)
+
+
+@pytest.mark.parametrize("move", [
+    lambda p: p.cuda(), lambda p: p.cpu(), lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu")),
+    lambda p: p.to(device="cpu"), lambda p: p.to(torch.zeros(1)),
+])
+def test_moving_is_refused(move):
+    pipe = GPipe(plain_model(), balance=[4, 4], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="denied to move parameters and buffers"):
+        move(pipe)
+
+
+def test_changing_dtype_is_allowed():
+    pipe = GPipe(plain_model(), balance=[4, 4], devices=["cpu", "cpu"])
+    pipe.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+
+
+def test_bad_input_types():
+    pipe = GPipe(plain_model(), balance=[4, 4], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="expected a tensor or a tuple of tensors, got list"):
+        pipe([torch.ones(1, 6)])
+    with pytest.raises(TypeError, match="got an empty tuple"):
+        pipe(())
+
+
+def test_layer_error_propagates_and_leaves_no_thread():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ArithmeticError("boom in layer")
+
+    before = set(threading.enumerate())
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), Boom()), balance=[1, 1], devices=["cpu"] * 2, chunks=3)
+    with pytest.raises(ArithmeticError, match="boom in layer"):
+        pipe(torch.ones(3, 2))
+    assert set(threading.enumerate()) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_cuda_outputs_and_gradients_equal_sequential(checkpoint):
+    n = torch.cuda.device_count()
+    devices = [f"cuda:{k % n}" for k in range(3)]
+    model = unet_model()
+    x = torch.randn(10, 6)
+    expected, expected_grads = _reference_step(model, x)
+    pipe = GPipe(copy.deepcopy(model), balance=[2, 6, 1], devices=devices, chunks=4, checkpoint=checkpoint)
+    out = pipe(x.to(pipe.devices[0]))
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out.cpu(), expected)
+    for g, e in zip(pipe.parameters(), expected_grads):
+        torch.testing.assert_close(g.grad.cpu(), e)
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_partitions_mixed():
+    model = unet_model()
+    x = torch.randn(6, 6)
+    expected, expected_grads = _reference_step(model, x)
+    pipe = GPipe(copy.deepcopy(model), balance=[2, 6, 1], devices=["cpu", "cuda:0", "cpu"], chunks=3)
+    out = pipe(x)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected)
+    for g, e in zip(pipe.parameters(), expected_grads):
+        torch.testing.assert_close(g.grad.cpu(), e)
