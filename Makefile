@@ -1,0 +1,14 @@
+# The two commands of README.md: `make demo` and `make test`.
+.PHONY: setup demo test bench
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python examples/demo.py
+
+test: setup
+	.venv/bin/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+
+bench: setup
+	bash benchmarks/run_all.sh

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch and pipexplore (editable) with its test extras.
+# Idempotent: a second run only re-installs when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.pipexplore-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    # The CPU wheel, pinned: a loose `torch` would pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e ".[test]"
+    touch "$stamp"
+fi
