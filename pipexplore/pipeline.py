@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional, Sequence, cast
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Generator, Iterable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 
-from pipexplore.checkpoint import Checkpointing
+from pipexplore import timeline as _timeline
+from pipexplore.checkpoint import Checkpointing, is_recomputing
 from pipexplore.copy import Copy, Wait
 from pipexplore.dependency import depend
 from pipexplore.microbatch import Batch
 from pipexplore.skip.layout import SkipLayout
 from pipexplore.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
-from pipexplore.stream import AbstractStream, current_stream, use_device
+from pipexplore.stream import AbstractStream, current_stream, use_device, use_stream
 from pipexplore.worker import ExcInfo, Task, spawn_workers
 
 __all__ = ["Pipeline", "clock_cycles"]
@@ -46,6 +48,13 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
     batch[:] = tuple(x if x.is_floating_point() else x.detach() for x in batch)
 
 
+@contextmanager
+def _stream_span(recorder: "_timeline.Recorder", stage: int, device: torch.device, microbatch: int, phase: str,
+                 stream: AbstractStream) -> Generator[None, None, None]:
+    with use_stream(stream), recorder.span(stage, device, microbatch, phase):
+        yield
+
+
 class Pipeline:
     """Runs one mini-batch (as ``batches``) through ``partitions`` on ``devices``.
 
@@ -63,6 +72,7 @@ class Pipeline:
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
         self.rng_locks = list(rng_locks) if rng_locks is not None else [None] * len(partitions)
+        self.recorder = _timeline.active_recorder()
 
     def run(self) -> None:
         m, n = len(self.batches), len(self.partitions)
@@ -81,9 +91,17 @@ class Pipeline:
                 depend(batches[i - 1], batches[i])
             next_stream = copy_streams[j][i]
             for stash_partition, ns, name in self.skip_layout.copy_policy(j):
-                skip_trackers[i].copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
+                with self._copy_span(stash_partition, j, i, next_stream):
+                    skip_trackers[i].copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
             if j != 0:
-                copy(batches[i], copy_streams[j - 1][i], next_stream)
+                with self._copy_span(j - 1, j, i, next_stream):
+                    copy(batches[i], copy_streams[j - 1][i], next_stream)
+
+    def _copy_span(self, prev_j: int, j: int, i: int, next_stream: AbstractStream) -> ContextManager[None]:
+        """Record a copy (on the receiving device's copy stream) when devices differ."""
+        if self.recorder is None or self.devices[prev_j] == self.devices[j]:
+            return nullcontext()
+        return _stream_span(self.recorder, j, self.devices[j], i, "copy", next_stream)
 
     def compute(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals],
                 in_queues: list, out_queues: list) -> None:
@@ -97,6 +115,8 @@ class Pipeline:
             batch = batches[i]
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
+            if self.recorder is not None:
+                batch[0] = _timeline.mark_backward_end(self.recorder, batch[0], j, i)
             task = self._task(batch, i, j, streams[j], skip_trackers[i])
             in_queues[j].put(task)
 
@@ -113,6 +133,8 @@ class Pipeline:
                 wait(batch, streams[j], copy_streams[j][i])
             with use_device(devices[j]):
                 task.finalize(batch)
+                if self.recorder is not None:
+                    batch[0] = _timeline.mark_backward_start(self.recorder, batch[0], j, i)
             batches[i] = batch
 
         if exc_info is not None:
@@ -121,10 +143,14 @@ class Pipeline:
     def _task(self, batch: Batch, i: int, j: int, stream: AbstractStream,
               skip_tracker: SkipTrackerThroughPortals) -> Task:
         partition = self.partitions[j]
+        recorder, device = self.recorder, self.devices[j]
 
         def function(input: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
             with use_skip_tracker(skip_tracker):
-                return partition(input)
+                if recorder is None:
+                    return partition(input)
+                with recorder.span(j, device, i, "recompute" if is_recomputing() else "forward"):
+                    return partition(input)
 
         if i < self.checkpoint_stop:
             chk = Checkpointing(function, batch, self.rng_locks[j])

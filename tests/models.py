@@ -119,3 +119,29 @@ class Sleep(nn.Module):
         if self.log is not None:
             self.log.append((self.tag, start, time.perf_counter()))
         return x * self.scale
+
+
+class _SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepFB(nn.Module):
+    """Sleeps ``forward`` seconds per call in forward and ``backward`` in backward (per micro-batch)."""
+
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.forward_seconds = forward
+        self.backward_seconds = backward
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        time.sleep(self.forward_seconds)
+        return _SleepBackward.apply(x * self.scale, self.backward_seconds)

@@ -1,0 +1,124 @@
+"""Layer profiles: what each layer of an ``nn.Sequential`` costs, as a DataFrame."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Optional, Union
+
+import pandas as pd
+import torch
+from torch import Tensor, nn
+
+from pipexplore.microbatch import Batch, TensorOrTensors
+from pipexplore.skip.skippable import Skippable
+from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
+
+__all__ = ["profile", "LAYER_COLUMNS"]
+
+LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop"]
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _detach(value: TensorOrTensors) -> TensorOrTensors:
+    def one(t: Tensor) -> Tensor:
+        t = t.detach()
+        return t.requires_grad_() if t.is_floating_point() else t
+
+    if torch.is_tensor(value):
+        return one(value)  # type: ignore[arg-type]
+    return tuple(one(t) for t in value)  # type: ignore[union-attr]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
+            repeats: int = 5, timeout: Optional[float] = None) -> pd.DataFrame:
+    """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
+
+    Returns one row per layer: ``name``, ``type``, ``param_bytes``, ``output_bytes`` (the
+    layer's outputs and the skip tensors it stashes, for the whole ``sample``), ``forward`` and
+    ``backward`` seconds (medians over ``repeats``, or as many repeats as fit in ``timeout``
+    seconds for the whole model), ``stash`` and ``pop`` (skip names, comma-separated).
+    Skippable layers get the tensors they pop from the layers that stashed them. The module
+    keeps its device unless ``device`` is given, in which case it is moved there.
+
+    Example::
+
+        table = pipexplore.profile(model, torch.randn(64, 128))
+        table[["name", "forward", "backward"]]
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"profile needs an nn.Sequential, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("cannot profile an empty module: it has no layers")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if device is not None:
+        module.to(device)
+    first_param = next(module.parameters(), None)
+    target = torch.device(device) if device is not None else (first_param.device if first_param is not None
+                                                               else _tensors(sample)[0].device)
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    per_layer_budget = None if timeout is None else timeout / len(module)
+
+    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
+    value = _detach(tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target))
+    skips: dict[Any, Tensor] = {}
+    rows = []
+    training = module.training
+    for name, layer in module.named_children():
+        forward_times, backward_times = [], []
+        output: Any = None
+        stashed: dict[Any, Tensor] = {}
+        start_layer = time.perf_counter()
+        for k in range(max(repeats, 1) if deadline is None else 10_000):
+            tracker = SkipTracker()
+            tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
+            _sync(target)
+            t0 = time.perf_counter()
+            with use_skip_tracker(tracker), torch.enable_grad():
+                output = layer(value)
+            _sync(target)
+            t1 = time.perf_counter()
+            stashed = {key: t for key, t in tracker.tensors.items() if key not in skips}
+            outs = [t for t in _tensors(output) + list(stashed.values()) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            _sync(target)
+            t2 = time.perf_counter()
+            forward_times.append(t1 - t0)
+            backward_times.append(t2 - t1 if outs else 0.0)
+            layer.zero_grad(set_to_none=True)
+            if k + 1 >= repeats and (per_layer_budget is None or time.perf_counter() - start_layer >= per_layer_budget):
+                break
+        if isinstance(layer, Skippable):
+            for ns_name in layer.poppable():
+                skips.pop(ns_name, None)
+        skips.update({key: t.detach() for key, t in stashed.items()})
+        rows.append({
+            "name": name,
+            "type": type(layer).__name__,
+            "param_bytes": _bytes(list(layer.parameters())),
+            "output_bytes": _bytes(_tensors(output)) + _bytes(list(stashed.values())),
+            "forward": statistics.median(forward_times),
+            "backward": statistics.median(backward_times),
+            "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
+            "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
+        })
+        value = _detach(output)
+    module.train(training)
+    return pd.DataFrame(rows, columns=LAYER_COLUMNS)

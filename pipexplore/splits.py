@@ -1,0 +1,56 @@
+"""Split points and balances: two ways to say where a model is cut.
+
+``splits`` are the sorted indices of the layers that begin a new stage; ``balance`` counts the
+layers per stage::
+
+    layers:   0 1 | 2 3 4
+    splits  = [2]
+    balance = [2, 3]
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["SplitError", "balance_to_splits", "splits_to_balance", "check_splits"]
+
+
+class SplitError(ValueError):
+    """Split points that do not cut the model (out of range, unsorted, repeated)."""
+
+
+def check_splits(splits: Sequence[int], num_layers: int) -> list[int]:
+    """Validate split points for a model of ``num_layers`` layers; returns them as a list of ints."""
+    out: list[int] = []
+    for point in splits:
+        if isinstance(point, bool) or int(point) != point:
+            raise SplitError(f"split point {point!r} is not a layer index")
+        point = int(point)
+        if point <= 0:
+            raise SplitError(f"split point {point} must be at least 1: a stage needs at least one layer "
+                             "before it (layer 0 always begins stage 0)")
+        if point >= num_layers:
+            raise SplitError(f"split point {point} is past the last layer ({num_layers - 1}): "
+                             f"split points lie between 1 and {num_layers - 1}")
+        if out and point == out[-1]:
+            raise SplitError(f"split point {point} is repeated: every stage needs at least one layer")
+        if out and point < out[-1]:
+            raise SplitError(f"split points must be sorted: {point} comes after {out[-1]}")
+        out.append(point)
+    return out
+
+
+def splits_to_balance(splits: Sequence[int], num_layers: int) -> list[int]:
+    """``[2]`` for 5 layers → ``[2, 3]``."""
+    points = [0, *check_splits(splits, num_layers), num_layers]
+    return [b - a for a, b in zip(points, points[1:])]
+
+
+def balance_to_splits(balance: Sequence[int]) -> list[int]:
+    """``[2, 3]`` → ``[2]``."""
+    if any(int(b) <= 0 for b in balance):
+        raise SplitError(f"balance {list(balance)} has an empty stage: every stage needs at least one layer")
+    splits, total = [], 0
+    for b in list(balance)[:-1]:
+        total += int(b)
+        splits.append(total)
+    return splits

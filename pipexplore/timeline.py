@@ -1,0 +1,325 @@
+"""Timelines: record what a pipeline did, as a DataFrame; metrics and Chrome traces from it.
+
+A timeline has one row per event, whatever made it (CUDA events, the host clock, other
+processes, the simulator):
+
+=============  ===================================================================
+``run``        a label of the step (``record(run=...)``)
+``stage``      the partition (pipeline stage) that did the work
+``device``     where it ran (``'cpu'``, ``'cuda:0'``)
+``microbatch`` the micro-batch index
+``phase``      ``forward``, ``backward``, ``recompute``, ``copy`` (also ``input_grad``,
+               ``weight_grad``, ``send``, ``recv`` from other executors)
+``start``      seconds from the step's origin
+``end``        seconds from the step's origin
+``source``     ``measured`` or ``predicted``
+=============  ===================================================================
+
+Peak memory per device, where the device reports it, is in ``timeline.attrs['peak_memory']``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Generator, Iterable, Optional, Union
+
+import pandas as pd
+import torch
+
+__all__ = [
+    "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline",
+    "step_time", "busy_time", "bubble_fraction", "throughput", "copy_overlap", "to_chrome_trace",
+]
+
+COLUMNS = ["run", "stage", "device", "microbatch", "phase", "start", "end", "source"]
+COMPUTE_PHASES = ("forward", "backward", "recompute", "input_grad", "weight_grad")
+
+Mark = Union[int, "torch.cuda.Event"]
+
+_active: Optional["Recorder"] = None
+_active_lock = threading.Lock()
+
+
+def active_recorder() -> Optional["Recorder"]:
+    """The recorder of the enclosing ``record()`` block, or ``None`` (then nothing is recorded)."""
+    return _active
+
+
+def empty_timeline() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="float64" if c in ("start", "end") else "object") for c in COLUMNS})
+
+
+class Recorder:
+    """Collects marks during a step; resolves them into :attr:`timeline` once, afterwards.
+
+    On CUDA a mark is a ``torch.cuda.Event(enable_timing=True)`` recorded on the current stream
+    (the stream doing the work); on the CPU it is ``time.perf_counter_ns()``. Nothing is
+    synchronised during the step: events are read after it, against one origin per device.
+    """
+
+    def __init__(self, run: Any = 0) -> None:
+        self.run = run
+        self._spans: list[tuple[int, torch.device, int, str, Mark, Mark]] = []
+        self._open: dict[tuple[int, int], tuple[torch.device, Mark]] = {}
+        self._lock = threading.Lock()
+        self._origin_ns = 0
+        self._cuda_origins: dict[int, tuple["torch.cuda.Event", int]] = {}
+        self.timeline: pd.DataFrame = empty_timeline()
+        self.peak_memory: dict[str, float] = {}
+
+    # -- during the step ------------------------------------------------------------------
+    def mark(self, device: torch.device) -> Mark:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+        return time.perf_counter_ns()
+
+    def add(self, stage: int, device: torch.device, microbatch: int, phase: str, start: Mark, end: Mark) -> None:
+        self._spans.append((stage, device, microbatch, phase, start, end))
+
+    @contextmanager
+    def span(self, stage: int, device: torch.device, microbatch: int, phase: str) -> Generator[None, None, None]:
+        start = self.mark(device)
+        yield
+        self.add(stage, device, microbatch, phase, start, self.mark(device))
+
+    def open_backward(self, stage: int, microbatch: int, device: torch.device) -> None:
+        with self._lock:
+            self._open[(stage, microbatch)] = (device, self.mark(device))
+
+    def close_backward(self, stage: int, microbatch: int, device: torch.device) -> None:
+        end = self.mark(device)
+        with self._lock:
+            opened = self._open.pop((stage, microbatch), None)
+        if opened is not None:
+            self.add(stage, device, microbatch, "backward", opened[1], end)
+
+    # -- around the step ------------------------------------------------------------------
+    def start(self) -> None:
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
+                torch.cuda.reset_peak_memory_stats(index)
+        self._origin_ns = time.perf_counter_ns()
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(index))
+                self._cuda_origins[index] = (event, time.perf_counter_ns())
+
+    def finish(self) -> None:
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
+                self.peak_memory[f"cuda:{index}"] = float(torch.cuda.max_memory_allocated(index))
+        rows = []
+        for stage, device, microbatch, phase, start, end in self._spans:
+            rows.append((self.run, stage, str(device), microbatch, phase,
+                         self._seconds(device, start), self._seconds(device, end), "measured"))
+        rows.sort(key=lambda r: (r[5], r[1]))
+        frame = pd.DataFrame(rows, columns=COLUMNS) if rows else empty_timeline()
+        frame = _serial_backward_spans(frame)
+        frame.attrs["peak_memory"] = dict(self.peak_memory)
+        self.timeline = frame
+
+    def _seconds(self, device: torch.device, mark: Mark) -> float:
+        if isinstance(mark, int):
+            return (mark - self._origin_ns) / 1e9
+        origin, origin_ns = self._cuda_origins[device.index]
+        return (origin_ns - self._origin_ns) / 1e9 + origin.elapsed_time(mark) / 1e3
+
+
+def _serial_backward_spans(frame: pd.DataFrame) -> pd.DataFrame:
+    """Trim autograd-driven backward spans to the work they did.
+
+    One ``backward()`` call runs each device's backward work on one thread, one node at a
+    time, so a backward span (gradient in → gradient out) can hold other stages' work and its
+    own recomputation. The work of a span starts where the last span nested inside it ends.
+    """
+    serial = frame["phase"].isin(["backward", "recompute"])
+    if not serial.any():
+        return frame
+    for _, group in frame[serial].groupby("device"):
+        starts, ends = group["start"].to_numpy(), group["end"].to_numpy()
+        is_backward = (group["phase"] == "backward").to_numpy()
+        for k, index in enumerate(group.index):
+            if not is_backward[k]:
+                continue
+            inside = (starts >= starts[k]) & (ends <= ends[k])
+            inside[k] = False
+            if inside.any():
+                frame.at[index, "start"] = max(starts[k], float(ends[inside].max()))
+    return frame
+
+
+@contextmanager
+def record(run: Any = 0) -> Generator[Recorder, None, None]:
+    """Record every pipelined ``(stage, micro-batch, phase)`` in the block.
+
+    Example::
+
+        with pipexplore.record() as rec:
+            loss = pipe(x).sum()
+            loss.backward()
+        rec.timeline            # a DataFrame, one row per event
+    """
+    global _active
+    recorder = Recorder(run)
+    with _active_lock:
+        if _active is not None:
+            raise RuntimeError("pipexplore.record() blocks cannot be nested")
+        _active = recorder
+    try:
+        recorder.start()
+        yield recorder
+    finally:
+        with _active_lock:
+            _active = None
+        recorder.finish()
+
+
+# ---- metrics: plain functions of a timeline -----------------------------------------------
+
+def step_time(timeline: pd.DataFrame) -> float:
+    """Seconds from the first event's start to the last event's end."""
+    if timeline.empty:
+        return 0.0
+    return float(timeline["end"].max() - timeline["start"].min())
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = "stage") -> float:
+    """Seconds a stage (or device, ``by='device'``) computed, overlapping spans counted once;
+    all of them summed when ``stage`` is None."""
+    compute = timeline[timeline["phase"].isin(COMPUTE_PHASES)]
+    keys = [stage] if stage is not None else sorted(compute[by].unique(), key=str)
+    return sum(_union_length(zip(g["start"], g["end"])) for key in keys
+               for g in [compute[compute[by] == key]])
+
+
+def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,
+                    phases: Optional[Iterable[str]] = None, by: str = "stage") -> Union[float, pd.Series]:
+    """The share of the step each stage spends idle: ``1 - busy / step_time``.
+
+    ``per_stage=True`` gives a Series indexed by stage; otherwise the mean over stages.
+    ``phases`` restricts both the span and the busy time to some phases (e.g. ``['forward']``).
+    ``by='device'`` counts per device instead: right for interleaved schedules, where one
+    device runs several (virtual) stages.
+    """
+    if by not in ("stage", "device"):
+        raise ValueError(f"by must be 'stage' or 'device', got {by!r}")
+    frame = timeline if phases is None else timeline[timeline["phase"].isin(list(phases))]
+    total = step_time(frame)
+    keys = sorted(frame[by].unique(), key=str)
+    if total <= 0 or not keys:
+        return pd.Series(dtype=float) if per_stage else 0.0
+    values = pd.Series({k: 1.0 - busy_time(frame, k, by=by) / total for k in keys}, name="bubble")
+    values.index.name = by
+    return values if per_stage else float(values.mean())
+
+
+def throughput(timeline: pd.DataFrame, samples: int) -> float:
+    """Samples per second for a step that processed ``samples`` rows."""
+    total = step_time(timeline)
+    return samples / total if total > 0 else float("nan")
+
+
+def copy_overlap(timeline: pd.DataFrame) -> float:
+    """The share of copy time that ran while some compute ran on the receiving device."""
+    copies = timeline[timeline["phase"] == "copy"]
+    if copies.empty:
+        return 0.0
+    compute = timeline[timeline["phase"].isin(COMPUTE_PHASES)]
+    overlapped = total = 0.0
+    for device, group in copies.groupby("device"):
+        busy = sorted(zip(compute.loc[compute["device"] == device, "start"], compute.loc[compute["device"] == device, "end"]))
+        for start, end in zip(group["start"], group["end"]):
+            total += end - start
+            overlapped += sum(max(0.0, min(end, e) - max(start, s)) for s, e in busy)
+    return min(1.0, overlapped / total) if total > 0 else 0.0
+
+
+def to_chrome_trace(timeline: pd.DataFrame, path: Optional[str] = None) -> dict[str, Any]:
+    """Trace Event Format JSON (loads in Perfetto and chrome://tracing).
+
+    One process per device, one thread per lane (stage, and copies apart), complete ``"X"``
+    events in microseconds, with metadata names. Written to ``path`` when given.
+    """
+    events: list[dict[str, Any]] = []
+    devices = sorted(timeline["device"].unique(), key=str)
+    pids = {d: k + 1 for k, d in enumerate(devices)}
+    lanes: dict[tuple[str, str], int] = {}
+    for row in timeline.itertuples(index=False):
+        lane = f"stage {row.stage}" + (" copy" if row.phase in ("copy", "send", "recv") else "")
+        tid = lanes.setdefault((row.device, lane), len(lanes) + 1)
+        events.append({
+            "name": f"{row.phase} {row.microbatch}", "cat": row.phase, "ph": "X",
+            "ts": row.start * 1e6, "dur": max(0.0, row.end - row.start) * 1e6,
+            "pid": pids[row.device], "tid": tid,
+            "args": {"run": str(row.run), "stage": int(row.stage), "microbatch": int(row.microbatch),
+                     "source": row.source},
+        })
+    for device, pid in pids.items():
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": str(device)}})
+    for (device, lane), tid in lanes.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": pids[device], "tid": tid, "args": {"name": lane}})
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity; its backward opens or closes a stage's backward span."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, recorder: Recorder, stage: int, microbatch: int,  # type: ignore[override]
+                opens: bool) -> torch.Tensor:
+        ctx.recorder, ctx.stage, ctx.microbatch, ctx.opens = recorder, stage, microbatch, opens
+        ctx.device = input.device
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.opens:
+            ctx.recorder.open_backward(ctx.stage, ctx.microbatch, ctx.device)
+        else:
+            ctx.recorder.close_backward(ctx.stage, ctx.microbatch, ctx.device)
+        return grad, None, None, None, None
+
+
+def mark_backward_end(recorder: Recorder, input: torch.Tensor, stage: int, microbatch: int) -> torch.Tensor:
+    """At a stage's input: its backward ends when the gradient reaches here.
+
+    A floating input that does not require grad (the first stage's) is made to, so that the
+    mark sits exactly at the end of the stage's backward.
+    """
+    if not torch.is_grad_enabled() or not input.is_floating_point():
+        return input
+    if not input.requires_grad:
+        input = input.detach().requires_grad_()
+    return _BackwardMark.apply(input, recorder, stage, microbatch, False)  # type: ignore[no-any-return]
+
+
+def mark_backward_start(recorder: Recorder, output: torch.Tensor, stage: int, microbatch: int) -> torch.Tensor:
+    """At a stage's output: its backward starts when the gradient arrives here."""
+    if not torch.is_grad_enabled() or not output.requires_grad:
+        return output
+    return _BackwardMark.apply(output, recorder, stage, microbatch, True)  # type: ignore[no-any-return]

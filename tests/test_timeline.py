@@ -1,0 +1,123 @@
+"""Recording timelines around GPipe, metrics, Chrome traces, and prediction against measurement."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from models import SleepFB, unet_model
+from pipexplore import GPipe
+from pipexplore.simulate import simulate
+from pipexplore.timeline import (COLUMNS, active_recorder, bubble_fraction, busy_time, copy_overlap, record,
+                                 step_time, throughput, to_chrome_trace)
+
+
+@pytest.mark.parametrize("checkpoint,recomputed", [("always", 4), ("except_last", 3), ("never", 0)])
+def test_record_gpipe_step_has_every_event(checkpoint, recomputed):
+    pipe = GPipe(unet_model(), balance=[2, 6, 1], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    with record(run="r1") as rec:
+        pipe(torch.randn(8, 6)).sum().backward()
+    t = rec.timeline
+    assert list(t.columns) == COLUMNS
+    assert set(t["run"]) == {"r1"} and set(t["source"]) == {"measured"} and set(t["device"]) == {"cpu"}
+    counts = t.groupby("phase").size().to_dict()
+    assert counts["forward"] == 12 and counts["backward"] == 12
+    assert counts.get("recompute", 0) == 3 * recomputed
+    assert (t["end"] >= t["start"]).all()
+    f = t[t.phase == "forward"].set_index(["stage", "microbatch"])
+    b = t[t.phase == "backward"].set_index(["stage", "microbatch"])
+    for (stage, mb), row in b.iterrows():
+        assert row["start"] >= f.loc[(stage, mb), "end"]
+        if stage > 0:  # a stage's forward starts after the previous stage finished that micro-batch
+            assert f.loc[(stage, mb), "start"] >= f.loc[(stage - 1, mb), "end"]
+    if recomputed:
+        r = t[t.phase == "recompute"].set_index(["stage", "microbatch"])
+        for key, row in r.iterrows():
+            assert b.loc[key, "start"] >= row["end"]  # backward starts after its recomputation
+    assert t.attrs["peak_memory"] == {} or all(v > 0 for v in t.attrs["peak_memory"].values())
+
+
+def test_nothing_recorded_outside_the_block():
+    pipe = GPipe(unet_model(), balance=[4, 5], devices=["cpu"] * 2, chunks=2)
+    assert active_recorder() is None
+    pipe(torch.randn(4, 6)).sum().backward()
+    with record() as rec:
+        assert active_recorder() is rec
+    assert active_recorder() is None
+    assert rec.timeline.empty and list(rec.timeline.columns) == COLUMNS
+
+
+def test_record_blocks_do_not_nest():
+    with record():
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with record():
+                pass
+
+
+def _frame(rows):
+    return pd.DataFrame([(0, s, d, i, p, a, b, "predicted") for s, d, i, p, a, b in rows], columns=COLUMNS)
+
+
+def test_metrics_on_a_known_timeline():
+    # Two stages, two micro-batches, forward 1 s each, GPipe fill and drain (no backward).
+    t = _frame([(0, "cpu", 0, "forward", 0, 1), (0, "cpu", 1, "forward", 1, 2),
+                (1, "cpu", 0, "forward", 1, 2), (1, "cpu", 1, "forward", 2, 3),
+                (1, "cpu", 0, "copy", 1, 1.5)])
+    assert step_time(t) == 3
+    assert busy_time(t, 0) == 2 and busy_time(t) == 4
+    assert bubble_fraction(t) == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    per = bubble_fraction(t, per_stage=True)
+    assert per.to_dict() == pytest.approx({0: 1 / 3, 1: 1 / 3})
+    assert throughput(t, samples=6) == 2
+    assert copy_overlap(t) == 1.0  # the copy ran while stage 1 computed on the same device
+    assert bubble_fraction(t, by="device") == 0.0  # one device "cpu" was busy from 0 to 3
+
+
+def test_busy_time_counts_overlaps_once_and_by_device():
+    t = _frame([(0, "cuda:0", 0, "forward", 0, 2), (1, "cuda:0", 0, "forward", 1, 3), (2, "cuda:1", 0, "forward", 0, 1)])
+    assert busy_time(t, "cuda:0", by="device") == 3
+    assert bubble_fraction(t, by="device", per_stage=True).to_dict() == pytest.approx({"cuda:0": 0.0, "cuda:1": 2 / 3})
+    with pytest.raises(ValueError, match="by must be 'stage' or 'device'"):
+        bubble_fraction(t, by="lane")
+
+
+def test_chrome_trace_written_and_parsed_back(tmp_path):
+    pipe = GPipe(unet_model(), balance=[2, 7], devices=["cpu"] * 2, chunks=3)
+    with record() as rec:
+        pipe(torch.randn(6, 6)).sum().backward()
+    path = tmp_path / "trace.json"
+    to_chrome_trace(rec.timeline, str(path))
+    trace = json.loads(path.read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert len(complete) == len(rec.timeline)
+    first = rec.timeline.iloc[0]
+    event = next(e for e in complete if e["args"]["stage"] == first.stage and e["cat"] == first.phase
+                 and e["args"]["microbatch"] == first.microbatch)
+    assert event["ts"] == pytest.approx(first.start * 1e6) and event["dur"] == pytest.approx((first.end - first.start) * 1e6)
+    assert {e["args"]["name"] for e in meta if e["name"] == "process_name"} == {"cpu"}
+    assert {e["args"]["name"] for e in meta if e["name"] == "thread_name"} == {"stage 0", "stage 1"}
+
+
+@pytest.mark.slow
+def test_measured_forward_bubble_and_predicted_step_time_match_theory():
+    p, m, fwd, bwd = 3, 4, 0.05, 0.03
+    model = nn.Sequential(*[SleepFB(fwd, bwd) for _ in range(p)])
+    pipe = GPipe(model, balance=[1] * p, devices=["cpu"] * p, chunks=m, checkpoint="never")
+    x = torch.ones(m, 1)
+    pipe(x).sum().backward()  # warm-up
+    with record() as rec:
+        pipe(x).sum().backward()
+    measured = rec.timeline
+    theory = (p - 1) / (m + p - 1)
+    assert abs(bubble_fraction(measured, phases=["forward"]) - theory) <= 0.02
+    # Per-layer costs for the whole mini-batch: m micro-batches of fwd/bwd seconds each.
+    table = pd.DataFrame({"forward": [fwd * m] * p, "backward": [bwd * m] * p, "output_bytes": [0] * p})
+    predicted = simulate(table, list(range(1, p)), chunks=m, checkpoint="never")
+    assert step_time(predicted) == pytest.approx(step_time(measured), rel=0.10)
+    # CPU backward through one backward() call runs serially: p*m backward spans, none overlapping.
+    b = measured[measured.phase == "backward"].sort_values("start")
+    assert (b["start"].to_numpy()[1:] >= b["end"].to_numpy()[:-1] - 1e-4).all()
