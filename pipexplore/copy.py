@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -48,16 +48,24 @@ class Copy(torch.autograd.Function):
 
 
 class Wait(torch.autograd.Function):
-    """Make ``next_stream`` wait for ``prev_stream``; in backward, the reverse."""
+    """Make ``next_stream`` wait for ``prev_stream``; in backward, the reverse.
+
+    ``on_backward``, when given, is called as the gradient passes: the recorder marks the
+    start or end of a stage's backward here, at no cost of an extra autograd node.
+    """
 
     @staticmethod
-    def forward(ctx, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor):  # type: ignore[override]
+    def forward(ctx, prev_stream: AbstractStream, next_stream: AbstractStream,  # type: ignore[override]
+                on_backward: Optional[Callable[[], None]], *input: Tensor):
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        ctx.on_backward = on_backward
         wait_stream(next_stream, prev_stream)
         return tuple(x.detach() for x in input)
 
     @staticmethod
     def backward(ctx, *grad_input: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         wait_stream(ctx.prev_stream, ctx.next_stream)
-        return (None, None) + grad_input
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return (None, None, None) + grad_input

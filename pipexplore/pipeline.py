@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Generator, Iterable, Optional, Sequence, cast
+from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,8 +43,9 @@ def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
     batch[:] = tuple(x if x.is_floating_point() else x.detach() for x in batch)
 
 
-def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
-    batch[:] = Wait.apply(prev_stream, next_stream, *batch)
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
+         on_backward: Optional[Callable[[], None]] = None) -> None:
+    batch[:] = Wait.apply(prev_stream, next_stream, on_backward, *batch)
     batch[:] = tuple(x if x.is_floating_point() else x.detach() for x in batch)
 
 
@@ -53,6 +54,14 @@ def _stream_span(recorder: "_timeline.Recorder", stage: int, device: torch.devic
                  stream: AbstractStream) -> Generator[None, None, None]:
     with use_stream(stream), recorder.span(stage, device, microbatch, phase):
         yield
+
+
+def _open(recorder: "_timeline.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
+    return lambda: recorder.open_backward(stage, microbatch, device)
+
+
+def _close(recorder: "_timeline.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
+    return lambda: recorder.close_backward(stage, microbatch, device)
 
 
 class Pipeline:
@@ -77,6 +86,8 @@ class Pipeline:
     def run(self) -> None:
         m, n = len(self.batches), len(self.partitions)
         skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
+        if self.recorder is not None and torch.is_grad_enabled() and not self.batches[0][0].requires_grad:
+            self.recorder.watch_parameters(0, self.partitions[0])
         with spawn_workers(list(self.devices)) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
                 self.fence(schedule, skip_trackers)
@@ -111,12 +122,15 @@ class Pipeline:
         n = len(partitions)
         streams = [current_stream(d) for d in devices]
 
+        recorder = self.recorder
         for i, j in schedule:
             batch = batches[i]
             if j != 0:
-                wait(batch, copy_streams[j][i], streams[j])
-            if self.recorder is not None:
-                batch[0] = _timeline.mark_backward_end(self.recorder, batch[0], j, i)
+                # Its backward is where the gradient leaves stage j: the end of j's backward.
+                closes = None if recorder is None else _close(recorder, j, i, devices[j])
+                wait(batch, copy_streams[j][i], streams[j], closes)
+            elif recorder is not None:
+                batch[0] = _timeline.mark_backward_end(recorder, batch[0], j, i)
             task = self._task(batch, i, j, streams[j], skip_trackers[i])
             in_queues[j].put(task)
 
@@ -130,11 +144,15 @@ class Pipeline:
                 continue
             task, batch = cast(tuple[Task, Batch], payload)
             if j != n - 1:
-                wait(batch, streams[j], copy_streams[j][i])
+                # Its backward runs once the gradient reached stage j and any recomputation is
+                # done (the recompute node joined below runs first): j's backward starts there.
+                opens = None if recorder is None else _open(recorder, j, i, devices[j])
+                wait(batch, streams[j], copy_streams[j][i], opens)
+            elif recorder is not None:
+                batch[0] = _timeline.mark_backward_start(recorder, batch[0], j, i)
+            # Joined last, the recomputation runs first in backward, overlapping the gradient's copy.
             with use_device(devices[j]):
                 task.finalize(batch)
-                if self.recorder is not None:
-                    batch[0] = _timeline.mark_backward_start(self.recorder, batch[0], j, i)
             batches[i] = batch
 
         if exc_info is not None:

@@ -45,8 +45,30 @@ def _bytes(tensors: list[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
+                         repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of the whole model, run as one chain."""
+    forward_times, backward_times = [], []
+    for _ in range(repeats):
+        with use_skip_tracker(SkipTracker()), torch.enable_grad():
+            _sync(target)
+            t0 = time.perf_counter()
+            output = module(_detach(value))
+            _sync(target)
+            t1 = time.perf_counter()
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            _sync(target)
+            t2 = time.perf_counter()
+        module.zero_grad(set_to_none=True)
+        forward_times.append(t1 - t0)
+        backward_times.append(t2 - t1)
+    return statistics.median(forward_times), statistics.median(backward_times)
+
+
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
-            repeats: int = 5, timeout: Optional[float] = None) -> pd.DataFrame:
+            repeats: int = 5, timeout: Optional[float] = None, calibrate: bool = True) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Returns one row per layer: ``name``, ``type``, ``param_bytes``, ``output_bytes`` (the
@@ -55,6 +77,11 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     seconds for the whole model), ``stash`` and ``pop`` (skip names, comma-separated).
     Skippable layers get the tensors they pop from the layers that stashed them. The module
     keeps its device unless ``device`` is given, in which case it is moved there.
+
+    A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
+    add up to less than a pass through the whole model. With ``calibrate`` (the default) the
+    whole model is also timed, and the forward and backward columns are scaled so that each
+    adds up to it: the relative costs are the layers', the total is the model's.
 
     Example::
 
@@ -77,6 +104,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
 
     value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
     value = _detach(tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target))
+    model_input = value
     skips: dict[Any, Tensor] = {}
     rows = []
     training = module.training
@@ -121,4 +149,11 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         })
         value = _detach(output)
     module.train(training)
-    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    table = pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    if calibrate:
+        whole_forward, whole_backward = _whole_model_seconds(module, model_input, target, repeats)
+        for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
+            total = float(table[column].sum())
+            if total > 0 and whole > 0:
+                table[column] = table[column] * (whole / total)
+    return table

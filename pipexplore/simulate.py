@@ -2,9 +2,10 @@
 
 Each stage gets an ordered list of actions — ``F`` forward, ``B`` backward, ``R`` recompute
 (checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch. Actions
-run on *lanes*: a GPU is one lane for all its stages; each CPU stage has a lane of its own (a
-worker thread), except that the autograd-driven ``GPipe`` runs every CPU backward on the one
-thread that called ``backward()``, so there all CPU backward work shares one lane. An action
+run on *lanes*: a device is one lane for all its stages (the CPU's cores are shared by every CPU
+stage), unless ``cpu_stages_overlap`` gives each CPU stage a lane of its own (layers that leave
+the CPU free); the autograd-driven ``GPipe`` runs every CPU backward on the one thread that called
+``backward()``, so there all CPU backward work shares one lane. An action
 starts when its lane is free and its inputs have arrived (plus the copy between devices)::
 
     stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
@@ -138,6 +139,7 @@ def _copy_seconds(copy_cost: Optional[float], a: str, b: str, nbytes: float) -> 
 def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
              checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
+             cpu_stages_overlap: bool = False, per_microbatch: bool = False,
              run: Union[int, str] = "predicted") -> pd.DataFrame:
     """Predict the timeline of one training step.
 
@@ -145,7 +147,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         layer_table: per-layer costs (``forward``, ``backward`` seconds for the whole mini-batch;
             ``output_bytes``), as :func:`pipexplore.profile` gives.
         splits: layers that begin a stage.
-        chunks: micro-batches; each costs ``1/chunks`` of the profiled mini-batch.
+        chunks: micro-batches; each costs ``1/chunks`` of the profiled mini-batch, unless
+            ``per_microbatch`` says the table was profiled on one micro-batch (more accurate
+            where small batches run less efficiently, as GEMMs on a CPU do).
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
             stage ``s`` on device ``s % (stages / virtual_stages)``) or ``zero-bubble`` (ZB-H1).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
@@ -155,6 +159,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         executor: ``autograd`` (the ``GPipe`` module: CPU backward runs on one thread) or
             ``threads`` (the schedule executor: each stage's backward in its own worker).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
+        cpu_stages_overlap: whether CPU stages run in parallel (a lane each). By default the CPU
+            is one device whose cores every stage shares, as it is for compute-bound layers
+            profiled on all cores; set it for layers that leave the CPU free (sleeps, I/O,
+            waits on other machines) or stages pinned to cores of their own.
 
     Example::
 
@@ -199,7 +207,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         orders = stage_orders(schedule, S, m)
         lane_queues, lanes_of_queue = [], []
         for s, order in enumerate(orders):
-            lane = stage_device[s] if stage_device[s].startswith("cuda") else f"cpu-stage{s}"
+            lane = f"cpu-stage{s}" if cpu_stages_overlap and stage_device[s] == "cpu" else stage_device[s]
             if executor == "autograd" and not stage_device[s].startswith("cuda"):
                 lane_queues.append([(s, k, i) for k, i in order if k == "F"])
                 lanes_of_queue.append(lane)
@@ -212,7 +220,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                             if not stage_device[s].startswith("cuda")]
             if cpu_backward:
                 lane_queues.append(cpu_backward)
-                lanes_of_queue.append("cpu-autograd")
+                lanes_of_queue.append("cpu-autograd" if cpu_stages_overlap else "cpu")
 
     # Expand recompute (before B or I of checkpointed micro-batches).
     expanded = []
@@ -225,11 +233,12 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         expanded.append(out)
     lane_queues = expanded
 
-    fwd = costs["forward"].to_numpy() / m
-    bwd = costs["backward"].to_numpy() / m
+    scale = 1 if per_microbatch else m
+    fwd = costs["forward"].to_numpy() / scale
+    bwd = costs["backward"].to_numpy() / scale
     duration = {"F": fwd, "R": fwd, "B": bwd, "I": bwd / 2, "W": bwd / 2}
     out_bytes = costs["activation_bytes"].to_numpy()
-    edge_bytes = [float(layer_table["output_bytes"].iloc[b]) / m if "output_bytes" in layer_table else 0.0
+    edge_bytes = [float(layer_table["output_bytes"].iloc[b]) / scale if "output_bytes" in layer_table else 0.0
                   for b in costs["last_layer"]]
     copy_in = [_copy_seconds(copy_cost, stage_device[s - 1], stage_device[s], edge_bytes[s - 1]) if s else 0.0
                for s in range(S)]
@@ -289,16 +298,16 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             rows.append((run, s, stage_device[s], i, "copy", done, done + copy_in[s], "predicted"))
 
     frame = pd.DataFrame(rows, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
-    frame.attrs["memory"] = _activation_memory(frame, costs, m, stop)
+    frame.attrs["memory"] = _activation_memory(frame, costs, scale, stop)
     frame.attrs["peak_memory"] = {}
     return frame
 
 
-def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, m: int, stop: int) -> pd.DataFrame:
+def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, scale: int, stop: int) -> pd.DataFrame:
     """Activation bytes each stage holds over time: a forward keeps its activations (only its input
     when checkpointed), a recompute brings them back, the backward (input-grad) frees them."""
-    act = costs["activation_bytes"].to_numpy() / m
-    inp = costs["input_bytes"].to_numpy() / m
+    act = costs["activation_bytes"].to_numpy() / scale
+    inp = costs["input_bytes"].to_numpy() / scale
     records = []
     for row in frame.itertuples(index=False):
         s, i = row.stage, row.microbatch

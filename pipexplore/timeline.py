@@ -63,6 +63,9 @@ class Recorder:
         self.run = run
         self._spans: list[tuple[int, torch.device, int, str, Mark, Mark]] = []
         self._open: dict[tuple[int, int], tuple[torch.device, Mark]] = {}
+        self._latest_open: dict[int, int] = {}
+        self._touched: dict[tuple[int, int], Mark] = {}
+        self._handles: list[Any] = []
         self._lock = threading.Lock()
         self._origin_ns = 0
         self._cuda_origins: dict[int, tuple["torch.cuda.Event", int]] = {}
@@ -89,6 +92,27 @@ class Recorder:
     def open_backward(self, stage: int, microbatch: int, device: torch.device) -> None:
         with self._lock:
             self._open[(stage, microbatch)] = (device, self.mark(device))
+            self._latest_open[stage] = microbatch
+
+    def touch_backward(self, stage: int, device: torch.device) -> None:
+        """Note backward work of ``stage`` now: the open span of its latest micro-batch ends no earlier."""
+        with self._lock:
+            microbatch = self._latest_open.get(stage)
+            if microbatch is not None and (stage, microbatch) in self._open:
+                self._touched[(stage, microbatch)] = self.mark(device)
+
+    def watch_parameters(self, stage: int, module: torch.nn.Module) -> None:
+        """End ``stage``'s backward spans at its parameters' last gradient accumulation.
+
+        For a stage whose input needs no gradient (the first), nothing marks the end of its
+        backward; its weights' gradients are the last thing it computes. Hooks go at the end
+        of the ``record()`` block.
+        """
+        for param in module.parameters():
+            if param.requires_grad:
+                device = param.device
+                self._handles.append(param.register_post_accumulate_grad_hook(
+                    lambda _p, device=device: self.touch_backward(stage, device)))
 
     def close_backward(self, stage: int, microbatch: int, device: torch.device) -> None:
         end = self.mark(device)
@@ -111,6 +135,13 @@ class Recorder:
                 self._cuda_origins[index] = (event, time.perf_counter_ns())
 
     def finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for key, end in self._touched.items():
+            opened = self._open.pop(key, None)
+            if opened is not None:
+                self.add(key[0], opened[0], key[1], "backward", opened[1], end)
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
@@ -308,13 +339,11 @@ class _BackwardMark(torch.autograd.Function):
 def mark_backward_end(recorder: Recorder, input: torch.Tensor, stage: int, microbatch: int) -> torch.Tensor:
     """At a stage's input: its backward ends when the gradient reaches here.
 
-    A floating input that does not require grad (the first stage's) is made to, so that the
-    mark sits exactly at the end of the stage's backward.
+    An input that needs no gradient (the first stage's) gets no mark: there the span ends at
+    the stage's last gradient accumulation (:meth:`Recorder.watch_parameters`).
     """
-    if not torch.is_grad_enabled() or not input.is_floating_point():
+    if not torch.is_grad_enabled() or not input.requires_grad:
         return input
-    if not input.requires_grad:
-        input = input.detach().requires_grad_()
     return _BackwardMark.apply(input, recorder, stage, microbatch, False)  # type: ignore[no-any-return]
 
 

@@ -19,7 +19,8 @@ CASES = [(2, 4), (3, 6), (4, 4), (4, 8), (4, 16)]
 @pytest.mark.parametrize("p,m", CASES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpipe_and_1f1b_bubble_is_analytic(schedule, p, m):
-    t = simulate(uniform(p), list(range(1, p)), chunks=m, schedule=schedule, checkpoint="never", executor="threads")
+    t = simulate(uniform(p), list(range(1, p)), chunks=m, schedule=schedule, checkpoint="never", executor="threads",
+                 cpu_stages_overlap=True)
     assert bubble_fraction(t) == pytest.approx((p - 1) / (m + p - 1))
     assert step_time(t) == pytest.approx((m + p - 1) * 3 / m)  # (F + B) per micro-batch = 3/m
 
@@ -27,7 +28,8 @@ def test_gpipe_and_1f1b_bubble_is_analytic(schedule, p, m):
 @pytest.mark.parametrize("p,m", CASES)
 def test_zero_bubble_h1_bubble_is_analytic(p, m):
     # F = 1, I = W = 1 (per micro-batch, ×1/m): ZB-H1 idles (p-1)(F + I - W) per stage.
-    t = simulate(uniform(p), list(range(1, p)), chunks=m, schedule="zero-bubble", checkpoint="never")
+    t = simulate(uniform(p), list(range(1, p)), chunks=m, schedule="zero-bubble", checkpoint="never",
+                 cpu_stages_overlap=True)
     assert bubble_fraction(t) == pytest.approx((p - 1) / (3 * m + p - 1))
     assert set(t["phase"]) == {"forward", "input_grad", "weight_grad"}
 
@@ -79,13 +81,17 @@ def test_recompute_only_for_checkpointed_micro_batches():
 
 
 def test_autograd_gpipe_runs_cpu_backward_serially():
-    t = simulate(uniform(3), [1, 2], chunks=4, checkpoint="never")  # CPU stages, GPipe module
+    t = simulate(uniform(3), [1, 2], chunks=4, checkpoint="never", cpu_stages_overlap=True)  # GPipe module
     b = t[t.phase == "backward"].sort_values("start")
     assert (b["start"].to_numpy()[1:] >= b["end"].to_numpy()[:-1] - 1e-12).all()
     # Micro-batch-major, last first, as one backward() call runs it.
     assert list(zip(b["microbatch"], b["stage"]))[:4] == [(3, 2), (3, 1), (3, 0), (2, 2)]
-    threads = simulate(uniform(3), [1, 2], chunks=4, checkpoint="never", executor="threads")
+    threads = simulate(uniform(3), [1, 2], chunks=4, checkpoint="never", executor="threads", cpu_stages_overlap=True)
     assert step_time(threads) < step_time(t)
+    # Compute-bound CPU stages share the cores: no overlap at all, the step is the sum of the work.
+    shared = simulate(uniform(3), [1, 2], chunks=4, checkpoint="never")
+    assert step_time(shared) == pytest.approx(3 * (1 + 2))
+    assert bubble_fraction(shared, by="device") == pytest.approx(0.0)
 
 
 def test_moving_one_split_changes_only_its_two_stages():
@@ -105,7 +111,8 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
     table = uniform(4)
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        t = simulate(table, [1, 2, 3], chunks=8, schedule=schedule, checkpoint="never", executor="threads")
+        t = simulate(table, [1, 2, 3], chunks=8, schedule=schedule, checkpoint="never", executor="threads",
+                     cpu_stages_overlap=True)
         memory = t.attrs["memory"]
         peaks[schedule] = memory.groupby("stage")["bytes"].max()
         assert memory.groupby("stage")["bytes"].last().abs().max() < 1e-6  # all freed at the end

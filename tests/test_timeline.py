@@ -116,7 +116,7 @@ def test_measured_forward_bubble_and_predicted_step_time_match_theory():
     assert abs(bubble_fraction(measured, phases=["forward"]) - theory) <= 0.02
     # Per-layer costs for the whole mini-batch: m micro-batches of fwd/bwd seconds each.
     table = pd.DataFrame({"forward": [fwd * m] * p, "backward": [bwd * m] * p, "output_bytes": [0] * p})
-    predicted = simulate(table, list(range(1, p)), chunks=m, checkpoint="never")
+    predicted = simulate(table, list(range(1, p)), chunks=m, checkpoint="never", cpu_stages_overlap=True)
     assert step_time(predicted) == pytest.approx(step_time(measured), rel=0.10)
     # CPU backward through one backward() call runs serially: p*m backward spans, none overlapping.
     b = measured[measured.phase == "backward"].sort_values("start")
