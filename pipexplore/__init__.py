@@ -14,8 +14,29 @@ from pipexplore.timeline import record
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # the widgets import ipywidgets and plotly only when asked for
+    if name in ("explore", "Explorer"):
+        from pipexplore.widgets import explorer
+
+        return getattr(explorer, name)
+    raise AttributeError(f"module 'pipexplore' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
+    """``%load_ext pipexplore``: registers the ``%pipexplore`` magic."""
+    from pipexplore.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
+    from pipexplore.magics import unload_ipython_extension as unload
+
+    unload(ipython)
+
 __all__ = [
     "GPipe", "BalanceError", "SplitError", "is_checkpointing", "is_recomputing",
     "record", "profile", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",
-    "__version__",
+    "explore", "Explorer", "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]

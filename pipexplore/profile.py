@@ -15,7 +15,13 @@ from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["profile", "LAYER_COLUMNS"]
 
-LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop"]
+LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
+                 "stash_keys", "pop_keys"]
+
+
+def _keys(pairs: Any) -> str:
+    """Skip names qualified by namespace (``name@id``), so that isolated names pair up right."""
+    return ",".join(f"{name}@{'' if ns is None else ns.id.hex[:12]}" for ns, name in pairs)
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -74,7 +80,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     Returns one row per layer: ``name``, ``type``, ``param_bytes``, ``output_bytes`` (the
     layer's outputs and the skip tensors it stashes, for the whole ``sample``), ``forward`` and
     ``backward`` seconds (medians over ``repeats``, or as many repeats as fit in ``timeout``
-    seconds for the whole model), ``stash`` and ``pop`` (skip names, comma-separated).
+    seconds for the whole model), ``stash`` and ``pop`` (skip names, comma-separated) and
+    ``stash_keys``/``pop_keys`` (the same, qualified by namespace: ``name@id``).
     Skippable layers get the tensors they pop from the layers that stashed them. The module
     keeps its device unless ``device`` is given, in which case it is moved there.
 
@@ -146,6 +153,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             "backward": statistics.median(backward_times),
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
+            "stash_keys": _keys(layer.stashable()) if isinstance(layer, Skippable) else "",
+            "pop_keys": _keys(layer.poppable()) if isinstance(layer, Skippable) else "",
         })
         value = _detach(output)
     module.train(training)

@@ -102,6 +102,7 @@ def test_profile_table():
     model = unet_model(width=6)
     table = profile(model, torch.randn(32, 6), repeats=3)
     assert list(table.columns) == LAYER_COLUMNS
+    assert table["stash_keys"][1].startswith("skip@") and table["stash_keys"][1] != table["stash_keys"][3]
     assert table["name"].tolist() == [str(k) for k in range(9)]
     assert table["type"].tolist()[:2] == ["Linear", "StashLinear"]
     assert (table["param_bytes"] == (6 * 6 + 6) * 4).all()

@@ -1,0 +1,189 @@
+"""Plan: a layer table plus the choices a user makes (splits, devices, chunks, checkpoint, schedule).
+
+Immutable: every change gives a new Plan. From a Plan follow its stages (cost, memory), the
+skip routes that cross stages, its predicted timeline, and the code that reproduces it::
+
+    plan = Plan(table, splits=[4], devices=("cpu", "cpu"), chunks=8)
+    plan.balance                   # [4, n - 4]
+    plan.with_splits([5]).stages   # per-stage forward/backward/bytes
+    print(plan.to_code())          # GPipe(model, balance=[...], ...)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from pipexplore.simulate import SCHEDULES, simulate, stage_costs
+from pipexplore.splits import SplitError, check_splits, splits_to_balance
+
+__all__ = ["Plan", "SkipRoute", "skip_routes"]
+
+CHECKPOINTS = ("always", "except_last", "never")
+
+
+@dataclass(frozen=True)
+class SkipRoute:
+    """A skip tensor from the layer that stashes it to the layer that pops it."""
+
+    name: str
+    stash_layer: int
+    pop_layer: int
+    stash_stage: int
+    pop_stage: int
+
+    @property
+    def crosses(self) -> bool:
+        """Whether it crosses stages (and so costs a copy through a portal)."""
+        return self.stash_stage != self.pop_stage
+
+
+def _stage_of(layer: int, splits: Sequence[int]) -> int:
+    return sum(1 for s in splits if s <= layer)
+
+
+def skip_routes(layer_table: pd.DataFrame, splits: Sequence[int]) -> list[SkipRoute]:
+    """Pair each stash with the pop of the same (namespaced) name, as ``verify_skippables`` does."""
+    stash_col = "stash_keys" if "stash_keys" in layer_table else "stash"
+    pop_col = "pop_keys" if "pop_keys" in layer_table else "pop"
+    empty = [""] * len(layer_table)
+    pending: dict[str, list[int]] = {}
+    routes = []
+    for index, (stash, pop) in enumerate(zip(layer_table.get(stash_col, empty), layer_table.get(pop_col, empty))):
+        for key in filter(None, str(pop or "").split(",")):
+            if pending.get(key):
+                start = pending[key].pop()
+                routes.append(SkipRoute(key.split("@")[0], start, index, _stage_of(start, splits),
+                                        _stage_of(index, splits)))
+        for key in filter(None, str(stash or "").split(",")):
+            pending.setdefault(key, []).append(index)
+    return sorted(routes, key=lambda r: (r.stash_layer, r.pop_layer))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run a model as a pipeline. Validated on construction; change it with ``with_*``."""
+
+    layer_table: pd.DataFrame = field(repr=False, compare=False)
+    splits: tuple[int, ...] = ()
+    devices: tuple[str, ...] = ()
+    chunks: int = 1
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    virtual_stages: int = 2
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_table)
+        if n == 0:
+            raise ValueError("a plan needs at least one layer")
+        object.__setattr__(self, "splits", tuple(check_splits(list(self.splits), n)))
+        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices) or ("cpu",) * self.num_stages)
+        if isinstance(self.chunks, bool) or int(self.chunks) != self.chunks or self.chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {self.checkpoint!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        needed = self.num_devices
+        if len(self.devices) < needed:
+            raise SplitError(f"{self.num_stages} stages need {needed} devices but {len(self.devices)} are chosen "
+                             f"({', '.join(self.devices)}): add devices or remove split points")
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_table)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.splits) + 1
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan runs on: one per stage, or stages / virtual_stages for interleaved."""
+        if self.schedule == "interleaved":
+            return max(1, self.num_stages // self.virtual_stages)
+        return self.num_stages
+
+    @property
+    def stage_devices(self) -> list[str]:
+        """The device of each stage."""
+        p = self.num_devices
+        return [self.devices[s % p] for s in range(self.num_stages)]
+
+    @property
+    def balance(self) -> list[int]:
+        return splits_to_balance(list(self.splits), self.num_layers)
+
+    @cached_property
+    def stages(self) -> pd.DataFrame:
+        """Per-stage forward, backward, parameter and activation bytes, with its device."""
+        costs = stage_costs(self.layer_table, list(self.splits))
+        costs["device"] = self.stage_devices
+        return costs
+
+    @cached_property
+    def skip_routes(self) -> list[SkipRoute]:
+        return skip_routes(self.layer_table, self.splits)
+
+    def predict(self, **kwargs: object) -> pd.DataFrame:
+        """The predicted timeline of one step (see :func:`pipexplore.simulate`)."""
+        options: dict = dict(chunks=self.chunks, schedule=self.schedule, checkpoint=self.checkpoint,
+                             devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
+        options.update(kwargs)
+        return simulate(self.layer_table, list(self.splits), **options)
+
+    # -- changes ------------------------------------------------------------------------
+    def with_splits(self, splits: Sequence[int]) -> "Plan":
+        return replace(self, splits=tuple(splits))
+
+    def with_balance(self, balance: Sequence[int]) -> "Plan":
+        from pipexplore.splits import balance_to_splits
+
+        if sum(balance) != self.num_layers:
+            raise SplitError(f"balance {list(balance)} sums to {sum(balance)} but the model has {self.num_layers} layers")
+        return self.with_splits(balance_to_splits(balance))
+
+    def with_options(self, **changes: object) -> "Plan":
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    # -- export -------------------------------------------------------------------------
+    def split_spec(self) -> dict[str, str]:
+        """``{layer name: 'BEGINNING'}`` for every split point (``torch.distributed.pipelining``)."""
+        names = [str(n) for n in self.layer_table["name"]]
+        return {names[s]: "BEGINNING" for s in self.splits}
+
+    def to_code(self, kind: str = "gpipe") -> str:
+        """Code that reproduces this plan, given ``model`` (the ``nn.Sequential``) and ``sample``.
+
+        ``gpipe``: a ``pipexplore.GPipe``; ``pipelining``: a ``torch.distributed.pipelining``
+        split of the same layers with the matching schedule class, for one process per stage.
+        """
+        if kind == "gpipe":
+            devices = ", ".join(repr(d) for d in self.devices[: self.num_stages])
+            return (
+                "from pipexplore import GPipe\n\n"
+                f"# model: the nn.Sequential of {self.num_layers} layers that was explored\n"
+                f"pipe = GPipe(model, balance={self.balance}, devices=[{devices}],\n"
+                f"             chunks={self.chunks}, checkpoint={self.checkpoint!r})\n"
+            )
+        if kind == "pipelining":
+            schedule_class = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                              "interleaved": "ScheduleInterleaved1F1B",
+                              "zero-bubble": "ScheduleInterleavedZeroBubble"}[self.schedule]
+            spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
+            return (
+                "import torch\n"
+                f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n\n"
+                f"# model: the nn.Sequential of {self.num_layers} layers; sample: one mini-batch\n"
+                f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}\n"
+            ) + (
+                f"chunks = {self.chunks}\n"
+                "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
+                f"# Under torchrun, rank r builds its stage and runs the schedule:\n"
+                f"#   stage = pipe.build_stage(rank, device)\n"
+                f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n"
+            )
+        raise ValueError(f"unknown export kind {kind!r}: 'gpipe' or 'pipelining'")

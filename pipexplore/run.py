@@ -1,0 +1,107 @@
+"""Run one real training step of a Plan and measure it."""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from pipexplore import timeline as tl
+from pipexplore.gpipe import GPipe
+from pipexplore.microbatch import TensorOrTensors
+from pipexplore.plan import Plan
+
+__all__ = ["RunResult", "run_step", "synthetic_loss"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """Mean of the squared outputs: a loss for timing when the model has no real one."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    return sum(o.float().pow(2).mean() for o in outputs if torch.is_tensor(o) and o.is_floating_point())  # type: ignore[return-value]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
+
+
+def _batch_size(sample: TensorOrTensors) -> int:
+    return int((sample if torch.is_tensor(sample) else sample[0]).size(0))
+
+
+@dataclass
+class RunResult:
+    """A measured step: its timeline, loss and metrics (one row of the runs table)."""
+
+    plan: Plan
+    timeline: pd.DataFrame
+    loss: float
+    predicted: pd.DataFrame
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "splits": list(self.plan.splits), "chunks": self.plan.chunks, "checkpoint": self.plan.checkpoint,
+            "schedule": self.plan.schedule, "devices": ",".join(self.plan.devices[: self.plan.num_devices]),
+            **self.metrics,
+        }
+
+
+def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, target: Any = None,
+             loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
+             warmup: int = 1, run: Any = 0) -> RunResult:
+    """Train a copy of ``model`` for ``warmup`` + 1 steps as ``plan`` says; measure the last.
+
+    The user's model is never changed: the step runs on a deep copy placed on the plan's
+    devices. ``loss_fn(output, target)`` defines the loss (default: :func:`synthetic_loss`);
+    ``optimizer(parameters)`` makes the optimizer (default: SGD, lr=0.01).
+    """
+    if plan.schedule != "gpipe":
+        raise NotImplementedError(
+            f"running the {plan.schedule!r} schedule needs the schedule executor; "
+            "the GPipe module runs 'gpipe' (choose it to run a step, or predict the others)")
+    pipe = GPipe(copy.deepcopy(model), plan.balance, devices=list(plan.devices[: plan.num_stages]),
+                 chunks=plan.chunks, checkpoint=plan.checkpoint)
+    pipe.train()
+    loss_fn = loss_fn or synthetic_loss
+    opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(pipe.parameters())
+    x = _to(sample, pipe.devices[0])
+    y = _to(target, pipe.devices[-1])
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(pipe(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    with tl.record(run=run) as rec:
+        loss = step()
+    measured = rec.timeline
+    predicted = plan.predict()
+    step_seconds = tl.step_time(measured)
+    predicted_seconds = tl.step_time(predicted)
+    peak = measured.attrs.get("peak_memory", {})
+    used = {str(d) for d in pipe.devices}
+    metrics = {
+        "step_time": step_seconds,
+        "bubble": tl.bubble_fraction(measured),
+        "throughput": tl.throughput(measured, _batch_size(sample)),
+        "peak_memory": max((v for d, v in peak.items() if d in used), default=math.nan),
+        "predicted_step_time": predicted_seconds,
+        "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
+        "loss": float(loss.detach()),
+    }
+    return RunResult(plan, measured, float(loss.detach()), predicted, metrics)

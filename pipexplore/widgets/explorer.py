@@ -1,0 +1,418 @@
+"""The Explorer: one Plan, its prediction, real runs, and export, in one widget.
+
+It holds no pipeline logic of its own: profiles come from :func:`pipexplore.profile`, splits
+are checked by :class:`~pipexplore.plan.Plan`, predictions come from :func:`pipexplore.simulate`
+and runs from :func:`pipexplore.run.run_step`.
+"""
+from __future__ import annotations
+
+import copy
+import html
+import math
+import threading
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import ipywidgets as W
+import pandas as pd
+import torch
+from torch import nn
+
+from pipexplore.balance import optimal_splits
+from pipexplore.gpipe import _as_device
+from pipexplore.microbatch import TensorOrTensors
+from pipexplore.plan import Plan
+from pipexplore.profile import profile
+from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
+from pipexplore.simulate import SCHEDULES
+from pipexplore.skip.skippable import verify_skippables
+from pipexplore.splits import SplitError
+from pipexplore.widgets.plots import summary, timeline_figure, update_timeline_figure
+from pipexplore.widgets.splitbar import SplitBar
+
+__all__ = ["Explorer", "explore", "RUN_COLUMNS"]
+
+RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time", "bubble",
+               "throughput", "peak_memory", "predicted_step_time", "prediction_error", "loss"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _default_devices(stages: int) -> tuple[list[str], str]:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [f"cuda:{k % count}" for k in range(stages)], ""
+    return ["cpu"] * stages, "No GPU found: the stages run on CPU devices (one worker thread each)."
+
+
+def _batch_size(sample: TensorOrTensors) -> int:
+    return int((sample if torch.is_tensor(sample) else sample[0]).size(0))
+
+
+class Explorer:
+    """See and tune the pipeline split of an ``nn.Sequential``.
+
+    Example::
+
+        explorer = pipexplore.explore(model, sample, chunks=8)
+        explorer.splits = [4, 9]            # or drag the handles
+        explorer.run()                      # a real step; a row in explorer.runs
+        print(explorer.export("gpipe"))
+    """
+
+    def __init__(self, model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None,
+                 loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
+                 devices: Optional[Sequence[str]] = None, chunks: int = 4, checkpoint: str = "except_last",
+                 schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
+                 layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3) -> None:
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(f"the explorer needs an nn.Sequential, got {type(model).__name__}; "
+                            "wrap the layers in nn.Sequential")
+        if len(model) == 0:
+            raise ValueError("the model has no layers to split")
+        verify_skippables(model)
+        self.model = model
+        self.sample = sample
+        self.target = target
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.notes: list[str] = []
+        if loss_fn is None:
+            self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
+        self.layer_table = layer_table if layer_table is not None else profile(
+            copy.deepcopy(model), sample, repeats=profile_repeats)
+        n = len(self.layer_table)
+        if splits is None:
+            stages = min(n, len(devices) if devices else (max(2, torch.cuda.device_count())))
+            splits = self._balanced(stages, "time")
+        stages = len(splits) + 1
+        if devices is None:
+            devices, note = _default_devices(stages)
+            if note:
+                self.notes.append(note)
+        for device in devices:
+            _as_device(device)  # a device that does not exist is refused here, clearly
+        self._plan = Plan(self.layer_table, tuple(splits), tuple(devices), chunks, checkpoint, schedule)
+        self._runs: list[dict[str, Any]] = []
+        self._results: list[RunResult] = []
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.last_error = ""
+        self._build_widget()
+
+    # ---- the plan ---------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def splits(self) -> list[int]:
+        return list(self._plan.splits)
+
+    @splits.setter
+    def splits(self, value: Sequence[int]) -> None:
+        self._set_plan(self._plan.with_splits(self._fit_devices(list(value))))
+
+    def update(self, **changes: Any) -> Plan:
+        """Change ``chunks``, ``checkpoint``, ``schedule``, ``devices`` or ``splits``; checked first.
+
+        A bad value raises with a clear message and the plan stays as it was.
+        """
+        if "devices" in changes:
+            devices = [str(d).strip() for d in changes["devices"] if str(d).strip()]
+            for device in devices:
+                _as_device(device)
+            changes["devices"] = tuple(devices)
+        if "splits" in changes:
+            changes["splits"] = tuple(changes["splits"])
+        self._set_plan(self._plan.with_options(**changes))
+        return self._plan
+
+    def _fit_devices(self, splits: list[int]) -> list[int]:
+        needed = len(splits) + 1
+        have = len(self._plan.devices)
+        if needed > have and all(d == "cpu" for d in self._plan.devices):
+            self._plan = self._plan.with_options(devices=("cpu",) * needed)
+        return splits
+
+    def _set_plan(self, plan: Plan) -> None:
+        plan.predict()  # a plan that cannot be predicted is refused before it replaces the old one
+        self._plan = plan
+        self._refresh()
+
+    def _balanced(self, stages: int, by: str) -> list[int]:
+        if by == "time":
+            costs = (self.layer_table["forward"] + self.layer_table["backward"]).tolist()
+        else:
+            costs = (self.layer_table["output_bytes"] + 2.0 * self.layer_table["param_bytes"]).tolist()
+        return optimal_splits(costs, stages)
+
+    def balance(self, by: str = "time") -> list[int]:
+        """Set the splits that minimise the most expensive stage (``by`` ``'time'`` or ``'size'``)."""
+        if by not in ("time", "size"):
+            raise ValueError(f"balance by 'time' or 'size', not {by!r}")
+        self.splits = self._balanced(self._plan.num_stages, by)
+        return self.splits
+
+    # ---- timelines and runs -----------------------------------------------------------
+    def timeline(self, kind: str = "predicted") -> pd.DataFrame:
+        """``'predicted'``: the current plan's; ``'measured'``: the latest run's."""
+        if kind == "predicted":
+            return self._plan.predict()
+        if kind == "measured":
+            if not self._results:
+                raise LookupError("no run yet: call explorer.run() or press 'Run step'")
+            return self._results[-1].timeline
+        raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+
+    @property
+    def runs(self) -> pd.DataFrame:
+        """One row per run: the plan, what was measured, and the prediction's error."""
+        return pd.DataFrame(self._runs, columns=RUN_COLUMNS)
+
+    def run(self, executor: str = "threads") -> pd.Series:
+        """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
+
+        ``executor``: ``'threads'`` runs it in this process. Errors (a bad device, out of
+        memory, a layer that raises) propagate; the plan and earlier runs are kept.
+        """
+        if executor not in ("threads",):
+            raise ValueError(f"unknown executor {executor!r}: this version runs 'threads' (in this process)")
+        with self._lock:
+            plan = self._plan
+            result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
+                              optimizer=self.optimizer, run=len(self._runs))
+            row = {"run": len(self._runs), "executor": executor, **result.row()}
+            self._runs.append(row)
+            self._results.append(result)
+        self._refresh_runs()
+        return pd.Series(row)
+
+    def run_async(self) -> threading.Thread:
+        """Start :meth:`run` in a background thread (what the button does); returns the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("a run is already in progress")
+        self._set_status("running a training step…", busy=True)
+        self._thread = threading.Thread(target=self._run_in_background, name="pipexplore-run", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def _run_in_background(self) -> None:
+        try:
+            row = self.run()
+            self._set_status(f"run {row['run']}: step {row['step_time'] * 1e3:.1f} ms, "
+                             f"bubble {row['bubble'] * 100:.1f} %, loss {row['loss']:.4f}")
+        except BaseException as exc:  # shown in the widget; the plan and the runs stay
+            self._show_error(exc)
+        finally:
+            self.w_run.disabled = False
+
+    def export(self, kind: str = "gpipe") -> str:
+        """Code that reproduces the current split: ``'gpipe'`` or ``'pipelining'``."""
+        return self._plan.to_code(kind)
+
+    # ---- the widget ---------------------------------------------------------------------
+    def _build_widget(self) -> None:
+        plan = self._plan
+        self.bar = SplitBar(layers=self._layer_dicts(), splits=list(plan.splits), skips=self._skip_dicts(),
+                            view="time", stage_totals=self._stage_totals("time"))
+        self.bar.observe(self._on_bar_splits, names="splits")
+        self.w_chunks = W.BoundedIntText(value=plan.chunks, min=1, max=4096, description="chunks",
+                                         layout=W.Layout(width="150px"))
+        self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
+                                       description="checkpoint", layout=W.Layout(width="230px"))
+        self.w_schedule = W.Dropdown(options=list(SCHEDULES), value=plan.schedule, description="schedule",
+                                     layout=W.Layout(width="220px"))
+        self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
+                                layout=W.Layout(width="320px"))
+        self.w_view = W.ToggleButtons(options=[("time", "time"), ("parameters", "params"), ("activations", "memory")],
+                                      value="time", description="cost", style={"button_width": "90px"})
+        self.w_balance_time = W.Button(description="Balance by time", icon="balance-scale")
+        self.w_balance_size = W.Button(description="Balance by size", icon="balance-scale")
+        self.w_run = W.Button(description="Run step", button_style="primary", icon="play")
+        self.w_export_kind = W.Dropdown(options=[("GPipe", "gpipe"), ("torch pipelining", "pipelining")],
+                                        value="gpipe", layout=W.Layout(width="170px"))
+        self.w_export = W.Button(description="Export", icon="code")
+        self.w_status = W.HTML(self._notes_html())
+        self.w_stages = W.HTML()
+        self.w_runs = W.HTML()
+        self.w_code = W.HTML()
+        self.figure = timeline_figure(plan.predict(), None, _batch_size(self.sample))
+
+        for control, name in ((self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
+                              (self.w_schedule, "schedule"), (self.w_devices, "devices")):
+            control.observe(self._on_control(name), names="value")
+        self.w_view.observe(lambda change: self._refresh_bar(), names="value")
+        self.w_balance_time.on_click(lambda _: self._guard(lambda: self.balance("time")))
+        self.w_balance_size.on_click(lambda _: self._guard(lambda: self.balance("size")))
+        self.w_run.on_click(self._on_run_clicked)
+        self.w_export.on_click(lambda _: self._show_code(self.export(self.w_export_kind.value)))
+
+        self.widget = W.VBox([
+            W.HTML(f"<b>pipexplore</b> · {len(self.layer_table)} layers · batch {_batch_size(self.sample)}"),
+            W.HBox([self.w_chunks, self.w_checkpoint, self.w_schedule, self.w_devices]),
+            W.HBox([self.w_view, self.w_balance_time, self.w_balance_size]),
+            self.bar, self.w_stages, self.figure,
+            W.HBox([self.w_run, self.w_export_kind, self.w_export]),
+            self.w_status, self.w_runs, self.w_code,
+        ])
+        self.widget.add_class("pipexplore-explorer")
+        self._refresh_stages()
+        self._refresh_runs()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _layer_dicts(self) -> list[dict[str, Any]]:
+        rows = []
+        for row in self.layer_table.itertuples(index=False):
+            time = float(row.forward + row.backward)
+            rows.append({"name": str(row.name), "type": str(row.type), "time": time,
+                         "params": float(row.param_bytes), "memory": float(row.output_bytes),
+                         "label": f"{time * 1e3:.3f} ms · params {_fmt_bytes(row.param_bytes)} · "
+                                  f"activations {_fmt_bytes(row.output_bytes)}"})
+        return rows
+
+    def _skip_dicts(self) -> list[dict[str, Any]]:
+        return [{"name": r.name, "from": r.stash_layer, "to": r.pop_layer} for r in self._plan.skip_routes]
+
+    def _stage_totals(self, view: str) -> list[str]:
+        stages = self._plan.stages
+        if view == "params":
+            return [f"{_fmt_bytes(v)} params" for v in stages["param_bytes"]]
+        if view == "memory":
+            return [f"{_fmt_bytes(v)} act." for v in stages["activation_bytes"]]
+        return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
+
+    def _notes_html(self) -> str:
+        return "".join(f"<div class='pipexplore-note'>{html.escape(n)}</div>" for n in self.notes)
+
+    def _refresh(self) -> None:
+        if not hasattr(self, "bar"):
+            return
+        self._refresh_bar()
+        self._refresh_stages()
+        update_timeline_figure(self.figure, self._plan.predict(), None, _batch_size(self.sample), rows=(1,))
+
+    def _refresh_bar(self) -> None:
+        with self.bar.hold_sync():
+            self.bar.splits = list(self._plan.splits)
+            self.bar.view = self.w_view.value
+            self.bar.stage_totals = self._stage_totals(self.w_view.value)
+            self.bar.error = self.last_error
+
+    def _refresh_stages(self) -> None:
+        stages = self._plan.stages
+        crossing = [r for r in self._plan.skip_routes if r.crosses]
+        rows = "".join(
+            f"<tr><td>{s.stage}</td><td>{s.device}</td><td>{s.first_layer}–{s.last_layer}</td>"
+            f"<td>{(s.forward + s.backward) * 1e3:.2f} ms</td><td>{_fmt_bytes(s.param_bytes)}</td>"
+            f"<td>{_fmt_bytes(s.activation_bytes)}</td></tr>" for s in stages.itertuples())
+        skips = (f"{len(crossing)} of {len(self._plan.skip_routes)} skip routes cross stages (copied)"
+                 if self._plan.skip_routes else "no skip routes")
+        self.w_stages.value = (
+            "<table class='pipexplore-stages'><tr><th>stage</th><th>device</th><th>layers</th>"
+            "<th>fwd+bwd</th><th>params</th><th>activations</th></tr>" + rows + f"</table><div>{skips}</div>")
+
+    def _refresh_runs(self) -> None:
+        if not hasattr(self, "w_runs"):
+            return
+        runs = self.runs
+        if runs.empty:
+            self.w_runs.value = "<div class='pipexplore-runs'>no runs yet</div>"
+            return
+        shown = runs.assign(
+            step_time=(runs["step_time"] * 1e3).round(2), predicted_step_time=(runs["predicted_step_time"] * 1e3).round(2),
+            bubble=(runs["bubble"] * 100).round(1), prediction_error=(runs["prediction_error"] * 100).round(1),
+            throughput=runs["throughput"].round(1), loss=runs["loss"].round(5),
+            peak_memory=[("" if math.isnan(v) else _fmt_bytes(v)) for v in runs["peak_memory"]],
+        ).rename(columns={"step_time": "step ms", "predicted_step_time": "predicted ms", "bubble": "bubble %",
+                          "prediction_error": "error %"})
+        self.w_runs.value = "<div class='pipexplore-runs'>" + shown.to_html(index=False) + "</div>"
+        if self._results:
+            update_timeline_figure(self.figure, None, self._results[-1].timeline, _batch_size(self.sample), rows=(2,))
+
+    def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:
+        color = "#b00020" if error else "#333"
+        prefix = "⏳ " if busy else ""
+        self.w_status.value = self._notes_html() + (
+            f"<div class='pipexplore-status' style='color:{color}'>{prefix}{html.escape(text)}</div>")
+
+    def _show_error(self, exc: BaseException) -> None:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            text = (f"out of memory: {exc}. Try more chunks, checkpoint='always', or more stages; "
+                    "the plan and earlier runs are kept")
+            torch.cuda.empty_cache()
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        self.last_error = text
+        self._set_status(text, error=True)
+        self.w_status.value += ("<details><summary>traceback</summary><pre>" +
+                                html.escape("".join(traceback.format_exception(exc))) + "</pre></details>")
+
+    def _guard(self, action: Callable[[], Any]) -> None:
+        try:
+            action()
+            self.last_error = ""
+            self._set_status("")
+        except Exception as exc:  # a bad value from a control: show it, keep the plan
+            self._show_error(exc)
+        self._refresh_bar()
+
+    def _on_bar_splits(self, change: dict[str, Any]) -> None:
+        if list(change["new"]) == list(self._plan.splits):
+            return
+        self._guard(lambda: setattr(self, "splits", change["new"]))
+
+    def _on_control(self, name: str) -> Callable[[dict[str, Any]], None]:
+        def handler(change: dict[str, Any]) -> None:
+            value = change["new"]
+            if name == "devices":
+                value = [d for d in str(value).split(",")]
+
+            def apply() -> None:
+                try:
+                    self.update(**{name: value})
+                except Exception:
+                    self._sync_controls()
+                    raise
+
+            self._guard(apply)
+        return handler
+
+    def _sync_controls(self) -> None:
+        plan = self._plan
+        for control, value in ((self.w_chunks, plan.chunks), (self.w_checkpoint, plan.checkpoint),
+                               (self.w_schedule, plan.schedule), (self.w_devices, ",".join(plan.devices))):
+            if control.value != value:
+                control.value = value
+
+    def _on_run_clicked(self, _: Any) -> None:
+        self.w_run.disabled = True
+        try:
+            self.run_async()
+        except Exception as exc:
+            self.w_run.disabled = False
+            self._show_error(exc)
+
+    def _show_code(self, code: str) -> None:
+        self.w_code.value = f"<pre class='pipexplore-code'>{html.escape(code)}</pre>"
+
+
+def explore(model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None, loss_fn: Optional[LossFn] = None,
+            optimizer: Optional[OptimizerFactory] = None, devices: Optional[Sequence[str]] = None, chunks: int = 4,
+            checkpoint: str = "except_last", schedule: str = "gpipe",
+            splits: Optional[Sequence[int]] = None) -> Explorer:
+    """Build an :class:`Explorer` for ``model`` on ``sample`` (one mini-batch); display it by returning it.
+
+    ``loss_fn(output, target)`` defines the training step (default: the mean of the squared
+    outputs, for timing); ``optimizer(parameters)`` makes the optimizer (default SGD).
+    """
+    return Explorer(model, sample, target=target, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
+                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits)

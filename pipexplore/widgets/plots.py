@@ -1,0 +1,79 @@
+"""Timeline figures: predicted and measured steps, one lane per stage, bars per micro-batch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from pipexplore import timeline as tl
+
+__all__ = ["PHASE_COLORS", "timeline_figure", "update_timeline_figure", "summary"]
+
+PHASE_COLORS = {
+    "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
+    "input_grad": "#e15759", "weight_grad": "#b07aa1", "send": "#76b7b2", "recv": "#59a14f",
+}
+PHASES = list(PHASE_COLORS)
+
+
+def summary(frame: Optional[pd.DataFrame], samples: Optional[int] = None) -> str:
+    """One line: step time, bubble fraction (and throughput when ``samples`` is given)."""
+    if frame is None or frame.empty:
+        return "no run yet"
+    text = f"step {tl.step_time(frame) * 1e3:.1f} ms · bubble {tl.bubble_fraction(frame) * 100:.1f} %"
+    if samples:
+        text += f" · {tl.throughput(frame, samples):,.0f} samples/s"
+    return text
+
+
+def _traces(frame: Optional[pd.DataFrame]) -> dict[str, dict]:
+    """x (duration ms), base (start ms), y (lane) and hover text per phase."""
+    out = {}
+    for phase in PHASES:
+        rows = frame[frame["phase"] == phase] if frame is not None and not frame.empty else None
+        if rows is None or rows.empty:
+            out[phase] = dict(x=[], base=[], y=[], hovertext=[])
+            continue
+        lanes = [f"stage {s} · {d}" for s, d in zip(rows["stage"], rows["device"])]
+        durations = ((rows["end"] - rows["start"]) * 1e3).round(4).tolist()
+        out[phase] = dict(
+            x=durations, base=(rows["start"] * 1e3).round(4).tolist(), y=lanes,
+            hovertext=[f"{phase} · micro-batch {i} · stage {s}<br>{a * 1e3:.2f} → {b * 1e3:.2f} ms ({d:.2f} ms)"
+                       for i, s, a, b, d in zip(rows["microbatch"], rows["stage"], rows["start"], rows["end"],
+                                                durations)],
+        )
+    return out
+
+
+def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
+                    samples: Optional[int] = None) -> go.FigureWidget:
+    """A two-row figure: the predicted step above, the measured one below (same lanes, ms)."""
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=False, vertical_spacing=0.16,
+                           subplot_titles=("predicted", "measured"))
+    for row, frame in ((1, predicted), (2, measured)):
+        for phase, data in _traces(frame).items():
+            figure.add_trace(go.Bar(orientation="h", name=phase, legendgroup=phase, showlegend=row == 1,
+                                    marker_color=PHASE_COLORS[phase], hoverinfo="text", **data), row=row, col=1)
+    figure.update_layout(barmode="overlay", height=420, margin=dict(l=10, r=10, t=40, b=30),
+                         legend=dict(orientation="h", y=1.12))
+    figure.update_xaxes(title_text="ms")
+    widget = go.FigureWidget(figure)
+    update_timeline_figure(widget, predicted, measured, samples)
+    return widget
+
+
+def update_timeline_figure(figure: go.FigureWidget, predicted: Optional[pd.DataFrame] = None,
+                           measured: Optional[pd.DataFrame] = None, samples: Optional[int] = None,
+                           *, rows: tuple[int, ...] = (1, 2)) -> None:
+    """Replace the bars of the given rows (1: predicted, 2: measured) in one batch update."""
+    n = len(PHASES)
+    with figure.batch_update():
+        for row in rows:
+            frame = predicted if row == 1 else measured
+            for k, data in enumerate(_traces(frame).values()):
+                trace = figure.data[(row - 1) * n + k]
+                trace.x, trace.base, trace.y, trace.hovertext = data["x"], data["base"], data["y"], data["hovertext"]
+            title = ("predicted: " if row == 1 else "measured: ") + summary(frame, samples)
+            figure.layout.annotations[row - 1].text = title

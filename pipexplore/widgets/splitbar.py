@@ -1,0 +1,44 @@
+"""SplitBar: the anywidget that draws the layer strip and its draggable split points."""
+from __future__ import annotations
+
+import pathlib
+
+import anywidget
+import traitlets
+
+__all__ = ["SplitBar"]
+
+_HERE = pathlib.Path(__file__).parent
+
+_CSS = """
+.pipexplore-splitbar { font-family: system-ui, sans-serif; user-select: none; }
+.pipexplore-splitbar .cell { stroke: white; stroke-width: 0.5; }
+.pipexplore-splitbar .cell-label { font-size: 10px; fill: white; text-anchor: middle; pointer-events: none; }
+.pipexplore-splitbar .stage-total { font-size: 12px; fill: #333; text-anchor: middle; }
+.pipexplore-splitbar .skip { fill: none; stroke: #888; stroke-width: 1.5; }
+.pipexplore-splitbar .skip.crossing { stroke: #d62728; stroke-width: 2; stroke-dasharray: 5 3; }
+.pipexplore-splitbar .handle { cursor: ew-resize; outline: none; }
+.pipexplore-splitbar .handle .grip { fill: rgba(0, 0, 0, 0.12); }
+.pipexplore-splitbar .handle:focus .grip, .pipexplore-splitbar .handle:hover .grip { fill: rgba(0, 0, 0, 0.3); }
+.pipexplore-splitbar .handle .bar { stroke: #111; stroke-width: 3; }
+.pipexplore-splitbar .pipexplore-error { color: #b00020; font-size: 13px; min-height: 1em; }
+"""
+
+
+class SplitBar(anywidget.AnyWidget):
+    """The layer strip. ``splits`` is the only trait the front end changes (on release of a handle).
+
+    ``layers``: one dict per layer (``name``, ``type``, ``time``, ``params``, ``memory``, ``label``);
+    ``skips``: ``{'name', 'from', 'to'}`` per route; ``view``: which cost sets the widths;
+    ``stage_totals``: one label per stage; ``error``: a message shown under the strip.
+    """
+
+    _esm = _HERE / "splitbar.js"
+    _css = _CSS
+
+    layers = traitlets.List(traitlets.Dict()).tag(sync=True)
+    splits = traitlets.List(traitlets.Int()).tag(sync=True)
+    skips = traitlets.List(traitlets.Dict()).tag(sync=True)
+    view = traitlets.Unicode("time").tag(sync=True)
+    stage_totals = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    error = traitlets.Unicode("").tag(sync=True)
