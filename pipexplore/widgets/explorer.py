@@ -117,7 +117,7 @@ class Explorer:
 
     @splits.setter
     def splits(self, value: Sequence[int]) -> None:
-        self._set_plan(self._plan.with_splits(self._fit_devices(list(value))))
+        self._set_plan(self._plan.with_splits(list(value)))
 
     def update(self, **changes: Any) -> Plan:
         """Change ``chunks``, ``checkpoint``, ``schedule``, ``devices`` or ``splits``; checked first.
@@ -133,13 +133,6 @@ class Explorer:
             changes["splits"] = tuple(changes["splits"])
         self._set_plan(self._plan.with_options(**changes))
         return self._plan
-
-    def _fit_devices(self, splits: list[int]) -> list[int]:
-        needed = len(splits) + 1
-        have = len(self._plan.devices)
-        if needed > have and all(d == "cpu" for d in self._plan.devices):
-            self._plan = self._plan.with_options(devices=("cpu",) * needed)
-        return splits
 
     def _set_plan(self, plan: Plan) -> None:
         plan.predict()  # a plan that cannot be predicted is refused before it replaces the old one

@@ -1,0 +1,212 @@
+"""The explorer through its Python model: plan, splits, controls, runs, errors, export, magic."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from models import unet_model
+from pipexplore import GPipe, SplitError
+from pipexplore.widgets import Explorer, explore
+
+
+@pytest.fixture
+def explorer():
+    return explore(unet_model(), torch.randn(16, 6), chunks=4, devices=["cpu"] * 3, splits=[2, 6])
+
+
+def test_builds_on_cpu_and_says_so():
+    ex = explore(unet_model(), torch.randn(16, 6))
+    if not torch.cuda.is_available():
+        assert set(ex.plan.devices) == {"cpu"}
+        assert any("No GPU found" in note for note in ex.notes)
+    assert any("synthetic loss" in note for note in ex.notes)
+    assert "synthetic loss" in ex.w_status.value
+    assert len(ex.layer_table) == 9 and len(ex.bar.layers) == 9
+
+
+def test_setting_splits_updates_plan_strip_and_prediction(explorer):
+    before = explorer.timeline("predicted")
+    explorer.splits = [3, 7]
+    assert explorer.plan.balance == [3, 4, 2]
+    assert explorer.bar.splits == [3, 7]
+    assert len(explorer.bar.stage_totals) == 3
+    after = explorer.timeline("predicted")
+    assert set(after["stage"]) == {0, 1, 2} and not after.equals(before)
+    # the figure's predicted row shows the new plan's numbers
+    assert explorer.figure.layout.annotations[0].text.startswith("predicted: step")
+    lanes = {y for trace in explorer.figure.data[:8] for y in (trace.y or ())}
+    assert lanes == {"stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"}
+
+
+def test_skip_routes_drawn_and_crossing_counted(explorer):
+    assert explorer.bar.skips == [{"name": "skip", "from": 1, "to": 7}, {"name": "skip", "from": 3, "to": 5}]
+    assert "1 of 2 skip routes cross stages" in explorer.w_stages.value  # splits [2, 6]: outer crosses
+    explorer.splits = [1, 8]
+    assert "0 of 2 skip routes cross stages" in explorer.w_stages.value
+
+
+@pytest.mark.parametrize("splits,message", [
+    ([2, 12], r"split point 12 is past the last layer \(8\)"),
+    ([6, 2], "split points must be sorted"),
+    ([4, 4], "split point 4 is repeated"),
+    ([1, 2, 3], r"4 stages need 4 devices but 3 are chosen"),
+])
+def test_invalid_splits_are_refused_and_the_previous_kept(explorer, splits, message):
+    with pytest.raises(SplitError, match=message):
+        explorer.splits = splits
+    assert explorer.splits == [2, 6] and explorer.bar.splits == [2, 6]
+
+
+def test_splits_from_the_front_end_are_validated(explorer):
+    explorer.bar.splits = [4, 6]  # as a drag would send it
+    assert explorer.splits == [4, 6] and explorer.plan.balance == [4, 2, 3]
+    explorer.bar.splits = [4, 40]  # a bad proposal: reverted, message under the strip
+    assert explorer.splits == [4, 6] and explorer.bar.splits == [4, 6]
+    assert "split point 40 is past the last layer" in explorer.bar.error
+    explorer.bar.splits = [5, 6]
+    assert explorer.bar.error == ""
+
+
+def test_controls_change_the_plan_and_bad_values_are_refused(explorer):
+    explorer.w_chunks.value = 8
+    assert explorer.plan.chunks == 8
+    assert explorer.timeline("predicted")["microbatch"].max() == 7
+    explorer.w_schedule.value = "1f1b"
+    assert explorer.plan.schedule == "1f1b"
+    explorer.w_checkpoint.value = "never"
+    assert explorer.plan.checkpoint == "never"
+    explorer.w_devices.value = "cpu,cpu,cuda:7"
+    assert explorer.plan.devices == ("cpu", "cpu", "cpu")
+    assert explorer.w_devices.value == "cpu,cpu,cpu"
+    assert "cuda:7" in explorer.w_status.value and "does not exist" in explorer.w_status.value
+    with pytest.raises(ValueError, match="device 'cuda:7' does not exist"):
+        explorer.update(devices=["cpu", "cpu", "cuda:7"])
+
+
+def test_balance_buttons(explorer):
+    explorer.w_balance_time.click()
+    costs = (explorer.layer_table["forward"] + explorer.layer_table["backward"]).tolist()
+    from pipexplore.balance import optimal_splits
+    assert explorer.splits == optimal_splits(costs, 3)
+    explorer.w_balance_size.click()
+    sizes = (explorer.layer_table["output_bytes"] + 2 * explorer.layer_table["param_bytes"]).tolist()
+    assert explorer.splits == optimal_splits(sizes, 3)
+    explorer.w_view.value = "memory"
+    assert explorer.bar.view == "memory" and explorer.bar.stage_totals[0].endswith("act.")
+
+
+def test_run_adds_a_row_and_a_measured_timeline(explorer):
+    with pytest.raises(LookupError, match="no run yet"):
+        explorer.timeline("measured")
+    row = explorer.run()
+    explorer.splits = [3, 7]
+    explorer.run()
+    runs = explorer.runs
+    assert len(runs) == 2 and runs["splits"].tolist() == [[2, 6], [3, 7]]
+    assert (runs["step_time"] > 0).all() and (runs["bubble"].between(0, 1)).all()
+    assert (runs["throughput"] > 0).all() and runs["prediction_error"].notna().all()
+    assert row["executor"] == "threads" and row["devices"] == "cpu,cpu,cpu"
+    measured = explorer.timeline("measured")
+    assert set(measured["source"]) == {"measured"} and set(measured["stage"]) == {0, 1, 2}
+    assert explorer.w_runs.value.count("<tr") == 3  # header + 2 runs
+    assert explorer.figure.layout.annotations[1].text.startswith("measured: step")
+
+
+def test_the_users_model_is_not_changed_by_a_run(explorer):
+    before = {k: v.clone() for k, v in explorer.model.state_dict().items()}
+    explorer.run()
+    after = explorer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_failing_run_shows_the_error_and_keeps_plan_and_runs():
+    class Boom(nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if Boom.armed:
+                raise ArithmeticError("layer blew up")
+            return x
+
+    ex = explore(nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 4)), torch.randn(8, 4), devices=["cpu", "cpu"],
+                 splits=[1])
+    ex.run()
+    Boom.armed = True
+    before = set(threading.enumerate())
+    thread = ex.run_async()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert "ArithmeticError: layer blew up" in ex.w_status.value
+    assert len(ex.runs) == 1 and ex.splits == [1]
+    assert not ex.w_run.disabled
+    assert {t for t in threading.enumerate() if t.name.startswith("pipexplore")} <= before
+
+
+def test_run_button_runs_in_the_background(explorer):
+    explorer.w_run.click()
+    explorer._thread.join(timeout=60)
+    assert len(explorer.runs) == 1
+    assert "run 0: step" in explorer.w_status.value
+
+
+def test_non_gpipe_schedules_are_predicted_but_not_run_yet(explorer):
+    explorer.update(schedule="zero-bubble")
+    assert "input_grad" in set(explorer.timeline("predicted")["phase"])
+    with pytest.raises(NotImplementedError, match="needs the schedule executor"):
+        explorer.run()
+
+
+def test_exported_gpipe_code_runs_as_is(explorer):
+    explorer.splits = [3, 7]
+    code = explorer.export("gpipe")
+    namespace = {"model": unet_model()}
+    exec(code, namespace)
+    pipe = namespace["pipe"]
+    assert isinstance(pipe, GPipe)
+    assert [len(p) for p in pipe.partitions] == explorer.plan.balance == [3, 4, 2]
+    assert pipe.chunks == 4 and pipe.checkpoint == "except_last"
+    assert pipe(torch.randn(8, 6)).shape == (8, 6)
+
+
+@pytest.mark.slow
+def test_exported_pipelining_split_traces_to_the_same_stages(explorer):
+    explorer.splits = [3, 7]
+    code = explorer.export("pipelining")
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(9)])
+    namespace = {"model": model, "sample": torch.randn(16, 6)}
+    exec(code, namespace)
+    pipe = namespace["pipe"]
+    assert pipe.num_stages == 3
+    per_stage = [sum(p.numel() for p in pipe.split_gm.get_submodule(f"submod_pp_{k}").parameters()) for k in range(3)]
+    assert per_stage == [3 * 42, 4 * 42, 2 * 42]
+
+
+def test_explorer_refuses_bad_models():
+    with pytest.raises(TypeError, match="the explorer needs an nn.Sequential, got Linear"):
+        Explorer(nn.Linear(2, 2), torch.randn(2, 2))
+    broken = unet_model()
+    del broken[5]
+    with pytest.raises(TypeError, match="one or more pairs of stash and pop do not match"):
+        explore(broken, torch.randn(4, 6))
+
+
+def test_magic_parses_arguments_and_reports_unknown_names():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "pipexplore")
+    shell.run_line_magic("load_ext", "pipexplore")  # loading twice is harmless
+    shell.user_ns.update(model=unet_model(), sample=torch.randn(8, 6))
+    ex = shell.run_line_magic("pipexplore", "model sample --chunks 2 --devices cpu,cpu --splits 4 --schedule 1f1b")
+    assert isinstance(ex, Explorer)
+    assert ex.plan.chunks == 2 and ex.splits == [4] and ex.plan.schedule == "1f1b"
+    with pytest.raises(NameError, match="%pipexplore: model 'nosuch' is not defined in the notebook"):
+        shell.run_line_magic("pipexplore", "nosuch sample")
+    assert "Show an explorer for a model" in shell.find_line_magic("pipexplore").__doc__
+    shell.run_line_magic("unload_ext", "pipexplore")
+    assert shell.find_line_magic("pipexplore") is None
+    shell.run_line_magic("load_ext", "pipexplore")
+    assert shell.find_line_magic("pipexplore") is not None
