@@ -8,6 +8,7 @@ demo: setup
 	.venv/bin/python examples/demo.py
 
 test: setup
+	@bash scripts/browser.sh
 	.venv/bin/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
 
 bench: setup

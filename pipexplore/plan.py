@@ -128,8 +128,13 @@ class Plan:
     def skip_routes(self) -> list[SkipRoute]:
         return skip_routes(self.layer_table, self.splits)
 
+    @cached_property
+    def predicted(self) -> pd.DataFrame:
+        """The predicted timeline of one step with the plan's own options (computed once)."""
+        return self.predict()
+
     def predict(self, **kwargs: object) -> pd.DataFrame:
-        """The predicted timeline of one step (see :func:`pipexplore.simulate`)."""
+        """The predicted timeline of one step (see :func:`pipexplore.simulate`); ``kwargs`` override."""
         options: dict = dict(chunks=self.chunks, schedule=self.schedule, checkpoint=self.checkpoint,
                              devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
         options.update(kwargs)

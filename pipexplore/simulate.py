@@ -11,8 +11,8 @@ starts when its lane is free and its inputs have arrived (plus the copy between 
     stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
     stage 1     F0 F1 F2 F3 ·  ·  B3 B2 B1 B0
 
-The result is a timeline in the common schema with ``source='predicted'``, and
-``attrs['memory']``: the activation bytes each stage holds over time.
+The result is a timeline in the common schema with ``source='predicted'``, and a ``memory``
+column: the activation bytes the stage holds once the event is done.
 """
 from __future__ import annotations
 
@@ -298,28 +298,29 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             rows.append((run, s, stage_device[s], i, "copy", done, done + copy_in[s], "predicted"))
 
     frame = pd.DataFrame(rows, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
-    frame.attrs["memory"] = _activation_memory(frame, costs, scale, stop)
+    frame["memory"] = _activation_memory(frame, costs, scale, stop)
     frame.attrs["peak_memory"] = {}
     return frame
 
 
-def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, scale: int, stop: int) -> pd.DataFrame:
-    """Activation bytes each stage holds over time: a forward keeps its activations (only its input
-    when checkpointed), a recompute brings them back, the backward (input-grad) frees them."""
+def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, scale: int, stop: int) -> np.ndarray:
+    """Activation bytes each stage holds after each event: a forward keeps its activations (only
+    its input when checkpointed), a recompute brings them back, the backward (input-grad) frees
+    them. Copies and weight-grads change nothing."""
     act = costs["activation_bytes"].to_numpy() / scale
     inp = costs["input_bytes"].to_numpy() / scale
-    records = []
-    for row in frame.itertuples(index=False):
-        s, i = row.stage, row.microbatch
-        if row.phase == "forward":
-            delta = inp[s] if i < stop else act[s]
-        elif row.phase == "recompute":
-            delta = act[s]
-        elif row.phase in ("backward", "input_grad"):
-            delta = -(act[s] + (inp[s] if i < stop else 0.0))
-        else:
-            continue
-        records.append((s, row.end, delta))
-    memory = pd.DataFrame(records, columns=["stage", "time", "delta"]).sort_values(["stage", "time"], kind="stable")
-    memory["bytes"] = memory.groupby("stage")["delta"].cumsum().clip(lower=0.0)
-    return memory[["stage", "time", "bytes"]].reset_index(drop=True)
+    stage = frame["stage"].to_numpy()
+    phase = frame["phase"].to_numpy()
+    checkpointed = frame["microbatch"].to_numpy() < stop
+    delta = np.zeros(len(frame))
+    forward = phase == "forward"
+    delta[forward] = np.where(checkpointed[forward], inp[stage[forward]], act[stage[forward]])
+    recompute = phase == "recompute"
+    delta[recompute] = act[stage[recompute]]
+    frees = (phase == "backward") | (phase == "input_grad")
+    delta[frees] = -(act[stage[frees]] + np.where(checkpointed[frees], inp[stage[frees]], 0.0))
+    order = np.lexsort((frame["end"].to_numpy(), stage))
+    held = np.empty(len(frame))
+    running = pd.Series(delta[order]).groupby(stage[order]).cumsum().to_numpy()
+    held[order] = np.clip(running, 0.0, None)
+    return held

@@ -13,6 +13,7 @@ processes, the simulator):
 ``start``      seconds from the step's origin
 ``end``        seconds from the step's origin
 ``source``     ``measured`` or ``predicted``
+``memory``     optional: activation bytes the stage holds after the event (predicted)
 =============  ===================================================================
 
 Peak memory per device, where the device reports it, is in ``timeline.attrs['peak_memory']``.
@@ -25,12 +26,14 @@ import time
 from contextlib import contextmanager
 from typing import Any, Generator, Iterable, Optional, Union
 
+import numpy as np
 import pandas as pd
 import torch
 
 __all__ = [
     "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline",
     "step_time", "busy_time", "bubble_fraction", "throughput", "copy_overlap", "to_chrome_trace",
+    "activation_memory",
 ]
 
 COLUMNS = ["run", "stage", "device", "microbatch", "phase", "start", "end", "source"]
@@ -235,13 +238,27 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _lanes(timeline: pd.DataFrame, by: str, phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
+    """Compute spans grouped by stage or device as numpy arrays, and the span of the frame's events."""
+    phase = timeline["phase"].to_numpy()
+    keep = np.isin(phase, list(phases)) if phases is not None else np.ones(len(phase), dtype=bool)
+    start, end = timeline["start"].to_numpy()[keep], timeline["end"].to_numpy()[keep]
+    total = float(end.max() - start.min()) if len(start) else 0.0
+    compute = np.isin(phase[keep], COMPUTE_PHASES)
+    keys = timeline[by].to_numpy()[keep]
+    lanes: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+    for key in sorted(set(keys.tolist()), key=str):
+        mask = compute & (keys == key)
+        lanes[key] = (start[mask], end[mask])
+    return lanes, total
+
+
 def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = "stage") -> float:
     """Seconds a stage (or device, ``by='device'``) computed, overlapping spans counted once;
     all of them summed when ``stage`` is None."""
-    compute = timeline[timeline["phase"].isin(COMPUTE_PHASES)]
-    keys = [stage] if stage is not None else sorted(compute[by].unique(), key=str)
-    return sum(_union_length(zip(g["start"], g["end"])) for key in keys
-               for g in [compute[compute[by] == key]])
+    lanes, _ = _lanes(timeline, by)
+    keys = [stage] if stage is not None else list(lanes)
+    return sum(_union_length(zip(*lanes[k])) for k in keys if k in lanes)
 
 
 def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,
@@ -255,14 +272,21 @@ def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,
     """
     if by not in ("stage", "device"):
         raise ValueError(f"by must be 'stage' or 'device', got {by!r}")
-    frame = timeline if phases is None else timeline[timeline["phase"].isin(list(phases))]
-    total = step_time(frame)
-    keys = sorted(frame[by].unique(), key=str)
-    if total <= 0 or not keys:
+    lanes, total = _lanes(timeline, by, phases)
+    if total <= 0 or not lanes:
         return pd.Series(dtype=float) if per_stage else 0.0
-    values = pd.Series({k: 1.0 - busy_time(frame, k, by=by) / total for k in keys}, name="bubble")
+    values = pd.Series({k: 1.0 - _union_length(zip(*lanes[k])) / total for k in lanes}, name="bubble")
     values.index.name = by
     return values if per_stage else float(values.mean())
+
+
+def activation_memory(timeline: pd.DataFrame) -> pd.DataFrame:
+    """``stage, time, bytes``: the activation memory each stage holds over time (from ``memory``)."""
+    if "memory" not in timeline:
+        raise KeyError("this timeline has no memory column (predicted timelines have one)")
+    frame = pd.DataFrame({"stage": timeline["stage"].to_numpy(), "time": timeline["end"].to_numpy(),
+                          "bytes": timeline["memory"].to_numpy()})
+    return frame.sort_values(["stage", "time"], kind="stable").reset_index(drop=True)
 
 
 def throughput(timeline: pd.DataFrame, samples: int) -> float:

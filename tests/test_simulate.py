@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from pipexplore.simulate import simulate, stage_costs, stage_orders
-from pipexplore.timeline import bubble_fraction, step_time
+from pipexplore.timeline import activation_memory, bubble_fraction, step_time
 
 
 def uniform(n: int, forward: float = 1.0, backward: float = 2.0) -> pd.DataFrame:
@@ -113,7 +113,7 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
     for schedule in ("gpipe", "1f1b"):
         t = simulate(table, [1, 2, 3], chunks=8, schedule=schedule, checkpoint="never", executor="threads",
                      cpu_stages_overlap=True)
-        memory = t.attrs["memory"]
+        memory = activation_memory(t)
         peaks[schedule] = memory.groupby("stage")["bytes"].max()
         assert memory.groupby("stage")["bytes"].last().abs().max() < 1e-6  # all freed at the end
     assert peaks["gpipe"][0] == pytest.approx(8 * 1000 / 8)  # all 8 micro-batches in flight
@@ -123,8 +123,8 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
 
 def test_checkpointing_lowers_predicted_memory():
     table = uniform(8)  # stages of 4 layers: activations 4,000 bytes, input 1,000, for the mini-batch
-    never = simulate(table, [4], chunks=4, checkpoint="never").attrs["memory"]
-    always = simulate(table, [4], chunks=4, checkpoint="always").attrs["memory"]
+    never = activation_memory(simulate(table, [4], chunks=4, checkpoint="never"))
+    always = activation_memory(simulate(table, [4], chunks=4, checkpoint="always"))
     assert never.groupby("stage")["bytes"].max().tolist() == [4000, 4000]
     # Inputs of all micro-batches held (4 × 250) plus one recomputed micro-batch (1,000).
     assert always[always.stage == 1]["bytes"].max() == 2000

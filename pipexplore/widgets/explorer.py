@@ -135,7 +135,7 @@ class Explorer:
         return self._plan
 
     def _set_plan(self, plan: Plan) -> None:
-        plan.predict()  # a plan that cannot be predicted is refused before it replaces the old one
+        plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
         self._plan = plan
         self._refresh()
 
@@ -157,7 +157,7 @@ class Explorer:
     def timeline(self, kind: str = "predicted") -> pd.DataFrame:
         """``'predicted'``: the current plan's; ``'measured'``: the latest run's."""
         if kind == "predicted":
-            return self._plan.predict()
+            return self._plan.predicted
         if kind == "measured":
             if not self._results:
                 raise LookupError("no run yet: call explorer.run() or press 'Run step'")
@@ -236,7 +236,7 @@ class Explorer:
         self.w_stages = W.HTML()
         self.w_runs = W.HTML()
         self.w_code = W.HTML()
-        self.figure = timeline_figure(plan.predict(), None, _batch_size(self.sample))
+        self.figure = timeline_figure(plan.predicted, None, _batch_size(self.sample))
 
         for control, name in ((self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
                               (self.w_schedule, "schedule"), (self.w_devices, "devices")):
@@ -291,7 +291,7 @@ class Explorer:
             return
         self._refresh_bar()
         self._refresh_stages()
-        update_timeline_figure(self.figure, self._plan.predict(), None, _batch_size(self.sample), rows=(1,))
+        update_timeline_figure(self.figure, self._plan.predicted, None, _batch_size(self.sample), rows=(1,))
 
     def _refresh_bar(self) -> None:
         with self.bar.hold_sync():

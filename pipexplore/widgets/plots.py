@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -29,20 +30,25 @@ def summary(frame: Optional[pd.DataFrame], samples: Optional[int] = None) -> str
 
 
 def _traces(frame: Optional[pd.DataFrame]) -> dict[str, dict]:
-    """x (duration ms), base (start ms), y (lane) and hover text per phase."""
+    """x (duration ms), base (start ms), y (lane) and hover text per phase, as numpy arrays."""
+    empty = dict(x=np.empty(0), base=np.empty(0), y=np.empty(0, dtype=object), hovertext=np.empty(0, dtype=object))
+    if frame is None or frame.empty:
+        return {phase: empty for phase in PHASES}
+    phase_of = frame["phase"].to_numpy()
+    stage, device = frame["stage"].to_numpy(), frame["device"].to_numpy()
+    microbatch = frame["microbatch"].to_numpy()
+    start, end = frame["start"].to_numpy() * 1e3, frame["end"].to_numpy() * 1e3
     out = {}
     for phase in PHASES:
-        rows = frame[frame["phase"] == phase] if frame is not None and not frame.empty else None
-        if rows is None or rows.empty:
-            out[phase] = dict(x=[], base=[], y=[], hovertext=[])
+        mask = phase_of == phase
+        if not mask.any():
+            out[phase] = empty
             continue
-        lanes = [f"stage {s} · {d}" for s, d in zip(rows["stage"], rows["device"])]
-        durations = ((rows["end"] - rows["start"]) * 1e3).round(4).tolist()
+        s, d, i, a, b = stage[mask], device[mask], microbatch[mask], start[mask], end[mask]
         out[phase] = dict(
-            x=durations, base=(rows["start"] * 1e3).round(4).tolist(), y=lanes,
-            hovertext=[f"{phase} · micro-batch {i} · stage {s}<br>{a * 1e3:.2f} → {b * 1e3:.2f} ms ({d:.2f} ms)"
-                       for i, s, a, b, d in zip(rows["microbatch"], rows["stage"], rows["start"], rows["end"],
-                                                durations)],
+            x=b - a, base=a, y=np.array([f"stage {x} · {y}" for x, y in zip(s, d)], dtype=object),
+            hovertext=np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{t0:.2f} → {t1:.2f} ms ({t1 - t0:.2f} ms)"
+                                for mb, st, t0, t1 in zip(i, s, a, b)], dtype=object),
         )
     return out
 
