@@ -22,6 +22,8 @@ from pipexplore.splits import SplitError, check_splits, splits_to_balance
 __all__ = ["Plan", "SkipRoute", "skip_routes"]
 
 CHECKPOINTS = ("always", "except_last", "never")
+#: Schedules a plan can name: the simulated ones, and stages served as expert backends.
+PLAN_SCHEDULES = (*SCHEDULES, "async-backends")
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ class Plan:
             raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {self.checkpoint!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in PLAN_SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
         needed = self.num_devices
         if len(self.devices) < needed:
             raise SplitError(f"{self.num_stages} stages need {needed} devices but {len(self.devices)} are chosen "
@@ -134,9 +136,17 @@ class Plan:
         return self.predict()
 
     def predict(self, **kwargs: object) -> pd.DataFrame:
-        """The predicted timeline of one step (see :func:`pipexplore.simulate`); ``kwargs`` override."""
-        options: dict = dict(chunks=self.chunks, schedule=self.schedule, checkpoint=self.checkpoint,
+        """The predicted timeline of one step (see :func:`pipexplore.simulate`); ``kwargs`` override.
+
+        ``async-backends`` is predicted as a fill-drain pipeline with a worker per stage (it does
+        not model how the pools merge micro-batches into batches).
+        """
+        backends = self.schedule == "async-backends"
+        options: dict = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
+                             checkpoint="never" if backends else self.checkpoint,
                              devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
+        if backends:
+            options["executor"] = "threads"
         options.update(kwargs)
         return simulate(self.layer_table, list(self.splits), **options)
 
@@ -177,7 +187,8 @@ class Plan:
         if kind == "pipelining":
             schedule_class = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                               "interleaved": "ScheduleInterleaved1F1B",
-                              "zero-bubble": "ScheduleInterleavedZeroBubble"}[self.schedule]
+                              "zero-bubble": "ScheduleInterleavedZeroBubble",
+                              "async-backends": "ScheduleGPipe"}[self.schedule]
             spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
             return (
                 "import torch\n"

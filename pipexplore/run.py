@@ -66,6 +66,9 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
     devices. ``loss_fn(output, target)`` defines the loss (default: :func:`synthetic_loss`);
     ``optimizer(parameters)`` makes the optimizer (default: SGD, lr=0.01).
     """
+    if plan.schedule == "async-backends":
+        return _run_backends(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer,
+                             warmup=warmup, run=run)
     if plan.schedule != "gpipe":
         raise NotImplementedError(
             f"running the {plan.schedule!r} schedule needs the schedule executor; "
@@ -89,12 +92,14 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
         step()
     with tl.record(run=run) as rec:
         loss = step()
-    measured = rec.timeline
-    predicted = plan.predict()
+    return _result(plan, rec.timeline, float(loss.detach()), sample, {str(d) for d in pipe.devices})
+
+
+def _result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str]) -> RunResult:
+    predicted = plan.predicted
     step_seconds = tl.step_time(measured)
     predicted_seconds = tl.step_time(predicted)
     peak = measured.attrs.get("peak_memory", {})
-    used = {str(d) for d in pipe.devices}
     metrics = {
         "step_time": step_seconds,
         "bubble": tl.bubble_fraction(measured),
@@ -102,6 +107,51 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
         "peak_memory": max((v for d, v in peak.items() if d in used), default=math.nan),
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
-        "loss": float(loss.detach()),
+        "loss": loss,
     }
-    return RunResult(plan, measured, float(loss.detach()), predicted, metrics)
+    return RunResult(plan, measured, loss, predicted, metrics)
+
+
+def _run_backends(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, target: Any,
+                  loss_fn: Optional[LossFn], optimizer: Optional[OptimizerFactory], warmup: int, run: Any) -> RunResult:
+    """Serve each stage as an :class:`ExpertBackend` and train through a :class:`BackendPipeline`.
+
+    Each backend steps its own optimizer on each backward task (hivemind-style asynchronous
+    updates); the timeline holds one row per batch the pools formed, with its size and wait.
+    """
+    from pipexplore.backend import BackendPipeline, BatchTensorProto, ExpertBackend, Runtime
+
+    crossing = [r for r in plan.skip_routes if r.crosses]
+    if crossing:
+        names = ", ".join(f"'{r.name}' ({r.stash_layer}→{r.pop_layer})" for r in crossing)
+        raise ValueError(f"skip routes {names} cross stages, which expert backends cannot carry: "
+                         "move the split points so that every stash and its pop share a stage")
+    if not torch.is_tensor(sample):
+        raise TypeError("expert backends take one tensor per stage: give a tensor sample, not a tuple")
+    layers = list(copy.deepcopy(model))
+    points = [0, *plan.splits, len(layers)]
+    devices = plan.stage_devices
+    factory = optimizer or (lambda params: torch.optim.SGD(params, lr=0.01))
+    backends = []
+    x = sample.chunk(plan.chunks)[0]
+    for stage, (a, b) in enumerate(zip(points, points[1:])):
+        module = nn.Sequential(*layers[a:b]).to(devices[stage])
+        x = x.to(devices[stage])
+        backends.append(ExpertBackend(f"stage{stage}", module, factory(module.parameters()),
+                                      args_schema=(BatchTensorProto.from_tensor(x.detach()),),
+                                      max_batch_size=max(1, int(sample.size(0)))))
+        with torch.no_grad():
+            x = module(x)
+    pipeline = BackendPipeline(backends)
+    y = target.to(devices[-1]) if torch.is_tensor(target) else target
+    runtime = Runtime({b.name: b for b in backends}, stages={b.name: k for k, b in enumerate(backends)})
+    with runtime:
+        for _ in range(warmup):
+            pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+        warm_batches = len(runtime.timeline)
+        losses = pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+    measured = runtime.timeline.iloc[warm_batches:].reset_index(drop=True).assign(run=run)
+    origin = measured["start"].min() if len(measured) else 0.0
+    measured["start"] -= origin
+    measured["end"] -= origin
+    return _result(plan, measured, float(sum(losses) / len(losses)), sample, set(devices))

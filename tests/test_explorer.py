@@ -210,3 +210,25 @@ def test_magic_parses_arguments_and_reports_unknown_names():
     assert shell.find_line_magic("pipexplore") is None
     shell.run_line_magic("load_ext", "pipexplore")
     assert shell.find_line_magic("pipexplore") is not None
+
+
+def test_async_backends_schedule_runs_stages_as_expert_backends():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    ex = explore(model, torch.randn(32, 8), devices=["cpu", "cpu"], splits=[2], chunks=4, schedule="async-backends")
+    row = ex.run()
+    assert row["executor"] == "backends" and row["schedule"] == "async-backends"
+    batches = ex.timeline("measured")
+    assert set(batches["phase"]) == {"forward", "backward"} and set(batches["stage"]) == {0, 1}
+    assert batches["tasks"].sum() == 4 * 2 * 2  # 4 micro-batches × 2 stages × forward and backward
+    assert (batches["batch_size"] >= 8).all() and (batches["wait"] >= 0).all()
+    # Beside it, a GPipe run of the same split.
+    ex.update(schedule="gpipe")
+    ex.run()
+    assert ex.runs["executor"].tolist() == ["backends", "threads"]
+
+
+def test_async_backends_refuse_skips_that_cross_stages(explorer):
+    explorer.update(schedule="async-backends")
+    with pytest.raises(ValueError, match=r"skip routes 'skip' \(1→7\) cross stages, which expert backends cannot carry"):
+        explorer.run()
+    assert explorer.runs.empty

@@ -24,7 +24,7 @@ from pipexplore.microbatch import TensorOrTensors
 from pipexplore.plan import Plan
 from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
-from pipexplore.simulate import SCHEDULES
+from pipexplore.plan import PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.splits import SplitError
 from pipexplore.widgets.plots import summary, timeline_figure, update_timeline_figure
@@ -181,7 +181,8 @@ class Explorer:
             plan = self._plan
             result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
                               optimizer=self.optimizer, run=len(self._runs))
-            row = {"run": len(self._runs), "executor": executor, **result.row()}
+            used = "backends" if plan.schedule == "async-backends" else executor
+            row = {"run": len(self._runs), "executor": used, **result.row()}
             self._runs.append(row)
             self._results.append(result)
         self._refresh_runs()
@@ -220,7 +221,7 @@ class Explorer:
                                          layout=W.Layout(width="150px"))
         self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
                                        description="checkpoint", layout=W.Layout(width="230px"))
-        self.w_schedule = W.Dropdown(options=list(SCHEDULES), value=plan.schedule, description="schedule",
+        self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
                                      layout=W.Layout(width="220px"))
         self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
                                 layout=W.Layout(width="320px"))
