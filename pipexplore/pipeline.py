@@ -167,7 +167,8 @@ class Pipeline:
             with use_skip_tracker(skip_tracker):
                 if recorder is None:
                     return partition(input)
-                with recorder.span(j, device, i, "recompute" if is_recomputing() else "forward"):
+                recomputing = is_recomputing()  # inside backward(): one thread per device
+                with recorder.span(j, device, i, "recompute" if recomputing else "forward", serial=recomputing):
                     return partition(input)
 
         if i < self.checkpoint_stop:

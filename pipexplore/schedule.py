@@ -197,12 +197,12 @@ class ScheduleExecutor:
         Parameter gradients accumulate into ``.grad`` as one ``backward()`` of a plain step would;
         no optimizer step is taken.
         """
-        micro_inputs = Batch(input).call(lambda v: v)
         self._inputs = [b.tensor_or_tensors for b in _scatter(input, self.chunks)]
         m = len(self._inputs)
         if m != self.chunks:
-            raise ValueError(f"the batch has {m} rows or fewer than chunks ({self.chunks}): give a batch of at "
-                             "least `chunks` rows")
+            rows_in = (input if torch.is_tensor(input) else input[0]).size(0)
+            raise ValueError(f"the batch has {rows_in} rows, fewer than chunks ({self.chunks}): give a batch of "
+                             "at least `chunks` rows")
         rows = [(x if torch.is_tensor(x) else x[0]).size(0) for x in self._inputs]
         self._weights = [r / sum(rows) if self.loss_reduction == "mean" else 1.0 for r in rows]
         self._targets = list(target.chunk(m)) if torch.is_tensor(target) else [target] * m
@@ -214,7 +214,6 @@ class ScheduleExecutor:
         self._losses: list[float] = [0.0] * m
         self._recorder = tl.active_recorder()
         errors: list[Any] = []
-        del micro_inputs
 
         def work(order: list[tuple[int, str, int]], device: torch.device) -> None:
             try:
@@ -296,13 +295,26 @@ class ScheduleExecutor:
     def _act(self, stage: int, kind: str, i: int) -> None:
         if kind == "F":
             self._forward(stage, i)
-            return
-        if kind in ("B", "I") and i < self._stop:
-            self._timed(stage, "R", i, lambda: self._run(stage, i, self._states[(stage, i)], recomputing=True))
-        if kind == "W":
+        elif kind == "W":
             self._timed(stage, "W", i, lambda: self._weight_grad(stage, i))
         else:
-            self._timed(stage, kind, i, lambda: self._backward(stage, i, split=kind == "I"))
+            # Waiting for the gradients is not work: receive them before the spans start.
+            received = self._receive_grads(stage, i)
+            if i < self._stop:
+                self._timed(stage, "R", i, lambda: self._run(stage, i, self._states[(stage, i)], recomputing=True))
+            self._timed(stage, kind, i, lambda: self._backward(stage, i, received, split=kind == "I"))
+
+    def _receive_grads(self, stage: int, i: int) -> list[Any]:
+        """The gradient of the stage's output, then of each skip it stashed for a later stage."""
+        state = self._states[(stage, i)]
+        device = self.stage_devices[stage]
+        last = stage == len(self.partitions) - 1
+        grads = [None if last else self._box(("grad", stage, i)).get(device)]
+        for route_key, (stash_stage, pop_stage) in self.skip_layout.by_ns_name.items():
+            if stash_stage == stage and pop_stage != stage:
+                grads.append((route_key, self._skip_box(i, route_key[0], route_key[1], grad=True).get(device)))
+        del state
+        return grads
 
     def _timed(self, stage: int, kind: str, i: int, action: Callable[[], None]) -> None:
         done = self._span(stage, PHASE[kind], i)
@@ -360,17 +372,15 @@ class ScheduleExecutor:
         self._losses[i] = float(loss.detach())
         return [loss * self._weights[i]]
 
-    def _backward(self, stage: int, i: int, *, split: bool) -> None:
+    def _backward(self, stage: int, i: int, received: list[Any], *, split: bool) -> None:
         """B (``split=False``): the whole backward. I (``split=True``): input gradients only, the
         weight gradients left to W through the saved parameter groups."""
         state = self._states[(stage, i)]
-        device = self.stage_devices[stage]
-        last = stage == len(self.partitions) - 1
-        grad = None if last else self._box(("grad", stage, i)).get(device)
-        tensors, grads = list(state.outputs), [grad]
+        skip_grads = dict(received[1:])
+        tensors, grads = list(state.outputs), [received[0]]
         for key, tensor in state.outgoing.items():
             tensors.append(tensor)
-            grads.append(self._skip_box(i, key[0], key[1], grad=True).get(device))
+            grads.append(skip_grads[key])
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         inputs = ([state.leaf] if torch.is_tensor(state.leaf) and state.leaf.requires_grad else []) + list(
             state.incoming.values())

@@ -64,7 +64,7 @@ class Recorder:
 
     def __init__(self, run: Any = 0) -> None:
         self.run = run
-        self._spans: list[tuple[int, torch.device, int, str, Mark, Mark]] = []
+        self._spans: list[tuple[int, torch.device, int, str, Mark, Mark, bool]] = []
         self._open: dict[tuple[int, int], tuple[torch.device, Mark]] = {}
         self._latest_open: dict[int, int] = {}
         self._touched: dict[tuple[int, int], Mark] = {}
@@ -83,14 +83,18 @@ class Recorder:
             return event
         return time.perf_counter_ns()
 
-    def add(self, stage: int, device: torch.device, microbatch: int, phase: str, start: Mark, end: Mark) -> None:
-        self._spans.append((stage, device, microbatch, phase, start, end))
+    def add(self, stage: int, device: torch.device, microbatch: int, phase: str, start: Mark, end: Mark,
+            serial: bool = False) -> None:
+        """Add a span. ``serial``: it ran inside one ``backward()`` call, which runs a device's
+        backward work on one thread, so other serial spans nested in it were not its own work."""
+        self._spans.append((stage, device, microbatch, phase, start, end, serial))
 
     @contextmanager
-    def span(self, stage: int, device: torch.device, microbatch: int, phase: str) -> Generator[None, None, None]:
+    def span(self, stage: int, device: torch.device, microbatch: int, phase: str,
+             serial: bool = False) -> Generator[None, None, None]:
         start = self.mark(device)
         yield
-        self.add(stage, device, microbatch, phase, start, self.mark(device))
+        self.add(stage, device, microbatch, phase, start, self.mark(device), serial)
 
     def open_backward(self, stage: int, microbatch: int, device: torch.device) -> None:
         with self._lock:
@@ -122,7 +126,7 @@ class Recorder:
         with self._lock:
             opened = self._open.pop((stage, microbatch), None)
         if opened is not None:
-            self.add(stage, device, microbatch, "backward", opened[1], end)
+            self.add(stage, device, microbatch, "backward", opened[1], end, serial=True)
 
     # -- around the step ------------------------------------------------------------------
     def start(self) -> None:
@@ -144,18 +148,18 @@ class Recorder:
         for key, end in self._touched.items():
             opened = self._open.pop(key, None)
             if opened is not None:
-                self.add(key[0], opened[0], key[1], "backward", opened[1], end)
+                self.add(key[0], opened[0], key[1], "backward", opened[1], end, serial=True)
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
                 self.peak_memory[f"cuda:{index}"] = float(torch.cuda.max_memory_allocated(index))
         rows = []
-        for stage, device, microbatch, phase, start, end in self._spans:
+        for stage, device, microbatch, phase, start, end, serial in self._spans:
             rows.append((self.run, stage, str(device), microbatch, phase,
-                         self._seconds(device, start), self._seconds(device, end), "measured"))
+                         self._seconds(device, start), self._seconds(device, end), "measured", serial))
         rows.sort(key=lambda r: (r[5], r[1]))
-        frame = pd.DataFrame(rows, columns=COLUMNS) if rows else empty_timeline()
-        frame = _serial_backward_spans(frame)
+        frame = pd.DataFrame(rows, columns=COLUMNS + ["serial"]) if rows else empty_timeline().assign(serial=False)
+        frame = _serial_backward_spans(frame).drop(columns="serial")
         frame.attrs["peak_memory"] = dict(self.peak_memory)
         self.timeline = frame
 
@@ -173,7 +177,7 @@ def _serial_backward_spans(frame: pd.DataFrame) -> pd.DataFrame:
     time, so a backward span (gradient in → gradient out) can hold other stages' work and its
     own recomputation. The work of a span starts where the last span nested inside it ends.
     """
-    serial = frame["phase"].isin(["backward", "recompute"])
+    serial = frame["serial"].astype(bool)
     if not serial.any():
         return frame
     for _, group in frame[serial].groupby("device"):

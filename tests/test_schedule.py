@@ -1,0 +1,157 @@
+"""The schedule executor: gradients equal a plain step; measured bubbles equal the theory."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from models import SleepFIW, plain_model, unet_model
+from pipexplore import timeline as tl
+from pipexplore.schedule import ScheduleExecutor
+from pipexplore.simulate import simulate
+
+BALANCES = {  # (balance, devices) per stage count; interleaved spreads them over 2 devices
+    "plain": {1: [8], 2: [4, 4], 3: [3, 3, 2], 4: [1, 2, 3, 2]},
+    "unet": {1: [9], 2: [4, 5], 3: [2, 6, 1], 4: [1, 3, 3, 2]},
+}
+
+
+def _reference(model, x, target):
+    ref = copy.deepcopy(model)
+    loss = nn.functional.mse_loss(ref(x), target)
+    loss.backward()
+    return loss.item(), [p.grad for p in ref.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["plain", "unet"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved"])
+def test_losses_and_gradients_equal_a_plain_step(schedule, chunks, stages, kind):
+    devices = ["cpu"] * stages
+    if schedule == "interleaved":
+        if stages % 2 or chunks % 2:
+            pytest.skip("interleaved over 2 devices needs an even stage count and even chunks")
+        devices = ["cpu", "cpu"]
+    model = plain_model() if kind == "plain" else unet_model()
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    loss, grads = _reference(model, x, target)
+    executor = ScheduleExecutor(copy.deepcopy(model), BALANCES[kind][stages], devices=devices, chunks=chunks,
+                                schedule=schedule, checkpoint="except_last", loss_fn=nn.functional.mse_loss)
+    result = executor.step(x, target)
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    assert len(result.losses) == chunks
+    for got, expected in zip(executor.parameters(), grads):
+        torch.testing.assert_close(got.grad, expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_checkpoint_modes(schedule, checkpoint):
+    model = unet_model()
+    x, target = torch.randn(12, 6), torch.randn(12, 6)
+    loss, grads = _reference(model, x, target)
+    executor = ScheduleExecutor(copy.deepcopy(model), [2, 6, 1], devices=["cpu"] * 3, chunks=4, schedule=schedule,
+                                checkpoint=checkpoint, loss_fn=nn.functional.mse_loss)
+    assert executor.step(x, target).loss == pytest.approx(loss, rel=1e-5)
+    for got, expected in zip(executor.parameters(), grads):
+        torch.testing.assert_close(got.grad, expected)
+
+
+def test_sum_reduction_adds_micro_batch_losses():
+    model = plain_model()
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    executor = ScheduleExecutor(copy.deepcopy(model), [4, 4], devices=["cpu"] * 2, chunks=4,
+                                loss_fn=lambda out, t: nn.functional.mse_loss(out, t, reduction="sum"),
+                                loss_reduction="sum")
+    result = executor.step(x, target)
+    ref = copy.deepcopy(model)
+    nn.functional.mse_loss(ref(x), target, reduction="sum").backward()
+    assert result.loss == pytest.approx(sum(result.losses))
+    for got, expected in zip(executor.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+def test_recorded_phases_and_backward_overlapping_across_stages():
+    model = nn.Sequential(*[SleepFIW(0.01, 0.01, 0.01) for _ in range(3)])
+    executor = ScheduleExecutor(model, [1, 1, 1], devices=["cpu"] * 3, chunks=6, schedule="zero-bubble")
+    with tl.record() as rec:
+        executor.step(torch.ones(6, 1))
+    t = rec.timeline
+    assert set(t["phase"]) == {"forward", "input_grad", "weight_grad"}
+    assert t.groupby("phase").size().to_dict() == {"forward": 18, "input_grad": 18, "weight_grad": 18}
+    with tl.record() as rec:
+        ScheduleExecutor(nn.Sequential(*[SleepFIW(0.01, 0.01, 0.01) for _ in range(3)]), [1, 1, 1],
+                         devices=["cpu"] * 3, chunks=6, schedule="1f1b").step(torch.ones(6, 1))
+    b = rec.timeline[rec.timeline.phase == "backward"]
+    overlapping = sum(1 for r in b.itertuples() for q in b.itertuples()
+                      if r.stage < q.stage and r.start < q.end and q.start < r.end)
+    assert overlapping > 0  # unlike one backward() call, stages run backward at the same time
+
+
+THEORY = {"gpipe": lambda p, m, v: (p - 1) / (m + p - 1), "1f1b": lambda p, m, v: (p - 1) / (m + p - 1),
+          "zero-bubble": lambda p, m, v: (p - 1) / (3 * m + p - 1),
+          "interleaved": lambda p, m, v: (p - 1) / (v * m + p - 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 3, 6, 1), ("1f1b", 3, 6, 1), ("zero-bubble", 3, 6, 1),
+                                            ("interleaved", 2, 4, 2)])
+def test_measured_bubble_equals_theory_and_prediction(schedule, p, m, v):
+    # Layers that sleep 40 ms in forward, on the input-gradient path and on the weight-gradient path.
+    seconds = 0.04
+    stages = p * v
+    model = nn.Sequential(*[SleepFIW(seconds, seconds, seconds) for _ in range(stages)])
+    executor = ScheduleExecutor(model, [1] * stages, devices=["cpu"] * p, chunks=m, schedule=schedule)
+    executor.step(torch.ones(m, 1))  # warm-up
+    with tl.record() as rec:
+        executor.step(torch.ones(m, 1))
+    measured = rec.timeline.assign(device=lambda t: [f"worker{s % p}" for s in t["stage"]])
+    by = "device" if schedule == "interleaved" else "stage"
+    assert abs(tl.bubble_fraction(measured, by=by) - THEORY[schedule](p, m, v)) <= 0.02
+    table = pd.DataFrame({"forward": [seconds * m] * stages, "backward": [2 * seconds * m] * stages,
+                          "output_bytes": [0] * stages})
+    predicted = simulate(table, list(range(1, stages)), chunks=m, schedule=schedule, checkpoint="never",
+                         executor="threads", cpu_stages_overlap=True, virtual_stages=max(v, 1),
+                         devices=[f"worker{d}" for d in range(p)] if schedule == "interleaved" else None)
+    assert tl.step_time(predicted) == pytest.approx(tl.step_time(measured), rel=0.10)
+
+
+def test_a_failing_stage_raises_and_leaves_no_thread():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ArithmeticError("stage blew up")
+
+    before = set(threading.enumerate())
+    executor = ScheduleExecutor(nn.Sequential(nn.Linear(2, 2), Boom(), nn.Linear(2, 2)), [1, 1, 1],
+                                devices=["cpu"] * 3, chunks=4, schedule="1f1b")
+    with pytest.raises(ArithmeticError, match="stage blew up"):
+        executor.step(torch.randn(8, 2))
+    assert set(threading.enumerate()) == before
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(schedule="2f2b"), ValueError, "unknown schedule '2f2b'"),
+    (dict(schedule="interleaved", devices=["cpu"] * 3), ValueError,
+     "interleaved spreads 4 stages over 3 devices"),
+    (dict(schedule="interleaved", devices=["cpu"] * 2, chunks=3), ValueError,
+     r"chunks \(3\) to be a multiple of the device count \(2\)"),
+    (dict(devices=["cpu"] * 2), IndexError, r"too few devices to hold given partitions"),
+    (dict(checkpoint="sometimes"), ValueError, "checkpoint is not one of"),
+    (dict(loss_reduction="max"), ValueError, "loss_reduction is 'mean' or 'sum'"),
+])
+def test_bad_arguments(kwargs, error, message):
+    args = dict(devices=["cpu"] * 4, chunks=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        ScheduleExecutor(plain_model(), [2, 2, 2, 2], **args)
+
+
+def test_fewer_rows_than_chunks_is_refused():
+    executor = ScheduleExecutor(plain_model(), [4, 4], devices=["cpu"] * 2, chunks=8)
+    with pytest.raises(ValueError, match=r"the batch has 4 rows, fewer than chunks \(8\)"):
+        executor.step(torch.randn(4, 6))
