@@ -24,6 +24,9 @@ __all__ = ["Plan", "SkipRoute", "skip_routes"]
 CHECKPOINTS = ("always", "except_last", "never")
 #: Schedules a plan can name: the simulated ones, and stages served as expert backends.
 PLAN_SCHEDULES = (*SCHEDULES, "async-backends")
+#: How a step runs: ``threads`` (the schedule executor, one worker per stage), ``autograd`` (the
+#: ``GPipe`` module: one ``backward()`` call) or ``processes`` (``torch.distributed.pipelining``).
+EXECUTORS = ("threads", "autograd", "processes")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Plan:
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
     virtual_stages: int = 2
+    executor: str = "threads"
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -88,6 +92,11 @@ class Plan:
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {self.checkpoint!r}")
         if self.schedule not in PLAN_SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
+        if self.executor == "autograd" and self.schedule != "gpipe":
+            raise ValueError(f"the autograd executor (the GPipe module) runs only the gpipe schedule, "
+                             f"not {self.schedule!r}: choose executor 'threads'")
         needed = self.num_devices
         if len(self.devices) < needed:
             raise SplitError(f"{self.num_stages} stages need {needed} devices but {len(self.devices)} are chosen "
@@ -145,8 +154,7 @@ class Plan:
         options: dict = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
                              checkpoint="never" if backends else self.checkpoint,
                              devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
-        if backends:
-            options["executor"] = "threads"
+        options["executor"] = "autograd" if self.executor == "autograd" and not backends else "threads"
         options.update(kwargs)
         return simulate(self.layer_table, list(self.splits), **options)
 

@@ -52,7 +52,8 @@ class RunResult:
     def row(self) -> dict[str, Any]:
         return {
             "splits": list(self.plan.splits), "chunks": self.plan.chunks, "checkpoint": self.plan.checkpoint,
-            "schedule": self.plan.schedule, "devices": ",".join(self.plan.devices[: self.plan.num_devices]),
+            "schedule": self.plan.schedule, "executor": self.plan.executor,
+            "devices": ",".join(self.plan.devices[: self.plan.num_devices]),
             **self.metrics,
         }
 
@@ -62,17 +63,22 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
              warmup: int = 1, run: Any = 0) -> RunResult:
     """Train a copy of ``model`` for ``warmup`` + 1 steps as ``plan`` says; measure the last.
 
-    The user's model is never changed: the step runs on a deep copy placed on the plan's
-    devices. ``loss_fn(output, target)`` defines the loss (default: :func:`synthetic_loss`);
+    ``plan.executor`` picks how: ``threads`` (the schedule executor, any schedule), ``autograd``
+    (the ``GPipe`` module) or ``processes`` (one process per stage, ``torch.distributed.pipelining``);
+    schedule ``async-backends`` serves the stages as expert backends. The user's model is never
+    changed: the step runs on a deep copy placed on the plan's devices. ``loss_fn(output, target)`` defines the loss (default: :func:`synthetic_loss`);
     ``optimizer(parameters)`` makes the optimizer (default: SGD, lr=0.01).
     """
     if plan.schedule == "async-backends":
         return _run_backends(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer,
                              warmup=warmup, run=run)
-    if plan.schedule != "gpipe":
-        raise NotImplementedError(
-            f"running the {plan.schedule!r} schedule needs the schedule executor; "
-            "the GPipe module runs 'gpipe' (choose it to run a step, or predict the others)")
+    if plan.executor == "threads":
+        return _run_schedule(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer,
+                             warmup=warmup, run=run)
+    if plan.executor == "processes":
+        from pipexplore.distributed import run_processes
+
+        return run_processes(model, sample, plan, target=target, loss_fn=loss_fn, run=run)
     pipe = GPipe(copy.deepcopy(model), plan.balance, devices=list(plan.devices[: plan.num_stages]),
                  chunks=plan.chunks, checkpoint=plan.checkpoint)
     pipe.train()
@@ -110,6 +116,29 @@ def _result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTen
         "loss": loss,
     }
     return RunResult(plan, measured, loss, predicted, metrics)
+
+
+def _run_schedule(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, target: Any,
+                  loss_fn: Optional[LossFn], optimizer: Optional[OptimizerFactory], warmup: int, run: Any) -> RunResult:
+    """One step through the schedule executor: the plan's schedule, a worker per stage."""
+    from pipexplore.schedule import ScheduleExecutor
+
+    executor = ScheduleExecutor(copy.deepcopy(model), plan.balance, devices=list(plan.devices[: plan.num_devices]),
+                                chunks=plan.chunks, schedule=plan.schedule, checkpoint=plan.checkpoint,
+                                loss_fn=loss_fn or synthetic_loss)
+    opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(executor.parameters())
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = executor.step(sample, target).loss
+        opt.step()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    with tl.record(run=run) as rec:
+        loss = step()
+    return _result(plan, rec.timeline, loss, sample, {str(d) for d in executor.stage_devices})
 
 
 def _run_backends(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, target: Any,

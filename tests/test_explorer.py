@@ -152,11 +152,34 @@ def test_run_button_runs_in_the_background(explorer):
     assert "run 0: step" in explorer.w_status.value
 
 
-def test_non_gpipe_schedules_are_predicted_but_not_run_yet(explorer):
-    explorer.update(schedule="zero-bubble")
-    assert "input_grad" in set(explorer.timeline("predicted")["phase"])
-    with pytest.raises(NotImplementedError, match="needs the schedule executor"):
-        explorer.run()
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_every_schedule_runs_through_the_schedule_executor(explorer, schedule):
+    explorer.update(schedule=schedule)
+    predicted = set(explorer.timeline("predicted")["phase"])
+    row = explorer.run()
+    assert row["executor"] == "threads" and row["schedule"] == schedule
+    assert set(explorer.timeline("measured")["phase"]) == predicted
+
+
+def test_interleaved_runs_on_half_the_devices(explorer):
+    with pytest.raises(ValueError, match=r"stage count \(3\) to be a multiple of virtual_stages \(2\)"):
+        explorer.update(schedule="interleaved")
+    explorer.update(devices=["cpu", "cpu"], schedule="interleaved", chunks=4, splits=[2, 4, 6])  # 4 stages, 2 devices
+    assert explorer.w_schedule.value == "interleaved" and explorer.w_devices.value == "cpu,cpu"
+    row = explorer.run()
+    assert row["devices"] == "cpu,cpu" and set(explorer.timeline("measured")["stage"]) == {0, 1, 2, 3}
+
+
+def test_the_autograd_executor_runs_the_gpipe_module(explorer):
+    row = explorer.run(executor="autograd")
+    assert row["executor"] == "autograd" and explorer.plan.executor == "autograd"
+    with pytest.raises(ValueError, match="the autograd executor .* runs only the gpipe schedule"):
+        explorer.update(schedule="1f1b")
+    assert explorer.plan.schedule == "gpipe"
+    explorer.w_executor.value = "threads"
+    explorer.update(schedule="1f1b")
+    assert explorer.run()["executor"] == "threads"
+    assert explorer.runs["executor"].tolist() == ["autograd", "threads"]
 
 
 def test_exported_gpipe_code_runs_as_is(explorer):
@@ -225,6 +248,7 @@ def test_async_backends_schedule_runs_stages_as_expert_backends():
     ex.update(schedule="gpipe")
     ex.run()
     assert ex.runs["executor"].tolist() == ["backends", "threads"]
+    assert ex.runs["schedule"].tolist() == ["async-backends", "gpipe"]
 
 
 def test_async_backends_refuse_skips_that_cross_stages(explorer):

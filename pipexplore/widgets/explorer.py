@@ -24,7 +24,7 @@ from pipexplore.microbatch import TensorOrTensors
 from pipexplore.plan import Plan
 from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
-from pipexplore.plan import PLAN_SCHEDULES
+from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.splits import SplitError
 from pipexplore.widgets.plots import summary, timeline_figure, update_timeline_figure
@@ -70,7 +70,8 @@ class Explorer:
                  loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
                  devices: Optional[Sequence[str]] = None, chunks: int = 4, checkpoint: str = "except_last",
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
-                 layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3) -> None:
+                 layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
+                 executor: str = "threads") -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"the explorer needs an nn.Sequential, got {type(model).__name__}; "
                             "wrap the layers in nn.Sequential")
@@ -98,7 +99,8 @@ class Explorer:
                 self.notes.append(note)
         for device in devices:
             _as_device(device)  # a device that does not exist is refused here, clearly
-        self._plan = Plan(self.layer_table, tuple(splits), tuple(devices), chunks, checkpoint, schedule)
+        self._plan = Plan(self.layer_table, tuple(splits), tuple(devices), chunks, checkpoint, schedule,
+                          executor=executor)
         self._runs: list[dict[str, Any]] = []
         self._results: list[RunResult] = []
         self._lock = threading.Lock()
@@ -169,20 +171,23 @@ class Explorer:
         """One row per run: the plan, what was measured, and the prediction's error."""
         return pd.DataFrame(self._runs, columns=RUN_COLUMNS)
 
-    def run(self, executor: str = "threads") -> pd.Series:
+    def run(self, executor: Optional[str] = None) -> pd.Series:
         """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
 
-        ``executor``: ``'threads'`` runs it in this process. Errors (a bad device, out of
-        memory, a layer that raises) propagate; the plan and earlier runs are kept.
+        ``executor``: ``'threads'`` (default: the schedule executor, in this process),
+        ``'autograd'`` (the ``GPipe`` module) or ``'processes'`` (one process per stage with
+        ``torch.distributed.pipelining``); it becomes the plan's. Errors (a bad device, out of
+        memory, a layer that raises, a crashed worker) propagate; the plan and earlier runs are kept.
         """
-        if executor not in ("threads",):
-            raise ValueError(f"unknown executor {executor!r}: this version runs 'threads' (in this process)")
+        if executor is not None and executor != self._plan.executor:
+            self.update(executor=executor)
         with self._lock:
             plan = self._plan
             result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
                               optimizer=self.optimizer, run=len(self._runs))
-            used = "backends" if plan.schedule == "async-backends" else executor
-            row = {"run": len(self._runs), "executor": used, **result.row()}
+            row = {"run": len(self._runs), **result.row()}
+            if plan.schedule == "async-backends":
+                row["executor"] = "backends"
             self._runs.append(row)
             self._results.append(result)
         self._refresh_runs()
@@ -223,6 +228,8 @@ class Explorer:
                                        description="checkpoint", layout=W.Layout(width="230px"))
         self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
                                      layout=W.Layout(width="220px"))
+        self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
+                                     layout=W.Layout(width="220px"))
         self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
                                 layout=W.Layout(width="320px"))
         self.w_view = W.ToggleButtons(options=[("time", "time"), ("parameters", "params"), ("activations", "memory")],
@@ -240,7 +247,8 @@ class Explorer:
         self.figure = timeline_figure(plan.predicted, None, _batch_size(self.sample))
 
         for control, name in ((self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
-                              (self.w_schedule, "schedule"), (self.w_devices, "devices")):
+                              (self.w_schedule, "schedule"), (self.w_devices, "devices"),
+                              (self.w_executor, "executor")):
             control.observe(self._on_control(name), names="value")
         self.w_view.observe(lambda change: self._refresh_bar(), names="value")
         self.w_balance_time.on_click(lambda _: self._guard(lambda: self.balance("time")))
@@ -251,7 +259,7 @@ class Explorer:
         self.widget = W.VBox([
             W.HTML(f"<b>pipexplore</b> · {len(self.layer_table)} layers · batch {_batch_size(self.sample)}"),
             W.HBox([self.w_chunks, self.w_checkpoint, self.w_schedule, self.w_devices]),
-            W.HBox([self.w_view, self.w_balance_time, self.w_balance_size]),
+            W.HBox([self.w_executor, self.w_view, self.w_balance_time, self.w_balance_size]),
             self.bar, self.w_stages, self.figure,
             W.HBox([self.w_run, self.w_export_kind, self.w_export]),
             self.w_status, self.w_runs, self.w_code,
@@ -290,6 +298,7 @@ class Explorer:
     def _refresh(self) -> None:
         if not hasattr(self, "bar"):
             return
+        self._sync_controls()
         self._refresh_bar()
         self._refresh_stages()
         update_timeline_figure(self.figure, self._plan.predicted, None, _batch_size(self.sample), rows=(1,))
@@ -383,7 +392,8 @@ class Explorer:
     def _sync_controls(self) -> None:
         plan = self._plan
         for control, value in ((self.w_chunks, plan.chunks), (self.w_checkpoint, plan.checkpoint),
-                               (self.w_schedule, plan.schedule), (self.w_devices, ",".join(plan.devices))):
+                               (self.w_schedule, plan.schedule), (self.w_devices, ",".join(plan.devices)),
+                               (self.w_executor, plan.executor)):
             if control.value != value:
                 control.value = value
 
@@ -402,11 +412,11 @@ class Explorer:
 def explore(model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None, loss_fn: Optional[LossFn] = None,
             optimizer: Optional[OptimizerFactory] = None, devices: Optional[Sequence[str]] = None, chunks: int = 4,
             checkpoint: str = "except_last", schedule: str = "gpipe",
-            splits: Optional[Sequence[int]] = None) -> Explorer:
+            splits: Optional[Sequence[int]] = None, executor: str = "threads") -> Explorer:
     """Build an :class:`Explorer` for ``model`` on ``sample`` (one mini-batch); display it by returning it.
 
     ``loss_fn(output, target)`` defines the training step (default: the mean of the squared
     outputs, for timing); ``optimizer(parameters)`` makes the optimizer (default SGD).
     """
     return Explorer(model, sample, target=target, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
-                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits)
+                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits, executor=executor)
