@@ -9,6 +9,7 @@ from pipexplore.checkpoint import is_checkpointing, is_recomputing
 from pipexplore.gpipe import BalanceError, GPipe
 from pipexplore.profile import profile
 from pipexplore.simulate import simulate
+from pipexplore.schedule import ScheduleExecutor
 from pipexplore.splits import SplitError, balance_to_splits, splits_to_balance
 from pipexplore.timeline import record
 
@@ -38,5 +39,6 @@ def unload_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
 __all__ = [
     "GPipe", "BalanceError", "SplitError", "is_checkpointing", "is_recomputing",
     "record", "profile", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",
+    "ScheduleExecutor",
     "explore", "Explorer", "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
