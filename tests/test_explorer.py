@@ -244,6 +244,8 @@ def test_async_backends_schedule_runs_stages_as_expert_backends():
     assert set(batches["phase"]) == {"forward", "backward"} and set(batches["stage"]) == {0, 1}
     assert batches["tasks"].sum() == 4 * 2 * 2  # 4 micro-batches × 2 stages × forward and backward
     assert (batches["batch_size"] >= 8).all() and (batches["wait"] >= 0).all()
+    hover = [h for trace in ex.figure.data[8:] if trace.hovertext is not None for h in trace.hovertext]
+    assert hover and all("rows from" in h and "waited" in h for h in hover)
     # Beside it, a GPipe run of the same split.
     ex.update(schedule="gpipe")
     ex.run()

@@ -38,17 +38,21 @@ def _traces(frame: Optional[pd.DataFrame]) -> dict[str, dict]:
     stage, device = frame["stage"].to_numpy(), frame["device"].to_numpy()
     microbatch = frame["microbatch"].to_numpy()
     start, end = frame["start"].to_numpy() * 1e3, frame["end"].to_numpy() * 1e3
+    # Expert-backend runs: each bar is a batch the pools formed; say how big and how long it waited.
+    extra = np.array([f"<br>batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms"
+                      for r, t, w in zip(frame["batch_size"], frame["tasks"], frame["wait"])], dtype=object) \
+        if {"batch_size", "tasks", "wait"} <= set(frame.columns) else np.full(len(frame), "", dtype=object)
     out = {}
     for phase in PHASES:
         mask = phase_of == phase
         if not mask.any():
             out[phase] = empty
             continue
-        s, d, i, a, b = stage[mask], device[mask], microbatch[mask], start[mask], end[mask]
+        s, d, i, a, b, e = stage[mask], device[mask], microbatch[mask], start[mask], end[mask], extra[mask]
         out[phase] = dict(
             x=b - a, base=a, y=np.array([f"stage {x} · {y}" for x, y in zip(s, d)], dtype=object),
-            hovertext=np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{t0:.2f} → {t1:.2f} ms ({t1 - t0:.2f} ms)"
-                                for mb, st, t0, t1 in zip(i, s, a, b)], dtype=object),
+            hovertext=np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{t0:.2f} → {t1:.2f} ms ({t1 - t0:.2f} ms){ex}"
+                                for mb, st, t0, t1, ex in zip(i, s, a, b, e)], dtype=object),
         )
     return out
 
