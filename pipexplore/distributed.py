@@ -84,13 +84,26 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], results: Any)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=job["timeout"]))
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        num_stages = len(job["stages"])
-        indices = list(range(rank, num_stages, world))
         stages, params = [], []
-        for s in indices:
-            module = job["stages"][s].to(device)
-            params += list(module.parameters())
-            stages.append(PipelineStage(module, s, num_stages, device))
+        if job.get("traced") is not None:
+            # A traced model: every rank traces the same split and builds its own stages from it.
+            from pipexplore.trace import split
+
+            traced = job["traced"]
+            pipe = split(traced["model"], traced["mb_args"], traced["split_points"])
+            num_stages = pipe.num_stages
+            indices = list(range(rank, num_stages, world))
+            for s in indices:
+                stage = pipe.build_stage(s, device)
+                params += list(stage.submod.parameters())
+                stages.append(stage)
+        else:
+            num_stages = len(job["stages"])
+            indices = list(range(rank, num_stages, world))
+            for s in indices:
+                module = job["stages"][s].to(device)
+                params += list(module.parameters())
+                stages.append(PipelineStage(module, s, num_stages, device))
         spans: list = []
         for stage in stages:
             _timed(stage, spans, "forward_one_chunk", lambda *a, **k: "forward")
@@ -137,7 +150,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], results: Any)
                 pass
 
 
-def run_processes(model: nn.Sequential, sample: torch.Tensor, plan: Plan, *, target: Any = None,
+def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target: Any = None,
                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                   optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
                   warmup: int = 1, timeout: float = 120.0, return_grads: bool = False,
@@ -157,18 +170,29 @@ def run_processes(model: nn.Sequential, sample: torch.Tensor, plan: Plan, *, tar
 
     if plan.schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the processes executor runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
+    traced = not isinstance(model, nn.Sequential)
     crossing = [r for r in plan.skip_routes if r.crosses]
-    if crossing:
+    if crossing and not traced:
         raise ValueError("skip routes that cross stages cannot run in separate processes; move the split points "
                          "so that every stash and its pop share a stage, or trace the model")
     if not torch.is_tensor(sample):
         raise TypeError("the processes executor takes one tensor as the sample")
+    if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
+                         f"{plan.chunks} < {plan.num_stages} stages")
     if sample.size(0) % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {sample.size(0)} rows do not divide into "
                          f"{plan.chunks} chunks")
-    layers = list(copy.deepcopy(model).named_children())  # stages keep the model's layer names
-    points = [0, *plan.splits, len(layers)]
-    stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
+    if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
+        names = [str(n) for n in plan.layer_table["name"]]
+        stages = []
+        tracing = {"model": copy.deepcopy(model), "mb_args": (sample[: sample.size(0) // plan.chunks],),
+                   "split_points": [names[s] for s in plan.splits]}
+    else:
+        layers = list(copy.deepcopy(model).named_children())  # stages keep the model's layer names
+        points = [0, *plan.splits, len(layers)]
+        stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
+        tracing = None
     world = plan.num_devices
     if target is None:  # torch's schedules want a target for the loss; the synthetic loss ignores it
         target = torch.zeros(sample.size(0), 1)
@@ -178,6 +202,7 @@ def run_processes(model: nn.Sequential, sample: torch.Tensor, plan: Plan, *, tar
         "optimizer": optimizer or default_optimizer, "sample": sample.detach().cpu(),
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
         "timeout": timeout, "return_grads": return_grads, "crash_rank": _crash_rank, "hang_rank": _hang_rank,
+        "traced": tracing,
     }
     context = mp.get_context("spawn")
     results = context.Queue()

@@ -69,6 +69,18 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
     changed: the step runs on a deep copy placed on the plan's devices. ``loss_fn(output, target)`` defines the loss (default: :func:`synthetic_loss`);
     ``optimizer(parameters)`` makes the optimizer (default: SGD, lr=0.01).
     """
+    if not isinstance(model, nn.Sequential):
+        if plan.executor != "processes":
+            raise ValueError(f"{type(model).__name__} is not an nn.Sequential: it runs split by torch's tracer in "
+                             "processes; choose executor='processes'")
+        from pipexplore.distributed import run_processes
+        from pipexplore.trace import split
+
+        names = [str(n) for n in plan.layer_table["name"]]
+        batch = _batch_size(sample)
+        # Trace here first: a model that cannot be traced fails fast and clearly, before any process starts.
+        split(copy.deepcopy(model), (sample[: batch // plan.chunks],), [names[s] for s in plan.splits])
+        return run_processes(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, run=run)
     if plan.schedule == "async-backends":
         return _run_backends(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer,
                              warmup=warmup, run=run)

@@ -107,6 +107,8 @@ def test_explorer_runs_the_processes_executor_beside_threads():
 
 def test_bad_plans_are_refused_before_any_process_starts():
     model, x = plain_model(), torch.randn(8, 6)
+    with pytest.raises(ValueError, match=r"Schedule1F1B needs at least as many micro-batches as stages: chunks 2 < 4"):
+        run_processes(model, x, _plan(model, x, [2, 4, 6], ["cpu"] * 4, "1f1b", chunks=2))
     with pytest.raises(ValueError, match="8 rows do not divide into 3 chunks"):
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe", chunks=3))
     assert _children() == []

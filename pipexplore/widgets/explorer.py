@@ -72,12 +72,15 @@ class Explorer:
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
                  executor: str = "threads") -> None:
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(f"the explorer needs an nn.Sequential, got {type(model).__name__}; "
-                            "wrap the layers in nn.Sequential")
-        if len(model) == 0:
-            raise ValueError("the model has no layers to split")
-        verify_skippables(model)
+        # An nn.Sequential is split by layers and runs in any executor; any other model is split at
+        # candidate blocks by torch's tracer and runs in processes (torch.distributed.pipelining).
+        self.traced = not isinstance(model, nn.Sequential)
+        if not self.traced:
+            if len(model) == 0:
+                raise ValueError("the model has no layers to split")
+            verify_skippables(model)
+        elif not isinstance(model, nn.Module):
+            raise TypeError(f"the explorer needs an nn.Module, got {type(model).__name__}")
         self.model = model
         self.sample = sample
         self.target = target
@@ -86,6 +89,15 @@ class Explorer:
         self.notes: list[str] = []
         if loss_fn is None:
             self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
+        if layer_table is None and self.traced:
+            from pipexplore.trace import candidates
+
+            layer_table = candidates(copy.deepcopy(model), (sample,), loss_fn=loss_fn, target=target,
+                                     repeats=profile_repeats)
+            executor = "processes" if executor == "threads" else executor
+            self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
+                              "blocks, split by torch.distributed.pipelining's tracer; runs use one process per "
+                              "stage.")
         self.layer_table = layer_table if layer_table is not None else profile(
             copy.deepcopy(model), sample, repeats=profile_repeats)
         n = len(self.layer_table)
@@ -212,9 +224,31 @@ class Explorer:
         finally:
             self.w_run.disabled = False
 
-    def export(self, kind: str = "gpipe") -> str:
-        """Code that reproduces the current split: ``'gpipe'`` or ``'pipelining'``."""
+    def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
+        """Code that reproduces the current split.
+
+        ``'gpipe'``: a ``GPipe(...)`` (``nn.Sequential`` models); ``'pipelining'``: a
+        ``torch.distributed.pipelining`` split spec and schedule; ``'torchrun'``: a standalone
+        script for ``torchrun --nproc-per-node N`` that imports ``build_model()``,
+        ``get_batch()`` and ``loss_fn()`` from the ``hooks`` module.
+        """
+        if kind == "torchrun":
+            from pipexplore.trace import torchrun_script
+
+            schedule = self._plan.schedule if self._plan.schedule != "async-backends" else "gpipe"
+            return torchrun_script(self.layer_table, list(self._plan.splits), hooks=hooks, chunks=self._plan.chunks,
+                                   schedule=schedule, devices=self._plan.num_devices, steps=steps)
+        if kind == "gpipe" and self.traced:
+            raise ValueError(f"GPipe takes an nn.Sequential; {type(self.model).__name__} exports as 'pipelining' "
+                             "or 'torchrun'")
         return self._plan.to_code(kind)
+
+    @property
+    def module_fqns_per_model_part(self) -> list[list[str]]:
+        """The current split as torchtitan's ``module_fqns_per_model_part``."""
+        from pipexplore.trace import module_fqns_per_model_part
+
+        return module_fqns_per_model_part(self.layer_table, list(self._plan.splits))
 
     # ---- the widget ---------------------------------------------------------------------
     def _build_widget(self) -> None:
@@ -319,9 +353,24 @@ class Explorer:
             f"<td>{_fmt_bytes(s.activation_bytes)}</td></tr>" for s in stages.itertuples())
         skips = (f"{len(crossing)} of {len(self._plan.skip_routes)} skip routes cross stages (copied)"
                  if self._plan.skip_routes else "no skip routes")
+        shared = self.shared_parameters()
+        if shared:
+            skips += "<br>⚠ parameters used by several stages: " + ", ".join(
+                f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
         self.w_stages.value = (
             "<table class='pipexplore-stages'><tr><th>stage</th><th>device</th><th>layers</th>"
             "<th>fwd+bwd</th><th>params</th><th>activations</th></tr>" + rows + f"</table><div>{skips}</div>")
+
+    def shared_parameters(self) -> dict[str, list[int]]:
+        """Parameters used by blocks of more than one stage (tied weights), with those stages."""
+        if "shared" not in self.layer_table:
+            return {}
+        stage_of = [sum(1 for s in self._plan.splits if s <= k) for k in range(len(self.layer_table))]
+        users: dict[str, set[int]] = {}
+        for k, names in enumerate(self.layer_table["shared"]):
+            for name in filter(None, str(names).split(",")):
+                users.setdefault(name, set()).add(stage_of[k])
+        return {name: sorted(st) for name, st in users.items() if len(st) > 1}
 
     def _refresh_runs(self) -> None:
         if not hasattr(self, "w_runs"):
