@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import time
-import pathlib
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-
 from common import machine
-from models import SleepFIW
+from pipexplore.examples import SleepLayer as SleepFIW
 
 import pipexplore
 from pipexplore import timeline as tl

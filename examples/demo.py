@@ -11,44 +11,11 @@ import time
 import torch
 from torch import nn
 
-from pipexplore import GPipe
-from pipexplore.skip import Namespace, pop, skippable, stash
-
-
-@skippable(stash=["skip"])
-class Down(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        y = torch.relu(self.linear(x))
-        yield stash("skip", y)
-        return y
-
-
-@skippable(pop=["skip"])
-class Up(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        skip = yield pop("skip")
-        return torch.relu(self.linear(x)) + skip
+from pipexplore import GPipe, examples
 
 
 def unet(width: int = 64) -> nn.Sequential:
-    outer, inner = Namespace(), Namespace()
-    return nn.Sequential(
-        nn.Linear(16, width),
-        Down(width).isolate(outer),
-        Down(width).isolate(inner),
-        nn.Linear(width, width),
-        Up(width).isolate(inner),
-        Up(width).isolate(outer),
-        nn.Linear(width, 4),
-    )
+    return examples.unet(width=width, depth=2)
 
 
 def describe(pipe: GPipe) -> None:
@@ -69,9 +36,10 @@ def main() -> None:
     model = unet()
     reference = copy.deepcopy(model)
     pipe = GPipe(model, balance=[2, 3, 2], devices=["cpu", "cpu", "cpu"], chunks=4, checkpoint="except_last")
+    print("model: Linear, Down, Down, Linear, Up, Up, Linear (two nested skip connections)")
     describe(pipe)
 
-    x, target = torch.randn(64, 16), torch.randn(64, 4)
+    x, target = torch.randn(64, 16), torch.randn(64, 16)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05)
     for step in range(5):
         start = time.perf_counter()

@@ -147,29 +147,4 @@ class SleepFB(nn.Module):
         return _SleepBackward.apply(x * self.scale, self.backward_seconds)
 
 
-class _SleepIdentity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class SleepFIW(nn.Module):
-    """Sleeps ``forward`` in forward, ``input_grad`` on the input's gradient path and
-    ``weight_grad`` on the weight's, so zero-bubble's I and W each take a known time."""
-
-    def __init__(self, forward: float, input_grad: float, weight_grad: float) -> None:
-        super().__init__()
-        self.seconds = (forward, input_grad, weight_grad)
-        self.gain = nn.Parameter(torch.ones(()))  # keeps the input path in backward on the first stage too
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        forward, input_grad, weight_grad = self.seconds
-        time.sleep(forward)
-        return _SleepIdentity.apply(x * self.gain, input_grad) * _SleepIdentity.apply(self.scale, weight_grad)
+from pipexplore.examples import SleepLayer as SleepFIW  # noqa: E402,F401  (layers of known cost)

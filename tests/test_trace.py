@@ -83,7 +83,7 @@ def test_data_dependent_control_flow_fails_with_a_clear_message():
     with pytest.raises(trace.TraceError) as info:
         trace.split(Branchy(), (tokens[:2],), ["layers.0"])
     message = str(info.value)
-    assert message.startswith("could not trace Branchy into one graph to split it")
+    assert message.startswith("could not trace BranchyTransformer into one graph to split it")
     assert "data-dependent control flow" in message and "pipe_split()" in message and "PipelineStage" in message
 
 
@@ -162,7 +162,7 @@ def test_explorer_stays_usable_when_tracing_fails():
     ex = explore(Branchy(), tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4, splits=[2])
     ex.w_run.click()
     ex._thread.join(timeout=120)
-    assert "TraceError: could not trace Branchy" in ex.w_status.value
+    assert "TraceError: could not trace BranchyTransformer" in ex.w_status.value
     assert ex.splits == [2] and ex.runs.empty
     ex.splits = [3]  # still usable
     assert ex.plan.balance == [3, len(ex.layer_table) - 3]
