@@ -9,7 +9,7 @@ demo: setup
 
 test: setup
 	@bash scripts/browser.sh
-	.venv/bin/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+	.venv/bin/python -m pytest -q tests notebooks --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 
 bench: setup
 	bash benchmarks/run_all.sh

@@ -208,8 +208,10 @@ def test_exported_pipelining_split_traces_to_the_same_stages(explorer):
 
 
 def test_explorer_refuses_bad_models():
-    with pytest.raises(TypeError, match="the explorer needs an nn.Sequential, got Linear"):
-        Explorer(nn.Linear(2, 2), torch.randn(2, 2))
+    with pytest.raises(ValueError, match="Linear has no child modules to split between"):
+        Explorer(nn.Linear(2, 2), torch.randn(2, 2))  # not a Sequential: traced, but it has no blocks
+    with pytest.raises(TypeError, match="the explorer needs an nn.Module, got function"):
+        Explorer(lambda x: x, torch.randn(2, 2))
     broken = unet_model()
     del broken[5]
     with pytest.raises(TypeError, match="one or more pairs of stash and pop do not match"):

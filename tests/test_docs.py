@@ -1,0 +1,38 @@
+"""The tour stays whole: every notebook is listed in the README and run by the README's test command."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _test_command() -> str:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S)
+    assert block, "README opens with a bash block of the two commands"
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert len(commands) == 2, f"README opens with exactly two commands, found {commands}"
+    return commands[1]
+
+
+def test_every_notebook_is_listed_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) >= 5
+    for name in notebooks:
+        assert f"(notebooks/{name})" in readme, f"{name} is not linked from README.md"
+
+
+def test_the_test_command_runs_every_notebook_under_nbval():
+    command = _test_command()
+    assert command == "make test"
+    recipe = re.search(r"^test:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    pytest_line = next(line for line in recipe.splitlines() if "pytest" in line)
+    assert " notebooks " in f" {pytest_line} " and "--nbval-lax" in pytest_line
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+
+
+def test_binder_installs_the_package_with_cpu_torch():
+    requirements = (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+    assert "-e ." in requirements and "torch==2.13.0" in requirements
