@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from common import interleaved, machine
+from common import machine
 
 import pipexplore.timeline as tl
 from pipexplore import GPipe
@@ -46,7 +46,7 @@ def recording_overhead(devices: list[str], repeats: int) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    for k in range(repeats + 2):
+    for _ in range(repeats + 2):
         times["without"].append(step())
         recorder = tl.record()
         rec = recorder.__enter__()

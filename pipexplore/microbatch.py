@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Sequence, Union, cast
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "check", "scatter", "gather", "TensorOrTensors"]
+__all__ = ["Batch", "check", "scatter", "gather", "to_device", "TensorOrTensors"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -134,3 +134,12 @@ def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
         return torch.cat([b.tensor for b in outputs])
     columns = zip(*(b.tensors for b in outputs))
     return tuple(torch.cat(column) for column in columns)
+
+
+def to_device(value: typing.Any, device: torch.device) -> typing.Any:
+    """Move a tensor, or each tensor of a (nested) tuple, to ``device``; anything else as it is."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    return value

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipexplore import timeline as tl
 from pipexplore.gpipe import GPipe
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore.microbatch import TensorOrTensors, to_device
 from pipexplore.plan import Plan
 
 __all__ = ["RunResult", "run_step", "synthetic_loss"]
@@ -27,12 +27,13 @@ def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
     return sum(o.float().pow(2).mean() for o in outputs if torch.is_tensor(o) and o.is_floating_point())  # type: ignore[return-value]
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value
+def _measure(step: Callable[[], float], warmup: int, run: Any) -> tuple[pd.DataFrame, float]:
+    """Run ``warmup`` steps, then one more under :func:`pipexplore.record`; its timeline and loss."""
+    for _ in range(warmup):
+        step()
+    with tl.record(run=run) as rec:
+        loss = step()
+    return rec.timeline, loss
 
 
 def _batch_size(sample: TensorOrTensors) -> int:
@@ -96,21 +97,18 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
     pipe.train()
     loss_fn = loss_fn or synthetic_loss
     opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(pipe.parameters())
-    x = _to(sample, pipe.devices[0])
-    y = _to(target, pipe.devices[-1])
+    x = to_device(sample, pipe.devices[0])
+    y = to_device(target, pipe.devices[-1])
 
-    def step() -> torch.Tensor:
+    def step() -> float:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(pipe(x), y)
         loss.backward()
         opt.step()
-        return loss
+        return float(loss.detach())
 
-    for _ in range(warmup):
-        step()
-    with tl.record(run=run) as rec:
-        loss = step()
-    return _result(plan, rec.timeline, float(loss.detach()), sample, {str(d) for d in pipe.devices})
+    timeline, loss = _measure(step, warmup, run)
+    return _result(plan, timeline, loss, sample, {str(d) for d in pipe.devices})
 
 
 def _result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str]) -> RunResult:
@@ -146,11 +144,8 @@ def _run_schedule(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, 
         opt.step()
         return loss
 
-    for _ in range(warmup):
-        step()
-    with tl.record(run=run) as rec:
-        loss = step()
-    return _result(plan, rec.timeline, loss, sample, {str(d) for d in executor.stage_devices})
+    timeline, loss = _measure(step, warmup, run)
+    return _result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices})
 
 
 def _run_backends(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, target: Any,

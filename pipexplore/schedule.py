@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from pipexplore import timeline as tl
 from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, has_randomness, restore_rng_states, save_rng_states
 from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
-from pipexplore.microbatch import Batch
+from pipexplore.microbatch import Batch, to_device
+from pipexplore.run import synthetic_loss
 from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
@@ -325,7 +326,7 @@ class ScheduleExecutor:
     def _forward(self, stage: int, i: int) -> None:
         device = self.stage_devices[stage]
         if stage == 0:
-            x = _to(self._inputs[i], device)
+            x = to_device(self._inputs[i], device)
         else:
             x = self._box(("act", stage, i)).get(device)
         state = self._states.setdefault((stage, i), _State())
@@ -367,8 +368,8 @@ class ScheduleExecutor:
                 raise TypeError("the schedule executor passes one tensor between stages; stage "
                                 f"{stage} returned {type(output).__name__}")
             return [output]
-        loss_fn = self.loss_fn or _synthetic_loss
-        loss = loss_fn(output, _to(self._targets[i], self.stage_devices[stage]))
+        loss_fn = self.loss_fn or synthetic_loss
+        loss = loss_fn(output, to_device(self._targets[i], self.stage_devices[stage]))
         self._losses[i] = float(loss.detach())
         return [loss * self._weights[i]]
 
@@ -436,15 +437,3 @@ def _leaf(x: Any) -> Any:
     return tuple(_leaf(t) for t in x)
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value
-
-
-def _synthetic_loss(output: Any, target: Any = None) -> Tensor:
-    from pipexplore.run import synthetic_loss
-
-    return synthetic_loss(output, target)

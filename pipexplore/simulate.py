@@ -237,7 +237,6 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     fwd = costs["forward"].to_numpy() / scale
     bwd = costs["backward"].to_numpy() / scale
     duration = {"F": fwd, "R": fwd, "B": bwd, "I": bwd / 2, "W": bwd / 2}
-    out_bytes = costs["activation_bytes"].to_numpy()
     edge_bytes = [float(layer_table["output_bytes"].iloc[b]) / scale if "output_bytes" in layer_table else 0.0
                   for b in costs["last_layer"]]
     copy_in = [_copy_seconds(copy_cost, stage_device[s - 1], stage_device[s], edge_bytes[s - 1]) if s else 0.0

@@ -26,8 +26,7 @@ from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
-from pipexplore.splits import SplitError
-from pipexplore.widgets.plots import summary, timeline_figure, update_timeline_figure
+from pipexplore.widgets.plots import timeline_figure, update_timeline_figure
 from pipexplore.widgets.splitbar import SplitBar
 
 __all__ = ["Explorer", "explore", "RUN_COLUMNS"]
@@ -149,7 +148,7 @@ class Explorer:
         return self._plan
 
     def _set_plan(self, plan: Plan) -> None:
-        plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
+        _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
         self._plan = plan
         self._refresh()
 

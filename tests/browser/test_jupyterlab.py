@@ -11,7 +11,6 @@ import re
 import os
 import pathlib
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
