@@ -305,17 +305,16 @@ class ScheduleExecutor:
                 self._timed(stage, "R", i, lambda: self._run(stage, i, self._states[(stage, i)], recomputing=True))
             self._timed(stage, kind, i, lambda: self._backward(stage, i, received, split=kind == "I"))
 
-    def _receive_grads(self, stage: int, i: int) -> list[Any]:
-        """The gradient of the stage's output, then of each skip it stashed for a later stage."""
-        state = self._states[(stage, i)]
+    def _receive_grads(self, stage: int, i: int) -> tuple[Optional[Tensor], dict[Key, Tensor]]:
+        """The gradient of the stage's output (None for the loss), and of each skip it stashed
+        for a later stage."""
         device = self.stage_devices[stage]
         last = stage == len(self.partitions) - 1
-        grads = [None if last else self._box(("grad", stage, i)).get(device)]
-        for route_key, (stash_stage, pop_stage) in self.skip_layout.by_ns_name.items():
-            if stash_stage == stage and pop_stage != stage:
-                grads.append((route_key, self._skip_box(i, route_key[0], route_key[1], grad=True).get(device)))
-        del state
-        return grads
+        output_grad = None if last else self._box(("grad", stage, i)).get(device)
+        skip_grads = {key: self._skip_box(i, key[0], key[1], grad=True).get(device)
+                      for key, (stash_stage, pop_stage) in self.skip_layout.by_ns_name.items()
+                      if stash_stage == stage and pop_stage != stage}
+        return output_grad, skip_grads
 
     def _timed(self, stage: int, kind: str, i: int, action: Callable[[], None]) -> None:
         done = self._span(stage, PHASE[kind], i)
@@ -373,12 +372,13 @@ class ScheduleExecutor:
         self._losses[i] = float(loss.detach())
         return [loss * self._weights[i]]
 
-    def _backward(self, stage: int, i: int, received: list[Any], *, split: bool) -> None:
+    def _backward(self, stage: int, i: int, received: tuple[Optional[Tensor], dict[Key, Tensor]], *,
+                  split: bool) -> None:
         """B (``split=False``): the whole backward. I (``split=True``): input gradients only, the
         weight gradients left to W through the saved parameter groups."""
         state = self._states[(stage, i)]
-        skip_grads = dict(received[1:])
-        tensors, grads = list(state.outputs), [received[0]]
+        output_grad, skip_grads = received
+        tensors, grads = list(state.outputs), [output_grad]
         for key, tensor in state.outgoing.items():
             tensors.append(tensor)
             grads.append(skip_grads[key])
