@@ -343,13 +343,33 @@ class Explorer:
             self.bar.stage_totals = self._stage_totals(self.w_view.value)
             self.bar.error = self.last_error
 
-    def _refresh_stages(self) -> None:
+    def stage_table(self) -> pd.DataFrame:
+        """Per stage: device, layers, time, parameters, activations, predicted peak activation
+        memory, and the measured peak of its device in the latest run (where the device reports it)."""
         stages = self._plan.stages
+        predicted = self._plan.predicted
+        peak_predicted = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)
+        measured = self._results[-1].timeline.attrs.get("peak_memory", {}) if self._results else {}
+        return pd.DataFrame({
+            "stage": stages["stage"], "device": stages["device"],
+            "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
+            "fwd+bwd": stages["forward"] + stages["backward"], "params": stages["param_bytes"],
+            "activations": stages["activation_bytes"],
+            "peak activations (predicted)": [float(peak_predicted.get(s, math.nan)) for s in stages["stage"]],
+            "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
+        })
+
+    def _refresh_stages(self) -> None:
+        table = self.stage_table()
         crossing = [r for r in self._plan.skip_routes if r.crosses]
+
+        def size(v: float) -> str:
+            return "–" if math.isnan(v) else _fmt_bytes(v)
+
         rows = "".join(
-            f"<tr><td>{s.stage}</td><td>{s.device}</td><td>{s.first_layer}–{s.last_layer}</td>"
-            f"<td>{(s.forward + s.backward) * 1e3:.2f} ms</td><td>{_fmt_bytes(s.param_bytes)}</td>"
-            f"<td>{_fmt_bytes(s.activation_bytes)}</td></tr>" for s in stages.itertuples())
+            f"<tr><td>{stage}</td><td>{device}</td><td>{layers}</td><td>{seconds * 1e3:.2f} ms</td>"
+            f"<td>{size(params)}</td><td>{size(act)}</td><td>{size(peak)}</td><td>{size(measured)}</td></tr>"
+            for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None))
         skips = (f"{len(crossing)} of {len(self._plan.skip_routes)} skip routes cross stages (copied)"
                  if self._plan.skip_routes else "no skip routes")
         shared = self.shared_parameters()
@@ -357,8 +377,9 @@ class Explorer:
             skips += "<br>⚠ parameters used by several stages: " + ", ".join(
                 f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
         self.w_stages.value = (
-            "<table class='pipexplore-stages'><tr><th>stage</th><th>device</th><th>layers</th>"
-            "<th>fwd+bwd</th><th>params</th><th>activations</th></tr>" + rows + f"</table><div>{skips}</div>")
+            "<table class='pipexplore-stages'><tr><th>stage</th><th>device</th><th>layers</th><th>fwd+bwd</th>"
+            "<th>params</th><th>activations</th><th>peak act. (predicted)</th><th>peak memory (measured)</th></tr>"
+            + rows + f"</table><div>{skips}</div>")
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by blocks of more than one stage (tied weights), with those stages."""
@@ -388,6 +409,7 @@ class Explorer:
         self.w_runs.value = "<div class='pipexplore-runs'>" + shown.to_html(index=False) + "</div>"
         if self._results:
             update_timeline_figure(self.figure, None, self._results[-1].timeline, _batch_size(self.sample), rows=(2,))
+            self._refresh_stages()
 
     def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:
         color = "#b00020" if error else "#333"
