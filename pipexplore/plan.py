@@ -79,6 +79,9 @@ class Plan:
     schedule: str = "gpipe"
     virtual_stages: int = 2
     executor: str = "threads"
+    #: Seconds each compute action costs beyond its layers, learnt from a measured run (see
+    #: :meth:`calibrated`); 0 predicts from the layer costs alone.
+    action_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -155,8 +158,23 @@ class Plan:
                              checkpoint="never" if backends else self.checkpoint,
                              devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
         options["executor"] = "autograd" if self.executor == "autograd" and not backends else "threads"
+        options["action_overhead"] = self.action_overhead
         options.update(kwargs)
         return simulate(self.layer_table, list(self.splits), **options)
+
+    def calibrated(self, measured: pd.DataFrame) -> "Plan":
+        """This plan with ``action_overhead`` learnt from a measured timeline of it: the mean
+        time a compute action took beyond what the layer costs predict (never below zero)."""
+        from pipexplore.timeline import COMPUTE_PHASES
+
+        base = self.with_options(action_overhead=0.0).predicted
+        def total(frame: pd.DataFrame) -> tuple[float, int]:
+            compute = frame[frame["phase"].isin(COMPUTE_PHASES)]
+            return float((compute["end"] - compute["start"]).sum()), len(compute)
+        measured_time, actions = total(measured)
+        predicted_time, _ = total(base)
+        overhead = max(0.0, (measured_time - predicted_time) / actions) if actions else 0.0
+        return self.with_options(action_overhead=overhead)
 
     # -- changes ------------------------------------------------------------------------
     def with_splits(self, splits: Sequence[int]) -> "Plan":

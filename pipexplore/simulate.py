@@ -139,7 +139,7 @@ def _copy_seconds(copy_cost: Optional[float], a: str, b: str, nbytes: float) -> 
 def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
              checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
-             cpu_stages_overlap: bool = False, per_microbatch: bool = False,
+             cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
              run: Union[int, str] = "predicted") -> pd.DataFrame:
     """Predict the timeline of one training step.
 
@@ -159,6 +159,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         executor: ``autograd`` (the ``GPipe`` module: CPU backward runs on one thread) or
             ``threads`` (the schedule executor: each stage's backward in its own worker).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
+        action_overhead: seconds every compute action costs beyond its layers (the executor's own
+            work: scheduling, Python, autograd bookkeeping), e.g. as measured by an earlier run.
         cpu_stages_overlap: whether CPU stages run in parallel (a lane each). By default the CPU
             is one device whose cores every stage shares, as it is for compute-bound layers
             profiled on all cores; set it for layers that leave the CPU free (sleeps, I/O,
@@ -236,7 +238,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     scale = 1 if per_microbatch else m
     fwd = costs["forward"].to_numpy() / scale
     bwd = costs["backward"].to_numpy() / scale
-    duration = {"F": fwd, "R": fwd, "B": bwd, "I": bwd / 2, "W": bwd / 2}
+    if action_overhead < 0:
+        raise ValueError(f"action_overhead must be non-negative, got {action_overhead}")
+    duration = {"F": fwd + action_overhead, "R": fwd + action_overhead, "B": bwd + action_overhead,
+                "I": bwd / 2 + action_overhead, "W": bwd / 2 + action_overhead}
     edge_bytes = [float(layer_table["output_bytes"].iloc[b]) / scale if "output_bytes" in layer_table else 0.0
                   for b in costs["last_layer"]]
     copy_in = [_copy_seconds(copy_cost, stage_device[s - 1], stage_device[s], edge_bytes[s - 1]) if s else 0.0

@@ -278,3 +278,18 @@ def test_stage_table_shows_predicted_peak_activations_per_stage(explorer):
     measured = explorer.stage_table()["peak memory (measured)"]
     if not torch.cuda.is_available():
         assert measured.isna().all()  # the CPU reports no peak: shown as "–"
+
+
+def test_runs_calibrate_later_predictions():
+    from torch import nn as _nn
+
+    model = _nn.Sequential(*[_nn.Linear(8, 8) for _ in range(6)])  # tiny: executor overhead dominates
+    ex = explore(model, torch.randn(16, 8), devices=["cpu", "cpu"], splits=[3], chunks=4)
+    assert ex.plan.action_overhead == 0.0
+    first = ex.run()
+    assert ex.plan.action_overhead > 0
+    second = ex.run()
+    assert abs(second["prediction_error"]) < abs(first["prediction_error"])
+    uncalibrated = explore(model, torch.randn(16, 8), devices=["cpu", "cpu"], splits=[3], chunks=4, calibrate=False)
+    uncalibrated.run()
+    assert uncalibrated.plan.action_overhead == 0.0

@@ -150,3 +150,14 @@ def test_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         simulate(uniform(4), [1, 2, 3], **args)
+
+
+def test_action_overhead_lengthens_every_compute_action():
+    p, m, overhead = 3, 4, 0.1
+    t = simulate(uniform(p), [1, 2], chunks=m, checkpoint="never", executor="threads", cpu_stages_overlap=True,
+                 action_overhead=overhead)
+    compute = t[t.phase != "copy"]
+    assert ((compute.end - compute.start) - overhead).round(9).isin([1 / m, 2 / m]).all()
+    assert step_time(t) == pytest.approx((m + p - 1) * (3 / m + 2 * overhead))
+    with pytest.raises(ValueError, match="action_overhead must be non-negative"):
+        simulate(uniform(p), [1, 2], chunks=m, action_overhead=-1.0)

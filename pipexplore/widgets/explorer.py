@@ -55,7 +55,10 @@ def _batch_size(sample: TensorOrTensors) -> int:
 
 
 class Explorer:
-    """See and tune the pipeline split of an ``nn.Sequential``.
+    """See and tune the pipeline split of an ``nn.Sequential`` (or, traced, of any model).
+
+    With ``calibrate`` (the default), each run teaches the predictions the executor's own cost per
+    action (``plan.action_overhead``), so later predictions of small models come closer.
 
     Example::
 
@@ -70,7 +73,7 @@ class Explorer:
                  devices: Optional[Sequence[str]] = None, chunks: int = 4, checkpoint: str = "except_last",
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
-                 executor: str = "threads") -> None:
+                 executor: str = "threads", calibrate: bool = True) -> None:
         # An nn.Sequential is split by layers and runs in any executor; any other model is split at
         # candidate blocks by torch's tracer and runs in processes (torch.distributed.pipelining).
         self.traced = not isinstance(model, nn.Sequential)
@@ -82,6 +85,7 @@ class Explorer:
             raise TypeError(f"the explorer needs an nn.Module, got {type(model).__name__}")
         self.model = model
         self.sample = sample
+        self.calibrate = calibrate
         self.target = target
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -201,6 +205,10 @@ class Explorer:
                 row["executor"] = "backends"
             self._runs.append(row)
             self._results.append(result)
+            if self.calibrate and plan.schedule != "async-backends" and self._plan == plan:
+                # Later predictions include the executor's own cost per action, as this run measured it.
+                self._plan = plan.calibrated(result.timeline)
+        self._refresh()
         self._refresh_runs()
         return pd.Series(row)
 
@@ -482,11 +490,13 @@ class Explorer:
 def explore(model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None, loss_fn: Optional[LossFn] = None,
             optimizer: Optional[OptimizerFactory] = None, devices: Optional[Sequence[str]] = None, chunks: int = 4,
             checkpoint: str = "except_last", schedule: str = "gpipe",
-            splits: Optional[Sequence[int]] = None, executor: str = "threads") -> Explorer:
+            splits: Optional[Sequence[int]] = None, executor: str = "threads", calibrate: bool = True) -> Explorer:
     """Build an :class:`Explorer` for ``model`` on ``sample`` (one mini-batch); display it by returning it.
 
     ``loss_fn(output, target)`` defines the training step (default: the mean of the squared
     outputs, for timing); ``optimizer(parameters)`` makes the optimizer (default SGD).
+    ``calibrate``: let each run teach later predictions the executor's cost per action.
     """
     return Explorer(model, sample, target=target, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
-                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits, executor=executor)
+                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits, executor=executor,
+                    calibrate=calibrate)
