@@ -191,6 +191,15 @@ class _Recompute(torch.autograd.Function):
         return (None,) * (5 + len(input))
 
 
+def rng_locks(partitions: list[torch.nn.Module], devices: list[torch.device]) -> list[Optional[threading.Lock]]:
+    """One lock per device, for the partitions that draw random numbers on a device they share
+    with another partition: held while checkpointed, so recomputation replays the same masks."""
+    locks: dict[torch.device, threading.Lock] = {}
+    shared = {d for d in devices if devices.count(d) > 1}
+    return [locks.setdefault(d, threading.Lock()) if d in shared and has_randomness(p) else None
+            for p, d in zip(partitions, devices)]
+
+
 def has_randomness(module: torch.nn.Module) -> bool:
     """Whether ``module`` holds layers that draw from the RNG in training (dropout and kin)."""
     random_types: tuple[type, ...] = (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)

@@ -1,7 +1,6 @@
 """GPipe: an ``nn.Sequential`` split into partitions on devices, run over micro-batches."""
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union, cast
 
@@ -10,7 +9,7 @@ from torch import nn
 
 from pipexplore import microbatch
 from pipexplore.batchnorm import DeferredBatchNorm
-from pipexplore.checkpoint import has_randomness
+from pipexplore.checkpoint import rng_locks
 from pipexplore.microbatch import TensorOrTensors
 from pipexplore.pipeline import Pipeline
 from pipexplore.skip.layout import SkipLayout, inspect_skip_layout
@@ -169,17 +168,7 @@ class GPipe(nn.Module):
         self.balance = balance
         self._copy_streams: list[list[AbstractStream]] = []
         self._skip_layout: SkipLayout = inspect_skip_layout(list(self.partitions))
-        self._rng_locks = self._make_rng_locks()
-
-    def _make_rng_locks(self) -> list[Optional[threading.Lock]]:
-        # Partitions that share a device share its random generator: those that draw from it
-        # take turns while checkpointed, so that recomputation replays the same masks.
-        locks: dict[torch.device, threading.Lock] = {}
-        shared = {d for d in self.devices if self.devices.count(d) > 1}
-        return [
-            locks.setdefault(d, threading.Lock()) if d in shared and has_randomness(p) else None
-            for p, d in zip(self.partitions, self.devices)
-        ]
+        self._rng_locks = rng_locks(list(self.partitions), self.devices)
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.partitions)

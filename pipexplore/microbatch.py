@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Sequence, Union, cast
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "check", "scatter", "gather", "to_device", "TensorOrTensors"]
+__all__ = ["Batch", "check", "scatter", "gather", "to_device", "tensors_in", "batch_size", "TensorOrTensors"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -134,6 +134,22 @@ def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
         return torch.cat([b.tensor for b in outputs])
     columns = zip(*(b.tensors for b in outputs))
     return tuple(torch.cat(column) for column in columns)
+
+
+def tensors_in(value: typing.Any) -> list[Tensor]:
+    """Every tensor in a value: a tensor, or nested tuples, lists and dicts of them."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
+
+
+def batch_size(value: TensorOrTensors) -> int:
+    """Rows of a mini-batch: dim 0 of the tensor, or of the first tensor of a tuple."""
+    return int((value if torch.is_tensor(value) else value[0]).size(0))
 
 
 def to_device(value: typing.Any, device: torch.device) -> typing.Any:

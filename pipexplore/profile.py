@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from pipexplore.microbatch import Batch, TensorOrTensors
+from pipexplore.microbatch import Batch, TensorOrTensors, tensors_in
 from pipexplore.skip.skippable import Skippable
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -22,14 +22,6 @@ LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "back
 def _keys(pairs: Any) -> str:
     """Skip names qualified by namespace (``name@id``), so that isolated names pair up right."""
     return ",".join(f"{name}@{'' if ns is None else ns.id.hex[:12]}" for ns, name in pairs)
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _detach(value: TensorOrTensors) -> TensorOrTensors:
@@ -62,7 +54,7 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
             output = module(_detach(value))
             _sync(target)
             t1 = time.perf_counter()
-            outs = [t for t in _tensors(output) if t.requires_grad]
+            outs = [t for t in tensors_in(output) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _sync(target)
@@ -105,7 +97,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         module.to(device)
     first_param = next(module.parameters(), None)
     target = torch.device(device) if device is not None else (first_param.device if first_param is not None
-                                                               else _tensors(sample)[0].device)
+                                                               else tensors_in(sample)[0].device)
     deadline = None if timeout is None else time.perf_counter() + timeout
     per_layer_budget = None if timeout is None else timeout / len(module)
 
@@ -130,7 +122,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             _sync(target)
             t1 = time.perf_counter()
             stashed = {key: t for key, t in tracker.tensors.items() if key not in skips}
-            outs = [t for t in _tensors(output) + list(stashed.values()) if t.requires_grad]
+            outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _sync(target)
@@ -148,7 +140,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             "name": name,
             "type": type(layer).__name__,
             "param_bytes": _bytes(list(layer.parameters())),
-            "output_bytes": _bytes(_tensors(output)) + _bytes(list(stashed.values())),
+            "output_bytes": _bytes(tensors_in(output)) + _bytes(list(stashed.values())),
             "forward": statistics.median(forward_times),
             "backward": statistics.median(backward_times),
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipexplore import timeline as tl
 from pipexplore.gpipe import GPipe
-from pipexplore.microbatch import TensorOrTensors, to_device
+from pipexplore.microbatch import TensorOrTensors, batch_size, to_device
 from pipexplore.plan import Plan
 
 __all__ = ["RunResult", "run_step", "synthetic_loss"]
@@ -34,10 +34,6 @@ def _measure(step: Callable[[], float], warmup: int, run: Any) -> tuple[pd.DataF
     with tl.record(run=run) as rec:
         loss = step()
     return rec.timeline, loss
-
-
-def _batch_size(sample: TensorOrTensors) -> int:
-    return int((sample if torch.is_tensor(sample) else sample[0]).size(0))
 
 
 @dataclass
@@ -78,7 +74,7 @@ def run_step(model: nn.Sequential, sample: TensorOrTensors, plan: Plan, *, targe
         from pipexplore.trace import split
 
         names = [str(n) for n in plan.layer_table["name"]]
-        batch = _batch_size(sample)
+        batch = batch_size(sample)
         # Trace here first: a model that cannot be traced fails fast and clearly, before any process starts.
         split(copy.deepcopy(model), (sample[: batch // plan.chunks],), [names[s] for s in plan.splits])
         return run_processes(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, run=run)
@@ -119,7 +115,7 @@ def _result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTen
     metrics = {
         "step_time": step_seconds,
         "bubble": tl.bubble_fraction(measured),
-        "throughput": tl.throughput(measured, _batch_size(sample)),
+        "throughput": tl.throughput(measured, batch_size(sample)),
         "peak_memory": max((v for d, v in peak.items() if d in used), default=math.nan),
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,

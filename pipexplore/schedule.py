@@ -31,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import timeline as tl
-from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, has_randomness, restore_rng_states, save_rng_states
+from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks, save_rng_states
 from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
-from pipexplore.microbatch import Batch, to_device
+from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
 from pipexplore.run import synthetic_loss
 from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
 from pipexplore.skip.layout import inspect_skip_layout
@@ -183,10 +183,7 @@ class ScheduleExecutor:
         self.loss_reduction = loss_reduction
         self.skip_layout = inspect_skip_layout(self.partitions)
         self.copy_streams = [new_stream(d) for d in self.stage_devices]
-        locks: dict[torch.device, threading.Lock] = {}
-        shared = {d for d in self.stage_devices if self.stage_devices.count(d) > 1}
-        self.rng_locks = [locks.setdefault(d, threading.Lock()) if d in shared and has_randomness(p) else None
-                          for p, d in zip(self.partitions, self.stage_devices)]
+        self.rng_locks = rng_locks(self.partitions, self.stage_devices)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for partition in self.partitions for p in partition.parameters()]
@@ -198,13 +195,13 @@ class ScheduleExecutor:
         Parameter gradients accumulate into ``.grad`` as one ``backward()`` of a plain step would;
         no optimizer step is taken.
         """
-        self._inputs = [b.tensor_or_tensors for b in _scatter(input, self.chunks)]
+        check(input)
+        self._inputs = [b.tensor_or_tensors for b in scatter(input, self.chunks)]
         m = len(self._inputs)
         if m != self.chunks:
-            rows_in = (input if torch.is_tensor(input) else input[0]).size(0)
-            raise ValueError(f"the batch has {rows_in} rows, fewer than chunks ({self.chunks}): give a batch of "
+            raise ValueError(f"the batch has {batch_size(input)} rows, fewer than chunks ({self.chunks}): give a batch of "
                              "at least `chunks` rows")
-        rows = [(x if torch.is_tensor(x) else x[0]).size(0) for x in self._inputs]
+        rows = [batch_size(x) for x in self._inputs]
         self._weights = [r / sum(rows) if self.loss_reduction == "mean" else 1.0 for r in rows]
         self._targets = list(target.chunk(m)) if torch.is_tensor(target) else [target] * m
         self._stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
@@ -422,13 +419,6 @@ class ScheduleExecutor:
         state = self._states.pop((stage, i))
         if state.param_groups is not None:
             stage_backward_weight(self.partitions[stage].parameters(), state.param_groups)
-
-
-def _scatter(input: Any, chunks: int) -> list[Batch]:
-    from pipexplore.microbatch import check, scatter
-
-    check(input)
-    return scatter(input, chunks)
 
 
 def _leaf(x: Any) -> Any:

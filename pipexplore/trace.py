@@ -20,6 +20,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipexplore.microbatch import tensors_in
+
 __all__ = ["TraceError", "candidate_modules", "candidates", "split", "skip_routes_of", "module_fqns_per_model_part"]
 
 
@@ -37,16 +39,6 @@ def candidate_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         else:
             found.append((name, child))
     return found
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -82,7 +74,7 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
         k = index[id(module)]
         if k not in order:
             order.append(k)
-        for t in _tensors(args):
+        for t in tensors_in(args):
             source = producer.get(_identity(t))
             if source is not None and source < k - 1:
                 edges.add((source, k))
@@ -91,7 +83,7 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
     def post(module: nn.Module, args: Any, output: Any) -> None:
         k = index[id(module)]
         forward[k].append(time.perf_counter() - started[k])
-        tensors = _tensors(output)
+        tensors = tensors_in(output)
         out_bytes[k] = sum(t.numel() * t.element_size() for t in tensors)
         for t in tensors:
             producer[_identity(t)] = k
@@ -130,7 +122,7 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
             bwd_end.clear()
             output = model(*mb_args, **(mb_kwargs or {}))
             loss = loss_fn(output, target) if loss_fn is not None else sum(
-                t.float().pow(2).mean() for t in _tensors(output) if t.is_floating_point())
+                t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
             loss.backward()
             for k in range(len(blocks)):
                 if k in bwd_start:

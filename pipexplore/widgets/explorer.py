@@ -20,7 +20,7 @@ from torch import nn
 
 from pipexplore.balance import optimal_splits
 from pipexplore.gpipe import _as_device
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
@@ -48,10 +48,6 @@ def _default_devices(stages: int) -> tuple[list[str], str]:
         count = torch.cuda.device_count()
         return [f"cuda:{k % count}" for k in range(stages)], ""
     return ["cpu"] * stages, "No GPU found: the stages run on CPU devices (one worker thread each)."
-
-
-def _batch_size(sample: TensorOrTensors) -> int:
-    return int((sample if torch.is_tensor(sample) else sample[0]).size(0))
 
 
 class Explorer:
@@ -285,7 +281,7 @@ class Explorer:
         self.w_stages = W.HTML()
         self.w_runs = W.HTML()
         self.w_code = W.HTML()
-        self.figure = timeline_figure(plan.predicted, None, _batch_size(self.sample))
+        self.figure = timeline_figure(plan.predicted, None, batch_size(self.sample))
 
         for control, name in ((self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
                               (self.w_schedule, "schedule"), (self.w_devices, "devices"),
@@ -298,7 +294,7 @@ class Explorer:
         self.w_export.on_click(lambda _: self._show_code(self.export(self.w_export_kind.value)))
 
         self.widget = W.VBox([
-            W.HTML(f"<b>pipexplore</b> · {len(self.layer_table)} layers · batch {_batch_size(self.sample)}"),
+            W.HTML(f"<b>pipexplore</b> · {len(self.layer_table)} layers · batch {batch_size(self.sample)}"),
             W.HBox([self.w_chunks, self.w_checkpoint, self.w_schedule, self.w_devices]),
             W.HBox([self.w_executor, self.w_view, self.w_balance_time, self.w_balance_size]),
             self.bar, self.w_stages, self.figure,
@@ -342,7 +338,7 @@ class Explorer:
         self._sync_controls()
         self._refresh_bar()
         self._refresh_stages()
-        update_timeline_figure(self.figure, self._plan.predicted, None, _batch_size(self.sample), rows=(1,))
+        update_timeline_figure(self.figure, self._plan.predicted, None, batch_size(self.sample), rows=(1,))
 
     def _refresh_bar(self) -> None:
         with self.bar.hold_sync():
@@ -416,7 +412,7 @@ class Explorer:
                           "prediction_error": "error %"})
         self.w_runs.value = "<div class='pipexplore-runs'>" + shown.to_html(index=False) + "</div>"
         if self._results:
-            update_timeline_figure(self.figure, None, self._results[-1].timeline, _batch_size(self.sample), rows=(2,))
+            update_timeline_figure(self.figure, None, self._results[-1].timeline, batch_size(self.sample), rows=(2,))
             self._refresh_stages()
 
     def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:
