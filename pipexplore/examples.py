@@ -18,7 +18,7 @@ from torch import nn
 
 from pipexplore.skip import Namespace, pop, skippable, stash
 
-__all__ = ["TinyTransformer", "BranchyTransformer", "build_model", "get_batch", "loss_fn", "unet", "SleepLayer",
+__all__ = ["TinyTransformer", "BranchyTransformer", "build_model", "get_batch", "loss_fn", "unet", "SleepLayer", "RowCostLayer",
            "VOCAB", "WIDTH", "DEPTH", "SEQ"]
 
 VOCAB, WIDTH, DEPTH, SEQ = 64, 32, 4, 8
@@ -145,3 +145,18 @@ class SleepLayer(nn.Module):
         forward, input_grad, weight_grad = self.seconds
         time.sleep(forward)
         return _SleepIdentity.apply(x * self.gain, input_grad) * _SleepIdentity.apply(self.scale, weight_grad)
+
+
+class RowCostLayer(nn.Module):
+    """Sleeps ``per_call + per_row · n`` seconds in forward and twice that in backward on a
+    micro-batch of ``n`` rows: a layer whose cost is a known line in the micro-batch size."""
+
+    def __init__(self, per_call: float, per_row: float) -> None:
+        super().__init__()
+        self.per_call, self.per_row = per_call, per_row
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seconds = self.per_call + self.per_row * x.size(0)
+        time.sleep(seconds)
+        return _SleepIdentity.apply(x * self.gain, 2 * seconds)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 
+from pipexplore.costs import Corrections
 from pipexplore.simulate import SCHEDULES, simulate, stage_costs
 from pipexplore.splits import SplitError, check_splits, splits_to_balance
 
@@ -79,9 +80,12 @@ class Plan:
     schedule: str = "gpipe"
     virtual_stages: int = 2
     executor: str = "threads"
-    #: Seconds each compute action costs beyond its layers, learnt from a measured run (see
-    #: :meth:`calibrated`); 0 predicts from the layer costs alone.
+    #: Seconds added to every compute action's span (a what-if knob; 0 by default).
     action_overhead: float = 0.0
+    #: Rows of the mini-batch a step runs (default: the profiled sample's, ``layer_table.attrs['batch']``).
+    batch: Optional[int] = None
+    #: What measured runs taught the cost model (see :meth:`calibrated`); not part of the plan's identity.
+    corrections: Corrections = field(default_factory=Corrections, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -157,24 +161,32 @@ class Plan:
         options: dict = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
                              checkpoint="never" if backends else self.checkpoint,
                              devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
-        options["executor"] = "autograd" if self.executor == "autograd" and not backends else "threads"
+        options["executor"] = self.predict_executor
         options["action_overhead"] = self.action_overhead
+        options["corrections"] = self.corrections
+        if self.batch is not None:
+            options["batch"] = self.batch
         options.update(kwargs)
         return simulate(self.layer_table, list(self.splits), **options)
 
     def calibrated(self, measured: pd.DataFrame) -> "Plan":
-        """This plan with ``action_overhead`` learnt from a measured timeline of it: the mean
-        time a compute action took beyond what the layer costs predict (never below zero)."""
-        from pipexplore.timeline import COMPUTE_PHASES
+        """This plan with its cost model corrected by a measured timeline of it.
 
-        base = self.with_options(action_overhead=0.0).predicted
-        def total(frame: pd.DataFrame) -> tuple[float, int]:
-            compute = frame[frame["phase"].isin(COMPUTE_PHASES)]
-            return float((compute["end"] - compute["start"]).sum()), len(compute)
-        measured_time, actions = total(measured)
-        predicted_time, _ = total(base)
-        overhead = max(0.0, (measured_time - predicted_time) / actions) if actions else 0.0
-        return self.with_options(action_overhead=overhead)
+        Each action measured is matched with the predicted one (stage, micro-batch, phase); per
+        stage and phase their ratio rescales the layers of that stage, for this plan's executor,
+        and the executor's own time between actions is measured (see
+        :class:`pipexplore.costs.Corrections`). The corrected layer costs carry over to other
+        splits, chunks and schedules of the same executor.
+        """
+        executor = self.predict_executor
+        learnt = self.corrections.learn(self.layer_table, list(self.splits), executor, self.predicted, measured)
+        return replace(self, corrections=learnt)
+
+    @property
+    def predict_executor(self) -> str:
+        """The executor whose costs the prediction uses (``async-backends`` runs as threads)."""
+        return "autograd" if self.executor == "autograd" and self.schedule != "async-backends" else (
+            "processes" if self.executor == "processes" else "threads")
 
     # -- changes ------------------------------------------------------------------------
     def with_splits(self, splits: Sequence[int]) -> "Plan":

@@ -1,22 +1,33 @@
 """Layer profiles: what each layer of an ``nn.Sequential`` costs, as a DataFrame."""
 from __future__ import annotations
 
+import math
+import os
 import statistics
+import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from pipexplore.microbatch import Batch, TensorOrTensors, tensors_in
+from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.skip.skippable import Skippable
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ["profile", "LAYER_COLUMNS"]
+__all__ = ["profile", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
 LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
                  "stash_keys", "pop_keys"]
+#: Cost as a function of the rows ``n`` of a micro-batch: ``t(n) = a + b·n`` per phase, bytes per
+#: row, the cores a phase keeps busy when it runs alone, and how repeatable the timings were.
+FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
+               "saved_bytes_per_row", "cpu_forward", "cpu_backward", "spread"]
+
+#: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
+TARGET_SPREAD = 0.05
 
 
 def _keys(pairs: Any) -> str:
@@ -43,95 +54,166 @@ def _bytes(tensors: list[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
-                         repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of the whole model, run as one chain."""
-    forward_times, backward_times = [], []
-    for _ in range(repeats):
-        with use_skip_tracker(SkipTracker()), torch.enable_grad():
-            _sync(target)
-            t0 = time.perf_counter()
-            output = module(_detach(value))
-            _sync(target)
-            t1 = time.perf_counter()
-            outs = [t for t in tensors_in(output) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            _sync(target)
-            t2 = time.perf_counter()
-        module.zero_grad(set_to_none=True)
-        forward_times.append(t1 - t0)
-        backward_times.append(t2 - t1)
-    return statistics.median(forward_times), statistics.median(backward_times)
+def _rows(value: TensorOrTensors, rows: int) -> TensorOrTensors:
+    if torch.is_tensor(value):
+        return value[:rows]  # type: ignore[index]
+    return tuple(t[:rows] for t in value)  # type: ignore[union-attr]
 
 
-def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
-            repeats: int = 5, timeout: Optional[float] = None, calibrate: bool = True) -> pd.DataFrame:
-    """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
+def _spread(times: list[float]) -> float:
+    """Interquartile range over the median (0 when there are too few samples to tell)."""
+    if len(times) < 3:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    median = statistics.median(times)
+    return (q3 - q1) / median if median > 0 else 0.0
 
-    Returns one row per layer: ``name``, ``type``, ``param_bytes``, ``output_bytes`` (the
-    layer's outputs and the skip tensors it stashes, for the whole ``sample``), ``forward`` and
-    ``backward`` seconds (medians over ``repeats``, or as many repeats as fit in ``timeout``
-    seconds for the whole model), ``stash`` and ``pop`` (skip names, comma-separated) and
-    ``stash_keys``/``pop_keys`` (the same, qualified by namespace: ``name@id``).
-    Skippable layers get the tensors they pop from the layers that stashed them. The module
-    keeps its device unless ``device`` is given, in which case it is moved there.
 
-    A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
-    add up to less than a pass through the whole model. With ``calibrate`` (the default) the
-    whole model is also timed, and the forward and backward columns are scaled so that each
-    adds up to it: the relative costs are the layers', the total is the model's.
+class _Timer:
+    """Wall and process-CPU seconds of repeated calls: the CPU time over the wall time is the
+    number of cores the work keeps busy (≈0 for a sleep, ≈ the intra-op threads for a GEMM)."""
 
-    Example::
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.wall: list[float] = []
+        self.cpu = 0.0
 
-        table = pipexplore.profile(model, torch.randn(64, 128))
-        table[["name", "forward", "backward"]]
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"profile needs an nn.Sequential, got {type(module).__name__}")
-    if len(module) == 0:
-        raise ValueError("cannot profile an empty module: it has no layers")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if device is not None:
-        module.to(device)
-    first_param = next(module.parameters(), None)
-    target = torch.device(device) if device is not None else (first_param.device if first_param is not None
-                                                               else tensors_in(sample)[0].device)
-    deadline = None if timeout is None else time.perf_counter() + timeout
-    per_layer_budget = None if timeout is None else timeout / len(module)
+    def __call__(self, work: Callable[[], Any]) -> Any:
+        _sync(self.device)
+        c0, t0 = time.process_time(), time.perf_counter()
+        result = work()
+        _sync(self.device)
+        self.wall.append(time.perf_counter() - t0)
+        self.cpu += time.process_time() - c0
+        return result
 
-    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
-    value = _detach(tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target))
-    model_input = value
+    @property
+    def median(self) -> float:
+        return statistics.median(self.wall) if self.wall else 0.0
+
+    @property
+    def cores(self) -> float:
+        total = sum(self.wall)
+        return self.cpu / total if total > 0 else 0.0
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward while active (``saved_tensors_hooks``): the activation
+    memory a micro-batch holds between its forward and its backward."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: Tensor) -> Tensor:
+        if isinstance(t, nn.Parameter):
+            return t
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.total += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``t(n) = a + b·n`` by least squares, with ``a, b ≥ 0``; one size: proportional (a = 0)."""
+    n = np.asarray(rows, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if len(set(rows)) < 2:
+        return 0.0, float(t.mean() / max(n.mean(), 1.0))
+    b, a = np.polyfit(n, t, 1)
+    if b < 0:
+        return float(t.mean()), 0.0
+    if a < 0:
+        return 0.0, float((n * t).sum() / (n * n).sum())
+    return float(a), float(b)
+
+
+def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                        repeats: int) -> tuple[float, float]:
+    """How much slower a layer's forward and backward run while a second thread runs the same
+    work at the same time: 1 when they overlap freely (sleeps, a host left free), 2 when they
+    share the cores fully. Catches what CPU time cannot: intra-op threads that spin while they
+    wait, the GIL, memory bandwidth."""
+    if target.type != "cpu":
+        return 1.0, 1.0
+    barrier = threading.Barrier(2)
+    timers = [(_Timer(target), _Timer(target)) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def work(forward: _Timer, backward: _Timer) -> None:
+        try:
+            barrier.wait()
+            for _ in range(repeats + 1):
+                tracker = SkipTracker()
+                tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
+                with use_skip_tracker(tracker), torch.enable_grad():
+                    output = forward(lambda: layer(_detach(value)))
+                outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
+                backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+        except BaseException as exc:  # a layer that cannot run in two threads: no contention measured
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=pair, daemon=True) for pair in timers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    layer.zero_grad(set_to_none=True)
+    if errors:
+        return 1.0, 1.0
+    # Drop each thread's first call (warm-up), and compare with the median of the same calls alone.
+    forward = statistics.median([w for f, _ in timers for w in f.wall[1:]])
+    backward = statistics.median([w for _, b in timers for w in b.wall[1:]])
+    return forward, backward
+
+
+def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
+                  max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
+                  done_before: int, total: int, contend: bool) -> list[dict[str, Any]]:
+    """Time every layer on one micro-batch ``value``, in a chain as the model runs them."""
     skips: dict[Any, Tensor] = {}
     rows = []
-    training = module.training
-    for name, layer in module.named_children():
-        forward_times, backward_times = [], []
+    for index, (name, layer) in enumerate(module.named_children()):
+        forward, backward = _Timer(target), _Timer(target)
+        saved = _SavedBytes()
         output: Any = None
         stashed: dict[Any, Tensor] = {}
-        start_layer = time.perf_counter()
-        for k in range(max(repeats, 1) if deadline is None else 10_000):
+        # One untimed call first: the first call pays allocation, kernel selection and dispatch caches.
+        for k in range(1 + max_repeats):
             tracker = SkipTracker()
             tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
-            _sync(target)
-            t0 = time.perf_counter()
-            with use_skip_tracker(tracker), torch.enable_grad():
-                output = layer(value)
-            _sync(target)
-            t1 = time.perf_counter()
+            timed = k > 0
+            memory = saved if k == 0 else _SavedBytes()
+
+            def run_forward() -> Any:
+                with use_skip_tracker(tracker), torch.enable_grad(), memory.hooks():
+                    return layer(value)
+
+            output = forward(run_forward) if timed else run_forward()
             stashed = {key: t for key, t in tracker.tensors.items() if key not in skips}
             outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            _sync(target)
-            t2 = time.perf_counter()
-            forward_times.append(t1 - t0)
-            backward_times.append(t2 - t1 if outs else 0.0)
+
+            def run_backward() -> None:
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+            backward(run_backward) if timed else run_backward()
             layer.zero_grad(set_to_none=True)
-            if k + 1 >= repeats and (per_layer_budget is None or time.perf_counter() - start_layer >= per_layer_budget):
+            if not timed:
+                continue
+            enough = k >= repeats and max(_spread(forward.wall), _spread(backward.wall)) <= TARGET_SPREAD
+            if enough or k >= max_repeats or (deadline is not None and time.perf_counter() > deadline and k >= 1):
                 break
+        slow_forward = slow_backward = math.nan
+        if contend:
+            together = _contended_slowdown(layer, value, skips, target, repeats)
+            slow_forward = together[0] / forward.median if forward.median > 0 else 1.0
+            slow_backward = together[1] / backward.median if backward.median > 0 else 1.0
         if isinstance(layer, Skippable):
             for ns_name in layer.poppable():
                 skips.pop(ns_name, None)
@@ -141,20 +223,141 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             "type": type(layer).__name__,
             "param_bytes": _bytes(list(layer.parameters())),
             "output_bytes": _bytes(tensors_in(output)) + _bytes(list(stashed.values())),
-            "forward": statistics.median(forward_times),
-            "backward": statistics.median(backward_times),
+            "saved_bytes": saved.total,
+            "forward": forward.median,
+            "backward": backward.median if any(backward.wall) else 0.0,
+            "cpu_forward": forward.cores,
+            "cpu_backward": backward.cores,
+            "slow_forward": slow_forward,
+            "slow_backward": slow_backward,
+            "spread": max(_spread(forward.wall), _spread(backward.wall)),
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
             "stash_keys": _keys(layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop_keys": _keys(layer.poppable()) if isinstance(layer, Skippable) else "",
         })
+        if progress is not None:
+            progress(done_before + index + 1, total)
         value = _detach(output)
+    return rows
+
+
+def _cores(per_size: list[pd.DataFrame], phase: str) -> np.ndarray:
+    """The cores a phase keeps busy, from two readings: process CPU time over wall time (an upper
+    bound: spinning intra-op threads count too) and, at the first size, the slowdown beside a
+    second thread doing the same (``s`` times slower on ``C`` cores: ``s·C/2`` cores asked)."""
+    capacity = float(_host_cores())
+    cpu = np.clip(np.mean([t[f"cpu_{phase}"].to_numpy() for t in per_size], axis=0), 0.0, capacity)
+    slow = per_size[0][f"slow_{phase}"].to_numpy(dtype=float)
+    contended = np.clip(slow * capacity / 2.0, 0.0, capacity)
+    return np.where(np.isnan(slow), cpu, np.minimum(cpu, contended))
+
+
+def _host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
+                         repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of the whole model, run as one chain (after one warm-up)."""
+    forward, backward = _Timer(target), _Timer(target)
+    for k in range(repeats + 1):
+        with use_skip_tracker(SkipTracker()), torch.enable_grad():
+            output = forward(lambda: module(_detach(value)))
+            outs = [t for t in tensors_in(output) if t.requires_grad]
+            backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+        module.zero_grad(set_to_none=True)
+        if k == 0:
+            forward.wall.clear()
+            backward.wall.clear()
+    return forward.median, backward.median
+
+
+def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
+            repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
+            microbatch_rows: Optional[Sequence[int]] = None,
+            progress: Optional[Callable[[int, int], None]] = None) -> pd.DataFrame:
+    """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
+
+    Each layer is called once untimed (the first call pays allocation and dispatch), then timed
+    ``repeats`` times or more, until the interquartile range of its times is within 5 % of the
+    median (at most ``max_repeats``; ``timeout`` seconds bound the whole profile).
+
+    ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
+    or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
+    of a micro-batch (``forward_a``, ``forward_b``, …), fitted by least squares: a per-call cost
+    (``a``: dispatch, small kernels, sleeps) plus a per-row one. With one size the cost is taken
+    as proportional to the rows.
+
+    Returns one row per layer: ``name``, ``type``, ``param_bytes``; ``output_bytes`` (outputs and
+    stashed skip tensors) and ``saved_bytes`` (what autograd keeps for backward), both for the
+    whole ``sample``; ``forward`` and ``backward`` seconds for the whole sample (from the fit);
+    the fit columns (:data:`FIT_COLUMNS`: ``cpu_forward``/``cpu_backward`` are the cores a phase
+    keeps busy when it runs alone, process CPU time over wall time; ``spread`` is the worst
+    interquartile range over the median); ``stash`` and ``pop`` (skip names) and
+    ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``). ``table.attrs['rows']``
+    lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
+
+    A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
+    add up to less than a pass through the whole model. With ``calibrate`` (the default) the
+    whole model is also timed at each size, and each layer's times are scaled so that the
+    layers add up to it.
+
+    Example::
+
+        table = pipexplore.profile(model, torch.randn(64, 128), microbatch_rows=[16, 64])
+        table[["name", "forward_a", "forward_b", "cpu_forward"]]
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"profile needs an nn.Sequential, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("cannot profile an empty module: it has no layers")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    batch = batch_size(sample)
+    sizes = sorted({int(n) for n in (microbatch_rows or [batch])})
+    if not sizes or sizes[0] < 1 or sizes[-1] > batch:
+        raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), got {list(microbatch_rows or [])}")
+    if device is not None:
+        module.to(device)
+    first_param = next(module.parameters(), None)
+    target = torch.device(device) if device is not None else (first_param.device if first_param is not None
+                                                               else tensors_in(sample)[0].device)
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
+    value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
+    training = module.training
+    per_size = []
+    total = len(module) * len(sizes)
+    for k, rows in enumerate(sizes):
+        chunk = _detach(_rows(value, rows))
+        table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
+                                           progress, k * len(module), total, contend=k == 0))
+        if calibrate:
+            whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
+            for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
+                layers_total = float(table[column].sum())
+                if layers_total > 0 and whole > 0:
+                    table[column] = table[column] * (whole / layers_total)
+        per_size.append(table)
     module.train(training)
-    table = pd.DataFrame(rows, columns=LAYER_COLUMNS)
-    if calibrate:
-        whole_forward, whole_backward = _whole_model_seconds(module, model_input, target, repeats)
-        for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
-            total = float(table[column].sum())
-            if total > 0 and whole > 0:
-                table[column] = table[column] * (whole / total)
+
+    table = per_size[-1].copy()
+    last = sizes[-1]
+    for phase in ("forward", "backward"):
+        fits = [_fit(sizes, [float(t[phase].iloc[i]) for t in per_size]) for i in range(len(table))]
+        table[f"{phase}_a"] = [a for a, _ in fits]
+        table[f"{phase}_b"] = [b for _, b in fits]
+        table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
+        table[f"cpu_{phase}"] = _cores(per_size, phase)
+    table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
+    table["output_bytes_per_row"] = table["output_bytes"] / last
+    table["saved_bytes_per_row"] = table["saved_bytes"] / last
+    table["output_bytes"] = table["output_bytes_per_row"] * batch
+    table["saved_bytes"] = table["saved_bytes_per_row"] * batch
+    table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
+    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target))
     return table

@@ -27,13 +27,19 @@ def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
     return sum(o.float().pow(2).mean() for o in outputs if torch.is_tensor(o) and o.is_floating_point())  # type: ignore[return-value]
 
 
-def _measure(step: Callable[[], float], warmup: int, run: Any) -> tuple[pd.DataFrame, float]:
-    """Run ``warmup`` steps, then one more under :func:`pipexplore.record`; its timeline and loss."""
+def _measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3) -> tuple[pd.DataFrame, float]:
+    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`: the timeline and
+    loss of the step whose time is the median (one step alone is at the mercy of the machine's noise)."""
     for _ in range(warmup):
         step()
-    with tl.record(run=run) as rec:
-        loss = step()
-    return rec.timeline, loss
+    measured = []
+    for _ in range(max(1, repeats)):
+        with tl.record(run=run) as rec:
+            loss = step()
+        measured.append((tl.step_time(rec.timeline), rec.timeline, loss))
+    measured.sort(key=lambda item: item[0])
+    _, timeline, loss = measured[len(measured) // 2]
+    return timeline, loss
 
 
 @dataclass

@@ -16,15 +16,18 @@ column: the activation bytes the stage holds once the event is done.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 
+from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_cores, stage_seconds
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
 
-__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs"]
+__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "host_cores"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
@@ -109,19 +112,21 @@ def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
 
 def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
     """Per-stage sums of a layer table: ``forward``, ``backward``, ``param_bytes``,
-    ``activation_bytes`` (outputs of its layers) and ``input_bytes`` (what it receives)."""
+    ``activation_bytes`` (what its layers keep for backward: ``saved_bytes`` where profiled,
+    else their outputs) and ``input_bytes`` (what it receives), for the table's whole batch."""
     n = len(layer_table)
     points = [0, *check_splits(splits, n), n]
     forward = layer_table["forward"].to_numpy(dtype=float)
     backward = layer_table["backward"].to_numpy(dtype=float)
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else np.zeros(n)
+    kept = layer_table["saved_bytes"].to_numpy(dtype=float) if "saved_bytes" in layer_table else out_bytes
     params = layer_table["param_bytes"].to_numpy(dtype=float) if "param_bytes" in layer_table else np.zeros(n)
     rows = []
     for s, (a, b) in enumerate(zip(points, points[1:])):
         rows.append({
             "stage": s, "first_layer": a, "last_layer": b - 1, "layers": b - a,
             "forward": forward[a:b].sum(), "backward": backward[a:b].sum(),
-            "param_bytes": params[a:b].sum(), "activation_bytes": out_bytes[a:b].sum(),
+            "param_bytes": params[a:b].sum(), "activation_bytes": kept[a:b].sum(),
             "input_bytes": out_bytes[a - 1] if a > 0 else 0.0,
         })
     return pd.DataFrame(rows)
@@ -136,20 +141,33 @@ def _copy_seconds(copy_cost: Optional[float], a: str, b: str, nbytes: float) -> 
     return nbytes * DEFAULT_COPY_COST.get(kinds, 0.0)
 
 
+def host_cores() -> int:
+    """Cores this process may run on: what CPU stages of one host share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _is_host(device: str) -> bool:
+    return not device.startswith("cuda")
+
+
 def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
              checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
-             run: Union[int, str] = "predicted") -> pd.DataFrame:
+             batch: Optional[int] = None, cores: Optional[float] = None,
+             corrections: Optional[Corrections] = None, run: Union[int, str] = "predicted") -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
-        layer_table: per-layer costs (``forward``, ``backward`` seconds for the whole mini-batch;
-            ``output_bytes``), as :func:`pipexplore.profile` gives.
+        layer_table: per-layer costs, as :func:`pipexplore.profile` gives: ``t(n) = a + b·n`` per
+            phase in the rows ``n`` of a micro-batch, and the cores each phase keeps busy
+            (``cpu_forward``, ``cpu_backward``). A table of whole-batch seconds only
+            (``forward``, ``backward``) is taken as proportional to the rows.
         splits: layers that begin a stage.
-        chunks: micro-batches; each costs ``1/chunks`` of the profiled mini-batch, unless
-            ``per_microbatch`` says the table was profiled on one micro-batch (more accurate
-            where small batches run less efficiently, as GEMMs on a CPU do).
+        chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it.
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
             stage ``s`` on device ``s % (stages / virtual_stages)``) or ``zero-bubble`` (ZB-H1).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
@@ -159,33 +177,54 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         executor: ``autograd`` (the ``GPipe`` module: CPU backward runs on one thread) or
             ``threads`` (the schedule executor: each stage's backward in its own worker).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
-        action_overhead: seconds every compute action costs beyond its layers (the executor's own
-            work: scheduling, Python, autograd bookkeeping), e.g. as measured by an earlier run.
-        cpu_stages_overlap: whether CPU stages run in parallel (a lane each). By default the CPU
-            is one device whose cores every stage shares, as it is for compute-bound layers
-            profiled on all cores; set it for layers that leave the CPU free (sleeps, I/O,
-            waits on other machines) or stages pinned to cores of their own.
+        batch: rows of the mini-batch (default: the profiled sample's, ``table.attrs['batch']``).
+        cores: cores the host's CPU stages share (default: this process's).
+        corrections: what earlier runs taught (:class:`pipexplore.costs.Corrections`): a factor
+            per layer and phase, and the executor's time between actions.
+        action_overhead: seconds every compute action costs beyond its layers (added to each span).
+        per_microbatch: the table's seconds are already per micro-batch (a table without a fit).
+        cpu_stages_overlap: CPU stages never slow each other (layers that leave the CPU free:
+            sleeps, I/O, waits on other machines), whatever the table says of their cores.
+
+    Every worker (a stage's thread; one per device for interleaved; one more for the CPU
+    backward of the autograd executor) runs its actions in order, each when its inputs have
+    arrived. Actions of CPU stages share the host's cores: while the cores they ask for together
+    exceed ``cores``, each runs slower in proportion (processor sharing), so stages of layers
+    that keep every core busy contend and stages that leave the CPU free overlap. A GPU runs one
+    action at a time.
 
     Example::
 
-        table = pipexplore.profile(model, sample)
+        table = pipexplore.profile(model, sample, microbatch_rows=[16, 64])
         predicted = simulate(table, [4, 8], chunks=8, schedule="1f1b")
         bubble_fraction(predicted)
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks!r}")
     if checkpoint not in ("always", "except_last", "never"):
         raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     executor = executor or ("autograd" if schedule == "gpipe" else "threads")
-    if executor not in ("autograd", "threads"):
-        raise ValueError(f"unknown executor {executor!r}: 'autograd' or 'threads'")
+    if executor not in ("autograd", "threads", "processes"):
+        raise ValueError(f"unknown executor {executor!r}: 'autograd', 'threads' or 'processes'")
     if executor == "autograd" and schedule != "gpipe":
         raise ValueError(f"the autograd executor (GPipe) runs only the gpipe schedule, not {schedule!r}")
+    if action_overhead < 0:
+        raise ValueError(f"action_overhead must be non-negative, got {action_overhead}")
 
     costs = stage_costs(layer_table, splits)
-    S, m = len(costs), chunks
+    splits = [int(b) for b in costs["first_layer"].iloc[1:]]
+    S = len(costs)
+    fit = has_fit(layer_table)
+    batch = batch if batch is not None else layer_table.attrs.get("batch")
+    if fit or batch is not None:
+        sizes = [float(r) for r in microbatch_rows(int(batch), chunks)] if batch else [1.0] * chunks
+    else:
+        sizes = [1.0 if per_microbatch else 1.0 / chunks] * chunks
+    m = len(sizes)
+    # Bytes of the table are for its whole batch (fractions), unless given per micro-batch.
+    fractions = [1.0 if per_microbatch else (r / batch if batch else r) for r in sizes]
     stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
 
     if schedule == "interleaved":
@@ -201,59 +240,58 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                              f"got {len(device_names)}")
         stage_device = [device_names[s % p] for s in range(S)]
         lane_queues = [[(s, k, i) for s, k, i in _interleaved(d, p, virtual_stages, m)] for d in range(p)]
-        lanes_of_queue = [f"device{d}" for d in range(p)]
+        lanes_of_queue = [f"worker{d}" if _is_host(device_names[d]) else device_names[d] for d in range(p)]
     else:
-        stage_device = list(devices) if devices is not None else ["cpu"] * S
+        stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
         if len(stage_device) != S:
             raise ValueError(f"{S} stages need {S} devices, got {len(stage_device)}")
         orders = stage_orders(schedule, S, m)
         lane_queues, lanes_of_queue = [], []
         for s, order in enumerate(orders):
-            lane = f"cpu-stage{s}" if cpu_stages_overlap and stage_device[s] == "cpu" else stage_device[s]
-            if executor == "autograd" and not stage_device[s].startswith("cuda"):
+            host = _is_host(stage_device[s])
+            lane = f"worker{s}" if host else stage_device[s]
+            if executor == "autograd" and host:
                 lane_queues.append([(s, k, i) for k, i in order if k == "F"])
-                lanes_of_queue.append(lane)
             else:
                 lane_queues.append([(s, k, i) for k, i in order])
-                lanes_of_queue.append(lane)
+            lanes_of_queue.append(lane)
         if executor == "autograd":
             # One backward() call: CPU stages' backward on one thread, micro-batch-major, last first.
             cpu_backward = [(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
-                            if not stage_device[s].startswith("cuda")]
+                            if _is_host(stage_device[s])]
             if cpu_backward:
                 lane_queues.append(cpu_backward)
-                lanes_of_queue.append("cpu-autograd" if cpu_stages_overlap else "cpu")
+                lanes_of_queue.append("autograd")
 
     # Expand recompute (before B or I of checkpointed micro-batches).
-    expanded = []
-    for queue in lane_queues:
-        out = []
-        for s, kind, i in queue:
-            if kind in ("B", "I") and i < stop:
-                out.append((s, "R", i))
-            out.append((s, kind, i))
-        expanded.append(out)
-    lane_queues = expanded
+    lane_queues = [[a for s, kind, i in queue
+                    for a in ([(s, "R", i)] if kind in ("B", "I") and i < stop else []) + [(s, kind, i)]]
+                   for queue in lane_queues]
 
-    scale = 1 if per_microbatch else m
-    fwd = costs["forward"].to_numpy() / scale
-    bwd = costs["backward"].to_numpy() / scale
-    if action_overhead < 0:
-        raise ValueError(f"action_overhead must be non-negative, got {action_overhead}")
-    duration = {"F": fwd + action_overhead, "R": fwd + action_overhead, "B": bwd + action_overhead,
-                "I": bwd / 2 + action_overhead, "W": bwd / 2 + action_overhead}
-    edge_bytes = [float(layer_table["output_bytes"].iloc[b]) / scale if "output_bytes" in layer_table else 0.0
-                  for b in costs["last_layer"]]
-    copy_in = [_copy_seconds(copy_cost, stage_device[s - 1], stage_device[s], edge_bytes[s - 1]) if s else 0.0
-               for s in range(S)]
-    copy_back = [_copy_seconds(copy_cost, stage_device[s + 1], stage_device[s], edge_bytes[s]) if s < S - 1 else 0.0
-                 for s in range(S)]
+    # Seconds and cores of every (kind, stage, micro-batch).
+    learnt = executor if executor != "autograd" else "autograd"
+    capacity = float(cores if cores is not None else host_cores())
+    distinct = sorted(set(sizes))
+    seconds: dict[tuple[str, float], np.ndarray] = {}
+    demand: dict[tuple[str, float], np.ndarray] = {}
+    for kind, phase in PHASES.items():
+        scale = corrections.scale(learnt, phase) if corrections is not None else None
+        for rows in distinct:
+            size = rows if fit else (rows * (batch or 1) if batch and not fit else rows)
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size if fit else rows, phase, scale) \
+                + action_overhead
+            wanted = stage_cores(layer_table, splits, size if fit else rows, phase, default=capacity)
+            demand[(kind, rows)] = np.zeros(S) if cpu_stages_overlap else np.clip(wanted, 0.0, capacity)
+    gap = corrections.gap(learnt) if corrections is not None else 0.0
+    last_layers = costs["last_layer"].to_numpy()
+    out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
+    edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
+
+    def copy_seconds(a: int, b: int, i: int) -> float:
+        return _copy_seconds(copy_cost, stage_device[a], stage_device[b], edge_bytes[min(a, b)] * fractions[i])
 
     end: dict[tuple[int, str, int], float] = {}
-    rows: list[tuple] = []
-    lane_free: dict[str, float] = {}
-    heads = [0] * len(lane_queues)
-    remaining = sum(len(q) for q in lane_queues)
+    rows_out: list[tuple] = []
     grad_kind = "I" if schedule == "zero-bubble" else "B"
 
     def ready(s: int, kind: str, i: int) -> Optional[float]:
@@ -261,7 +299,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             if s == 0:
                 return 0.0
             t = end.get((s - 1, "F", i))
-            return None if t is None else t + copy_in[s]
+            return None if t is None else t + copy_seconds(s - 1, s, i)
         if kind in ("B", "I", "R"):
             own = end.get((s, "F", i))
             if own is None:
@@ -269,60 +307,94 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             if s == S - 1:
                 return own
             t = end.get((s + 1, grad_kind, i))
-            return None if t is None else max(own, t + copy_back[s])
-        # W
-        return end.get((s, "I", i))
+            return None if t is None else max(own, t + copy_seconds(s + 1, s, i))
+        return end.get((s, "I", i))  # W
 
+    Q = len(lane_queues)
+    heads = [0] * Q
+    lane_busy: dict[str, bool] = {}
+    lane_free_at: dict[str, float] = {}
+    running: dict[int, list] = {}  # queue -> [remaining work, cores, start, s, kind, i, host]
+    remaining = sum(len(q) for q in lane_queues)
+    now = 0.0
+    eps = 1e-12
     while remaining:
-        best = None
-        for q, queue in enumerate(lane_queues):
-            if heads[q] >= len(queue):
+        wake = math.inf
+        for q in range(Q):
+            if q in running or heads[q] >= len(lane_queues[q]):
                 continue
-            s, kind, i = queue[heads[q]]
+            lane = lanes_of_queue[q]
+            if lane_busy.get(lane):
+                continue
+            free_at = lane_free_at.get(lane, 0.0)
+            s, kind, i = lane_queues[q][heads[q]]
             if kind in ("B", "I") and i < stop and (s, "R", i) not in end:
                 continue
             t = ready(s, kind, i)
             if t is None:
                 continue
-            start = max(t, lane_free.get(lanes_of_queue[q], 0.0))
-            if best is None or start < best[0]:
-                best = (start, q)
-        if best is None:
-            raise RuntimeError(f"schedule {schedule!r} deadlocked: no stage can run its next action")
-        start, q = best
-        s, kind, i = lane_queues[q][heads[q]]
-        heads[q] += 1
-        remaining -= 1
-        finish = start + float(duration[kind][s])
-        end[(s, kind, i)] = finish
-        lane_free[lanes_of_queue[q]] = finish
-        rows.append((run, s, stage_device[s], i, PHASES[kind], start, finish, "predicted"))
-        if kind == "F" and s and copy_in[s] > 0:
-            done = end[(s - 1, "F", i)]
-            rows.append((run, s, stage_device[s], i, "copy", done, done + copy_in[s], "predicted"))
+            start = max(t, free_at)
+            if start > now + eps:
+                wake = min(wake, start)
+                continue
+            key = (kind, sizes[i])
+            host = _is_host(stage_device[s])
+            running[q] = [float(seconds[key][s]), float(demand[key][s]) if host else 0.0, now, s, kind, i]
+            lane_busy[lane] = True
+            if kind == "F" and s:
+                copy = copy_seconds(s - 1, s, i)
+                if copy > 0:
+                    done = end[(s - 1, "F", i)]
+                    rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted"))
+        if not running:
+            if wake == math.inf:
+                raise RuntimeError(f"schedule {schedule!r} deadlocked: no stage can run its next action")
+            now = wake
+            continue
+        asked = sum(job[1] for job in running.values())
+        rate = capacity / asked if asked > capacity else 1.0
+        rates = {q: (rate if job[1] > 0 else 1.0) for q, job in running.items()}
+        step = min(job[0] / rates[q] for q, job in running.items())
+        step = min(step, wake - now)
+        now += step
+        for q in list(running):
+            job = running[q]
+            job[0] -= step * rates[q]
+            if job[0] <= eps * max(1.0, now):
+                _, _, start, s, kind, i = job
+                del running[q]
+                heads[q] += 1
+                remaining -= 1
+                end[(s, kind, i)] = now
+                lane = lanes_of_queue[q]
+                lane_busy[lane] = False
+                lane_free_at[lane] = now + gap
+                rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted"))
 
-    frame = pd.DataFrame(rows, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
-    frame["memory"] = _activation_memory(frame, costs, scale, stop)
+    frame = pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
+    frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
     frame.attrs["peak_memory"] = {}
     return frame
 
 
-def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, scale: int, stop: int) -> np.ndarray:
+def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, fractions: np.ndarray, stop: int) -> np.ndarray:
     """Activation bytes each stage holds after each event: a forward keeps its activations (only
     its input when checkpointed), a recompute brings them back, the backward (input-grad) frees
     them. Copies and weight-grads change nothing."""
-    act = costs["activation_bytes"].to_numpy() / scale
-    inp = costs["input_bytes"].to_numpy() / scale
+    act = costs["activation_bytes"].to_numpy()
+    inp = costs["input_bytes"].to_numpy()
     stage = frame["stage"].to_numpy()
     phase = frame["phase"].to_numpy()
-    checkpointed = frame["microbatch"].to_numpy() < stop
+    micro = frame["microbatch"].to_numpy()
+    share = fractions[micro]
+    checkpointed = micro < stop
     delta = np.zeros(len(frame))
     forward = phase == "forward"
-    delta[forward] = np.where(checkpointed[forward], inp[stage[forward]], act[stage[forward]])
+    delta[forward] = np.where(checkpointed[forward], inp[stage[forward]], act[stage[forward]]) * share[forward]
     recompute = phase == "recompute"
-    delta[recompute] = act[stage[recompute]]
+    delta[recompute] = act[stage[recompute]] * share[recompute]
     frees = (phase == "backward") | (phase == "input_grad")
-    delta[frees] = -(act[stage[frees]] + np.where(checkpointed[frees], inp[stage[frees]], 0.0))
+    delta[frees] = -(act[stage[frees]] + np.where(checkpointed[frees], inp[stage[frees]], 0.0)) * share[frees]
     order = np.lexsort((frame["end"].to_numpy(), stage))
     held = np.empty(len(frame))
     running = pd.Series(delta[order]).groupby(stage[order]).cumsum().to_numpy()

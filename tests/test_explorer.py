@@ -285,11 +285,10 @@ def test_runs_calibrate_later_predictions():
 
     model = _nn.Sequential(*[_nn.Linear(8, 8) for _ in range(6)])  # tiny: executor overhead dominates
     ex = explore(model, torch.randn(16, 8), devices=["cpu", "cpu"], splits=[3], chunks=4)
-    assert ex.plan.action_overhead == 0.0
-    first = ex.run()
-    assert ex.plan.action_overhead > 0
-    second = ex.run()
-    assert abs(second["prediction_error"]) < abs(first["prediction_error"])
+    assert ex.plan.corrections.runs == 0
+    ex.run()
+    assert ex.plan.corrections.runs == 1
+    assert set(ex.plan.corrections.scales) >= {("threads", "forward"), ("threads", "backward")}
     uncalibrated = explore(model, torch.randn(16, 8), devices=["cpu", "cpu"], splits=[3], chunks=4, calibrate=False)
     uncalibrated.run()
-    assert uncalibrated.plan.action_overhead == 0.0
+    assert uncalibrated.plan.corrections.runs == 0

@@ -74,7 +74,7 @@ def test_dependencies_and_lanes_hold(schedule, checkpoint):
 
 
 def test_recompute_only_for_checkpointed_micro_batches():
-    t = simulate(uniform(3), [1, 2], chunks=4, checkpoint="except_last")
+    t = simulate(uniform(3), [1, 2], chunks=4, checkpoint="except_last", cpu_stages_overlap=True)
     assert sorted(t[t.phase == "recompute"]["microbatch"].unique()) == [0, 1, 2]
     assert len(t[t.phase == "recompute"]) == 9
     assert (t[t.phase == "recompute"]["end"] - t[t.phase == "recompute"]["start"]).round(9).eq(0.25).all()
@@ -100,8 +100,9 @@ def test_moving_one_split_changes_only_its_two_stages():
     after = stage_costs(table, [2, 5, 6])
     changed = (before[["forward", "backward", "layers"]] != after[["forward", "backward", "layers"]]).any(axis=1)
     assert changed.tolist() == [False, True, True, False]
-    t1 = simulate(table, [2, 4, 6], chunks=4)
-    t2 = simulate(table, [2, 5, 6], chunks=4)
+    separate = dict(devices=[f"cuda:{d}" for d in range(4)], copy_cost=0.0)  # no device shared
+    t1 = simulate(table, [2, 4, 6], chunks=4, **separate)
+    t2 = simulate(table, [2, 5, 6], chunks=4, **separate)
     d1 = t1.assign(d=t1.end - t1.start).groupby(["stage", "phase"])["d"].sum()
     d2 = t2.assign(d=t2.end - t2.start).groupby(["stage", "phase"])["d"].sum()
     assert (d1 - d2).abs().groupby("stage").sum().gt(1e-9).tolist() == [False, True, True, False]

@@ -97,8 +97,14 @@ class Explorer:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               "blocks, split by torch.distributed.pipelining's tracer; runs use one process per "
                               "stage.")
-        self.layer_table = layer_table if layer_table is not None else profile(
-            copy.deepcopy(model), sample, repeats=profile_repeats)
+        if layer_table is None:
+            # Costs as a line in the micro-batch rows, from the plan's micro-batch and the whole batch.
+            batch = batch_size(sample)
+            rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
+            profile_device = (devices[0] if devices else "cuda:0" if torch.cuda.is_available() else "cpu")
+            layer_table = profile(copy.deepcopy(model), sample, repeats=profile_repeats, microbatch_rows=rows,
+                                  device=_as_device(profile_device))
+        self.layer_table = layer_table
         n = len(self.layer_table)
         if splits is None:
             stages = min(n, len(devices) if devices else (max(2, torch.cuda.device_count())))
@@ -111,7 +117,7 @@ class Explorer:
         for device in devices:
             _as_device(device)  # a device that does not exist is refused here, clearly
         self._plan = Plan(self.layer_table, tuple(splits), tuple(devices), chunks, checkpoint, schedule,
-                          executor=executor)
+                          executor=executor, batch=batch_size(sample))
         self._runs: list[dict[str, Any]] = []
         self._results: list[RunResult] = []
         self._lock = threading.Lock()
@@ -483,16 +489,16 @@ class Explorer:
         self.w_code.value = f"<pre class='pipexplore-code'>{html.escape(code)}</pre>"
 
 
-def explore(model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None, loss_fn: Optional[LossFn] = None,
-            optimizer: Optional[OptimizerFactory] = None, devices: Optional[Sequence[str]] = None, chunks: int = 4,
-            checkpoint: str = "except_last", schedule: str = "gpipe",
-            splits: Optional[Sequence[int]] = None, executor: str = "threads", calibrate: bool = True) -> Explorer:
+def explore(model: nn.Module, sample: TensorOrTensors, **options: Any) -> Explorer:
     """Build an :class:`Explorer` for ``model`` on ``sample`` (one mini-batch); display it by returning it.
 
-    ``loss_fn(output, target)`` defines the training step (default: the mean of the squared
-    outputs, for timing); ``optimizer(parameters)`` makes the optimizer (default SGD).
-    ``calibrate``: let each run teach later predictions the executor's cost per action.
+    Takes every option :class:`Explorer` takes (``target``, ``loss_fn``, ``optimizer``, ``devices``,
+    ``chunks``, ``checkpoint``, ``schedule``, ``splits``, ``executor``, ``calibrate``,
+    ``layer_table``, …). ``loss_fn(output, target)`` defines the training step (default: the mean
+    of the squared outputs, for timing); ``optimizer(parameters)`` makes the optimizer (default SGD).
+
+    Example::
+
+        explorer = pipexplore.explore(model, sample, chunks=8, schedule="1f1b")
     """
-    return Explorer(model, sample, target=target, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
-                    chunks=chunks, checkpoint=checkpoint, schedule=schedule, splits=splits, executor=executor,
-                    calibrate=calibrate)
+    return Explorer(model, sample, **options)

@@ -1,0 +1,182 @@
+"""The cost model: what each layer and phase costs at a micro-batch size, corrected by runs.
+
+A layer table (:func:`pipexplore.profile`) holds per layer ``t(n) = a + b·n`` for forward and
+backward in the rows ``n`` of a micro-batch, and the cores each phase keeps busy. From it, for a
+plan's split and micro-batch sizes, follow per stage and phase: seconds, cores (how much the
+stage slows others on a shared host) and bytes. :class:`Corrections` hold what measured runs
+taught, per executor: a factor per layer and phase, and the lane time each action costs beyond
+its span (the executor's own dispatch)::
+
+    seconds = stage_seconds(table, splits=[4], rows=32, phase="forward")
+    learnt = Corrections().learn(table, [4], "threads", predicted, measured)
+    seconds = stage_seconds(table, [4], 32, "forward", learnt.scale("threads", "forward"))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_cores",
+           "stage_bounds", "has_fit"]
+
+#: Which profiled phase each simulated phase costs as, and the share of it.
+PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
+                "input_grad": ("backward", 0.5), "weight_grad": ("backward", 0.5)}
+
+
+def has_fit(table: pd.DataFrame) -> bool:
+    """Whether the table holds costs as functions of the micro-batch size (``profile(microbatch_rows=…)``)."""
+    return "forward_a" in table and "forward_b" in table and table.attrs.get("batch") is not None
+
+
+def microbatch_rows(batch: int, chunks: int) -> list[int]:
+    """The rows of each micro-batch, as ``torch.chunk`` splits ``batch`` rows into ``chunks``."""
+    if batch < 1:
+        raise ValueError(f"a batch needs at least one row, got {batch}")
+    size = -(-batch // chunks)
+    rows = [size] * (batch // size)
+    if batch % size:
+        rows.append(batch % size)
+    return rows
+
+
+def stage_bounds(splits: Sequence[int], layers: int) -> list[tuple[int, int]]:
+    points = [0, *splits, layers]
+    return list(zip(points, points[1:]))
+
+
+def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
+    """Each layer's seconds for ``phase`` on a micro-batch of ``rows`` rows.
+
+    With a fit: ``a + b·rows``. Without one (a table of whole-batch seconds), proportional:
+    ``rows`` is then the micro-batch's fraction of the profiled batch when the table says no batch.
+    """
+    source, share = PHASE_SOURCE[phase]
+    if has_fit(table):
+        a = table[f"{source}_a"].to_numpy(dtype=float)
+        b = table[f"{source}_b"].to_numpy(dtype=float)
+        return share * (a + b * rows)
+    whole = table[source].to_numpy(dtype=float)
+    batch = table.attrs.get("batch")
+    return share * whole * (rows / batch if batch else rows)
+
+
+def stage_seconds(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,
+                  scale: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per stage: the sum of its layers' seconds for ``phase`` at ``rows``, times ``scale`` per layer."""
+    seconds = layer_seconds(table, rows, phase)
+    if scale is not None:
+        seconds = seconds * scale
+    cumulative = np.concatenate([[0.0], np.cumsum(seconds)])
+    return np.array([cumulative[b] - cumulative[a] for a, b in stage_bounds(splits, len(table))])
+
+
+def stage_cores(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,
+                default: float) -> np.ndarray:
+    """Per stage: the cores a phase keeps busy when it runs alone, weighted by its layers' time.
+
+    ``default`` when the table does not say (no ``cpu_forward``/``cpu_backward`` columns).
+    """
+    source, _ = PHASE_SOURCE[phase]
+    column = f"cpu_{source}"
+    bounds = stage_bounds(splits, len(table))
+    if column not in table:
+        return np.full(len(bounds), float(default))
+    seconds = layer_seconds(table, rows, phase)
+    cores = table[column].to_numpy(dtype=float)
+    out = []
+    for a, b in bounds:
+        total = seconds[a:b].sum()
+        out.append(float((seconds[a:b] * cores[a:b]).sum() / total) if total > 0 else 0.0)
+    return np.array(out)
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """What measured runs taught the cost model, per executor.
+
+    ``scales[(executor, phase)]``: a factor per layer on its profiled seconds (1 where no run has
+    told). ``gaps[executor]``: seconds a worker spends between two actions beyond waiting for
+    inputs (its own dispatch, Python, mailboxes). ``runs``: how many runs were learnt from.
+    """
+
+    scales: Mapping[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    gaps: Mapping[str, float] = field(default_factory=dict)
+    runs: int = 0
+
+    def scale(self, executor: str, phase: str) -> Optional[np.ndarray]:
+        return self.scales.get((executor, phase))
+
+    def gap(self, executor: str) -> float:
+        return float(self.gaps.get(executor, 0.0))
+
+    def learn(self, table: pd.DataFrame, splits: Sequence[int], executor: str, predicted: pd.DataFrame,
+              measured: pd.DataFrame) -> "Corrections":
+        """These corrections updated from one run: ``measured`` against ``predicted`` (the
+        prediction made with these corrections for the same plan), action by action.
+
+        Per stage and phase, the measured seconds over the predicted seconds (both with the
+        contention of that run) rescale the factor of every layer in the stage; the executor's
+        gap is the median time a worker spent between actions beyond waiting for inputs.
+        """
+        keys = ["stage", "microbatch", "phase"]
+        both = _spans(predicted).merge(_spans(measured), on=keys, suffixes=("_p", "_m"))
+        scales = {k: v.copy() for k, v in self.scales.items()}
+        for phase in PHASE_SOURCE:
+            rows = both[both["phase"] == phase]
+            if rows.empty:
+                continue
+            key = (executor, phase)
+            factor = scales.get(key, np.ones(len(table)))
+            if len(factor) != len(table):
+                factor = np.ones(len(table))
+            for stage, group in rows.groupby("stage"):
+                predicted_seconds = float(group["seconds_p"].sum())
+                measured_seconds = float(group["seconds_m"].sum())
+                if predicted_seconds <= 0 or measured_seconds <= 0:
+                    continue
+                a, b = stage_bounds(splits, len(table))[int(stage)]
+                factor[a:b] = factor[a:b] * (measured_seconds / predicted_seconds)
+            scales[key] = factor
+        gaps = dict(self.gaps)
+        gap = dispatch_gap(measured)
+        if gap is not None:
+            gaps[executor] = gap
+        return Corrections(scales, gaps, self.runs + 1)
+
+
+def _spans(frame: pd.DataFrame) -> pd.DataFrame:
+    compute = frame[frame["phase"].isin(list(PHASE_SOURCE))]
+    return compute.assign(seconds=compute["end"] - compute["start"])[["stage", "microbatch", "phase", "seconds"]]
+
+
+def dispatch_gap(measured: pd.DataFrame) -> Optional[float]:
+    """The median seconds a stage's worker spent between two of its actions while the second
+    one's inputs were already there: what the executor itself costs per action."""
+    compute = measured[measured["phase"].isin(list(PHASE_SOURCE))].sort_values("start")
+    if compute.empty:
+        return None
+    end = {(int(s), p, int(i)): float(e) for s, p, i, e in
+           compute[["stage", "phase", "microbatch", "end"]].itertuples(index=False, name=None)}
+    last_stage = int(compute["stage"].max())
+    gaps = []
+    for stage, lane in compute.groupby("stage"):
+        previous_end = None
+        for phase, i, start, finish in lane[["phase", "microbatch", "start", "end"]].itertuples(index=False, name=None):
+            stage, i = int(stage), int(i)
+            if phase == "forward":
+                deps = [end.get((stage - 1, "forward", i))] if stage else []
+            elif phase == "weight_grad":
+                deps = [end.get((stage, "input_grad", i))]
+            else:
+                downstream = [end.get((stage + 1, p, i)) for p in ("backward", "input_grad")] if stage < last_stage else []
+                deps = [end.get((stage, "forward", i))] + [d for d in downstream if d is not None]
+            ready = max([d for d in deps if d is not None], default=0.0)
+            if previous_end is not None:
+                gaps.append(start - max(previous_end, ready))
+            previous_end = finish
+    gaps = [g for g in gaps if g >= 0]
+    return float(np.median(gaps)) if gaps else None

@@ -1,0 +1,129 @@
+"""The cost model: costs in the micro-batch size, shared hosts, learning from runs, trustworthy profiles."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from pipexplore import profile, simulate
+from pipexplore.costs import Corrections, dispatch_gap, layer_seconds, microbatch_rows
+from pipexplore.examples import RowCostLayer, SleepLayer
+from pipexplore.timeline import step_time
+from pipexplore.widgets.explorer import explore
+
+
+def test_microbatch_rows_follow_torch_chunk():
+    for batch in (1, 5, 6, 16, 17):
+        for chunks in (1, 2, 4, 8):
+            expected = [len(c) for c in torch.arange(batch).chunk(chunks)]
+            assert microbatch_rows(batch, chunks) == expected
+
+
+def test_fixed_cost_layers_predict_the_same_time_at_every_micro_batch_size():
+    model = nn.Sequential(*[SleepLayer(0.004, 0.002, 0.002) for _ in range(2)])
+    table = profile(model, torch.randn(64, 4), microbatch_rows=[8, 64], repeats=3)
+    small, large = layer_seconds(table, 8, "forward"), layer_seconds(table, 64, "forward")
+    assert np.allclose(small, large, rtol=0.2)
+    assert (table["forward_a"] > 0.003).all()  # the cost is per call, not per row
+    # The old way (whole batch ÷ chunks) would predict an eighth of it.
+    assert (small > 0.5 * 0.004).all()
+
+
+def test_a_line_in_the_rows_holds_at_an_unprofiled_size():
+    model = nn.Sequential(RowCostLayer(0.002, 0.0002), RowCostLayer(0.001, 0.0001))
+    table = profile(model, torch.randn(64, 4), microbatch_rows=[8, 32], repeats=3, calibrate=False)
+    predicted = layer_seconds(table, 64, "forward")  # never profiled at 64 rows
+    expected = np.array([0.002 + 0.0002 * 64, 0.001 + 0.0001 * 64])
+    assert np.allclose(predicted, expected, rtol=0.15)
+    assert np.allclose(layer_seconds(table, 64, "backward"), 2 * expected, rtol=0.15)
+
+
+def test_profile_warms_up_so_identical_layers_cost_alike_and_balance_evenly():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
+    table = profile(model, torch.randn(64, 256), microbatch_rows=[16, 64], repeats=5)
+    total = table["forward"] + table["backward"]
+    assert (total / total.median()).between(0.8, 1.2).all(), total.tolist()
+    assert "spread" in table and (table["spread"] >= 0).all()
+    ex = explore(model, torch.randn(64, 256), layer_table=table, devices=["cpu", "cpu"], chunks=4)
+    assert ex.balance("time") == [4]
+
+
+def test_sleeping_stages_overlap_and_compute_bound_stages_contend():
+    sleepy = profile(nn.Sequential(*[SleepLayer(0.003, 0.001, 0.001) for _ in range(4)]), torch.randn(16, 4),
+                     microbatch_rows=[4, 16])
+    assert (sleepy["cpu_forward"] < 0.5).all()  # the host stays free
+    options = dict(chunks=4, schedule="gpipe", checkpoint="never", executor="threads", devices=["cpu", "cpu"])
+    one_stage = step_time(simulate(sleepy, [], **{**options, "devices": ["cpu"]}))
+    two_stages = step_time(simulate(sleepy, [2], **options))
+    assert two_stages < 0.75 * one_stage  # overlapped: (m + p - 1) / (m · p) of the serial step
+    # Layers that keep every core busy: the same split is predicted no faster than one stage.
+    table = sleepy.copy()
+    table["cpu_forward"] = table["cpu_backward"] = 2.0
+    contended = step_time(simulate(table, [2], **options, cores=2))
+    assert contended == pytest.approx(step_time(simulate(table, [], **{**options, "devices": ["cpu"]}, cores=2)),
+                                      rel=0.01)
+
+
+def _sleepy_model() -> nn.Sequential:
+    # Unbalanced on purpose: the last layers cost three times the first ones.
+    costs = [0.001, 0.001, 0.001, 0.001, 0.003, 0.003]
+    return nn.Sequential(*[SleepLayer(c, c / 2, c / 2) for c in costs])
+
+
+def test_two_splits_on_cpu_predict_different_steps_in_the_order_measured():
+    model = _sleepy_model()
+    ex = explore(model, torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[2], calibrate=False)
+    first = ex.run()
+    ex.splits = [4]
+    second = ex.run()
+    assert first["predicted_step_time"] != pytest.approx(second["predicted_step_time"], rel=0.05)
+    assert (first["predicted_step_time"] < second["predicted_step_time"]) == (first["step_time"] < second["step_time"])
+
+
+def test_after_one_run_the_same_plan_is_predicted_within_5_percent():
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[4],
+                 schedule="1f1b")
+    first = ex.run()
+    again = ex.plan.predicted
+    assert step_time(again) == pytest.approx(first["step_time"], rel=0.05)
+    assert ex.plan.corrections.runs == 1
+
+
+def test_a_correction_learnt_on_one_split_improves_another_split():
+    model = _sleepy_model()
+    sample = torch.randn(16, 4)
+    table = profile(model, sample, microbatch_rows=[4, 16])
+    stale = table.copy()  # a profile that is 40 % too low everywhere (e.g. taken on a faster machine)
+    for column in ("forward", "backward", "forward_a", "forward_b", "backward_a", "backward_b"):
+        stale[column] = stale[column] * 0.6
+    stale.attrs.update(table.attrs)
+    uncorrected = explore(model, sample, layer_table=stale, devices=["cpu", "cpu"], chunks=4, splits=[2],
+                          calibrate=False)
+    corrected = explore(model, sample, layer_table=stale, devices=["cpu", "cpu"], chunks=4, splits=[2])
+    corrected.run()  # learns on split [2]
+    for ex in (uncorrected, corrected):
+        ex.splits = [3]
+    baseline = uncorrected.run()
+    improved = corrected.run()
+    assert abs(improved["prediction_error"]) < abs(baseline["prediction_error"])
+    assert abs(improved["prediction_error"]) < 0.15
+
+
+def test_corrections_rescale_each_stage_and_phase_and_measure_the_dispatch_gap():
+    table = pd.DataFrame({"forward": [1.0] * 4, "backward": [2.0] * 4, "output_bytes": [0.0] * 4})
+    predicted = simulate(table, [2], chunks=2, schedule="gpipe", checkpoint="never", executor="threads",
+                         cpu_stages_overlap=True)
+    measured = predicted.copy()
+    slow = (measured["stage"] == 1) & (measured["phase"] == "forward")
+    measured.loc[slow, "end"] = measured.loc[slow, "start"] + 2 * (measured.loc[slow, "end"] - measured.loc[slow, "start"])
+    learnt = Corrections().learn(table, [2], "threads", predicted, measured)
+    assert learnt.scale("threads", "forward").tolist() == pytest.approx([1, 1, 2, 2])
+    assert learnt.scale("threads", "backward").tolist() == pytest.approx([1, 1, 1, 1])
+    # A worker that idles 0.1 s before each action whose inputs are there: the executor's own cost.
+    lagging = predicted.copy()
+    lagging.loc[lagging["stage"] == 0, ["start", "end"]] += 0.0
+    shifted = lagging.sort_values("start").copy()
+    assert dispatch_gap(shifted) == pytest.approx(0.0, abs=1e-9)
