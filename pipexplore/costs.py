@@ -1,9 +1,9 @@
 """The cost model: what each layer and phase costs at a micro-batch size, corrected by runs.
 
 A layer table (:func:`pipexplore.profile`) holds per layer ``t(n) = a + b·n`` for forward and
-backward in the rows ``n`` of a micro-batch, and the cores each phase keeps busy. From it, for a
-plan's split and micro-batch sizes, follow per stage and phase: seconds, cores (how much the
-stage slows others on a shared host) and bytes. :class:`Corrections` hold what measured runs
+backward in the rows ``n`` of a micro-batch, and the share of its device each phase keeps busy. From it, for a
+plan's split and micro-batch sizes, follow per stage and phase: seconds, the share of its device
+it keeps busy (how much it slows the other stages on the same host or GPU) and bytes. :class:`Corrections` hold what measured runs
 taught, per executor: a factor per layer and phase, and the lane time each action costs beyond
 its span (the executor's own dispatch)::
 
@@ -14,12 +14,12 @@ its span (the executor's own dispatch)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_cores",
+__all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_shares",
            "stage_bounds", "has_fit"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
@@ -74,23 +74,21 @@ def stage_seconds(table: pd.DataFrame, splits: Sequence[int], rows: float, phase
     return np.array([cumulative[b] - cumulative[a] for a, b in stage_bounds(splits, len(table))])
 
 
-def stage_cores(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,
-                default: float) -> np.ndarray:
-    """Per stage: the cores a phase keeps busy when it runs alone, weighted by its layers' time.
-
-    ``default`` when the table does not say (no ``cpu_forward``/``cpu_backward`` columns).
-    """
+def stage_shares(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,
+                 default: float) -> np.ndarray:
+    """Per stage: the share of its device (0…1) a phase keeps busy when it runs alone, weighted by
+    its layers' time. ``default`` when the table does not say (no ``share_*`` columns)."""
     source, _ = PHASE_SOURCE[phase]
-    column = f"cpu_{source}"
+    column = f"share_{source}"
     bounds = stage_bounds(splits, len(table))
     if column not in table:
         return np.full(len(bounds), float(default))
     seconds = layer_seconds(table, rows, phase)
-    cores = table[column].to_numpy(dtype=float)
+    shares = table[column].to_numpy(dtype=float)
     out = []
     for a, b in bounds:
         total = seconds[a:b].sum()
-        out.append(float((seconds[a:b] * cores[a:b]).sum() / total) if total > 0 else 0.0)
+        out.append(float((seconds[a:b] * shares[a:b]).sum() / total) if total > 0 else 0.0)
     return np.array(out)
 
 
@@ -106,6 +104,9 @@ class Corrections:
     scales: Mapping[tuple[str, str], np.ndarray] = field(default_factory=dict)
     gaps: Mapping[str, float] = field(default_factory=dict)
     runs: int = 0
+    #: ``overheads[executor]``: seconds each action's span costs beyond its layers (the executor's
+    #: own bookkeeping inside the span), measured by :func:`pipexplore.executors.probe`.
+    overheads: Mapping[str, float] = field(default_factory=dict)
 
     def scale(self, executor: str, phase: str) -> Optional[np.ndarray]:
         return self.scales.get((executor, phase))
@@ -113,8 +114,27 @@ class Corrections:
     def gap(self, executor: str) -> float:
         return float(self.gaps.get(executor, 0.0))
 
+    def overhead(self, executor: str) -> float:
+        return float(self.overheads.get(executor, 0.0))
+
+    def with_executor_costs(self, executor: str, overhead: float, gap: float) -> "Corrections":
+        """These corrections with an executor's own cost per action, as a probe measured it."""
+        return Corrections(self.scales, {**self.gaps, executor: gap}, self.runs,
+                           {**self.overheads, executor: overhead})
+
+    def fitted(self, table: pd.DataFrame, splits: Sequence[int], executor: str,
+               predict: Callable[["Corrections"], pd.DataFrame], measured: pd.DataFrame,
+               iterations: int = 4) -> "Corrections":
+        """Learn from one run until predicting it again reproduces it: :meth:`learn`, repeated
+        against the same measurement (each round re-simulates, so the contention between stages
+        is redistributed with the corrected costs)."""
+        learnt: Corrections = self
+        for k in range(iterations):
+            learnt = learnt.learn(table, splits, executor, predict(learnt), measured, count=k == 0)
+        return learnt
+
     def learn(self, table: pd.DataFrame, splits: Sequence[int], executor: str, predicted: pd.DataFrame,
-              measured: pd.DataFrame) -> "Corrections":
+              measured: pd.DataFrame, count: bool = True) -> "Corrections":
         """These corrections updated from one run: ``measured`` against ``predicted`` (the
         prediction made with these corrections for the same plan), action by action.
 
@@ -145,7 +165,7 @@ class Corrections:
         gap = dispatch_gap(measured)
         if gap is not None:
             gaps[executor] = gap
-        return Corrections(scales, gaps, self.runs + 1)
+        return Corrections(scales, gaps, self.runs + int(count), self.overheads)
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:

@@ -179,7 +179,9 @@ class Plan:
         splits, chunks and schedules of the same executor.
         """
         executor = self.predict_executor
-        learnt = self.corrections.learn(self.layer_table, list(self.splits), executor, self.predicted, measured)
+        learnt = self.corrections.fitted(self.layer_table, list(self.splits), executor,
+                                         lambda corrections: replace(self, corrections=corrections).predict(),
+                                         measured)
         return replace(self, corrections=learnt)
 
     @property

@@ -22,9 +22,10 @@ __all__ = ["profile", "LAYER_COLUMNS", "FIT_COLUMNS"]
 LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
                  "stash_keys", "pop_keys"]
 #: Cost as a function of the rows ``n`` of a micro-batch: ``t(n) = a + b·n`` per phase, bytes per
-#: row, the cores a phase keeps busy when it runs alone, and how repeatable the timings were.
+#: row, the share of its device (the host's cores, or a GPU) a phase keeps busy when it runs
+#: alone, and how repeatable the timings were.
 FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
-               "saved_bytes_per_row", "cpu_forward", "cpu_backward", "spread"]
+               "saved_bytes_per_row", "share_forward", "share_backward", "spread"]
 
 #: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
 TARGET_SPREAD = 0.05
@@ -138,8 +139,6 @@ def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[An
     work at the same time: 1 when they overlap freely (sleeps, a host left free), 2 when they
     share the cores fully. Catches what CPU time cannot: intra-op threads that spin while they
     wait, the GIL, memory bandwidth."""
-    if target.type != "cpu":
-        return 1.0, 1.0
     barrier = threading.Barrier(2)
     timers = [(_Timer(target), _Timer(target)) for _ in range(2)]
     errors: list[BaseException] = []
@@ -242,14 +241,19 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     return rows
 
 
-def _cores(per_size: list[pd.DataFrame], phase: str) -> np.ndarray:
-    """The cores a phase keeps busy, from two readings: process CPU time over wall time (an upper
-    bound: spinning intra-op threads count too) and, at the first size, the slowdown beside a
-    second thread doing the same (``s`` times slower on ``C`` cores: ``s·C/2`` cores asked)."""
-    capacity = float(_host_cores())
-    cpu = np.clip(np.mean([t[f"cpu_{phase}"].to_numpy() for t in per_size], axis=0), 0.0, capacity)
+def _shares(per_size: list[pd.DataFrame], phase: str, device: torch.device) -> np.ndarray:
+    """The share of its device a phase keeps busy when it runs alone, in 0…1.
+
+    Beside a twin doing the same work, a phase that runs ``s`` times slower asks for ``s/2`` of
+    the device (1: the twins serialise; ½ or less: they overlap freely). On the host this is
+    capped by the process CPU time over wall time, over the cores (a sleep asks for nothing).
+    """
     slow = per_size[0][f"slow_{phase}"].to_numpy(dtype=float)
-    contended = np.clip(slow * capacity / 2.0, 0.0, capacity)
+    contended = np.clip(np.nan_to_num(slow, nan=2.0) / 2.0, 0.0, 1.0)
+    if device.type != "cpu":
+        return contended
+    capacity = float(_host_cores())
+    cpu = np.clip(np.mean([t[f"cpu_{phase}"].to_numpy() for t in per_size], axis=0) / capacity, 0.0, 1.0)
     return np.where(np.isnan(slow), cpu, np.minimum(cpu, contended))
 
 
@@ -295,8 +299,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     Returns one row per layer: ``name``, ``type``, ``param_bytes``; ``output_bytes`` (outputs and
     stashed skip tensors) and ``saved_bytes`` (what autograd keeps for backward), both for the
     whole ``sample``; ``forward`` and ``backward`` seconds for the whole sample (from the fit);
-    the fit columns (:data:`FIT_COLUMNS`: ``cpu_forward``/``cpu_backward`` are the cores a phase
-    keeps busy when it runs alone, process CPU time over wall time; ``spread`` is the worst
+    the fit columns (:data:`FIT_COLUMNS`: ``share_forward``/``share_backward`` are the share of
+    its device a phase keeps busy when it runs alone, measured beside a twin thread doing the same
+    work, and on the host capped by CPU time over wall time; ``spread`` is the worst
     interquartile range over the median); ``stash`` and ``pop`` (skip names) and
     ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``). ``table.attrs['rows']``
     lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
@@ -309,7 +314,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     Example::
 
         table = pipexplore.profile(model, torch.randn(64, 128), microbatch_rows=[16, 64])
-        table[["name", "forward_a", "forward_b", "cpu_forward"]]
+        table[["name", "forward_a", "forward_b", "share_forward"]]
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"profile needs an nn.Sequential, got {type(module).__name__}")
@@ -352,7 +357,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         table[f"{phase}_a"] = [a for a, _ in fits]
         table[f"{phase}_b"] = [b for _, b in fits]
         table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
-        table[f"cpu_{phase}"] = _cores(per_size, phase)
+        table[f"share_{phase}"] = _shares(per_size, phase, target)
     table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
     table["output_bytes_per_row"] = table["output_bytes"] / last
     table["saved_bytes_per_row"] = table["saved_bytes"] / last

@@ -1,12 +1,13 @@
-"""Predicted timelines: replay a schedule over profiled per-layer costs.
+"""Predicted timelines: replay a schedule over per-layer costs, with stages sharing devices.
 
 Each stage gets an ordered list of actions — ``F`` forward, ``B`` backward, ``R`` recompute
-(checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch. Actions
-run on *lanes*: a device is one lane for all its stages (the CPU's cores are shared by every CPU
-stage), unless ``cpu_stages_overlap`` gives each CPU stage a lane of its own (layers that leave
-the CPU free); the autograd-driven ``GPipe`` runs every CPU backward on the one thread that called
-``backward()``, so there all CPU backward work shares one lane. An action
-starts when its lane is free and its inputs have arrived (plus the copy between devices)::
+(checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch, run by
+a *worker* as the executor has them: one per stage (one per device for interleaved), and for the
+autograd-driven ``GPipe`` the backward of each device on one more (autograd's engine thread). An
+action starts when its worker is free and its inputs have arrived (plus the copy between
+devices); while it runs it keeps a share of its device busy (the host's cores for every CPU
+stage, or its GPU), and actions whose shares add up to more than the whole device run slower in
+proportion (processor sharing)::
 
     stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
     stage 1     F0 F1 F2 F3 ·  ·  B3 B2 B1 B0
@@ -23,7 +24,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_cores, stage_seconds
+from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
 
@@ -153,19 +154,24 @@ def _is_host(device: str) -> bool:
     return not device.startswith("cuda")
 
 
+def _resource(device: str) -> str:
+    """What a stage's work shares: the host's cores for every CPU device, else the GPU itself."""
+    return "host" if _is_host(device) else device
+
+
 def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
              checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
-             batch: Optional[int] = None, cores: Optional[float] = None,
-             corrections: Optional[Corrections] = None, run: Union[int, str] = "predicted") -> pd.DataFrame:
+             batch: Optional[int] = None, corrections: Optional[Corrections] = None, run: Union[int, str] = "predicted") -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
         layer_table: per-layer costs, as :func:`pipexplore.profile` gives: ``t(n) = a + b·n`` per
-            phase in the rows ``n`` of a micro-batch, and the cores each phase keeps busy
-            (``cpu_forward``, ``cpu_backward``). A table of whole-batch seconds only
-            (``forward``, ``backward``) is taken as proportional to the rows.
+            phase in the rows ``n`` of a micro-batch, and the share of its device each phase
+            keeps busy (``share_forward``, ``share_backward``; 1 where the table does not say).
+            A table of whole-batch seconds only (``forward``, ``backward``) is taken as
+            proportional to the rows.
         splits: layers that begin a stage.
         chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it.
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
@@ -173,25 +179,18 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
             recompute their forward right before their backward.
         devices: one per stage (``interleaved``: one per device); default ``'cpu'`` for each.
+            Every CPU device is the same host: its stages share its cores.
         copy_cost: seconds per byte between different devices (default by device kinds).
-        executor: ``autograd`` (the ``GPipe`` module: CPU backward runs on one thread) or
-            ``threads`` (the schedule executor: each stage's backward in its own worker).
+        executor: ``autograd`` (the ``GPipe`` module: one ``backward()`` call), ``threads`` (the
+            schedule executor: a worker per stage) or ``processes`` (a process per stage).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
         batch: rows of the mini-batch (default: the profiled sample's, ``table.attrs['batch']``).
-        cores: cores the host's CPU stages share (default: this process's).
         corrections: what earlier runs taught (:class:`pipexplore.costs.Corrections`): a factor
             per layer and phase, and the executor's time between actions.
-        action_overhead: seconds every compute action costs beyond its layers (added to each span).
+        action_overhead: seconds added to every compute action (a what-if).
         per_microbatch: the table's seconds are already per micro-batch (a table without a fit).
         cpu_stages_overlap: CPU stages never slow each other (layers that leave the CPU free:
-            sleeps, I/O, waits on other machines), whatever the table says of their cores.
-
-    Every worker (a stage's thread; one per device for interleaved; one more for the CPU
-    backward of the autograd executor) runs its actions in order, each when its inputs have
-    arrived. Actions of CPU stages share the host's cores: while the cores they ask for together
-    exceed ``cores``, each runs slower in proportion (processor sharing), so stages of layers
-    that keep every core busy contend and stages that leave the CPU free overlap. A GPU runs one
-    action at a time.
+            sleeps, I/O, waits on other machines), whatever the table says of their shares.
 
     Example::
 
@@ -240,48 +239,37 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                              f"got {len(device_names)}")
         stage_device = [device_names[s % p] for s in range(S)]
         lane_queues = [[(s, k, i) for s, k, i in _interleaved(d, p, virtual_stages, m)] for d in range(p)]
-        lanes_of_queue = [f"worker{d}" if _is_host(device_names[d]) else device_names[d] for d in range(p)]
     else:
         stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
         if len(stage_device) != S:
             raise ValueError(f"{S} stages need {S} devices, got {len(stage_device)}")
         orders = stage_orders(schedule, S, m)
-        lane_queues, lanes_of_queue = [], []
-        for s, order in enumerate(orders):
-            host = _is_host(stage_device[s])
-            lane = f"worker{s}" if host else stage_device[s]
-            if executor == "autograd" and host:
-                lane_queues.append([(s, k, i) for k, i in order if k == "F"])
-            else:
-                lane_queues.append([(s, k, i) for k, i in order])
-            lanes_of_queue.append(lane)
+        lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
+                       for s, order in enumerate(orders)]
         if executor == "autograd":
-            # One backward() call: CPU stages' backward on one thread, micro-batch-major, last first.
-            cpu_backward = [(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
-                            if _is_host(stage_device[s])]
-            if cpu_backward:
-                lane_queues.append(cpu_backward)
-                lanes_of_queue.append("autograd")
-
+            # One backward() call: autograd's engine runs the backward of each device on one thread
+            # (the caller's for the CPU), micro-batch-major, last first.
+            for device in dict.fromkeys(_resource(d) for d in stage_device):
+                lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
+                                    if _resource(stage_device[s]) == device])
     # Expand recompute (before B or I of checkpointed micro-batches).
     lane_queues = [[a for s, kind, i in queue
                     for a in ([(s, "R", i)] if kind in ("B", "I") and i < stop else []) + [(s, kind, i)]]
                    for queue in lane_queues]
 
-    # Seconds and cores of every (kind, stage, micro-batch).
-    learnt = executor if executor != "autograd" else "autograd"
-    capacity = float(cores if cores is not None else host_cores())
+    # Seconds, and the share of its device, of every (kind, stage, micro-batch).
+    learnt = executor
     distinct = sorted(set(sizes))
     seconds: dict[tuple[str, float], np.ndarray] = {}
     demand: dict[tuple[str, float], np.ndarray] = {}
+    host = np.array([_is_host(d) for d in stage_device])
     for kind, phase in PHASES.items():
         scale = corrections.scale(learnt, phase) if corrections is not None else None
         for rows in distinct:
-            size = rows if fit else (rows * (batch or 1) if batch and not fit else rows)
-            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size if fit else rows, phase, scale) \
-                + action_overhead
-            wanted = stage_cores(layer_table, splits, size if fit else rows, phase, default=capacity)
-            demand[(kind, rows)] = np.zeros(S) if cpu_stages_overlap else np.clip(wanted, 0.0, capacity)
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, rows, phase, scale) + action_overhead + (
+                corrections.overhead(learnt) if corrections is not None else 0.0)
+            wanted = np.clip(stage_shares(layer_table, splits, rows, phase, default=1.0), 0.0, 1.0)
+            demand[(kind, rows)] = np.where(host, 0.0, wanted) if cpu_stages_overlap else wanted
     gap = corrections.gap(learnt) if corrections is not None else 0.0
     last_layers = costs["last_layer"].to_numpy()
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
@@ -312,9 +300,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
 
     Q = len(lane_queues)
     heads = [0] * Q
-    lane_busy: dict[str, bool] = {}
-    lane_free_at: dict[str, float] = {}
-    running: dict[int, list] = {}  # queue -> [remaining work, cores, start, s, kind, i, host]
+    free_at = [0.0] * Q
+    resource = [_resource(d) for d in stage_device]
+    running: dict[int, list] = {}  # queue -> [remaining work, share of its device, start, stage, kind, i]
     remaining = sum(len(q) for q in lane_queues)
     now = 0.0
     eps = 1e-12
@@ -323,24 +311,18 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         for q in range(Q):
             if q in running or heads[q] >= len(lane_queues[q]):
                 continue
-            lane = lanes_of_queue[q]
-            if lane_busy.get(lane):
-                continue
-            free_at = lane_free_at.get(lane, 0.0)
             s, kind, i = lane_queues[q][heads[q]]
             if kind in ("B", "I") and i < stop and (s, "R", i) not in end:
                 continue
             t = ready(s, kind, i)
             if t is None:
                 continue
-            start = max(t, free_at)
+            start = max(t, free_at[q])
             if start > now + eps:
                 wake = min(wake, start)
                 continue
             key = (kind, sizes[i])
-            host = _is_host(stage_device[s])
-            running[q] = [float(seconds[key][s]), float(demand[key][s]) if host else 0.0, now, s, kind, i]
-            lane_busy[lane] = True
+            running[q] = [float(seconds[key][s]), float(demand[key][s]), now, s, kind, i]
             if kind == "F" and s:
                 copy = copy_seconds(s - 1, s, i)
                 if copy > 0:
@@ -351,9 +333,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 raise RuntimeError(f"schedule {schedule!r} deadlocked: no stage can run its next action")
             now = wake
             continue
-        asked = sum(job[1] for job in running.values())
-        rate = capacity / asked if asked > capacity else 1.0
-        rates = {q: (rate if job[1] > 0 else 1.0) for q, job in running.items()}
+        # Processor sharing: while the actions on one device ask for more than all of it, each
+        # runs slower in proportion.
+        asked: dict[str, float] = {}
+        for job in running.values():
+            asked[resource[job[3]]] = asked.get(resource[job[3]], 0.0) + job[1]
+        rates = {q: (1.0 / asked[resource[job[3]]] if job[1] > 0 and asked[resource[job[3]]] > 1.0 else 1.0)
+                 for q, job in running.items()}
         step = min(job[0] / rates[q] for q, job in running.items())
         step = min(step, wake - now)
         now += step
@@ -366,9 +352,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 heads[q] += 1
                 remaining -= 1
                 end[(s, kind, i)] = now
-                lane = lanes_of_queue[q]
-                lane_busy[lane] = False
-                lane_free_at[lane] = now + gap
+                free_at[q] = now + gap
                 rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted"))
 
     frame = pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
