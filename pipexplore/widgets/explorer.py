@@ -31,8 +31,9 @@ from pipexplore.widgets.splitbar import SplitBar
 
 __all__ = ["Explorer", "explore", "RUN_COLUMNS"]
 
-RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time", "bubble",
-               "throughput", "peak_memory", "predicted_step_time", "prediction_error", "loss"]
+RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
+               "startup_seconds", "bubble", "throughput", "peak_memory", "predicted_step_time", "prediction_error",
+               "loss"]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -116,8 +117,9 @@ class Explorer:
                 self.notes.append(note)
         for device in devices:
             _as_device(device)  # a device that does not exist is refused here, clearly
-        self._plan = Plan(self.layer_table, tuple(splits), tuple(devices), chunks, checkpoint, schedule,
-                          executor=executor, batch=batch_size(sample))
+        self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(devices), chunks,
+                                                    checkpoint, schedule, executor=executor,
+                                                    batch=batch_size(sample)))
         self._runs: list[dict[str, Any]] = []
         self._results: list[RunResult] = []
         self._lock = threading.Lock()
@@ -153,7 +155,21 @@ class Explorer:
         self._set_plan(self._plan.with_options(**changes))
         return self._plan
 
+    def _with_executor_costs(self, plan: Plan) -> Plan:
+        """``plan`` with its executor's own cost per action, probed once per executor (see
+        :func:`pipexplore.executors.probe`), so that even a first prediction includes it."""
+        executor = plan.predict_executor
+        if not self.calibrate or executor in plan.corrections.overheads or plan.executor == "processes" \
+                or plan.schedule == "async-backends":
+            return plan
+        from pipexplore.executors import probe
+
+        overhead, gap = probe(plan)
+        gap = plan.corrections.gaps.get(executor, gap)  # a gap learnt from a real run wins
+        return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap))
+
     def _set_plan(self, plan: Plan) -> None:
+        plan = self._with_executor_costs(plan)
         _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
         self._plan = plan
         self._refresh()
@@ -188,20 +204,22 @@ class Explorer:
         """One row per run: the plan, what was measured, and the prediction's error."""
         return pd.DataFrame(self._runs, columns=RUN_COLUMNS)
 
-    def run(self, executor: Optional[str] = None) -> pd.Series:
+    def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
         """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
 
         ``executor``: ``'threads'`` (default: the schedule executor, in this process),
         ``'autograd'`` (the ``GPipe`` module) or ``'processes'`` (one process per stage with
         ``torch.distributed.pipelining``); it becomes the plan's. Errors (a bad device, out of
         memory, a layer that raises, a crashed worker) propagate; the plan and earlier runs are kept.
+        ``timeout`` (seconds, ``'processes'`` only; default derived from the predicted step) bounds
+        the step in the worker processes; their start-up shows apart, as ``startup_seconds``.
         """
         if executor is not None and executor != self._plan.executor:
             self.update(executor=executor)
         with self._lock:
             plan = self._plan
             result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
-                              optimizer=self.optimizer, run=len(self._runs))
+                              optimizer=self.optimizer, run=len(self._runs), timeout=timeout)
             row = {"run": len(self._runs), **result.row()}
             if plan.schedule == "async-backends":
                 row["executor"] = "backends"
@@ -414,8 +432,9 @@ class Explorer:
             bubble=(runs["bubble"] * 100).round(1), prediction_error=(runs["prediction_error"] * 100).round(1),
             throughput=runs["throughput"].round(1), loss=runs["loss"].round(5),
             peak_memory=[("" if math.isnan(v) else _fmt_bytes(v)) for v in runs["peak_memory"]],
-        ).rename(columns={"step_time": "step ms", "predicted_step_time": "predicted ms", "bubble": "bubble %",
-                          "prediction_error": "error %"})
+            startup_seconds=[("" if math.isnan(v) else f"{v:.2f}") for v in runs["startup_seconds"]],
+        ).rename(columns={"step_time": "step ms", "startup_seconds": "startup s", "predicted_step_time": "predicted ms",
+                          "bubble": "bubble %", "prediction_error": "error %"})
         self.w_runs.value = "<div class='pipexplore-runs'>" + shown.to_html(index=False) + "</div>"
         if self._results:
             update_timeline_figure(self.figure, None, self._results[-1].timeline, batch_size(self.sample), rows=(2,))

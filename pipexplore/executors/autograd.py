@@ -1,0 +1,34 @@
+"""The ``autograd`` executor: the ``GPipe`` module, one ``backward()`` call per step."""
+from __future__ import annotations
+
+import copy
+
+from pipexplore.executors.base import RunResult, StepJob, make_optimizer, measure, result, synthetic_loss
+from pipexplore.gpipe import GPipe
+from pipexplore.microbatch import to_device
+
+__all__ = ["NAME", "run"]
+
+NAME = "autograd"
+
+
+def run(job: StepJob) -> RunResult:
+    """Train a copy of the model through ``GPipe(...)`` as the plan says; measure."""
+    plan = job.plan
+    pipe = GPipe(copy.deepcopy(job.model), plan.balance, devices=list(plan.devices[: plan.num_stages]),
+                 chunks=plan.chunks, checkpoint=plan.checkpoint)
+    pipe.train()
+    loss_fn = job.loss_fn or synthetic_loss
+    optimizer = make_optimizer(job.optimizer, pipe.parameters())
+    x = to_device(job.sample, pipe.devices[0])
+    y = to_device(job.target, pipe.devices[-1])
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(pipe(x), y)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    timeline, loss = measure(step, job.warmup, job.run, job.repeats)
+    return result(plan, timeline, loss, job.sample, {str(d) for d in pipe.devices})

@@ -1,0 +1,58 @@
+"""The ``backends`` executor: each stage served as an expert backend, trained asynchronously."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from pipexplore.executors.base import RunResult, StepJob, make_optimizer, result
+
+__all__ = ["NAME", "run"]
+
+NAME = "backends"
+
+
+def run(job: StepJob) -> RunResult:
+    """Serve each stage as an :class:`ExpertBackend` and train through a :class:`BackendPipeline`.
+
+    Each backend steps its own optimizer on each backward task (hivemind-style asynchronous
+    updates); the timeline holds one row per batch the pools formed, with its size and wait.
+    """
+    from pipexplore.backend import BackendPipeline, BatchTensorProto, ExpertBackend, Runtime
+
+    model, sample, plan, target, loss_fn, warmup = job.model, job.sample, job.plan, job.target, job.loss_fn, job.warmup
+
+    crossing = [r for r in plan.skip_routes if r.crosses]
+    if crossing:
+        names = ", ".join(f"'{r.name}' ({r.stash_layer}→{r.pop_layer})" for r in crossing)
+        raise ValueError(f"skip routes {names} cross stages, which expert backends cannot carry: "
+                         "move the split points so that every stash and its pop share a stage")
+    if not torch.is_tensor(sample):
+        raise TypeError("expert backends take one tensor per stage: give a tensor sample, not a tuple")
+    layers = list(copy.deepcopy(model))
+    points = [0, *plan.splits, len(layers)]
+    devices = plan.stage_devices
+    backends = []
+    x = sample.chunk(plan.chunks)[0]
+    for stage, (a, b) in enumerate(zip(points, points[1:])):
+        module = nn.Sequential(*layers[a:b]).to(devices[stage])
+        x = x.to(devices[stage])
+        backends.append(ExpertBackend(f"stage{stage}", module, make_optimizer(job.optimizer, module.parameters()),
+                                      args_schema=(BatchTensorProto.from_tensor(x.detach()),),
+                                      max_batch_size=max(1, int(sample.size(0)))))
+        with torch.no_grad():
+            x = module(x)
+    pipeline = BackendPipeline(backends)
+    y = target.to(devices[-1]) if torch.is_tensor(target) else target
+    runtime = Runtime({b.name: b for b in backends}, stages={b.name: k for k, b in enumerate(backends)})
+    with runtime:
+        for _ in range(warmup):
+            pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+        warm_batches = len(runtime.timeline)
+        losses = pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+    measured = runtime.timeline.iloc[warm_batches:].reset_index(drop=True).assign(run=job.run)
+    origin = measured["start"].min() if len(measured) else 0.0
+    measured["start"] -= origin
+    measured["end"] -= origin
+    return result(plan, measured, float(sum(losses) / len(losses)), sample, set(devices))

@@ -1,0 +1,100 @@
+"""What every executor shares: the job, the measured result and its metrics, the default loss."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from pipexplore import timeline as tl
+from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.plan import Plan
+
+__all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "result", "measure", "synthetic_loss",
+           "make_optimizer"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """Mean of the squared outputs: a loss for timing when the model has no real one."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    return sum(o.float().pow(2).mean() for o in outputs if torch.is_tensor(o) and o.is_floating_point())  # type: ignore[return-value]
+
+
+def make_optimizer(factory: Optional[OptimizerFactory], parameters: Any) -> torch.optim.Optimizer:
+    """The user's optimizer on ``parameters``, or SGD (lr 0.01)."""
+    return (factory or (lambda params: torch.optim.SGD(params, lr=0.01)))(parameters)
+
+
+@dataclass
+class StepJob:
+    """One measured step to run: the model (never changed: executors train a copy), one
+    mini-batch, the plan, and how to train."""
+
+    model: nn.Module
+    sample: TensorOrTensors
+    plan: Plan
+    target: Any = None
+    loss_fn: Optional[LossFn] = None
+    optimizer: Optional[OptimizerFactory] = None
+    warmup: int = 1
+    run: Any = 0
+    repeats: int = 3
+    timeout: Optional[float] = None
+
+
+@dataclass
+class RunResult:
+    """A measured step: its timeline, loss and metrics (one row of the runs table)."""
+
+    plan: Plan
+    timeline: pd.DataFrame
+    loss: float
+    predicted: pd.DataFrame
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "splits": list(self.plan.splits), "chunks": self.plan.chunks, "checkpoint": self.plan.checkpoint,
+            "schedule": self.plan.schedule, "executor": self.plan.executor,
+            "devices": ",".join(self.plan.devices[: self.plan.num_devices]),
+            **self.metrics,
+        }
+
+
+def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3) -> tuple[pd.DataFrame, float]:
+    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`: the timeline and
+    loss of the step whose time is the median (one step alone is at the mercy of the machine's noise)."""
+    for _ in range(warmup):
+        step()
+    measured = []
+    for _ in range(max(1, repeats)):
+        with tl.record(run=run) as rec:
+            loss = step()
+        measured.append((tl.step_time(rec.timeline), rec.timeline, loss))
+    measured.sort(key=lambda item: item[0])
+    _, timeline, loss = measured[len(measured) // 2]
+    return timeline, loss
+
+
+def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str]) -> RunResult:
+    """A measured step with its metrics and the plan's prediction beside it."""
+    predicted = plan.predicted
+    step_seconds = tl.step_time(measured)
+    predicted_seconds = tl.step_time(predicted)
+    peak = measured.attrs.get("peak_memory", {})
+    metrics = {
+        "step_time": step_seconds,
+        "bubble": tl.bubble_fraction(measured),
+        "throughput": tl.throughput(measured, batch_size(sample)),
+        "peak_memory": max((v for d, v in peak.items() if d in used), default=math.nan),
+        "predicted_step_time": predicted_seconds,
+        "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
+        "loss": loss,
+    }
+    return RunResult(plan, measured, loss, predicted, metrics)
