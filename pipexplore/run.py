@@ -43,7 +43,9 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     schedule ``async-backends`` serves the stages as expert backends. The user's model is never
     changed: the step runs on a deep copy placed on the plan's devices. ``loss_fn(output, target)``
     defines the loss (default: :func:`synthetic_loss`); ``optimizer(parameters)`` makes the
-    optimizer (default: SGD, lr=0.01).
+    optimizer (default: SGD, lr=0.01). ``timeout`` (seconds, executor ``processes`` only) bounds
+    the steps in the worker processes; by default :func:`pipexplore.distributed.default_timeout`
+    derives it from the predicted step.
 
     Example::
 
@@ -53,6 +55,9 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     job = StepJob(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, warmup=warmup,
                   run=run, repeats=repeats, timeout=timeout)
     executor = executor_for(model, plan)
+    if timeout is not None and executor is not processes:
+        raise ValueError(f"timeout={timeout!r} bounds runs in worker processes (executor='processes'); executor "
+                         f"{plan.executor!r} runs in this process: leave timeout out, or choose executor='processes'")
     if executor is traced_module():
         return executor.run_traced_step(model, sample, plan, target=target, loss_fn=loss_fn,  # type: ignore[no-any-return]
                                         optimizer=optimizer, warmup=warmup, run=run)

@@ -2,18 +2,27 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing
+import functools
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
 import pipexplore
 from models import plain_model
-from pipexplore import distributed
-from pipexplore.distributed import DistributedRunError, run_processes
+from pipexplore import pool
+from pipexplore.distributed import DistributedRunError, run_processes, shutdown_pool
 from pipexplore.plan import Plan
+from pipexplore.run import run_step
 
 pytestmark = pytest.mark.slow
 
@@ -52,19 +61,30 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
 
 
 def _children():
-    return [p for p in multiprocessing.active_children() if p.name.startswith("pipexplore-rank")]
+    """This process's pool workers that are still running."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore._worker" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_pool_left_behind():
+    yield
+    shutdown_pool()
+    assert _children() == []
 
 
 @pytest.fixture
 def port_spy(monkeypatch):
+    """The rendezvous ports of the pools started in the test (it starts with none warm)."""
+    shutdown_pool()
     ports = []
-    original = distributed._free_port
+    original = pool._free_port
 
     def spy():
         ports.append(original())
         return ports[-1]
 
-    monkeypatch.setattr(distributed, "_free_port", spy)
+    monkeypatch.setattr(pool, "_free_port", spy)
     return ports
 
 
@@ -78,20 +98,169 @@ def _port_is_free(port):
     return True
 
 
-def test_a_crashing_rank_fails_the_run_with_its_traceback(port_spy):
-    model, x = plain_model(), torch.randn(8, 6)
-    with pytest.raises(DistributedRunError, match=r"(?s)rank 1 failed:\n.*rank 1 crashed on purpose"):
-        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), _crash_rank=1, timeout=60)
+class FailInWorker(nn.Module):
+    """The identity in the test's own process (so that profiling works); in a worker, fails as told."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.home = how, os.getpid()
+
+    def forward(self, x):
+        if os.getpid() != self.home:
+            if self.how == "SIGKILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "exit code 1":
+                sys.stderr.write("the layer gives up on purpose\n")
+                sys.stderr.flush()
+                os._exit(1)
+            if self.how == "exit code 0":
+                os._exit(0)
+            if self.how == "raise":
+                raise RuntimeError("the layer failed on purpose")
+            if self.how == "hang":
+                time.sleep(3600)
+        return x
+
+
+def _failing_model(how):
+    model = plain_model()
+    model.insert(5, FailInWorker(how))  # in stage 1 (splits [4]): rank 1
+    return model
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback(port_spy):
+    model, x = _failing_model("raise"), torch.randn(8, 6)
+    with pytest.raises(DistributedRunError, match=r"(?s)rank 1 failed:\n.*RuntimeError: the layer failed on purpose"):
+        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=60)
+    assert _children() == []
+    assert _port_is_free(port_spy[-1])
+
+
+@pytest.mark.parametrize("how,said", [
+    ("SIGKILL", r"was killed by SIGKILL \(signal 9\)"),
+    ("exit code 1", r"exited with code 1 .*the layer gives up on purpose"),
+    ("exit code 0", r"exited with code 0 "),
+])
+def test_a_dead_rank_is_named_with_its_exit_code_at_once(port_spy, how, said):
+    model, x = _failing_model(how), torch.randn(8, 6)
+    plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
+    started = time.monotonic()
+    with pytest.raises(DistributedRunError, match=rf"(?s)^rank 1 \(cpu, pid \d+\) {said}"):
+        run_processes(model, x, plan, timeout=120)
+    assert time.monotonic() - started < 60  # named when it dies, not when the timeout runs out
     assert _children() == []
     assert _port_is_free(port_spy[-1])
 
 
 def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
-    model, x = plain_model(), torch.randn(8, 6)
-    with pytest.raises(DistributedRunError, match=r"timed out after 8 s; rank\(s\) \[0, 1\] did not finish"):
-        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), _hang_rank=1, timeout=8)
+    model, x = _failing_model("hang"), torch.randn(8, 6)
+    with pytest.raises(DistributedRunError, match=r"timed out after 4 s \(timeout=4\): rank\(s\) \[0, 1\] did not finish"):
+        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=4)
     assert _children() == []
     assert _port_is_free(port_spy[-1])
+
+
+def test_a_rerun_reuses_the_warm_pool_with_the_users_loss_and_optimizer():
+    """Closures travel by value; the optimizer factory runs in the workers (Adam's step, not the default SGD)."""
+    torch.manual_seed(0)
+    model, x, target = plain_model(), torch.randn(8, 6), torch.randn(8, 6)
+    weight = torch.linspace(0.5, 2.0, 6)
+
+    def weighted_loss(output, target):  # a closure over a tensor of this test
+        return ((output - target) ** 2 * weight).mean()
+
+    make_adam = functools.partial(torch.optim.Adam, lr=0.05)
+    plan = _plan(model, x, [4], ["cpu"] * 2, "1f1b")
+    shutdown_pool()
+    first = run_step(model, x, plan, target=target, loss_fn=weighted_loss, optimizer=make_adam, warmup=1)
+    second = run_step(model, x, plan, target=target, loss_fn=weighted_loss, optimizer=make_adam, warmup=1)
+    assert first.metrics["startup_seconds"] > 0 and second.metrics["startup_seconds"] == 0.0
+    assert second.metrics["worker_pids"] == first.metrics["worker_pids"]
+    assert [p.pid for p in _children()] == first.metrics["worker_pids"]
+
+    reference = copy.deepcopy(model)
+    adam = make_adam(reference.parameters())
+    weighted_loss(reference(x), target).backward()
+    adam.step()
+    expected = weighted_loss(reference(x), target).item()  # the loss of the step after one Adam step
+    assert first.loss == pytest.approx(expected, rel=1e-5) and second.loss == pytest.approx(expected, rel=1e-5)
+    assert model[0].weight.grad is None  # the user's model is untouched
+
+
+def test_what_cannot_be_pickled_is_named_before_any_process_starts():
+    model, x = plain_model(), torch.randn(8, 6)
+    plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
+    before = _children()
+    model[3][0].lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"cannot send model to the worker processes: model\.3\.0\.lock "
+                                        r"\(a _thread\.lock\) cannot be pickled .*executor='threads'"):
+        run_processes(model, x, plan)
+    del model[3][0].lock
+    log = open(os.devnull, "w")
+
+    def logged_loss(output, target):
+        log.write("loss\n")
+        return output.sum()
+
+    with pytest.raises(TypeError, match=r"cannot send loss_fn to the worker processes: loss_fn \(closure variable "
+                                        r"'log'\) \(a _io\.TextIOWrapper\)"):
+        run_processes(model, x, plan, loss_fn=logged_loss)
+    log.close()
+    with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds .* not -1"):
+        run_processes(model, x, plan, timeout=-1)
+    assert _children() == before
+
+
+SCRIPT = """
+import copy, json, sys
+import torch
+from torch import nn
+import pipexplore
+from pipexplore.plan import Plan
+from pipexplore.distributed import run_processes
+
+print("script body ran", file=sys.stderr)
+
+
+class Scale(nn.Module):  # a class of __main__: workers cannot import it, it travels by value
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = nn.Parameter(torch.tensor(factor))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.factor
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 6), Scale(1.5), nn.Linear(6, 6), Scale(0.5))
+x, y = torch.randn(8, 6), torch.randn(8, 6)
+plan = Plan(pipexplore.profile(copy.deepcopy(model), x, repeats=1, calibrate=False), (2,), ("cpu", "cpu"),
+            chunks=2, schedule="gpipe", executor="processes")
+loss_fn = lambda out, t: ((out - t) ** 2).mean()
+make_sgd = lambda params: torch.optim.SGD(params, lr=0.5)
+result = run_processes(model, x, plan, target=y, loss_fn=loss_fn, optimizer=make_sgd, warmup=1, timeout=60)
+reference = copy.deepcopy(model)
+sgd = make_sgd(reference.parameters())
+loss_fn(reference(x), y).backward()
+sgd.step()
+print(json.dumps({"processes": result.loss, "reference": loss_fn(reference(x), y).item(),
+                  "unchanged": loss_fn(model(x), y).item()}))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "file"])
+def test_a_script_of_main_classes_and_lambdas_trains_in_processes(tmp_path, how):
+    """``python - < script.py`` and ``python script.py`` (no __main__ guard): the body runs once."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(script)]
+    with open(script) as stdin:
+        done = subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("script body ran") == 1
+    losses = json.loads(done.stdout.strip().splitlines()[-1])
+    assert losses["processes"] == pytest.approx(losses["reference"], rel=1e-5)
+    assert losses["processes"] != pytest.approx(losses["unchanged"], rel=1e-3)  # the optimizer stepped
 
 
 def test_explorer_runs_the_processes_executor_beside_threads():
@@ -99,9 +268,14 @@ def test_explorer_runs_the_processes_executor_beside_threads():
 
     ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b")
     ex.run()
-    row = ex.run(executor="processes")
+    with pytest.raises(ValueError, match=r"timeout=5 bounds runs in worker processes \(executor='processes'\)"):
+        ex.run(timeout=5)
+    row = ex.run(executor="processes", timeout=60)
     assert row["executor"] == "processes" and row["schedule"] == "1f1b"
     assert ex.runs["executor"].tolist() == ["threads", "processes"]
+    startup = ex.runs["startup_seconds"].tolist()  # its own column: process start-up, apart from the step
+    assert startup[0] != startup[0] and startup[1] >= 0  # NaN for the in-process run
+    assert "startup s" in ex.w_runs.value
     assert set(ex.timeline("measured")["stage"]) == {0, 1}
 
 
@@ -111,4 +285,3 @@ def test_bad_plans_are_refused_before_any_process_starts():
         run_processes(model, x, _plan(model, x, [2, 4, 6], ["cpu"] * 4, "1f1b", chunks=2))
     with pytest.raises(ValueError, match="8 rows do not divide into 3 chunks"):
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe", chunks=3))
-    assert _children() == []

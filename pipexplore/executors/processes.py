@@ -26,7 +26,7 @@ def run(job: StepJob) -> RunResult:
         rows = max(1, batch_size(job.sample) // plan.chunks)
         # Trace here first: a model that cannot be traced fails fast and clearly, before any process starts.
         split(copy.deepcopy(job.model), (job.sample[:rows],), [names[s] for s in plan.splits])  # type: ignore[index]
-    options = dict(target=job.target, loss_fn=job.loss_fn, optimizer=job.optimizer, run=job.run)
+    options = dict(target=job.target, loss_fn=job.loss_fn, optimizer=job.optimizer, run=job.run, warmup=job.warmup)
     if job.timeout is not None and "timeout" in inspect.signature(run_processes).parameters:
         options["timeout"] = job.timeout
     return run_processes(job.model, job.sample, plan, **options)
