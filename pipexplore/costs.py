@@ -27,6 +27,10 @@ PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "bac
                 "input_grad": ("backward", 0.5), "weight_grad": ("backward", 0.5)}
 
 
+#: The most one run may scale a layer's cost, either way.
+MAX_STEP = 4.0
+
+
 def has_fit(table: pd.DataFrame) -> bool:
     """Whether the table holds costs as functions of the micro-batch size (``profile(microbatch_rows=…)``)."""
     return "forward_a" in table and "forward_b" in table and table.attrs.get("batch") is not None
@@ -159,7 +163,10 @@ class Corrections:
                 if predicted_seconds <= 0 or measured_seconds <= 0:
                     continue
                 a, b = stage_bounds(splits, len(table))[int(stage)]
-                factor[a:b] = factor[a:b] * (measured_seconds / predicted_seconds)
+                # One run moves a cost by at most ×4 either way: a run disturbed by something else on
+                # the machine must not throw the model off (later runs keep correcting).
+                ratio = min(max(measured_seconds / predicted_seconds, MAX_STEP ** -1), MAX_STEP)
+                factor[a:b] = factor[a:b] * ratio
             scales[key] = factor
         gaps = dict(self.gaps)
         gap = dispatch_gap(measured)

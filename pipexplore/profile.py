@@ -171,73 +171,100 @@ def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[An
     return forward, backward
 
 
+class _LayerRun:
+    """One layer's input (and the skip tensors it pops), ready to be called again and again."""
+
+    def __init__(self, name: str, layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor],
+                 target: torch.device) -> None:
+        self.name, self.layer, self.value, self.skips = name, layer, value, dict(skips)
+        self.forward, self.backward = _Timer(target), _Timer(target)
+        self.saved = _SavedBytes()
+        self.output: Any = None
+        self.stashed: dict[Any, Tensor] = {}
+
+    def call(self, timed: bool) -> None:
+        tracker = SkipTracker()
+        tracker.tensors.update({key: _detach(t) for key, t in self.skips.items()})  # type: ignore[misc]
+        memory = _SavedBytes() if timed else self.saved
+
+        def run_forward() -> Any:
+            with use_skip_tracker(tracker), torch.enable_grad(), memory.hooks():
+                return self.layer(self.value)
+
+        output = self.forward(run_forward) if timed else run_forward()
+        stashed = {key: t for key, t in tracker.tensors.items() if key not in self.skips}
+        outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
+
+        def run_backward() -> None:
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+        self.backward(run_backward) if timed else run_backward()
+        self.layer.zero_grad(set_to_none=True)
+        if not timed:
+            self.output, self.stashed = output, stashed
+
+    @property
+    def spread(self) -> float:
+        return max(_spread(self.forward.wall), _spread(self.backward.wall))
+
+
 def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
                   max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
                   done_before: int, total: int, contend: bool) -> list[dict[str, Any]]:
-    """Time every layer on one micro-batch ``value``, in a chain as the model runs them."""
+    """Time every layer on one micro-batch ``value``, each on its own input from the chain.
+
+    First one untimed call per layer (the first call pays allocation, kernel selection and
+    dispatch caches, and gives the next layer its input); then rounds that time every layer once,
+    until each layer's spread is small: a disturbance of the machine lands on one round of every
+    layer rather than on all the samples of one layer.
+    """
     skips: dict[Any, Tensor] = {}
-    rows = []
-    for index, (name, layer) in enumerate(module.named_children()):
-        forward, backward = _Timer(target), _Timer(target)
-        saved = _SavedBytes()
-        output: Any = None
-        stashed: dict[Any, Tensor] = {}
-        # One untimed call first: the first call pays allocation, kernel selection and dispatch caches.
-        for k in range(1 + max_repeats):
-            tracker = SkipTracker()
-            tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
-            timed = k > 0
-            memory = saved if k == 0 else _SavedBytes()
-
-            def run_forward() -> Any:
-                with use_skip_tracker(tracker), torch.enable_grad(), memory.hooks():
-                    return layer(value)
-
-            output = forward(run_forward) if timed else run_forward()
-            stashed = {key: t for key, t in tracker.tensors.items() if key not in skips}
-            outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
-
-            def run_backward() -> None:
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-
-            backward(run_backward) if timed else run_backward()
-            layer.zero_grad(set_to_none=True)
-            if not timed:
-                continue
-            enough = k >= repeats and max(_spread(forward.wall), _spread(backward.wall)) <= TARGET_SPREAD
-            if enough or k >= max_repeats or (deadline is not None and time.perf_counter() > deadline and k >= 1):
-                break
-        slow_forward = slow_backward = math.nan
-        if contend:
-            together = _contended_slowdown(layer, value, skips, target, repeats)
-            slow_forward = together[0] / forward.median if forward.median > 0 else 1.0
-            slow_backward = together[1] / backward.median if backward.median > 0 else 1.0
+    layers: list[_LayerRun] = []
+    for name, layer in module.named_children():
+        run = _LayerRun(name, layer, value, skips, target)
+        run.call(timed=False)
         if isinstance(layer, Skippable):
             for ns_name in layer.poppable():
                 skips.pop(ns_name, None)
-        skips.update({key: t.detach() for key, t in stashed.items()})
+        skips.update({key: t.detach() for key, t in run.stashed.items()})
+        layers.append(run)
+        value = _detach(run.output)
+    for k in range(1, max_repeats + 1):
+        for index, run in enumerate(layers):
+            run.call(timed=True)
+            if k == 1 and progress is not None:
+                progress(done_before + index + 1, total)
+        if k >= repeats and all(run.spread <= TARGET_SPREAD for run in layers):
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+    rows = []
+    for run in layers:
+        layer = run.layer
+        slow_forward = slow_backward = math.nan
+        if contend:
+            together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
+            slow_forward = together[0] / run.forward.median if run.forward.median > 0 else 1.0
+            slow_backward = together[1] / run.backward.median if run.backward.median > 0 else 1.0
         rows.append({
-            "name": name,
+            "name": run.name,
             "type": type(layer).__name__,
             "param_bytes": _bytes(list(layer.parameters())),
-            "output_bytes": _bytes(tensors_in(output)) + _bytes(list(stashed.values())),
-            "saved_bytes": saved.total,
-            "forward": forward.median,
-            "backward": backward.median if any(backward.wall) else 0.0,
-            "cpu_forward": forward.cores,
-            "cpu_backward": backward.cores,
+            "output_bytes": _bytes(tensors_in(run.output)) + _bytes(list(run.stashed.values())),
+            "saved_bytes": run.saved.total,
+            "forward": run.forward.median,
+            "backward": run.backward.median if any(run.backward.wall) else 0.0,
+            "cpu_forward": run.forward.cores,
+            "cpu_backward": run.backward.cores,
             "slow_forward": slow_forward,
             "slow_backward": slow_backward,
-            "spread": max(_spread(forward.wall), _spread(backward.wall)),
+            "spread": run.spread,
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
             "stash_keys": _keys(layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop_keys": _keys(layer.poppable()) if isinstance(layer, Skippable) else "",
         })
-        if progress is not None:
-            progress(done_before + index + 1, total)
-        value = _detach(output)
     return rows
 
 
@@ -287,8 +314,10 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
-    ``repeats`` times or more, until the interquartile range of its times is within 5 % of the
-    median (at most ``max_repeats``; ``timeout`` seconds bound the whole profile).
+    in rounds that call every layer once (so that a disturbance of the machine lands on one round
+    of every layer, not on one layer), ``repeats`` rounds or more, until the interquartile range
+    of every layer's times is within 5 % of its median (at most ``max_repeats``; ``timeout``
+    seconds bound the whole profile). ``progress(done, total)`` is called as layers are timed.
 
     ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
     or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
