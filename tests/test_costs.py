@@ -126,3 +126,41 @@ def test_corrections_rescale_each_stage_and_phase_and_measure_the_dispatch_gap()
     lagging.loc[lagging["stage"] == 0, ["start", "end"]] += 0.0
     shifted = lagging.sort_values("start").copy()
     assert dispatch_gap(shifted) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_sweep_ranks_every_combination_and_a_row_applies():
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, calibrate=False)
+    table = ex.sweep(stages=[1, 2, 3], chunks=[2, 4], schedules=["gpipe", "1f1b", "zero-bubble"],
+                     checkpoint=["never", "always"])
+    assert len(table) == 3 * 2 * 3 * 2
+    assert table["predicted_step_time"].is_monotonic_increasing
+    assert table["rank"].tolist() == list(range(1, len(table) + 1))
+    assert all(len(peaks) == n for peaks, n in zip(table["peak_memory_per_stage"], table["stages"]))
+    # Fixed-cost layers: fewer, larger micro-batches and more stages win.
+    best = table.iloc[0]
+    assert best["stages"] == 3 and best["chunks"] == 2
+    plan = ex.apply(best)
+    assert list(plan.splits) == list(best["splits"]) and plan.chunks == 2 and plan.schedule == best["schedule"]
+    assert step_time(plan.predicted) == pytest.approx(best["predicted_step_time"])
+
+
+def test_sweep_measures_the_top_rows_and_keeps_the_plan():
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[3])
+    before = ex.plan
+    table = ex.sweep(stages=[2, 3], chunks=[2, 4], measure=2)
+    assert table["measured_step_time"].head(2).notna().all() and table["measured_step_time"].iloc[2:].isna().all()
+    assert len(ex.runs) == 2
+    assert ex.plan == before
+
+
+def test_residuals_pair_every_measured_action_with_its_prediction():
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[3],
+                 schedule="1f1b", checkpoint="never")
+    with pytest.raises(LookupError, match="no run yet"):
+        ex.residuals()
+    ex.run()
+    table = ex.residuals()
+    assert len(table) == 2 * 4 * 2  # stages × micro-batches × (forward, backward)
+    assert set(table["phase"]) == {"forward", "backward"}
+    assert (table["measured_seconds"] > 0).all()
+    assert table["error"].abs().median() < 0.5  # sleeps of known length: the spans agree

@@ -277,6 +277,58 @@ class Explorer:
 
         return module_fqns_per_model_part(self.layer_table, list(self._plan.splits))
 
+    # ---- what-if and residuals ----------------------------------------------------------
+    def sweep(self, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
+              checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
+        """Predict every combination (each with its balanced split), ranked by predicted step time.
+
+        Empty choices keep the current plan's. With ``measure=k`` the top ``k`` rows are also run
+        (added to :attr:`runs`) and get ``measured_step_time`` and ``measured_rank`` columns, to
+        show how far the ranking holds. Apply a row with :meth:`apply`.
+
+        Example::
+
+            table = explorer.sweep(stages=[2, 3, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"], measure=3)
+            explorer.apply(table.iloc[0])
+        """
+        from pipexplore.sweep import sweep
+
+        table = sweep(self._plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint)
+        if measure > 0 and not table.empty:
+            previous = self._plan
+            measured = []
+            try:
+                for _, row in table.head(measure).iterrows():
+                    self.apply(row)
+                    measured.append(float(self.run()["step_time"]))
+            finally:
+                self._set_plan(previous.with_options(corrections=self._plan.corrections))
+            table["measured_step_time"] = measured + [math.nan] * (len(table) - len(measured))
+            order = pd.Series(measured).rank(method="first").astype(int).tolist()
+            table["measured_rank"] = order + [pd.NA] * (len(table) - len(measured))
+        return table
+
+    def apply(self, row: Any) -> Plan:
+        """Make a row of :meth:`sweep` (or any mapping with its columns) the current plan."""
+        devices = str(row["devices"]).split(",") if isinstance(row["devices"], str) else list(row["devices"])
+        plan = self._plan.with_options(splits=tuple(int(s) for s in row["splits"]), chunks=int(row["chunks"]),
+                                       schedule=str(row["schedule"]), checkpoint=str(row["checkpoint"]),
+                                       devices=tuple(devices))
+        if plan.executor == "autograd" and plan.schedule != "gpipe":
+            plan = plan.with_options(executor="threads")
+        self._set_plan(plan)
+        return self._plan
+
+    def residuals(self, run: int = -1) -> pd.DataFrame:
+        """Each action of a run (default: the latest) against its prediction: predicted and measured
+        span and ``error`` (see :func:`pipexplore.residuals.residuals`)."""
+        from pipexplore.residuals import residuals
+
+        if not self._results:
+            raise LookupError("no run yet: call explorer.run() or press 'Run step'")
+        result = self._results[run]
+        return residuals(result.predicted, result.timeline)
+
     # ---- the widget ---------------------------------------------------------------------
     def _build_widget(self) -> None:
         plan = self._plan

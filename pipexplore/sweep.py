@@ -1,0 +1,87 @@
+"""What-if sweeps: predict every combination of stages, chunks, schedules and checkpoint modes."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from pipexplore import timeline as tl
+from pipexplore.balance import optimal_splits
+from pipexplore.costs import layer_seconds, microbatch_rows
+from pipexplore.plan import Plan
+
+__all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
+
+SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint", "devices", "predicted_step_time",
+                 "bubble", "throughput", "peak_memory", "peak_memory_per_stage"]
+
+
+def balanced_splits(plan: Plan, stages: int) -> list[int]:
+    """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
+    per-layer costs at its micro-batch size (forward + backward, and recompute when checkpointing)."""
+    rows = microbatch_rows(plan.batch or int(plan.layer_table.attrs.get("batch") or plan.chunks), plan.chunks)[0] \
+        if (plan.batch or plan.layer_table.attrs.get("batch")) else 1.0 / plan.chunks
+    executor = plan.predict_executor
+    total = np.zeros(plan.num_layers)
+    for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
+        scale = plan.corrections.scale(executor, phase)
+        seconds = layer_seconds(plan.layer_table, rows, phase)
+        total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
+    return optimal_splits(total.tolist(), stages)
+
+
+def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
+          checkpoint: Sequence[str] = (), devices_for: Optional[Callable[[int], Sequence[str]]] = None) -> pd.DataFrame:
+    """Predict every combination, each with its balanced split, ranked by predicted step time.
+
+    Empty choices keep the plan's own value. ``devices_for(n)`` gives the devices for ``n``
+    devices (default: the plan's devices, repeated round-robin). ``interleaved`` puts two
+    stages on each device, so it needs an even stage count and chunks that are a multiple of
+    the devices; combinations a schedule cannot run, or with more stages than layers or more
+    chunks than rows, are left out.
+
+    Columns: :data:`SWEEP_COLUMNS` (seconds, bytes, samples per second); ``peak_memory`` is the
+    largest stage's predicted activation memory, ``peak_memory_per_stage`` each stage's.
+
+    Example::
+
+        table = sweep(plan, stages=[2, 3, 4], chunks=[4, 8, 16], schedules=["gpipe", "1f1b", "zero-bubble"])
+        best = table.iloc[0]
+    """
+    batch = plan.batch or plan.layer_table.attrs.get("batch")
+    own_devices = list(plan.devices) or ["cpu"]
+
+    def default_devices(n: int) -> list[str]:
+        return [own_devices[k % len(own_devices)] for k in range(n)]
+
+    devices_for = devices_for or default_devices
+    rows = []
+    for n, m, schedule, mode in itertools.product(stages or [plan.num_stages], chunks or [plan.chunks],
+                                                   schedules or [plan.schedule], checkpoint or [plan.checkpoint]):
+        if n < 1 or n > plan.num_layers or (batch and m > batch) or schedule == "async-backends":
+            continue
+        devices_needed = n // plan.virtual_stages if schedule == "interleaved" else n
+        if schedule == "interleaved" and (n % plan.virtual_stages or devices_needed < 1 or m % devices_needed):
+            continue
+        executor = plan.executor if not (plan.executor == "autograd" and schedule != "gpipe") else "threads"
+        candidate = plan.with_options(chunks=m, schedule=schedule, checkpoint=mode, executor=executor, splits=(),
+                                      devices=tuple(devices_for(devices_needed)))
+        candidate = candidate.with_splits(balanced_splits(candidate, n)) if n > 1 else candidate
+        predicted = candidate.predicted
+        step = tl.step_time(predicted)
+        peaks = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)
+        rows.append({
+            "stages": n, "splits": list(candidate.splits), "chunks": m, "schedule": schedule, "checkpoint": mode,
+            "devices": ",".join(candidate.devices[: candidate.num_devices]), "predicted_step_time": step,
+            "bubble": tl.bubble_fraction(predicted, by="device" if schedule == "interleaved" else "stage"),
+            "throughput": (batch / step) if batch and step > 0 else math.nan,
+            "peak_memory": float(peaks.max()) if len(peaks) else math.nan,
+            "peak_memory_per_stage": [float(v) for v in peaks.tolist()],
+        })
+    table = pd.DataFrame(rows, columns=SWEEP_COLUMNS[1:])
+    table = table.sort_values(["predicted_step_time", "peak_memory"], kind="stable").reset_index(drop=True)
+    table.insert(0, "rank", range(1, len(table) + 1))
+    return table
