@@ -5,6 +5,7 @@ import copy
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -117,8 +118,13 @@ def test_exported_torchrun_script_trains_one_step_like_a_single_process(tmp_path
     path.write_text(script)
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    # A rendezvous port of this test's own (``--standalone`` shares one with every parallel test run).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node", "2",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
     assert match, done.stdout
