@@ -5,6 +5,8 @@
 3. Re-simulation after a split change: 256 layers × 8 stages × 32 micro-batches (goal ≤ 50 ms),
    per schedule.
 4. Prediction error: a GPipe step of ordinary layers (MLP) predicted from ``profile`` vs measured.
+5. The GPipe module's measured forward bubble on uniform sleep layers against (p−1)/(m+p−1)
+   (goal: within 2 points), and its measured step against the simulated one.
 """
 from __future__ import annotations
 
@@ -110,6 +112,31 @@ def prediction_error(devices: list[str], repeats: int) -> None:
               f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, error {(predicted / measured - 1) * 100:+.1f} %")
 
 
+def forward_bubble(repeats: int) -> None:
+    from pipexplore.examples import SleepLayer
+
+    for p, m, seconds in ((2, 4, 0.01), (2, 4, 0.02), (3, 4, 0.05)):
+        model = nn.Sequential(*[SleepLayer(seconds, seconds / 2, seconds / 2) for _ in range(p)])
+        pipe = GPipe(model, balance=[1] * p, devices=["cpu"] * p, chunks=m, checkpoint="never")
+        x = torch.ones(m, 1)
+        pipe(x).sum().backward()
+        bubbles, steps = [], []
+        for _ in range(repeats):
+            with tl.record() as rec:
+                pipe(x).sum().backward()
+            bubbles.append(tl.bubble_fraction(rec.timeline, phases=["forward"]))
+            steps.append(tl.step_time(rec.timeline))
+        theory = (p - 1) / (m + p - 1)
+        table = pd.DataFrame({"forward": [seconds * m] * p, "backward": [seconds * m] * p, "output_bytes": [0] * p})
+        predicted = tl.step_time(simulate(table, list(range(1, p)), chunks=m, checkpoint="never",
+                                          cpu_stages_overlap=True))
+        measured = statistics.median(steps)
+        print(f"5. GPipe forward bubble, p={p} m={m}, {seconds * 1e3:.0f} ms sleep layers: measured "
+              f"{statistics.median(bubbles) * 100:.1f} % vs theory {theory * 100:.1f} % "
+              f"({(statistics.median(bubbles) - theory) * 100:+.1f} points); step predicted {predicted * 1e3:.1f} ms, "
+              f"measured {measured * 1e3:.1f} ms ({(predicted / measured - 1) * 100:+.1f} %)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", default="cpu,cpu")
@@ -121,6 +148,7 @@ def main() -> None:
     balance_speed()
     simulation_speed()
     prediction_error(devices, 7)
+    forward_bubble(7)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ if [ ! -x .venv-bench/bin/python ]; then
     .venv-bench/bin/pip install -q -e .
 fi
 cd benchmarks
-for script in gpipe_vs_torchgpipe.py measure_predict.py explorer_responsiveness.py backend_batching.py executors.py; do
+for script in gpipe_vs_torchgpipe.py measure_predict.py prediction_accuracy.py explorer_responsiveness.py backend_batching.py executors.py; do
     echo "== $script"
     ../.venv-bench/bin/python "$script" "$@"
 done
