@@ -111,7 +111,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the device every stage runs on (cpu, or cuda:0)")
     parser.add_argument("--only", default="", help="comma-separated model names to run (default: all)")
     parser.add_argument("--no-processes", action="store_true", help="skip the configs run in processes")
+    parser.add_argument("--devices", default="", help="as the other benchmarks take it: the first device is used")
+    parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     args = parser.parse_args()
+    if args.devices:
+        args.device = args.devices.split(",")[0]
     warnings.simplefilter("ignore")
     print(f"machine: {machine()}")
     table: list[list[float]] = []
