@@ -1,13 +1,14 @@
 """GPipe: an ``nn.Sequential`` split into partitions on devices, run over micro-batches."""
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
 
-from pipexplore import microbatch
+from pipexplore import microbatch, validate
 from pipexplore.batchnorm import DeferredBatchNorm
 from pipexplore.checkpoint import rng_locks
 from pipexplore.microbatch import TensorOrTensors
@@ -34,25 +35,7 @@ class BalanceError(ValueError):
 
 
 def _as_device(device: Device) -> torch.device:
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"{device!r} is not a device: {exc}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device '{device}' does not exist: CUDA is not available on this machine; "
-                             "use devices=['cpu', ...]")
-        count = torch.cuda.device_count()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= count:
-            raise ValueError(f"device '{device}' does not exist: {count} CUDA device(s) visible "
-                             f"(cuda:0..cuda:{count - 1})")
-        device = torch.device("cuda", index)
-    elif device.type != "cpu":
-        raise ValueError(f"device '{device}' is not supported: use 'cpu' or 'cuda:N'")
-    return device
+    return validate.device(device, "devices")
 
 
 def default_devices(num_partitions: int) -> list[torch.device]:
@@ -75,10 +58,13 @@ def verify_module(module: nn.Sequential) -> None:
 
 
 def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
-    try:
-        balance = [int(b) for b in balance]
-    except TypeError:
-        raise TypeError(f"balance must be a list of ints, got {balance!r}") from None
+    items = list(balance) if hasattr(balance, "__iter__") and not isinstance(balance, (str, bytes)) else None
+    if items is None or not all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) or isinstance(b, float) and b.is_integer()
+            for b in items):
+        raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}: give e.g. "
+                        f"balance=[{len(module) // 2}, {len(module) - len(module) // 2}]")
+    balance = [int(b) for b in items]  # integral floats, as torchgpipe takes them
     if not balance:
         raise BalanceError("balance is empty: give one layer count per partition, e.g. balance=[2, 2]")
     if sum(balance) != len(module):
@@ -92,9 +78,7 @@ def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
 def split_module(module: nn.Sequential, balance: Sequence[int],
                  devices: Sequence[torch.device]) -> list[nn.Sequential]:
     """Cut ``module`` into ``nn.Sequential`` partitions (keeping layer names) on ``devices``."""
-    if len(balance) > len(devices):
-        raise IndexError(f"too few devices to hold given partitions (devices: {len(devices)}, "
-                         f"partitions: {len(balance)})")
+    validate.enough_devices(len(devices), len(balance))
     names = list(module._modules.keys())
     layers = list(module)
     partitions: list[nn.Sequential] = []
@@ -147,14 +131,12 @@ class GPipe(nn.Module):
         if balance is None:
             raise ValueError("balance is required: give the number of layers per partition, "
                              "or compute it with pipexplore.balance.balance_by_time")
-        chunks = int(chunks)
-        if chunks <= 0:
-            raise ValueError(f"number of chunks must be a positive integer, got {chunks}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
+        chunks = validate.chunks(chunks, coerce_float=True)  # an integral float, as torchgpipe takes it
+        validate.checkpoint(checkpoint)
+        validate.boolean(deferred_batch_norm, "deferred_batch_norm")
 
         verify_module(module)
-        balance = verify_balance(module, list(balance))
+        balance = verify_balance(module, balance)
         verify_skippables(module)
 
         self.chunks = chunks
@@ -162,7 +144,8 @@ class GPipe(nn.Module):
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
 
-        resolved = default_devices(len(balance)) if devices is None else [_as_device(d) for d in devices]
+        resolved = default_devices(len(balance)) if devices is None else [
+            _as_device(d) for d in validate.devices(devices)]
         self.partitions = cast(nn.ModuleList, nn.ModuleList(split_module(module, balance, resolved)))
         self.devices = resolved[: len(balance)]
         self.balance = balance

@@ -17,21 +17,27 @@ processes, the simulator):
 =============  ===================================================================
 
 Peak memory per device, where the device reports it, is in ``timeline.attrs['peak_memory']``.
+
+A ``record()`` block binds its recorder to the thread that opens it (a context variable): the
+pipelines that thread runs record into it, with the worker threads they start (they inherit the
+binding), and nothing that runs in other threads does (another explorer's run, a user's own
+``GPipe``).
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Generator, Iterable, Optional, Union
+from typing import Any, Callable, Generator, Iterable, Optional, Union
 
 import numpy as np
 import pandas as pd
 import torch
 
 __all__ = [
-    "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline",
+    "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline", "thread_in_this_context",
     "step_time", "busy_time", "bubble_fraction", "throughput", "copy_overlap", "to_chrome_trace",
     "activation_memory",
 ]
@@ -41,13 +47,27 @@ COMPUTE_PHASES = ("forward", "backward", "recompute", "input_grad", "weight_grad
 
 Mark = Union[int, "torch.cuda.Event"]
 
-_active: Optional["Recorder"] = None
-_active_lock = threading.Lock()
+_active: contextvars.ContextVar[Optional["Recorder"]] = contextvars.ContextVar("pipexplore_recorder", default=None)
 
 
 def active_recorder() -> Optional["Recorder"]:
-    """The recorder of the enclosing ``record()`` block, or ``None`` (then nothing is recorded)."""
-    return _active
+    """The recorder of the enclosing ``record()`` block of this thread (or of the thread that
+    started this worker), or ``None``: then nothing is recorded."""
+    return _active.get()
+
+
+def thread_in_this_context(target: Callable[..., Any], args: tuple[Any, ...] = (), *, name: str,
+                           daemon: bool = True) -> threading.Thread:
+    """A thread that runs ``target`` in a copy of the caller's context: a worker of a pipeline
+    records into the recorder of the ``record()`` block that runs the pipeline, and into no other.
+
+    Example::
+
+        worker = thread_in_this_context(work, (queue,), name="pipexplore-worker0")
+        worker.start()
+    """
+    context = contextvars.copy_context()
+    return threading.Thread(target=context.run, args=(target, *args), name=name, daemon=daemon)
 
 
 def empty_timeline() -> pd.DataFrame:
@@ -195,7 +215,10 @@ def _serial_backward_spans(frame: pd.DataFrame) -> pd.DataFrame:
 
 @contextmanager
 def record(run: Any = 0) -> Generator[Recorder, None, None]:
-    """Record every pipelined ``(stage, micro-batch, phase)`` in the block.
+    """Record every pipelined ``(stage, micro-batch, phase)`` that this thread runs in the block.
+
+    The recorder is this thread's (and its pipelines' worker threads'): blocks in several
+    threads at once each record their own work only. Within one thread blocks do not nest.
 
     Example::
 
@@ -204,18 +227,19 @@ def record(run: Any = 0) -> Generator[Recorder, None, None]:
             loss.backward()
         rec.timeline            # a DataFrame, one row per event
     """
-    global _active
+    if _active.get() is not None:
+        raise RuntimeError("pipexplore.record() blocks cannot be nested: this thread is already recording "
+                           "(close the outer block first, or record in another thread)")
     recorder = Recorder(run)
-    with _active_lock:
-        if _active is not None:
-            raise RuntimeError("pipexplore.record() blocks cannot be nested")
-        _active = recorder
+    token = _active.set(recorder)
     try:
         recorder.start()
         yield recorder
     finally:
-        with _active_lock:
-            _active = None
+        try:
+            _active.reset(token)
+        except ValueError:  # closed from another context than it was opened in
+            _active.set(None)
         recorder.finish()
 
 

@@ -11,9 +11,10 @@ from typing import Callable, Generator, Optional, Union
 import torch
 
 from pipexplore.microbatch import Batch
+from pipexplore.timeline import thread_in_this_context
 from pipexplore.stream import AbstractStream, use_device, use_stream
 
-__all__ = ["Task", "spawn_workers"]
+__all__ = ["Task", "spawn_workers", "join_all"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 InQueue = Queue[Optional["Task"]]
@@ -59,17 +60,37 @@ def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> Non
             del task, batch
 
 
+def join_all(threads: list[threading.Thread]) -> None:
+    """Join every thread, even when interrupts (Ctrl-C) arrive meanwhile; re-raise the first after.
+
+    Example::
+
+        for t in threads: t.start()
+        join_all(threads)        # no thread is left running when this returns or raises
+    """
+    interrupt: Optional[BaseException] = None
+    for thread in threads:
+        while thread.is_alive():
+            try:
+                thread.join()
+            except BaseException as exc:  # KeyboardInterrupt: the workers are stopping; wait for them
+                interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
+
+
 @contextmanager
 def spawn_workers(devices: list[torch.device], name: str = "pipexplore") -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
     """Start one worker thread per entry of ``devices`` (one per partition); join them on exit.
 
     Partitions that share a device get threads of their own, so they still overlap where the
-    device allows (the CPU's cores, or host-side work while a GPU computes).
+    device allows (the CPU's cores, or host-side work while a GPU computes). The threads run in
+    a copy of the caller's context: they record into the caller's ``record()`` block only.
     """
     in_queues: list[InQueue] = [Queue() for _ in devices]
     out_queues: list[OutQueue] = [Queue() for _ in devices]
     threads = [
-        threading.Thread(target=_worker, args=(iq, oq, d), name=f"{name}-partition{j}", daemon=True)
+        thread_in_this_context(_worker, (iq, oq, d), name=f"{name}-partition{j}")
         for j, (iq, oq, d) in enumerate(zip(in_queues, out_queues, devices))
     ]
     for t in threads:
@@ -79,5 +100,4 @@ def spawn_workers(devices: list[torch.device], name: str = "pipexplore") -> Gene
     finally:
         for q in in_queues:
             q.put(None)
-        for t in threads:
-            t.join()
+        join_all(threads)
