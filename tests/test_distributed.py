@@ -254,8 +254,11 @@ def test_a_script_of_main_classes_and_lambdas_trains_in_processes(tmp_path, how)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     command = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(script)]
+    package_root = os.path.dirname(os.path.dirname(pipexplore.__file__))  # installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     with open(script) as stdin:
-        done = subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        done = subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("script body ran") == 1
     losses = json.loads(done.stdout.strip().splitlines()[-1])
@@ -285,3 +288,36 @@ def test_bad_plans_are_refused_before_any_process_starts():
         run_processes(model, x, _plan(model, x, [2, 4, 6], ["cpu"] * 4, "1f1b", chunks=2))
     with pytest.raises(ValueError, match="8 rows do not divide into 3 chunks"):
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe", chunks=3))
+
+
+def test_an_interrupt_stops_and_reaps_every_rank():
+    model, x = _failing_model("hang"), torch.randn(8, 6)
+    plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
+    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the ranks run (or start)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_processes(model, x, plan, timeout=120)
+    finally:
+        timer.cancel()
+    assert _children() == []
+
+
+@pytest.mark.gpu
+def test_a_rank_on_cuda_equals_one_process_and_its_death_is_named():
+    torch.manual_seed(0)
+    model, x, target = plain_model(), torch.randn(8, 6), torch.randn(8, 6)
+    plan = _plan(model, x, [4], ["cuda:0"], "interleaved")  # two stages on one rank (NCCL)
+    result = run_processes(model, x, plan, target=target, loss_fn=nn.functional.mse_loss, return_grads=True,
+                           warmup=0, timeout=120)
+    reference = copy.deepcopy(model).cuda()
+    loss = nn.functional.mse_loss(reference(x.cuda()), target.cuda())
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-4)
+    named = dict(reference.named_parameters())
+    for key, grad in result.metrics["grads"].items():
+        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad.cpu(), rtol=1e-4, atol=1e-5)
+    failing = _failing_model("exit code 1")
+    with pytest.raises(DistributedRunError, match=r"(?s)^rank 0 \(cuda:0, pid \d+\) exited with code 1 .*on purpose"):
+        run_processes(failing, x, _plan(failing, x, [4], ["cuda:0"], "interleaved"), timeout=120)
+    assert _children() == []
