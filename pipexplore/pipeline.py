@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import timeline as _timeline
+from pipexplore.cancel import check_cancelled
 from pipexplore.checkpoint import Checkpointing, is_recomputing
 from pipexplore.copy import Copy, Wait
 from pipexplore.dependency import depend
@@ -67,6 +68,9 @@ def _close(recorder: "_timeline.Recorder", stage: int, microbatch: int, device: 
 class Pipeline:
     """Runs one mini-batch (as ``batches``) through ``partitions`` on ``devices``.
 
+    It records into the ``record()`` block of the thread that makes it (none: nothing recorded),
+    and stops between clock ticks when that thread's run is cancelled.
+
     ``rng_locks[j]`` (or ``None``) is held by partition ``j`` while a checkpointed forward
     draws random numbers, when another partition shares its device's generator.
     """
@@ -90,6 +94,7 @@ class Pipeline:
             self.recorder.watch_parameters(0, self.partitions[0])
         with spawn_workers(list(self.devices)) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
+                check_cancelled()  # a cancelled run stops between clock ticks; the workers are joined on exit
                 self.fence(schedule, skip_trackers)
                 self.compute(schedule, skip_trackers, in_queues, out_queues)
 

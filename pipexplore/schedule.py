@@ -18,12 +18,17 @@ Example::
     executor = ScheduleExecutor(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=8,
                                 schedule="1f1b", loss_fn=nn.functional.mse_loss)
     result = executor.step(x, target)      # losses per micro-batch; parameter .grad accumulated
+
+``executor.abort()`` (from another thread), a cancelled :class:`~pipexplore.cancel.CancelToken`
+or a KeyboardInterrupt stops every worker after its current action and joins them before
+``step`` returns (raising :class:`~pipexplore.cancel.Cancelled` or the interrupt).
 """
 from __future__ import annotations
 
 import sys
 import threading
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,6 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import timeline as tl
+from pipexplore import validate
+from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks, save_rng_states
 from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
@@ -41,6 +48,7 @@ from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 from pipexplore.stream import new_stream, use_device, use_stream
+from pipexplore.worker import join_all
 
 __all__ = ["ScheduleExecutor", "StepResult"]
 
@@ -145,19 +153,17 @@ class ScheduleExecutor:
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, devices: Optional[Sequence[Any]] = None,
                  chunks: int = 1, schedule: str = "1f1b", checkpoint: str = "never",
                  loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, loss_reduction: str = "mean") -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if checkpoint not in ("always", "except_last", "never"):
-            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
-        if chunks < 1:
-            raise ValueError(f"number of chunks must be a positive integer, got {chunks}")
+        validate.schedule(schedule, SCHEDULES)
+        validate.checkpoint(checkpoint)
+        chunks = validate.chunks(chunks)
+        validate.optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction is 'mean' or 'sum', not {loss_reduction!r}")
         verify_module(module)
-        balance = verify_balance(module, list(balance))
+        balance = verify_balance(module, balance)
         verify_skippables(module)
         stages = len(balance)
-        device_list = [_as_device(d) for d in devices] if devices is not None else (
+        device_list = [_as_device(d) for d in validate.devices(devices)] if devices is not None else (
             [torch.device("cpu")] * stages)
         if schedule == "interleaved":
             p = len(device_list)
@@ -170,9 +176,7 @@ class ScheduleExecutor:
             self.stage_devices = [device_list[s % p] for s in range(stages)]
             self.worker_orders = [list(_interleaved(d, p, self.virtual_stages, chunks)) for d in range(p)]
         else:
-            if len(device_list) < stages:
-                raise IndexError(f"too few devices to hold given partitions (devices: {len(device_list)}, "
-                                 f"partitions: {stages})")
+            validate.enough_devices(len(device_list), stages)
             self.virtual_stages = 1
             self.stage_devices = device_list[:stages]
             self.worker_orders = [[(s, k, i) for k, i in order] for s, order in
@@ -184,28 +188,46 @@ class ScheduleExecutor:
         self.skip_layout = inspect_skip_layout(self.partitions)
         self.copy_streams = [new_stream(d) for d in self.stage_devices]
         self.rng_locks = rng_locks(self.partitions, self.stage_devices)
+        self._abort: Optional[threading.Event] = None
+        self._aborted = False
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for partition in self.partitions for p in partition.parameters()]
+
+    def abort(self) -> None:
+        """Stop the step in progress, from any thread: every worker stops after its current action,
+        ``step`` joins them and raises :class:`~pipexplore.cancel.Cancelled`. No step: nothing happens.
+
+        Example::
+
+            threading.Timer(0.5, executor.abort).start()
+            executor.step(x, target)        # raises Cancelled; no worker thread is left
+        """
+        abort = self._abort
+        if abort is not None:
+            self._aborted = True
+            abort.set()
 
     # ---- one step -----------------------------------------------------------------------
     def step(self, input: Any, target: Any = None) -> StepResult:
         """Run forward and backward for every micro-batch as the schedule orders them.
 
         Parameter gradients accumulate into ``.grad`` as one ``backward()`` of a plain step would;
-        no optimizer step is taken.
+        no optimizer step is taken. A batch that ``chunks`` cannot split into exactly ``chunks``
+        micro-batches is refused (see :func:`pipexplore.validate.chunks_for_batch`).
         """
         check(input)
+        validate.sample(input, "input")
+        validate.chunks_for_batch(self.chunks, batch_size(input))
+        validate.target(target, batch_size(input))
         self._inputs = [b.tensor_or_tensors for b in scatter(input, self.chunks)]
         m = len(self._inputs)
-        if m != self.chunks:
-            raise ValueError(f"the batch has {batch_size(input)} rows, fewer than chunks ({self.chunks}): give a batch of "
-                             "at least `chunks` rows")
         rows = [batch_size(x) for x in self._inputs]
         self._weights = [r / sum(rows) if self.loss_reduction == "mean" else 1.0 for r in rows]
         self._targets = list(target.chunk(m)) if torch.is_tensor(target) else [target] * m
         self._stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        self._abort = threading.Event()
+        abort = threading.Event()
+        self._abort, self._aborted = abort, False
         self._boxes: dict[Any, _Mailbox] = {}
         self._boxes_lock = threading.Lock()
         self._states: dict[tuple[int, int], _State] = {}
@@ -217,24 +239,32 @@ class ScheduleExecutor:
             try:
                 with use_device(device):
                     for stage, kind, i in order:
+                        if abort.is_set():
+                            raise _Aborted()
                         self._act(stage, kind, i)
             except _Aborted:
                 pass
             except BaseException:
                 errors.append(sys.exc_info())
-                self._abort.set()
+                abort.set()
 
-        threads = [threading.Thread(target=work, args=(order, self.stage_devices[order[0][0]]),
-                                    name=f"pipexplore-worker{w}", daemon=True)
+        threads = [tl.thread_in_this_context(work, (order, self.stage_devices[order[0][0]]), name=f"pipexplore-worker{w}")
                    for w, order in enumerate(self.worker_orders)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self._boxes.clear()
-        self._states.clear()
+        token = current_token()
+        try:
+            with token.on_cancel(self.abort) if token is not None else nullcontext():
+                for t in threads:
+                    t.start()
+                join_all(threads, abort.set)  # a KeyboardInterrupt stops the workers, joins them, then raises
+        finally:
+            self._abort = None
+            self._boxes.clear()
+            self._states.clear()
         if errors:
             raise errors[0][1].with_traceback(errors[0][2])
+        if self._aborted:
+            raise Cancelled("the step was aborted (executor.abort() or a cancelled run): every worker stopped and "
+                            "was joined; parameter gradients are partial")
         weighted = sum(loss * w for loss, w in zip(self._losses, self._weights))
         return StepResult(list(self._losses), weighted)
 
@@ -365,7 +395,7 @@ class ScheduleExecutor:
                                 f"{stage} returned {type(output).__name__}")
             return [output]
         loss_fn = self.loss_fn or synthetic_loss
-        loss = loss_fn(output, to_device(self._targets[i], self.stage_devices[stage]))
+        loss = validate.loss_value(loss_fn(output, to_device(self._targets[i], self.stage_devices[stage])))
         self._losses[i] = float(loss.detach())
         return [loss * self._weights[i]]
 
@@ -392,9 +422,12 @@ class ScheduleExecutor:
             from torch.distributed.pipelining._backward import stage_backward_input
 
             if pairs:
-                input_grads, state.param_groups = stage_backward_input(
-                    [t for t, _ in pairs], [g if g is not None else torch.ones_like(t) for t, g in pairs],
-                    inputs, self.partitions[stage].parameters())
+                try:
+                    input_grads, state.param_groups = stage_backward_input(
+                        [t for t, _ in pairs], [g if g is not None else torch.ones_like(t) for t, g in pairs],
+                        inputs, self.partitions[stage].parameters())
+                except RuntimeError as exc:
+                    raise _own_error(exc, f"stage {stage}'s input-gradient action (I) of micro-batch {i}") from None
                 input_grads = list(input_grads)
             else:
                 input_grads = [None] * len(inputs)
@@ -419,6 +452,13 @@ class ScheduleExecutor:
         state = self._states.pop((stage, i))
         if state.param_groups is not None:
             stage_backward_weight(self.partitions[stage].parameters(), state.param_groups)
+
+
+def _own_error(exc: BaseException, where: str) -> BaseException:
+    """The layer's own error inside torch's "Failed to run stage backward" wrapper, noted with where it ran."""
+    cause = exc.__cause__ if "Failed to run stage backward" in str(exc) and exc.__cause__ is not None else exc
+    cause.add_note(f"(raised in {where}, by torch.distributed.pipelining's stage_backward_input)")
+    return cause
 
 
 def _leaf(x: Any) -> Any:

@@ -60,20 +60,23 @@ def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> Non
             del task, batch
 
 
-def join_all(threads: list[threading.Thread]) -> None:
-    """Join every thread, even when interrupts (Ctrl-C) arrive meanwhile; re-raise the first after.
+def join_all(threads: list[threading.Thread], on_interrupt: Optional[Callable[[], None]] = None) -> None:
+    """Join every thread, even when interrupts (Ctrl-C) arrive meanwhile: the first calls
+    ``on_interrupt`` (tell the workers to stop), the joins go on, and it is re-raised after them.
 
     Example::
 
         for t in threads: t.start()
-        join_all(threads)        # no thread is left running when this returns or raises
+        join_all(threads, stop.set)    # no thread is left running when this returns or raises
     """
     interrupt: Optional[BaseException] = None
     for thread in threads:
         while thread.is_alive():
             try:
                 thread.join()
-            except BaseException as exc:  # KeyboardInterrupt: the workers are stopping; wait for them
+            except BaseException as exc:  # KeyboardInterrupt: stop the workers and wait for them
+                if interrupt is None and on_interrupt is not None:
+                    on_interrupt()
                 interrupt = interrupt or exc
     if interrupt is not None:
         raise interrupt

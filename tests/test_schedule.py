@@ -153,5 +153,9 @@ def test_bad_arguments(kwargs, error, message):
 
 def test_fewer_rows_than_chunks_is_refused():
     executor = ScheduleExecutor(plain_model(), [4, 4], devices=["cpu"] * 2, chunks=8)
-    with pytest.raises(ValueError, match=r"the batch has 4 rows, fewer than chunks \(8\)"):
+    with pytest.raises(ValueError, match=r"chunks=8 is more than the batch's 4 rows: .* choose chunks between 1 and 4"):
         executor.step(torch.randn(4, 6))
+    executor = ScheduleExecutor(plain_model(), [4, 4], devices=["cpu"] * 2, chunks=8)
+    with pytest.raises(ValueError, match=r"chunks=8 cannot split a batch of 10 rows into 8 micro-batches: torch.chunk "
+                                         r"makes 5 micro-batches of up to 2 rows; choose chunks among 1, 2, 3, 4, 5, 10"):
+        executor.step(torch.randn(10, 6))
