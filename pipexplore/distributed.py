@@ -158,6 +158,15 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
+    """One rank's job as bytes; if it cannot be pickled, a TypeError naming the model's culprit."""
+    try:
+        return pack_job(_rank_step, {"job": job})
+    except Exception:
+        ensure_picklable({"model": model})
+        raise
+
+
 def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target: Any = None,
                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                   optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
@@ -207,7 +216,7 @@ def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target:
     if target is None:  # torch's schedules want a target for the loss; the synthetic loss ignores it
         target = torch.zeros(sample.size(0), 1)
     loss_fn, optimizer = loss_fn or synthetic_loss, optimizer or default_optimizer
-    ensure_picklable({"model": model, "loss_fn": loss_fn, "optimizer": optimizer, "target": target})
+    ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
     world = plan.num_devices
     devices = list(plan.devices[:world])
     job = {
@@ -220,14 +229,13 @@ def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target:
         names = [str(n) for n in plan.layer_table["name"]]
         job["traced"] = {"model": model, "mb_args": (sample[: sample.size(0) // plan.chunks],),
                          "split_points": [names[s] for s in plan.splits]}
-        payloads = [pack_job(_rank_step, {"job": job})] * world
+        payloads = [_pack(job, model)] * world
     else:
         layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them
         points = [0, *plan.splits, len(layers)]
         stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
         job["num_stages"] = len(stages)
-        payloads = [pack_job(_rank_step, {"job": {**job, "stages": {s: stages[s] for s in range(rank, len(stages),
-                                                                                                   world)}}})
+        payloads = [_pack({**job, "stages": {s: stages[s] for s in range(rank, len(stages), world)}}, model)
                     for rank in range(world)]
     if timeout is None:
         timeout = default_timeout(plan, warmup)

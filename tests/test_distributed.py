@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -209,6 +210,22 @@ def test_what_cannot_be_pickled_is_named_before_any_process_starts():
     with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds .* not -1"):
         run_processes(model, x, plan, timeout=-1)
     assert _children() == before
+
+
+def test_a_class_the_workers_cannot_import_is_named(monkeypatch):
+    """A module that exists only in this process (made in memory, or loaded from a path): its class
+    is pickled by reference, the workers cannot import it, and the error says what to do."""
+    phantom = types.ModuleType("phantom_layers")
+    exec("import torch\nclass Double(torch.nn.Module):\n    def forward(self, x):\n        return 2 * x\n",
+         phantom.__dict__)
+    monkeypatch.setitem(sys.modules, "phantom_layers", phantom)
+    model, x = plain_model(), torch.randn(8, 6)
+    model.insert(2, phantom.Double())
+    with pytest.raises(DistributedRunError, match=r"rank \d \(cpu\) could not load the job it was sent: "
+                                                  r"ModuleNotFoundError: No module named 'phantom_layers'\. .*"
+                                                  r"cloudpickle\.register_pickle_by_value\(module\)"):
+        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=60)
+    assert _children() == []
 
 
 SCRIPT = """
