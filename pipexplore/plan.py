@@ -16,9 +16,10 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from pipexplore import validate
 from pipexplore.costs import Corrections
 from pipexplore.simulate import SCHEDULES, simulate, stage_costs
-from pipexplore.splits import SplitError, check_splits, splits_to_balance
+from pipexplore.splits import SplitError, splits_to_balance
 
 __all__ = ["Plan", "SkipRoute", "skip_routes"]
 
@@ -91,16 +92,21 @@ class Plan:
         n = len(self.layer_table)
         if n == 0:
             raise ValueError("a plan needs at least one layer")
-        object.__setattr__(self, "splits", tuple(check_splits(list(self.splits), n)))
-        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices) or ("cpu",) * self.num_stages)
-        if isinstance(self.chunks, bool) or int(self.chunks) != self.chunks or self.chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}")
-        if self.checkpoint not in CHECKPOINTS:
-            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {self.checkpoint!r}")
-        if self.schedule not in PLAN_SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(PLAN_SCHEDULES)}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
+        object.__setattr__(self, "splits", tuple(validate.splits(self.splits, n)))
+        if isinstance(self.devices, (tuple, list)) and not self.devices:
+            object.__setattr__(self, "devices", ("cpu",) * self.num_stages)  # the default: CPUs
+        else:
+            object.__setattr__(self, "devices", validate.devices(self.devices, exist=False))
+        if self.batch is not None:
+            object.__setattr__(self, "batch", validate.integer(self.batch, "batch", minimum=1))
+        object.__setattr__(self, "chunks", validate.chunks(self.chunks, batch=self.batch))
+        validate.checkpoint(self.checkpoint)
+        validate.schedule(self.schedule, PLAN_SCHEDULES)
+        validate.executor(self.executor, EXECUTORS)
+        object.__setattr__(self, "virtual_stages", validate.virtual_stages(self.virtual_stages))
+        if isinstance(self.action_overhead, bool) or not isinstance(self.action_overhead, (int, float)) or not (
+                0 <= self.action_overhead < float("inf")):
+            raise ValueError(f"action_overhead must be a finite number of seconds ≥ 0, got {self.action_overhead!r}")
         if self.executor == "autograd" and self.schedule != "gpipe":
             raise ValueError(f"the autograd executor (the GPipe module) runs only the gpipe schedule, "
                              f"not {self.schedule!r}: choose executor 'threads'")

@@ -170,8 +170,9 @@ def device(value: Any, name: str = "device") -> torch.device:
     return resolved
 
 
-def devices(value: Any, name: str = "devices") -> tuple[str, ...]:
-    """A non-empty list of devices that exist, as strings; a string is read as comma-separated
+def devices(value: Any, name: str = "devices", *, exist: bool = True) -> tuple[str, ...]:
+    """A non-empty list of devices that exist (any names when ``exist`` is False: a plan may be
+    predicted for devices this machine lacks), as strings; a string is read as comma-separated
     (``'cpu,cpu'``), never letter by letter.
 
     Example::
@@ -193,7 +194,11 @@ def devices(value: Any, name: str = "devices") -> tuple[str, ...]:
     for item in items:
         if isinstance(item, str):
             item = item.strip()
-        device(item, name)
+        if exist:
+            device(item, name)
+        elif isinstance(item, bool) or not isinstance(item, (str, int, torch.device)) or item == "":
+            raise TypeError(f"{name}: {_shown(item)} ({type(item).__name__}) is not a device: give 'cpu', 'cuda:N', "
+                            "an int N or a torch.device")
         out.append(f"cuda:{item}" if isinstance(item, int) else str(item))
     return tuple(out)
 
