@@ -148,7 +148,10 @@ def tensors_in(value: typing.Any) -> list[Tensor]:
 
 
 def batch_size(value: TensorOrTensors) -> int:
-    """Rows of a mini-batch: dim 0 of the tensor, or of the first tensor of a tuple."""
+    """Rows of a mini-batch: dim 0 of the tensor, of the first tensor of a tuple, or of the first
+    tensor of a dict of keyword inputs (a traced model's ``{'input_ids': ..., ...}``)."""
+    if isinstance(value, dict):
+        return int(tensors_in(value)[0].size(0))
     return int((value if torch.is_tensor(value) else value[0]).size(0))
 
 

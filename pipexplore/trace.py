@@ -1,43 +1,110 @@
-"""Models that are not ``nn.Sequential``: candidate split points, costs, and splits through
-``torch.distributed.pipelining.pipeline`` (PyTorch's tracer; pipexplore does not trace itself).
+"""Models that are not ``nn.Sequential``: candidate split points at any depth, their costs, and
+splits through ``torch.distributed.pipelining.pipeline`` (PyTorch's tracer; pipexplore does not trace itself).
 
 ::
 
-    table = trace.candidates(model, (tokens,))         # one row per block, in execution order
-    pipe = trace.split(model, (tokens[:2],), ["layers.2", "layers.4"])
-    trace.skip_routes_of(pipe)                         # values that jump over stages
+    table = trace.candidates(model, {"input_ids": ids})   # one row per block, in execution order
+    pipe = trace.split(model, {"input_ids": ids[:2]}, ["transformer.h.2"])
+    trace.skip_routes_of(pipe)                            # values that jump over stages
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import operator
 import time
 import warnings
 from typing import Any, Optional, Sequence
 
 import pandas as pd
 import torch
-from torch import nn
+from torch import fx, nn
 
 from pipexplore.microbatch import tensors_in
+from pipexplore.model_inputs import call_inputs
 
-__all__ = ["TraceError", "candidate_modules", "candidates", "split", "skip_routes_of", "module_fqns_per_model_part"]
+__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "split", "skip_routes_of",
+           "module_fqns_per_model_part", "torchrun_script"]
+
+#: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
+#: containers sit) or ``children`` (each block opened one level more).
+GRANULARITIES = ("blocks", "children")
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 class TraceError(RuntimeError):
-    """The model could not be captured as one graph; the message says what to do instead."""
+    """The model could not be captured as one graph, or split where asked; the message says what to do."""
 
 
-def candidate_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Blocks a pipeline can begin a stage at: the model's children, with ``ModuleList`` and
-    ``Sequential`` containers opened one level (``layers.0``, ``layers.1``, …)."""
-    found = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
-            found += [(f"{name}.{k}", sub) for k, sub in child.named_children()]
-        else:
-            found.append((name, child))
+def _is_block_list(module: nn.Module) -> bool:
+    """A container of blocks: a ``ModuleList``, ``ModuleDict`` or ``Sequential`` whose every
+    element is itself made of modules (``h.0``, ``layers["0"]``), not of plain layers."""
+    return isinstance(module, _CONTAINERS) and len(module) > 0 and all(
+        next(child.children(), None) is not None for child in module.children())
+
+
+def _opens(module: nn.Module, *, top: bool, in_block: bool) -> bool:
+    """Whether ``module`` is opened (its children become candidates) rather than being one.
+
+    Containers at the top of the model always open (as before); block lists open anywhere.
+    Outside blocks a module opens when a block list sits anywhere below it (``transformer`` of
+    ``transformer.h.N``, ``bert.encoder`` of ``bert.encoder.layer.N``). A block opens only when
+    block lists among its direct children hold most of its weights (``stages.N`` of
+    ``stages.N.blocks.M``), so that blocks keep lesser inner lists (attention heads) closed.
+    """
+    if isinstance(module, _CONTAINERS) and len(module) > 0 and (top or _is_block_list(module)):
+        return True
+    if not in_block:
+        return any(_is_block_list(m) for m in module.modules())
+    lists = [child for child in module.children() if _is_block_list(child)]
+    if not lists:
+        return False
+
+    def size(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters()) or sum(1 for _ in m.modules())
+
+    return 2 * sum(size(child) for child in lists) > size(module)
+
+
+def candidate_modules(model: nn.Module, granularity: str = "blocks") -> list[tuple[str, nn.Module]]:
+    """Modules a pipeline stage can begin at, by FQN, in the model's registration order.
+
+    ``granularity='blocks'``: the model's children, with containers opened wherever they sit —
+    ``ModuleList``, ``ModuleDict`` and ``Sequential`` holding blocks inside attributes, nested
+    (``transformer.h.0``, ``model.layers.0``, ``layers.0`` of a ``ModuleDict``,
+    ``encoder.layer.0``, ``backbone.stages.0.blocks.0``); a container at the top of the model
+    opens even when it holds plain layers. ``granularity='children'``: each of those blocks opened
+    one level more (``transformer.h.0.attn``, ``transformer.h.0.mlp``, …; a ``ModuleList`` child,
+    never called itself, gives its elements).
+
+    Example::
+
+        [name for name, _ in candidate_modules(gpt2)]
+        # ['transformer.wte', 'transformer.wpe', 'transformer.drop', 'transformer.h.0', …, 'lm_head']
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(fqn: str, module: nn.Module, *, top: bool, in_block: bool) -> None:
+        if fqn and not _opens(module, top=top, in_block=in_block):
+            found.append((fqn, module))
+            return
+        inner = in_block or _is_block_list(module)
+        for name, child in module.named_children():
+            visit(f"{fqn}.{name}" if fqn else name, child, top=not fqn, in_block=inner)
+
+    visit("", model, top=True, in_block=False)
+    if granularity == "children":
+        opened: list[tuple[str, nn.Module]] = []
+        for fqn, module in found:
+            children = [(f"{fqn}.{name}", child) for name, child in module.named_children()] or [(fqn, module)]
+            for name, child in children:  # a ModuleList or ModuleDict is never called itself: its elements are
+                lists = isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0
+                opened += [(f"{name}.{key}", element) for key, element in child.named_children()] if lists \
+                    else [(name, child)]
+        found = opened
     return found
 
 
@@ -46,16 +113,35 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optional[dict[str, Any]] = None,
-               loss_fn: Any = None, target: Any = None, repeats: int = 3) -> pd.DataFrame:
-    """Profile each candidate block in execution order: the layer table of a traced model.
+def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, Any]] = None,
+               granularity: str = "blocks", loss_fn: Any = None, target: Any = None, repeats: int = 3,
+               warmup: int = 1) -> pd.DataFrame:
+    """Profile each candidate split point (:func:`candidate_modules`) as it runs in the model.
 
-    Columns as :func:`pipexplore.profile` gives (``name`` is the block's FQN), with ``stash`` and
-    ``pop`` naming values that skip over blocks (a block's output consumed by a later,
-    non-adjacent block), and ``shared`` naming parameters used by several blocks (tied weights).
-    Forward and backward times are medians over ``repeats`` of a real forward and backward.
+    ``sample`` is one mini-batch as the model takes it: a tensor, a tuple of positional inputs or
+    a dict of keyword inputs (``input_ids``, ``attention_mask``, ``labels``); ``mb_kwargs`` adds
+    keyword inputs. Hooks time every candidate inside real forward and backward passes of the
+    whole model, ``warmup`` passes first (untimed: allocation, dispatch caches), then ``repeats``
+    timed ones; ``loss_fn(output, target)`` receives the output as the model returns it
+    (default: the mean of the squared floating outputs).
+
+    Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
+    gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
+    candidates (an output consumed by a later, non-adjacent candidate), and ``shared`` naming
+    parameters used by several candidates (tied weights). Times are medians over ``repeats``.
+
+    Example::
+
+        table = trace.candidates(gpt2, {"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss)
+        table[["name", "forward", "backward", "shared"]]
     """
-    blocks = candidate_modules(model)
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be 0 or more passes, got {warmup}")
+    args, kwargs = call_inputs(sample)
+    kwargs.update(mb_kwargs or {})
+    blocks = candidate_modules(model, granularity)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no child modules to split between")
     index = {id(module): k for k, (_, module) in enumerate(blocks)}
@@ -64,19 +150,20 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
     backward: dict[int, list[float]] = {k: [] for k in range(len(blocks))}
     out_bytes: dict[int, int] = {}
     edges: set[tuple[int, int]] = set()
-    producer: dict[tuple, int] = {}
+    producer: dict[tuple, tuple[int, torch.Tensor]] = {}
     started: dict[int, float] = {}
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     handles = []
 
-    def pre(module: nn.Module, args: Any) -> None:
+    def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         k = index[id(module)]
         if k not in order:
             order.append(k)
-        for t in tensors_in(args):
-            source = producer.get(_identity(t))
-            if source is not None and source < k - 1:
+        position = order.index(k)
+        for t in tensors_in(args) + tensors_in(kwargs):
+            source = producer.get(_identity(t), (None, None))[0]
+            if source is not None and order.index(source) < position - 1:  # skips a block in execution order
                 edges.add((source, k))
         started[k] = time.perf_counter()
 
@@ -86,7 +173,7 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
         tensors = tensors_in(output)
         out_bytes[k] = sum(t.numel() * t.element_size() for t in tensors)
         for t in tensors:
-            producer[_identity(t)] = k
+            producer[_identity(t)] = (k, t)  # held for the pass: a freed address reused is not this value
 
     def bwd_pre(module: nn.Module, grad_output: Any) -> None:
         bwd_start[index[id(module)]] = time.perf_counter()
@@ -95,7 +182,7 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
         bwd_end[index[id(module)]] = time.perf_counter()
 
     for _, module in blocks:
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post),
+        handles += [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post),
                     module.register_full_backward_pre_hook(bwd_pre), module.register_full_backward_hook(bwd_post)]
     owners: dict[int, list[int]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -114,23 +201,29 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
     for pid, ks in owners.items():
         if params[pid].requires_grad:
             handles.append(params[pid].register_post_accumulate_grad_hook(accumulated(tuple(ks))))
-    try:
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        for _ in range(max(1, repeats)):
+    with warnings.catch_warnings():
+        try:
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for timed in [False] * warmup + [True] * repeats:
+                producer.clear()
+                bwd_start.clear()
+                bwd_end.clear()
+                output = model(*args, **kwargs)
+                loss = loss_fn(output, target) if loss_fn is not None else sum(
+                    t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                if not timed:
+                    for times in forward.values():
+                        times.clear()
+                    continue
+                for k in range(len(blocks)):
+                    if k in bwd_start:
+                        backward[k].append(max(0.0, bwd_end.get(k, bwd_start[k]) - bwd_start[k]))
+        finally:
             producer.clear()
-            bwd_start.clear()
-            bwd_end.clear()
-            output = model(*mb_args, **(mb_kwargs or {}))
-            loss = loss_fn(output, target) if loss_fn is not None else sum(
-                t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
-            loss.backward()
-            for k in range(len(blocks)):
-                if k in bwd_start:
-                    backward[k].append(max(0.0, bwd_end.get(k, bwd_start[k]) - bwd_start[k]))
-            model.zero_grad(set_to_none=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
     if len(order) < len(blocks):
         unused = [blocks[k][0] for k in range(len(blocks)) if k not in order]
         order += [k for k in range(len(blocks)) if k not in order]
@@ -145,8 +238,9 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
     position = {k: p for p, k in enumerate(order)}
     for k in order:
         name, module = blocks[k]
-        stash = [f"v{src}>{dst}" for src, dst in sorted(edges) if src == k]
-        pop = [f"v{src}>{dst}" for src, dst in sorted(edges) if dst == k]
+        routes = sorted((position[src], position[dst]) for src, dst in edges)
+        stash = [f"v{src}>{dst}" for src, dst in routes if src == position[k]]
+        pop = [f"v{src}>{dst}" for src, dst in routes if dst == position[k]]
         rows.append({
             "name": name, "type": type(module).__name__,
             "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
@@ -159,23 +253,155 @@ def candidates(model: nn.Module, mb_args: tuple[Any, ...], *, mb_kwargs: Optiona
     return pd.DataFrame(rows)
 
 
-def split(model: nn.Module, mb_args: tuple[Any, ...], split_points: Sequence[str], *,
-          mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
-    """``pipeline(model, mb_args, split_spec={fqn: SplitPoint.BEGINNING for each point})``.
+def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
+                     calls: dict[str, int]) -> list[tuple[nn.Module, Any]]:
+    """Make each split point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``),
+    counting the calls; returns each module with the instance ``forward`` it had (or None)."""
+    from torch.distributed.pipelining import pipe_split
 
-    Raises :class:`TraceError` with what failed and what to do when the model cannot be traced.
+    modules = dict(model.named_modules())
+    marked = []
+    for fqn in split_points:
+        module = modules[fqn]
+        forward = module.forward
+        marked.append((module, module.__dict__.get("forward")))
+
+        def begin_stage(*args: Any, _forward: Any = forward, _fqn: str = fqn, **kwargs: Any) -> Any:
+            calls[_fqn] += 1
+            pipe_split()
+            return _forward(*args, **kwargs)
+
+        module.forward = begin_stage  # type: ignore[method-assign]
+    return marked
+
+
+def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline the ``torch.no_grad()`` regions (``wrap_with_set_grad_enabled``) whose inputs need no
+    gradient — buffers and integer inputs, like a rotary embedding's ``inv_freq`` and positions.
+
+    torch's splitter files such a region's body under its module twice, apart, and builds a stage
+    that cannot run (pytorch/pytorch#184361, every Hugging Face model with RoPE). Without the
+    wrapper the graph is the same computation: no gradient could flow through it anyway.
     """
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    try:
+        from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    except ImportError:  # an older torch without the wrapper has nothing to inline
+        return gm
+    graph = gm.graph
+    needs_grad: set[fx.Node] = set()
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            try:
+                value = operator.attrgetter(str(node.target))(gm)
+            except AttributeError:
+                value = None
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                needs_grad.add(node)
+            continue
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
+                needs_grad.add(node)
+            continue
+        inputs_need_grad = any(n in needs_grad for n in node.all_input_nodes)
+        if not (node.op == "call_function" and node.target is wrap_with_set_grad_enabled):
+            if inputs_need_grad:
+                needs_grad.add(node)
+            continue
+        enable, body_node, *args = node.args
+        if inputs_need_grad and enable is not False:
+            needs_grad.add(node)
+        if inputs_need_grad:
+            continue  # gradients flow through it: torch's own handling stays
+        body = operator.attrgetter(str(body_node.target))(gm)
+        stack = node.meta.get("nn_module_stack", {})
+        env: dict[fx.Node, Any] = {}
+        outputs: Any = None
+        with graph.inserting_before(node):
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            env.update(zip(placeholders, args))
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    outputs = fx.map_arg(inner.args[0], lambda n: env[n])
+                    continue
+                if inner.op == "get_attr":
+                    name = f"{body_node.target}_{inner.target}".replace(".", "_")
+                    setattr(gm, name, operator.attrgetter(str(inner.target))(body))
+                    copied = graph.get_attr(name)
+                else:
+                    copied = graph.node_copy(inner, lambda n: env[n])
+                copied.meta = {**inner.meta, "nn_module_stack": stack}
+                env[inner] = copied
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(outputs)
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
 
-    spec = {fqn: SplitPoint.BEGINNING for fqn in split_points}
+
+def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
+          mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
+    """Split ``model`` into pipeline stages with torch's tracer, each stage beginning at a split point.
+
+    As ``pipeline(model, mb_args, split_spec={fqn: SplitPoint.BEGINNING for each point})``.
+    ``mb_args`` is one micro-batch as the model takes it: a tensor, a tuple of positional inputs
+    or a dict of keyword inputs; ``mb_kwargs`` adds keyword inputs. The model is changed while
+    tracing: give a copy. The returned ``Pipe`` has ``output_spec``: the pytree structure of the
+    model's output (e.g. a Hugging Face ``ModelOutput``), to rebuild it from the flat outputs.
+
+    Raises :class:`TraceError` with what failed and what to do when the model cannot be traced,
+    when a split point names no submodule, or when a split point does not begin exactly one
+    stage (a module not called in forward, or called more than once).
+
+    Example::
+
+        pipe = trace.split(copy.deepcopy(gpt2), {"input_ids": ids[:2]}, ["transformer.h.2"])
+        pipe.num_stages   # 2
+    """
+    from torch.distributed.pipelining import pipeline
+
+    args, kwargs = call_inputs(mb_args)
+    kwargs.update(mb_kwargs or {})
+    split_points = list(split_points)
+    modules = dict(model.named_modules())
+    unknown = [fqn for fqn in split_points if fqn not in modules or not fqn]
+    if unknown:
+        examples = [name for name, _ in candidate_modules(model)][:6]
+        raise TraceError(f"split point(s) {unknown} name no submodule of {type(model).__name__}: a split point is a "
+                         f"module's FQN as model.named_modules() gives it, e.g. {examples} "
+                         "(trace.candidates lists them all)")
+    repeated = sorted({fqn for fqn in split_points if split_points.count(fqn) > 1})
+    if repeated:
+        raise TraceError(f"split point(s) {repeated} are given more than once: give each split point once")
+    calls = {fqn: 0 for fqn in split_points}
+    captured: dict[str, Any] = {}
+
+    def policy(gm: fx.GraphModule) -> fx.GraphModule:
+        codegen = getattr(gm.graph, "_codegen", None)
+        captured["output_spec"] = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+        return _inline_constant_no_grad_regions(gm)
+
     noise = io.StringIO()
     logger = logging.getLogger("torch")
     level = logger.level
+    marked = _mark_beginnings(model, split_points, calls)
     try:
         logger.setLevel(logging.ERROR)
         with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return pipeline(model, mb_args=tuple(mb_args), mb_kwargs=mb_kwargs, split_spec=spec)
+            pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=kwargs or None, split_policy=policy)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TraceError(
@@ -186,6 +412,22 @@ def split(model: nn.Module, mb_args: tuple[Any, ...], split_points: Sequence[str
             "build the stages with the manual API (`PipelineStage(stage_module, ...)`).") from exc
     finally:
         logger.setLevel(level)
+        for module, own_forward in marked:
+            if own_forward is None:
+                del module.forward
+            else:
+                module.forward = own_forward
+    never = [fqn for fqn, n in calls.items() if n == 0]
+    if never:
+        raise TraceError(f"split point(s) {never} did not begin a stage: {type(model).__name__}'s forward never "
+                         "calls them on this input; choose modules that forward calls (trace.candidates lists them "
+                         "in execution order)")
+    twice = [fqn for fqn, n in calls.items() if n > 1]
+    if twice:
+        raise TraceError(f"split point(s) {twice} would begin {max(calls[f] for f in twice)} stages each: forward "
+                         "calls them more than once (a shared module); split at a module that forward calls once")
+    pipe.output_spec = captured.get("output_spec")
+    return pipe
 
 
 def skip_routes_of(pipe: Any) -> list[tuple[int, int]]:

@@ -145,7 +145,7 @@ def test_explorer_takes_a_traced_model():
 
     tokens, target = get_batch()
     ex = explore(TinyTransformer(tied=True), tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"],
-                 chunks=4, splits=[3])
+                 chunks=4, splits=[3], executor="processes")
     assert ex.traced and ex.plan.executor == "processes"
     assert [layer["name"] for layer in ex.bar.layers][:2] == ["embed", "layers.0"]
     assert ex.shared_parameters() == {"head.weight": [0, 1]}
@@ -157,8 +157,11 @@ def test_explorer_takes_a_traced_model():
         ex.export("gpipe")
     row = ex.run()
     assert row["executor"] == "processes" and set(ex.timeline("measured")["stage"]) == {0, 1}
-    with pytest.raises(ValueError, match="choose executor='processes'"):
-        ex.run(executor="threads")
+    row = ex.run(executor="threads")  # the same split, its stages in this process
+    assert row["executor"] == "threads" and set(ex.timeline("measured")["stage"]) == {0, 1}
+    with pytest.raises(ValueError, match="the autograd executor .* takes an nn.Sequential, not TinyTransformer"):
+        ex.run(executor="autograd")
+    assert ex.runs["executor"].tolist() == ["processes", "threads"]
 
 
 def test_explorer_stays_usable_when_tracing_fails():
@@ -172,3 +175,269 @@ def test_explorer_stays_usable_when_tracing_fails():
     assert ex.splits == [2] and ex.runs.empty
     ex.splits = [3]  # still usable
     assert ex.plan.balance == [3, len(ex.layer_table) - 3]
+
+
+# ---- split points at any depth ---------------------------------------------------------------
+
+class Mlp(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Head(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.value = nn.Linear(width, width // 2)
+
+    def forward(self, x):
+        return self.value(x)
+
+
+class Block(nn.Module):
+    """A block whose attention heads sit in a ModuleList: a list inside a block stays closed."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.heads = nn.ModuleList(Head(width) for _ in range(2))
+        self.mlp = Mlp(width)
+
+    def forward(self, x):
+        return self.mlp(x + torch.cat([head(x) for head in self.heads], dim=-1))
+
+
+class Titan(nn.Module):
+    """torchtitan's layout: blocks in a ModuleDict keyed "0", "1", …"""
+
+    def __init__(self, depth=3, width=8):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, width)
+        self.layers = nn.ModuleDict({str(k): Block(width) for k in range(depth)})
+        self.norm = nn.LayerNorm(width)
+        self.output = nn.Linear(width, 16)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class Stage(nn.Module):
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.downsample = nn.Linear(width, width)
+        self.blocks = nn.Sequential(*[Mlp(width) for _ in range(depth)])
+
+    def forward(self, x):
+        return self.blocks(self.downsample(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.stem = nn.Linear(4, width)
+        self.stages = nn.ModuleList(Stage(width) for _ in range(2))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.layer = nn.ModuleList(Mlp(width) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+class Nested(nn.Module):
+    """``backbone.stages.N.blocks.M`` and ``encoder.layer.N`` under plain attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = Backbone()
+        self.encoder = Encoder()
+        self.classifier = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.classifier(self.encoder(self.backbone(x)))
+
+
+def test_candidates_descend_containers_wherever_they_sit():
+    assert [n for n, _ in trace.candidate_modules(Titan())] == [
+        "tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
+    assert [n for n, _ in trace.candidate_modules(Nested())] == [
+        "backbone.stem", "backbone.stages.0.downsample", "backbone.stages.0.blocks.0", "backbone.stages.0.blocks.1",
+        "backbone.stages.1.downsample", "backbone.stages.1.blocks.0", "backbone.stages.1.blocks.1",
+        "encoder.layer.0", "encoder.layer.1", "classifier"]
+    # the modules are the model's own, by their FQNs
+    modules = dict(Titan().named_modules())
+    assert all(type(module) is type(modules[name]) for name, module in trace.candidate_modules(Titan()))
+
+
+def test_children_granularity_opens_each_block_one_level():
+    assert [n for n, _ in trace.candidate_modules(Titan(depth=1), granularity="children")] == [
+        "tok_embeddings", "layers.0.heads.0", "layers.0.heads.1", "layers.0.mlp", "norm", "output"]
+    with pytest.raises(ValueError, match="granularity must be one of 'blocks', 'children', got 'leaves'"):
+        trace.candidate_modules(Titan(), granularity="leaves")
+
+
+def test_candidates_of_a_module_dict_model_are_profiled_in_execution_order():
+    tokens = torch.randint(0, 16, (4, 5))
+    table = trace.candidates(Titan(), tokens, repeats=1)
+    assert table["name"].tolist() == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
+    assert (table.loc[1:3, "forward"] > 0).all() and (table.loc[1:3, "backward"] > 0).all()
+    assert table.loc[1, "param_bytes"] == sum(p.numel() * 4 for p in Block().parameters())
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(self.a(x))
+
+
+def test_profile_warms_up_before_the_timed_passes():
+    model = Counting()
+    trace.candidates(model, torch.randn(2, 4), repeats=2, warmup=3)
+    assert model.calls == 5
+    with pytest.raises(ValueError, match="warmup must be 0 or more passes, got -1"):
+        trace.candidates(model, torch.randn(2, 4), warmup=-1)
+
+
+def test_splits_the_tracer_cannot_make_raise_trace_errors():
+    tokens = torch.randint(0, 16, (2, 5))
+    with pytest.raises(trace.TraceError, match=r"split point\(s\) \['layers.7'\] name no submodule of Titan"):
+        trace.split(Titan(), tokens, ["layers.7"])
+
+    class Unused(Titan):
+        def __init__(self):
+            super().__init__()
+            self.spare = nn.Linear(8, 8)
+
+    with pytest.raises(trace.TraceError, match=r"\['spare'\] did not begin a stage: Unused's forward never calls"):
+        trace.split(Unused(), tokens, ["spare"])
+
+    class Twice(Titan):
+        def forward(self, tokens):
+            h = self.tok_embeddings(tokens)
+            h = self.norm(self.layers["0"](h))
+            return self.output(self.norm(h))
+
+    with pytest.raises(trace.TraceError, match=r"split point\(s\) \[.norm.\] would begin 2 stages each: forward calls them more than once"):
+        trace.split(Twice(), tokens, ["norm"])
+    with pytest.raises(trace.TraceError, match=r"\['layers.1'\] are given more than once"):
+        trace.split(Titan(), tokens, ["layers.1", "layers.1"])
+
+
+def test_a_split_inside_blocks_traces_and_keeps_the_output():
+    tokens = torch.randint(0, 16, (2, 5))
+    model = Titan()
+    pipe = trace.split(copy.deepcopy(model), tokens, ["layers.1.mlp", "layers.2.heads.1"])
+    assert pipe.num_stages == 3
+    torch.testing.assert_close(pipe(tokens)[0], model(tokens))
+
+
+# ---- traced models in this process -----------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("splits,schedule,checkpoint", [((3,), "gpipe", "never"), ((2, 4), "1f1b", "except_last"),
+                                                        ((2, 4), "zero-bubble", "always"),
+                                                        ((1, 3, 5), "interleaved", "except_last")])
+def test_traced_transformer_in_process_equals_the_unsplit_model(tied, splits, schedule, checkpoint):
+    from pipexplore.traced_executor import run_traced_step
+
+    torch.manual_seed(0)
+    model = TinyTransformer(tied=tied)
+    tokens, target = get_batch()
+    table = trace.candidates(copy.deepcopy(model), tokens, repeats=1)
+    devices = ("cpu",) * (2 if schedule == "interleaved" else len(splits) + 1)
+    plan = Plan(table, splits, devices, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    result = run_traced_step(model, tokens, plan, target=target, loss_fn=loss_fn, warmup=0, repeats=1,
+                             return_grads=True)
+    reference = copy.deepcopy(model)
+    loss = loss_fn(reference(tokens), target)
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+    named = dict(reference.named_parameters(remove_duplicate=False))
+    grads = result.metrics["grads"]
+    assert {key.split(".", 1)[0] for key in grads} == {str(s) for s in range(len(splits) + 1)}
+    assert {id(named[key.split(".", 1)[1]]) for key in grads} == {id(p) for p in named.values()}
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+    measured = result.timeline
+    assert set(measured["stage"]) == set(range(len(splits) + 1))
+    expected = {"gpipe": {"forward", "backward"}, "1f1b": {"forward", "backward", "recompute"},
+                "zero-bubble": {"forward", "input_grad", "weight_grad", "recompute"},
+                "interleaved": {"forward", "backward", "recompute"}}[schedule]
+    assert set(measured["phase"]) == expected
+    assert (measured.groupby("stage")["microbatch"].nunique() == 4).all()
+
+
+def test_module_dict_model_split_between_its_blocks_trains_in_process():
+    from pipexplore.traced_executor import run_traced_step
+
+    model = Titan(depth=3)
+    tokens = torch.randint(0, 16, (6, 5))
+    target = torch.randint(0, 16, (6, 5))
+
+    def titan_loss(logits, target):
+        return nn.functional.cross_entropy(logits.reshape(-1, 16), target.reshape(-1))
+
+    table = trace.candidates(copy.deepcopy(model), tokens, repeats=1)
+    plan = Plan(table, (2, 3), ("cpu",) * 3, chunks=3, schedule="1f1b", checkpoint="never")
+    assert [table["name"][s] for s in plan.splits] == ["layers.1", "layers.2"]
+    result = run_traced_step(model, tokens, plan, target=target, loss_fn=titan_loss, warmup=0, repeats=1,
+                             return_grads=True)
+    reference = copy.deepcopy(model)
+    titan_loss(reference(tokens), target).backward()
+    named = dict(reference.named_parameters())
+    assert len(result.metrics["grads"]) == len(named)
+    for key, grad in result.metrics["grads"].items():
+        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_traced_executor_checks_its_arguments():
+    from pipexplore.traced_executor import TracedExecutor, run_traced_step
+
+    tokens, target = get_batch()
+    pipe = trace.split(build_model(), tokens[:2], ["layers.2"])
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        TracedExecutor(pipe, schedule="pipedream")
+    with pytest.raises(ValueError, match=r"2 stages need 2 devices, got 1 \(cpu\)"):
+        TracedExecutor(pipe, devices=["cpu"])
+    executor = TracedExecutor(pipe, devices=["cpu", "cpu"], chunks=3, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="the batch of 8 rows does not divide into chunks=3"):
+        executor.step(tokens, target)
+    table = trace.candidates(build_model(), tokens, repeats=1)
+    with pytest.raises(ValueError, match="schedule 'async-backends' serves nn.Sequential stages"):
+        run_traced_step(build_model(), tokens, Plan(table, (3,), ("cpu", "cpu"), chunks=4, schedule="async-backends"),
+                        target=target, loss_fn=loss_fn)
+
+
+def test_explorer_runs_a_traced_model_in_process_by_default():
+    from pipexplore.widgets import explore
+
+    tokens, target = get_batch()
+    ex = explore(build_model(), tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4,
+                 splits=[3], schedule="1f1b", profile_repeats=1)
+    assert ex.traced and ex.plan.executor == "threads"
+    first, second = ex.run(), ex.run()
+    assert first["executor"] == second["executor"] == "threads"
+    assert set(ex.timeline("measured")["stage"]) == {0, 1}
+    # both runs train a fresh copy: the same first step, the same loss
+    assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)

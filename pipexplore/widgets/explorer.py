@@ -11,6 +11,7 @@ import html
 import math
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
 import ipywidgets as W
@@ -70,9 +71,10 @@ class Explorer:
                  devices: Optional[Sequence[str]] = None, chunks: int = 4, checkpoint: str = "except_last",
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
-                 executor: str = "threads", calibrate: bool = True) -> None:
+                 executor: str = "threads", calibrate: bool = True, granularity: str = "blocks") -> None:
         # An nn.Sequential is split by layers and runs in any executor; any other model is split at
-        # candidate blocks by torch's tracer and runs in processes (torch.distributed.pipelining).
+        # candidate modules (``granularity``: blocks, or their children) by torch's tracer, and runs
+        # its traced stages in this process (threads) or in processes (torch.distributed.pipelining).
         self.traced = not isinstance(model, nn.Sequential)
         if not self.traced:
             if len(model) == 0:
@@ -92,12 +94,13 @@ class Explorer:
         if layer_table is None and self.traced:
             from pipexplore.trace import candidates
 
-            layer_table = candidates(copy.deepcopy(model), (sample,), loss_fn=loss_fn, target=target,
-                                     repeats=profile_repeats)
-            executor = "processes" if executor == "threads" else executor
+            if isinstance(sample, Mapping):  # keyword inputs (a tokenizer's BatchEncoding too) as a plain dict
+                self.sample = sample = dict(sample)
+            layer_table = candidates(copy.deepcopy(model), sample, granularity=granularity, loss_fn=loss_fn,
+                                     target=target, repeats=profile_repeats)
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
-                              "blocks, split by torch.distributed.pipelining's tracer; runs use one process per "
-                              "stage.")
+                              f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
+                              "the traced stages in this process (threads) or one process per stage (processes).")
         if layer_table is None:
             # Costs as a line in the micro-batch rows, from the plan's micro-batch and the whole batch.
             batch = batch_size(sample)
