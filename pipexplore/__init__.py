@@ -6,6 +6,7 @@ partitions), ``record`` (measured timelines), ``profile`` (layer tables), ``pipe
 """
 from pipexplore import balance, timeline
 from pipexplore.checkpoint import is_checkpointing, is_recomputing
+from pipexplore.flatten import FlattenError, flatten
 from pipexplore.gpipe import BalanceError, GPipe
 from pipexplore.profile import profile
 from pipexplore.simulate import simulate
@@ -39,6 +40,6 @@ def unload_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
 __all__ = [
     "GPipe", "BalanceError", "SplitError", "is_checkpointing", "is_recomputing",
     "record", "profile", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",
-    "ScheduleExecutor",
+    "ScheduleExecutor", "flatten", "FlattenError",
     "explore", "Explorer", "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
