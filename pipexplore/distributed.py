@@ -93,7 +93,7 @@ def _timed(stage: Any, spans: list, name: str, phase_of: Callable[..., str]) -> 
 
 
 def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
-    """One rank of a run (in a pool worker): build its stages, run ``warmup`` + 1 steps, return the last one's events."""
+    """One rank of a run (in a pool worker): build its stages, run ``warmup`` + 1 steps, return the last's events."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, schedules
 

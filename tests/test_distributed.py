@@ -155,7 +155,8 @@ def test_a_dead_rank_is_named_with_its_exit_code_at_once(port_spy, how, said):
 
 def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
     model, x = _failing_model("hang"), torch.randn(8, 6)
-    with pytest.raises(DistributedRunError, match=r"timed out after 4 s \(timeout=4\): rank\(s\) \[0, 1\] did not finish"):
+    with pytest.raises(DistributedRunError,
+                       match=r"timed out after 4 s \(timeout=4\): rank\(s\) \[0, 1\] did not finish"):
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=4)
     assert _children() == []
     assert _port_is_free(port_spy[-1])
