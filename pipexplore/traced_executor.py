@@ -182,7 +182,8 @@ class TracedExecutor:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(stage.FQN, parameter)``: the FQN as in the model (``1.lm_head.weight``)."""
-        return [(f"{s}.{name}", p) for s, module in enumerate(self.stage_modules) for name, p in module.named_parameters()]
+        return [(f"{s}.{name}", p) for s, module in enumerate(self.stage_modules)
+                for name, p in module.named_parameters()]
 
     def _replicated_params(self) -> list[list[nn.Parameter]]:
         return [[operator.attrgetter(qualname)(self.stage_modules[s]) for s, qualname in group]
