@@ -142,22 +142,67 @@ def test_oversized_and_mismatched_tasks_fail_alone():
         assert good.result(timeout=10)[0].shape == (2, 8)
 
 
-def test_a_failing_batch_fails_exactly_its_futures():
+def test_a_failing_task_fails_alone_and_the_rest_of_its_batch_gets_results():
+    calls = []
+
     def process(x):
+        calls.append(len(x))
         if (x < 0).any():
             raise ArithmeticError("negative input in this batch")
         return (x * 2,)
 
-    pool = TaskPool(process, max_batch_size=4)
+    pool = TaskPool(process, max_batch_size=8)
     a = pool.submit_task(torch.ones(2, 1))
     b = pool.submit_task(-torch.ones(2, 1))
-    c = pool.submit_task(torch.ones(3, 1))
-    pool.process_batch(pool.take_batch())  # a and b: 4 rows
-    pool.process_batch(pool.take_batch())  # c
-    for f in (a, b):
-        with pytest.raises(ArithmeticError, match="negative input in this batch"):
-            f.result()
-    torch.testing.assert_close(c.result()[0], torch.full((3, 1), 2.0))
+    c = pool.submit_task(torch.full((3, 1), 3.0))
+    pool.process_batch(pool.take_batch())  # one batch of 7 rows: it fails, then its halves are retried apart
+    with pytest.raises(ArithmeticError, match="negative input in this batch"):
+        b.result(timeout=1)
+    torch.testing.assert_close(a.result(timeout=1)[0], torch.full((2, 1), 2.0))
+    torch.testing.assert_close(c.result(timeout=1)[0], torch.full((3, 1), 6.0))
+    assert calls[0] == 7 and len(calls) > 1
+
+
+class RefusesNegative(nn.Module):
+    """A linear layer that raises on a negative input: a request the schema passes can still fail."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        if (x < 0).any():
+            raise ArithmeticError("this layer takes no negative input")
+        return self.linear(x)
+
+
+def test_a_request_that_makes_the_layer_fail_fails_only_itself():
+    torch.manual_seed(2)
+    expert = RefusesNegative(4)
+    reference = copy.deepcopy(expert)
+    backend = ExpertBackend("picky", expert, None, args_schema=(BatchTensorProto(4),), max_batch_size=64)
+    good = [torch.rand(3, 4) for _ in range(3)]
+    bad = -torch.rand(2, 4)
+    grads = [torch.randn(3, 4) for _ in good]
+    # Queued before the runtime starts: the first batch holds every request, the bad one among them.
+    forwards = [backend.forward_pool.submit_task(x) for x in (good[0], bad, good[1], good[2])]
+    backwards = [backend.backward_pool.submit_task(x, g) for x, g in zip(good[:1] + [bad] + good[1:],
+                                                                         grads[:1] + [torch.randn(2, 4)] + grads[1:])]
+    with Runtime({"picky": backend}):
+        results = [f.exception(timeout=10) or f.result() for f in forwards]
+        back = [f.exception(timeout=10) or f.result() for f in backwards]
+    assert isinstance(results[1], ArithmeticError) and isinstance(back[1], ArithmeticError)
+    assert "this layer takes no negative input" in str(results[1])
+    for x, (y,) in zip(good, results[:1] + results[2:]):
+        torch.testing.assert_close(y, reference(x))
+    # Input gradients of the good requests equal the layer's; the parameters hold exactly their
+    # gradients (no optimizer), nothing of the failed batch.
+    for x, g, (gx,) in zip(good, grads, back[:1] + back[2:]):
+        xr = x.clone().requires_grad_()
+        reference(xr).backward(g)
+        torch.testing.assert_close(gx, xr.grad)
+    for p, r in zip(expert.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
 
 
 def test_shutdown_fails_pending_tasks_and_leaves_no_thread():

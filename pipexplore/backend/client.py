@@ -6,7 +6,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from pipexplore import validate
 from pipexplore.backend.expert import ExpertBackend
+from pipexplore.cancel import check_cancelled
 
 __all__ = ["BackendPipeline"]
 
@@ -40,8 +42,9 @@ class BackendPipeline:
         for backend in self.backends:
             (x,) = backend.forward_pool.submit_task(x).result()
             inputs.append(x)
+        check_cancelled()
         output = inputs[-1].detach().requires_grad_()
-        loss = loss_fn(output, target)
+        loss = validate.loss_value(loss_fn(output, target))
         loss.backward()
         grad = output.grad
         assert grad is not None
@@ -52,8 +55,8 @@ class BackendPipeline:
     def step(self, x: torch.Tensor, target: Any = None,
              loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None, chunks: int = 1) -> list[float]:
         """Train on ``x`` split into ``chunks`` micro-batches; returns each micro-batch's loss."""
-        if chunks < 1:
-            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        chunks = validate.chunks(chunks, batch=int(x.size(0)))
+        validate.target(target, int(x.size(0)))
         from pipexplore.run import synthetic_loss
 
         loss_fn = loss_fn or synthetic_loss

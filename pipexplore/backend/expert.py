@@ -1,7 +1,7 @@
 """ExpertBackend: serve a module's forward and backward (with an optimizer step) through TaskPools."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ class ExpertBackend:
     ``forward(*flat_inputs)`` runs under ``no_grad``. ``backward(*flat_inputs, *output_grads)``
     runs forward again with grad enabled on detached inputs, back-propagates the given output
     gradients, steps and zeroes the optimizer, and returns the input gradients (zeros where an
-    input got none). Callers reach both through :attr:`forward_pool` and :attr:`backward_pool`,
+    input got none). A backward that raises steps nothing and leaves no gradient behind. Callers reach both through :attr:`forward_pool` and :attr:`backward_pool`,
     which batch their tasks.
 
     Example::
@@ -84,15 +84,26 @@ class ExpertBackend:
         grads = flat_inputs_and_grads[n:]
         inputs = [x.requires_grad_(proto.requires_grad or x.is_floating_point())
                   for x, proto in zip(inputs, self._flat_inputs)]
+        params = [p for p in self.expert.parameters() if p.requires_grad]
+        wanted = [x for x in inputs if x.requires_grad] + params
+        # Computed apart and accumulated only once the whole batch succeeded: a batch that raises
+        # leaves no partial gradient behind (its tasks are then retried apart).
         with torch.enable_grad():
             outputs = list(nested_flatten(self._call(inputs)))
             pairs = [(y, g.to(device=y.device, dtype=y.dtype)) for y, g in zip(outputs, grads) if y.requires_grad]
-            if pairs:
-                torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+            computed: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
+            if pairs and wanted:
+                computed = torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs],
+                                               allow_unused=True)
+        found = dict(zip(map(id, wanted), computed))
+        for param in params:
+            grad = found[id(param)]
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
+        return tuple(g if (g := found.get(id(x))) is not None else torch.zeros_like(x) for x in inputs)
 
     def get_info(self) -> dict[str, Any]:
         return {"name": self.name, "args_schema": self.args_schema, "kwargs_schema": self.kwargs_schema,

@@ -32,8 +32,9 @@ class TaskPool:
     rows; row ``k`` of each output goes back to the task that sent row ``k``.
 
     A task that is larger than ``max_batch_size``, or that does not match ``schema``, fails its
-    own future at once and never joins a batch. A batch whose processing raises fails exactly
-    the futures in it. A pool is *ready* when it holds ``min_batch_size`` rows, or when its
+    own future at once and never joins a batch. A batch whose processing raises is split in
+    halves and each half retried (bisection), so a task that passes the schema but makes the
+    layer fail fails only its own future; the others get their results. A pool is *ready* when it holds ``min_batch_size`` rows, or when its
     oldest task has waited ``timeout`` seconds (at once when ``timeout`` is None).
 
     Example::
@@ -149,10 +150,13 @@ class TaskPool:
             return batch
 
     def process_batch(self, batch: list[Task]) -> None:
-        """Run ``process_func`` on the concatenated tasks and hand each task its rows."""
+        """Run ``process_func`` on the concatenated tasks and hand each task its rows; a failing
+        batch of several tasks is retried in halves until the failing tasks are alone."""
         live = [task for task in batch if task.future.set_running_or_notify_cancel()]
-        if not live:
-            return
+        if live:
+            self._process(live)
+
+    def _process(self, live: list[Task]) -> None:
         try:
             columns = [torch.cat(column) for column in zip(*(task.tensors for task in live))]
             outputs = tuple(self.process_func(*columns))
@@ -161,10 +165,18 @@ class TaskPool:
                 if not torch.is_tensor(output) or output.dim() == 0 or output.size(0) != rows:
                     raise RuntimeError(f"{self.name}: output {k} does not have the batch's {rows} rows")
             parts = [output.split([task.size for task in live]) for output in outputs]
-        except BaseException as exc:
+        except Exception as exc:
+            if len(live) > 1:  # which task made it fail? retry the halves apart
+                half = len(live) // 2
+                self._process(live[:half])
+                self._process(live[half:])
+                return
+            live[0].future.set_exception(exc)
+            return
+        except BaseException as exc:  # an interrupt: no retry, every task of the batch fails with it
             for task in live:
                 task.future.set_exception(exc)
-            return
+            raise
         for k, task in enumerate(live):
             task.future.set_result(tuple(part[k] for part in parts))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 from pipexplore.executors.base import RunResult, StepJob, make_optimizer, measure, result, synthetic_loss
+from pipexplore import validate
 from pipexplore.gpipe import GPipe
 from pipexplore.microbatch import to_device
 
@@ -25,10 +26,10 @@ def run(job: StepJob) -> RunResult:
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(pipe(x), y)
+        loss = validate.loss_value(loss_fn(pipe(x), y))
         loss.backward()
         optimizer.step()
         return float(loss.detach())
 
     timeline, loss = measure(step, job.warmup, job.run, job.repeats)
-    return result(plan, timeline, loss, job.sample, {str(d) for d in pipe.devices})
+    return result(plan, timeline, loss, job.sample, {str(d) for d in pipe.devices}, list(pipe.parameters()))

@@ -55,4 +55,5 @@ def run(job: StepJob) -> RunResult:
     origin = measured["start"].min() if len(measured) else 0.0
     measured["start"] -= origin
     measured["end"] -= origin
-    return result(plan, measured, float(sum(losses) / len(losses)), sample, set(devices))
+    parameters = [p for backend in backends for p in backend.expert.parameters()]
+    return result(plan, measured, float(sum(losses) / len(losses)), sample, set(devices), parameters)

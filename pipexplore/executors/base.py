@@ -14,7 +14,7 @@ from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "result", "measure", "synthetic_loss",
-           "make_optimizer"]
+           "make_optimizer", "all_finite"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -82,8 +82,22 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3) 
     return timeline, loss
 
 
-def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str]) -> RunResult:
-    """A measured step with its metrics and the plan's prediction beside it."""
+def all_finite(parameters: Any) -> bool:
+    """Whether every parameter and every gradient it holds is finite (no NaN, no inf).
+
+    Example::
+
+        all_finite(model.parameters())     # False once a NaN loss reached the weights
+    """
+    with torch.no_grad():
+        return all(bool(torch.isfinite(t).all()) for p in parameters
+                   for t in (p, p.grad) if t is not None and t.is_floating_point())
+
+
+def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str],
+           parameters: Any = None) -> RunResult:
+    """A measured step with its metrics and the plan's prediction beside it; ``finite`` says whether
+    the loss (and, given ``parameters``, their values and gradients) are finite."""
     predicted = plan.predicted
     step_seconds = tl.step_time(measured)
     predicted_seconds = tl.step_time(predicted)
@@ -96,5 +110,6 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTens
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
         "loss": loss,
+        "finite": math.isfinite(loss) and (parameters is None or all_finite(parameters)),
     }
     return RunResult(plan, measured, loss, predicted, metrics)

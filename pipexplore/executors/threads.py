@@ -27,4 +27,4 @@ def run(job: StepJob) -> RunResult:
         return loss
 
     timeline, loss = measure(step, job.warmup, job.run, job.repeats)
-    return result(plan, timeline, loss, job.sample, {str(d) for d in executor.stage_devices})
+    return result(plan, timeline, loss, job.sample, {str(d) for d in executor.stage_devices}, executor.parameters())
