@@ -8,7 +8,8 @@ from torch import nn
 from pipexplore.executors import autograd, backends, processes, threads
 from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, measure, result,
                                        synthetic_loss)
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore import validate
+from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["RunResult", "run_step", "synthetic_loss", "executor_for"]
@@ -52,6 +53,8 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
         result = run_step(model, sample, Plan(table, splits=(4,), chunks=4, executor="threads"))
         result.metrics["step_time"], result.timeline
     """
+    # Every executor runs exactly the plan's micro-batches, or none: the same refusal for all of them.
+    validate.chunks_for_batch(plan.chunks, batch_size(validate.sample(sample)))
     job = StepJob(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, warmup=warmup,
                   run=run, repeats=repeats, timeout=timeout)
     executor = executor_for(model, plan)
