@@ -301,8 +301,8 @@ def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.op == "placeholder":
             value = node.meta.get("val")
-            if torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
-                needs_grad.add(node)
+            if value is None or torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
+                needs_grad.add(node)  # an input of unknown type counts as one that may need a gradient
             continue
         inputs_need_grad = any(n in needs_grad for n in node.all_input_nodes)
         if not (node.op == "call_function" and node.target is wrap_with_set_grad_enabled):
@@ -312,9 +312,10 @@ def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
         enable, body_node, *args = node.args
         if inputs_need_grad and enable is not False:
             needs_grad.add(node)
-        if inputs_need_grad:
-            continue  # gradients flow through it: torch's own handling stays
         body = operator.attrgetter(str(body_node.target))(gm)
+        own_weights = [p for p in body.parameters() if p.requires_grad]
+        if inputs_need_grad or own_weights:
+            continue  # gradients could flow through it: torch's own handling stays
         stack = node.meta.get("nn_module_stack", {})
         env: dict[fx.Node, Any] = {}
         outputs: Any = None

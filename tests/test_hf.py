@@ -208,3 +208,23 @@ def test_explorer_offers_the_children_of_blocks():
     assert "transformer.h.1.attn" in names and "transformer.h.1.mlp" in names and "transformer.h.1" not in names
     with pytest.raises(ValueError, match="granularity must be one of 'blocks', 'children', got 'layers'"):
         explore(gpt2(), batch(), loss_fn=model_loss, granularity="layers")
+
+
+@pytest.mark.gpu
+def test_gpt2_small_split_in_four_on_one_gpu_equals_the_unsplit_model():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+                                     use_cache=False)  # GPT-2 small: 12 blocks of 768, vocabulary 50257
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    ids = torch.randint(0, config.vocab_size, (8, 128), device="cuda")
+    inputs = {"input_ids": ids, "labels": ids}
+    table = trace.candidates(copy.deepcopy(model), inputs, loss_fn=model_loss, repeats=1)
+    names = table["name"].tolist()
+    splits = tuple(names.index(f"transformer.h.{k}") for k in (3, 6, 9))
+    plan = Plan(table, splits, ("cuda:0",) * 4, chunks=4, schedule="1f1b", checkpoint="except_last")
+    result = run_traced_step(model, inputs, plan, loss_fn=model_loss, warmup=0, repeats=1, return_grads=True)
+    loss, named = reference_step(model, inputs, model_loss)
+    assert result.loss == pytest.approx(loss, rel=1e-4)
+    assert set(result.timeline["device"]) == {"cuda:0"} and set(result.timeline["stage"]) == {0, 1, 2, 3}
+    for key, grad in result.metrics["grads"].items():
+        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad.cpu(), rtol=1e-3, atol=1e-5)
