@@ -10,6 +10,7 @@ where a value enters, so that the same mistake gets the same words everywhere::
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any, Generator, Optional, Sequence
 
@@ -286,8 +287,8 @@ _SAMPLE = "a tensor (one mini-batch, rows along dim 0) or a tuple of such tensor
 
 
 def sample(value: Any, name: str = "sample") -> Any:
-    """One mini-batch: a tensor with at least one dimension and one row, or a non-empty tuple of
-    them with the same rows.
+    """One mini-batch: a tensor with at least one dimension and one row, or a non-empty tuple (or,
+    for a traced model's keyword inputs, a dict) of them with the same rows.
 
     Example::
 
@@ -310,6 +311,17 @@ def sample(value: Any, name: str = "sample") -> Any:
                 raise TypeError(f"{name}[{k}] must be a tensor, got {type(item).__name__}: {name} must be {_SAMPLE}")
             sample(item, f"{name}[{k}]")
             rows.add(int(item.size(0)))
+        if len(rows) != 1:
+            raise ValueError(f"the tensors of {name} need the same rows (dim 0), got {sorted(rows)}")
+        return value
+    if isinstance(value, Mapping):  # keyword inputs of a traced model: {'input_ids': ..., 'attention_mask': ...}
+        tensors = {key: item for key, item in value.items() if torch.is_tensor(item)}
+        if not tensors:
+            raise TypeError(f"{name} must be {_SAMPLE}, or a dict of keyword input tensors; got a "
+                            f"{type(value).__name__} without tensors ({', '.join(map(str, value)) or 'empty'})")
+        for key, item in tensors.items():
+            sample(item, f"{name}[{key!r}]")
+        rows = {int(item.size(0)) for item in tensors.values()}
         if len(rows) != 1:
             raise ValueError(f"the tensors of {name} need the same rows (dim 0), got {sorted(rows)}")
         return value

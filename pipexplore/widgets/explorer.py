@@ -11,6 +11,7 @@ import html
 import math
 import threading
 import traceback
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,7 +20,9 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipexplore import validate
 from pipexplore.balance import optimal_splits
+from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
@@ -34,7 +37,11 @@ __all__ = ["Explorer", "explore", "RUN_COLUMNS"]
 
 RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
                "startup_seconds", "bubble", "throughput", "peak_memory", "predicted_step_time", "prediction_error",
-               "loss"]
+               "loss", "finite"]
+#: What ``Explorer.update`` changes.
+UPDATABLE = ("splits", "devices", "chunks", "checkpoint", "schedule", "executor", "virtual_stages")
+#: Rows of the runs view (the latest runs); ``explorer.runs`` has them all.
+RUNS_SHOWN = 20
 
 
 def _fmt_bytes(n: float) -> str:
@@ -58,6 +65,13 @@ class Explorer:
     With ``calibrate`` (the default), each run teaches the predictions the executor's own cost per
     action (``plan.action_overhead``), so later predictions of small models come closer.
 
+    Every argument is checked on entry (a ``ValueError``/``TypeError`` naming it); ``chunks``
+    (default 4, fewer for a smaller batch) must split the sample into exactly that many
+    micro-batches. The explorer keeps a summary row for every run (:attr:`runs`) and the full
+    timelines of the last ``keep_timelines`` (20); :meth:`clear_runs` forgets them and
+    :meth:`cancel` stops a background run. A run whose loss or gradients are not finite is
+    marked (``finite`` column, a warning) and does not calibrate predictions.
+
     Example::
 
         explorer = pipexplore.explore(model, sample, chunks=8)
@@ -68,10 +82,12 @@ class Explorer:
 
     def __init__(self, model: nn.Sequential, sample: TensorOrTensors, *, target: Any = None,
                  loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
-                 devices: Optional[Sequence[str]] = None, chunks: int = 4, checkpoint: str = "except_last",
+                 devices: Optional[Sequence[str]] = None, chunks: Optional[int] = None,
+                 checkpoint: str = "except_last",
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
-                 executor: str = "threads", calibrate: bool = True, granularity: str = "blocks") -> None:
+                 executor: str = "threads", calibrate: bool = True, granularity: str = "blocks",
+                 keep_timelines: int = 20) -> None:
         # An nn.Sequential is split by layers and runs in any executor; any other model is split at
         # candidate modules (``granularity``: blocks, or their children) by torch's tracer, and runs
         # its traced stages in this process (threads) or in processes (torch.distributed.pipelining).
@@ -82,6 +98,27 @@ class Explorer:
             verify_skippables(model)
         elif not isinstance(model, nn.Module):
             raise TypeError(f"the explorer needs an nn.Module, got {type(model).__name__}")
+        # Every argument is checked here, before anything is profiled.
+        validate.sample(sample)
+        validate.target(target, batch_size(sample))
+        validate.optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
+        validate.optional_callable(optimizer, "optimizer", "optimizer(parameters) returning a torch.optim.Optimizer")
+        if devices is not None:
+            devices = list(validate.devices(devices))
+        if chunks is None:  # 4, or the most a small batch splits into exactly
+            chunks = max(c for c in validate.valid_chunks(batch_size(sample), 4) if c <= 4)
+        chunks = validate.chunks(chunks, batch=batch_size(sample))
+        validate.checkpoint(checkpoint)
+        validate.schedule(schedule, PLAN_SCHEDULES)
+        validate.executor(executor, EXECUTORS)
+        if splits is not None and not self.traced:
+            splits = validate.splits(splits, len(model))
+        if layer_table is not None and not isinstance(layer_table, pd.DataFrame):
+            raise TypeError(f"layer_table must be a pandas DataFrame (from pipexplore.profile) or None, got "
+                            f"{type(layer_table).__name__}")
+        profile_repeats = validate.integer(profile_repeats, "profile_repeats", minimum=1)
+        validate.boolean(calibrate, "calibrate")
+        keep_timelines = validate.integer(keep_timelines, "keep_timelines", minimum=0)
         self.model = model
         self.sample = sample
         self.calibrate = calibrate
@@ -106,10 +143,14 @@ class Explorer:
             batch = batch_size(sample)
             rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
             profile_device = (devices[0] if devices else "cuda:0" if torch.cuda.is_available() else "cpu")
-            layer_table = profile(copy.deepcopy(model), sample, repeats=profile_repeats, microbatch_rows=rows,
-                                  device=_as_device(profile_device))
+            profiled = copy.deepcopy(model)
+            with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
+                layer_table = profile(profiled, sample, repeats=profile_repeats, microbatch_rows=rows,
+                                      device=_as_device(profile_device))
         self.layer_table = layer_table
         n = len(self.layer_table)
+        if splits is not None:
+            splits = validate.splits(splits, n)
         if splits is None:
             stages = min(n, len(devices) if devices else (max(2, torch.cuda.device_count())))
             splits = self._balanced(stages, "time")
@@ -118,15 +159,19 @@ class Explorer:
             devices, note = _default_devices(stages)
             if note:
                 self.notes.append(note)
-        for device in devices:
-            _as_device(device)  # a device that does not exist is refused here, clearly
         self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(devices), chunks,
                                                     checkpoint, schedule, executor=executor,
                                                     batch=batch_size(sample)))
-        self._runs: list[dict[str, Any]] = []
-        self._results: list[RunResult] = []
-        self._lock = threading.Lock()
+        self._runs: list[dict[str, Any]] = []  # a summary row for every run
+        self.keep_timelines = keep_timelines
+        self._results: deque[RunResult] = deque(maxlen=keep_timelines)  # full timelines of the latest runs
+        self._run_rows_html: deque[str] = deque(maxlen=RUNS_SHOWN)
+        self._next_run = 0
+        self._lock = threading.Lock()  # one run at a time
+        # Plan changes, run completion and view refreshes happen under this lock, from any thread.
+        self._plan_lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
+        self._cancel_token: Optional[CancelToken] = None
         self.last_error = ""
         self._build_widget()
 
@@ -141,22 +186,28 @@ class Explorer:
 
     @splits.setter
     def splits(self, value: Sequence[int]) -> None:
-        self._set_plan(self._plan.with_splits(list(value)))
+        self._change_plan(lambda plan: plan.with_options(splits=value))
 
     def update(self, **changes: Any) -> Plan:
-        """Change ``chunks``, ``checkpoint``, ``schedule``, ``devices`` or ``splits``; checked first.
+        """Change ``chunks``, ``checkpoint``, ``schedule``, ``executor``, ``devices``, ``splits`` or
+        ``virtual_stages``; checked first.
 
-        A bad value raises with a clear message and the plan stays as it was.
+        A bad value raises a ``ValueError``/``TypeError`` that names it and the plan stays as it
+        was. ``devices`` is a list, or a comma-separated string (``'cpu,cpu'``); ``chunks`` must
+        split the sample into exactly that many micro-batches. A change made while a run is in
+        progress stays: the finishing run does not replace it.
+
+        Example::
+
+            explorer.update(chunks=8, schedule="1f1b")
         """
+        unknown = sorted(set(changes) - set(UPDATABLE))
+        if unknown:
+            raise TypeError(f"update() cannot change {', '.join(map(repr, unknown))}: it changes "
+                            f"{', '.join(UPDATABLE)}")
         if "devices" in changes:
-            devices = [str(d).strip() for d in changes["devices"] if str(d).strip()]
-            for device in devices:
-                _as_device(device)
-            changes["devices"] = tuple(devices)
-        if "splits" in changes:
-            changes["splits"] = tuple(changes["splits"])
-        self._set_plan(self._plan.with_options(**changes))
-        return self._plan
+            changes["devices"] = validate.devices(changes["devices"])
+        return self._change_plan(lambda plan: plan.with_options(**changes))
 
     def _with_executor_costs(self, plan: Plan) -> Plan:
         """``plan`` with its executor's own cost per action, probed once per executor (see
@@ -171,11 +222,17 @@ class Explorer:
         gap = plan.corrections.gaps.get(executor, gap)  # a gap learnt from a real run wins
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap))
 
+    def _change_plan(self, change: Callable[[Plan], Plan]) -> Plan:
+        """Apply ``change`` to the current plan and show it, atomically with respect to runs finishing."""
+        with self._plan_lock:
+            plan = self._with_executor_costs(change(self._plan))
+            _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
+            self._plan = plan
+            self._refresh()
+            return plan
+
     def _set_plan(self, plan: Plan) -> None:
-        plan = self._with_executor_costs(plan)
-        _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
-        self._plan = plan
-        self._refresh()
+        self._change_plan(lambda _: plan)
 
     def _balanced(self, stages: int, by: str) -> list[int]:
         if by == "time":
@@ -192,20 +249,47 @@ class Explorer:
         return self.splits
 
     # ---- timelines and runs -----------------------------------------------------------
-    def timeline(self, kind: str = "predicted") -> pd.DataFrame:
-        """``'predicted'``: the current plan's; ``'measured'``: the latest run's."""
+    def timeline(self, kind: str = "predicted", run: Optional[int] = None) -> pd.DataFrame:
+        """``'predicted'``: the current plan's; ``'measured'``: the latest run's, or run ``run``'s
+        while it is among the last ``keep_timelines`` runs."""
         if kind == "predicted":
             return self._plan.predicted
-        if kind == "measured":
-            if not self._results:
+        if kind != "measured":
+            raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+        results = list(self._results)
+        if run is None:
+            if results:
+                return results[-1].timeline
+            if not self._runs:
                 raise LookupError("no run yet: call explorer.run() or press 'Run step'")
-            return self._results[-1].timeline
-        raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+            raise LookupError(f"no timeline is kept (keep_timelines={self.keep_timelines}); explorer.runs has the "
+                              "summary rows")
+        for result in results:
+            if result.timeline["run"].eq(run).any():
+                return result.timeline
+        kept = sorted({str(r.timeline["run"].iloc[0]) for r in results if len(r.timeline)})
+        raise LookupError(f"run {run!r}'s timeline is not kept: the explorer keeps the last {self.keep_timelines} "
+                          f"(keep_timelines), now runs {', '.join(map(str, kept)) or 'none'}")
 
     @property
     def runs(self) -> pd.DataFrame:
-        """One row per run: the plan, what was measured, and the prediction's error."""
+        """One row per run: the plan, what was measured, the prediction's error, and whether the
+        loss and gradients were ``finite``."""
         return pd.DataFrame(self._runs, columns=RUN_COLUMNS)
+
+    def clear_runs(self) -> None:
+        """Forget every run (rows and timelines); the plan and what calibration taught it stay.
+
+        Example::
+
+            explorer.clear_runs()
+            explorer.runs.empty        # True
+        """
+        with self._plan_lock:
+            self._runs.clear()
+            self._results.clear()
+            self._run_rows_html.clear()
+            self._refresh_runs()
 
     def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
         """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
@@ -220,37 +304,67 @@ class Explorer:
         if executor is not None and executor != self._plan.executor:
             self.update(executor=executor)
         with self._lock:
-            plan = self._plan
+            with self._plan_lock:
+                plan, number = self._plan, self._next_run
             result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
-                              optimizer=self.optimizer, run=len(self._runs), timeout=timeout)
-            row = {"run": len(self._runs), **result.row()}
+                              optimizer=self.optimizer, run=number, timeout=timeout)
+            row = {"run": number, **result.row()}
             if plan.schedule == "async-backends":
                 row["executor"] = "backends"
-            self._runs.append(row)
-            self._results.append(result)
-            if self.calibrate and plan.schedule != "async-backends" and self._plan == plan:
-                # Later predictions include the executor's own cost per action, as this run measured it.
-                self._plan = plan.calibrated(result.timeline)
-        self._refresh()
-        self._refresh_runs()
+            loss = row.get("loss", math.nan)
+            row["finite"] = bool(row.get("finite", True)) and isinstance(loss, float) and math.isfinite(loss)
+            with self._plan_lock:  # atomic with update(): a plan changed meanwhile is never replaced
+                self._next_run = number + 1
+                self._runs.append(row)
+                self._results.append(result)
+                self._run_rows_html.append(_run_row_html(row))
+                if row["finite"] and self.calibrate and plan.schedule != "async-backends" and self._plan == plan:
+                    # Later predictions include the executor's own cost per action, as this run measured it.
+                    self._plan = plan.calibrated(result.timeline)
+                self._refresh()
+                self._refresh_runs()
+                self._set_status(_run_summary(row), error=not row["finite"])
         return pd.Series(row)
 
     def run_async(self) -> threading.Thread:
-        """Start :meth:`run` in a background thread (what the button does); returns the thread."""
+        """Start :meth:`run` in a background thread (what the button does); returns the thread.
+        :meth:`cancel` stops it."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run is already in progress")
         self._set_status("running a training step…", busy=True)
-        self._thread = threading.Thread(target=self._run_in_background, name="pipexplore-run", daemon=True)
+        self._cancel_token = token = CancelToken()
+        self._thread = threading.Thread(target=self._run_in_background, args=(token,), name="pipexplore-run",
+                                        daemon=True)
         self._thread.start()
         return self._thread
 
-    def _run_in_background(self) -> None:
+    def cancel(self, timeout: float = 60.0) -> bool:
+        """Stop the background run: its workers stop after their current action and are joined;
+        nothing of it is recorded, the plan and earlier runs are kept. Returns whether a run was
+        in progress (and has ended within ``timeout`` seconds).
+
+        Example::
+
+            explorer.run_async()
+            explorer.cancel()          # True; explorer.runs as before
+        """
+        thread, token = self._thread, self._cancel_token
+        if thread is None or token is None or not thread.is_alive():
+            return False
+        token.cancel()
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run_in_background(self, token: CancelToken) -> None:
         try:
-            row = self.run()
-            self._set_status(f"run {row['run']}: step {row['step_time'] * 1e3:.1f} ms, "
-                             f"bubble {row['bubble'] * 100:.1f} %, loss {row['loss']:.4f}")
+            with cancel_scope(token):
+                self.run()
+        except Cancelled:
+            with self._plan_lock:
+                self._set_status("run cancelled: the plan and earlier runs are kept")
         except BaseException as exc:  # shown in the widget; the plan and the runs stay
-            self._show_error(exc)
+            with self._plan_lock:
+                self._show_error(exc)
         finally:
             self.w_run.disabled = False
 
@@ -476,21 +590,19 @@ class Explorer:
         return {name: sorted(st) for name, st in users.items() if len(st) > 1}
 
     def _refresh_runs(self) -> None:
+        """The runs view: the last :data:`RUNS_SHOWN` rows, each formatted once when its run ended
+        (constant time per run, however many runs the session has)."""
         if not hasattr(self, "w_runs"):
             return
-        runs = self.runs
-        if runs.empty:
+        if not self._runs:
             self.w_runs.value = "<div class='pipexplore-runs'>no runs yet</div>"
             return
-        shown = runs.assign(
-            step_time=(runs["step_time"] * 1e3).round(2), predicted_step_time=(runs["predicted_step_time"] * 1e3).round(2),
-            bubble=(runs["bubble"] * 100).round(1), prediction_error=(runs["prediction_error"] * 100).round(1),
-            throughput=runs["throughput"].round(1), loss=runs["loss"].round(5),
-            peak_memory=[("" if math.isnan(v) else _fmt_bytes(v)) for v in runs["peak_memory"]],
-            startup_seconds=[("" if math.isnan(v) else f"{v:.2f}") for v in runs["startup_seconds"]],
-        ).rename(columns={"step_time": "step ms", "startup_seconds": "startup s", "predicted_step_time": "predicted ms",
-                          "bubble": "bubble %", "prediction_error": "error %"})
-        self.w_runs.value = "<div class='pipexplore-runs'>" + shown.to_html(index=False) + "</div>"
+        earlier = len(self._runs) - len(self._run_rows_html)
+        note = (f"<div class='pipexplore-runs-earlier'>{earlier} earlier runs in explorer.runs</div>"
+                if earlier else "")
+        self.w_runs.value = ("<div class='pipexplore-runs'>" + note + "<table class='dataframe'><thead>"
+                             + _RUNS_HEADER + "</thead><tbody>" + "".join(self._run_rows_html)
+                             + "</tbody></table></div>")
         if self._results:
             update_timeline_figure(self.figure, None, self._results[-1].timeline, batch_size(self.sample), rows=(2,))
             self._refresh_stages()
@@ -514,13 +626,14 @@ class Explorer:
                                 html.escape("".join(traceback.format_exception(exc))) + "</pre></details>")
 
     def _guard(self, action: Callable[[], Any]) -> None:
-        try:
-            action()
-            self.last_error = ""
-            self._set_status("")
-        except Exception as exc:  # a bad value from a control: show it, keep the plan
-            self._show_error(exc)
-        self._refresh_bar()
+        with self._plan_lock:
+            try:
+                action()
+                self.last_error = ""
+                self._set_status("")
+            except Exception as exc:  # a bad value from a control: show it, keep the plan
+                self._show_error(exc)
+            self._refresh_bar()
 
     def _on_bar_splits(self, change: dict[str, Any]) -> None:
         if list(change["new"]) == list(self._plan.splits):
@@ -561,6 +674,47 @@ class Explorer:
 
     def _show_code(self, code: str) -> None:
         self.w_code.value = f"<pre class='pipexplore-code'>{html.escape(code)}</pre>"
+
+
+_RUNS_SHOWN_COLUMNS = [("run", "run"), ("executor", "executor"), ("splits", "splits"), ("chunks", "chunks"),
+                       ("checkpoint", "checkpoint"), ("schedule", "schedule"), ("devices", "devices"),
+                       ("step_time", "step ms"), ("startup_seconds", "startup s"), ("bubble", "bubble %"),
+                       ("throughput", "throughput"), ("peak_memory", "peak_memory"),
+                       ("predicted_step_time", "predicted ms"), ("prediction_error", "error %"), ("loss", "loss"),
+                       ("finite", "finite")]
+_RUNS_HEADER = "<tr>" + "".join(f"<th>{label}</th>" for _, label in _RUNS_SHOWN_COLUMNS) + "</tr>"
+
+
+def _number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        return ""
+    return f"{value * scale:.{digits}f}"
+
+
+def _run_row_html(row: dict[str, Any]) -> str:
+    """One row of the runs view, formatted once."""
+    cells = {
+        "step_time": _number(row.get("step_time"), 1e3), "startup_seconds": _number(row.get("startup_seconds")),
+        "bubble": _number(row.get("bubble"), 100, 1), "throughput": _number(row.get("throughput"), 1, 1),
+        "peak_memory": "" if not isinstance(row.get("peak_memory"), float) or math.isnan(row["peak_memory"])
+        else _fmt_bytes(row["peak_memory"]),
+        "predicted_step_time": _number(row.get("predicted_step_time"), 1e3),
+        "prediction_error": _number(row.get("prediction_error"), 100, 1), "loss": _number(row.get("loss"), 1, 5)
+        if row.get("finite", True) else str(row.get("loss")),
+        "finite": "yes" if row.get("finite", True) else "⚠ no",
+    }
+    return "<tr>" + "".join(f"<td>{html.escape(str(cells.get(key, row.get(key, ''))))}</td>"
+                            for key, _ in _RUNS_SHOWN_COLUMNS) + "</tr>"
+
+
+def _run_summary(row: dict[str, Any]) -> str:
+    """The status line after a run; a run whose loss or gradients are not finite says so."""
+    text = (f"run {row['run']}: step {row['step_time'] * 1e3:.1f} ms, bubble {row['bubble'] * 100:.1f} %, "
+            f"loss {row['loss']:.4f}")
+    if not row.get("finite", True):
+        text += (" ⚠ the loss or a gradient is not finite (NaN or inf): this run does not calibrate predictions; "
+                 "check the model, the learning rate and the data")
+    return text
 
 
 def explore(model: nn.Module, sample: TensorOrTensors, **options: Any) -> Explorer:
