@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_shares",
-           "stage_bounds", "has_fit"]
+           "stage_bounds", "has_fit", "handoff_gaps", "dispatch_gap"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
 PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
@@ -111,6 +111,9 @@ class Corrections:
     #: ``overheads[executor]``: seconds each action's span costs beyond its layers (the executor's
     #: own bookkeeping inside the span), measured by :func:`pipexplore.executors.probe`.
     overheads: Mapping[str, float] = field(default_factory=dict)
+    #: ``transfers[executor]``: seconds from the end of an action to the start of the action on
+    #: another stage that waits for it (mailbox hand-over, send/receive), beyond the copy itself.
+    transfers: Mapping[str, float] = field(default_factory=dict)
 
     def scale(self, executor: str, phase: str) -> Optional[np.ndarray]:
         return self.scales.get((executor, phase))
@@ -121,10 +124,15 @@ class Corrections:
     def overhead(self, executor: str) -> float:
         return float(self.overheads.get(executor, 0.0))
 
-    def with_executor_costs(self, executor: str, overhead: float, gap: float) -> "Corrections":
+    def transfer(self, executor: str) -> float:
+        return float(self.transfers.get(executor, 0.0))
+
+    def with_executor_costs(self, executor: str, overhead: float, gap: float,
+                            transfer: Optional[float] = None) -> "Corrections":
         """These corrections with an executor's own cost per action, as a probe measured it."""
+        transfers = {**self.transfers, executor: transfer} if transfer is not None else dict(self.transfers)
         return Corrections(self.scales, {**self.gaps, executor: gap}, self.runs,
-                           {**self.overheads, executor: overhead})
+                           {**self.overheads, executor: overhead}, transfers)
 
     def fitted(self, table: pd.DataFrame, splits: Sequence[int], executor: str,
                predict: Callable[["Corrections"], pd.DataFrame], measured: pd.DataFrame,
@@ -168,11 +176,13 @@ class Corrections:
                 ratio = min(max(measured_seconds / predicted_seconds, MAX_STEP ** -1), MAX_STEP)
                 factor[a:b] = factor[a:b] * ratio
             scales[key] = factor
-        gaps = dict(self.gaps)
-        gap = dispatch_gap(measured)
+        gaps, transfers = dict(self.gaps), dict(self.transfers)
+        gap, transfer = handoff_gaps(measured)
         if gap is not None:
             gaps[executor] = gap
-        return Corrections(scales, gaps, self.runs + int(count), self.overheads)
+        if transfer is not None:
+            transfers[executor] = transfer
+        return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers)
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:
@@ -180,30 +190,52 @@ def _spans(frame: pd.DataFrame) -> pd.DataFrame:
     return compute.assign(seconds=compute["end"] - compute["start"])[["stage", "microbatch", "phase", "seconds"]]
 
 
-def dispatch_gap(measured: pd.DataFrame) -> Optional[float]:
-    """The median seconds a stage's worker spent between two of its actions while the second
-    one's inputs were already there: what the executor itself costs per action."""
+def handoff_gaps(measured: pd.DataFrame) -> tuple[Optional[float], Optional[float]]:
+    """What a measured step spent between actions, as medians: ``(dispatch, transfer)``.
+
+    ``dispatch``: seconds a stage's worker took to start an action whose inputs were already
+    there when its previous action ended (the executor's own cost per action). ``transfer``:
+    seconds from the end of the action on another stage that an action waited for (a
+    forward's input, a backward's gradient) to its start — handing a tensor over a mailbox in
+    threads, a send/receive between processes.
+    """
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))].sort_values("start")
     if compute.empty:
-        return None
+        return None, None
     end = {(int(s), p, int(i)): float(e) for s, p, i, e in
            compute[["stage", "phase", "microbatch", "end"]].itertuples(index=False, name=None)}
     last_stage = int(compute["stage"].max())
-    gaps = []
+    dispatch, transfer = [], []
     for stage, lane in compute.groupby("stage"):
         previous_end = None
-        for phase, i, start, finish in lane[["phase", "microbatch", "start", "end"]].itertuples(index=False, name=None):
+        for phase, i, start, _finish in lane[["phase", "microbatch", "start", "end"]].itertuples(index=False, name=None):
             stage, i = int(stage), int(i)
+            local: list[Optional[float]] = [previous_end]
+            remote: list[Optional[float]] = []
             if phase == "forward":
-                deps = [end.get((stage - 1, "forward", i))] if stage else []
+                remote = [end.get((stage - 1, "forward", i))] if stage else []
             elif phase == "weight_grad":
-                deps = [end.get((stage, "input_grad", i))]
+                local.append(end.get((stage, "input_grad", i)))
             else:
-                downstream = [end.get((stage + 1, p, i)) for p in ("backward", "input_grad")] if stage < last_stage else []
-                deps = [end.get((stage, "forward", i))] + [d for d in downstream if d is not None]
-            ready = max([d for d in deps if d is not None], default=0.0)
-            if previous_end is not None:
-                gaps.append(start - max(previous_end, ready))
-            previous_end = finish
-    gaps = [g for g in gaps if g >= 0]
-    return float(np.median(gaps)) if gaps else None
+                local.append(end.get((stage, "forward", i)))
+                if stage < last_stage:
+                    remote = [end.get((stage + 1, p, i)) for p in ("input_grad", "backward")]
+            ready_local = max([t for t in local if t is not None], default=None)
+            ready_remote = max([t for t in remote if t is not None], default=None)
+            if ready_remote is not None and (ready_local is None or ready_remote > ready_local):
+                transfer.append(start - ready_remote)
+            elif ready_local is not None and previous_end is not None:
+                dispatch.append(start - ready_local)
+            previous_end = _finish
+
+    def median(values: list[float]) -> Optional[float]:
+        values = [v for v in values if v >= 0]
+        return float(np.median(values)) if values else None
+
+    return median(dispatch), median(transfer)
+
+
+def dispatch_gap(measured: pd.DataFrame) -> Optional[float]:
+    """The median seconds a stage's worker spent between two of its actions while the second
+    one's inputs were already there: what the executor itself costs per action."""
+    return handoff_gaps(measured)[0]

@@ -275,6 +275,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
     edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
 
+    handoff = corrections.transfer(learnt) if corrections is not None else 0.0
+
     def copy_seconds(a: int, b: int, i: int) -> float:
         return _copy_seconds(copy_cost, stage_device[a], stage_device[b], edge_bytes[min(a, b)] * fractions[i])
 
@@ -287,7 +289,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             if s == 0:
                 return 0.0
             t = end.get((s - 1, "F", i))
-            return None if t is None else t + copy_seconds(s - 1, s, i)
+            return None if t is None else t + copy_seconds(s - 1, s, i) + handoff
         if kind in ("B", "I", "R"):
             own = end.get((s, "F", i))
             if own is None:
@@ -295,7 +297,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             if s == S - 1:
                 return own
             t = end.get((s + 1, grad_kind, i))
-            return None if t is None else max(own, t + copy_seconds(s + 1, s, i))
+            return None if t is None else max(own, t + copy_seconds(s + 1, s, i) + handoff)
         return end.get((s, "I", i))  # W
 
     Q = len(lane_queues)

@@ -7,14 +7,14 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipexplore.costs import PHASE_SOURCE, dispatch_gap
+from pipexplore.costs import PHASE_SOURCE, handoff_gaps
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 
 __all__ = ["probe"]
 
 
-def probe(plan: Plan, repeats: int = 3) -> tuple[float, float]:
+def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
     """Run ``plan``'s executor, schedule, devices and chunks on one ``Linear(1, 1)`` per stage
     and measure ``(overhead, gap)``: the median seconds of an action's span (what the executor
     records around a layer that does nothing: its bookkeeping, autograd set-up, recording) and
@@ -30,7 +30,7 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float]:
 
     module = {"threads": threads, "autograd": autograd}.get(plan.executor)
     if module is None or plan.schedule == "async-backends":
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     stages = plan.num_stages
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": 0.0, "backward": 0.0,
@@ -42,4 +42,5 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float]:
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = (compute["end"] - compute["start"]).tolist()
     overhead = statistics.median(spans) if spans else 0.0
-    return float(overhead), float(dispatch_gap(measured) or 0.0)
+    gap, transfer = handoff_gaps(measured)
+    return float(overhead), float(gap or 0.0), float(transfer or 0.0)

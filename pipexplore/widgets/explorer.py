@@ -218,9 +218,10 @@ class Explorer:
             return plan
         from pipexplore.executors import probe
 
-        overhead, gap = probe(plan)
-        gap = plan.corrections.gaps.get(executor, gap)  # a gap learnt from a real run wins
-        return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap))
+        overhead, gap, transfer = probe(plan)
+        gap = plan.corrections.gaps.get(executor, gap)  # what a real run taught wins
+        transfer = plan.corrections.transfers.get(executor, transfer)
+        return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
     def _change_plan(self, change: Callable[[Plan], Plan]) -> Plan:
         """Apply ``change`` to the current plan and show it, atomically with respect to runs finishing."""
