@@ -113,7 +113,8 @@ class Plan:
         needed = self.num_devices
         if len(self.devices) < needed:
             raise SplitError(f"{self.num_stages} stages need {needed} devices but {len(self.devices)} are chosen "
-                             f"({', '.join(self.devices)}): add devices or remove split points")
+                             f"({', '.join(self.devices)}): add devices or remove split points (splits "
+                             f"{list(self.splits)})")
 
     # -- derived ------------------------------------------------------------------------
     @property

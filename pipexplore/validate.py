@@ -17,7 +17,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 from torch import nn
 
-from pipexplore.splits import check_splits
+from pipexplore.splits import SplitError, check_splits
 
 __all__ = [
     "TooFewDevicesError", "integer", "boolean", "chunks", "chunks_for_batch", "valid_chunks", "device", "devices",
@@ -234,7 +234,10 @@ def splits(value: Any, num_layers: int, name: str = "splits") -> list[int]:
                                            (isinstance(point, float) and point.is_integer())):
             raise TypeError(f"{name}: split point {_shown(point)} ({type(point).__name__}) is not a layer index: "
                             f"give ints between 1 and {num_layers - 1}")
-    return check_splits([int(p) for p in points], num_layers)
+    try:
+        return check_splits([int(p) for p in points], num_layers)
+    except SplitError as exc:
+        raise SplitError(f"{name}={[int(p) for p in points]}: {exc}") from None
 
 
 def virtual_stages(value: Any) -> int:
