@@ -510,7 +510,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         return loss
 
     timeline, loss = measure(step, warmup, run, repeats)
-    measured = result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices})
+    measured = result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices}, executor.parameters())
     if return_grads:
         measured.metrics["grads"] = dict(grads)
     return measured
