@@ -256,6 +256,10 @@ class ScheduleExecutor:
                 for t in threads:
                     t.start()
                 join_all(threads, abort.set)  # a KeyboardInterrupt stops the workers, joins them, then raises
+        except BaseException:  # interrupted before every worker started: stop and join those that did
+            abort.set()
+            join_all([t for t in threads if t.ident is not None], abort.set)
+            raise
         finally:
             self._abort = None
             self._boxes.clear()
