@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pandas as pd
 import pytest
@@ -52,9 +53,54 @@ def test_nothing_recorded_outside_the_block():
 
 def test_record_blocks_do_not_nest():
     with record():
-        with pytest.raises(RuntimeError, match="cannot be nested"):
+        with pytest.raises(RuntimeError, match="cannot be nested: this thread is already recording"):
             with record():
                 pass
+
+
+def test_record_blocks_in_two_threads_at_once_each_get_their_own_work():
+    pipes = {2: GPipe(unet_model(), balance=[4, 5], devices=["cpu"] * 2, chunks=2),
+             3: GPipe(unet_model(), balance=[2, 6, 1], devices=["cpu"] * 3, chunks=4)}
+    inside = threading.Barrier(2, timeout=30)
+    timelines, errors = {}, []
+
+    def step(stages):
+        try:
+            with record(run=stages) as rec:
+                inside.wait()  # both blocks are open before either pipeline runs
+                for _ in range(3):
+                    pipes[stages](torch.randn(8, 6)).sum().backward()
+                inside.wait()
+            timelines[stages] = rec.timeline
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=step, args=(k,)) for k in pipes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for stages, chunks in ((2, 2), (3, 4)):
+        forward = timelines[stages][timelines[stages]["phase"] == "forward"]
+        assert len(forward) == 3 * stages * chunks and set(forward["stage"]) == set(range(stages))
+        assert set(timelines[stages]["run"]) == {stages}
+
+
+def test_workers_record_into_the_block_of_the_thread_that_started_them():
+    pipe = GPipe(unet_model(), balance=[4, 5], devices=["cpu"] * 2, chunks=2)
+    seen = []
+
+    def outside():
+        seen.append(active_recorder())
+
+    with record() as rec:
+        other = threading.Thread(target=outside)  # a thread started by the user: not the pipeline's
+        other.start()
+        other.join()
+        pipe(torch.randn(4, 6)).sum().backward()
+    assert seen == [None]
+    assert len(rec.timeline[rec.timeline["phase"] == "forward"]) == 2 * 2
 
 
 def _frame(rows):
