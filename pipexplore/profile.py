@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
+from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -98,27 +99,6 @@ class _Timer:
         return self.cpu / total if total > 0 else 0.0
 
 
-class _SavedBytes:
-    """Bytes autograd saves for backward while active (``saved_tensors_hooks``): the activation
-    memory a micro-batch holds between its forward and its backward."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._seen: set[int] = set()
-
-    def pack(self, t: Tensor) -> Tensor:
-        if isinstance(t, nn.Parameter):
-            return t
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-        if key not in self._seen:
-            self._seen.add(key)
-            self.total += t.untyped_storage().nbytes()
-        return t
-
-    def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     """``t(n) = a + b·n`` by least squares, with ``a, b ≥ 0``; one size: proportional (a = 0)."""
     n = np.asarray(rows, dtype=float)
@@ -178,14 +158,14 @@ class _LayerRun:
                  target: torch.device) -> None:
         self.name, self.layer, self.value, self.skips = name, layer, value, dict(skips)
         self.forward, self.backward = _Timer(target), _Timer(target)
-        self.saved = _SavedBytes()
+        self.saved = SavedBytes(layer)
         self.output: Any = None
         self.stashed: dict[Any, Tensor] = {}
 
     def call(self, timed: bool) -> None:
         tracker = SkipTracker()
         tracker.tensors.update({key: _detach(t) for key, t in self.skips.items()})  # type: ignore[misc]
-        memory = _SavedBytes() if timed else self.saved
+        memory = SavedBytes(self.layer) if timed else self.saved
 
         def run_forward() -> Any:
             with use_skip_tracker(tracker), torch.enable_grad(), memory.hooks():

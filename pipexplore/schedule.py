@@ -40,8 +40,9 @@ from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks, save_rng_states
 from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
+from pipexplore.saved import SavedBytes, tensor_bytes
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
-from pipexplore.run import synthetic_loss
+from pipexplore.executors.base import synthetic_loss
 from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
@@ -103,6 +104,9 @@ class _State:
     outgoing: dict[Key, Tensor] = field(default_factory=dict)
     rng: deque = field(default_factory=lambda: deque(maxlen=1))
     param_groups: Any = None
+    #: Activation bytes held for backward: saved by autograd in forward and recompute (or, for
+    #: a checkpointed forward, the input it keeps).
+    held: int = 0
 
 
 class _StageSkipTracker(SkipTracker):
@@ -231,11 +235,13 @@ class ScheduleExecutor:
         self._boxes: dict[Any, _Mailbox] = {}
         self._boxes_lock = threading.Lock()
         self._states: dict[tuple[int, int], _State] = {}
+        self._held = [0] * len(self.partitions)  # activation bytes each stage holds (measured)
         self._losses: list[float] = [0.0] * m
         self._recorder = tl.active_recorder()
         errors: list[Any] = []
 
         def work(order: list[tuple[int, str, int]], device: torch.device) -> None:
+            stage, kind, i = order[0]
             try:
                 with use_device(device):
                     for stage, kind, i in order:
@@ -244,7 +250,9 @@ class ScheduleExecutor:
                         self._act(stage, kind, i)
             except _Aborted:
                 pass
-            except BaseException:
+            except BaseException as exc:
+                # The layer's own error, and where it ran: the stage, its device, the action.
+                exc.add_note(f"(in stage {stage} on {self.stage_devices[stage]}: {PHASE[kind]} of micro-batch {i})")
                 errors.append(sys.exc_info())
                 abort.set()
 
@@ -321,7 +329,11 @@ class ScheduleExecutor:
             return None
         device = self.stage_devices[stage]
         start = recorder.mark(device)
-        return lambda: recorder.add(stage, device, i, phase, start, recorder.mark(device))
+        if phase == "copy":
+            return lambda: recorder.add(stage, device, i, phase, start, recorder.mark(device))
+        # Each stage's actions run on one worker, so its held bytes change on that thread only.
+        return lambda: recorder.add(stage, device, i, phase, start, recorder.mark(device),
+                                    memory=self._held[stage])
 
     # ---- actions ------------------------------------------------------------------------
     def _act(self, stage: int, kind: str, i: int) -> None:
@@ -369,6 +381,20 @@ class ScheduleExecutor:
             state.outputs = []  # checkpointed: recomputed before backward
 
     def _run(self, stage: int, i: int, state: _State, *, recomputing: bool) -> None:
+        saved = SavedBytes(self.partitions[stage])
+        with saved.hooks():
+            self._run_saving(stage, i, state, recomputing=recomputing)
+        checkpointed_forward = i < self._stop and not recomputing
+        # A checkpointed forward keeps only its input (stage 0's is the caller's batch: not counted).
+        grown = (tensor_bytes(state.leaf) if stage else 0) if checkpointed_forward else saved.total
+        state.held += grown
+        self._held[stage] += grown
+
+    def _release(self, stage: int, state: _State) -> None:
+        self._held[stage] -= state.held
+        state.held = 0
+
+    def _run_saving(self, stage: int, i: int, state: _State, *, recomputing: bool) -> None:
         checkpointed = i < self._stop
         tracker = _StageSkipTracker(self, stage, i, state, recomputing)
         lock = self.rng_locks[stage] if checkpointed else None
@@ -447,8 +473,9 @@ class ScheduleExecutor:
                        stage, stash_stage, i)
         if split:
             state.outputs, state.outgoing, state.incoming, state.leaf = [], {}, {}, None  # W pops it
+            self._release(stage, state)
         else:
-            del self._states[(stage, i)]
+            self._release(stage, self._states.pop((stage, i)))
 
     def _weight_grad(self, stage: int, i: int) -> None:
         from torch.distributed.pipelining._backward import stage_backward_weight

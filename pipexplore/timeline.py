@@ -13,7 +13,8 @@ processes, the simulator):
 ``start``      seconds from the step's origin
 ``end``        seconds from the step's origin
 ``source``     ``measured`` or ``predicted``
-``memory``     optional: activation bytes the stage holds after the event (predicted)
+``memory``     optional: activation bytes the stage holds after the event (predicted; measured
+               by the schedule executor from the tensors autograd saves)
 =============  ===================================================================
 
 Peak memory per device, where the device reports it, is in ``timeline.attrs['peak_memory']``.
@@ -84,7 +85,7 @@ class Recorder:
 
     def __init__(self, run: Any = 0) -> None:
         self.run = run
-        self._spans: list[tuple[int, torch.device, int, str, Mark, Mark, bool]] = []
+        self._spans: list[tuple[int, torch.device, int, str, Mark, Mark, bool, Optional[float]]] = []
         self._open: dict[tuple[int, int], tuple[torch.device, Mark]] = {}
         self._latest_open: dict[int, int] = {}
         self._touched: dict[tuple[int, int], Mark] = {}
@@ -104,10 +105,11 @@ class Recorder:
         return time.perf_counter_ns()
 
     def add(self, stage: int, device: torch.device, microbatch: int, phase: str, start: Mark, end: Mark,
-            serial: bool = False) -> None:
+            serial: bool = False, memory: Optional[float] = None) -> None:
         """Add a span. ``serial``: it ran inside one ``backward()`` call, which runs a device's
-        backward work on one thread, so other serial spans nested in it were not its own work."""
-        self._spans.append((stage, device, microbatch, phase, start, end, serial))
+        backward work on one thread, so other serial spans nested in it were not its own work.
+        ``memory``: the activation bytes the stage holds once the span is done, where known."""
+        self._spans.append((stage, device, microbatch, phase, start, end, serial, memory))
 
     @contextmanager
     def span(self, stage: int, device: torch.device, microbatch: int, phase: str,
@@ -174,11 +176,15 @@ class Recorder:
                 torch.cuda.synchronize(index)
                 self.peak_memory[f"cuda:{index}"] = float(torch.cuda.max_memory_allocated(index))
         rows = []
-        for stage, device, microbatch, phase, start, end, serial in self._spans:
+        for stage, device, microbatch, phase, start, end, serial, memory in self._spans:
             rows.append((self.run, stage, str(device), microbatch, phase,
-                         self._seconds(device, start), self._seconds(device, end), "measured", serial))
+                         self._seconds(device, start), self._seconds(device, end), "measured", serial,
+                         np.nan if memory is None else float(memory)))
         rows.sort(key=lambda r: (r[5], r[1]))
-        frame = pd.DataFrame(rows, columns=COLUMNS + ["serial"]) if rows else empty_timeline().assign(serial=False)
+        frame = (pd.DataFrame(rows, columns=COLUMNS + ["serial", "memory"]) if rows
+                 else empty_timeline().assign(serial=False, memory=np.nan))
+        if frame["memory"].isna().all():
+            frame = frame.drop(columns="memory")  # the executor did not measure it
         frame = _serial_backward_spans(frame).drop(columns="serial")
         frame.attrs["peak_memory"] = dict(self.peak_memory)
         self.timeline = frame
