@@ -159,3 +159,58 @@ def test_fewer_rows_than_chunks_is_refused():
     with pytest.raises(ValueError, match=r"chunks=8 cannot split a batch of 10 rows into 8 micro-batches: torch.chunk "
                                          r"makes 5 micro-batches of up to 2 rows; choose chunks among 1, 2, 3, 4, 5, 10"):
         executor.step(torch.randn(10, 6))
+
+
+def test_a_failing_stage_is_named_with_its_device_and_action():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ArithmeticError("stage blew up")
+
+    executor = ScheduleExecutor(nn.Sequential(nn.Linear(2, 2), Boom()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(ArithmeticError, match="stage blew up") as raised:
+        executor.step(torch.randn(4, 2))
+    assert "(in stage 1 on cpu: forward of micro-batch 0)" in raised.value.__notes__
+
+
+class _Hog(nn.Module):
+    """Asks for more memory than the device has, while ``armed``."""
+
+    armed = True
+
+    def forward(self, x):
+        if _Hog.armed:
+            free, _ = torch.cuda.mem_get_info(x.device)
+            torch.empty(2 * free, dtype=torch.uint8, device=x.device)
+        return x
+
+
+@pytest.mark.gpu
+def test_out_of_memory_in_one_cuda_stage_is_named_released_and_the_next_step_runs():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), _Hog(), nn.Linear(64, 64))
+    reference = copy.deepcopy(model).cuda()
+    before = set(threading.enumerate())
+    executor = ScheduleExecutor(model, [2, 2], devices=["cuda:0", "cuda:0"], chunks=4, schedule="1f1b",
+                                loss_fn=nn.functional.mse_loss)
+    x, target = torch.randn(16, 64, device="cuda:0"), torch.randn(16, 64, device="cuda:0")
+    _Hog.armed = False
+    executor.step(x, target)  # warm: gradients, cuBLAS workspaces
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated(0)
+    _Hog.armed = True
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+            executor.step(x, target)
+    finally:
+        _Hog.armed = False
+    assert "(in stage 1 on cuda:0: forward of micro-batch 0)" in raised.value.__notes__
+    assert set(threading.enumerate()) == before
+    del raised
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) <= baseline + 1024 ** 2  # what the failed step held is released
+    for p in executor.parameters():
+        p.grad = None
+    loss = nn.functional.mse_loss(reference(x), target)
+    loss.backward()
+    assert executor.step(x, target).loss == pytest.approx(loss.item(), rel=1e-5)  # the next step works
+    for got, expected in zip(executor.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)

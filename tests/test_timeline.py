@@ -58,9 +58,10 @@ def test_record_blocks_do_not_nest():
                 pass
 
 
-def test_record_blocks_in_two_threads_at_once_each_get_their_own_work():
-    pipes = {2: GPipe(unet_model(), balance=[4, 5], devices=["cpu"] * 2, chunks=2),
-             3: GPipe(unet_model(), balance=[2, 6, 1], devices=["cpu"] * 3, chunks=4)}
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_record_blocks_in_two_threads_at_once_each_get_their_own_work(device):
+    pipes = {2: GPipe(unet_model(), balance=[4, 5], devices=[device] * 2, chunks=2),
+             3: GPipe(unet_model(), balance=[2, 6, 1], devices=[device] * 3, chunks=4)}
     inside = threading.Barrier(2, timeout=30)
     timelines, errors = {}, []
 
@@ -69,7 +70,7 @@ def test_record_blocks_in_two_threads_at_once_each_get_their_own_work():
             with record(run=stages) as rec:
                 inside.wait()  # both blocks are open before either pipeline runs
                 for _ in range(3):
-                    pipes[stages](torch.randn(8, 6)).sum().backward()
+                    pipes[stages](torch.randn(8, 6, device=device)).sum().backward()
                 inside.wait()
             timelines[stages] = rec.timeline
         except BaseException as exc:
