@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -27,7 +27,8 @@ from pipexplore.dependency import fork, join
 from pipexplore.microbatch import Batch, TensorOrTensors
 from pipexplore.phony import get_phony
 
-__all__ = ["is_checkpointing", "is_recomputing", "checkpoint", "Checkpointing"]
+__all__ = ["is_checkpointing", "is_recomputing", "enable_checkpointing", "enable_recomputing", "checkpoint",
+           "Checkpointing", "Checkpoint", "Recompute", "RNGGuard", "rng_locks", "has_randomness"]
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 RNGStates = tuple[Tensor, Optional[Tensor]]
@@ -81,12 +82,13 @@ def is_recomputing() -> bool:
 class Checkpointing:
     """Checkpoint one partition on one micro-batch, and schedule its recomputation.
 
-    ``rng_lock``, when given, is held while the RNG state is saved and the forward draws from
-    it, so partitions that share a device in other threads cannot move the generator between
-    the two (their dropout masks would not replay).
+    ``rng_lock`` (a lock or an :class:`RNGGuard`), when given, is held while the RNG state is
+    saved and the forward draws from it, so partitions that share a device in other threads
+    cannot move the generator between the two (their dropout masks would not replay).
     """
 
-    def __init__(self, function: Function, batch: Batch, rng_lock: Optional[threading.Lock] = None) -> None:
+    def __init__(self, function: Function, batch: Batch,
+                 rng_lock: Optional[Union[threading.Lock, "RNGGuard"]] = None) -> None:
         self.function = function
         self.batch = batch
         self.rng_lock = rng_lock
@@ -98,10 +100,10 @@ class Checkpointing:
         input = tuple(self.batch)
         phony = get_phony(self.batch[0].device, requires_grad=True)
         if self.rng_lock is None:
-            output = _Checkpoint.apply(phony, self.recomputed, self.rng_states, self.function, self.batch.atomic, *input)
+            output = Checkpoint.apply(phony, self.recomputed, self.rng_states, self.function, self.batch.atomic, *input)
         else:
             with self.rng_lock:
-                output = _Checkpoint.apply(
+                output = Checkpoint.apply(
                     phony, self.recomputed, self.rng_states, self.function, self.batch.atomic, *input
                 )
         if isinstance(output, tuple):
@@ -109,10 +111,10 @@ class Checkpointing:
         return Batch(output)
 
     def recompute(self, batch: Batch) -> None:
-        """Join a :class:`_Recompute` node after ``batch`` (this checkpoint's output)."""
+        """Join a :class:`Recompute` node after ``batch`` (this checkpoint's output)."""
         input = tuple(self.batch)
         batch[0], phony = fork(batch[0])
-        phony = _Recompute.apply(phony, self.recomputed, self.rng_states, self.function, self.batch.atomic, *input)
+        phony = Recompute.apply(phony, self.recomputed, self.rng_states, self.function, self.batch.atomic, *input)
         batch[0] = join(batch[0], phony)
 
 
@@ -148,7 +150,13 @@ def restore_rng_states(device: torch.device, rng_states: deque[RNGStates]) -> Ge
         yield
 
 
-class _Checkpoint(torch.autograd.Function):
+class Checkpoint(torch.autograd.Function):
+    """Forward under ``no_grad`` saving the RNG states; backward through the recomputed graph.
+
+    Its node in the autograd graph is ``CheckpointBackward`` (one per checkpointed partition and
+    micro-batch), as in torchgpipe.
+    """
+
     @staticmethod
     def forward(ctx, phony: Tensor, recomputed: deque, rng_states: deque, function: Function,  # type: ignore[override]
                 input_atomic: bool, *input: Tensor) -> TensorOrTensors:
@@ -169,7 +177,9 @@ class _Checkpoint(torch.autograd.Function):
         return tuple(grads)
 
 
-class _Recompute(torch.autograd.Function):
+class Recompute(torch.autograd.Function):
+    """A phony node whose backward replays the checkpointed forward (``RecomputeBackward``)."""
+
     @staticmethod
     def forward(ctx, phony: Tensor, recomputed: deque, rng_states: deque, function: Function,  # type: ignore[override]
                 input_atomic: bool, *input: Tensor) -> Tensor:
@@ -191,13 +201,73 @@ class _Recompute(torch.autograd.Function):
         return (None,) * (5 + len(input))
 
 
-def rng_locks(partitions: list[torch.nn.Module], devices: list[torch.device]) -> list[Optional[threading.Lock]]:
-    """One lock per device, for the partitions that draw random numbers on a device they share
-    with another partition: held while checkpointed, so recomputation replays the same masks."""
+class RNGGuard:
+    """The lock of a device's random generator, as one partition that shares the device takes it.
+
+    A partition known to draw random numbers (dropout and kin, or ``uses_rng = True``) holds the
+    lock whenever it is acquired. One not known to (its forward may still call
+    ``F.dropout`` or ``torch.rand``) holds it the first time and compares the generator's state
+    before and after: if the state moved it draws, and holds the lock from then on; if not, later
+    acquisitions cost nothing. While a partition holds the lock no other drawing partition of the
+    device moves the generator, so its saved state replays the same numbers on recomputation.
+
+    Example::
+
+        guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
+        with guard:
+            y = partition(x)
+        guard.draws    # True when the partition moved the CPU generator
+    """
+
+    def __init__(self, lock: threading.Lock, device: torch.device, draws: Optional[bool]) -> None:
+        self.lock = lock
+        self.device = device
+        self.draws = draws
+        self._local = threading.local()
+
+    def acquire(self) -> None:
+        stack = self._local.__dict__.setdefault("stack", [])
+        if self.draws is False:
+            stack.append(False)
+            return
+        self.lock.acquire()
+        stack.append(_generator_state(self.device) if self.draws is None else True)
+
+    def release(self) -> None:
+        entry = self._local.stack.pop()
+        if entry is False:
+            return
+        try:
+            if entry is not True and self.draws is None:
+                self.draws = not torch.equal(entry, _generator_state(self.device))
+        finally:
+            self.lock.release()
+
+    def __enter__(self) -> "RNGGuard":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+
+def _generator_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def rng_locks(partitions: list[torch.nn.Module], devices: list[torch.device]) -> list[Optional[RNGGuard]]:
+    """One lock per device shared by several partitions, taken through each partition's
+    :class:`RNGGuard` (``None`` for a partition alone on its device): held while a partition may
+    draw random numbers, so recomputation replays the same dropout masks.
+
+    Example::
+
+        guards = rng_locks(partitions, [torch.device("cpu")] * len(partitions))
+    """
     locks: dict[torch.device, threading.Lock] = {}
     shared = {d for d in devices if devices.count(d) > 1}
-    return [locks.setdefault(d, threading.Lock()) if d in shared and has_randomness(p) else None
-            for p, d in zip(partitions, devices)]
+    return [RNGGuard(locks.setdefault(d, threading.Lock()), d, True if has_randomness(p) else None)
+            if d in shared else None for p, d in zip(partitions, devices)]
 
 
 def has_randomness(module: torch.nn.Module) -> bool:

@@ -46,6 +46,13 @@ def default_devices(num_partitions: int) -> list[torch.device]:
 
 
 def verify_module(module: nn.Sequential) -> None:
+    """Refuse what GPipe cannot partition: a module that is not an ``nn.Sequential``, the same
+    layer twice, or a parameter shared by two distinct layers (torchgpipe's checks and words).
+
+    Example::
+
+        verify_module(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))   # fine
+    """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}; "
                         "wrap your layers in nn.Sequential, or trace the model with pipexplore.trace")
@@ -55,9 +62,25 @@ def verify_module(module: nn.Sequential) -> None:
             raise ValueError(f"module with duplicate children is not supported: layer {index} is the same "
                              f"module as layer {seen[id(layer)]}")
         seen[id(layer)] = index
+    owner: dict[int, str] = {}
+    for layer_name, layer in module.named_children():
+        for name, param in layer.named_parameters():
+            first = owner.setdefault(id(param), f"{layer_name}.{name}")
+            if not first.startswith(f"{layer_name}."):
+                raise ValueError(f"module with duplicate parameters in distinct children is not supported: "
+                                 f"'{layer_name}.{name}' is the parameter '{first}'; put the layers that share "
+                                 "it in one child (e.g. an nn.Sequential of them), so that one partition holds it")
 
 
 def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
+    """``balance`` as a list of ints that partitions ``module``: whole numbers (integral floats are
+    taken, as torchgpipe takes them; ``3.5`` is refused, not truncated), each at least 1, summing to
+    its layers. An empty module takes the empty balance.
+
+    Example::
+
+        verify_balance(nn.Sequential(a, b, c), [2, 1.0])    # [2, 1]
+    """
     items = list(balance) if hasattr(balance, "__iter__") and not isinstance(balance, (str, bytes)) else None
     if items is None or not all(
             isinstance(b, numbers.Integral) and not isinstance(b, bool) or isinstance(b, float) and b.is_integer()
@@ -65,10 +88,13 @@ def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
         raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}: give e.g. "
                         f"balance=[{len(module) // 2}, {len(module) - len(module) // 2}]")
     balance = [int(b) for b in items]  # integral floats, as torchgpipe takes them
-    if not balance:
-        raise BalanceError("balance is empty: give one layer count per partition, e.g. balance=[2, 2]")
+    if not balance and len(module):
+        raise BalanceError("balance is empty: give one layer count per partition, e.g. balance=[2, 2], "
+                           "or compute one with pipexplore.balance.balance_by_time")
     if sum(balance) != len(module):
-        raise BalanceError(f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers")
+        raise BalanceError(f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers: "
+                           "give layer counts that add up to the module's layers, or compute them with "
+                           "pipexplore.balance.balance_by_time")
     for j, b in enumerate(balance):
         if b <= 0:
             raise BalanceError(f"balance {balance}: partition {j} has {b} layers; every partition needs at least 1")
@@ -132,6 +158,8 @@ class GPipe(nn.Module):
             raise ValueError("balance is required: give the number of layers per partition, "
                              "or compute it with pipexplore.balance.balance_by_time")
         chunks = validate.chunks(chunks, coerce_float=True)  # an integral float, as torchgpipe takes it
+        if not isinstance(checkpoint, (str, bool)) and checkpoint is not None:
+            checkpoint = str(checkpoint)  # any object whose str() is a mode, as torchgpipe takes it
         validate.checkpoint(checkpoint)
         validate.boolean(deferred_batch_norm, "deferred_batch_norm")
 

@@ -116,15 +116,24 @@ def scatter(input: TensorOrTensors, chunks: int) -> list[Batch]:
     """Split ``input`` along dim 0 into at most ``chunks`` micro-batches.
 
     Like :func:`torch.chunk`, a batch not divisible by ``chunks`` gives a smaller last
-    micro-batch, and a batch smaller than ``chunks`` gives fewer micro-batches.
+    micro-batch, and a batch smaller than ``chunks`` gives fewer micro-batches. Each tensor of a
+    tuple is split by its own size (as in torchgpipe), so they may differ in dim 0 as long as
+    they give the same number of micro-batches.
+
+    Example::
+
+        a, b = scatter((torch.zeros(2, 1), torch.zeros(4, 2)), chunks=2)   # rows 1 and 2 each
     """
     if torch.is_tensor(input):
         return [Batch(x) for x in cast(Tensor, input).chunk(chunks)]
     tensors = cast(Sequence[Tensor], input)
-    sizes = {x.size(0) for x in tensors}
-    if len(sizes) != 1:
-        raise ValueError(f"all tensors of a tuple input need the same batch size (dim 0), got {sorted(sizes)}")
     columns = [x.chunk(chunks) for x in tensors]
+    counts = {len(column) for column in columns}
+    if len(counts) != 1:
+        shapes = ", ".join(f"tensor {k}: {x.size(0)} rows into {len(c)}" for k, (x, c) in enumerate(zip(tensors, columns)))
+        raise ValueError(f"the tensors of a tuple input split into different numbers of micro-batches with "
+                         f"chunks={chunks} ({shapes}): give every tensor at least {chunks} rows along dim 0, "
+                         "or sizes that split into the same number of micro-batches")
     return [Batch(tuple(row)) for row in zip(*columns)]
 
 

@@ -1,7 +1,6 @@
 """The GPipe schedule: micro-batch ``i`` on partition ``j`` runs at clock tick ``i + j``."""
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, cast
 
@@ -10,7 +9,7 @@ from torch import Tensor, nn
 
 from pipexplore import timeline as _timeline
 from pipexplore.cancel import check_cancelled
-from pipexplore.checkpoint import Checkpointing, is_recomputing
+from pipexplore.checkpoint import Checkpointing, RNGGuard, is_recomputing
 from pipexplore.copy import Copy, Wait
 from pipexplore.dependency import depend
 from pipexplore.microbatch import Batch
@@ -71,13 +70,13 @@ class Pipeline:
     It records into the ``record()`` block of the thread that makes it (none: nothing recorded),
     and stops between clock ticks when that thread's run is cancelled.
 
-    ``rng_locks[j]`` (or ``None``) is held by partition ``j`` while a checkpointed forward
-    draws random numbers, when another partition shares its device's generator.
+    ``rng_locks[j]`` (or ``None``) is held by partition ``j`` while its forward may draw random
+    numbers, when another partition shares its device's generator (see ``checkpoint.RNGGuard``).
     """
 
     def __init__(self, batches: list[Batch], partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
                  copy_streams: list[list[AbstractStream]], skip_layout: SkipLayout, checkpoint_stop: int,
-                 rng_locks: Optional[Sequence[Optional[threading.Lock]]] = None) -> None:
+                 rng_locks: Optional[Sequence[Optional[RNGGuard]]] = None) -> None:
         self.batches = batches
         self.partitions = partitions
         self.devices = devices
@@ -179,4 +178,12 @@ class Pipeline:
         if i < self.checkpoint_stop:
             chk = Checkpointing(function, batch, self.rng_locks[j])
             return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
-        return Task(stream, compute=lambda: batch.call(function), finalize=None)
+        guard = self.rng_locks[j]
+        if guard is None:
+            return Task(stream, compute=lambda: batch.call(function), finalize=None)
+
+        def guarded() -> Batch:  # a drawing forward must not move the generator under another's checkpoint
+            with guard:
+                return batch.call(function)
+
+        return Task(stream, compute=guarded, finalize=None)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from models import Sleep, unet_model
-from pipexplore.balance import balance_by_size, balance_by_time, balance_cost, optimal_splits
+from pipexplore.balance import balance_by_size, balance_by_time, balance_cost, blockpartition, largest_stage, optimal_splits
 from pipexplore.profile import LAYER_COLUMNS, profile
 from pipexplore.splits import SplitError, balance_to_splits, check_splits, splits_to_balance
 
@@ -24,6 +25,23 @@ def _brute_force(costs, partitions):
     return min(_bottleneck(costs, list(cut)) for cut in itertools.combinations(range(1, n), partitions - 1))
 
 
+def _stage_sums(costs, splits):
+    points = [0, *splits, len(costs)]
+    return [sum(costs[a:b]) for a, b in zip(points, points[1:])]
+
+
+def _brute_force_even(costs, partitions):
+    """The least (largest stage, sum of squared stages), lexicographically, over every split."""
+    n = len(costs)
+    best = None
+    for cut in itertools.combinations(range(1, n), partitions - 1):
+        sums = _stage_sums(costs, list(cut))
+        key = (max(sums), sum(x * x for x in sums))
+        if best is None or key[0] < best[0] - 1e-9 or (abs(key[0] - best[0]) <= 1e-9 and key[1] < best[1]):
+            best = key
+    return best
+
+
 def test_optimal_splits_equal_brute_force_on_random_costs():
     rng = random.Random(7)
     for _ in range(300):
@@ -34,6 +52,109 @@ def test_optimal_splits_equal_brute_force_on_random_costs():
         assert len(splits) == partitions - 1 and splits == sorted(set(splits))
         assert all(0 < s < n for s in splits)
         assert _bottleneck(costs, splits) == pytest.approx(_brute_force(costs, partitions))
+
+
+@pytest.mark.parametrize("n,k", [(8, 2), (8, 3), (9, 4), (10, 4), (17, 5), (64, 7), (100, 8), (1000, 64), (1000, 16)])
+def test_identical_layers_balance_evenly(n, k):
+    balance = balance_cost([1.0] * n, k)
+    assert sum(balance) == n and len(balance) == k
+    assert max(balance) - min(balance) <= 1
+    other = balance_cost([0.37] * n, k)  # any equal cost (sums then tie up to rounding)
+    assert sum(other) == n and max(other) - min(other) <= 1
+
+
+def test_identical_layers_examples():
+    assert optimal_splits([1] * 8, 2) == [4]
+    assert balance_cost([1] * 10, 4) in ([3, 3, 2, 2], [2, 3, 3, 2], [3, 2, 3, 2], [2, 2, 3, 3], [2, 3, 2, 3], [3, 2, 2, 3])
+    assert balance_cost([0.0] * 6, 3) == [2, 2, 2]  # nothing to balance: even by layers
+
+
+def test_ties_of_the_slowest_stage_even_out_the_others():
+    # The 10 must sit alone (largest stage 10); the other stages share the ones: 3 | 3 rather than 1 | 5.
+    assert balance_cost([10, 1, 1, 1, 1, 1, 1], 3) == [1, 3, 3]
+    assert balance_cost([1, 1, 1, 1, 1, 1, 10], 3) == [3, 3, 1]
+    # Random costs: the largest stage is the exact optimum's, the others no wider apart than needed.
+    rng = np.random.default_rng(5)
+    costs = rng.random(1000)
+    splits = optimal_splits(costs, 64)
+    assert largest_stage(costs, splits) == pytest.approx(largest_stage(costs, _leftmost_min_max(costs, 64)))
+    assert min(splits_to_balance(splits, 1000)) >= 8
+
+
+def _leftmost_min_max(costs, partitions):
+    """A min–max optimal split by an independent route: greedy from the right against the bisected optimum."""
+    limit = _min_max_by_bisection(costs, partitions)
+    splits, end, total = [], len(costs), 0.0
+    for index in range(len(costs) - 1, -1, -1):
+        if total + costs[index] > limit or index < partitions - 1 - len(splits):
+            splits.append(index + 1)
+            total = 0.0
+        total += costs[index]
+        if len(splits) == partitions - 1:
+            break
+    return sorted(splits)
+
+
+def _min_max_by_bisection(costs, partitions):
+    lo, hi = max(costs), sum(costs)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        stages, total = 1, 0.0
+        for c in costs:
+            if total + c > mid:
+                stages, total = stages + 1, 0.0
+            total += c
+        lo, hi = (mid, hi) if stages > partitions else (lo, mid)
+    return hi
+
+
+def test_even_splits_keep_the_min_max_optimum_and_minimise_the_squares_on_random_costs():
+    rng = random.Random(11)
+    for _ in range(400):
+        n = rng.randint(1, 10)
+        partitions = rng.randint(1, n)
+        costs = [rng.choice([0.0, rng.random(), float(rng.randint(0, 5)), 100 * rng.random()]) for _ in range(n)]
+        splits = optimal_splits(costs, partitions)
+        sums = _stage_sums(costs, splits)
+        largest, squares = _brute_force_even(costs, partitions)
+        assert max(sums) == pytest.approx(largest)
+        assert sum(x * x for x in sums) == pytest.approx(squares)
+
+
+@pytest.mark.parametrize("shape", ["uniform", "skewed", "one giant"])
+def test_many_candidates_per_stage_give_the_same_optimum_as_the_dense_search(shape, monkeypatch):
+    from pipexplore.balance import optimal
+
+    rng = np.random.default_rng(3)
+    costs = {"uniform": rng.random(300), "skewed": rng.random(300) ** 8,
+             "one giant": np.r_[rng.random(150) * 0.1, 500.0, rng.random(149) * 0.1]}[shape]
+    dense = optimal_splits(costs, 12)
+    monkeypatch.setattr(optimal, "_DENSE_LIMIT", 0)  # every stage through sampled rows (monotone minima)
+    sampled = optimal_splits(costs, 12)
+    for splits in (dense, sampled):
+        assert largest_stage(costs, splits) == pytest.approx(largest_stage(costs, _leftmost_min_max(list(costs), 12)))
+    assert sum(x * x for x in _stage_sums(list(costs), sampled)) == pytest.approx(
+        sum(x * x for x in _stage_sums(list(costs), dense)))
+
+
+def test_blockpartition_solve_returns_the_blocks():
+    assert blockpartition.solve([1, 2, 3, 4, 5, 6], partitions=2) == [[1, 2, 3, 4], [5, 6]]
+    assert blockpartition.solve([3, 3, 3, 3], partitions=2) == [[3, 3], [3, 3]]
+    with pytest.raises(ValueError, match=r"sequence is shorter than intended partitions \(1 < 2\)"):
+        blockpartition.solve([42], partitions=2)
+    with pytest.raises(ValueError, match="partitions must be a positive integer, got 0"):
+        blockpartition.solve([42], partitions=0)
+
+
+def test_balance_by_time_profiles_a_copy():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Sleep(0.002)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(balance_by_time(2, model, torch.randn(8, 4), device="cpu", timeout=0.2)) == 2
+    assert not model.training
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    model.train()(torch.randn(8, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"some parameter already has gradient \('0.weight'\): .*zero_grad"):
+        balance_by_time(2, model, torch.randn(8, 4), device="cpu")
 
 
 def test_balance_cost_examples():

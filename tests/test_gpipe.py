@@ -7,10 +7,12 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models import Sleep, plain_model, tuple_model, unet_model
 from pipexplore import GPipe, is_checkpointing, is_recomputing
+from pipexplore.checkpoint import RNGGuard
 from pipexplore.pipeline import clock_cycles
 
 BALANCES = {
@@ -137,6 +139,44 @@ def test_dropout_recomputation_replays_the_same_mask(balance):
     for key, first in masks[False].items():
         assert torch.equal(first, masks[True][key])
     assert any(m.any() for m in masks[False].values()) and not all(m.all() for m in masks[False].values())
+
+
+class _FunctionalDropouts(nn.Module):
+    """Dropout through F.dropout in a plain module: nothing in the module says it draws."""
+
+    def forward(self, x):
+        for _ in range(20):
+            x = F.dropout(x, p=0.02)
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_random_numbers_drawn_in_plain_code_replay_on_a_shared_device(checkpoint):
+    model = nn.Sequential(_FunctionalDropouts(), nn.Identity(), _FunctionalDropouts())
+    pipe = GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=16, checkpoint=checkpoint)
+    for _ in range(2):
+        x = torch.rand(32, 64, requires_grad=True)
+        y = pipe(x)
+        y.sum().backward()
+        # d(sum y)/dx is the product of the masks' scales: zero exactly where the forward dropped.
+        assert torch.equal(y != 0, x.grad != 0)
+    assert [guard.draws for guard in pipe._rng_locks] == [True, False, True]
+
+
+def test_rng_guard_learns_whether_a_partition_draws():
+    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
+    with guard:
+        torch.ones(3) * 2
+    assert guard.draws is False
+    with guard:  # no longer takes the lock
+        assert not guard.lock.locked()
+    drawing = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
+    with drawing:
+        assert drawing.lock.locked()
+        torch.rand(3)
+    assert drawing.draws is True
+    with drawing:
+        assert drawing.lock.locked()
 
 
 def test_skip_tensors_are_freed_after_backward():
@@ -324,19 +364,28 @@ def test_repeated_module():
         GPipe(nn.Sequential(layer, nn.ReLU(), layer), balance=[1, 1, 1], devices=["cpu"] * 3)
 
 
-def test_parameter_shared_across_partitions():
+def test_parameter_shared_by_distinct_layers_is_refused_as_torchgpipe_does():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
-    with pytest.raises(ValueError, match="parameter '1.weight' of partition 1 is shared with partition 0"):
-        GPipe(nn.Sequential(a, b), balance=[1, 1], devices=["cpu"] * 2)
-    # Within one partition sharing is fine.
-    GPipe(nn.Sequential(a, b), balance=[2], devices=["cpu"])
+    message = (r"module with duplicate parameters in distinct children is not supported: '1.weight' is the "
+               r"parameter '0.weight'; put the layers that share it in one child")
+    for balance in ([1, 1], [2]):
+        with pytest.raises(ValueError, match=message):
+            GPipe(nn.Sequential(a, b), balance=balance, devices=["cpu"] * len(balance))
+    # Shared inside one child, it lives in one partition: fine, and trains as the unsplit model.
+    model = nn.Sequential(nn.Sequential(a, b), nn.ReLU())
+    x = torch.randn(4, 2)
+    expected, expected_grads = _reference_step(model, x)
+    pipe, out, grads = _pipe_step(model, x, balance=[1, 1], devices=["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(out, expected)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
 
 
 def test_unmatched_skips_are_refused_at_construction():
     model = unet_model()
     del model[7]  # the outer pop
-    with pytest.raises(TypeError, match=r"no layer pops 'skip'.*layer '1' \(StashLinear\) stashes"):
+    with pytest.raises(TypeError, match=r"no module declared 'skip' as poppable but stashed \('1' \(StashLinear\) stashes it"):
         GPipe(model, balance=[4, 4], devices=["cpu"] * 2)
 
 

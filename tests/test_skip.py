@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from models import PopLinear, StashLinear, unet_model
+from pipexplore import GPipe
 from pipexplore.skip import Namespace, inspect_skip_layout, pop, skippable, stash, verify_skippables
 from pipexplore.skip.tracker import SkipTracker, current_skip_tracker, use_skip_tracker
 
@@ -102,6 +103,24 @@ def test_declared_but_not_stashed_is_refused():
             Lazy()(torch.ones(1))
 
 
+def test_stashing_one_name_twice_in_one_forward_is_refused():
+    @skippable(stash=["a"])
+    class Twice(nn.Module):
+        def forward(self, x):
+            yield stash("a", x)
+            yield stash("a", x * 2)
+            return x
+
+    tracker = SkipTracker()
+    with use_skip_tracker(tracker):
+        with pytest.raises(RuntimeError, match=r"Twice stashed 'a' twice in one forward: .* a name of its own"):
+            Twice()(torch.ones(1))
+    assert tracker.tensors == {}
+    pipe = GPipe(nn.Sequential(Twice(), PopA()), balance=[1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(RuntimeError, match="Twice stashed 'a' twice in one forward"):
+        pipe(torch.ones(2, 1))
+
+
 def test_pop_before_stash_at_run_time():
     with use_skip_tracker(SkipTracker()):
         with pytest.raises(RuntimeError, match="'a' has not been stashed before PopA pops it"):
@@ -130,17 +149,17 @@ def test_verify_lists_every_problem_one_line_each():
     lines = [l for l in str(info.value).splitlines() if l.startswith("* ")]
     assert str(info.value).startswith("one or more pairs of stash and pop do not match:")
     assert lines == [
-        "* layer '0' (PopA) pops 'a' but no earlier layer stashes it",
-        "* layer '2' (StashA) redeclares 'a' as stashable, already stashed by layer '1' (StashA); "
-        "isolate one of them with a Namespace",
-        "* layer '3' (Both) declares 'a' both as stashable and as poppable",
-        "* no layer pops 'a' (namespace None) that layer '1' (StashA) stashes",
+        "* '0' declared 'a' as poppable but it was not stashed ('0' (PopA) pops it: stash it in an earlier layer)",
+        "* '2' redeclared 'a' as stashable but not isolated by namespace ('1' (StashA) stashes it already: "
+        "isolate each stash and its pop with layer.isolate(Namespace()))",
+        "* '3' declared 'a' both as stashable and as poppable (a layer cannot pop what it stashes: rename one of them)",
+        "* no module declared 'a' as poppable but stashed ('1' (StashA) stashes it: pop it in a later layer)",
     ]
 
 
 def test_verify_pop_redeclared_without_isolation():
     model = nn.Sequential(StashA(), PopA(), PopA())
-    with pytest.raises(TypeError, match=r"\* layer '2' \(PopA\) redeclares 'a' as poppable but it is not isolated"):
+    with pytest.raises(TypeError, match=r"\* '2' redeclared 'a' as poppable but not isolated by namespace"):
         verify_skippables(model)
 
 

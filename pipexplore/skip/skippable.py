@@ -111,6 +111,10 @@ class Skippable(nn.Module):
         def handle_stash(name: str, tensor: Optional[Tensor]) -> None:
             if name not in self.stashable_names:
                 raise RuntimeError(f"'{name}' has not been declared as stashable by {type(self).__name__}")
+            if name in stashed:
+                raise RuntimeError(f"{type(self).__name__} stashed '{name}' twice in one forward: a name carries one "
+                                   "tensor per forward; stash the other tensor under a name of its own "
+                                   "(declared in @skippable(stash=[...]))")
             stashed[name] = tensor
 
         def handle_pop(name: str) -> Optional[Tensor]:
@@ -169,12 +173,15 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
 def verify_skippables(module: nn.Sequential) -> None:
     """Check that every stash has exactly one later pop, raising one ``TypeError`` for all problems.
 
+    The messages are torchgpipe's (each names the layer by its name in ``module``), followed by
+    what to do.
+
     Example::
 
         verify_skippables(nn.Sequential(StashOnly()))
         # TypeError: one or more pairs of stash and pop do not match:
         #
-        # * no layer pops 'skip' (namespace None) that layer '0' (StashOnly) stashes
+        # * no module declared 'skip' as poppable but stashed ('0' (StashOnly) stashes it: pop it in a later layer)
     """
     stashed: dict[tuple[Namespace, str], str] = {}
     popped: set[tuple[Namespace, str]] = set()
@@ -183,31 +190,37 @@ def verify_skippables(module: nn.Sequential) -> None:
     for layer_name, layer in module.named_children():
         if not isinstance(layer, Skippable):
             continue
-        where = f"layer '{layer_name}' ({type(layer).__name__})"
+        where = f"'{layer_name}' ({type(layer).__name__})"
         for name in sorted(layer.stashable_names & layer.poppable_names):
-            problems.append(f"{where} declares '{name}' both as stashable and as poppable")
+            problems.append(f"'{layer_name}' declared '{name}' both as stashable and as poppable "
+                            "(a layer cannot pop what it stashes: rename one of them)")
         for ns, name in layer.stashable():
             if name in layer.poppable_names:
                 continue
             if (ns, name) in stashed:
-                problems.append(f"{where} redeclares '{name}' as stashable, already stashed by "
-                                f"{stashed[(ns, name)]}; isolate one of them with a Namespace")
+                problems.append(f"'{layer_name}' redeclared '{name}' as stashable but not isolated by namespace "
+                                f"({stashed[(ns, name)]} stashes it already: isolate each stash and its pop "
+                                "with layer.isolate(Namespace()))")
                 continue
             stashed[(ns, name)] = where
         for ns, name in layer.poppable():
             if name in layer.stashable_names:
                 continue
             if (ns, name) in popped:
-                problems.append(f"{where} redeclares '{name}' as poppable but it is not isolated by a Namespace")
+                problems.append(f"'{layer_name}' redeclared '{name}' as poppable but not isolated by namespace "
+                                "(an earlier layer pops it already: isolate each stash and its pop with "
+                                "layer.isolate(Namespace()))")
                 continue
             if (ns, name) not in stashed:
-                problems.append(f"{where} pops '{name}' but no earlier layer stashes it")
+                problems.append(f"'{layer_name}' declared '{name}' as poppable but it was not stashed "
+                                f"({where} pops it: stash it in an earlier layer)")
                 continue
             popped.add((ns, name))
 
     for (ns, name), where in stashed.items():
         if (ns, name) not in popped:
-            problems.append(f"no layer pops '{name}' (namespace {ns}) that {where} stashes")
+            problems.append(f"no module declared '{name}' as poppable but stashed "
+                            f"({where} stashes it: pop it in a later layer)")
 
     if problems:
         raise TypeError("one or more pairs of stash and pop do not match:\n\n" + "\n".join(f"* {p}" for p in problems))
