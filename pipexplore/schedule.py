@@ -256,7 +256,8 @@ class ScheduleExecutor:
                 errors.append(sys.exc_info())
                 abort.set()
 
-        threads = [tl.thread_in_this_context(work, (order, self.stage_devices[order[0][0]]), name=f"pipexplore-worker{w}")
+        threads = [tl.thread_in_this_context(work, (order, self.stage_devices[order[0][0]]),
+                                             name=f"pipexplore-worker{w}")
                    for w, order in enumerate(self.worker_orders)]
         token = current_token()
         try:

@@ -107,7 +107,7 @@ def chunks_for_batch(chunks: int, batch: int, name: str = "chunks") -> None:
 
     Example::
 
-        chunks_for_batch(4, 6)   # ValueError: chunks=4 cannot split ... torch.chunk makes 3 micro-batches of up to 2 rows
+        chunks_for_batch(4, 6)   # ValueError: chunks=4 cannot split ... torch.chunk makes 3 micro-batches
     """
     if chunks > batch:
         raise ValueError(f"{name}={chunks} is more than the batch's {batch} rows: every micro-batch needs at least one "
