@@ -80,8 +80,9 @@ def test_controls_change_the_plan_and_bad_values_are_refused(explorer):
     assert explorer.plan.checkpoint == "never"
     explorer.w_devices.value = "cpu,cpu,cuda:7"
     assert explorer.plan.devices == ("cpu", "cpu", "cpu")
-    assert explorer.w_devices.value == "cpu,cpu,cpu"
-    assert "cuda:7" in explorer.w_status.value and "does not exist" in explorer.w_status.value
+    # refused beside its field, with what was typed still in it
+    assert explorer.w_devices.value == "cpu,cpu,cuda:7"
+    assert "cuda:7" in explorer.w_errors["devices"].value and "does not exist" in explorer.w_errors["devices"].value
     with pytest.raises(ValueError, match="device 'cuda:7' does not exist"):
         explorer.update(devices=["cpu", "cpu", "cuda:7"])
 

@@ -6,10 +6,13 @@ and runs from :func:`pipexplore.run.run_step`.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import html
+import json
 import math
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Mapping
@@ -20,6 +23,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.balance import optimal_splits
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
@@ -30,8 +34,12 @@ from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
-from pipexplore.widgets.plots import timeline_figure, update_timeline_figure
+from pipexplore.widgets.codeview import CodeView
+from pipexplore.widgets.header import header_html, parse_bytes, plan_figures, plan_text
+from pipexplore.widgets.plots import STAGE_COLORS, TimelineView, residual_figure, update_residual_figure
+from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.splitbar import SplitBar
+from pipexplore.widgets.style import style_tag
 
 __all__ = ["Explorer", "explore", "RUN_COLUMNS"]
 
@@ -87,7 +95,8 @@ class Explorer:
                  schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3,
                  executor: str = "threads", calibrate: bool = True, granularity: str = "blocks",
-                 keep_timelines: int = 20) -> None:
+                 keep_timelines: int = 20, memory_cap: Any = None) -> None:
+        self._memory_cap = parse_bytes(memory_cap, "memory_cap")  # a view setting: bytes a stage may hold
         # An nn.Sequential is split by layers and runs in any executor; any other model is split at
         # candidate modules (``granularity``: blocks, or their children) by torch's tracer, and runs
         # its traced stages in this process (threads) or in processes (torch.distributed.pipelining).
@@ -201,6 +210,11 @@ class Explorer:
 
             explorer.update(chunks=8, schedule="1f1b")
         """
+        if "memory_cap" in changes:  # not part of the plan: the cap drawn on the memory panel
+            cap = parse_bytes(changes.pop("memory_cap"), "memory_cap")
+            plan = self.update(**changes) if changes else self._plan
+            self.memory_cap = cap
+            return plan
         unknown = sorted(set(changes) - set(UPDATABLE))
         if unknown:
             raise TypeError(f"update() cannot change {', '.join(map(repr, unknown))}: it changes "
@@ -450,57 +464,205 @@ class Explorer:
     # ---- the widget ---------------------------------------------------------------------
     def _build_widget(self) -> None:
         plan = self._plan
+        self._shown_run: Optional[int] = None  # the run the measured panel shows (None: the latest)
+        self._compare_run: Optional[int] = None
+        self._runs_sort = "run"
+        self._strip_error = ""
+        self._running_text = ""
+        self._run_started = 0.0
+        self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
+        self._memory_cap = getattr(self, "_memory_cap", None)
+        self._uuid = f"pipexplore-runs-{id(self):x}"
+        self._choosing = False  # the run choosers are being refilled: not a choice of the user
         self.bar = SplitBar(layers=self._layer_dicts(), splits=list(plan.splits), skips=self._skip_dicts(),
                             view="time", stage_totals=self._stage_totals("time"))
         self.bar.observe(self._on_bar_splits, names="splits")
-        self.w_chunks = W.BoundedIntText(value=plan.chunks, min=1, max=4096, description="chunks",
-                                         layout=W.Layout(width="150px"))
+        compact = {"description_width": "initial"}
+        self.w_stage_count = W.IntText(value=plan.num_stages, description="stages", style=compact,
+                                       layout=W.Layout(width="92px"))
+        self.w_chunks = W.IntText(value=plan.chunks, description="chunks", style=compact, layout=W.Layout(width="92px"))
         self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
-                                       description="checkpoint", layout=W.Layout(width="230px"))
+                                       description="checkpoint", style=compact, layout=W.Layout(width="172px"))
         self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
-                                     layout=W.Layout(width="220px"))
+                                     style=compact, layout=W.Layout(width="180px"))
         self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
-                                     layout=W.Layout(width="220px"))
+                                     style=compact, layout=W.Layout(width="150px"))
         self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
-                                layout=W.Layout(width="320px"))
-        self.w_view = W.ToggleButtons(options=[("time", "time"), ("parameters", "params"), ("activations", "memory")],
-                                      value="time", description="cost", style={"button_width": "90px"})
-        self.w_balance_time = W.Button(description="Balance by time", icon="balance-scale")
-        self.w_balance_size = W.Button(description="Balance by size", icon="balance-scale")
-        self.w_run = W.Button(description="Run step", button_style="primary", icon="play")
-        self.w_export_kind = W.Dropdown(options=[("GPipe", "gpipe"), ("torch pipelining", "pipelining")],
-                                        value="gpipe", layout=W.Layout(width="170px"))
-        self.w_export = W.Button(description="Export", icon="code")
+                                style=compact, layout=W.Layout(width="210px"))
+        self.w_run = W.Button(description="Run step", button_style="primary", icon="play",
+                              tooltip="train 1 warm-up + 3 measured steps of this plan", layout=W.Layout(width="110px"))
+        self.w_view = W.ToggleButtons(options=[("time", "time"), ("params", "params"), ("act.", "memory")],
+                                      value="time", tooltips=["cell widths: forward + backward time",
+                                                              "cell widths: parameter bytes",
+                                                              "cell widths: activation bytes"],
+                                      style={"button_width": "56px"})
+        self.w_balance_time = W.Button(description="Balance by time", layout=W.Layout(width="130px"),
+                                       tooltip="splits that minimise the slowest stage")
+        self.w_balance_size = W.Button(description="Balance by size", layout=W.Layout(width="130px"),
+                                       tooltip="splits that minimise the largest stage (parameters and activations)")
+        self.w_mode = W.ToggleButtons(options=[("timelines", "timelines"), ("residuals", "residuals")],
+                                      value="timelines", tooltips=["predicted and measured steps, one time axis",
+                                                                   "each action's prediction error, stage × micro-batch"],
+                                      style={"button_width": "80px"})
+        self.w_memory_cap = W.Text(value="" if self._memory_cap is None else _fmt_bytes(self._memory_cap),
+                                   description="memory cap", placeholder="e.g. 2 GiB", continuous_update=False,
+                                   style=compact, layout=W.Layout(width="190px"))
+        self.w_progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="160px", display="none"))
         self.w_status = W.HTML(self._notes_html())
+        self.w_header = W.HTML()
         self.w_stages = W.HTML()
         self.w_runs = W.HTML()
-        self.w_code = W.HTML()
-        self.figure = timeline_figure(plan.predicted, None, batch_size(self.sample))
+        self.w_show_run = W.Dropdown(options=[("latest", -1)], value=-1, description="show run", style=compact,
+                                     layout=W.Layout(width="150px"))
+        self.w_restore = W.Button(description="Restore this plan", icon="undo", disabled=True,
+                                  layout=W.Layout(width="150px"))
+        self.w_compare = W.Dropdown(options=[("—", -1)], value=-1, description="compare with", style=compact,
+                                    layout=W.Layout(width="180px"))
+        self.w_sort = W.Dropdown(options=[("run", "run"), ("step time", "step_time"), ("|error|", "prediction_error"),
+                                          ("bubble", "bubble"), ("throughput", "throughput")],
+                                 value="run", description="sort by", style=compact, layout=W.Layout(width="170px"))
+        self.w_compare_box = W.VBox([])
+        kinds = [("GPipe", "gpipe"), ("torch pipelining", "pipelining"), ("torchrun script", "torchrun"),
+                 ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
+        self.w_export_kind = W.Dropdown(options=[k for k in kinds if not (self.traced and k[1] == "gpipe")],
+                                        layout=W.Layout(width="170px"))
+        self.w_export = W.Button(description="Export", icon="code", layout=W.Layout(width="100px"))
+        self.w_code = CodeView()
+        self.w_errors = {name: W.HTML("", layout=W.Layout(display="none")).add_class("pipexplore-field-error")
+                         for name in ("stages", "chunks", "checkpoint", "schedule", "executor", "devices",
+                                      "memory_cap", "export")}
+        self.timelines = TimelineView(plan.predicted, None, batch_size(self.sample), memory_cap=self._memory_cap)
+        self.figure = self.timelines.figure
+        self.w_timeline_box = W.VBox([self.figure])
+        self.w_residuals = W.VBox([], layout=W.Layout(display="none"))
+        self.residual_figure: Any = None
 
         for control, name in ((self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
                               (self.w_schedule, "schedule"), (self.w_devices, "devices"),
-                              (self.w_executor, "executor")):
+                              (self.w_executor, "executor"), (self.w_stage_count, "stages"),
+                              (self.w_memory_cap, "memory_cap")):
             control.observe(self._on_control(name), names="value")
         self.w_view.observe(lambda change: self._refresh_bar(), names="value")
         self.w_balance_time.on_click(lambda _: self._guard(lambda: self.balance("time")))
         self.w_balance_size.on_click(lambda _: self._guard(lambda: self.balance("size")))
         self.w_run.on_click(self._on_run_clicked)
-        self.w_export.on_click(lambda _: self._show_code(self.export(self.w_export_kind.value)))
+        self.w_export.on_click(self._on_export)
+        self.w_mode.observe(lambda change: self._refresh_residuals(), names="value")
+        self.w_show_run.observe(self._on_show_run, names="value")
+        self.w_compare.observe(self._on_compare, names="value")
+        self.w_sort.observe(self._on_sort, names="value")
+        self.w_restore.on_click(lambda _: self._guard(lambda: self.restore(self._shown_run_number())))
 
+        errors = self.w_errors
+        controls = W.HBox([self.w_stage_count, errors["stages"], self.w_chunks, errors["chunks"], self.w_checkpoint,
+                           errors["checkpoint"], self.w_schedule, errors["schedule"], self.w_executor,
+                           errors["executor"], self.w_devices, errors["devices"], self.w_run])
+        strip_tools = W.HBox([self.w_view, self.w_balance_time, self.w_balance_size, W.HTML(
+            "<span class='pipexplore-note'>drag a handle (or focus it and use ←/→) · double-click a layer boundary to "
+            "add a split · Delete (or drag it off the strip) removes one</span>")])
+        timeline_tools = W.HBox([self.w_mode, self.w_memory_cap, errors["memory_cap"]])
+        run_tools = W.HBox([self.w_show_run, self.w_restore, self.w_compare, self.w_sort])
+        export_tools = W.HBox([self.w_export_kind, self.w_export, errors["export"]])
+        for box in (controls, strip_tools, timeline_tools, run_tools, export_tools):
+            box.add_class("pipexplore-controls")
         self.widget = W.VBox([
-            W.HTML(f"<b>pipexplore</b> · {len(self.layer_table)} layers · batch {batch_size(self.sample)}"),
-            W.HBox([self.w_chunks, self.w_checkpoint, self.w_schedule, self.w_devices]),
-            W.HBox([self.w_executor, self.w_view, self.w_balance_time, self.w_balance_size]),
-            self.bar, self.w_stages, self.figure,
-            W.HBox([self.w_run, self.w_export_kind, self.w_export]),
-            self.w_status, self.w_runs, self.w_code,
-        ])
+            W.HTML(style_tag(), layout=W.Layout(display="none")), self.w_header, controls, strip_tools, self.bar,
+            self.w_stages, timeline_tools, self.w_timeline_box, self.w_residuals, W.HBox([self.w_progress, self.w_status]),
+            W.HTML("<div class='pipexplore-section'>runs</div>"), run_tools, self.w_runs, self.w_compare_box,
+            W.HTML("<div class='pipexplore-section'>export</div>"), export_tools, self.w_code,
+        ], layout=W.Layout(max_width="100%"))
         self.widget.add_class("pipexplore-explorer")
+        self._refresh_header()
+        self._refresh_timelines()
         self._refresh_stages()
         self._refresh_runs()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, dict):
+            # A static view beside the live one: a reload without the kernel, nbviewer or GitHub show it.
+            bundle["text/html"] = self.static_html()
+        return bundle
+
+    def static_html(self) -> str:
+        """The explorer as static HTML (no JavaScript): header, strip, stage view, predicted and
+        measured timelines on one scale, runs. What a notebook keeps for viewers without a kernel.
+
+        Example::
+
+            pathlib.Path("explorer.html").write_text(explorer.static_html())
+        """
+        from pipexplore.widgets.static import strip_svg, timeline_svg
+
+        result = self._shown_result()
+        measured = result.timeline if result is not None else None
+        x_max = self.timelines.x_range[1]
+        return (f"<div class='pipexplore-report pipexplore-static'>{style_tag()}{self.w_header.value}"
+                + strip_svg(self.bar.layers, self.splits, self.bar.skips, self.bar.view, self.bar.stage_totals)
+                + self.w_stages.value
+                + "<div class='pipexplore-timeline' data-splits='" + ",".join(map(str, self.splits)) + "'>"
+                + timeline_svg(self._plan.predicted, "predicted: " + plan_text(self._plan), x_max_ms=x_max)
+                + timeline_svg(measured, "measured" + (f": run {self._run_number(result)} · {plan_text(result.plan)}"
+                                                       if result is not None else ""), x_max_ms=x_max)
+                + "</div>" + self.w_runs.value + "</div>")
+
+    def to_html(self, path: Any = "pipexplore-report.html") -> Any:
+        """Write one self-contained HTML page of the explorer (strip as SVG, stage view, timelines
+        and memory as interactive plotly with its JavaScript embedded, residuals, runs table, the
+        exported code) that opens in a browser with no kernel and no network. Returns its path.
+
+        Example::
+
+            explorer.to_html("report.html")
+        """
+        from pipexplore.widgets.report import write_report
+
+        return write_report(self, path)
+
+    @property
+    def memory_cap(self) -> Optional[float]:
+        """Bytes of activation memory a stage may hold (drawn on the memory panel; stages over it
+        are flagged), or None."""
+        return getattr(self, "_memory_cap", None)
+
+    @memory_cap.setter
+    def memory_cap(self, value: Any) -> None:
+        self._memory_cap = parse_bytes(value, "memory_cap")
+        if hasattr(self, "w_memory_cap"):
+            text = "" if self._memory_cap is None else _fmt_bytes(self._memory_cap)
+            if parse_bytes(self.w_memory_cap.value or None, "memory_cap", strict=False) != self._memory_cap:
+                self.w_memory_cap.value = text
+            self._refresh_header()
+            self._refresh_timelines()
+            self._refresh_stages()
+
+    def restore(self, run: int) -> Plan:
+        """Make the plan of run ``run`` (its number in :attr:`runs`) the current plan again; what
+        calibration learnt since is kept.
+
+        Example::
+
+            explorer.restore(2)
+        """
+        rows = [row for row in self._runs if row["run"] == run]
+        if not rows:
+            known = ", ".join(str(row["run"]) for row in self._runs[-10:]) or "none yet"
+            raise LookupError(f"run {run!r} is not in explorer.runs (latest runs: {known}): pass a number from the "
+                              "'run' column")
+        row = rows[0]
+        result = self._result_of(run)
+        if result is not None:
+            old = result.plan
+            options = dict(splits=old.splits, devices=old.devices, chunks=old.chunks, checkpoint=old.checkpoint,
+                           schedule=old.schedule, executor=old.executor, virtual_stages=old.virtual_stages)
+        else:
+            executor = row["executor"] if row["executor"] in EXECUTORS else self._plan.executor
+            options = dict(splits=tuple(row["splits"]), devices=tuple(str(row["devices"]).split(",")),
+                           chunks=int(row["chunks"]), checkpoint=str(row["checkpoint"]), schedule=str(row["schedule"]),
+                           executor=executor)
+        plan = self._change_plan(lambda plan: plan.with_options(**options))
+        self._set_status(f"restored the plan of run {run}: {plan_text(plan)}")
+        return plan
 
     def _layer_dicts(self) -> list[dict[str, Any]]:
         rows = []
@@ -515,69 +677,10 @@ class Explorer:
     def _skip_dicts(self) -> list[dict[str, Any]]:
         return [{"name": r.name, "from": r.stash_layer, "to": r.pop_layer} for r in self._plan.skip_routes]
 
-    def _stage_totals(self, view: str) -> list[str]:
-        stages = self._plan.stages
-        if view == "params":
-            return [f"{_fmt_bytes(v)} params" for v in stages["param_bytes"]]
-        if view == "memory":
-            return [f"{_fmt_bytes(v)} act." for v in stages["activation_bytes"]]
-        return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
 
     def _notes_html(self) -> str:
         return "".join(f"<div class='pipexplore-note'>{html.escape(n)}</div>" for n in self.notes)
 
-    def _refresh(self) -> None:
-        if not hasattr(self, "bar"):
-            return
-        self._sync_controls()
-        self._refresh_bar()
-        self._refresh_stages()
-        update_timeline_figure(self.figure, self._plan.predicted, None, batch_size(self.sample), rows=(1,))
-
-    def _refresh_bar(self) -> None:
-        with self.bar.hold_sync():
-            self.bar.splits = list(self._plan.splits)
-            self.bar.view = self.w_view.value
-            self.bar.stage_totals = self._stage_totals(self.w_view.value)
-            self.bar.error = self.last_error
-
-    def stage_table(self) -> pd.DataFrame:
-        """Per stage: device, layers, time, parameters, activations, predicted peak activation
-        memory, and the measured peak of its device in the latest run (where the device reports it)."""
-        stages = self._plan.stages
-        predicted = self._plan.predicted
-        peak_predicted = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)
-        measured = self._results[-1].timeline.attrs.get("peak_memory", {}) if self._results else {}
-        return pd.DataFrame({
-            "stage": stages["stage"], "device": stages["device"],
-            "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
-            "fwd+bwd": stages["forward"] + stages["backward"], "params": stages["param_bytes"],
-            "activations": stages["activation_bytes"],
-            "peak activations (predicted)": [float(peak_predicted.get(s, math.nan)) for s in stages["stage"]],
-            "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
-        })
-
-    def _refresh_stages(self) -> None:
-        table = self.stage_table()
-        crossing = [r for r in self._plan.skip_routes if r.crosses]
-
-        def size(v: float) -> str:
-            return "–" if math.isnan(v) else _fmt_bytes(v)
-
-        rows = "".join(
-            f"<tr><td>{stage}</td><td>{device}</td><td>{layers}</td><td>{seconds * 1e3:.2f} ms</td>"
-            f"<td>{size(params)}</td><td>{size(act)}</td><td>{size(peak)}</td><td>{size(measured)}</td></tr>"
-            for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None))
-        skips = (f"{len(crossing)} of {len(self._plan.skip_routes)} skip routes cross stages (copied)"
-                 if self._plan.skip_routes else "no skip routes")
-        shared = self.shared_parameters()
-        if shared:
-            skips += "<br>⚠ parameters used by several stages: " + ", ".join(
-                f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
-        self.w_stages.value = (
-            "<table class='pipexplore-stages'><tr><th>stage</th><th>device</th><th>layers</th><th>fwd+bwd</th>"
-            "<th>params</th><th>activations</th><th>peak act. (predicted)</th><th>peak memory (measured)</th></tr>"
-            + rows + f"</table><div>{skips}</div>")
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by blocks of more than one stage (tied weights), with those stages."""
@@ -590,29 +693,267 @@ class Explorer:
                 users.setdefault(name, set()).add(stage_of[k])
         return {name: sorted(st) for name, st in users.items() if len(st) > 1}
 
+
+    def _stage_totals(self, view: str) -> list[str]:
+        stages = self._plan.stages
+        if view == "params":
+            return [f"{_fmt_bytes(v)} params" for v in stages["param_bytes"]]
+        if view == "memory":
+            return [f"{_fmt_bytes(v)} act." for v in stages["activation_bytes"]]
+        return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
+
+    def _refresh(self) -> None:
+        if not hasattr(self, "bar"):
+            return
+        self._sync_controls()
+        self._refresh_bar()
+        self._refresh_stages()
+        self._refresh_header()
+        self._refresh_timelines()
+
+    def _refresh_bar(self) -> None:
+        with self.bar.hold_sync():
+            self.bar.splits = list(self._plan.splits)
+            self.bar.view = self.w_view.value
+            self.bar.stage_totals = self._stage_totals(self.w_view.value)
+            self.bar.error = self._strip_error
+
+    def _plan_figures(self) -> dict[str, Any]:
+        """The current plan's predicted figures, computed once per plan."""
+        plan, figures = self._figures_of
+        if plan is not self._plan:
+            figures = plan_figures(self._plan, batch_size(self.sample))
+            self._figures_of = (self._plan, figures)
+        return figures
+
+    def _refresh_header(self) -> None:
+        if not hasattr(self, "w_header"):
+            return
+        title = f"{len(self.layer_table)} layers · batch {batch_size(self.sample)} · {plan_text(self._plan)}"
+        last = self._runs[-1] if self._runs else None
+        self.w_header.value = header_html(title, self._plan_figures(), last, self._memory_cap)
+
+    def _refresh_timelines(self) -> None:
+        """The predicted panel shows the current plan; the measured one the chosen run (the latest
+        by default), titled with its plan and flagged when that is not the current plan."""
+        if not hasattr(self, "timelines"):
+            return
+        plan = self._plan
+        result = self._shown_result()
+        measured: dict[str, Any] = {"clear_measured": True}
+        if result is not None:
+            difference = self._plan_difference(result.plan)
+            measured = dict(measured=result.timeline, measured_title=f"run {self._run_number(result)} · "
+                            f"{plan_text(result.plan)}", measured_warning=difference)
+        self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title=plan_text(plan),
+                            memory_cap=self._memory_cap, **measured)
+
+    def _plan_difference(self, other: Plan) -> str:
+        """'' when ``other`` is the current plan, else what differs (for the measured panel's title)."""
+        plan = self._plan
+        changes = [f"{name} {theirs} (now {ours})" for name, theirs, ours in (
+            ("splits", list(other.splits), list(plan.splits)), ("chunks", other.chunks, plan.chunks),
+            ("schedule", other.schedule, plan.schedule), ("checkpoint", other.checkpoint, plan.checkpoint),
+            ("executor", other.executor, plan.executor),
+            ("devices", ",".join(other.devices[: other.num_devices]), ",".join(plan.devices[: plan.num_devices])))
+            if theirs != ours]
+        return ("not the current plan: it had " + ", ".join(changes)) if changes else ""
+
+    def _run_number(self, result: Optional[RunResult]) -> Optional[int]:
+        if result is None or result.timeline.empty:
+            return None
+        return int(result.timeline["run"].iloc[0])
+
+    def _result_of(self, run: Optional[int]) -> Optional[RunResult]:
+        for result in reversed(self._results):
+            if self._run_number(result) == run:
+                return result
+        return None
+
+    def _shown_result(self) -> Optional[RunResult]:
+        if not self._results:
+            return None
+        if getattr(self, "_shown_run", None) is None:
+            return self._results[-1]
+        return self._result_of(self._shown_run) or self._results[-1]
+
+    def _shown_run_number(self) -> Optional[int]:
+        return self._run_number(self._shown_result())
+
+    def stage_table(self) -> pd.DataFrame:
+        """Per stage: device, layers, time, parameters, activations, predicted peak activation
+        memory, and the measured peak of its device in the latest run (where the device reports it)."""
+        stages = self._plan.stages
+        peaks = self._plan_figures()["peak_memory_per_stage"] if hasattr(self, "w_header") else None
+        if peaks is None:
+            predicted = self._plan.predicted
+            by_stage = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)
+            peaks = [float(by_stage.get(s, math.nan)) for s in stages["stage"]]
+        result = self._shown_result() if hasattr(self, "_shown_run") else (self._results[-1] if self._results else None)
+        measured = result.timeline.attrs.get("peak_memory", {}) if result is not None else {}
+        return pd.DataFrame({
+            "stage": stages["stage"], "device": stages["device"],
+            "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
+            "fwd+bwd": stages["forward"] + stages["backward"], "params": stages["param_bytes"],
+            "activations": stages["activation_bytes"],
+            "peak activations (predicted)": peaks,
+            "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
+        })
+
+    def _refresh_stages(self) -> None:
+        if not hasattr(self, "w_stages"):
+            return
+        table = self.stage_table()
+        crossing = [r for r in self._plan.skip_routes if r.crosses]
+        cap = self._memory_cap
+        measured_known = table["peak memory (measured)"].notna().any()
+
+        def size(v: float) -> str:
+            return "–" if math.isnan(v) else _fmt_bytes(v)
+
+        rows = []
+        for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None):
+            over = cap is not None and peak > cap
+            swatch = f"<span class='pipexplore-stage-swatch' style='background:{STAGE_COLORS[stage % len(STAGE_COLORS)]}'></span>"
+            rows.append(f"<tr><td>{swatch}{stage}</td><td>{html.escape(str(device))}</td><td>{layers}</td>"
+                        f"<td>{seconds * 1e3:.2f} ms</td><td>{size(params)}</td><td>{size(act)}</td>"
+                        f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(peak)}</td>"
+                        + (f"<td>{size(measured)}</td>" if measured_known else "") + "</tr>")
+        skips = (f"{len(crossing)} of {len(self._plan.skip_routes)} skip routes cross stages (copied)"
+                 if self._plan.skip_routes else "no skip routes")
+        shared = self.shared_parameters()
+        if shared:
+            skips += "<br>⚠ parameters used by several stages: " + ", ".join(
+                f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
+        self.w_stages.value = (
+            "<div class='pipexplore-stages-view'><table class='pipexplore-stages'><thead><tr><th>stage</th>"
+            "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>activations</th>"
+            "<th>peak act. (predicted)</th>" + ("<th>peak memory (measured)</th>" if measured_known else "")
+            + "</tr></thead><tbody>" + "".join(rows) + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
+
     def _refresh_runs(self) -> None:
-        """The runs view: the last :data:`RUNS_SHOWN` rows, each formatted once when its run ended
-        (constant time per run, however many runs the session has)."""
+        """The runs table (the latest :data:`RUNS_SHOWN` runs, pandas Styler), the run choosers,
+        and what shows the chosen run: measured panel, header, stage view, residuals, comparison."""
         if not hasattr(self, "w_runs"):
             return
-        if not self._runs:
-            self.w_runs.value = "<div class='pipexplore-runs'>no runs yet</div>"
+        rows = self._runs[-RUNS_SHOWN:]
+        shown = self._shown_run_number()
+        self.w_runs.value = runs_html(pd.DataFrame(rows, columns=RUN_COLUMNS), earlier=len(self._runs) - len(rows),
+                                      sort_by=self._runs_sort, descending=self._runs_sort == "throughput",
+                                      shown_run=shown, uuid=self._uuid)
+        kept = [n for n in (self._run_number(r) for r in self._results) if n is not None]
+        self._choosing = True
+        try:
+            self.w_show_run.options = [("latest", -1)] + [(f"run {n}", n) for n in reversed(kept)]
+            self.w_show_run.value = self._shown_run if self._shown_run in kept else -1
+            self.w_compare.options = [("—", -1)] + [(f"run {n}", n) for n in reversed(kept)]
+            self.w_compare.value = self._compare_run if self._compare_run in kept else -1
+        finally:
+            self._choosing = False
+        self.w_restore.disabled = shown is None
+        self.w_restore.description = "Restore this plan" if shown is None else f"Restore run {shown}'s plan"
+        self._refresh_timelines()
+        self._refresh_header()
+        self._refresh_stages()
+        self._refresh_residuals()
+        self._refresh_compare()
+
+    def _refresh_residuals(self) -> None:
+        """In residuals mode: the shown run's error per action, stage × micro-batch, in place of the timelines."""
+        if not hasattr(self, "w_mode"):
             return
-        earlier = len(self._runs) - len(self._run_rows_html)
-        note = (f"<div class='pipexplore-runs-earlier'>{earlier} earlier runs in explorer.runs</div>"
-                if earlier else "")
-        self.w_runs.value = ("<div class='pipexplore-runs'>" + note + "<table class='dataframe'><thead>"
-                             + _RUNS_HEADER + "</thead><tbody>" + "".join(self._run_rows_html)
-                             + "</tbody></table></div>")
-        if self._results:
-            update_timeline_figure(self.figure, None, self._results[-1].timeline, batch_size(self.sample), rows=(2,))
-            self._refresh_stages()
+        residual_mode = self.w_mode.value == "residuals"
+        self.w_residuals.layout.display = "" if residual_mode else "none"
+        self.w_timeline_box.layout.display = "none" if residual_mode else ""
+        if not residual_mode:
+            return
+        from pipexplore.residuals import residuals
+
+        result = self._shown_result()
+        table = residuals(result.predicted, result.timeline) if result is not None else None
+        title = f"run {self._run_number(result)}" if result is not None else ""
+        if self.residual_figure is None:
+            self.residual_figure = residual_figure(table, title)
+            self.w_residuals.children = [self.residual_figure]
+        else:
+            update_residual_figure(self.residual_figure, table, title)
+
+    def _refresh_compare(self) -> None:
+        """Two runs side by side: their figures and plans in a table, their timelines on one time axis."""
+        if not hasattr(self, "w_compare_box"):
+            return
+        a, b = self._shown_result(), self._result_of(self._compare_run)
+        if a is None or b is None or a is b:
+            self.w_compare_box.children = []
+            return
+        rows = {row["run"]: row for row in self._runs}
+        first, second = rows.get(self._run_number(a), {}), rows.get(self._run_number(b), {})
+
+        def cell(row: Mapping[str, Any], key: str) -> str:
+            value = row.get(key, "")
+            if key in ("step_time", "predicted_step_time"):
+                return f"{value * 1e3:.2f} ms"
+            if key in ("bubble", "prediction_error"):
+                return f"{value * 100:+.1f} %" if key == "prediction_error" else f"{value * 100:.1f} %"
+            if key == "throughput":
+                return f"{value:,.0f} samples/s"
+            return html.escape(str(value))
+
+        keys = ["step_time", "predicted_step_time", "prediction_error", "bubble", "throughput", "splits", "chunks",
+                "schedule", "checkpoint", "executor", "devices"]
+        body = "".join(f"<tr><th>{key.replace('_', ' ')}</th><td>{cell(first, key)}</td><td>{cell(second, key)}</td></tr>"
+                       for key in keys)
+        table = W.HTML(f"<table class='pipexplore-compare-table'><tr><th></th><th>run {first.get('run')}</th>"
+                       f"<th>run {second.get('run')}</th></tr>{body}</table>")
+        view = TimelineView(a.timeline, b.timeline, batch_size(self.sample), memory=False,
+                            names=(f"run {first.get('run')}", f"run {second.get('run')}"))
+        view.show(predicted_title=plan_text(a.plan), measured_title=plan_text(b.plan))
+        self.w_compare_box.children = [W.HTML("<div class='pipexplore-section'>compared</div>"), table, view.figure]
 
     def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:
-        color = "#b00020" if error else "#333"
-        prefix = "⏳ " if busy else ""
-        self.w_status.value = self._notes_html() + (
-            f"<div class='pipexplore-status' style='color:{color}'>{prefix}{html.escape(text)}</div>")
+        if busy:
+            self._running_text = text
+        spinner = "<span class='pipexplore-spinner' role='progressbar' aria-label='working'></span>" if busy else ""
+        css = "pipexplore-status" + (" pipexplore-error-text" if error else "")
+        self.w_status.value = self._notes_html() + f"<div class='{css}'>{spinner}{html.escape(text)}</div>"
+        if busy and threading.current_thread() is not self._thread and self.w_run.description != "Cancel":
+            self._show_running()
+        elif not busy and self._thread is not None and threading.current_thread() is self._thread:
+            self._show_idle()  # the run's last word: the button runs again
+
+    def _show_running(self) -> None:
+        """During a run: the button cancels it, and a bar shows the time spent against the predicted."""
+        self._run_started = time.monotonic()
+        self.w_run.description, self.w_run.icon, self.w_run.button_style = "Cancel", "stop", "danger"
+        self.w_run.tooltip = "stop the run: its workers stop after their current action; the plan and runs stay"
+        self.w_run.disabled = False
+        self.w_progress.value = 0.0
+        self.w_progress.layout.display = ""
+        try:
+            loop = asyncio.get_running_loop()  # the kernel's: a tick every 0.25 s while the run lasts
+        except RuntimeError:
+            return
+        expected = max(1e-3, 4 * tl.step_time(self._plan.predicted))  # 1 warm-up + 3 measured steps
+
+        def tick() -> None:
+            if self._thread is None or not self._thread.is_alive():
+                return
+            elapsed = time.monotonic() - self._run_started
+            self.w_progress.value = min(0.95, elapsed / (expected + 0.5))
+            with self._plan_lock:
+                self.w_status.value = self._notes_html() + (
+                    "<div class='pipexplore-status'><span class='pipexplore-spinner'></span>"
+                    f"{html.escape(self._running_text)} {elapsed:.1f} s (1 warm-up + 3 measured steps, predicted "
+                    f"{expected:.2f} s)</div>")
+            loop.call_later(0.25, tick)
+
+        loop.call_later(0.25, tick)
+
+    def _show_idle(self) -> None:
+        self._running_text = ""
+        self.w_run.description, self.w_run.icon, self.w_run.button_style = "Run step", "play", "primary"
+        self.w_run.tooltip = "train 1 warm-up + 3 measured steps of this plan"
+        self.w_progress.layout.display = "none"
 
     def _show_error(self, exc: BaseException) -> None:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -627,54 +968,156 @@ class Explorer:
                                 html.escape("".join(traceback.format_exception(exc))) + "</pre></details>")
 
     def _guard(self, action: Callable[[], Any]) -> None:
-        with self._plan_lock:
-            try:
-                action()
-                self.last_error = ""
+        try:
+            action()
+            self.last_error = self._strip_error = ""
+            if self._thread is not None and self._thread.is_alive():
+                self._set_status(self._running_text, busy=True)  # a change during a run keeps its status
+            else:
                 self._set_status("")
-            except Exception as exc:  # a bad value from a control: show it, keep the plan
-                self._show_error(exc)
-            self._refresh_bar()
+        except Exception as exc:  # a bad value: show it, keep the plan
+            self._show_error(exc)
+        self._refresh_bar()
+
+    def _devices_for(self, stages: int) -> tuple[tuple[str, ...], str]:
+        """The devices for ``stages`` stages: extra ones dropped, missing ones repeated from the last."""
+        plan = self._plan
+        needed = max(1, stages // plan.virtual_stages) if plan.schedule == "interleaved" else stages
+        pool = list(plan.devices)
+        if len(pool) >= needed:
+            dropped = pool[needed:]
+            return tuple(pool[:needed]), (f"{stages} stages: {', '.join(dropped)} dropped" if dropped else "")
+        added = needed - len(pool)
+        return (tuple(pool + [pool[-1]] * added),
+                f"{stages} stages: {pool[-1]} repeated for {added} more device{'s' if added > 1 else ''}")
 
     def _on_bar_splits(self, change: dict[str, Any]) -> None:
-        if list(change["new"]) == list(self._plan.splits):
+        proposed = list(change["new"])
+        if proposed == list(self._plan.splits):
             return
-        self._guard(lambda: setattr(self, "splits", change["new"]))
+        try:
+            if len(proposed) != len(self._plan.splits):  # a split added or removed in the strip
+                devices, note = self._devices_for(len(proposed) + 1)
+                self.update(splits=proposed, devices=devices)
+                self._set_field_message("devices", note, error=False)
+            else:
+                self.splits = proposed
+            self._strip_error = ""
+        except Exception as exc:  # refused: the strip shows the plan's splits and says why
+            self._strip_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = self._strip_error
+        self._refresh_bar()
+
+    def _set_field_message(self, name: str, text: str, *, error: bool = True) -> None:
+        """A message beside the field ``name`` (hidden when empty)."""
+        box = self.w_errors[name]
+        box.value = html.escape(text) if error else f"<span class='pipexplore-field-note'>{html.escape(text)}</span>"
+        box.layout.display = "" if text else "none"
 
     def _on_control(self, name: str) -> Callable[[dict[str, Any]], None]:
         def handler(change: dict[str, Any]) -> None:
             value = change["new"]
-            if name == "devices":
-                value = [d for d in str(value).split(",")]
-
-            def apply() -> None:
-                try:
+            plan = self._plan
+            current = {"chunks": plan.chunks, "checkpoint": plan.checkpoint, "schedule": plan.schedule,
+                       "executor": plan.executor, "devices": ",".join(plan.devices), "stages": plan.num_stages,
+                       "memory_cap": None}[name]
+            if name != "memory_cap" and (value == current or (name == "devices" and str(value).replace(" ", "") == current)):
+                self._set_field_message(name, "")
+                return
+            try:
+                note = ""
+                if name == "stages":
+                    note = self._set_stage_count(value)
+                elif name == "memory_cap":
+                    self.memory_cap = value.strip() or None
+                else:
                     self.update(**{name: value})
-                except Exception:
-                    self._sync_controls()
-                    raise
-
-            self._guard(apply)
+                    if name == "devices" and len(self._plan.devices) > self._plan.num_devices:
+                        unused = self._plan.devices[self._plan.num_devices:]
+                        note = f"{', '.join(unused)} not used: {self._plan.num_stages} stages"
+                self.last_error = ""
+                self._set_field_message(name, note, error=False)
+            except Exception as exc:  # shown beside the field; what was typed stays there
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._set_field_message(name, str(exc))
         return handler
+
+    def _set_stage_count(self, stages: Any) -> str:
+        """Split into ``stages`` balanced stages (by time); the devices follow. Returns what changed in them."""
+        count = len(self.layer_table)
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= count:
+            raise ValueError(f"stages must be a whole number from 1 to {count} (the layers), got {stages!r}")
+        devices, note = self._devices_for(stages)
+        self.update(splits=self._balanced(stages, "time"), devices=devices)
+        self._set_field_message("devices", note, error=False)
+        return ""
 
     def _sync_controls(self) -> None:
         plan = self._plan
-        for control, value in ((self.w_chunks, plan.chunks), (self.w_checkpoint, plan.checkpoint),
-                               (self.w_schedule, plan.schedule), (self.w_devices, ",".join(plan.devices)),
-                               (self.w_executor, plan.executor)):
+        for control, value, name in ((self.w_chunks, plan.chunks, "chunks"),
+                                     (self.w_checkpoint, plan.checkpoint, "checkpoint"),
+                                     (self.w_schedule, plan.schedule, "schedule"),
+                                     (self.w_devices, ",".join(plan.devices), "devices"),
+                                     (self.w_executor, plan.executor, "executor"),
+                                     (self.w_stage_count, plan.num_stages, "stages")):
             if control.value != value:
                 control.value = value
+                self._set_field_message(name, "")
 
     def _on_run_clicked(self, _: Any) -> None:
-        self.w_run.disabled = True
+        if self._thread is not None and self._thread.is_alive():
+            self._set_status("cancelling: the workers stop after their current action…", busy=True)
+            if hasattr(self, "cancel"):
+                self.cancel(timeout=0)
+            return
         try:
             self.run_async()
         except Exception as exc:
-            self.w_run.disabled = False
+            self._show_idle()
             self._show_error(exc)
 
-    def _show_code(self, code: str) -> None:
-        self.w_code.value = f"<pre class='pipexplore-code'>{html.escape(code)}</pre>"
+    def _on_show_run(self, change: dict[str, Any]) -> None:
+        if self._choosing:
+            return
+        self._shown_run = None if change["new"] == -1 else int(change["new"])
+        self._refresh_runs()
+
+    def _on_compare(self, change: dict[str, Any]) -> None:
+        if self._choosing:
+            return
+        self._compare_run = None if change["new"] == -1 else int(change["new"])
+        self._refresh_compare()
+
+    def _on_sort(self, change: dict[str, Any]) -> None:
+        self._runs_sort = str(change["new"])
+        self._refresh_runs()
+
+    def _on_export(self, _: Any) -> None:
+        kind = self.w_export_kind.value
+        try:
+            if kind == "chrome-trace":
+                result = self._shown_result()
+                frame = result.timeline if result is not None else self._plan.predicted
+                what = f"run {self._run_number(result)}" if result is not None else "the predicted step"
+                self._show_code(json.dumps(tl.to_chrome_trace(frame), indent=1),
+                                f"Chrome trace of {what}: save as .json, open in ui.perfetto.dev or chrome://tracing")
+            elif kind == "html":
+                path = self.to_html("pipexplore-report.html")
+                self._show_code(str(path), "HTML report written (one file, opens with no kernel):")
+                self._set_status(f"wrote {path}")
+            else:
+                titles = {"gpipe": "GPipe", "pipelining": "torch.distributed.pipelining",
+                          "torchrun": "a script for torchrun --standalone --nproc-per-node "
+                                      f"{self._plan.num_devices}"}
+                self._show_code(self.export(kind), titles[kind])
+            self._set_field_message("export", "")
+        except Exception as exc:
+            self._show_code("", "")
+            self._set_field_message("export", f"{type(exc).__name__}: {exc}")
+
+    def _show_code(self, code: str, title: str = "") -> None:
+        self.w_code.title = title
+        self.w_code.code = code
 
 
 _RUNS_SHOWN_COLUMNS = [("run", "run"), ("executor", "executor"), ("splits", "splits"), ("chunks", "chunks"),

@@ -1,0 +1,140 @@
+"""The explorer's header: the figures that decide a split, for the current plan and the last run."""
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Mapping, Optional
+
+import pandas as pd
+
+from pipexplore import timeline as tl
+from pipexplore.plan import Plan
+
+__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "parse_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB ('–' for NaN).
+
+    Example::
+
+        format_bytes(3 * 2**20)   # '3.0 MiB'
+    """
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def plan_text(plan: Plan) -> str:
+    """The plan in one line: splits, chunks, schedule, checkpoint, executor and devices.
+
+    Example::
+
+        plan_text(explorer.plan)   # 'splits [4, 8] · chunks 4 · gpipe · checkpoint except_last · threads on cpu,cpu,cpu'
+    """
+    devices = ",".join(plan.devices[: plan.num_devices])
+    return (f"splits {list(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · checkpoint {plan.checkpoint} · "
+            f"{plan.executor} on {devices}")
+
+
+def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
+    """The predicted figures of a plan: ``step_time`` (s), ``bubble`` (fraction; by device for
+    interleaved), ``throughput`` (samples/s), ``peak_memory_per_stage`` (bytes, one per stage).
+
+    Example::
+
+        plan_figures(explorer.plan, samples=64)["step_time"]
+    """
+    predicted = plan.predicted
+    step = tl.step_time(predicted)
+    samples = samples if samples is not None else plan.batch
+    peaks = (predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float))
+    return {
+        "step_time": step,
+        "bubble": tl.bubble_fraction(predicted, by="device" if plan.schedule == "interleaved" else "stage"),
+        "throughput": (samples / step) if samples and step > 0 else math.nan,
+        "peak_memory_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
+    }
+
+
+def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
+    return (f"<div class='pipexplore-card {cls}'><div class='pipexplore-card-label'>{html.escape(label)}</div>"
+            f"<div class='pipexplore-card-value'>{value}</div>"
+            + (f"<div class='pipexplore-card-note'>{note}</div>" if note else "") + "</div>")
+
+
+def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mapping[str, Any]] = None,
+                memory_cap: Optional[float] = None) -> str:
+    """The header: a title line and one card per figure (predicted step, bubble, throughput, peak
+    activation memory per stage; last measured step and the prediction's error).
+
+    Example::
+
+        header_html("12 layers · batch 64", plan_figures(plan, 64), last_run=explorer.runs.iloc[-1])
+    """
+    peaks = list(figures["peak_memory_per_stage"])
+    over = [k for k, v in enumerate(peaks) if memory_cap is not None and v > memory_cap]
+    largest = max(peaks, default=math.nan)
+    if len(peaks) <= 8:
+        per_stage = " · ".join(f"<span class='{'pipexplore-over' if k in over else ''}'>{format_bytes(v)}</span>"
+                               for k, v in enumerate(peaks))
+    else:
+        per_stage = f"largest {format_bytes(largest)} (stage {peaks.index(largest)}) of {len(peaks)} stages"
+    cap_note = ("" if memory_cap is None else
+                f"<span class='pipexplore-over'>⚠ stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} over "
+                f"the cap of {format_bytes(memory_cap)}</span>" if over else f"under the cap of {format_bytes(memory_cap)}")
+    cards = [
+        _card("predicted step", f"{figures['step_time'] * 1e3:.2f} ms"),
+        _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
+        _card("throughput", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f} samples/s"),
+        _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),
+    ]
+    if last_run is not None:
+        error = last_run.get("prediction_error", math.nan)
+        bad = isinstance(error, float) and not math.isnan(error) and abs(error) > 0.25
+        known = isinstance(error, float) and not math.isnan(error)
+        cards.append(_card(f"measured · run {last_run['run']}", f"{last_run['step_time'] * 1e3:.2f} ms",
+                           f"prediction error {error * 100:+.0f} %" if known else "prediction error –",
+                           "pipexplore-bad" if bad else ""))
+    else:
+        cards.append(_card("measured", "no run yet", "press Run step"))
+    return (f"<div class='pipexplore-header'><div class='pipexplore-title'><b>pipexplore</b> · {html.escape(title)}</div>"
+            f"<div class='pipexplore-cards'>{''.join(cards)}</div></div>")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(value: Any, name: str = "memory_cap", *, strict: bool = True) -> Optional[float]:
+    """Bytes from a number or a string such as ``'2 GiB'``, ``'512MB'`` or ``'1e9'``; None stays None.
+
+    A bad value raises a ``ValueError`` naming ``name`` (or gives None when ``strict`` is false).
+
+    Example::
+
+        parse_bytes("2 GiB")     # 2147483648.0
+    """
+    if value is None:
+        return None
+    number: Optional[float] = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        try:
+            number = float(digits) * _UNITS[unit] if digits else None
+        except (ValueError, KeyError):
+            number = None
+    if number is None or not math.isfinite(number) or number <= 0:
+        if not strict:
+            return None
+        raise ValueError(f"{name} must be a number of bytes > 0 or a size such as '2 GiB' or '512 MiB' (or None for no "
+                         f"cap), got {value!r}")
+    return number

@@ -1,0 +1,121 @@
+"""A self-contained HTML report of an explorer: opens in a browser with no kernel and no network."""
+from __future__ import annotations
+
+import datetime
+import html
+import pathlib
+from typing import TYPE_CHECKING, Any, Union
+
+import pandas as pd
+
+from pipexplore.widgets.header import plan_text
+from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView, residual_figure
+from pipexplore.widgets.runs_view import runs_html
+from pipexplore.widgets.static import strip_svg
+from pipexplore.widgets.style import style_tag
+
+if TYPE_CHECKING:
+    from pipexplore.widgets.explorer import Explorer
+
+__all__ = ["report_html", "write_report"]
+
+_COPY_SCRIPT = """
+document.querySelectorAll('.pipexplore-copy').forEach(function (button) {
+  button.addEventListener('click', function () {
+    var text = document.getElementById(button.dataset.target).textContent;
+    function done(ok) { button.textContent = ok ? 'Copied' : 'Select the text to copy'; }
+    if (navigator.clipboard) { navigator.clipboard.writeText(text).then(function () { done(true); }, function () {
+      done(false); }); } else { done(false); }
+  });
+});
+"""
+
+_REPORT_CSS = """
+body { margin: 16px auto; max-width: 1240px; padding: 0 12px; }
+.pipexplore-report h2 { font-size: 15px; margin: 18px 0 6px 0; }
+.pipexplore-report pre { background: #f6f6f6; border: 1px solid #ddd; padding: 8px; overflow: auto; font-size: 12px; }
+.pipexplore-report .pipexplore-copy { float: right; font-size: 12px; }
+@media (prefers-color-scheme: dark) {
+  body { background: #111; }
+  .pipexplore-report { --px-fg: #e8e8e8; --px-fg2: #aaa; --px-bg2: #1f1f1f; --px-border: #444; }
+  .pipexplore-report pre { background: #1a1a1a; border-color: #444; color: #ddd; }
+  .pipexplore-report .main-svg text:not(.bartext) { fill: #ddd !important; }
+  table.pipexplore-stages th { background: #111; }
+}
+"""
+
+
+def _code_block(title: str, code: str, key: str) -> str:
+    return (f"<h2>{html.escape(title)}</h2><div><button class='pipexplore-copy' type='button' data-target='{key}'>"
+            f"Copy</button><pre id='{key}'>{html.escape(code)}</pre></div>")
+
+
+def report_html(explorer: "Explorer") -> str:
+    """The explorer's report as one HTML page: header, strip (SVG), stage view, predicted and
+    measured timelines with the memory panel (plotly, its JavaScript embedded), residuals of the
+    shown run, the runs table and the exported code.
+
+    Example::
+
+        pathlib.Path("report.html").write_text(report_html(explorer))
+    """
+    from pipexplore.residuals import residuals
+
+    plan = explorer.plan
+    result = explorer._shown_result()
+    view = TimelineView(plan.predicted, result.timeline if result is not None else None,
+                        explorer.timelines.samples, widget=False, memory_cap=explorer.memory_cap)
+    view.show(splits=plan.splits, predicted_title=plan_text(plan),
+              measured_title=(f"run {explorer._run_number(result)} · {plan_text(result.plan)}"
+                              if result is not None else ""),
+              measured_warning=explorer._plan_difference(result.plan) if result is not None else "")
+    splits = ",".join(map(str, plan.splits))
+    timeline = view.figure.to_html(full_html=False, include_plotlyjs=True, config=PLOTLY_CONFIG,
+                                   div_id="pipexplore-timeline-figure", default_width="100%")
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>pipexplore report · {html.escape(plan_text(plan))}</title>",
+        style_tag(), f"<style>{_REPORT_CSS}</style></head><body>",
+        "<div class='pipexplore-report'>", explorer.w_header.value,
+        f"<div class='pipexplore-note'>written {datetime.datetime.now().isoformat(timespec='seconds')}</div>",
+        "<h2>split</h2>",
+        strip_svg(explorer.bar.layers, list(plan.splits), explorer.bar.skips, explorer.bar.view,
+                  explorer.bar.stage_totals),
+        explorer.w_stages.value,
+        "<h2>timelines</h2>",
+        f"<div class='pipexplore-timeline' data-splits='{splits}'>{timeline}</div>",
+    ]
+    if result is not None:
+        heat = residual_figure(residuals(result.predicted, result.timeline),
+                               f"run {explorer._run_number(result)}", widget=False)
+        parts += ["<h2>residuals</h2>", heat.to_html(full_html=False, include_plotlyjs=False, config=PLOTLY_CONFIG,
+                                                     default_width="100%")]
+    runs = explorer.runs
+    parts += ["<h2>runs</h2>", runs_html(runs, shown_run=explorer._run_number(result), uuid="pipexplore-report-runs")]
+    kinds = [("pipelining", "torch.distributed.pipelining"),
+             ("torchrun", f"torchrun --standalone --nproc-per-node {plan.num_devices}")]
+    if not explorer.traced:
+        kinds.insert(0, ("gpipe", "GPipe"))
+    for kind, title in kinds:
+        try:
+            code = explorer.export(kind)
+        except Exception as exc:  # a kind this model cannot export: say why instead
+            code = f"# {type(exc).__name__}: {exc}"
+        parts.append(_code_block(f"export: {title}", code, f"pipexplore-code-{kind}"))
+    parts += ["</div>", f"<script>{_COPY_SCRIPT}</script>", "</body></html>"]
+    return "".join(parts)
+
+
+def write_report(explorer: "Explorer", path: Union[str, pathlib.Path]) -> pathlib.Path:
+    """Write :func:`report_html` to ``path`` (its folder must exist); returns the path.
+
+    Example::
+
+        write_report(explorer, "report.html")
+    """
+    target = pathlib.Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"to_html path {str(path)!r}: its folder {str(target.parent)!r} does not exist; "
+                                "create it first or choose another path")
+    target.write_text(report_html(explorer), encoding="utf-8")
+    return target

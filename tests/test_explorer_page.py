@@ -1,0 +1,364 @@
+"""The explorer's page through its Python model: header, shared time axis, memory, residuals, runs,
+progress and cancel, export and report, editing the plan in the strip."""
+from __future__ import annotations
+
+import html.parser
+import json
+import threading
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from pipexplore import timeline as tl
+from pipexplore.profile import profile
+from pipexplore.residuals import residuals
+from pipexplore.widgets import explore
+from pipexplore.widgets.header import format_bytes
+from pipexplore.widgets.plots import PHASE_COLORS, residual_grid
+
+LAYERS, WIDTH, BATCH = 8, 16, 16
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
+
+
+@pytest.fixture(scope="module")
+def table():
+    """One profile for the module: the explorers below take it as ``layer_table`` (no profiling each)."""
+    torch.manual_seed(0)
+    return profile(_model(), torch.randn(BATCH, WIDTH), microbatch_rows=[4, BATCH])
+
+
+@pytest.fixture
+def explorer(table):
+    return explore(_model(), torch.randn(BATCH, WIDTH), chunks=4, devices=["cpu"] * 3, splits=[2, 5],
+                   layer_table=table, calibrate=False)
+
+
+def _text(widget) -> str:
+    """What an HTML widget says (entities decoded)."""
+    return html.unescape(widget.value)
+
+
+def _peaks(plan) -> list[float]:
+    return tl.activation_memory(plan.predicted).groupby("stage")["bytes"].max().tolist()
+
+
+# ---- one dashboard ----------------------------------------------------------------------
+
+def test_header_shows_the_plans_predicted_figures(explorer):
+    predicted = explorer.plan.predicted
+    step = tl.step_time(predicted)
+    header = explorer.w_header.value
+    assert f"{step * 1e3:.2f} ms" in header
+    assert f"{tl.bubble_fraction(predicted) * 100:.1f} %" in header
+    assert f"{BATCH / step:,.0f} samples/s" in header
+    assert " · ".join(format_bytes(v) for v in _peaks(explorer.plan)) in header.replace("<span class=''>", "").replace(
+        "</span>", "")
+    assert "measured" in header and "no run yet" in header
+    explorer.splits = [3, 6]  # the header follows the plan
+    assert f"{tl.step_time(explorer.plan.predicted) * 1e3:.2f} ms" in explorer.w_header.value
+    assert "splits [3, 6]" in explorer.w_header.value
+
+
+def test_an_empty_measured_panel_says_no_run_yet_without_axes(explorer):
+    layout = explorer.figure.layout
+    assert layout.annotations[1].text == "measured: no run yet"
+    assert layout.annotations[3].visible and "no run yet" in layout.annotations[3].text
+    assert layout.yaxis2.visible is False and layout.xaxis2.showgrid is False
+    measured_bars = explorer.figure.data[len(PHASE_COLORS): 2 * len(PHASE_COLORS)]
+    assert all(len(trace.x) == 0 for trace in measured_bars)
+
+
+def test_predicted_and_measured_share_one_time_axis(explorer):
+    explorer.run()
+    layout = explorer.figure.layout
+    assert layout.xaxis.matches == layout.xaxis2.matches == "x3"  # zoom and pan together
+    longest = max(tl.step_time(explorer.plan.predicted), tl.step_time(explorer.timeline("measured"))) * 1e3
+    for axis in (layout.xaxis, layout.xaxis2, layout.xaxis3):
+        assert axis.range == pytest.approx((0.0, longest * 1.02))
+    assert layout.annotations[1].text.startswith("measured: step")
+    assert layout.yaxis2.visible and not layout.annotations[3].visible
+    legend = [trace.name for trace in explorer.figure.data if trace.showlegend]
+    assert len(legend) == len(set(legend))  # one legend for both panels
+
+
+def test_stage_zero_is_the_top_lane_and_blocks_carry_phase_and_microbatch(explorer):
+    axis = explorer.figure.layout.yaxis
+    assert list(axis.categoryarray) == ["stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"]
+    assert axis.autorange == "reversed"
+    forward = explorer.figure.data[0]
+    predicted = explorer.plan.predicted
+    expected = predicted[predicted["phase"] == "forward"]
+    assert list(forward.text) == [f"F{mb}" for mb in expected["microbatch"]]
+    assert list(forward.y) == [f"stage {s} · cpu" for s in expected["stage"]]
+
+
+def test_zero_bubble_input_gradients_are_coloured_apart_from_backward(explorer):
+    explorer.update(schedule="zero-bubble")
+    traces = {trace.name: trace for trace in explorer.figure.data[: len(PHASE_COLORS)]}
+    predicted = explorer.plan.predicted
+    assert len(traces["input_grad"].x) == (predicted["phase"] == "input_grad").sum() > 0
+    assert set(traces["input_grad"].text) == {f"I{mb}" for mb in range(4)}
+    assert set(traces["weight_grad"].text) == {f"W{mb}" for mb in range(4)}
+    assert traces["input_grad"].marker.color != traces["backward"].marker.color
+
+
+def test_a_measured_panel_of_another_plan_says_so(explorer):
+    explorer.run()
+    assert "not the current plan" not in explorer.figure.layout.annotations[1].text
+    explorer.update(chunks=8)
+    title = explorer.figure.layout.annotations[1].text
+    assert "run 0" in title and "not the current plan: it had chunks 4 (now 8)" in title
+
+
+def test_the_plotly_toolbar_has_no_chart_studio_link(explorer):
+    config = explorer.figure._config
+    assert config["displaylogo"] is False and config["showSendToCloud"] is False
+    assert "sendDataToCloud" in config["modeBarButtonsToRemove"]
+    assert "pipexplore-timeline" in explorer.figure._dom_classes
+    assert explorer.figure.layout.meta["splits"] == "2,5"
+    explorer.splits = [4, 6]
+    assert explorer.figure.layout.meta["splits"] == "4,6"
+
+
+# ---- memory over time -------------------------------------------------------------------
+
+def test_memory_panel_draws_each_stages_activations_and_marks_its_peak(explorer):
+    view = explorer.timelines
+    peaks = view.peaks()
+    assert peaks["bytes"].tolist() == _peaks(explorer.plan)
+    memory = tl.activation_memory(explorer.plan.predicted)
+    scale = 1024.0 if max(_peaks(explorer.plan)) >= 1024 else 1.0
+    stage_lines = explorer.figure.data[2 * len(PHASE_COLORS) + 2:]
+    assert len(stage_lines) == 3
+    for stage, line in enumerate(stage_lines):
+        rows = memory[memory["stage"] == stage]
+        assert list(line.y[1:]) == pytest.approx((rows["bytes"] / scale).tolist())
+        assert list(line.x[1:]) == pytest.approx((rows["time"] * 1e3).tolist())
+    marks = explorer.figure.data[2 * len(PHASE_COLORS) + 1]
+    assert list(marks.y) == pytest.approx([v / scale for v in _peaks(explorer.plan)])
+
+
+def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
+    peaks = _peaks(explorer.plan)
+    cap = (sorted(peaks)[0] + sorted(peaks)[-1]) / 2
+    explorer.update(memory_cap=cap)
+    over = [stage for stage, peak in enumerate(peaks) if peak > cap]
+    assert 0 < len(over) < 3
+    assert explorer.timelines.peaks()["over_cap"].tolist() == [p > cap for p in peaks]
+    text = explorer.figure.layout.annotations[2].text
+    assert f"{', '.join(map(str, over))} over the cap" in text
+    assert "over the cap" in explorer.w_header.value and "⚠" in explorer.w_stages.value
+    cap_line = explorer.figure.data[2 * len(PHASE_COLORS)]
+    assert cap_line.name == "memory cap" and len(cap_line.y) == 2
+    explorer.w_memory_cap.value = "1 GiB"
+    assert explorer.memory_cap == 2 ** 30 and "all stages under the cap" in explorer.figure.layout.annotations[2].text
+    explorer.w_memory_cap.value = "lots"
+    assert "memory_cap must be a number of bytes > 0 or a size such as '2 GiB'" in _text(explorer.w_errors["memory_cap"])
+    assert explorer.w_memory_cap.value == "lots" and explorer.memory_cap == 2 ** 30
+    with pytest.raises(ValueError, match=r"memory_cap must be a number of bytes > 0 .*got -5"):
+        explore(_model(), torch.randn(BATCH, WIDTH), layer_table=table, calibrate=False, memory_cap=-5)
+
+
+# ---- residuals --------------------------------------------------------------------------
+
+def test_residual_mode_shows_each_actions_error_by_stage_and_microbatch(explorer):
+    explorer.w_mode.value = "residuals"
+    assert explorer.residual_figure.layout.title.text == "residuals: no run yet"
+    explorer.run()
+    grid = residual_grid(explorer.residuals())
+    heat = explorer.residual_figure.data[0]
+    assert heat.z == pytest.approx(grid.to_numpy() * 100, nan_ok=True)
+    assert list(heat.y) == [f"stage {s} · {phase}" for s, phase in grid.index]
+    assert explorer.w_timeline_box.layout.display == "none" and explorer.w_residuals.layout.display == ""
+    explorer.w_mode.value = "timelines"
+    assert explorer.w_timeline_box.layout.display == "" and explorer.w_residuals.layout.display == "none"
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+def test_runs_table_has_units_hides_empty_columns_and_colours_the_error(explorer):
+    assert "no runs yet" in explorer.w_runs.value
+    explorer.run()
+    explorer.splits = [3, 6]
+    explorer.run()
+    page = explorer.w_runs.value
+    assert "pipexplore-runs" in page and page.count("<tr") == 3
+    for header in ("step ms", "predicted ms", "error %", "bubble %", "samples/s", "loss"):
+        assert f">{header}</th>" in page
+    assert ">startup s</th>" not in page and ">peak memory</th>" not in page  # empty on CPU threads
+    error = explorer.runs["prediction_error"].iloc[0]
+    assert f">{error * 100:+.1f}</td>" in page
+    assert "background-color: rgba(" in page  # the error cell is coloured
+    explorer.w_sort.value = "step_time"
+    order = explorer.runs.sort_values("step_time")["run"].tolist()
+    cells = [page_row.split("</td>")[0].rsplit(">", 1)[1] for page_row in explorer.w_runs.value.split("<tr>")[2:]]
+    assert [int(c) for c in cells] == order
+
+
+def test_a_past_run_shows_again_and_its_plan_can_be_restored(explorer):
+    explorer.run()
+    explorer.update(chunks=8, splits=[4, 6])
+    explorer.run()
+    explorer.w_show_run.value = 0
+    assert "run 0 · splits [2, 5] · chunks 4" in explorer.figure.layout.annotations[1].text
+    assert explorer.figure.data[len(PHASE_COLORS)].y is not None
+    assert explorer.w_restore.description == "Restore run 0's plan"
+    explorer.w_restore.click()
+    assert explorer.splits == [2, 5] and explorer.plan.chunks == 4
+    assert "not the current plan" not in explorer.figure.layout.annotations[1].text
+    with pytest.raises(LookupError, match=r"run 7 is not in explorer.runs \(latest runs: 0, 1\)"):
+        explorer.restore(7)
+
+
+def test_two_runs_side_by_side(explorer):
+    explorer.run()
+    explorer.update(schedule="1f1b")
+    explorer.run()
+    explorer.w_compare.value = 0
+    table_html, figure = explorer.w_compare_box.children[1], explorer.w_compare_box.children[2]
+    assert "<th>run 1</th>" in table_html.value and "<th>run 0</th>" in table_html.value
+    assert "1f1b" in table_html.value and "gpipe" in table_html.value
+    assert figure.layout.annotations[0].text.startswith("run 1: step")
+    assert figure.layout.annotations[1].text.startswith("run 0: step")
+    assert figure.layout.xaxis.range == figure.layout.xaxis2.range
+    explorer.w_compare.value = -1
+    assert explorer.w_compare_box.children == ()
+
+
+# ---- editing the plan in the strip ----------------------------------------------------------
+
+def test_a_split_added_and_removed_in_the_strip_changes_the_stages_and_devices(explorer):
+    explorer.bar.splits = [2, 4, 5]  # a double-click on the boundary before layer 4
+    assert explorer.splits == [2, 4, 5] and explorer.plan.num_stages == 4
+    assert explorer.plan.devices == ("cpu",) * 4 and explorer.w_devices.value == "cpu,cpu,cpu,cpu"
+    assert "cpu repeated for 1 more device" in _text(explorer.w_errors["devices"])
+    assert explorer.w_stage_count.value == 4 and len(explorer.bar.stage_totals) == 4
+    explorer.bar.splits = [2]  # two handles deleted
+    assert explorer.splits == [2] and explorer.plan.devices == ("cpu", "cpu")
+    assert "cpu, cpu dropped" in _text(explorer.w_errors["devices"])
+    explorer.bar.splits = [2, 2]
+    assert explorer.splits == [2] and "split point 2 is repeated" in explorer.bar.error
+
+
+def test_the_stages_field_rebalances_and_refuses_too_many(explorer):
+    explorer.w_stage_count.value = 4
+    assert explorer.plan.num_stages == 4 and len(explorer.plan.devices) == 4
+    explorer.w_stage_count.value = 20
+    assert explorer.w_stage_count.value == 20 and explorer.plan.num_stages == 4
+    assert "stages must be a whole number from 1 to 8 (the layers), got 20" in _text(explorer.w_errors["stages"])
+
+
+def test_a_bad_chunks_value_stays_in_its_field_with_the_reason_beside_it(explorer):
+    explorer.w_chunks.value = 100
+    assert explorer.w_chunks.value == 100 and explorer.plan.chunks == 4
+    assert "chunks=100 is more than the batch" in _text(explorer.w_errors["chunks"])
+    assert explorer.w_errors["chunks"].layout.display == ""
+    explorer.w_chunks.value = 8
+    assert explorer.plan.chunks == 8 and explorer.w_errors["chunks"].layout.display == "none"
+
+
+# ---- progress and cancel ---------------------------------------------------------------------
+
+_GATE = {"armed": False, "started": threading.Event(), "release": threading.Event()}
+
+
+class _Gate(nn.Module):
+    """Identity that, once armed, says it started and waits to be released (a run held open)."""
+
+    def forward(self, x):
+        if _GATE["armed"]:
+            _GATE["started"].set()
+            _GATE["release"].wait(30)
+        return x
+
+
+def test_during_a_run_the_button_cancels_it():
+    model = nn.Sequential(nn.Linear(4, 4), _Gate(), nn.Linear(4, 4))
+    ex = explore(model, torch.randn(8, 4), devices=["cpu", "cpu"], splits=[1], chunks=2, calibrate=False)
+    _GATE.update(armed=True, started=threading.Event(), release=threading.Event())
+    try:
+        ex.w_run.click()
+        assert _GATE["started"].wait(30)
+        assert ex.w_run.description == "Cancel" and ex.w_run.button_style == "danger"
+        assert "pipexplore-spinner" in ex.w_status.value and "⏳" not in ex.w_status.value
+        assert ex.w_progress.layout.display == ""
+        ex.w_run.click()  # Cancel
+        _GATE["release"].set()
+        ex._thread.join(30)
+    finally:
+        _GATE["armed"] = False
+        _GATE["release"].set()
+    assert not ex._thread.is_alive()
+    assert "run cancelled" in ex.w_status.value and ex.runs.empty
+    assert ex.w_run.description == "Run step" and ex.w_progress.layout.display == "none"
+
+
+# ---- export and report -----------------------------------------------------------------------
+
+class _Page(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.classes: list[str] = []
+        self.attributes: list[dict[str, str]] = []
+        self.scripts: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        self.attributes.append(attributes)
+        self.classes.extend((attributes.get("class") or "").split())
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag):
+        self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.scripts.append(data)
+
+
+def test_export_offers_every_kind_with_its_code(explorer):
+    assert [value for _, value in explorer.w_export_kind.options] == [
+        "gpipe", "pipelining", "torchrun", "chrome-trace", "html"]
+    explorer.w_export_kind.value = "gpipe"
+    explorer.w_export.click()
+    assert explorer.w_code.code == explorer.export("gpipe") and "balance=[2, 3, 3]" in explorer.w_code.code
+    explorer.w_export_kind.value = "torchrun"
+    explorer.w_export.click()
+    assert explorer.w_code.code == explorer.export("torchrun")
+    explorer.w_export_kind.value = "chrome-trace"
+    explorer.w_export.click()
+    trace = json.loads(explorer.w_code.code)
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == len(explorer.plan.predicted)
+    assert "predicted step" in explorer.w_code.title
+
+
+def test_to_html_writes_one_self_contained_page(explorer, tmp_path):
+    explorer.run()
+    path = explorer.to_html(tmp_path / "report.html")
+    text = path.read_text()
+    page = _Page()
+    page.feed(text)
+    assert "pipexplore-timeline" in page.classes and "pipexplore-runs" in page.classes
+    assert any(a.get("data-splits") == "2,5" for a in page.attributes)
+    assert any("plotly.js" in script and "newPlot" in script for script in page.scripts)  # embedded, no CDN
+    assert not any((a.get("src") or "").startswith("http") for a in page.attributes)
+    assert explorer.export("gpipe").split("\n")[3].strip() in text.replace("&#x27;", "'")
+    assert "pipexplore-strip" in page.classes and "cell" in page.classes  # the strip as SVG
+
+
+def test_the_notebook_keeps_a_static_view(explorer):
+    bundle = explorer._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    page = _Page()
+    page.feed(bundle["text/html"])
+    assert "pipexplore-timeline" in page.classes and "cell" in page.classes
+    assert any(a.get("data-splits") == "2,5" for a in page.attributes)
+    assert not page.scripts
+    layers = [a for a in page.attributes if a.get("class") == "cell"]
+    assert [int(a["data-stage"]) for a in layers] == [0, 0, 1, 1, 1, 2, 2, 2]
