@@ -121,15 +121,18 @@ def _cuda_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, para
     """Per layer: the device memory its forward leaves allocated / ``chunks`` + ``param_scale`` × its parameter bytes."""
     from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
-    batch = Batch(input)
-    batch[:] = tuple(x.detach().to(device).requires_grad_(x.requires_grad) for x in batch)
-    sizes = []
-    with use_skip_tracker(SkipTracker()), torch.cuda.device(device):
-        for layer in module:
-            batch[:] = tuple(x.detach().requires_grad_(x.requires_grad) for x in batch)
-            before = torch.cuda.memory_allocated(device)
-            batch = batch.call(layer)
-            latent = torch.cuda.memory_allocated(device) - before
-            param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-            sizes.append(latent / chunks + param_scale * param_bytes)
+    sizes: list[float] = []
+    with torch.cuda.device(device):
+        for measured in (False, True):  # a first pass pays the one-time allocations (cuBLAS workspaces)
+            batch = Batch(input)
+            batch[:] = tuple(x.detach().to(device).requires_grad_(x.requires_grad) for x in batch)
+            with use_skip_tracker(SkipTracker()):
+                for layer in module:
+                    batch[:] = tuple(x.detach().requires_grad_(x.requires_grad) for x in batch)
+                    before = torch.cuda.memory_allocated(device)
+                    batch = batch.call(layer)
+                    latent = torch.cuda.memory_allocated(device) - before
+                    if measured:
+                        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+                        sizes.append(latent / chunks + param_scale * param_bytes)
     return sizes
