@@ -174,7 +174,6 @@ class Explorer:
         self._runs: list[dict[str, Any]] = []  # a summary row for every run
         self.keep_timelines = keep_timelines
         self._results: deque[RunResult] = deque(maxlen=keep_timelines)  # full timelines of the latest runs
-        self._run_rows_html: deque[str] = deque(maxlen=RUNS_SHOWN)
         self._next_run = 0
         self._lock = threading.Lock()  # one run at a time
         # Plan changes, run completion and view refreshes happen under this lock, from any thread.
@@ -303,7 +302,6 @@ class Explorer:
         with self._plan_lock:
             self._runs.clear()
             self._results.clear()
-            self._run_rows_html.clear()
             self._refresh_runs()
 
     def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
@@ -332,7 +330,6 @@ class Explorer:
                 self._next_run = number + 1
                 self._runs.append(row)
                 self._results.append(result)
-                self._run_rows_html.append(_run_row_html(row))
                 if row["finite"] and self.calibrate and plan.schedule != "async-backends" and self._plan == plan:
                     # Later predictions include the executor's own cost per action, as this run measured it.
                     self._plan = plan.calibrated(result.timeline)
@@ -1118,37 +1115,6 @@ class Explorer:
     def _show_code(self, code: str, title: str = "") -> None:
         self.w_code.title = title
         self.w_code.code = code
-
-
-_RUNS_SHOWN_COLUMNS = [("run", "run"), ("executor", "executor"), ("splits", "splits"), ("chunks", "chunks"),
-                       ("checkpoint", "checkpoint"), ("schedule", "schedule"), ("devices", "devices"),
-                       ("step_time", "step ms"), ("startup_seconds", "startup s"), ("bubble", "bubble %"),
-                       ("throughput", "throughput"), ("peak_memory", "peak_memory"),
-                       ("predicted_step_time", "predicted ms"), ("prediction_error", "error %"), ("loss", "loss"),
-                       ("finite", "finite")]
-_RUNS_HEADER = "<tr>" + "".join(f"<th>{label}</th>" for _, label in _RUNS_SHOWN_COLUMNS) + "</tr>"
-
-
-def _number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        return ""
-    return f"{value * scale:.{digits}f}"
-
-
-def _run_row_html(row: dict[str, Any]) -> str:
-    """One row of the runs view, formatted once."""
-    cells = {
-        "step_time": _number(row.get("step_time"), 1e3), "startup_seconds": _number(row.get("startup_seconds")),
-        "bubble": _number(row.get("bubble"), 100, 1), "throughput": _number(row.get("throughput"), 1, 1),
-        "peak_memory": "" if not isinstance(row.get("peak_memory"), float) or math.isnan(row["peak_memory"])
-        else _fmt_bytes(row["peak_memory"]),
-        "predicted_step_time": _number(row.get("predicted_step_time"), 1e3),
-        "prediction_error": _number(row.get("prediction_error"), 100, 1), "loss": _number(row.get("loss"), 1, 5)
-        if row.get("finite", True) else str(row.get("loss")),
-        "finite": "yes" if row.get("finite", True) else "⚠ no",
-    }
-    return "<tr>" + "".join(f"<td>{html.escape(str(cells.get(key, row.get(key, ''))))}</td>"
-                            for key, _ in _RUNS_SHOWN_COLUMNS) + "</tr>"
 
 
 def _run_summary(row: dict[str, Any]) -> str:
