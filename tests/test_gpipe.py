@@ -335,6 +335,57 @@ def test_bad_arguments(kwargs, error, message):
         GPipe(plain_model(), **kwargs)
 
 
+def test_arguments_coerced_as_torchgpipe_does_and_the_rest_refused():
+    class Mode:
+        def __str__(self):
+            return "never"
+
+    pipe = GPipe(plain_model(), balance=(4.0, 4), devices=["cpu", "cpu"], chunks=4.0, checkpoint=Mode())
+    assert pipe.balance == [4, 4] and pipe.chunks == 4 and type(pipe.chunks) is int
+    assert pipe.checkpoint == "never" and type(pipe.checkpoint) is str
+    with pytest.raises(TypeError, match=r"balance must be a list of ints .* got \[3.5, 4.5\]"):
+        GPipe(plain_model(), balance=[3.5, 4.5])  # refused, not truncated to [3, 4]
+    for chunks in (2.5, True):
+        with pytest.raises(TypeError, match=rf"number of chunks must be a positive integer, got {chunks}"):
+            GPipe(plain_model(), balance=[4, 4], devices=["cpu", "cpu"], chunks=chunks)
+    with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', or 'never', got None"):
+        GPipe(plain_model(), balance=[4, 4], devices=["cpu", "cpu"], checkpoint=None)
+
+
+def test_empty_module_is_the_identity():
+    pipe = GPipe(nn.Sequential(), [])
+    x = torch.randn(3, 2)
+    assert pipe(x) is x and pipe((x, x)) == (x, x)
+    with pytest.raises(TypeError, match="expected a tensor or a tuple of tensors, got int"):
+        pipe(42)
+    with pytest.raises(ValueError, match=r"balance \[1\] sums to 1 but the module has 0 layers: .*pipexplore.balance"):
+        GPipe(nn.Sequential(), [1])
+
+
+def test_tuple_tensors_of_different_batch_sizes_are_split_each_by_its_own():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, pair):
+            a, b = pair
+            return a * 2, self.fc(b) + a.sum()
+
+    model = nn.Sequential(Pair(), Pair())
+    a, b = torch.randn(4, 1), torch.randn(8, 2)
+    pipe = GPipe(copy.deepcopy(model), balance=[1, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
+    out_a, out_b = pipe((a, b))
+    # Each micro-batch holds 2 rows of a and 4 of b: the second layer adds its micro-batch's sum of a.
+    mid_a, mid_b = model[0]((a[:2], b[:4])), model[0]((a[2:], b[4:]))
+    expected = [model[1](mid_a), model[1](mid_b)]
+    torch.testing.assert_close(out_a, torch.cat([expected[0][0], expected[1][0]]))
+    torch.testing.assert_close(out_b, torch.cat([expected[0][1], expected[1][1]]))
+    with pytest.raises(ValueError, match=r"split into different numbers of micro-batches with chunks=2 "
+                                         r"\(tensor 0: 1 rows into 1, tensor 1: 8 rows into 2\)"):
+        pipe((torch.randn(1, 1), b))
+
+
 def test_zero_partition_message():
     with pytest.raises(ValueError, match=r"partition 1 has 0 layers"):
         GPipe(plain_model(), balance=[8, 0], devices=["cpu", "cpu"])
