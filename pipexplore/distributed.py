@@ -127,8 +127,15 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
                lambda *a, full_backward=True, **k: "backward" if full_backward else "input_grad")
         _timed(stage, spans, "backward_weight_one_chunk", lambda *a, **k: "weight_grad")
     name = job["schedule_class"]
+    loss_fn = job["loss_fn"]
+    if job.get("traced") is not None:
+        # The loss sees the output as the unsplit model returns it (a ModelOutput: out.logits, out["logits"]).
+        from pipexplore.model_inputs import model_output
+
+        user_loss, spec = loss_fn, getattr(pipe, "output_spec", None)
+        loss_fn = lambda output, target: user_loss(model_output(output, spec), target)  # noqa: E731
     schedule = getattr(schedules, name)(stages if name in MULTI_STAGE else stages[0], n_microbatches=job["chunks"],
-                                        loss_fn=job["loss_fn"])
+                                        loss_fn=loss_fn)
     optimizer = job["optimizer"](params)
     has_first, has_last = 0 in indices, num_stages - 1 in indices
     x = job["sample"].to(device) if has_first else None

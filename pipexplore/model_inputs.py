@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["call_inputs", "sample_rows", "microbatches", "first_microbatch"]
+__all__ = ["call_inputs", "sample_rows", "microbatches", "first_microbatch", "model_output"]
 
 
 def call_inputs(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -100,3 +100,20 @@ def microbatches(sample: Any, chunks: int) -> list[Any]:
 def first_microbatch(sample: Any, chunks: int) -> Any:
     """The first of :func:`microbatches`: the example a traced graph is built for."""
     return microbatches(sample, chunks)[0]
+
+
+def model_output(flat: Any, spec: Any) -> Any:
+    """The output as the model returns it (a ``ModelOutput``, a dict, a tuple …), rebuilt from a
+    split's flat outputs with the pytree ``spec`` the tracer recorded (``pipe.output_spec``).
+
+    Example::
+
+        out = model_output(last_stage_outputs, pipe.output_spec)
+        out.logits
+    """
+    leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+    if spec is not None and spec.num_leaves == len(leaves):
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(leaves, spec)
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)

@@ -37,7 +37,7 @@ from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, Step
                                        result, synthetic_loss)
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import to_device
-from pipexplore.model_inputs import call_inputs, first_microbatch, microbatches, sample_rows
+from pipexplore.model_inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.schedule import PHASE, StepResult, _Aborted, _Mailbox
 from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
@@ -394,12 +394,7 @@ class TracedExecutor:
 
     def _model_output(self, flat: Any) -> Any:
         """The output as the model returns it, rebuilt from the split's flat outputs."""
-        leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-        if self.output_spec is not None and self.output_spec.num_leaves == len(leaves):
-            from torch.utils._pytree import tree_unflatten
-
-            return tree_unflatten(leaves, self.output_spec)
-        return leaves[0] if len(leaves) == 1 else tuple(leaves)
+        return model_output(flat, self.output_spec)
 
     def _receive_grads(self, stage: int, i: int) -> dict[fx.Node, Optional[Tensor]]:
         """For each value this stage sent, the sum of its consumers' gradients (None: none needed)."""
