@@ -55,13 +55,17 @@ def test_header_shows_the_plans_predicted_figures(explorer):
     header = explorer.w_header.value
     assert f"{step * 1e3:.2f} ms" in header
     assert f"{tl.bubble_fraction(predicted) * 100:.1f} %" in header
-    assert f"{BATCH / step:,.0f} samples/s" in header
+    assert "throughput, samples/s" in header and f">{BATCH / step:,.0f}<" in header
     assert " · ".join(format_bytes(v) for v in _peaks(explorer.plan)) in header.replace("<span class=''>", "").replace(
         "</span>", "")
     assert "measured" in header and "no run yet" in header
     explorer.splits = [3, 6]  # the header follows the plan
     assert f"{tl.step_time(explorer.plan.predicted) * 1e3:.2f} ms" in explorer.w_header.value
     assert "splits [3, 6]" in explorer.w_header.value
+    row = explorer.run()  # the last measured step and how far its prediction was
+    assert "measured · run 0" in explorer.w_header.value and f"{row['step_time'] * 1e3:.2f} ms" in explorer.w_header.value
+    assert (f"predicted {row['predicted_step_time'] * 1e3:.2f} ms then ({row['prediction_error'] * 100:+.0f} %)"
+            in explorer.w_header.value)
 
 
 def test_an_empty_measured_panel_says_no_run_yet_without_axes(explorer):
@@ -112,7 +116,7 @@ def test_a_measured_panel_of_another_plan_says_so(explorer):
     assert "not the current plan" not in explorer.figure.layout.annotations[1].text
     explorer.update(chunks=8)
     title = explorer.figure.layout.annotations[1].text
-    assert "run 0" in title and "not the current plan: it had chunks 4 (now 8)" in title
+    assert "run 0" in title and "not the current plan: chunks 4 → 8" in title
 
 
 def test_the_plotly_toolbar_has_no_chart_studio_link(explorer):
@@ -205,7 +209,7 @@ def test_a_past_run_shows_again_and_its_plan_can_be_restored(explorer):
     explorer.update(chunks=8, splits=[4, 6])
     explorer.run()
     explorer.w_show_run.value = 0
-    assert "run 0 · splits [2, 5] · chunks 4" in explorer.figure.layout.annotations[1].text
+    assert "run 0 · splits [2, 5] · 4 chunks · gpipe" in explorer.figure.layout.annotations[1].text
     assert explorer.figure.data[len(PHASE_COLORS)].y is not None
     assert explorer.w_restore.description == "Restore run 0's plan"
     explorer.w_restore.click()
@@ -296,6 +300,24 @@ def test_during_a_run_the_button_cancels_it():
     assert not ex._thread.is_alive()
     assert "run cancelled" in ex.w_status.value and ex.runs.empty
     assert ex.w_run.description == "Run step" and ex.w_progress.layout.display == "none"
+
+
+def test_profiling_shows_layers_done_in_a_notebook(monkeypatch):
+    import IPython.display
+
+    from pipexplore.widgets import progress as progress_module
+
+    shown = []
+    monkeypatch.setattr(progress_module, "in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda widget: shown.append(widget))
+    with progress_module.profile_progress() as progress:
+        bar, label = shown[0].children
+        progress(3, 8)
+        assert (bar.value, bar.max) == (3, 8) and "profiling layers 3 of 8" in label.value
+    assert shown[0].comm is None  # closed: the bar is gone once profiling ends
+    explore(_model(), torch.randn(BATCH, WIDTH), chunks=4, devices=["cpu", "cpu"], calibrate=False)
+    bar, label = shown[1].children
+    assert bar.value == bar.max > LAYERS and f"{bar.max} of {bar.max}" in label.value  # every layer at each size
 
 
 # ---- export and report -----------------------------------------------------------------------

@@ -35,8 +35,10 @@ from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets.codeview import CodeView
-from pipexplore.widgets.header import header_html, parse_bytes, plan_figures, plan_text
+from pipexplore.widgets.header import (header_html, parse_bytes, plan_figures, plan_text, short_plan_text,
+                                       splits_text)
 from pipexplore.widgets.plots import STAGE_COLORS, TimelineView, residual_figure, update_residual_figure
+from pipexplore.widgets.progress import profile_progress
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.style import style_tag
@@ -138,12 +140,12 @@ class Explorer:
         if loss_fn is None:
             self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
         if layer_table is None and self.traced:
-            from pipexplore.trace import candidates
+            from pipexplore.trace import candidates_in_rows
 
             if isinstance(sample, Mapping):  # keyword inputs (a tokenizer's BatchEncoding too) as a plain dict
                 self.sample = sample = dict(sample)
-            layer_table = candidates(copy.deepcopy(model), sample, granularity=granularity, loss_fn=loss_fn,
-                                     target=target, repeats=profile_repeats)
+            layer_table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1, granularity=granularity,
+                                             loss_fn=loss_fn, target=target, repeats=profile_repeats)
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
                               "the traced stages in this process (threads) or one process per stage (processes).")
@@ -153,9 +155,10 @@ class Explorer:
             rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
             profile_device = (devices[0] if devices else "cuda:0" if torch.cuda.is_available() else "cpu")
             profiled = copy.deepcopy(model)
-            with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
+            with validate.naming_failing_layer(profiled, sample), profile_progress() as progress:
+                # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
                 layer_table = profile(profiled, sample, repeats=profile_repeats, microbatch_rows=rows,
-                                      device=_as_device(profile_device))
+                                      device=_as_device(profile_device), progress=progress)
         self.layer_table = layer_table
         n = len(self.layer_table)
         if splits is not None:
@@ -479,7 +482,7 @@ class Explorer:
                                        layout=W.Layout(width="92px"))
         self.w_chunks = W.IntText(value=plan.chunks, description="chunks", style=compact, layout=W.Layout(width="92px"))
         self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
-                                       description="checkpoint", style=compact, layout=W.Layout(width="172px"))
+                                       description="checkpoint", style=compact, layout=W.Layout(width="190px"))
         self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
                                      style=compact, layout=W.Layout(width="180px"))
         self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
@@ -492,7 +495,7 @@ class Explorer:
                                       value="time", tooltips=["cell widths: forward + backward time",
                                                               "cell widths: parameter bytes",
                                                               "cell widths: activation bytes"],
-                                      style={"button_width": "56px"})
+                                      style={"button_width": "74px"})
         self.w_balance_time = W.Button(description="Balance by time", layout=W.Layout(width="130px"),
                                        tooltip="splits that minimise the slowest stage")
         self.w_balance_size = W.Button(description="Balance by size", layout=W.Layout(width="130px"),
@@ -512,7 +515,7 @@ class Explorer:
         self.w_show_run = W.Dropdown(options=[("latest", -1)], value=-1, description="show run", style=compact,
                                      layout=W.Layout(width="150px"))
         self.w_restore = W.Button(description="Restore this plan", icon="undo", disabled=True,
-                                  layout=W.Layout(width="150px"))
+                                  layout=W.Layout(width="auto"))
         self.w_compare = W.Dropdown(options=[("—", -1)], value=-1, description="compare with", style=compact,
                                     layout=W.Layout(width="180px"))
         self.w_sort = W.Dropdown(options=[("run", "run"), ("step time", "step_time"), ("|error|", "prediction_error"),
@@ -741,20 +744,20 @@ class Explorer:
         if result is not None:
             difference = self._plan_difference(result.plan)
             measured = dict(measured=result.timeline, measured_title=f"run {self._run_number(result)} · "
-                            f"{plan_text(result.plan)}", measured_warning=difference)
-        self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title=plan_text(plan),
+                            f"{short_plan_text(result.plan)}", measured_warning=difference)
+        self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title="the current plan",
                             memory_cap=self._memory_cap, **measured)
 
     def _plan_difference(self, other: Plan) -> str:
         """'' when ``other`` is the current plan, else what differs (for the measured panel's title)."""
         plan = self._plan
-        changes = [f"{name} {theirs} (now {ours})" for name, theirs, ours in (
-            ("splits", list(other.splits), list(plan.splits)), ("chunks", other.chunks, plan.chunks),
+        changes = [f"{name} {theirs} → {ours}" for name, theirs, ours in (
+            ("splits", splits_text(other.splits), splits_text(plan.splits)), ("chunks", other.chunks, plan.chunks),
             ("schedule", other.schedule, plan.schedule), ("checkpoint", other.checkpoint, plan.checkpoint),
             ("executor", other.executor, plan.executor),
             ("devices", ",".join(other.devices[: other.num_devices]), ",".join(plan.devices[: plan.num_devices])))
             if theirs != ours]
-        return ("not the current plan: it had " + ", ".join(changes)) if changes else ""
+        return ("not the current plan: " + ", ".join(changes)) if changes else ""
 
     def _run_number(self, result: Optional[RunResult]) -> Optional[int]:
         if result is None or result.timeline.empty:
@@ -904,7 +907,7 @@ class Explorer:
                        f"<th>run {second.get('run')}</th></tr>{body}</table>")
         view = TimelineView(a.timeline, b.timeline, batch_size(self.sample), memory=False,
                             names=(f"run {first.get('run')}", f"run {second.get('run')}"))
-        view.show(predicted_title=plan_text(a.plan), measured_title=plan_text(b.plan))
+        view.show(predicted_title=short_plan_text(a.plan), measured_title=short_plan_text(b.plan))
         self.w_compare_box.children = [W.HTML("<div class='pipexplore-section'>compared</div>"), table, view.figure]
 
     def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:

@@ -10,7 +10,7 @@ import pandas as pd
 from pipexplore import timeline as tl
 from pipexplore.plan import Plan
 
-__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "parse_bytes"]
+__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -37,8 +37,32 @@ def plan_text(plan: Plan) -> str:
         plan_text(explorer.plan)   # 'splits [4, 8] · chunks 4 · gpipe · checkpoint except_last · threads on cpu,cpu,cpu'
     """
     devices = ",".join(plan.devices[: plan.num_devices])
-    return (f"splits {list(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · checkpoint {plan.checkpoint} · "
+    return (f"splits {splits_text(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · checkpoint {plan.checkpoint} · "
             f"{plan.executor} on {devices}")
+
+
+def splits_text(splits: Any, shown: int = 8) -> str:
+    """Split points in short: all of them, or the first and last few with how many in all.
+
+    Example::
+
+        splits_text(range(4, 256, 4))   # '[4, 8, 12, 16, …, 244, 248, 252] (63 splits)'
+    """
+    splits = list(splits)
+    if len(splits) <= shown:
+        return str(splits)
+    half = shown // 2
+    return f"[{', '.join(map(str, splits[:half]))}, …, {', '.join(map(str, splits[-half + 1:]))}] ({len(splits)} splits)"
+
+
+def short_plan_text(plan: Plan) -> str:
+    """What tells two plans apart, in a few words: splits, chunks, schedule.
+
+    Example::
+
+        short_plan_text(explorer.plan)   # 'splits [4, 8] · 4 chunks · gpipe'
+    """
+    return f"splits {splits_text(plan.splits)} · {plan.chunks} chunks · {plan.schedule}"
 
 
 def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
@@ -90,7 +114,7 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
     cards = [
         _card("predicted step", f"{figures['step_time'] * 1e3:.2f} ms"),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
-        _card("throughput", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f} samples/s"),
+        _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
         _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),
     ]
     if last_run is not None:
@@ -98,7 +122,8 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         bad = isinstance(error, float) and not math.isnan(error) and abs(error) > 0.25
         known = isinstance(error, float) and not math.isnan(error)
         cards.append(_card(f"measured · run {last_run['run']}", f"{last_run['step_time'] * 1e3:.2f} ms",
-                           f"prediction error {error * 100:+.0f} %" if known else "prediction error –",
+                           f"predicted {last_run['predicted_step_time'] * 1e3:.2f} ms then ({error * 100:+.0f} %)"
+                           if known else "prediction error –",
                            "pipexplore-bad" if bad else ""))
     else:
         cards.append(_card("measured", "no run yet", "press Run step"))

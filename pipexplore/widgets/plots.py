@@ -187,7 +187,7 @@ class TimelineView:
             barmode="overlay", bargap=0.25, autosize=True, paper_bgcolor="rgba(0,0,0,0)",
             plot_bgcolor="rgba(0,0,0,0)", font=dict(family="system-ui, sans-serif", size=12, color=_TEXT),
             margin=dict(l=10, r=10, t=_TOP_PX, b=_BOTTOM_PX), uniformtext=dict(minsize=8, mode="hide"),
-            legend=dict(orientation="h", x=0, y=1, yanchor="bottom", yref="container", font=dict(size=11),
+            legend=dict(orientation="h", x=0, y=1, yanchor="top", yref="container", font=dict(size=11),
                         bgcolor="rgba(0,0,0,0)"),
             hoverlabel=dict(font_size=12), dragmode="zoom", meta={"splits": ""})
         for annotation in figure.layout.annotations[:3]:
@@ -315,13 +315,11 @@ class TimelineView:
                                mode="lines", name="memory cap", showlegend=cap is not None,
                                line=dict(color="#d62728", dash="dash", width=1.5), xaxis="x3", yaxis="y3",
                                hovertemplate="memory cap %{y:.2f} " + unit + "<extra></extra>")
-        few = len(stages) <= 8
         over = peaks["over_cap"].to_numpy(dtype=bool) if len(peaks) else np.zeros(0, dtype=bool)
         peak_trace = go.Scatter(
             x=peaks["time"].to_numpy(dtype=float) * 1e3, y=peaks["bytes"].to_numpy(dtype=float) / scale,
-            mode="markers+text" if few else "markers", name="peak", showlegend=False, xaxis="x3", yaxis="y3",
+            mode="markers", name="peak", showlegend=False, xaxis="x3", yaxis="y3",
             text=[f"stage {s} peak" + (" — over the cap" if o else "") for s, o in zip(peaks["stage"], over)],
-            textposition="top center", textfont=dict(size=10, color=_TEXT),
             marker=dict(symbol=np.where(over, "x", "diamond"), size=np.where(over, 11, 8),
                         color=[("#d62728" if o else STAGE_COLORS[int(s) % len(STAGE_COLORS)])
                                for s, o in zip(peaks["stage"], over)]),
@@ -359,8 +357,8 @@ class TimelineView:
             layout[axis].update(domain=domains[k], type="category", categoryorder="array", categoryarray=lane_list,
                                 autorange="reversed", visible=bool(lane_list), fixedrange=True)
         layout.yaxis3.update(domain=domains[2] if self.memory else [0, 0], title_text=f"activations ({self._memory_unit})",
-                             rangemode="tozero", fixedrange=True, visible=self.memory)
-        layout.xaxis3.update(visible=self.memory)
+                             rangemode="tozero", fixedrange=True, visible=self.memory, ticklabelstandoff=6)
+        layout.xaxis3.update(visible=self.memory, ticklabelstandoff=4)  # the two zeros at the corner apart
         measured_empty = not lane_sets[1]
         layout.xaxis2.update(showgrid=not measured_empty, showticklabels=not self.memory)
         for axis in ("xaxis", "xaxis2", "xaxis3"):

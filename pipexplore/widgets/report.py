@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import pandas as pd
 
-from pipexplore.widgets.header import plan_text
+from pipexplore.widgets.header import plan_text, short_plan_text
 from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView, residual_figure
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.static import strip_svg
@@ -65,8 +65,8 @@ def report_html(explorer: "Explorer") -> str:
     result = explorer._shown_result()
     view = TimelineView(plan.predicted, result.timeline if result is not None else None,
                         explorer.timelines.samples, widget=False, memory_cap=explorer.memory_cap)
-    view.show(splits=plan.splits, predicted_title=plan_text(plan),
-              measured_title=(f"run {explorer._run_number(result)} · {plan_text(result.plan)}"
+    view.show(splits=plan.splits, predicted_title=short_plan_text(plan),
+              measured_title=(f"run {explorer._run_number(result)} · {short_plan_text(result.plan)}"
                               if result is not None else ""),
               measured_warning=explorer._plan_difference(result.plan) if result is not None else "")
     splits = ",".join(map(str, plan.splits))

@@ -58,7 +58,8 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
         raise ValueError(f"sort_by must be one of {', '.join(SORT_KEYS)}, got {sort_by!r}")
     frame = runs.tail(limit) if limit else runs
     frame = frame.sort_values(sort_by, ascending=not descending, kind="stable", na_position="last")
-    columns = [c for c in RUNS_VIEW_COLUMNS if c in frame and not _empty(frame[c])]
+    columns = [c for c in RUNS_VIEW_COLUMNS if c in frame and not _empty(frame[c])
+               and not (c == "finite" and frame[c].astype(bool).all())]  # "finite" only when one is not
     frame = frame[columns].reset_index(drop=True)
     if "splits" in frame:
         frame["splits"] = [",".join(map(str, s)) if isinstance(s, (list, tuple)) else str(s) for s in frame["splits"]]

@@ -1,9 +1,12 @@
 // The split strip: layers as cells, stages in colours, skip routes as arcs, split handles to drag.
 // State lives in the Python model (layers, splits, skips, view, stage_totals, error); a drag
-// moves a handle between layer boundaries and commits `splits` on release.
+// moves a handle between layer boundaries and commits `splits` on release. Double-click a layer
+// boundary to add a split; Delete on a focused handle (or dragging it off the strip) removes it.
+// It also tags the explorer's predicted timeline with `data-splits` once plotly has drawn it.
 const SVG = "http://www.w3.org/2000/svg";
-const W = 1000, BAR_Y = 78, BAR_H = 44, ARC_TOP = 8;
+const W = 1000, BAR_H = 44, ARC_TOP = 8, OFF_STRIP = 60;
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
+const CHAR_W = 6.2; // width of one character of the 10px labels, in strip units
 
 function el(tag, attrs = {}, parent = null) {
   const node = document.createElementNS(SVG, tag);
@@ -24,29 +27,72 @@ function weights(layers, view) {
   return raw.map((r) => r / sum);
 }
 
+// Consecutive layers that share a parent module ("blocks.3.attn", "blocks.3.mlp" → "blocks.3").
+function groups(layers) {
+  const parent = (name) => {
+    const parts = String(name).split(".");
+    return parts.length > 1 ? parts.slice(0, -1).join(".") : null;
+  };
+  const out = [];
+  layers.forEach((layer, i) => {
+    const p = parent(layer.name);
+    const last = out[out.length - 1];
+    if (p !== null && last && last.name === p && last.end === i) last.end = i + 1;
+    else if (p !== null) out.push({ name: p, start: i, end: i + 1 });
+  });
+  return out.filter((g) => g.end - g.start > 1);
+}
+
+function stageOf(layer, splits) {
+  let s = 0;
+  for (const p of splits) if (p <= layer) s += 1;
+  return s;
+}
+
+// The explorer's predicted timeline carries the splits it shows, set once plotly has drawn them.
+function tagTimeline(host) {
+  let tries = 0;
+  const timer = setInterval(() => {
+    tries += 1;
+    const explorer = host.closest(".pipexplore-explorer");
+    const timeline = explorer && explorer.querySelector(".pipexplore-timeline");
+    // plotly's FigureWidget draws into its own element: the timeline is the graph.
+    const graph = timeline && (timeline.classList.contains("js-plotly-plot") ? timeline
+      : timeline.querySelector(".js-plotly-plot"));
+    if (!graph || typeof graph.on !== "function") {
+      if (tries > 600) clearInterval(timer);
+      return;
+    }
+    clearInterval(timer);
+    const sync = () => {
+      const meta = (graph.layout && graph.layout.meta) || {};
+      if (meta.splits !== undefined) timeline.dataset.splits = String(meta.splits);
+    };
+    for (const event of ["plotly_afterplot", "plotly_restyle", "plotly_relayout", "plotly_update"]) graph.on(event, sync);
+    sync();
+  }, 100);
+}
+
 function render({ model, el: host }) {
   const root = document.createElement("div");
   root.className = "pipexplore-splitbar";
   host.appendChild(root);
-  const svg = el("svg", { viewBox: `0 0 ${W} 150`, width: "100%", role: "group", "aria-label": "pipeline split points" });
+  const svg = el("svg", { viewBox: `0 0 ${W} 80`, width: "100%", role: "group", "aria-label": "pipeline split points" });
   root.appendChild(svg);
   const message = document.createElement("div");
   message.className = "pipexplore-error";
   root.appendChild(message);
-  let drag = null; // { k, splits }
+  let drag = null; // { k, splits, off }
+  let xs = [];
+  let BAR_Y = 10; // room above the bar for skip arcs, when there are any
+  tagTimeline(host);
 
   function boundaries() {
     const layers = model.get("layers");
     const w = weights(layers, model.get("view"));
-    const xs = [0];
-    for (const f of w) xs.push(xs[xs.length - 1] + f * W);
-    return xs;
-  }
-
-  function stageOf(layer, splits) {
-    let s = 0;
-    for (const p of splits) if (p <= layer) s += 1;
-    return s;
+    const out = [0];
+    for (const f of w) out.push(out[out.length - 1] + f * W);
+    return out;
   }
 
   function commit(splits) {
@@ -58,25 +104,62 @@ function render({ model, el: host }) {
     return [k > 0 ? splits[k - 1] + 1 : 1, k < splits.length - 1 ? splits[k + 1] - 1 : n - 1];
   }
 
-  function draw() {
+  function local(event) {
+    const point = svg.createSVGPoint();
+    point.x = event.clientX;
+    point.y = event.clientY;
+    return point.matrixTransform(svg.getScreenCTM().inverse());
+  }
+
+  function nearestBoundary(x, lo, hi) {
+    let best = lo, distance = Infinity;
+    for (let b = lo; b <= hi; b++) {
+      const d = Math.abs(xs[b] - x);
+      if (d < distance) { distance = d; best = b; }
+    }
+    return best;
+  }
+
+  function focusedIndex() {
+    const active = root.contains(document.activeElement) ? document.activeElement : null;
+    return active && active.classList.contains("handle") ? Number(active.getAttribute("data-index")) : null;
+  }
+
+  function draw(focus = focusedIndex()) {
     const layers = model.get("layers");
     const splits = drag ? drag.splits : model.get("splits");
-    const xs = boundaries();
+    xs = boundaries();
+    const blocks = groups(layers);
+    BAR_Y = model.get("skips").length ? 70 : 10;
+    const GROUP_Y = BAR_Y + BAR_H + 24;
+    svg.setAttribute("viewBox", `0 0 ${W} ${GROUP_Y + (blocks.length ? 20 : 0)}`);
     svg.replaceChildren();
-    // Cells.
+    // Cells (labelled only where the name fits).
     layers.forEach((layer, i) => {
       const stage = stageOf(i, splits);
+      const width = xs[i + 1] - xs[i];
       const cell = el("rect", {
-        x: xs[i], y: BAR_Y, width: Math.max(0.5, xs[i + 1] - xs[i] - 1), height: BAR_H,
+        x: xs[i], y: BAR_Y, width: Math.max(0.5, width - (width > 3 ? 1 : 0)), height: BAR_H,
         fill: COLORS[stage % COLORS.length], class: "cell", "data-layer": i, "data-stage": stage,
       }, svg);
       el("title", {}, cell).textContent =
         `${layer.name} (${layer.type}) · stage ${stage}\n${layer.label || ""}`;
-      if (xs[i + 1] - xs[i] > 26) {
+      const name = String(layer.name);
+      const label = width > name.length * CHAR_W + 6 ? name : width > String(i).length * CHAR_W + 4 ? String(i) : "";
+      if (label) {
         const t = el("text", { x: (xs[i] + xs[i + 1]) / 2, y: BAR_Y + BAR_H / 2 + 4, class: "cell-label" }, svg);
-        t.textContent = layer.name;
+        t.textContent = label;
       }
     });
+    // The model's own blocks (a shared parent module) as brackets under the cells.
+    for (const g of blocks) {
+      const x0 = xs[g.start] + 1, x1 = xs[g.end] - 1;
+      el("path", { d: `M ${x0} ${GROUP_Y - 4} v 4 H ${x1} v -4`, class: "group" }, svg);
+      if (x1 - x0 > g.name.length * CHAR_W + 4) {
+        const t = el("text", { x: (x0 + x1) / 2, y: GROUP_Y + 12, class: "group-label" }, svg);
+        t.textContent = g.name;
+      }
+    }
     // Skip arcs above the bar; the ones that cross stages are marked.
     for (const skip of model.get("skips")) {
       const a = (xs[skip.from] + xs[skip.from + 1]) / 2, b = (xs[skip.to] + xs[skip.to + 1]) / 2;
@@ -89,77 +172,98 @@ function render({ model, el: host }) {
       el("title", {}, path).textContent =
         `skip '${skip.name}': layer ${skip.from} → ${skip.to}` + (crosses ? " (crosses stages: copied)" : "");
     }
-    // Per-stage totals under the bar.
+    // Per-stage totals under the bar, where they fit.
     const totals = model.get("stage_totals");
     const points = [0, ...splits, layers.length];
     for (let s = 0; s + 1 < points.length; s++) {
-      const t = el("text", { x: (xs[points[s]] + xs[points[s + 1]]) / 2, y: BAR_Y + BAR_H + 20, class: "stage-total" }, svg);
-      t.textContent = totals[s] !== undefined ? totals[s] : `stage ${s}`;
+      const text = totals[s] !== undefined && !drag ? totals[s] : `stage ${s}`;
+      const width = xs[points[s + 1]] - xs[points[s]];
+      if (width < text.length * 7) continue;
+      const t = el("text", { x: (xs[points[s]] + xs[points[s + 1]]) / 2, y: BAR_Y + BAR_H + 18, class: "stage-total" }, svg);
+      t.textContent = text;
     }
-    // Handles.
+    // Handles; narrow grips where splits are dense, so that each stays grabbable.
     splits.forEach((split, k) => {
       const x = xs[split];
+      const left = k > 0 ? x - xs[splits[k - 1]] : x;
+      const right = (k + 1 < splits.length ? xs[splits[k + 1]] : W) - x;
+      const grip = Math.max(3, Math.min(12, left, right));
+      const off = drag && drag.k === k && drag.off;
       const handle = el("g", {
-        class: "handle", tabindex: 0, role: "slider", "data-index": k, "aria-valuenow": split,
-        "aria-label": `split point ${k + 1}: stage ${k + 1} begins at layer ${split}`,
+        class: off ? "handle removing" : "handle", tabindex: 0, role: "slider", "data-index": k,
+        "aria-valuenow": split, "aria-valuemin": bounds(k, splits, layers.length)[0],
+        "aria-valuemax": bounds(k, splits, layers.length)[1],
+        "aria-label": `split point ${k + 1}: stage ${k + 1} begins at layer ${split} (arrows move it, Delete removes it)`,
       }, svg);
-      el("rect", { x: x - 6, y: BAR_Y - 8, width: 12, height: BAR_H + 16, class: "grip" }, handle);
+      el("rect", { x: x - grip / 2, y: BAR_Y - 8, width: grip, height: BAR_H + 16, class: "grip" }, handle);
       el("line", { x1: x, x2: x, y1: BAR_Y - 8, y2: BAR_Y + BAR_H + 8, class: "bar" }, handle);
       handle.addEventListener("pointerdown", (event) => {
         event.preventDefault();
         handle.setPointerCapture(event.pointerId);
-        drag = { k, splits: [...model.get("splits")] };
+        drag = { k, splits: [...model.get("splits")], off: false };
       });
       handle.addEventListener("pointermove", (event) => {
         if (!drag || drag.k !== k) return;
-        const point = svg.createSVGPoint();
-        point.x = event.clientX;
-        point.y = event.clientY;
-        const local = point.matrixTransform(svg.getScreenCTM().inverse());
+        const p = local(event);
         const [lo, hi] = bounds(k, drag.splits, layers.length);
-        let best = drag.splits[k], distance = Infinity;
-        for (let b = lo; b <= hi; b++) {
-          const d = Math.abs(xs[b] - local.x);
-          if (d < distance) { distance = d; best = b; }
-        }
-        if (best !== drag.splits[k]) {
+        const best = nearestBoundary(p.x, lo, hi);
+        const off = Math.abs(p.y - (BAR_Y + BAR_H / 2)) > OFF_STRIP;
+        if (best !== drag.splits[k] || off !== drag.off) {
           drag.splits[k] = best;
-          draw();
+          drag.off = off;
+          draw(null);
           svg.querySelector(`.handle[data-index="${k}"]`)?.setPointerCapture?.(event.pointerId);
         }
       });
       const release = () => {
         if (!drag || drag.k !== k) return;
-        const proposed = drag.splits;
+        const proposed = drag.off ? drag.splits.filter((_, j) => j !== k) : drag.splits;
         drag = null;
         commit(proposed);
-        draw();
+        draw(null);
       };
       handle.addEventListener("pointerup", release);
       handle.addEventListener("pointercancel", release);
       handle.addEventListener("keydown", (event) => {
+        const current = [...model.get("splits")];
+        if (event.key === "Delete" || event.key === "Backspace") {
+          event.preventDefault();
+          commit(current.filter((_, j) => j !== k));
+          draw(current.length > 1 ? Math.min(k, current.length - 2) : null);
+          return;
+        }
         const step = { ArrowLeft: -1, ArrowRight: 1 }[event.key];
         if (!step) return;
         event.preventDefault();
-        const current = [...model.get("splits")];
         const [lo, hi] = bounds(k, current, layers.length);
         const next = Math.min(hi, Math.max(lo, current[k] + step));
         if (next !== current[k]) {
           current[k] = next;
           commit(current);
+          draw(k);
         }
       });
     });
+    if (focus !== null && focus !== undefined) svg.querySelector(`.handle[data-index="${focus}"]`)?.focus();
     message.textContent = model.get("error") || "";
   }
 
-  model.on("change:layers", draw);
-  model.on("change:splits", draw);
-  model.on("change:skips", draw);
-  model.on("change:view", draw);
-  model.on("change:stage_totals", draw);
-  model.on("change:error", draw);
-  draw();
+  // Double-click between two layers: a new split there (one more stage).
+  svg.addEventListener("dblclick", (event) => {
+    if (event.target.closest && event.target.closest(".handle")) return;
+    const layers = model.get("layers");
+    if (layers.length < 2) return;
+    const b = nearestBoundary(local(event).x, 1, layers.length - 1);
+    const current = model.get("splits");
+    if (current.includes(b)) return;
+    const next = [...current, b].sort((a, c) => a - c);
+    commit(next);
+    draw(next.indexOf(b));
+  });
+
+  for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => draw());
+  draw(null);
+  return () => {};
 }
 
 export default { render };

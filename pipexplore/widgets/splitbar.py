@@ -14,19 +14,25 @@ _CSS = """
 .pipexplore-splitbar { font-family: system-ui, sans-serif; user-select: none; }
 .pipexplore-splitbar .cell { stroke: white; stroke-width: 0.5; }
 .pipexplore-splitbar .cell-label { font-size: 10px; fill: white; text-anchor: middle; pointer-events: none; }
-.pipexplore-splitbar .stage-total { font-size: 12px; fill: #333; text-anchor: middle; }
+.pipexplore-splitbar .stage-total { font-size: 12px; fill: var(--jp-ui-font-color1, #333); text-anchor: middle; }
+.pipexplore-splitbar .group { fill: none; stroke: var(--jp-ui-font-color2, #777); stroke-width: 1; }
+.pipexplore-splitbar .group-label { font-size: 10px; fill: var(--jp-ui-font-color2, #777); text-anchor: middle; }
 .pipexplore-splitbar .skip { fill: none; stroke: #888; stroke-width: 1.5; }
 .pipexplore-splitbar .skip.crossing { stroke: #d62728; stroke-width: 2; stroke-dasharray: 5 3; }
 .pipexplore-splitbar .handle { cursor: ew-resize; outline: none; }
-.pipexplore-splitbar .handle .grip { fill: rgba(0, 0, 0, 0.12); }
-.pipexplore-splitbar .handle:focus .grip, .pipexplore-splitbar .handle:hover .grip { fill: rgba(0, 0, 0, 0.3); }
-.pipexplore-splitbar .handle .bar { stroke: #111; stroke-width: 3; }
+.pipexplore-splitbar .handle:focus .grip, .pipexplore-splitbar .handle:hover .grip { fill: rgba(128, 128, 128, 0.4); }
+.pipexplore-splitbar .handle .bar { stroke: var(--jp-ui-font-color0, #111); stroke-width: 3; }
+.pipexplore-splitbar .handle:focus .bar { stroke: var(--jp-brand-color1, #1976d2); }
+.pipexplore-splitbar .handle.removing .bar { stroke: #d62728; stroke-dasharray: 4 3; }
+.pipexplore-splitbar .handle .grip { fill: rgba(128, 128, 128, 0.18); }
 .pipexplore-splitbar .pipexplore-error { color: #b00020; font-size: 13px; min-height: 1em; }
 """
 
 
 class SplitBar(anywidget.AnyWidget):
-    """The layer strip. ``splits`` is the only trait the front end changes (on release of a handle).
+    """The layer strip. ``splits`` is the only trait the front end changes: on release of a
+    dragged handle, on an arrow key, and with one more split (double-click a layer boundary) or
+    one fewer (Delete on a focused handle, or a handle dragged off the strip).
 
     ``layers``: one dict per layer (``name``, ``type``, ``time``, ``params``, ``memory``, ``label``);
     ``skips``: ``{'name', 'from', 'to'}`` per route; ``view``: which cost sets the widths;

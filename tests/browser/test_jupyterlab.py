@@ -1,8 +1,10 @@
 """The explorer in a real JupyterLab, driven by headless Chromium as a person would use it.
 
-Starts JupyterLab on 127.0.0.1, opens a notebook, runs it, drags a split handle with the mouse,
-checks the kernel's ``explorer.splits`` changed and the predicted timeline re-rendered, clicks
-"Run step" and waits for the runs table to grow. Saves a screenshot in ``test-output/``.
+Starts JupyterLab on 127.0.0.1 in a 1,280-px window, opens a notebook, runs it, drags a split
+handle with the mouse, checks the kernel's ``explorer.splits`` changed and the predicted timeline
+was redrawn (its ``data-splits``), adds a split by double-click and removes one by Delete, moves a
+focused handle with the keyboard, clicks "Run step" and waits for the runs table to grow, then
+checks the page fits and no text overlaps. Saves a screenshot in ``test-output/``.
 """
 from __future__ import annotations
 
@@ -130,6 +132,55 @@ def _run_all(page) -> None:
     raise AssertionError("the notebook's cells never started running")
 
 
+_OVERLAPS = """
+root => {
+  // Every piece of text drawn in the explorer (SVG text of the strip and the plotly figure, and
+  // the HTML labels) as boxes; the pairs that overlap by more than a pixel each way.
+  const boxes = [];
+  for (const node of root.querySelectorAll('svg text, .widget-label, .pipexplore-card-label, .pipexplore-card-value')) {
+    if (!node.textContent.trim() || node.closest('.modebar')) continue;
+    const style = getComputedStyle(node);
+    if (style.display === 'none' || style.visibility === 'hidden' || style.opacity === '0') continue;
+    const r = node.getBoundingClientRect();
+    if (r.width < 1 || r.height < 1) continue;
+    boxes.push({text: node.textContent.trim().slice(0, 40), l: r.left, r: r.right, t: r.top, b: r.bottom});
+  }
+  const overlaps = [];
+  for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+    const a = boxes[i], b = boxes[j];
+    if (Math.min(a.r, b.r) - Math.max(a.l, b.l) > 1 && Math.min(a.b, b.b) - Math.max(a.t, b.t) > 1)
+      overlaps.push(a.text + ' / ' + b.text);
+  }
+  return overlaps;
+}
+"""
+
+
+_OVERFLOWING = """
+root => {
+  // Elements of the explorer that reach past its right edge (a page wider than its window).
+  const right = root.getBoundingClientRect().right + 1;
+  return [...root.querySelectorAll('*')].filter(node => node.getBoundingClientRect().right > right
+    && getComputedStyle(node).display !== 'none' && !node.closest('.pipexplore-runs')
+    && !node.closest('.draglayer'))  // plotly's invisible drag handles reach past the axis ends
+    .slice(0, 8).map(node => node.tagName + '.' + String(node.className.baseVal ?? node.className).slice(0, 60)
+      + ' ' + Math.round(node.getBoundingClientRect().right - right) + 'px: ' + node.textContent.slice(0, 50));
+}
+"""
+
+
+_TIMELINE_STATE = """
+() => {
+  const timeline = document.querySelector('.pipexplore-timeline');
+  const graph = timeline && (timeline.classList.contains('js-plotly-plot') ? timeline
+    : timeline.querySelector('.js-plotly-plot'));
+  return JSON.stringify({timeline: timeline ? timeline.className + ' ' + JSON.stringify(timeline.dataset) : null,
+                         graph: !!graph, on: graph ? typeof graph.on : null,
+                         meta: graph && graph.layout ? graph.layout.meta : null});
+}
+"""
+
+
 def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
     url, token = lab
     OUTPUT.mkdir(exist_ok=True)
@@ -138,17 +189,23 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
             "--disable-component-update", "--disable-sync", "--disable-quic", "--no-first-run"])
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1300})
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(f"{url}/lab/workspaces/pipexplore-test/tree/explorer.ipynb?reset&token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
             # Wait for the kernel, then run the notebook as a person would.
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
             _run_all(page)
             handle = page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
+            news = page.locator(".jp-Notification-Toast-Close, .jp-toast-button:has-text('No')")
+            if news.count():  # JupyterLab's "get notified about news?" toast covers the page's corner
+                news.first.click()
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [2]')",
                                    timeout=120_000)
             assert handle.get_attribute("aria-valuenow") == "2"
-            predicted_before = page.locator(".js-plotly-plot .barlayer").first.inner_html()
+            # The predicted timeline says which split it shows once plotly has drawn it.
+            page.wait_for_selector(".pipexplore-timeline[data-splits='2']", timeout=60_000)
+            explorer = page.locator(".pipexplore-explorer")
+            assert "no run yet" in explorer.locator(".pipexplore-timeline").inner_text()
 
             # Drag the handle to the boundary before layer 5.
             box = handle.bounding_box()
@@ -158,15 +215,34 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=12)
             page.mouse.up()
             page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
+            # The predicted timeline is redrawn for the new split.
+            page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
 
             # The kernel's explorer has the new split.
             _run_cell(page, 2)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [5]')",
                                    timeout=60_000)
-            # The predicted timeline was drawn anew (the two stages' bars moved).
-            page.wait_for_function(
-                "b => document.querySelector('.js-plotly-plot .barlayer').innerHTML !== b",
-                arg=predicted_before, timeout=30_000)
+
+            # A third stage: double-click the boundary before layer 2; its devices follow.
+            page.locator(".pipexplore-splitbar").scroll_into_view_if_needed()
+            cell = page.locator(".pipexplore-splitbar .cell[data-layer='2']").bounding_box()
+            page.mouse.dblclick(cell["x"] + 1, cell["y"] + cell["height"] / 2)
+            page.wait_for_selector(".pipexplore-timeline[data-splits='2,5']", timeout=30_000)
+            assert page.locator(".pipexplore-splitbar .handle").count() == 2
+            page.wait_for_function("document.querySelector('.pipexplore-explorer').innerText.includes('3 stages: cpu "
+                                   "repeated')", timeout=30_000)
+
+            # Keyboard: a focused handle keeps its focus across moves; Delete removes it.
+            first = page.locator(".pipexplore-splitbar .handle[data-index='0']")
+            first.focus()
+            page.keyboard.press("ArrowRight")
+            page.wait_for_selector(".pipexplore-timeline[data-splits='3,5']", timeout=30_000)
+            page.keyboard.press("ArrowRight")
+            page.wait_for_selector(".pipexplore-timeline[data-splits='4,5']", timeout=30_000)
+            assert page.evaluate("document.activeElement.getAttribute('aria-valuenow')") == "4"
+            page.keyboard.press("Delete")
+            page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
+            assert page.locator(".pipexplore-splitbar .handle").count() == 1
 
             # Run a real step from the button; the runs table grows by one row.
             page.get_by_role("button", name="Run step").click()
@@ -175,10 +251,20 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             _run_cell(page, 2)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('RUNS 1')",
                                    timeout=60_000)
-            page.locator(".pipexplore-explorer").screenshot(path=str(OUTPUT / "explorer.png"))
+            page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
+                                   timeout=30_000)
+
+            # The page fits a 1,280-px window and no text overlaps other text.
+            overflowing = explorer.evaluate(_OVERFLOWING)
+            assert overflowing == [], "\n".join(overflowing)
+            overlapping = explorer.evaluate(_OVERLAPS)
+            assert overlapping == [], "\n".join(overlapping)
+            page.set_viewport_size({"width": 1280, "height": 2400})  # the whole explorer in one picture
+            explorer.scroll_into_view_if_needed()
+            explorer.screenshot(path=str(OUTPUT / "explorer.png"))
         except BaseException:
             page.screenshot(path=str(OUTPUT / "failure.png"), full_page=True)
-            (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text())
+            (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text() + "\n\n" + page.evaluate(_TIMELINE_STATE))
             raise
         finally:
             browser.close()
