@@ -268,3 +268,37 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             raise
         finally:
             browser.close()
+
+
+def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
+    """``Explorer.to_html`` writes one page; Chromium opens it from disk with every network request
+    refused, and plotly draws its timeline from the embedded JavaScript."""
+    import torch
+    from torch import nn
+
+    from pipexplore.widgets import explore
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    ex = explore(model, torch.randn(16, 16), devices=["cpu", "cpu", "cpu"], splits=[2, 4], chunks=4, calibrate=False)
+    ex.run()
+    path = ex.to_html(tmp_path / "report.html")
+    requests, errors = [], []
+    with playwright_sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                       else (requests.append(route.request.url), route.abort()))
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(path.resolve().as_uri())
+            page.wait_for_selector(".pipexplore-timeline[data-splits='2,4'] .barlayer .point", timeout=30_000)
+            assert page.locator(".pipexplore-timeline .barlayer .point").count() == len(ex.plan.predicted) + len(
+                ex.timeline("measured"))
+            assert page.locator(".pipexplore-strip .cell").count() == 6
+            assert page.locator(".pipexplore-runs table tbody tr").count() == 1
+            assert "GPipe(model, balance=[2, 2, 2]" in page.locator("#pipexplore-code-gpipe").inner_text()
+            assert requests == [] and errors == []
+        finally:
+            browser.close()
