@@ -37,7 +37,8 @@ def test_setting_splits_updates_plan_strip_and_prediction(explorer):
     assert set(after["stage"]) == {0, 1, 2} and not after.equals(before)
     # the figure's predicted row shows the new plan's numbers
     assert explorer.figure.layout.annotations[0].text.startswith("predicted: step")
-    lanes = {y for trace in explorer.figure.data[:8] if trace.y is not None for y in trace.y}
+    ticks = explorer.figure.layout.yaxis.ticktext  # lanes are numbered, stage 0 on top
+    lanes = {ticks[y] for trace in explorer.figure.data[:8] if trace.y is not None for y in trace.y}
     assert lanes == {"stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"}
 
 

@@ -16,7 +16,8 @@ from pipexplore.profile import profile
 from pipexplore.residuals import residuals
 from pipexplore.widgets import explore
 from pipexplore.widgets.header import format_bytes
-from pipexplore.widgets.plots import PHASE_COLORS, residual_grid
+from pipexplore.widgets.plots import PHASE_COLORS
+from pipexplore.widgets.residual_view import residual_grid
 
 LAYERS, WIDTH, BATCH = 8, 16, 16
 
@@ -92,13 +93,15 @@ def test_predicted_and_measured_share_one_time_axis(explorer):
 
 def test_stage_zero_is_the_top_lane_and_blocks_carry_phase_and_microbatch(explorer):
     axis = explorer.figure.layout.yaxis
-    assert list(axis.categoryarray) == ["stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"]
-    assert axis.autorange == "reversed"
+    assert list(axis.ticktext) == ["stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"]
+    assert list(axis.tickvals) == [0, 1, 2] and list(axis.range) == [2.5, -0.5]  # lane 0 at the top
     forward = explorer.figure.data[0]
     predicted = explorer.plan.predicted
     expected = predicted[predicted["phase"] == "forward"]
     assert list(forward.text) == [f"F{mb}" for mb in expected["microbatch"]]
-    assert list(forward.y) == [f"stage {s} · cpu" for s in expected["stage"]]
+    assert list(forward.y) == expected["stage"].tolist()
+    assert list(forward.base) == pytest.approx((expected["start"] * 1e3).tolist())
+    assert list(forward.x) == pytest.approx(((expected["end"] - expected["start"]) * 1e3).tolist())
 
 
 def test_zero_bubble_input_gradients_are_coloured_apart_from_backward(explorer):

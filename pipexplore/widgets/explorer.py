@@ -37,8 +37,9 @@ from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets.codeview import CodeView
 from pipexplore.widgets.header import (header_html, parse_bytes, plan_figures, plan_text, short_plan_text,
                                        splits_text)
-from pipexplore.widgets.plots import STAGE_COLORS, TimelineView, residual_figure, update_residual_figure
+from pipexplore.widgets.plots import STAGE_COLORS, TimelineView
 from pipexplore.widgets.progress import profile_progress
+from pipexplore.widgets.residual_view import residual_figure, update_residual_figure
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.style import style_tag
@@ -745,7 +746,11 @@ class Explorer:
             difference = self._plan_difference(result.plan)
             measured = dict(measured=result.timeline, measured_title=f"run {self._run_number(result)} · "
                             f"{short_plan_text(result.plan)}", measured_warning=difference)
+        figures = self._plan_figures()
+        numbers = (f"step {figures['step_time'] * 1e3:.1f} ms · bubble {figures['bubble'] * 100:.1f} %"
+                   + (f" · {figures['throughput']:,.0f} samples/s" if not math.isnan(figures["throughput"]) else ""))
         self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title="the current plan",
+                            predicted_summary=numbers,
                             memory_cap=self._memory_cap, **measured)
 
     def _plan_difference(self, other: Plan) -> str:

@@ -6,13 +6,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.basedatatypes import Undefined
 from plotly.subplots import make_subplots
 
 from pipexplore import timeline as tl
 
-__all__ = ["PHASE_COLORS", "PHASE_LETTERS", "STAGE_COLORS", "PLOTLY_CONFIG", "BAR_LIMIT", "TimelineView",
-           "timeline_figure", "update_timeline_figure", "summary", "lanes", "memory_scale", "residual_figure",
-           "update_residual_figure", "residual_grid"]
+__all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "PLOTLY_CONFIG", "BAR_LIMIT", "TEXT_COLOR",
+           "TimelineView", "timeline_figure", "update_timeline_figure", "summary", "lanes", "memory_scale"]
 
 PHASE_COLORS = {
     "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
@@ -30,9 +30,8 @@ PLOTLY_CONFIG = {"displaylogo": False, "showSendToCloud": False,
                  "toImageButtonOptions": {"filename": "pipexplore-timeline"}}
 #: Above this many blocks a panel is drawn as WebGL lines (one per block) instead of SVG bars.
 BAR_LIMIT = 3000
-#: Trace layout of the figure: phases of row 1, phases of row 2, the memory cap, the peaks, one line per stage.
-CAP_TRACE, PEAK_TRACE, FIRST_STAGE_TRACE = 2 * len(PHASES), 2 * len(PHASES) + 1, 2 * len(PHASES) + 2
-_TEXT = "#555"
+#: Text colour of the figures (JupyterLab's dark theme overrides it with CSS).
+TEXT_COLOR = "#555"
 _GRID = "rgba(128, 128, 128, 0.25)"
 _TITLE_PX, _MEMORY_PX, _EMPTY_PX, _TOP_PX, _BOTTOM_PX = 34, 150, 56, 44, 40
 
@@ -52,6 +51,11 @@ def summary(frame: Optional[pd.DataFrame], samples: Optional[int] = None) -> str
     return text
 
 
+def _lane_pairs(frame: pd.DataFrame) -> pd.MultiIndex:
+    pairs = frame[["stage", "device"]].drop_duplicates().sort_values("stage", kind="stable")
+    return pd.MultiIndex.from_frame(pairs)
+
+
 def lanes(frame: Optional[pd.DataFrame]) -> list[str]:
     """The lane labels of a timeline (``'stage 0 · cpu'``), stage 0 first.
 
@@ -61,8 +65,7 @@ def lanes(frame: Optional[pd.DataFrame]) -> list[str]:
     """
     if frame is None or frame.empty:
         return []
-    pairs = frame[["stage", "device"]].drop_duplicates().sort_values("stage", kind="stable")
-    return [f"stage {s} · {d}" for s, d in pairs.itertuples(index=False, name=None)]
+    return [f"stage {s} · {d}" for s, d in _lane_pairs(frame)]
 
 
 def memory_scale(peak_bytes: float) -> tuple[float, str]:
@@ -87,64 +90,79 @@ def _panel_px(count: int) -> float:
 
 
 def _blocks(frame: Optional[pd.DataFrame]) -> dict[str, dict[str, np.ndarray]]:
-    """Per phase: start and end (ms from the step's start), lane label, block label and hover text."""
+    """Per phase, as arrays: start and end (ms from the step's start), lane (0 = stage 0), stage,
+    micro-batch, and for expert-backend runs a hover line about the batch each block was."""
     out: dict[str, dict[str, np.ndarray]] = {}
     if frame is None or frame.empty:
         return out
     origin = float(frame["start"].min())
+    lane = _lane_pairs(frame).get_indexer(pd.MultiIndex.from_frame(frame[["stage", "device"]]))
     phase_of = frame["phase"].to_numpy()
-    stage, device = frame["stage"].to_numpy(), frame["device"].to_numpy()
-    microbatch = frame["microbatch"].to_numpy()
-    start, end = (frame["start"].to_numpy() - origin) * 1e3, (frame["end"].to_numpy() - origin) * 1e3
-    # Expert-backend runs: each bar is a batch the pools formed; say how big and how long it waited.
-    extra = np.array([f"<br>batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms"
-                      for r, t, w in zip(frame["batch_size"], frame["tasks"], frame["wait"])], dtype=object) \
-        if {"batch_size", "tasks", "wait"} <= set(frame.columns) else np.full(len(frame), "", dtype=object)
+    columns = {"start": (frame["start"].to_numpy(dtype=float) - origin) * 1e3,
+               "end": (frame["end"].to_numpy(dtype=float) - origin) * 1e3, "lane": lane,
+               "stage": frame["stage"].to_numpy(), "microbatch": frame["microbatch"].to_numpy()}
+    if {"batch_size", "tasks", "wait"} <= set(frame.columns):  # each bar a batch the pools formed
+        columns["extra"] = np.array([f"<br>batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms"
+                                     for r, t, w in zip(frame["batch_size"], frame["tasks"], frame["wait"])], dtype=object)
     for phase in PHASES:
         mask = phase_of == phase
-        if not mask.any():
-            continue
-        s, d, i, a, b, e = stage[mask], device[mask], microbatch[mask], start[mask], end[mask], extra[mask]
-        letter = PHASE_LETTERS.get(phase, "")
-        out[phase] = dict(
-            start=a, end=b, lane=np.array([f"stage {x} · {y}" for x, y in zip(s, d)], dtype=object),
-            label=np.array([f"{letter}{mb}" if letter else "" for mb in i], dtype=object),
-            hover=np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{t0:.2f} → {t1:.2f} ms ({t1 - t0:.2f} ms){ex}"
-                            for mb, st, t0, t1, ex in zip(i, s, a, b, e)], dtype=object),
-        )
+        if mask.any():
+            out[phase] = {name: values[mask] for name, values in columns.items()}
     return out
 
 
-def _bar_trace(phase: str, data: Optional[dict[str, np.ndarray]], axis: int, legend: bool) -> go.Bar:
-    data = data or {}
-    return go.Bar(
-        orientation="h", name=phase, legendgroup=phase, showlegend=legend, marker_color=PHASE_COLORS[phase],
-        marker_line_width=0, x=data.get("end", np.empty(0)) - data.get("start", np.empty(0)) if data else np.empty(0),
-        base=data.get("start", np.empty(0)), y=data.get("lane", np.empty(0, dtype=object)),
-        text=data.get("label", np.empty(0, dtype=object)), textposition="inside", insidetextanchor="middle",
-        textangle=0, textfont=dict(color="white"), constraintext="inside", cliponaxis=True,
-        hoverinfo="text", hovertext=data.get("hover", np.empty(0, dtype=object)),
-        xaxis=f"x{axis if axis > 1 else ''}", yaxis=f"y{axis if axis > 1 else ''}")
+def _hover(phase: str) -> str:
+    return (f"{phase} · micro-batch %{{customdata[0]}} · stage %{{customdata[1]}}<br>"
+            "%{customdata[2]:.2f} → %{customdata[3]:.2f} ms (%{customdata[4]:.2f} ms)<extra></extra>")
 
 
-def _segments(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Blocks as line segments (start → end on the lane), separated by gaps: one WebGL trace a phase."""
+def _bar_props(phase: str, data: Optional[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """What a phase's bars change from one plan to the next (a restyle of one trace)."""
+    if not data:
+        return dict(x=np.empty(0), base=np.empty(0), y=np.empty(0), text=np.empty(0, dtype=object),
+                    customdata=np.empty((0, 5)), hovertext=np.empty(0, dtype=object), hovertemplate=_hover(phase))
+    start, end = data["start"], data["end"]
+    letter = PHASE_LETTERS.get(phase, "")
+    text = (letter + pd.Series(data["microbatch"]).astype(str)).to_numpy(dtype=object) if letter else \
+        np.full(len(start), "", dtype=object)
+    custom = np.column_stack([data["microbatch"], data["stage"], start, end, end - start]).astype(float)
+    hovertext = np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{a:.2f} → {b:.2f} ms ({b - a:.2f} ms){ex}"
+                          for mb, st, a, b, ex in zip(data["microbatch"], data["stage"], start, end, data["extra"])],
+                         dtype=object) if "extra" in data else np.empty(0, dtype=object)
+    return dict(x=end - start, base=start, y=data["lane"], text=text, customdata=custom, hovertext=hovertext,
+                hovertemplate="%{hovertext}<extra></extra>" if len(hovertext) else _hover(phase))
+
+
+def _line_props(phase: str, data: Optional[dict[str, np.ndarray]], width: float) -> dict[str, Any]:
+    """Blocks as line segments (start → end on the lane) with gaps between: one WebGL trace a phase.
+    Plain numeric arrays only (they travel as binary buffers): the micro-batch rides as customdata."""
+    hover = f"{phase} · micro-batch %{{customdata}} · stage %{{y}}<br>%{{x:.2f}} ms<extra></extra>"
+    if not data:
+        return {"x": np.empty(0), "y": np.empty(0), "customdata": np.empty(0), "hovertemplate": hover,
+                "line.width": width}
     n = len(data["start"])
-    x = np.empty(3 * n, dtype=object)
-    y = np.empty(3 * n, dtype=object)
-    hover = np.empty(3 * n, dtype=object)
-    x[0::3], x[1::3], x[2::3] = data["start"], data["end"], None
-    y[0::3], y[1::3], y[2::3] = data["lane"], data["lane"], None
-    hover[0::3], hover[1::3], hover[2::3] = data["hover"], data["hover"], None
-    return dict(x=x, y=y, hovertext=hover)
+    x, y, custom = np.full(3 * n, np.nan), np.full(3 * n, np.nan), np.full(3 * n, np.nan)
+    x[0::3], x[1::3] = data["start"], data["end"]
+    y[0::3] = y[1::3] = data["lane"]
+    custom[0::3] = custom[1::3] = data["microbatch"]
+    return {"x": x, "y": y, "customdata": custom, "hovertemplate": hover, "line.width": width}
 
 
-def _line_trace(phase: str, data: Optional[dict[str, np.ndarray]], axis: int, legend: bool, width: float) -> go.Scattergl:
-    segments = _segments(data) if data else dict(x=np.empty(0), y=np.empty(0, dtype=object),
-                                                 hovertext=np.empty(0, dtype=object))
-    return go.Scattergl(mode="lines", name=phase, legendgroup=phase, showlegend=legend, connectgaps=False,
-                        line=dict(color=PHASE_COLORS[phase], width=width), hoverinfo="text",
-                        xaxis=f"x{axis if axis > 1 else ''}", yaxis=f"y{axis if axis > 1 else ''}", **segments)
+def _axes(row: int) -> dict[str, str]:
+    return {"xaxis": f"x{row if row > 1 else ''}", "yaxis": f"y{row if row > 1 else ''}"}
+
+
+def _bar_trace(phase: str, props: dict[str, Any], row: int) -> go.Bar:
+    return go.Bar(orientation="h", name=phase, legendgroup=phase, showlegend=row == 1, marker_color=PHASE_COLORS[phase],
+                  marker_line_width=0, textposition="inside", insidetextanchor="middle", textangle=0,
+                  textfont=dict(color="white"), constraintext="inside", cliponaxis=True, **_axes(row), **props)
+
+
+def _line_trace(phase: str, props: dict[str, Any], row: int) -> go.Scattergl:
+    props = dict(props)
+    width = props.pop("line.width")
+    return go.Scattergl(mode="lines", name=phase, legendgroup=phase, showlegend=row == 1, connectgaps=False,
+                        line=dict(color=PHASE_COLORS[phase], width=width), **_axes(row), **props)
 
 
 class TimelineView:
@@ -152,7 +170,8 @@ class TimelineView:
     memory per stage (bottom), on one shared time axis (same range, zoom and pan together).
 
     Stage 0 is the top lane; blocks carry their phase letter and micro-batch where they fit; panels
-    with more than :data:`BAR_LIMIT` blocks are drawn with WebGL. ``figure`` is a
+    with more than :data:`BAR_LIMIT` blocks are drawn with WebGL. A redraw is one message to the
+    browser (a plotly update of the traces and layout that changed). ``figure`` is a
     ``go.FigureWidget`` (class ``pipexplore-timeline``; ``layout.meta['splits']`` names the plan
     drawn). ``names`` titles the two timeline panels; ``memory=False`` leaves the memory panel out.
 
@@ -185,15 +204,17 @@ class TimelineView:
                               font=dict(size=13, color="#888"))  # "no run yet" in the empty measured panel
         figure.update_layout(
             barmode="overlay", bargap=0.25, autosize=True, paper_bgcolor="rgba(0,0,0,0)",
-            plot_bgcolor="rgba(0,0,0,0)", font=dict(family="system-ui, sans-serif", size=12, color=_TEXT),
+            plot_bgcolor="rgba(0,0,0,0)", font=dict(family="system-ui, sans-serif", size=12, color=TEXT_COLOR),
             margin=dict(l=10, r=10, t=_TOP_PX, b=_BOTTOM_PX), uniformtext=dict(minsize=8, mode="hide"),
             legend=dict(orientation="h", x=0, y=1, yanchor="top", yref="container", font=dict(size=11),
                         bgcolor="rgba(0,0,0,0)"),
             hoverlabel=dict(font_size=12), dragmode="zoom", meta={"splits": ""})
         for annotation in figure.layout.annotations[:3]:
-            annotation.update(x=0, xanchor="left", font=dict(size=12, color=_TEXT))
-        figure.update_xaxes(showgrid=True, gridcolor=_GRID, zeroline=False, color=_TEXT)
-        figure.update_yaxes(gridcolor=_GRID, zeroline=False, color=_TEXT, automargin=True)
+            annotation.update(x=0, xanchor="left", font=dict(size=12, color=TEXT_COLOR))
+        figure.update_xaxes(showgrid=True, gridcolor=_GRID, zeroline=False, color=TEXT_COLOR)
+        figure.update_yaxes(gridcolor=_GRID, zeroline=False, color=TEXT_COLOR, automargin=True)
+        for axis in ("yaxis", "yaxis2"):
+            figure.layout[axis].update(tickmode="array", showgrid=False, fixedrange=True)
         figure.update_xaxes(title_text="ms from the step's start", row=3 if memory else 2, col=1)
         self.figure: Any = go.FigureWidget(figure) if widget else figure
         self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
@@ -206,8 +227,10 @@ class TimelineView:
     def show(self, *, predicted: Optional[pd.DataFrame] = None, measured: Optional[pd.DataFrame] = None,
              clear_measured: bool = False, predicted_title: Optional[str] = None,
              measured_title: Optional[str] = None, measured_warning: Optional[str] = None,
-             memory_cap: Any = (), splits: Optional[Sequence[int]] = None) -> None:
+             memory_cap: Any = (), splits: Optional[Sequence[int]] = None,
+             predicted_summary: Optional[str] = None) -> None:
         """Redraw what changed (``None`` keeps a panel's timeline; ``clear_measured`` empties it).
+        ``predicted_summary`` replaces the predicted panel's figures (when the caller has them).
 
         Example::
 
@@ -217,6 +240,8 @@ class TimelineView:
         if predicted is not None and predicted is not self.predicted:
             self.predicted = predicted
             rows |= {1, 3}
+        if predicted_summary is not None and self.predicted is not None:
+            self._summaries[id(self.predicted)] = (self.predicted, predicted_summary)
         if measured is not None and measured is not self.measured:
             self.measured = measured
             rows.add(2)
@@ -252,11 +277,19 @@ class TimelineView:
         columns = ["stage", "time", "bytes", "over_cap"]
         if self.predicted is None or self.predicted.empty or "memory" not in self.predicted:
             return pd.DataFrame(columns=columns)
-        memory = tl.activation_memory(self.predicted.assign(end=self.predicted["end"] - self.predicted["start"].min()))
+        memory = self._memory()
         rows = memory.loc[memory.groupby("stage")["bytes"].idxmax()].reset_index(drop=True)
         cap = self.memory_cap
         rows["over_cap"] = rows["bytes"] > cap if cap is not None else False
         return rows[columns]
+
+    def _memory(self) -> pd.DataFrame:
+        predicted = self.predicted
+        cached = getattr(self, "_memory_of", (None, None))
+        if cached[0] is not predicted:
+            cached = (predicted, tl.activation_memory(predicted.assign(end=predicted["end"] - predicted["start"].min())))
+            self._memory_of = cached
+        return cached[1]
 
     def _summary(self, frame: Optional[pd.DataFrame]) -> str:
         if frame is None:
@@ -269,106 +302,129 @@ class TimelineView:
             self._summaries[id(frame)] = cached
         return cached[1]
 
-    def _row_traces(self, row: int, kind: str, row_lanes: list[str]) -> list[Any]:
+    def _row_props(self, row: int, kind: str, lane_count: int) -> list[dict[str, Any]]:
         data = _blocks(self.predicted if row == 1 else self.measured)
-        width = 0.7 * _lane_px(len(row_lanes))
         if kind == "gl":
-            return [_line_trace(phase, data.get(phase), row, row == 1, width) for phase in PHASES]
-        return [_bar_trace(phase, data.get(phase), row, row == 1) for phase in PHASES]
+            width = 0.7 * _lane_px(lane_count)
+            return [_line_props(phase, data.get(phase), width) for phase in PHASES]
+        return [_bar_props(phase, data.get(phase)) for phase in PHASES]
 
     def _draw(self, rows: set[int]) -> None:
-        figure = self.figure
         lane_sets = [lanes(self.predicted), lanes(self.measured)]
         counts = [len(f) if f is not None else 0 for f in (self.predicted, self.measured)]
         has_memory = self.memory and self.predicted is not None and "memory" in self.predicted \
             and not self.predicted.empty
         stages = sorted(self.predicted["stage"].unique()) if has_memory else []
-        kinds = tuple("gl" if count > BAR_LIMIT else "bar" for count in counts) + (len(stages),)
+        memory_gl = bool(stages) and len(self._memory()) > BAR_LIMIT
+        kinds = tuple("gl" if count > BAR_LIMIT else "bar" for count in counts) + (len(stages), memory_gl)
+        rebuild = kinds != self._kinds
+        updates: list[tuple[int, dict[str, Any]]] = []
         n = len(PHASES)
-        with figure.batch_update():
-            if kinds != self._kinds:
-                traces = self._row_traces(1, kinds[0], lane_sets[0]) + self._row_traces(2, kinds[1], lane_sets[1])
-                traces += self._memory_traces(stages)
+        for row in (1, 2):
+            if rebuild or row in rows:
+                props = self._row_props(row, kinds[row - 1], len(lane_sets[row - 1]))
+                updates += [((row - 1) * n + k, p) for k, p in enumerate(props)]
+        if rebuild or rows:
+            updates += [(2 * n + k, p) for k, p in enumerate(self._memory_props(stages))]
+        layout = self._layout(lane_sets)
+        figure = self.figure
+        if rebuild:
+            self._kinds_memory_gl = memory_gl
+            traces = [(_line_trace if kinds[(i // n)] == "gl" else _bar_trace)(PHASES[i % n], p, i // n + 1)
+                      if i < 2 * n else self._memory_trace(i - 2 * n, p, stages) for i, p in updates]
+            with figure.batch_update():
                 figure.data = []
                 figure.add_traces(traces)
-                self._kinds = kinds
-            else:
-                for row in (1, 2):
-                    if row in rows:
-                        for old, new in zip(figure.data[(row - 1) * n: row * n],
-                                            self._row_traces(row, kinds[row - 1], lane_sets[row - 1])):
-                            _copy_data(old, new)
-                if rows & {1, 2, 3}:
-                    for old, new in zip(figure.data[2 * n:], self._memory_traces(stages)):
-                        _copy_data(old, new)
-            self._arrange(lane_sets)
-            figure.layout.meta = {"splits": ",".join(str(s) for s in self.splits)}
+            self._kinds = kinds
+            figure.plotly_relayout(layout)
+            return
+        keys = sorted({key for _, props in updates for key in props})
+        restyle = {key: [props.get(key, Undefined) for _, props in updates] for key in keys}
+        figure.plotly_update(restyle_data=restyle, relayout_data=layout, trace_indexes=[i for i, _ in updates])
 
-    def _memory_traces(self, stages: Sequence[int]) -> list[Any]:
+    def _memory_props(self, stages: Sequence[int]) -> list[dict[str, Any]]:
+        """The cap line, the peak marks, then one step line per stage (what a redraw changes)."""
         peaks = self.peaks() if self.memory else pd.DataFrame(columns=["stage", "time", "bytes", "over_cap"])
         scale, unit = memory_scale(max([float(peaks["bytes"].max()) if len(peaks) else 0.0,
                                         float(self.memory_cap or 0.0)]))
         self._memory_unit = unit
-        end = self.x_range[1]
         cap = self.memory_cap if self.memory else None
-        cap_trace = go.Scatter(x=[0, end] if cap is not None else [], y=[cap / scale] * 2 if cap is not None else [],
-                               mode="lines", name="memory cap", showlegend=cap is not None,
-                               line=dict(color="#d62728", dash="dash", width=1.5), xaxis="x3", yaxis="y3",
-                               hovertemplate="memory cap %{y:.2f} " + unit + "<extra></extra>")
+        end = self.x_range[1]
         over = peaks["over_cap"].to_numpy(dtype=bool) if len(peaks) else np.zeros(0, dtype=bool)
-        peak_trace = go.Scatter(
-            x=peaks["time"].to_numpy(dtype=float) * 1e3, y=peaks["bytes"].to_numpy(dtype=float) / scale,
-            mode="markers", name="peak", showlegend=False, xaxis="x3", yaxis="y3",
-            text=[f"stage {s} peak" + (" — over the cap" if o else "") for s, o in zip(peaks["stage"], over)],
-            marker=dict(symbol=np.where(over, "x", "diamond"), size=np.where(over, 11, 8),
-                        color=[("#d62728" if o else STAGE_COLORS[int(s) % len(STAGE_COLORS)])
-                               for s, o in zip(peaks["stage"], over)]),
-            hovertemplate="%{text}: %{y:.2f} " + unit + " at %{x:.2f} ms<extra></extra>")
-        traces: list[Any] = [cap_trace, peak_trace]
+        props: list[dict[str, Any]] = [
+            {"x": np.array([0.0, end]) if cap is not None else np.empty(0),
+             "y": np.array([cap / scale] * 2) if cap is not None else np.empty(0), "showlegend": cap is not None,
+             "hovertemplate": "memory cap %{y:.2f} " + unit + "<extra></extra>"},
+            {"x": peaks["time"].to_numpy(dtype=float) * 1e3, "y": peaks["bytes"].to_numpy(dtype=float) / scale,
+             "text": np.array([f"stage {s} peak" + (" — over the cap" if o else "")
+                               for s, o in zip(peaks["stage"], over)], dtype=object),
+             "marker.symbol": np.where(over, "x", "diamond").astype(object), "marker.size": np.where(over, 11, 8),
+             "marker.color": np.array([("#d62728" if o else STAGE_COLORS[int(s) % len(STAGE_COLORS)])
+                                       for s, o in zip(peaks["stage"], over)], dtype=object),
+             "hovertemplate": "%{text}: %{y:.2f} " + unit + " at %{x:.2f} ms<extra></extra>"},
+        ]
         if not stages:
-            return traces
-        predicted = self.predicted
-        memory = tl.activation_memory(predicted.assign(end=predicted["end"] - predicted["start"].min()))
-        kind = go.Scattergl if len(memory) > BAR_LIMIT else go.Scatter
-        for stage in stages:
-            rows = memory[memory["stage"] == stage]
-            traces.append(kind(
-                x=np.concatenate([[0.0], rows["time"].to_numpy() * 1e3]),
-                y=np.concatenate([[0.0], rows["bytes"].to_numpy() / scale]), mode="lines",
-                line=dict(color=STAGE_COLORS[int(stage) % len(STAGE_COLORS)], width=1.5,
-                          **({} if kind is go.Scattergl else {"shape": "hv"})),
-                name=f"stage {stage}", showlegend=False, xaxis="x3", yaxis="y3",
-                hovertemplate=f"stage {stage}: " + "%{y:.2f} " + unit + " at %{x:.2f} ms<extra></extra>"))
-        return traces
+            return props
+        memory = self._memory()
+        order = memory["stage"].to_numpy()
+        times, values = memory["time"].to_numpy() * 1e3, memory["bytes"].to_numpy() / scale
+        bounds = np.searchsorted(order, np.asarray(stages), side="left").tolist() + [len(order)]
+        for k, stage in enumerate(stages):
+            a, b = bounds[k], bounds[k + 1]
+            props.append({"x": np.concatenate([[0.0], times[a:b]]), "y": np.concatenate([[0.0], values[a:b]]),
+                          "hovertemplate": f"stage {stage}: " + "%{y:.2f} " + unit + " at %{x:.2f} ms<extra></extra>"})
+        return props
 
-    def _arrange(self, lane_sets: Sequence[list[str]]) -> None:
-        """Heights follow the lanes; the panels stack with room for their titles."""
-        layout = self.figure.layout
+    def _memory_trace(self, k: int, props: dict[str, Any], stages: Sequence[int]) -> Any:
+        common = dict(xaxis="x3", yaxis="y3", x=props["x"], y=props["y"], hovertemplate=props["hovertemplate"])
+        if k == 0:
+            return go.Scatter(mode="lines", name="memory cap", showlegend=props["showlegend"],
+                              line=dict(color="#d62728", dash="dash", width=1.5), **common)
+        if k == 1:
+            return go.Scatter(mode="markers", name="peak", showlegend=False, text=props["text"],
+                              marker=dict(symbol=props["marker.symbol"], size=props["marker.size"],
+                                          color=props["marker.color"]), **common)
+        stage = stages[k - 2]
+        line = dict(color=STAGE_COLORS[int(stage) % len(STAGE_COLORS)], width=1.5)
+        if self._kinds_memory_gl:
+            return go.Scattergl(mode="lines", name=f"stage {stage}", showlegend=False, line=line, **common)
+        return go.Scatter(mode="lines", name=f"stage {stage}", showlegend=False, line=dict(shape="hv", **line), **common)
+
+    def _layout(self, lane_sets: Sequence[list[str]]) -> dict[str, Any]:
+        """The layout for these lanes: heights follow the lanes; panels stack with room for their titles."""
         heights = [_panel_px(len(lane_sets[0])), _panel_px(len(lane_sets[1])), _MEMORY_PX if self.memory else 0.0]
         total = sum(heights) + (3 if self.memory else 2) * _TITLE_PX
-        layout.height = total + _TOP_PX + _BOTTOM_PX
         top = 1.0
         domains = []
         for h in heights:
             top -= _TITLE_PX / total if h else 0.0
             domains.append([max(0.0, top - h / total), max(0.0, top)])
             top -= h / total
+        layout: dict[str, Any] = {"height": total + _TOP_PX + _BOTTOM_PX,
+                                  "meta": {"splits": ",".join(str(s) for s in self.splits)}}
         for k, (axis, lane_list) in enumerate(zip(("yaxis", "yaxis2"), lane_sets)):
-            layout[axis].update(domain=domains[k], type="category", categoryorder="array", categoryarray=lane_list,
-                                autorange="reversed", visible=bool(lane_list), fixedrange=True)
-        layout.yaxis3.update(domain=domains[2] if self.memory else [0, 0], title_text=f"activations ({self._memory_unit})",
-                             rangemode="tozero", fixedrange=True, visible=self.memory, ticklabelstandoff=6)
-        layout.xaxis3.update(visible=self.memory, ticklabelstandoff=4)  # the two zeros at the corner apart
+            layout.update({f"{axis}.domain": domains[k], f"{axis}.tickvals": list(range(len(lane_list))),
+                           f"{axis}.ticktext": list(lane_list), f"{axis}.range": [len(lane_list) - 0.5, -0.5],
+                           f"{axis}.visible": bool(lane_list)})
         measured_empty = not lane_sets[1]
-        layout.xaxis2.update(showgrid=not measured_empty, showticklabels=not self.memory)
-        for axis in ("xaxis", "xaxis2", "xaxis3"):
-            layout[axis].update(range=self.x_range)
-        titles = layout.annotations
-        titles[0].update(y=domains[0][1], yanchor="bottom", text=self._predicted_text())
-        titles[1].update(y=domains[1][1], yanchor="bottom", text=self._measured_text())
-        titles[2].update(y=domains[2][1], yanchor="bottom", text=self._memory_text(), visible=self.memory)
-        titles[3].update(y=sum(domains[1]) / 2, text="no run yet: press Run step to measure this plan" if measured_empty
-                         else "", visible=measured_empty)
+        x_range = self.x_range
+        layout.update({
+            "yaxis3.domain": domains[2] if self.memory else [0, 0],
+            "yaxis3.title.text": f"activations ({self._memory_unit})", "yaxis3.rangemode": "tozero",
+            "yaxis3.fixedrange": True, "yaxis3.visible": self.memory, "yaxis3.ticklabelstandoff": 6,
+            "xaxis3.visible": self.memory, "xaxis3.ticklabelstandoff": 4,  # the two zeros at the corner apart
+            "xaxis2.showgrid": not measured_empty, "xaxis2.showticklabels": not self.memory,
+            "xaxis.range": x_range, "xaxis2.range": x_range, "xaxis3.range": x_range,
+            "annotations[0].y": domains[0][1], "annotations[0].yanchor": "bottom",
+            "annotations[0].text": self._predicted_text(),
+            "annotations[1].y": domains[1][1], "annotations[1].yanchor": "bottom",
+            "annotations[1].text": self._measured_text(),
+            "annotations[2].y": domains[2][1], "annotations[2].yanchor": "bottom",
+            "annotations[2].text": self._memory_text(), "annotations[2].visible": self.memory,
+            "annotations[3].y": sum(domains[1]) / 2, "annotations[3].visible": measured_empty,
+            "annotations[3].text": "no run yet: press Run step to measure this plan" if measured_empty else "",
+        })
+        return layout
 
     def _predicted_text(self) -> str:
         text = f"{self.names[0]}: " + self._summary(self.predicted)
@@ -397,12 +453,6 @@ class TimelineView:
         return text
 
 
-def _copy_data(old: Any, new: Any) -> None:
-    """Move the data of trace ``new`` into trace ``old`` of the same type (one restyle each)."""
-    keys = ("x", "y", "base", "text", "hovertext", "marker", "line")
-    old.update({k: new[k] for k in keys if k in new._valid_props and new[k] is not None})
-
-
 def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
                     samples: Optional[int] = None) -> Any:
     """A figure of the predicted step above the measured one and the activation memory, one time axis.
@@ -429,70 +479,3 @@ def update_timeline_figure(figure: Any, predicted: Optional[pd.DataFrame] = None
     view.samples = samples if samples is not None else view.samples
     view.show(predicted=predicted if 1 in rows else None, measured=measured if 2 in rows else None,
               clear_measured=2 in rows and measured is None)
-
-
-# ---- residuals ---------------------------------------------------------------------------
-
-def residual_grid(table: pd.DataFrame) -> pd.DataFrame:
-    """Residuals (from :func:`pipexplore.residuals.residuals`) as a grid: one row per stage and
-    phase, one column per micro-batch, the error (predicted ÷ measured − 1) in each cell.
-
-    Example::
-
-        residual_grid(explorer.residuals())
-    """
-    if table.empty:
-        return pd.DataFrame()
-    grid = table.pivot_table(index=["stage", "phase"], columns="microbatch", values="error", aggfunc="mean")
-    order = {phase: k for k, phase in enumerate(PHASES)}
-    return grid.sort_index(key=lambda index: index.map(order) if index.name == "phase" else index)
-
-
-def residual_figure(table: Optional[pd.DataFrame] = None, title: str = "", *, widget: bool = True) -> Any:
-    """A stage × micro-batch strip of prediction errors per action (red: predicted too long, blue:
-    too short), as a ``go.FigureWidget`` (a plain ``go.Figure`` with ``widget=False``).
-
-    Example::
-
-        residual_figure(explorer.residuals(), title="run 3")
-    """
-    figure = (go.FigureWidget if widget else go.Figure)(go.Figure(go.Heatmap(colorscale="RdBu_r", zmid=0, texttemplate="%{text}",
-                                                  colorbar=dict(title="error %", thickness=12),
-                                                  hovertemplate="%{y} · micro-batch %{x}<br>error %{z:+.1f} %"
-                                                                "<extra></extra>")))
-    figure.update_layout(paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", autosize=True,
-                         font=dict(family="system-ui, sans-serif", size=12, color=_TEXT),
-                         margin=dict(l=10, r=10, t=40, b=40))
-    figure.update_yaxes(autorange="reversed", type="category", automargin=True, color=_TEXT)
-    figure.update_xaxes(title_text="micro-batch", type="category", color=_TEXT)
-    if widget:
-        figure._config = dict(PLOTLY_CONFIG)
-        figure.add_class("pipexplore-residuals")
-    update_residual_figure(figure, table, title)
-    return figure
-
-
-def update_residual_figure(figure: Any, table: Optional[pd.DataFrame], title: str = "") -> None:
-    """Show ``table`` (per-action residuals) in a figure of :func:`residual_figure`.
-
-    Example::
-
-        update_residual_figure(figure, explorer.residuals(run=2), "run 2")
-    """
-    grid = residual_grid(table) if table is not None else pd.DataFrame()
-    with figure.batch_update():
-        heat = figure.data[0]
-        if grid.empty:
-            heat.z, heat.x, heat.y, heat.text = [], [], [], []
-            figure.layout.title.text = "residuals: no run yet"
-            figure.layout.height = 160
-            return
-        percent = grid.to_numpy(dtype=float) * 100
-        heat.z = percent
-        heat.x = [str(c) for c in grid.columns]
-        heat.y = [f"stage {s} · {phase}" for s, phase in grid.index]
-        heat.text = [["" if np.isnan(v) or grid.shape[1] > 32 else f"{v:+.0f}" for v in row] for row in percent]
-        median = float(np.nanmedian(np.abs(percent)))
-        figure.layout.title.text = (f"residuals{' — ' + title if title else ''}: predicted ÷ measured − 1 per action "
-                                    f"(median |error| {median:.0f} %)")
-        figure.layout.height = max(200, 22 * len(grid) + 110)

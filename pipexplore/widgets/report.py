@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Union
 import pandas as pd
 
 from pipexplore.widgets.header import plan_text, short_plan_text
-from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView, residual_figure
+from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView
+from pipexplore.widgets.residual_view import residual_figure
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.static import strip_svg
 from pipexplore.widgets.style import style_tag

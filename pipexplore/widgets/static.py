@@ -12,8 +12,8 @@ from pipexplore.widgets.plots import PHASE_COLORS, PHASE_LETTERS, STAGE_COLORS, 
 
 __all__ = ["strip_svg", "timeline_svg", "STATIC_BLOCK_LIMIT"]
 
-#: A static timeline draws at most this many blocks (a note says how many were left out).
-STATIC_BLOCK_LIMIT = 20_000
+#: Above this many blocks a static timeline draws each lane's busy time instead (and says so).
+STATIC_BLOCK_LIMIT = 4_000
 _W = 1000
 
 
@@ -94,31 +94,19 @@ def timeline_svg(frame: Optional[pd.DataFrame], title: str, *, x_max_ms: Optiona
     lane_of = {name: k for k, name in enumerate(lane_names)}
     origin = float(frame["start"].min())
     x_max = x_max_ms if x_max_ms else tl.step_time(frame) * 1e3 * 1.02
-    left, width, lane_h = 110, _W - 120, 18
+    left, width = 110, _W - 120
+    lane_h = int(max(6, min(18, 480 / len(lane_names))))  # 64 lanes stay within a screen
     height = len(lane_names) * lane_h + 30
     scale = width / max(x_max, 1e-9)
-    shown = frame.head(STATIC_BLOCK_LIMIT)
     parts = [f"<div class='pipexplore-static-timeline'{split_attr}>{head}<svg viewBox='0 0 {_W} {height}' "
              "width='100%' xmlns='http://www.w3.org/2000/svg' style='font-family: system-ui, sans-serif'>"]
     for name, k in lane_of.items():
-        parts.append(f"<text x='{left - 6}' y='{k * lane_h + lane_h - 5}' font-size='11' fill='#777' "
+        parts.append(f"<text x='{left - 6}' y='{k * lane_h + lane_h - 4}' font-size='{min(11, lane_h - 1)}' fill='#777' "
                      f"text-anchor='end'>{html.escape(name)}</text>")
-    labels = []
-    for phase, group in shown.groupby("phase", sort=False):
-        color = PHASE_COLORS.get(str(phase), "#999")
-        letter = PHASE_LETTERS.get(str(phase), "")
-        path = []
-        for row in group.itertuples(index=False):
-            y = lane_of[f"stage {row.stage} · {row.device}"] * lane_h + 2
-            x0 = left + (row.start - origin) * 1e3 * scale
-            w = max(0.3, (row.end - row.start) * 1e3 * scale)
-            path.append(f"M{x0:.1f} {y}h{w:.1f}v{lane_h - 4}h{-w:.1f}z")
-            if letter and w > 7 * (1 + len(str(row.microbatch))) and len(shown) <= 4000:
-                labels.append(f"<text x='{x0 + w / 2:.1f}' y='{y + lane_h - 8}' font-size='9' fill='white' "
-                              f"text-anchor='middle'>{letter}{row.microbatch}</text>")
-        parts.append(f"<path class='phase-{html.escape(str(phase))}' d='{''.join(path)}' fill='{color}'>"
-                     f"<title>{html.escape(str(phase))}</title></path>")
-    parts.extend(labels)
+    if len(frame) > STATIC_BLOCK_LIMIT:  # level of detail: each lane's busy time, merged below a pixel
+        parts.append(_busy_paths(frame, lane_of, origin, left, scale, lane_h))
+    else:
+        parts.extend(_block_paths(frame, lane_of, origin, left, scale, lane_h))
     axis_y = len(lane_names) * lane_h + 4
     parts.append(f"<line x1='{left}' x2='{left + width}' y1='{axis_y}' y2='{axis_y}' stroke='#999'/>")
     for tick in np.linspace(0, x_max, 6):
@@ -127,6 +115,46 @@ def timeline_svg(frame: Optional[pd.DataFrame], title: str, *, x_max_ms: Optiona
                      f"{tick:.1f} ms</text>")
     parts.append("</svg>")
     if len(frame) > STATIC_BLOCK_LIMIT:
-        parts.append(f"<div class='pipexplore-note'>the first {STATIC_BLOCK_LIMIT:,} of {len(frame):,} blocks</div>")
+        parts.append(f"<div class='pipexplore-note'>{len(frame):,} blocks, drawn as each lane's busy time</div>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def _block_paths(frame: pd.DataFrame, lane_of: Mapping[str, int], origin: float, left: float, scale: float,
+                 lane_h: int) -> list[str]:
+    """One path per phase (a block per action), and the labels that fit."""
+    parts, labels = [], []
+    for phase, group in frame.groupby("phase", sort=False):
+        color = PHASE_COLORS.get(str(phase), "#999")
+        letter = PHASE_LETTERS.get(str(phase), "")
+        path = []
+        for row in group.itertuples(index=False):
+            y = lane_of[f"stage {row.stage} · {row.device}"] * lane_h + 2
+            x0 = left + (row.start - origin) * 1e3 * scale
+            w = max(0.3, (row.end - row.start) * 1e3 * scale)
+            path.append(f"M{x0:.1f} {y}h{w:.1f}v{lane_h - 4}h{-w:.1f}z")
+            if letter and w > 7 * (1 + len(str(row.microbatch))):
+                labels.append(f"<text x='{x0 + w / 2:.1f}' y='{y + lane_h - 8}' font-size='9' fill='white' "
+                              f"text-anchor='middle'>{letter}{row.microbatch}</text>")
+        parts.append(f"<path class='phase-{html.escape(str(phase))}' d='{''.join(path)}' fill='{color}'>"
+                     f"<title>{html.escape(str(phase))}</title></path>")
+    return parts + labels
+
+
+def _busy_paths(frame: pd.DataFrame, lane_of: Mapping[str, int], origin: float, left: float, scale: float,
+                lane_h: int) -> str:
+    """Each lane's busy time as one path: intervals closer than a pixel merged."""
+    path = []
+    pixel = 1.0 / scale / 1e3  # seconds per pixel
+    for (stage, device), lane in frame.groupby(["stage", "device"], sort=False):
+        starts, ends = lane["start"].to_numpy(dtype=float), lane["end"].to_numpy(dtype=float)
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], np.maximum.accumulate(ends[order])
+        new = np.concatenate([[True], starts[1:] > ends[:-1] + pixel])
+        first = np.flatnonzero(new)
+        last = np.concatenate([first[1:] - 1, [len(starts) - 1]])
+        y = lane_of[f"stage {stage} · {device}"] * lane_h + 2
+        for a, b in zip(starts[first], ends[last]):
+            x0 = left + (a - origin) * 1e3 * scale
+            path.append(f"M{x0:.1f} {y}h{max(0.3, (b - a) * 1e3 * scale):.1f}v{lane_h - 4}H{x0:.1f}z")
+    return f"<path class='busy' d='{''.join(path)}' fill='#4e79a7'><title>busy</title></path>"

@@ -1,0 +1,75 @@
+"""Residuals as a picture: each action's prediction error in a stage × micro-batch strip."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from pipexplore.widgets.plots import PHASES, PLOTLY_CONFIG, TEXT_COLOR
+
+__all__ = ["residual_grid", "residual_figure", "update_residual_figure"]
+
+def residual_grid(table: pd.DataFrame) -> pd.DataFrame:
+    """Residuals (from :func:`pipexplore.residuals.residuals`) as a grid: one row per stage and
+    phase, one column per micro-batch, the error (predicted ÷ measured − 1) in each cell.
+
+    Example::
+
+        residual_grid(explorer.residuals())
+    """
+    if table.empty:
+        return pd.DataFrame()
+    grid = table.pivot_table(index=["stage", "phase"], columns="microbatch", values="error", aggfunc="mean")
+    order = {phase: k for k, phase in enumerate(PHASES)}
+    return grid.sort_index(key=lambda index: index.map(order) if index.name == "phase" else index)
+
+
+def residual_figure(table: Optional[pd.DataFrame] = None, title: str = "", *, widget: bool = True) -> Any:
+    """A stage × micro-batch strip of prediction errors per action (red: predicted too long, blue:
+    too short), as a ``go.FigureWidget`` (a plain ``go.Figure`` with ``widget=False``).
+
+    Example::
+
+        residual_figure(explorer.residuals(), title="run 3")
+    """
+    heat = go.Heatmap(colorscale="RdBu_r", zmid=0, texttemplate="%{text}", colorbar=dict(title="error %", thickness=12),
+                      hovertemplate="%{y} · micro-batch %{x}<br>error %{z:+.1f} %<extra></extra>")
+    figure = (go.FigureWidget if widget else go.Figure)(go.Figure(heat))
+    figure.update_layout(paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", autosize=True,
+                         font=dict(family="system-ui, sans-serif", size=12, color=TEXT_COLOR),
+                         margin=dict(l=10, r=10, t=40, b=40))
+    figure.update_yaxes(autorange="reversed", type="category", automargin=True, color=TEXT_COLOR)
+    figure.update_xaxes(title_text="micro-batch", type="category", color=TEXT_COLOR)
+    if widget:
+        figure._config = dict(PLOTLY_CONFIG)
+        figure.add_class("pipexplore-residuals")
+    update_residual_figure(figure, table, title)
+    return figure
+
+
+def update_residual_figure(figure: Any, table: Optional[pd.DataFrame], title: str = "") -> None:
+    """Show ``table`` (per-action residuals) in a figure of :func:`residual_figure`.
+
+    Example::
+
+        update_residual_figure(figure, explorer.residuals(run=2), "run 2")
+    """
+    grid = residual_grid(table) if table is not None else pd.DataFrame()
+    with figure.batch_update():
+        heat = figure.data[0]
+        if grid.empty:
+            heat.z, heat.x, heat.y, heat.text = [], [], [], []
+            figure.layout.title.text = "residuals: no run yet"
+            figure.layout.height = 160
+            return
+        percent = grid.to_numpy(dtype=float) * 100
+        heat.z = percent
+        heat.x = [str(c) for c in grid.columns]
+        heat.y = [f"stage {s} · {phase}" for s, phase in grid.index]
+        heat.text = [["" if np.isnan(v) or grid.shape[1] > 32 else f"{v:+.0f}" for v in row] for row in percent]
+        median = float(np.nanmedian(np.abs(percent)))
+        figure.layout.title.text = (f"residuals{' — ' + title if title else ''}: predicted ÷ measured − 1 per action "
+                                    f"(median |error| {median:.0f} %)")
+        figure.layout.height = max(200, 22 * len(grid) + 110)
