@@ -266,9 +266,11 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     for kind, phase in PHASES.items():
         scale = corrections.scale(learnt, phase) if corrections is not None else None
         for rows in distinct:
-            seconds[(kind, rows)] = stage_seconds(layer_table, splits, rows, phase, scale) + action_overhead + (
+            # A table without a fit or a batch of its own holds whole-batch seconds: give it the fraction.
+            size = rows if fit or layer_table.attrs.get("batch") or not batch else rows / batch
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + action_overhead + (
                 corrections.overhead(learnt) if corrections is not None else 0.0)
-            wanted = np.clip(stage_shares(layer_table, splits, rows, phase, default=1.0), 0.0, 1.0)
+            wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.where(host, 0.0, wanted) if cpu_stages_overlap else wanted
     gap = corrections.gap(learnt) if corrections is not None else 0.0
     last_layers = costs["last_layer"].to_numpy()

@@ -24,7 +24,7 @@ from torch import fx, nn
 from pipexplore.microbatch import tensors_in
 from pipexplore.model_inputs import call_inputs
 
-__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "split", "skip_routes_of",
+__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows", "split", "skip_routes_of",
            "module_fqns_per_model_part", "torchrun_script"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
@@ -350,6 +350,41 @@ def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
         graph.lint()
         gm.recompile()
     return gm
+
+
+def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None, **options: Any) -> pd.DataFrame:
+    """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
+    with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
+    ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
+    ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
+
+    Example::
+
+        table = candidates_in_rows(model, {"input_ids": ids}, chunks=4)
+    """
+    import numpy as np
+
+    from pipexplore.model_inputs import first_microbatch, sample_rows
+    from pipexplore.profile import _fit
+
+    whole = candidates(model, sample, target=target, **options)
+    batch = sample_rows(sample)
+    tables, rows = [whole], [batch]
+    if chunks > 1:
+        part = first_microbatch(sample, chunks)
+        part_rows = sample_rows(part)
+        part_target = target[:part_rows] if torch.is_tensor(target) and target.dim() > 0 else target
+        if part_rows < batch:
+            tables.insert(0, candidates(model, part, target=part_target, **options))
+            rows.insert(0, part_rows)
+    table = whole.copy()
+    for phase in ("forward", "backward"):
+        fits = [_fit(rows, [float(t[phase].iloc[k]) for t in tables]) for k in range(len(table))]
+        table[f"{phase}_a"] = np.array([a for a, _ in fits])
+        table[f"{phase}_b"] = np.array([b for _, b in fits])
+    table.attrs.update(whole.attrs)
+    table.attrs.update(rows=tuple(rows), batch=batch)
+    return table
 
 
 def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
