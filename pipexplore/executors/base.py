@@ -68,18 +68,21 @@ class RunResult:
 
 
 def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3) -> tuple[pd.DataFrame, float]:
-    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`: the timeline and
-    loss of the step whose time is the median (one step alone is at the mercy of the machine's noise)."""
+    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`: the timeline of
+    the step whose time is the median (one step alone is at the mercy of the machine's noise), and
+    the loss of the first recorded step (so that two runs of the same plan report the same loss,
+    whichever step was the median). A non-finite loss in any recorded step is the loss reported."""
     for _ in range(warmup):
         step()
-    measured = []
+    measured, losses = [], []
     for _ in range(max(1, repeats)):
         with tl.record(run=run) as rec:
-            loss = step()
-        measured.append((tl.step_time(rec.timeline), rec.timeline, loss))
+            losses.append(step())
+        measured.append((tl.step_time(rec.timeline), rec.timeline))
     measured.sort(key=lambda item: item[0])
-    _, timeline, loss = measured[len(measured) // 2]
-    return timeline, loss
+    _, timeline = measured[len(measured) // 2]
+    bad = [loss for loss in losses if not math.isfinite(loss)]
+    return timeline, bad[0] if bad else losses[0]
 
 
 def all_finite(parameters: Any) -> bool:
