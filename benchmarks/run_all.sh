@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Build the benchmark environment (.venv-bench: CPU torch, torchgpipe 0.0.7, pipexplore) and run every benchmark.
+# Build the benchmark environment (.venv-bench: CPU torch, torchgpipe 0.0.7, transformers, pipexplore) and run
+# every benchmark. Arguments (e.g. --devices cuda:0,cuda:1) go to each script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv-bench/bin/python ]; then
-    python3 -m venv .venv-bench
+stamp=.venv-bench/.installed-with-test-extras  # transformers, for gpt2_explore.py
+if [ ! -f "$stamp" ]; then
+    [ -x .venv-bench/bin/python ] || python3 -m venv .venv-bench
     .venv-bench/bin/pip install -q "torch==2.13.0" "torchgpipe==0.0.7" numpy
-    .venv-bench/bin/pip install -q -e .
+    .venv-bench/bin/pip install -q -e ".[test]"
+    touch "$stamp"
 fi
 cd benchmarks
-for script in gpipe_vs_torchgpipe.py measure_predict.py prediction_accuracy.py explorer_responsiveness.py backend_batching.py executors.py; do
+for script in gpipe_vs_torchgpipe.py measure_predict.py prediction_accuracy.py explorer_responsiveness.py backend_batching.py executors.py \
+        gpt2_explore.py; do
     echo "== $script"
     ../.venv-bench/bin/python "$script" "$@"
 done

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pipexplore.model_inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
 from pipexplore.timeline import COLUMNS
@@ -106,7 +107,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         from pipexplore.trace import split
 
         traced = job["traced"]
-        pipe = split(traced["model"], traced["mb_args"], traced["split_points"])
+        pipe = split(traced["model"], traced["mb_args"], traced["split_points"], mb_kwargs=traced["mb_kwargs"])
         num_stages = pipe.num_stages
         indices = list(range(rank, num_stages, world))
         for s in indices:
@@ -138,7 +139,10 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
                                         loss_fn=loss_fn)
     optimizer = job["optimizer"](params)
     has_first, has_last = 0 in indices, num_stages - 1 in indices
-    x = job["sample"].to(device) if has_first else None
+    # The model's inputs as it takes them (positional and keyword); torch's schedule cuts each into
+    # micro-batches and feeds the first stage.
+    args = tuple(_moved(a, device) for a in job["args"]) if has_first else ()
+    inputs = {k: _moved(v, device) for k, v in job["kwargs"].items()} if has_first else {}
     target = job["target"].to(device) if torch.is_tensor(job["target"]) else job["target"]
     losses: list = []
     grads = None
@@ -150,10 +154,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         kwargs: dict[str, Any] = {}
         if has_last:
             kwargs.update(target=target, losses=losses)
-        if has_first:
-            schedule.step(x, **kwargs)
-        else:
-            schedule.step(**kwargs)
+        schedule.step(*args, **inputs, **kwargs)
         if job["return_grads"] and step == job["warmup"]:
             grads = {f"{s}.{n}": p.grad.detach().cpu() for s, st in zip(indices, stages)
                      for n, p in st.submod.named_parameters() if p.grad is not None}
@@ -165,6 +166,30 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
+    """Trace here first, so that a model that cannot be traced, or whose later stages read the
+    model's inputs themselves, fails fast and clearly, before any process starts."""
+    import copy
+
+    from pipexplore.trace import inputs_past_first_stage, split
+
+    pipe = split(copy.deepcopy(model), mb_args, points, mb_kwargs=mb_kwargs)
+    late = inputs_past_first_stage(pipe)
+    if late:
+        listed = ", ".join(f"{name!r} (stage {stage})" for name, stage in late.items())
+        raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "
+                         f"read {listed}: run in this process (executor='threads'), or leave such inputs out of the "
+                         f"sample (e.g. compute the loss in loss_fn from the logits, with the labels as its target)")
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if torch.is_tensor(value) else value
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    return value.to(device) if torch.is_tensor(value) else value
+
+
 def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
     """One rank's job as bytes; if it cannot be pickled, a TypeError naming the model's culprit."""
     try:
@@ -174,7 +199,7 @@ def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
         raise
 
 
-def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target: Any = None,
+def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = None,
                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                   optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
                   warmup: int = 1, timeout: Optional[float] = None, return_grads: bool = False) -> Any:
@@ -186,6 +211,9 @@ def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target:
     ``metrics['worker_pids']`` the ranks' process ids. With ``return_grads`` the parameter
     gradients of the measured step are in ``metrics['grads']`` (by ``'stage.param'``).
 
+    ``sample`` is one tensor for an ``nn.Sequential``; a traced model takes it as it takes its
+    inputs (a tensor, a tuple of positional inputs or a dict of keyword inputs such as
+    ``input_ids`` and ``labels``), cut into micro-batches by torch's schedule.
     The model's stages, ``loss_fn(output, target)`` (default: the synthetic loss),
     ``optimizer(parameters)`` (default: SGD, lr=0.01) and the batch are sent by value with
     cloudpickle, so classes, lambdas and closures defined in a notebook or ``__main__`` work;
@@ -212,29 +240,36 @@ def run_processes(model: nn.Module, sample: torch.Tensor, plan: Plan, *, target:
     if crossing and not traced:
         raise ValueError("skip routes that cross stages cannot run in separate processes; move the split points "
                          "so that every stash and its pop share a stage, or trace the model")
-    if not torch.is_tensor(sample):
-        raise TypeError("the processes executor takes one tensor as the sample")
+    if not traced and not torch.is_tensor(sample):
+        raise TypeError(f"the processes executor takes one tensor as the sample of an nn.Sequential, got "
+                        f"{type(sample).__name__}")
+    args, kwargs = call_inputs(sample)
+    rows = sample_rows(sample)
     if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
         raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
                          f"{plan.chunks} < {plan.num_stages} stages")
-    if sample.size(0) % plan.chunks:
-        raise ValueError(f"torch pipelining splits the batch evenly: {sample.size(0)} rows do not divide into "
+    if rows % plan.chunks:
+        raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
     if target is None:  # torch's schedules want a target for the loss; the synthetic loss ignores it
-        target = torch.zeros(sample.size(0), 1)
+        target = torch.zeros(rows, 1)
     loss_fn, optimizer = loss_fn or synthetic_loss, optimizer or default_optimizer
     ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
     world = plan.num_devices
     devices = list(plan.devices[:world])
     job = {
         "devices": devices, "chunks": plan.chunks, "schedule_class": SCHEDULE_CLASSES[plan.schedule],
-        "loss_fn": loss_fn, "optimizer": optimizer, "sample": sample.detach().cpu(),
+        "loss_fn": loss_fn, "optimizer": optimizer,
+        "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
         "return_grads": return_grads, "traced": None,
     }
     if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
         names = [str(n) for n in plan.layer_table["name"]]
-        job["traced"] = {"model": model, "mb_args": (sample[: sample.size(0) // plan.chunks],),
+        mb_args, mb_kwargs = call_inputs(first_microbatch(sample, plan.chunks))
+        _check_traced_split(model, mb_args, mb_kwargs, [names[s] for s in plan.splits])
+        job["traced"] = {"model": model, "mb_args": tuple(_cpu(a) for a in mb_args),
+                         "mb_kwargs": {k: _cpu(v) for k, v in mb_kwargs.items()},
                          "split_points": [names[s] for s in plan.splits]}
         payloads = [_pack(job, model)] * world
     else:

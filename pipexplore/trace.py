@@ -24,7 +24,8 @@ from torch import fx, nn
 from pipexplore.microbatch import tensors_in
 from pipexplore.model_inputs import call_inputs
 
-__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows", "split", "skip_routes_of",
+__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows", "inputs_past_first_stage",
+           "split", "skip_routes_of",
            "module_fqns_per_model_part", "torchrun_script"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
@@ -385,6 +386,31 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     table.attrs.update(whole.attrs)
     table.attrs.update(rows=tuple(rows), batch=batch)
     return table
+
+
+def inputs_past_first_stage(pipe: Any) -> dict[str, int]:
+    """The model's inputs that a stage after the first reads directly (name → first such stage).
+
+    torch's ``PipelineStage`` feeds the model's inputs to stage 0 only, so a split whose later
+    stage reads an input itself (a Hugging Face model's ``labels``, read by the loss in the last
+    block) cannot run in processes; this process's executor delivers them.
+
+    Example::
+
+        inputs_past_first_stage(split(model, {"input_ids": ids, "labels": ids}, ["transformer.h.2"]))
+        # {'labels': 1}
+    """
+    found: dict[str, int] = {}
+    for node in pipe.split_gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        for user in node.users:
+            name = str(user.target)
+            if user.op == "call_module" and name.startswith("submod_"):
+                stage = int(name.rsplit("_", 1)[1])
+                if stage > 0:
+                    found[node.name] = min(found.get(node.name, stage), stage)
+    return found
 
 
 def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,

@@ -178,6 +178,41 @@ def test_tied_copies_stay_equal_over_optimizer_steps():
     torch.testing.assert_close(first, reference.transformer.wte.weight, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_keyword_inputs_run_in_processes_like_the_unsplit_model(name):
+    from pipexplore.distributed import run_processes
+
+    build, prefix = MODELS[name]
+    model, inputs = build(), batch()
+    inputs.pop("labels")  # torch's stages take the model's inputs in the first stage only: the labels are the target
+    target = batch()["labels"]
+    table = trace.candidates(copy.deepcopy(model), inputs, loss_fn=logits_loss, target=target, repeats=1)
+    splits = (table["name"].tolist().index(f"{prefix}.2"),)
+    plan = Plan(table, splits, ("cpu", "cpu"), chunks=2, schedule="gpipe", checkpoint="never", executor="processes")
+    result = run_processes(model, inputs, plan, target=target, loss_fn=logits_loss, warmup=0, return_grads=True,
+                           timeout=120)
+    loss, named = reference_step(model, inputs, logits_loss, target)
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    assert set(result.timeline["stage"]) == {0, 1}
+    tied = {"transformer.wte.weight", "lm_head.weight"} if name == "gpt2" else set()
+    grads = {key.split(".", 1)[1]: grad for key, grad in result.metrics["grads"].items()}
+    assert set(grads) >= {key for key, p in named.items() if p.grad is not None} - tied
+    for key, grad in grads.items():
+        if key not in tied:  # torch's stages each hold a copy of a tied weight, with its own part of the gradient
+            torch.testing.assert_close(grad, named[key].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_inputs_read_by_a_later_stage_are_refused_for_processes_before_any_starts():
+    from pipexplore.distributed import run_processes
+
+    model, inputs = gpt2(), batch()
+    table = trace.candidates(copy.deepcopy(model), inputs, loss_fn=model_loss, repeats=1)
+    splits = (table["name"].tolist().index("transformer.h.2"),)
+    plan = Plan(table, splits, ("cpu", "cpu"), chunks=2, schedule="gpipe", executor="processes")
+    with pytest.raises(ValueError, match=r"later stages read 'labels' \(stage 1\): run in this process"):
+        run_processes(model, inputs, plan, loss_fn=model_loss, warmup=0)
+
+
 def test_explorer_takes_a_hugging_face_model_with_keyword_inputs_and_runs_it_in_process():
     from pipexplore.widgets import explore
 

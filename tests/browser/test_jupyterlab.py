@@ -8,21 +8,13 @@ checks the page fits and no text overlaps. Saves a screenshot in ``test-output/`
 """
 from __future__ import annotations
 
-import json
-import re
 import os
 import pathlib
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import re
 
 import pytest
+from lab import CHROMIUM, CHROMIUM_ARGS, LabError, accept_kernel_dialog, dismiss_news, jupyterlab, run_cell
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "test-output"
 
@@ -43,55 +35,15 @@ NOTEBOOK_CELLS = [
 ]
 
 
-def _notebook(path: pathlib.Path) -> None:
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-              "source": source} for source in NOTEBOOK_CELLS]
-    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                      "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    path.write_text(json.dumps(nb))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def lab(tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
-    _notebook(tmp_path / "explorer.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
-         f"--ServerApp.token={token}", f"--ServerApp.root_dir={tmp_path}", "--ServerApp.disable_check_xsrf=True",
-         "--ServerApp.open_browser=False"],
-        cwd=tmp_path, env=env, stdout=open(tmp_path / "lab.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
-        except Exception:
-            if server.poll() is not None or time.time() > deadline:
-                os.killpg(server.pid, signal.SIGKILL)
-                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
-            time.sleep(0.5)
     try:
-        yield url, token
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        with jupyterlab(tmp_path, {"explorer.ipynb": NOTEBOOK_CELLS}) as (url, token):
+            yield url, token
+    except LabError as error:
+        pytest.fail(str(error))
 
 
 def _output_text(page, index: int) -> str:
@@ -99,21 +51,11 @@ def _output_text(page, index: int) -> str:
 
 
 def _run_cell(page, index: int) -> None:
-    """Select a cell by its prompt (command mode) and run it with Shift+Enter."""
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".jp-InputPrompt").click()
-    page.keyboard.press("Shift+Enter")
+    run_cell(page, index)
 
 
 def _accept_kernel_dialog(page) -> None:
-    """JupyterLab may ask which kernel to start; take the one it proposes (the notebook's)."""
-    dialog = page.locator(".jp-Dialog")
-    try:
-        dialog.wait_for(timeout=5_000)
-    except playwright_sync.TimeoutError:
-        return
-    dialog.locator(".jp-Dialog-button.jp-mod-accept").click()
-    dialog.wait_for(state="hidden", timeout=10_000)
+    accept_kernel_dialog(page, playwright_sync.TimeoutError)
 
 
 def _run_all(page) -> None:
@@ -185,9 +127,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
     url, token = lab
     OUTPUT.mkdir(exist_ok=True)
     with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--disable-quic", "--no-first-run"])
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(f"{url}/lab/workspaces/pipexplore-test/tree/explorer.ipynb?reset&token={token}")
@@ -196,9 +136,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
             _run_all(page)
             handle = page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
-            news = page.locator(".jp-Notification-Toast-Close, .jp-toast-button:has-text('No')")
-            if news.count():  # JupyterLab's "get notified about news?" toast covers the page's corner
-                news.first.click()
+            dismiss_news(page)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [2]')",
                                    timeout=120_000)
             assert handle.get_attribute("aria-valuenow") == "2"

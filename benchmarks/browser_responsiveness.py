@@ -1,0 +1,112 @@
+"""The explorer in JupyterLab + headless Chromium, timed as a person sees it.
+
+Two notebooks: a 12-layer MLP profiled on 3 CPU stages, and a synthetic layer table of 1,000
+layers × 64 stages × 256 micro-batches (``Explorer(..., layer_table=...)``, no profiling). For
+each: the time from the explorer cell's Shift+Enter to the predicted timeline on screen (its
+``.pipexplore-timeline[data-splits]``, set when plotly's redraw is complete), and, for 10 drags of
+a split handle, the time from mouse-up to ``data-splits`` showing the new split. The clock is the
+benchmark's, around the browser's events (Chrome DevTools round trips included).
+
+Goals (issue "The explorer page"): 12 layers on screen ≤ 2 s (profiling included), drag ≤ 50 ms;
+1,000 × 64 × 256 on screen ≤ 3 s, drag ≤ 50 ms.
+
+Needs Debian's chromium (/usr/bin/chromium) and playwright (the test extra).
+"""
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+from common import machine
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "browser"))
+from lab import CHROMIUM, CHROMIUM_ARGS, accept_kernel_dialog, dismiss_news, jupyterlab, run_cell  # noqa: E402
+
+SETUP = ("%load_ext pipexplore\n"
+         "import numpy as np, pandas as pd, torch\n"
+         "from torch import nn\n"
+         "from pipexplore.widgets import Explorer\n"
+         "torch.manual_seed(0)\n"
+         "print('READY')")
+
+CASES = {
+    "12 layers × 3 stages × 4 micro-batches (profiled)": (
+        "model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(12)])\n"
+        "ex = %pipexplore model torch.randn(64, 256) --chunks 4 --devices cpu,cpu,cpu --splits 4,8\n"
+        "ex"),
+    "1,000 layers × 64 stages × 256 micro-batches (layer table)": (
+        "n, stages = 1000, 64\n"
+        "rng = np.random.default_rng(0)\n"
+        "table = pd.DataFrame({'name': [str(k) for k in range(n)], 'type': 'Linear', 'param_bytes': 4096.0,\n"
+        "    'output_bytes': 1e6, 'forward': rng.random(n) * 1e-3, 'backward': rng.random(n) * 2e-3,\n"
+        "    'stash': '', 'pop': ''})\n"
+        "ex = Explorer(nn.Sequential(*[nn.Identity() for _ in range(n)]), torch.zeros(256, 1), layer_table=table,\n"
+        "              devices=['cpu'] * stages, chunks=256, splits=[15 * k + 10 for k in range(1, stages)])\n"
+        "ex"),
+}
+
+SPLITS_SHOWN = "(document.querySelector('.pipexplore-timeline[data-splits]') || {dataset: {}}).dataset.splits || ''"
+
+
+def _measure(page, explorer_cell: str, drags: int) -> tuple[float, list[float]]:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    accept_kernel_dialog(page, PlaywrightTimeout)
+    run_cell(page, 0)
+    page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('READY')", timeout=120_000)
+    start = time.perf_counter()
+    run_cell(page, 1)
+    page.wait_for_selector(".pipexplore-timeline[data-splits]", timeout=300_000)
+    on_screen = time.perf_counter() - start
+    dismiss_news(page)
+    times = []
+    for k in range(drags):
+        handles = page.locator(".pipexplore-splitbar .handle")
+        index = (7 * k) % handles.count()
+        handle = handles.nth(index)
+        value = int(handle.get_attribute("aria-valuenow"))
+        upper = int(handles.nth(index + 1).get_attribute("aria-valuenow")) if index + 1 < handles.count() else None
+        to = value + 1 if upper is None or value + 1 < upper else value - 1
+        before = page.evaluate(SPLITS_SHOWN)
+        box = handle.bounding_box()
+        cell = page.locator(f".pipexplore-splitbar .cell[data-layer='{to}']").bounding_box()
+        y = box["y"] + box["height"] / 2
+        page.mouse.move(box["x"] + box["width"] / 2, y)
+        page.mouse.down()
+        page.mouse.move(cell["x"] + min(1.0, cell["width"] / 3), y, steps=6)
+        start = time.perf_counter()
+        page.mouse.up()
+        page.wait_for_function(f"{SPLITS_SHOWN} !== {before!r}", timeout=60_000)
+        times.append(time.perf_counter() - start)
+    return on_screen, times
+
+
+def main() -> None:
+    from playwright.sync_api import sync_playwright
+
+    print(f"machine: {machine()}; Chromium headless, 1,280 × 1,400 px")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        notebooks = {f"case{k}.ipynb": [SETUP, cell] for k, cell in enumerate(CASES.values())}
+        with jupyterlab(root, notebooks) as (url, token), sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                for k, name in enumerate(CASES):
+                    page = browser.new_page(viewport={"width": 1280, "height": 1400})
+                    page.goto(f"{url}/lab/workspaces/bench{k}/tree/case{k}.ipynb?reset&token={token}")
+                    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+                    on_screen, drags = _measure(page, CASES[name], drags=10)
+                    print(f"{name}: on screen {on_screen:.2f} s; drag → new predicted timeline: median "
+                          f"{statistics.median(drags) * 1e3:.0f} ms, max {max(drags) * 1e3:.0f} ms "
+                          f"({len(drags)} drags)")
+                    page.close()
+            finally:
+                browser.close()
+
+
+if __name__ == "__main__":
+    main()
