@@ -35,7 +35,8 @@ SETUP = ("%load_ext pipexplore\n"
 CASES = {
     "12 layers × 3 stages × 4 micro-batches (profiled)": (
         "model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(12)])\n"
-        "ex = %pipexplore model torch.randn(64, 256) --chunks 4 --devices cpu,cpu,cpu --splits 4,8\n"
+        "sample = torch.randn(64, 256)\n"
+        "ex = %pipexplore model sample --chunks 4 --devices cpu,cpu,cpu --splits 4,8\n"
         "ex"),
     "1,000 layers × 64 stages × 256 micro-batches (layer table)": (
         "n, stages = 1000, 64\n"
@@ -60,7 +61,11 @@ def _measure(page, explorer_cell: str, drags: int) -> tuple[float, list[float]]:
     page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('READY')", timeout=120_000)
     start = time.perf_counter()
     run_cell(page, 1)
-    page.wait_for_selector(".pipexplore-timeline[data-splits]", timeout=300_000)
+    try:
+        page.wait_for_selector(".pipexplore-timeline[data-splits]", timeout=300_000)
+    except PlaywrightTimeout:
+        raise RuntimeError("the explorer did not appear; the notebook shows:\n"
+                           + page.locator(".jp-Notebook").inner_text()[-2000:]) from None
     on_screen = time.perf_counter() - start
     dismiss_news(page)
     times = []
@@ -70,14 +75,18 @@ def _measure(page, explorer_cell: str, drags: int) -> tuple[float, list[float]]:
         handle = handles.nth(index)
         value = int(handle.get_attribute("aria-valuenow"))
         upper = int(handles.nth(index + 1).get_attribute("aria-valuenow")) if index + 1 < handles.count() else None
-        to = value + 1 if upper is None or value + 1 < upper else value - 1
+        layers = page.locator(".pipexplore-splitbar .cell").count()
+        to = value + 1 if value + 1 < (upper or layers) else value - 1
         before = page.evaluate(SPLITS_SHOWN)
+        page.locator(".pipexplore-splitbar").scroll_into_view_if_needed()
+        # Move the handle by the distance between the two layer boundaries, wherever it was grabbed.
+        here = page.locator(f".pipexplore-splitbar .cell[data-layer='{value}']").bounding_box()
+        there = page.locator(f".pipexplore-splitbar .cell[data-layer='{to}']").bounding_box()
         box = handle.bounding_box()
-        cell = page.locator(f".pipexplore-splitbar .cell[data-layer='{to}']").bounding_box()
-        y = box["y"] + box["height"] / 2
-        page.mouse.move(box["x"] + box["width"] / 2, y)
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(x, y)
         page.mouse.down()
-        page.mouse.move(cell["x"] + min(1.0, cell["width"] / 3), y, steps=6)
+        page.mouse.move(x + there["x"] - here["x"], y, steps=6)
         start = time.perf_counter()
         page.mouse.up()
         page.wait_for_function(f"{SPLITS_SHOWN} !== {before!r}", timeout=60_000)

@@ -17,6 +17,7 @@ column: the activation bytes the stage holds once the event is done.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from typing import Optional, Sequence, Union
@@ -306,13 +307,36 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     heads = [0] * Q
     free_at = [0.0] * Q
     resource = [_resource(d) for d in stage_device]
-    running: dict[int, list] = {}  # queue -> [remaining work, share of its device, start, stage, kind, i]
+    # The queues that hold each stage: when an action of stage s ends, only the queues of stages
+    # s - 1, s and s + 1 can have a next action become ready.
+    stage_queues: list[set[int]] = [set() for _ in range(S)]
+    for q, queue in enumerate(lane_queues):
+        for s, _, _ in queue:
+            stage_queues[s].add(q)
+    # Processor sharing with a virtual clock per device: while the actions on one device ask for
+    # more than all of it (``asked`` > 1), each runs slower in proportion, so all of them advance
+    # at the same rate, 1 / asked, and an action ends when its device's clock has advanced by its
+    # seconds. Actions that ask for none of their device (sleeps, a GPU's host side) run at full
+    # speed on a clock of their own (FREE).
+    FREE = "\0free"
+    clock: dict[str, float] = {}
+    asked: dict[str, float] = {}
+    finishing: dict[str, list] = {}  # resource -> heap of (clock at the end, order, queue)
+    running: dict[int, tuple] = {}  # queue -> (resource, demand, start, stage, kind, i)
+    dirty, timed = set(range(Q)), {}  # queues to look at now; queues waiting for a time
+    order = 0
     remaining = sum(len(q) for q in lane_queues)
     now = 0.0
     eps = 1e-12
+
+    def rate(r: str) -> float:
+        return 1.0 / asked[r] if r != FREE and asked[r] > 1.0 else 1.0
+
     while remaining:
-        wake = math.inf
-        for q in range(Q):
+        for q in [q for q, t in timed.items() if t <= now + eps]:
+            del timed[q]
+            dirty.add(q)
+        for q in sorted(dirty):
             if q in running or heads[q] >= len(lane_queues[q]):
                 continue
             s, kind, i = lane_queues[q][heads[q]]
@@ -323,41 +347,49 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 continue
             start = max(t, free_at[q])
             if start > now + eps:
-                wake = min(wake, start)
+                timed[q] = start
                 continue
             key = (kind, sizes[i])
-            running[q] = [float(seconds[key][s]), float(demand[key][s]), now, s, kind, i]
+            share = float(demand[key][s])
+            r = resource[s] if share > 0 else FREE
+            if r not in finishing or not finishing[r]:
+                clock[r], asked[r], finishing[r] = 0.0, 0.0, []
+            heapq.heappush(finishing[r], (clock[r] + float(seconds[key][s]), order, q))
+            order += 1
+            asked[r] += share
+            running[q] = (r, share, now, s, kind, i)
             if kind == "F" and s:
                 copy = copy_seconds(s - 1, s, i)
                 if copy > 0:
                     done = end[(s - 1, "F", i)]
                     rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted"))
-        if not running:
+        dirty.clear()
+        wake = min(timed.values(), default=math.inf)
+        active = [r for r, heap in finishing.items() if heap]
+        if not active:
             if wake == math.inf:
                 raise RuntimeError(f"schedule {schedule!r} deadlocked: no stage can run its next action")
             now = wake
             continue
-        # Processor sharing: while the actions on one device ask for more than all of it, each
-        # runs slower in proportion.
-        asked: dict[str, float] = {}
-        for job in running.values():
-            asked[resource[job[3]]] = asked.get(resource[job[3]], 0.0) + job[1]
-        rates = {q: (1.0 / asked[resource[job[3]]] if job[1] > 0 and asked[resource[job[3]]] > 1.0 else 1.0)
-                 for q, job in running.items()}
-        step = min(job[0] / rates[q] for q, job in running.items())
-        step = min(step, wake - now)
+        rates = {r: rate(r) for r in active}
+        step = min(min((finishing[r][0][0] - clock[r]) / rates[r] for r in active), wake - now)
         now += step
-        for q in list(running):
-            job = running[q]
-            job[0] -= step * rates[q]
-            if job[0] <= eps * max(1.0, now):
-                _, _, start, s, kind, i = job
-                del running[q]
+        for r in active:
+            clock[r] += step * rates[r]
+            heap = finishing[r]
+            while heap and heap[0][0] - clock[r] <= eps * max(1.0, now):
+                _, _, q = heapq.heappop(heap)
+                _, share, start, s, kind, i = running.pop(q)
+                asked[r] -= share
                 heads[q] += 1
                 remaining -= 1
                 end[(s, kind, i)] = now
                 free_at[q] = now + gap
                 rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted"))
+                dirty.add(q)
+                for neighbour in (s - 1, s, s + 1):
+                    if 0 <= neighbour < S:
+                        dirty |= stage_queues[neighbour]
 
     frame = pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
     frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)

@@ -11,11 +11,18 @@ from pipexplore.costs import PHASE_SOURCE, handoff_gaps
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 
-__all__ = ["probe"]
+__all__ = ["probe", "PROBE_DEVICES", "PROBE_CHUNKS"]
+
+#: The probe runs at most this many devices' stages and micro-batches: what an action costs the
+#: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
+#: otherwise spend a minute on layers that do nothing.
+PROBE_DEVICES = 8
+PROBE_CHUNKS = 8
 
 
 def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
-    """Run ``plan``'s executor, schedule, devices and chunks on one ``Linear(1, 1)`` per stage
+    """Run ``plan``'s executor, schedule, devices and chunks (at most :data:`PROBE_DEVICES` devices'
+    stages and :data:`PROBE_CHUNKS` micro-batches) on one ``Linear(1, 1)`` per stage
     and measure ``(overhead, gap)``: the median seconds of an action's span (what the executor
     records around a layer that does nothing: its bookkeeping, autograd set-up, recording) and
     the median seconds a worker spends between actions whose inputs are there (dispatch).
@@ -31,14 +38,17 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
     module = {"threads": threads, "autograd": autograd}.get(plan.executor)
     if module is None or plan.schedule == "async-backends":
         return 0.0, 0.0, 0.0
-    stages = plan.num_stages
+    per_device = plan.num_stages // plan.num_devices
+    devices = plan.devices[:min(plan.num_devices, PROBE_DEVICES)]
+    stages = len(devices) * per_device
+    chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": 0.0, "backward": 0.0,
                           "output_bytes": 0.0, "param_bytes": 8.0})
-    tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=plan.devices, chunks=plan.chunks,
+    tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
                      checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                     executor=plan.executor, batch=plan.chunks)
-    measured = module.run(StepJob(tiny, torch.randn(plan.chunks, 1), tiny_plan, warmup=1, repeats=repeats)).timeline
+                     executor=plan.executor, batch=chunks)
+    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats)).timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = (compute["end"] - compute["start"]).tolist()
     overhead = statistics.median(spans) if spans else 0.0
