@@ -1,7 +1,8 @@
 """``%load_ext pipexplore`` registers ``%pipexplore``: an explorer from names in the notebook."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Optional
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -47,6 +48,25 @@ class PipexploreMagics(Magics):
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(PipexploreMagics)
+    # The first explorer would pay plotly's and torch's first-use imports (~2.5 s); pay them now,
+    # in the background, while the next cell is written.
+    global warm_up_thread
+    if warm_up_thread is None:
+        warm_up_thread = threading.Thread(target=_warm_up, name="pipexplore-warm-up", daemon=True)
+        warm_up_thread.start()
+
+
+#: The thread that pays the explorer's first-use imports, started by the first ``%load_ext``.
+warm_up_thread: Optional[threading.Thread] = None
+
+
+def _warm_up() -> None:
+    try:
+        from pipexplore.widgets.plots import warm_up
+
+        warm_up()
+    except Exception:  # only a head start: the explorer imports what it needs itself
+        pass
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -239,6 +239,24 @@ def test_magic_parses_arguments_and_reports_unknown_names():
     assert shell.find_line_magic("pipexplore") is not None
 
 
+def test_load_ext_pays_the_first_explorers_imports_in_one_background_thread():
+    import sys
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from pipexplore import magics
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "pipexplore")
+    thread = magics.warm_up_thread
+    assert thread is not None and thread.daemon and thread.name == "pipexplore-warm-up"
+    shell.run_line_magic("unload_ext", "pipexplore")
+    shell.run_line_magic("load_ext", "pipexplore")
+    assert magics.warm_up_thread is thread  # once per process
+    thread.join(120)
+    assert not thread.is_alive() and "plotly.basewidget" in sys.modules
+
+
 def test_async_backends_schedule_runs_stages_as_expert_backends():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     ex = explore(model, torch.randn(32, 8), devices=["cpu", "cpu"], splits=[2], chunks=4, schedule="async-backends")

@@ -453,6 +453,22 @@ class TimelineView:
         return text
 
 
+def warm_up() -> None:
+    """Pay the first-use costs of an explorer ahead of it: plotly's widget module (it imports
+    nbformat and jsonschema, ~1.4 s), its trace classes, and torch's optimizers (~1 s on first
+    use), by drawing a tiny timeline off screen and making one optimizer. ``%load_ext pipexplore``
+    runs this in a background thread, while the user writes the next cell."""
+    import plotly.basewidget  # noqa: F401
+    import torch
+
+    from pipexplore.simulate import simulate
+
+    table = pd.DataFrame({"name": ["0", "1"], "forward": [1e-3, 1e-3], "backward": [2e-3, 2e-3],
+                          "output_bytes": 0.0, "param_bytes": 0.0})
+    TimelineView(simulate(table, [1], chunks=2), samples=2, widget=False)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
                     samples: Optional[int] = None) -> Any:
     """A figure of the predicted step above the measured one and the activation memory, one time axis.
