@@ -171,13 +171,8 @@ class ScheduleExecutor:
             [torch.device("cpu")] * stages)
         if schedule == "interleaved":
             p = len(device_list)
-            if stages % p:
-                raise ValueError(f"interleaved spreads {stages} stages over {p} devices: the stage count must be "
-                                 "a multiple of the device count")
-            if chunks % p:
-                raise ValueError(f"interleaved needs chunks ({chunks}) to be a multiple of the device count ({p})")
+            self.stage_devices = validate.interleaved_devices(stages, device_list, chunks)
             self.virtual_stages = stages // p
-            self.stage_devices = [device_list[s % p] for s in range(stages)]
             self.worker_orders = [list(_interleaved(d, p, self.virtual_stages, chunks)) for d in range(p)]
         else:
             validate.enough_devices(len(device_list), stages)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from pipexplore import timeline as tl
+from pipexplore import validate
 from pipexplore.checkpoint import restore_rng_states, save_rng_states
 from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, make_optimizer, measure,
                                        result, synthetic_loss)
@@ -105,12 +106,7 @@ class TracedExecutor:
         device_list = [_as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
         if schedule == "interleaved":
             p = len(device_list)
-            if stages % p:
-                raise ValueError(f"interleaved spreads {stages} stages over {p} devices: the stage count must be a "
-                                 "multiple of the device count")
-            if chunks % p:
-                raise ValueError(f"interleaved needs chunks ({chunks}) to be a multiple of the device count ({p})")
-            self.stage_devices = [device_list[s % p] for s in range(stages)]
+            self.stage_devices = validate.interleaved_devices(stages, device_list, chunks)
             self.worker_orders = [list(_interleaved(d, p, stages // p, chunks)) for d in range(p)]
         else:
             if len(device_list) < stages:

@@ -22,7 +22,7 @@ from pipexplore.splits import SplitError, check_splits
 __all__ = [
     "TooFewDevicesError", "integer", "boolean", "chunks", "chunks_for_batch", "valid_chunks", "device", "devices",
     "enough_devices", "splits", "virtual_stages", "checkpoint", "schedule", "executor", "sample", "target",
-    "loss_value", "optional_callable", "naming_failing_layer",
+    "loss_value", "optional_callable", "naming_failing_layer", "interleaved_devices",
 ]
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -420,3 +420,20 @@ def naming_failing_layer(module: nn.Module, value: Any, name: str = "sample") ->
         raise ValueError(f"{name} (shape {shapes}) does not fit the model: layer {index} ('{layer_name}', "
                          f"{type(layer).__name__}) failed on it with {type(exc).__name__}: {exc}") from exc
 
+
+
+def interleaved_devices(stages: int, devices: Sequence[Any], chunks: int) -> list[Any]:
+    """The device of each stage under the interleaved schedule (stage ``s`` on device ``s % p``),
+    after checking that the stages and ``chunks`` are multiples of the ``p`` devices.
+
+    Example::
+
+        interleaved_devices(4, ["cuda:0", "cuda:1"], chunks=8)   # ['cuda:0', 'cuda:1', 'cuda:0', 'cuda:1']
+    """
+    p = len(devices)
+    if stages % p:
+        raise ValueError(f"interleaved spreads {stages} stages over {p} devices: the stage count must be a "
+                         "multiple of the device count")
+    if chunks % p:
+        raise ValueError(f"interleaved needs chunks ({chunks}) to be a multiple of the device count ({p})")
+    return [devices[s % p] for s in range(stages)]

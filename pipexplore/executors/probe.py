@@ -42,6 +42,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
     devices = plan.devices[:min(plan.num_devices, PROBE_DEVICES)]
     stages = len(devices) * per_device
     chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
+    if plan.schedule == "interleaved":  # a multiple of the devices, as the schedule needs
+        chunks -= chunks % len(devices)
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": 0.0, "backward": 0.0,
                           "output_bytes": 0.0, "param_bytes": 8.0})
