@@ -63,7 +63,8 @@ def main() -> None:
         median = statistics.median(values)
         print(f"{name:14} {tasks / median:8.0f} tasks/s  ({median * 1e3:.0f} ms a round, {batches[name]} batches "
               f"for {tasks} tasks)")
-    print(f"ratio batched / one at a time: {statistics.median(times['one at a time']) / statistics.median(times['batched']):.2f}")
+    print(f"ratio batched / one at a time: "
+          f"{statistics.median(times['one at a time']) / statistics.median(times['batched']):.2f}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def recording_overhead(devices: list[str], repeats: int) -> None:
         times["resolve"].append(time.perf_counter() - start)
         assert len(rec.timeline) > 0
     t = {name: statistics.median(values[2:]) for name, values in times.items()}
-    print(f"1. recording overhead (MLP 8×512, {len(devices)} stages, 8 chunks): step without {t['without'] * 1e3:.1f} ms, "
+    print(f"1. recording overhead (MLP 8×512, {len(devices)} stages, 8 chunks): "
+          f"step without {t['without'] * 1e3:.1f} ms, "
           f"with {t['with'] * 1e3:.1f} ms, ratio {t['with'] / t['without']:.3f}; "
           f"resolving the timeline after the step {t['resolve'] * 1e3:.1f} ms")
 
@@ -109,7 +110,8 @@ def prediction_error(devices: list[str], repeats: int) -> None:
         predicted = tl.step_time(simulate(table, balance_to_splits(balance), chunks=4, checkpoint=checkpoint,
                                           devices=[str(d) for d in pipe.devices], per_microbatch=True))
         print(f"4. MLP 8×1024, {len(devices)} stages, 4 chunks, checkpoint={checkpoint}: predicted "
-              f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, error {(predicted / measured - 1) * 100:+.1f} %")
+              f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, "
+              f"error {(predicted / measured - 1) * 100:+.1f} %")
 
 
 def forward_bubble(repeats: int) -> None:

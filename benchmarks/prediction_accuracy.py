@@ -13,7 +13,6 @@ and max ≤ 25 % in every column.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import sys

@@ -3,9 +3,9 @@
 A layer table (:func:`pipexplore.profile`) holds per layer ``t(n) = a + b·n`` for forward and
 backward in the rows ``n`` of a micro-batch, and the share of its device each phase keeps busy. From it, for a
 plan's split and micro-batch sizes, follow per stage and phase: seconds, the share of its device
-it keeps busy (how much it slows the other stages on the same host or GPU) and bytes. :class:`Corrections` hold what measured runs
-taught, per executor: a factor per layer and phase, and the lane time each action costs beyond
-its span (the executor's own dispatch)::
+it keeps busy (how much it slows the other stages on the same host or GPU) and bytes.
+:class:`Corrections` hold what measured runs taught, per executor: a factor per layer and phase,
+and the lane time each action costs beyond its span (the executor's own dispatch)::
 
     seconds = stage_seconds(table, splits=[4], rows=32, phase="forward")
     learnt = Corrections().learn(table, [4], "threads", predicted, measured)
@@ -208,7 +208,8 @@ def handoff_gaps(measured: pd.DataFrame) -> tuple[Optional[float], Optional[floa
     dispatch, transfer = [], []
     for stage, lane in compute.groupby("stage"):
         previous_end = None
-        for phase, i, start, _finish in lane[["phase", "microbatch", "start", "end"]].itertuples(index=False, name=None):
+        for phase, i, start, _finish in lane[["phase", "microbatch", "start", "end"]].itertuples(
+                index=False, name=None):
             stage, i = int(stage), int(i)
             local: list[Optional[float]] = [previous_end]
             remote: list[Optional[float]] = []

@@ -18,8 +18,8 @@ from torch import nn
 
 from pipexplore.skip import Namespace, pop, skippable, stash
 
-__all__ = ["TinyTransformer", "BranchyTransformer", "build_model", "get_batch", "loss_fn", "unet", "SleepLayer", "RowCostLayer",
-           "VOCAB", "WIDTH", "DEPTH", "SEQ"]
+__all__ = ["TinyTransformer", "BranchyTransformer", "build_model", "get_batch", "loss_fn", "unet", "SleepLayer",
+           "RowCostLayer", "VOCAB", "WIDTH", "DEPTH", "SEQ"]
 
 VOCAB, WIDTH, DEPTH, SEQ = 64, 32, 4, 8
 

@@ -130,7 +130,8 @@ def scatter(input: TensorOrTensors, chunks: int) -> list[Batch]:
     columns = [x.chunk(chunks) for x in tensors]
     counts = {len(column) for column in columns}
     if len(counts) != 1:
-        shapes = ", ".join(f"tensor {k}: {x.size(0)} rows into {len(c)}" for k, (x, c) in enumerate(zip(tensors, columns)))
+        shapes = ", ".join(f"tensor {k}: {x.size(0)} rows into {len(c)}"
+                           for k, (x, c) in enumerate(zip(tensors, columns)))
         raise ValueError(f"the tensors of a tuple input split into different numbers of micro-batches with "
                          f"chunks={chunks} ({shapes}): give every tensor at least {chunks} rows along dim 0, "
                          "or sizes that split into the same number of micro-batches")

@@ -205,7 +205,8 @@ class Plan:
         from pipexplore.splits import balance_to_splits
 
         if sum(balance) != self.num_layers:
-            raise SplitError(f"balance {list(balance)} sums to {sum(balance)} but the model has {self.num_layers} layers")
+            raise SplitError(f"balance {list(balance)} sums to {sum(balance)} "
+                             f"but the model has {self.num_layers} layers")
         return self.with_splits(balance_to_splits(balance))
 
     def with_options(self, **changes: object) -> "Plan":

@@ -334,7 +334,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     batch = batch_size(sample)
     sizes = sorted({int(n) for n in (microbatch_rows or [batch])})
     if not sizes or sizes[0] < 1 or sizes[-1] > batch:
-        raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), got {list(microbatch_rows or [])}")
+        raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), "
+                         f"got {list(microbatch_rows or [])}")
     if device is not None:
         module.to(device)
     first_param = next(module.parameters(), None)

@@ -7,8 +7,8 @@ from pipexplore.costs import PHASE_SOURCE
 
 __all__ = ["residuals", "RESIDUAL_COLUMNS"]
 
-RESIDUAL_COLUMNS = ["stage", "microbatch", "phase", "predicted_start", "predicted_end", "measured_start", "measured_end",
-                    "predicted_seconds", "measured_seconds", "error"]
+RESIDUAL_COLUMNS = ["stage", "microbatch", "phase", "predicted_start", "predicted_end", "measured_start",
+                    "measured_end", "predicted_seconds", "measured_seconds", "error"]
 
 
 def residuals(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:

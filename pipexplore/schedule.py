@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.checkpoint import enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks, save_rng_states
+from pipexplore.checkpoint import (enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks,
+                                   save_rng_states)
 from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
 from pipexplore.saved import SavedBytes, tensor_bytes
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device

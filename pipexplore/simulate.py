@@ -164,7 +164,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
              checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
-             batch: Optional[int] = None, corrections: Optional[Corrections] = None, run: Union[int, str] = "predicted") -> pd.DataFrame:
+             batch: Optional[int] = None, corrections: Optional[Corrections] = None,
+             run: Union[int, str] = "predicted") -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
@@ -391,7 +392,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                     if 0 <= neighbour < S:
                         dirty |= stage_queues[neighbour]
 
-    frame = pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable").reset_index(drop=True)
+    frame = (pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable")
+             .reset_index(drop=True))
     frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
     frame.attrs["peak_memory"] = {}
     return frame

@@ -278,7 +278,8 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _lanes(timeline: pd.DataFrame, by: str, phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
+def _lanes(timeline: pd.DataFrame, by: str,
+           phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
     """Compute spans grouped by stage or device as numpy arrays, and the span of the frame's events."""
     phase = timeline["phase"].to_numpy()
     keep = np.isin(phase, list(phases)) if phases is not None else np.ones(len(phase), dtype=bool)
@@ -343,7 +344,8 @@ def copy_overlap(timeline: pd.DataFrame) -> float:
     compute = timeline[timeline["phase"].isin(COMPUTE_PHASES)]
     overlapped = total = 0.0
     for device, group in copies.groupby("device"):
-        busy = sorted(zip(compute.loc[compute["device"] == device, "start"], compute.loc[compute["device"] == device, "end"]))
+        busy = sorted(zip(compute.loc[compute["device"] == device, "start"],
+                          compute.loc[compute["device"] == device, "end"]))
         for start, end in zip(group["start"], group["end"]):
             total += end - start
             overlapped += sum(max(0.0, min(end, e) - max(start, s)) for s, e in busy)

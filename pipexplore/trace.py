@@ -24,8 +24,8 @@ from torch import fx, nn
 from pipexplore.microbatch import tensors_in
 from pipexplore.model_inputs import call_inputs
 
-__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows", "inputs_past_first_stage",
-           "split", "skip_routes_of",
+__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
+           "inputs_past_first_stage", "split", "skip_routes_of",
            "module_fqns_per_model_part", "torchrun_script"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
@@ -353,7 +353,8 @@ def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None, **options: Any) -> pd.DataFrame:
+def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None,
+                       **options: Any) -> pd.DataFrame:
     """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
     with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
     ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when

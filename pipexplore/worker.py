@@ -83,7 +83,8 @@ def join_all(threads: list[threading.Thread], on_interrupt: Optional[Callable[[]
 
 
 @contextmanager
-def spawn_workers(devices: list[torch.device], name: str = "pipexplore") -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
+def spawn_workers(devices: list[torch.device],
+                  name: str = "pipexplore") -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
     """Start one worker thread per entry of ``devices`` (one per partition); join them on exit.
 
     Partitions that share a device get threads of their own, so they still overlap where the

@@ -61,7 +61,8 @@ def plain_model(width: int = 6, depth: int = 8) -> nn.Sequential:
 def unet_model(width: int = 6, refs: list | None = None) -> nn.Sequential:
     """Nine layers, two nested skips (outer 1→7, inner 3→5) isolated by namespaces::
 
-        0 Linear · 1 Stash(outer) · 2 Linear · 3 Stash(inner) · 4 Linear · 5 Pop(inner) · 6 Linear · 7 Pop(outer) · 8 Linear
+        0 Linear · 1 Stash(outer) · 2 Linear · 3 Stash(inner) · 4 Linear ·
+        5 Pop(inner) · 6 Linear · 7 Pop(outer) · 8 Linear
     """
     outer, inner = Namespace(), Namespace()
     return nn.Sequential(

@@ -23,7 +23,8 @@ def linear_backend(name="ffn", width=8, lr=0.1, **options):
 def test_batch_tensor_proto():
     proto = BatchTensorProto(8)
     assert proto.make_empty(3).shape == (3, 8) and proto.make_empty(3).dtype == torch.float32
-    assert BatchTensorProto.from_tensor(torch.zeros(5, 2, 3, dtype=torch.int64)) == BatchTensorProto(2, 3, dtype=torch.int64)
+    assert (BatchTensorProto.from_tensor(torch.zeros(5, 2, 3, dtype=torch.int64))
+            == BatchTensorProto(2, 3, dtype=torch.int64))
     proto.check(torch.zeros(4, 8))
     with pytest.raises(ValueError, match=r"x: expected shape \[\*, 8\] float32, got \[4, 7\] float32"):
         proto.check(torch.zeros(4, 7), "x")

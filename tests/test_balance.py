@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from models import Sleep, unet_model
-from pipexplore.balance import balance_by_size, balance_by_time, balance_cost, blockpartition, largest_stage, optimal_splits
+from pipexplore.balance import (balance_by_size, balance_by_time, balance_cost, blockpartition, largest_stage,
+                                optimal_splits)
 from pipexplore.profile import LAYER_COLUMNS, profile
 from pipexplore.splits import SplitError, balance_to_splits, check_splits, splits_to_balance
 
@@ -65,7 +66,8 @@ def test_identical_layers_balance_evenly(n, k):
 
 def test_identical_layers_examples():
     assert optimal_splits([1] * 8, 2) == [4]
-    assert balance_cost([1] * 10, 4) in ([3, 3, 2, 2], [2, 3, 3, 2], [3, 2, 3, 2], [2, 2, 3, 3], [2, 3, 2, 3], [3, 2, 2, 3])
+    assert balance_cost([1] * 10, 4) in ([3, 3, 2, 2], [2, 3, 3, 2], [3, 2, 3, 2], [2, 2, 3, 3], [2, 3, 2, 3],
+                                         [3, 2, 2, 3])
     assert balance_cost([0.0] * 6, 3) == [2, 2, 2]  # nothing to balance: even by layers
 
 
@@ -84,7 +86,7 @@ def test_ties_of_the_slowest_stage_even_out_the_others():
 def _leftmost_min_max(costs, partitions):
     """A min–max optimal split by an independent route: greedy from the right against the bisected optimum."""
     limit = _min_max_by_bisection(costs, partitions)
-    splits, end, total = [], len(costs), 0.0
+    splits, total = [], 0.0
     for index in range(len(costs) - 1, -1, -1):
         if total + costs[index] > limit or index < partitions - 1 - len(splits):
             splits.append(index + 1)

@@ -277,7 +277,8 @@ def test_async_backends_schedule_runs_stages_as_expert_backends():
 
 def test_async_backends_refuse_skips_that_cross_stages(explorer):
     explorer.update(schedule="async-backends")
-    with pytest.raises(ValueError, match=r"skip routes 'skip' \(1→7\) cross stages, which expert backends cannot carry"):
+    with pytest.raises(ValueError, match=r"skip routes 'skip' \(1→7\) cross stages, "
+                                         r"which expert backends cannot carry"):
         explorer.run()
     assert explorer.runs.empty
 

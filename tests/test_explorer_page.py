@@ -6,14 +6,12 @@ import html.parser
 import json
 import threading
 
-import pandas as pd
 import pytest
 import torch
 from torch import nn
 
 from pipexplore import timeline as tl
 from pipexplore.profile import profile
-from pipexplore.residuals import residuals
 from pipexplore.widgets import explore
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.plots import PHASE_COLORS
@@ -64,7 +62,8 @@ def test_header_shows_the_plans_predicted_figures(explorer):
     assert f"{tl.step_time(explorer.plan.predicted) * 1e3:.2f} ms" in explorer.w_header.value
     assert "splits [3, 6]" in explorer.w_header.value
     row = explorer.run()  # the last measured step and how far its prediction was
-    assert "measured · run 0" in explorer.w_header.value and f"{row['step_time'] * 1e3:.2f} ms" in explorer.w_header.value
+    assert ("measured · run 0" in explorer.w_header.value
+            and f"{row['step_time'] * 1e3:.2f} ms" in explorer.w_header.value)
     assert (f"predicted {row['predicted_step_time'] * 1e3:.2f} ms then ({row['prediction_error'] * 100:+.0f} %)"
             in explorer.w_header.value)
 
@@ -165,7 +164,8 @@ def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
     explorer.w_memory_cap.value = "1 GiB"
     assert explorer.memory_cap == 2 ** 30 and "all stages under the cap" in explorer.figure.layout.annotations[2].text
     explorer.w_memory_cap.value = "lots"
-    assert "memory_cap must be a number of bytes > 0 or a size such as '2 GiB'" in _text(explorer.w_errors["memory_cap"])
+    assert ("memory_cap must be a number of bytes > 0 or a size such as '2 GiB'"
+            in _text(explorer.w_errors["memory_cap"]))
     assert explorer.w_memory_cap.value == "lots" and explorer.memory_cap == 2 ** 30
     with pytest.raises(ValueError, match=r"memory_cap must be a number of bytes > 0 .*got -5"):
         explore(_model(), torch.randn(BATCH, WIDTH), layer_table=table, calibrate=False, memory_cap=-5)

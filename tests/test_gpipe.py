@@ -436,7 +436,8 @@ def test_parameter_shared_by_distinct_layers_is_refused_as_torchgpipe_does():
 def test_unmatched_skips_are_refused_at_construction():
     model = unet_model()
     del model[7]  # the outer pop
-    with pytest.raises(TypeError, match=r"no module declared 'skip' as poppable but stashed \('1' \(StashLinear\) stashes it"):
+    with pytest.raises(TypeError, match=r"no module declared 'skip' as poppable but stashed "
+                                        r"\('1' \(StashLinear\) stashes it"):
         GPipe(model, balance=[4, 4], devices=["cpu"] * 2)
 
 

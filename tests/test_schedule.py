@@ -157,7 +157,8 @@ def test_fewer_rows_than_chunks_is_refused():
         executor.step(torch.randn(4, 6))
     executor = ScheduleExecutor(plain_model(), [4, 4], devices=["cpu"] * 2, chunks=8)
     with pytest.raises(ValueError, match=r"chunks=8 cannot split a batch of 10 rows into 8 micro-batches: torch.chunk "
-                                         r"makes 5 micro-batches of up to 2 rows; choose chunks among 1, 2, 3, 4, 5, 10"):
+                                         r"makes 5 micro-batches of up to 2 rows; "
+                                         r"choose chunks among 1, 2, 3, 4, 5, 10"):
         executor.step(torch.randn(10, 6))
 
 

@@ -96,7 +96,7 @@ def test_declared_but_not_stashed_is_refused():
     class Lazy(nn.Module):
         def forward(self, x):
             return x
-            yield  # noqa: unreachable — makes forward a generator
+            yield  # unreachable — makes forward a generator
 
     with use_skip_tracker(SkipTracker()):
         with pytest.raises(RuntimeError, match=r"Lazy must stash \['a'\] but did not"):
@@ -139,7 +139,8 @@ def test_current_skip_tracker_is_thread_local_default():
 def test_verify_accepts_matched_and_isolated():
     verify_skippables(unet_model())
     ns1, ns2 = Namespace(), Namespace()
-    verify_skippables(nn.Sequential(StashA().isolate(ns1), PopA().isolate(ns1), StashA().isolate(ns2), PopA().isolate(ns2)))
+    verify_skippables(nn.Sequential(StashA().isolate(ns1), PopA().isolate(ns1),
+                                    StashA().isolate(ns2), PopA().isolate(ns2)))
 
 
 def test_verify_lists_every_problem_one_line_each():

@@ -11,7 +11,6 @@ from torch import nn
 
 from models import SleepFB, unet_model
 from pipexplore import GPipe
-from pipexplore.simulate import simulate
 from pipexplore.timeline import (COLUMNS, active_recorder, bubble_fraction, busy_time, copy_overlap, record,
                                  step_time, throughput, to_chrome_trace)
 
@@ -124,7 +123,8 @@ def test_metrics_on_a_known_timeline():
 
 
 def test_busy_time_counts_overlaps_once_and_by_device():
-    t = _frame([(0, "cuda:0", 0, "forward", 0, 2), (1, "cuda:0", 0, "forward", 1, 3), (2, "cuda:1", 0, "forward", 0, 1)])
+    t = _frame([(0, "cuda:0", 0, "forward", 0, 2), (1, "cuda:0", 0, "forward", 1, 3),
+                (2, "cuda:1", 0, "forward", 0, 1)])
     assert busy_time(t, "cuda:0", by="device") == 3
     assert bubble_fraction(t, by="device", per_stage=True).to_dict() == pytest.approx({"cuda:0": 0.0, "cuda:1": 2 / 3})
     with pytest.raises(ValueError, match="by must be 'stage' or 'device'"):
@@ -144,7 +144,8 @@ def test_chrome_trace_written_and_parsed_back(tmp_path):
     first = rec.timeline.iloc[0]
     event = next(e for e in complete if e["args"]["stage"] == first.stage and e["cat"] == first.phase
                  and e["args"]["microbatch"] == first.microbatch)
-    assert event["ts"] == pytest.approx(first.start * 1e6) and event["dur"] == pytest.approx((first.end - first.start) * 1e6)
+    assert (event["ts"] == pytest.approx(first.start * 1e6)
+            and event["dur"] == pytest.approx((first.end - first.start) * 1e6))
     assert {e["args"]["name"] for e in meta if e["name"] == "process_name"} == {"cpu"}
     assert {e["args"]["name"] for e in meta if e["name"] == "thread_name"} == {"stage 0", "stage 1"}
 

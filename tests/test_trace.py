@@ -112,8 +112,8 @@ def test_exported_torchrun_script_trains_one_step_like_a_single_process(tmp_path
     tokens, target = get_batch()
     table = trace.candidates(build_model(), (tokens,), repeats=1)
     script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b")
-    assert "MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]" \
-        in script
+    assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
+            in script)
     path = tmp_path / "train_pipeline.py"
     path.write_text(script)
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
@@ -151,7 +151,8 @@ def test_explorer_takes_a_traced_model():
     assert ex.shared_parameters() == {"head.weight": [0, 1]}
     assert "parameters used by several stages: head.weight (stages 0, 1)" in ex.w_stages.value
     ex.splits = [2]
-    assert ex.module_fqns_per_model_part == [["embed", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "head"]]
+    assert ex.module_fqns_per_model_part == [["embed", "layers.0"],
+                                             ["layers.1", "layers.2", "layers.3", "norm", "head"]]
     assert "torchrun --standalone --nproc-per-node 2" in ex.export("torchrun", hooks="tiny_transformer")
     with pytest.raises(ValueError, match="GPipe takes an nn.Sequential"):
         ex.export("gpipe")

@@ -18,8 +18,8 @@ class ExpertBackend:
     ``forward(*flat_inputs)`` runs under ``no_grad``. ``backward(*flat_inputs, *output_grads)``
     runs forward again with grad enabled on detached inputs, back-propagates the given output
     gradients, steps and zeroes the optimizer, and returns the input gradients (zeros where an
-    input got none). A backward that raises steps nothing and leaves no gradient behind. Callers reach both through :attr:`forward_pool` and :attr:`backward_pool`,
-    which batch their tasks.
+    input got none). A backward that raises steps nothing and leaves no gradient behind. Callers
+    reach both through :attr:`forward_pool` and :attr:`backward_pool`, which batch their tasks.
 
     Example::
 

@@ -34,8 +34,9 @@ class TaskPool:
     A task that is larger than ``max_batch_size``, or that does not match ``schema``, fails its
     own future at once and never joins a batch. A batch whose processing raises is split in
     halves and each half retried (bisection), so a task that passes the schema but makes the
-    layer fail fails only its own future; the others get their results. A pool is *ready* when it holds ``min_batch_size`` rows, or when its
-    oldest task has waited ``timeout`` seconds (at once when ``timeout`` is None).
+    layer fail fails only its own future; the others get their results. A pool is *ready* when
+    it holds ``min_batch_size`` rows, or when its oldest task has waited ``timeout`` seconds (at
+    once when ``timeout`` is None).
 
     Example::
 
@@ -94,7 +95,8 @@ class TaskPool:
                 proto.check(tensor, f"{self.name}: input {k}")
         sizes = {int(t.size(0)) if torch.is_tensor(t) and t.dim() else -1 for t in tensors}
         if len(sizes) != 1 or -1 in sizes:
-            raise ValueError(f"{self.name}: all tensors of a task need the same batch size (dim 0), got {sorted(sizes)}")
+            raise ValueError(f"{self.name}: all tensors of a task need the same batch size (dim 0), "
+                             f"got {sorted(sizes)}")
         size = sizes.pop()
         if size > self.max_batch_size:
             raise ValueError(f"{self.name}: a task of {size} rows is larger than max_batch_size "

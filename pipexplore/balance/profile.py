@@ -104,7 +104,8 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
     check_partitions(len(module), partitions)
     if chunks < 1:
-        raise ValueError(f"chunks must be at least 1, got {chunks}: give the micro-batches per mini-batch GPipe will use")
+        raise ValueError(f"chunks must be at least 1, got {chunks}: "
+                         "give the micro-batches per mini-batch GPipe will use")
     _no_gradients(module, "balance_by_size")
     target = _resolve(device)
     copied = sandbox(module, target)
@@ -118,7 +119,8 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
 def _cuda_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, param_scale: float,
                 device: torch.device) -> list[float]:
-    """Per layer: the device memory its forward leaves allocated / ``chunks`` + ``param_scale`` × its parameter bytes."""
+    """Per layer: the device memory its forward leaves allocated / ``chunks`` + ``param_scale`` × its
+    parameter bytes."""
     from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
     sizes: list[float] = []

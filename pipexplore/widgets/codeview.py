@@ -56,7 +56,9 @@ function render({ model, el }) {
     const shown = model.get("shown");
     root.style.display = code ? "" : "none";
     title.textContent = model.get("title");
-    pre.textContent = code.length > shown ? code.slice(0, shown) + `\\n… (${code.length - shown} more characters: Copy takes them all)` : code;
+    pre.textContent = code.length > shown
+      ? code.slice(0, shown) + `\\n… (${code.length - shown} more characters: Copy takes them all)`
+      : code;
   }
   model.on("change:code", draw);
   model.on("change:title", draw);

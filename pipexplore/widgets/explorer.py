@@ -502,8 +502,9 @@ class Explorer:
         self.w_balance_size = W.Button(description="Balance by size", layout=W.Layout(width="130px"),
                                        tooltip="splits that minimise the largest stage (parameters and activations)")
         self.w_mode = W.ToggleButtons(options=[("timelines", "timelines"), ("residuals", "residuals")],
-                                      value="timelines", tooltips=["predicted and measured steps, one time axis",
-                                                                   "each action's prediction error, stage × micro-batch"],
+                                      value="timelines",
+                                      tooltips=["predicted and measured steps, one time axis",
+                                                "each action's prediction error, stage × micro-batch"],
                                       style={"button_width": "80px"})
         self.w_memory_cap = W.Text(value="" if self._memory_cap is None else _fmt_bytes(self._memory_cap),
                                    description="memory cap", placeholder="e.g. 2 GiB", continuous_update=False,
@@ -568,7 +569,8 @@ class Explorer:
             box.add_class("pipexplore-controls")
         self.widget = W.VBox([
             W.HTML(style_tag(), layout=W.Layout(display="none")), self.w_header, controls, strip_tools, self.bar,
-            self.w_stages, timeline_tools, self.w_timeline_box, self.w_residuals, W.HBox([self.w_progress, self.w_status]),
+            self.w_stages, timeline_tools, self.w_timeline_box, self.w_residuals,
+            W.HBox([self.w_progress, self.w_status]),
             W.HTML("<div class='pipexplore-section'>runs</div>"), run_tools, self.w_runs, self.w_compare_box,
             W.HTML("<div class='pipexplore-section'>export</div>"), export_tools, self.w_code,
         ], layout=W.Layout(max_width="100%"))
@@ -819,7 +821,8 @@ class Explorer:
         rows = []
         for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None):
             over = cap is not None and peak > cap
-            swatch = f"<span class='pipexplore-stage-swatch' style='background:{STAGE_COLORS[stage % len(STAGE_COLORS)]}'></span>"
+            swatch = ("<span class='pipexplore-stage-swatch' "
+                      f"style='background:{STAGE_COLORS[stage % len(STAGE_COLORS)]}'></span>")
             rows.append(f"<tr><td>{swatch}{stage}</td><td>{html.escape(str(device))}</td><td>{layers}</td>"
                         f"<td>{seconds * 1e3:.2f} ms</td><td>{size(params)}</td><td>{size(act)}</td>"
                         f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(peak)}</td>"
@@ -834,7 +837,8 @@ class Explorer:
             "<div class='pipexplore-stages-view'><table class='pipexplore-stages'><thead><tr><th>stage</th>"
             "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>activations</th>"
             "<th>peak act. (predicted)</th>" + ("<th>peak memory (measured)</th>" if measured_known else "")
-            + "</tr></thead><tbody>" + "".join(rows) + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
+            + "</tr></thead><tbody>" + "".join(rows)
+            + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
 
     def _refresh_runs(self) -> None:
         """The runs table (the latest :data:`RUNS_SHOWN` runs, pandas Styler), the run choosers,
@@ -906,7 +910,8 @@ class Explorer:
 
         keys = ["step_time", "predicted_step_time", "prediction_error", "bubble", "throughput", "splits", "chunks",
                 "schedule", "checkpoint", "executor", "devices"]
-        body = "".join(f"<tr><th>{key.replace('_', ' ')}</th><td>{cell(first, key)}</td><td>{cell(second, key)}</td></tr>"
+        body = "".join(f"<tr><th>{key.replace('_', ' ')}</th><td>{cell(first, key)}</td>"
+                       f"<td>{cell(second, key)}</td></tr>"
                        for key in keys)
         table = W.HTML(f"<table class='pipexplore-compare-table'><tr><th></th><th>run {first.get('run')}</th>"
                        f"<th>run {second.get('run')}</th></tr>{body}</table>")
@@ -1026,7 +1031,8 @@ class Explorer:
             current = {"chunks": plan.chunks, "checkpoint": plan.checkpoint, "schedule": plan.schedule,
                        "executor": plan.executor, "devices": ",".join(plan.devices), "stages": plan.num_stages,
                        "memory_cap": None}[name]
-            if name != "memory_cap" and (value == current or (name == "devices" and str(value).replace(" ", "") == current)):
+            if name != "memory_cap" and (value == current
+                                         or (name == "devices" and str(value).replace(" ", "") == current)):
                 self._set_field_message(name, "")
                 return
             try:

@@ -34,11 +34,12 @@ def plan_text(plan: Plan) -> str:
 
     Example::
 
-        plan_text(explorer.plan)   # 'splits [4, 8] · chunks 4 · gpipe · checkpoint except_last · threads on cpu,cpu,cpu'
+        plan_text(explorer.plan)
+        # 'splits [4, 8] · chunks 4 · gpipe · checkpoint except_last · threads on cpu,cpu,cpu'
     """
     devices = ",".join(plan.devices[: plan.num_devices])
-    return (f"splits {splits_text(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · checkpoint {plan.checkpoint} · "
-            f"{plan.executor} on {devices}")
+    return (f"splits {splits_text(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · "
+            f"checkpoint {plan.checkpoint} · {plan.executor} on {devices}")
 
 
 def splits_text(splits: Any, shown: int = 8) -> str:
@@ -52,7 +53,8 @@ def splits_text(splits: Any, shown: int = 8) -> str:
     if len(splits) <= shown:
         return str(splits)
     half = shown // 2
-    return f"[{', '.join(map(str, splits[:half]))}, …, {', '.join(map(str, splits[-half + 1:]))}] ({len(splits)} splits)"
+    return (f"[{', '.join(map(str, splits[:half]))}, …, {', '.join(map(str, splits[-half + 1:]))}] "
+            f"({len(splits)} splits)")
 
 
 def short_plan_text(plan: Plan) -> str:
@@ -110,7 +112,8 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         per_stage = f"largest {format_bytes(largest)} (stage {peaks.index(largest)}) of {len(peaks)} stages"
     cap_note = ("" if memory_cap is None else
                 f"<span class='pipexplore-over'>⚠ stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} over "
-                f"the cap of {format_bytes(memory_cap)}</span>" if over else f"under the cap of {format_bytes(memory_cap)}")
+                f"the cap of {format_bytes(memory_cap)}</span>"
+                if over else f"under the cap of {format_bytes(memory_cap)}")
     cards = [
         _card("predicted step", f"{figures['step_time'] * 1e3:.2f} ms"),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
@@ -127,7 +130,8 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
                            "pipexplore-bad" if bad else ""))
     else:
         cards.append(_card("measured", "no run yet", "press Run step"))
-    return (f"<div class='pipexplore-header'><div class='pipexplore-title'><b>pipexplore</b> · {html.escape(title)}</div>"
+    return ("<div class='pipexplore-header'>"
+            f"<div class='pipexplore-title'><b>pipexplore</b> · {html.escape(title)}</div>"
             f"<div class='pipexplore-cards'>{''.join(cards)}</div></div>")
 
 

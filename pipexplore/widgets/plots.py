@@ -103,7 +103,8 @@ def _blocks(frame: Optional[pd.DataFrame]) -> dict[str, dict[str, np.ndarray]]:
                "stage": frame["stage"].to_numpy(), "microbatch": frame["microbatch"].to_numpy()}
     if {"batch_size", "tasks", "wait"} <= set(frame.columns):  # each bar a batch the pools formed
         columns["extra"] = np.array([f"<br>batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms"
-                                     for r, t, w in zip(frame["batch_size"], frame["tasks"], frame["wait"])], dtype=object)
+                                     for r, t, w in zip(frame["batch_size"], frame["tasks"], frame["wait"])],
+                                    dtype=object)
     for phase in PHASES:
         mask = phase_of == phase
         if mask.any():
@@ -183,7 +184,8 @@ class TimelineView:
     """
 
     def __init__(self, predicted: Optional[pd.DataFrame] = None, measured: Optional[pd.DataFrame] = None,
-                 samples: Optional[int] = None, *, widget: bool = True, names: Sequence[str] = ("predicted", "measured"),
+                 samples: Optional[int] = None, *, widget: bool = True,
+                 names: Sequence[str] = ("predicted", "measured"),
                  memory: bool = True, memory_cap: Optional[float] = None) -> None:
         self.samples = samples
         self.names = tuple(names)
@@ -287,7 +289,8 @@ class TimelineView:
         predicted = self.predicted
         cached = getattr(self, "_memory_of", (None, None))
         if cached[0] is not predicted:
-            cached = (predicted, tl.activation_memory(predicted.assign(end=predicted["end"] - predicted["start"].min())))
+            cached = (predicted,
+                      tl.activation_memory(predicted.assign(end=predicted["end"] - predicted["start"].min())))
             self._memory_of = cached
         return cached[1]
 
@@ -388,7 +391,8 @@ class TimelineView:
         line = dict(color=STAGE_COLORS[int(stage) % len(STAGE_COLORS)], width=1.5)
         if self._kinds_memory_gl:
             return go.Scattergl(mode="lines", name=f"stage {stage}", showlegend=False, line=line, **common)
-        return go.Scatter(mode="lines", name=f"stage {stage}", showlegend=False, line=dict(shape="hv", **line), **common)
+        return go.Scatter(mode="lines", name=f"stage {stage}", showlegend=False, line=dict(shape="hv", **line),
+                          **common)
 
     def _layout(self, lane_sets: Sequence[list[str]]) -> dict[str, Any]:
         """The layout for these lanes: heights follow the lanes; panels stack with room for their titles."""
@@ -444,7 +448,8 @@ class TimelineView:
             return "activation memory: not predicted for this timeline"
         scale, unit = memory_scale(float(max(peaks["bytes"].max(), self.memory_cap or 0.0)))
         top = peaks.loc[peaks["bytes"].idxmax()]
-        text = f"predicted activation memory per stage — peak {top['bytes'] / scale:.2f} {unit} (stage {int(top['stage'])})"
+        text = (f"predicted activation memory per stage — peak {top['bytes'] / scale:.2f} {unit} "
+                f"(stage {int(top['stage'])})")
         if self.memory_cap is not None:
             over = [str(int(s)) for s in peaks.loc[peaks["over_cap"].astype(bool), "stage"]]
             text += (f" · <span style='color:#d62728'>⚠ stage{'s' if len(over) > 1 else ''} {', '.join(over)} over the "

@@ -4,9 +4,8 @@ from __future__ import annotations
 import datetime
 import html
 import pathlib
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
-import pandas as pd
 
 from pipexplore.widgets.header import plan_text, short_plan_text
 from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView

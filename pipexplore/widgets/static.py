@@ -57,10 +57,12 @@ def strip_svg(layers: Sequence[Mapping[str, Any]], splits: Sequence[int], skips:
         a, b = (xs[skip["from"]] + xs[skip["from"] + 1]) / 2, (xs[skip["to"]] + xs[skip["to"] + 1]) / 2
         crosses = stage_of[skip["from"]] != stage_of[skip["to"]]
         height = min(bar_y - 6, 14 + (b - a) / 6)
-        style = "stroke='#d62728' stroke-width='2' stroke-dasharray='5 3'" if crosses else "stroke='#888' stroke-width='1.5'"
+        style = ("stroke='#d62728' stroke-width='2' stroke-dasharray='5 3'" if crosses
+                 else "stroke='#888' stroke-width='1.5'")
         parts.append(f"<path d='M {a:.2f} {bar_y} C {a:.2f} {bar_y - height:.2f}, {b:.2f} {bar_y - height:.2f}, "
                      f"{b:.2f} {bar_y}' fill='none' {style}><title>skip {html.escape(str(skip.get('name', '')))}: "
-                     f"layer {skip['from']} → {skip['to']}{' (crosses stages: copied)' if crosses else ''}</title></path>")
+                     f"layer {skip['from']} → {skip['to']}{' (crosses stages: copied)' if crosses else ''}"
+                     "</title></path>")
     points = [0, *splits, len(layers)]
     for s in range(len(points) - 1):
         label = stage_totals[s] if s < len(stage_totals) else f"stage {s}"
@@ -89,7 +91,8 @@ def timeline_svg(frame: Optional[pd.DataFrame], title: str, *, x_max_ms: Optiona
     split_attr = f" data-splits='{','.join(map(str, splits))}'" if splits is not None else ""
     head = f"<div class='pipexplore-static-title'>{html.escape(title)}</div>"
     if frame is None or frame.empty:
-        return f"<div class='pipexplore-static-timeline'{split_attr}>{head}<div class='pipexplore-note'>no run yet</div></div>"
+        return (f"<div class='pipexplore-static-timeline'{split_attr}>{head}"
+                "<div class='pipexplore-note'>no run yet</div></div>")
     lane_names = lanes(frame)
     lane_of = {name: k for k, name in enumerate(lane_names)}
     origin = float(frame["start"].min())
@@ -101,8 +104,8 @@ def timeline_svg(frame: Optional[pd.DataFrame], title: str, *, x_max_ms: Optiona
     parts = [f"<div class='pipexplore-static-timeline'{split_attr}>{head}<svg viewBox='0 0 {_W} {height}' "
              "width='100%' xmlns='http://www.w3.org/2000/svg' style='font-family: system-ui, sans-serif'>"]
     for name, k in lane_of.items():
-        parts.append(f"<text x='{left - 6}' y='{k * lane_h + lane_h - 4}' font-size='{min(11, lane_h - 1)}' fill='#777' "
-                     f"text-anchor='end'>{html.escape(name)}</text>")
+        parts.append(f"<text x='{left - 6}' y='{k * lane_h + lane_h - 4}' font-size='{min(11, lane_h - 1)}' "
+                     f"fill='#777' text-anchor='end'>{html.escape(name)}</text>")
     if len(frame) > STATIC_BLOCK_LIMIT:  # level of detail: each lane's busy time, merged below a pixel
         parts.append(_busy_paths(frame, lane_of, origin, left, scale, lane_h))
     else:

@@ -202,7 +202,8 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             explorer.screenshot(path=str(OUTPUT / "explorer.png"))
         except BaseException:
             page.screenshot(path=str(OUTPUT / "failure.png"), full_page=True)
-            (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text() + "\n\n" + page.evaluate(_TIMELINE_STATE))
+            (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text() + "\n\n"
+                                                + page.evaluate(_TIMELINE_STATE))
             raise
         finally:
             browser.close()
