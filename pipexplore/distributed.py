@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pipexplore.microbatch import to_device
 from pipexplore.model_inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
@@ -141,8 +142,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     has_first, has_last = 0 in indices, num_stages - 1 in indices
     # The model's inputs as it takes them (positional and keyword); torch's schedule cuts each into
     # micro-batches and feeds the first stage.
-    args = tuple(_moved(a, device) for a in job["args"]) if has_first else ()
-    inputs = {k: _moved(v, device) for k, v in job["kwargs"].items()} if has_first else {}
+    args = tuple(to_device(a, device) for a in job["args"]) if has_first else ()
+    inputs = {k: to_device(v, device) for k, v in job["kwargs"].items()} if has_first else {}
     target = job["target"].to(device) if torch.is_tensor(job["target"]) else job["target"]
     losses: list = []
     grads = None
@@ -184,10 +185,6 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
 
 def _cpu(value: Any) -> Any:
     return value.detach().cpu() if torch.is_tensor(value) else value
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    return value.to(device) if torch.is_tensor(value) else value
 
 
 def _pack(job: dict[str, Any], model: nn.Module) -> bytes:

@@ -18,7 +18,7 @@ from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ["profile", "LAYER_COLUMNS", "FIT_COLUMNS"]
+__all__ = ["profile", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
 LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
                  "stash_keys", "pop_keys"]
@@ -111,6 +111,20 @@ def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     if a < 0:
         return 0.0, float((n * t).sum() / (n * n).sum())
     return float(a), float(b)
+
+
+def fit_columns(table: pd.DataFrame, tables: Sequence[pd.DataFrame], rows: Sequence[int]) -> None:
+    """Write ``forward_a``/``forward_b``/``backward_a``/``backward_b`` into ``table``: per layer, the
+    line ``t(n) = a + b·n`` through its seconds in ``tables``, one table profiled per size in ``rows``.
+
+    Example::
+
+        fit_columns(table, [at_16_rows, at_64_rows], [16, 64])
+    """
+    for phase in ("forward", "backward"):
+        fits = [_fit(rows, [float(t[phase].iloc[k]) for t in tables]) for k in range(len(table))]
+        table[f"{phase}_a"] = [a for a, _ in fits]
+        table[f"{phase}_b"] = [b for _, b in fits]
 
 
 def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
@@ -362,10 +376,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
 
     table = per_size[-1].copy()
     last = sizes[-1]
+    fit_columns(table, per_size, sizes)
     for phase in ("forward", "backward"):
-        fits = [_fit(sizes, [float(t[phase].iloc[i]) for t in per_size]) for i in range(len(table))]
-        table[f"{phase}_a"] = [a for a, _ in fits]
-        table[f"{phase}_b"] = [b for _, b in fits]
         table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
         table[f"share_{phase}"] = _shares(per_size, phase, target)
     table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)

@@ -364,10 +364,8 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
 
         table = candidates_in_rows(model, {"input_ids": ids}, chunks=4)
     """
-    import numpy as np
-
     from pipexplore.model_inputs import first_microbatch, sample_rows
-    from pipexplore.profile import _fit
+    from pipexplore.profile import fit_columns
 
     whole = candidates(model, sample, target=target, **options)
     batch = sample_rows(sample)
@@ -380,10 +378,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
             tables.insert(0, candidates(model, part, target=part_target, **options))
             rows.insert(0, part_rows)
     table = whole.copy()
-    for phase in ("forward", "backward"):
-        fits = [_fit(rows, [float(t[phase].iloc[k]) for t in tables]) for k in range(len(table))]
-        table[f"{phase}_a"] = np.array([a for a, _ in fits])
-        table[f"{phase}_b"] = np.array([b for _, b in fits])
+    fit_columns(table, tables, rows)
     table.attrs.update(whole.attrs)
     table.attrs.update(rows=tuple(rows), batch=batch)
     return table

@@ -50,18 +50,10 @@ def _output_text(page, index: int) -> str:
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
 
 
-def _run_cell(page, index: int) -> None:
-    run_cell(page, index)
-
-
-def _accept_kernel_dialog(page) -> None:
-    accept_kernel_dialog(page, playwright_sync.TimeoutError)
-
-
 def _run_all(page) -> None:
     """Run > Run All Cells, as a person would; again if the kernel was not ready to take it."""
     for _ in range(6):
-        _accept_kernel_dialog(page)
+        accept_kernel_dialog(page, playwright_sync.TimeoutError)
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
         try:
@@ -157,7 +149,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
 
             # The kernel's explorer has the new split.
-            _run_cell(page, 2)
+            run_cell(page, 2)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [5]')",
                                    timeout=60_000)
 
@@ -186,7 +178,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.get_by_role("button", name="Run step").click()
             page.wait_for_selector(".pipexplore-runs table tbody tr", timeout=120_000)
             assert page.locator(".pipexplore-runs table tbody tr").count() == 1
-            _run_cell(page, 2)
+            run_cell(page, 2)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('RUNS 1')",
                                    timeout=60_000)
             page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
