@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_shares",
-           "stage_bounds", "has_fit", "handoff_gaps", "dispatch_gap"]
+           "stage_bounds", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
 PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
@@ -177,7 +177,7 @@ class Corrections:
                 factor[a:b] = factor[a:b] * ratio
             scales[key] = factor
         gaps, transfers = dict(self.gaps), dict(self.transfers)
-        gap, transfer = handoff_gaps(measured)
+        gap, transfer = handoff_gaps(measured, lanes_of(predicted))
         if gap is not None:
             gaps[executor] = gap
         if transfer is not None:
@@ -190,8 +190,23 @@ def _spans(frame: pd.DataFrame) -> pd.DataFrame:
     return compute.assign(seconds=compute["end"] - compute["start"])[["stage", "microbatch", "phase", "seconds"]]
 
 
-def handoff_gaps(measured: pd.DataFrame) -> tuple[Optional[float], Optional[float]]:
+def lanes_of(timeline: pd.DataFrame) -> Optional[dict[tuple[int, str, int], int]]:
+    """The worker of each action (``(stage, phase, micro-batch) -> lane``) of a predicted timeline,
+    or ``None`` when it does not say (no ``lane`` column)."""
+    if "lane" not in timeline:
+        return None
+    compute = timeline[timeline["phase"].isin(list(PHASE_SOURCE))]
+    return {(int(s), str(p), int(i)): int(q) for s, p, i, q in
+            compute[["stage", "phase", "microbatch", "lane"]].itertuples(index=False, name=None)}
+
+
+def handoff_gaps(measured: pd.DataFrame, lanes: Optional[Mapping[tuple[int, str, int], int]] = None
+                 ) -> tuple[Optional[float], Optional[float]]:
     """What a measured step spent between actions, as medians: ``(dispatch, transfer)``.
+
+    ``lanes`` says which worker ran each action (:func:`lanes_of` a prediction of the same plan:
+    an interleaved worker runs several stages, autograd's engine thread the backward of every
+    stage of a device); default: one worker per stage.
 
     ``dispatch``: seconds a stage's worker took to start an action whose inputs were already
     there when its previous action ended (the executor's own cost per action). ``transfer``:
@@ -205,10 +220,12 @@ def handoff_gaps(measured: pd.DataFrame) -> tuple[Optional[float], Optional[floa
     end = {(int(s), p, int(i)): float(e) for s, p, i, e in
            compute[["stage", "phase", "microbatch", "end"]].itertuples(index=False, name=None)}
     last_stage = int(compute["stage"].max())
+    keys = list(zip(compute["stage"].astype(int), compute["phase"], compute["microbatch"].astype(int)))
+    worker = [lanes.get(key, -1 - key[0]) if lanes else key[0] for key in keys]
     dispatch, transfer = [], []
-    for stage, lane in compute.groupby("stage"):
+    for _, lane in compute.assign(worker=worker).groupby("worker"):
         previous_end = None
-        for phase, i, start, _finish in lane[["phase", "microbatch", "start", "end"]].itertuples(
+        for stage, phase, i, start, _finish in lane[["stage", "phase", "microbatch", "start", "end"]].itertuples(
                 index=False, name=None):
             stage, i = int(stage), int(i)
             local: list[Optional[float]] = [previous_end]

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from pipexplore.host import host_cores, sharing_cores
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
@@ -266,23 +267,19 @@ def _shares(per_size: list[pd.DataFrame], phase: str, device: torch.device) -> n
     """The share of its device a phase keeps busy when it runs alone, in 0…1.
 
     Beside a twin doing the same work, a phase that runs ``s`` times slower asks for ``s/2`` of
-    the device (1: the twins serialise; ½ or less: they overlap freely). On the host this is
-    capped by the process CPU time over wall time, over the cores (a sleep asks for nothing).
+    the device (1: the twins serialise; ½ or less: they overlap freely). On the host, the share
+    starts from the process CPU time over wall time, over the cores (a sleep asks for nothing, a
+    single-threaded layer on 2 cores for ½), times the twins' slowdown where they slow each
+    other (the GIL, memory bandwidth: what CPU time cannot show), so that two such stages are
+    predicted as slow as the twins ran.
     """
     slow = per_size[0][f"slow_{phase}"].to_numpy(dtype=float)
     contended = np.clip(np.nan_to_num(slow, nan=2.0) / 2.0, 0.0, 1.0)
     if device.type != "cpu":
         return contended
-    capacity = float(_host_cores())
+    capacity = float(host_cores())
     cpu = np.clip(np.mean([t[f"cpu_{phase}"].to_numpy() for t in per_size], axis=0) / capacity, 0.0, 1.0)
-    return np.where(np.isnan(slow), cpu, np.minimum(cpu, contended))
-
-
-def _host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return np.where(np.isnan(slow), cpu, np.clip(cpu * np.maximum(np.nan_to_num(slow, nan=1.0), 1.0), 0.0, 1.0))
 
 
 def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
@@ -304,7 +301,7 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
-            progress: Optional[Callable[[int, int], None]] = None) -> pd.DataFrame:
+            progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
@@ -328,6 +325,10 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     interquartile range over the median); ``stash`` and ``pop`` (skip names) and
     ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``). ``table.attrs['rows']``
     lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
+
+    ``threads``: the intra-op threads each layer runs with (``torch.set_num_threads`` for the
+    profile only; default: torch's current setting), as a CPU stage will run it when several share
+    the host (:func:`pipexplore.host.stage_threads`); ``table.attrs['threads']`` says which.
 
     A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
     add up to less than a pass through the whole model. With ``calibrate`` (the default) the
@@ -359,19 +360,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
     value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
     training = module.training
-    per_size = []
-    total = len(module) * len(sizes)
-    for k, rows in enumerate(sizes):
-        chunk = _detach(_rows(value, rows))
-        table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
-                                           progress, k * len(module), total, contend=k == 0))
-        if calibrate:
-            whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
-            for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
-                layers_total = float(table[column].sum())
-                if layers_total > 0 and whole > 0:
-                    table[column] = table[column] * (whole / layers_total)
-        per_size.append(table)
+    with sharing_cores(threads):
+        per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate)
+        used_threads = torch.get_num_threads()
     module.train(training)
 
     table = per_size[-1].copy()
@@ -386,5 +377,25 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     table["output_bytes"] = table["output_bytes_per_row"] * batch
     table["saved_bytes"] = table["saved_bytes_per_row"] * batch
     table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
-    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target))
+    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads)
     return table
+
+
+def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[int], target: torch.device,
+                   repeats: int, max_repeats: int, deadline: Optional[float],
+                   progress: Optional[Callable[[int, int], None]], calibrate: bool) -> list[pd.DataFrame]:
+    """One table of layer times per micro-batch size (the first also measures contention)."""
+    per_size = []
+    total = len(module) * len(sizes)
+    for k, rows in enumerate(sizes):
+        chunk = _detach(_rows(value, rows))
+        table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
+                                           progress, k * len(module), total, contend=k == 0))
+        if calibrate:
+            whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
+            for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
+                layers_total = float(table[column].sum())
+                if layers_total > 0 and whole > 0:
+                    table[column] = table[column] * (whole / layers_total)
+        per_size.append(table)
+    return per_size

@@ -191,6 +191,11 @@ class ScheduleExecutor:
         self._abort: Optional[threading.Event] = None
         self._aborted = False
 
+    @property
+    def worker_devices(self) -> list[torch.device]:
+        """The device of each worker thread (one per stage; one per device for ``interleaved``)."""
+        return [self.stage_devices[order[0][0]] for order in self.worker_orders if order]
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for partition in self.partitions for p in partition.parameters()]
 

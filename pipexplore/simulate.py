@@ -12,8 +12,10 @@ proportion (processor sharing)::
     stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
     stage 1     F0 F1 F2 F3 ·  ·  B3 B2 B1 B0
 
-The result is a timeline in the common schema with ``source='predicted'``, and a ``memory``
-column: the activation bytes the stage holds once the event is done.
+The result is a timeline in the common schema with ``source='predicted'``, a ``memory``
+column (the activation bytes the stage holds once the event is done) and a ``lane`` column: the
+worker that runs the action (what a measured timeline's hand-offs are read against, see
+:func:`pipexplore.costs.handoff_gaps`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from pipexplore.host import host_cores
 from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
@@ -141,14 +144,6 @@ def _copy_seconds(copy_cost: Optional[float], a: str, b: str, nbytes: float) -> 
         return nbytes * copy_cost
     kinds = "-".join(sorted(d.split(":")[0] for d in (a, b)))
     return nbytes * DEFAULT_COPY_COST.get(kinds, 0.0)
-
-
-def host_cores() -> int:
-    """Cores this process may run on: what CPU stages of one host share."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _is_host(device: str) -> bool:
@@ -363,7 +358,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 copy = copy_seconds(s - 1, s, i)
                 if copy > 0:
                     done = end[(s - 1, "F", i)]
-                    rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted"))
+                    rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted", q))
         dirty.clear()
         wake = min(timed.values(), default=math.inf)
         active = [r for r, heap in finishing.items() if heap]
@@ -386,13 +381,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 remaining -= 1
                 end[(s, kind, i)] = now
                 free_at[q] = now + gap
-                rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted"))
+                rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted", q))
                 dirty.add(q)
                 for neighbour in (s - 1, s, s + 1):
                     if 0 <= neighbour < S:
                         dirty |= stage_queues[neighbour]
 
-    frame = (pd.DataFrame(rows_out, columns=COLUMNS).sort_values(["start", "stage"], kind="stable")
+    frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
              .reset_index(drop=True))
     frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
     frame.attrs["peak_memory"] = {}

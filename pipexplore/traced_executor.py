@@ -172,6 +172,11 @@ class TracedExecutor:
                     self.produced[s].append(node)
 
     # ---- parameters -------------------------------------------------------------------
+    @property
+    def worker_devices(self) -> list[torch.device]:
+        """The device of each worker thread (one per stage; one per device for ``interleaved``)."""
+        return [self.stage_devices[order[0][0]] for order in self.worker_orders if order]
+
     def parameters(self) -> list[nn.Parameter]:
         """Every stage's parameters (a tied weight once per stage that holds a copy)."""
         return [p for module in self.stage_modules for p in module.parameters()]
@@ -500,7 +505,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         opt.step()
         return loss
 
-    timeline, loss = measure(step, warmup, run, repeats)
+    timeline, loss = measure(step, warmup, run, repeats, executor.worker_devices)
     measured = result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices}, executor.parameters())
     if return_grads:
         measured.metrics["grads"] = dict(grads)

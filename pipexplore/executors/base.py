@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import pandas as pd
 import torch
 from torch import nn
 
 from pipexplore import timeline as tl
+from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
@@ -67,18 +68,21 @@ class RunResult:
         }
 
 
-def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3) -> tuple[pd.DataFrame, float]:
-    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`: the timeline of
+def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
+            devices: Sequence[Any] = ()) -> tuple[pd.DataFrame, float]:
+    """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`, with the CPU
+    stages on ``devices`` (one worker each) sharing the host's cores (:mod:`pipexplore.host`): the timeline of
     the step whose time is the median (one step alone is at the mercy of the machine's noise), and
     the loss of the first recorded step (so that two runs of the same plan report the same loss,
     whichever step was the median). A non-finite loss in any recorded step is the loss reported."""
-    for _ in range(warmup):
-        step()
     measured, losses = [], []
-    for _ in range(max(1, repeats)):
-        with tl.record(run=run) as rec:
-            losses.append(step())
-        measured.append((tl.step_time(rec.timeline), rec.timeline))
+    with sharing_cores(stage_threads([str(d) for d in devices])):
+        for _ in range(warmup):
+            step()
+        for _ in range(max(1, repeats)):
+            with tl.record(run=run) as rec:
+                losses.append(step())
+            measured.append((tl.step_time(rec.timeline), rec.timeline))
     measured.sort(key=lambda item: item[0])
     _, timeline = measured[len(measured) // 2]
     bad = [loss for loss in losses if not math.isfinite(loss)]

@@ -26,5 +26,5 @@ def run(job: StepJob) -> RunResult:
         optimizer.step()
         return loss
 
-    timeline, loss = measure(step, job.warmup, job.run, job.repeats)
+    timeline, loss = measure(step, job.warmup, job.run, job.repeats, executor.worker_devices)
     return result(plan, timeline, loss, job.sample, {str(d) for d in executor.stage_devices}, executor.parameters())

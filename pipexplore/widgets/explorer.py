@@ -29,6 +29,7 @@ from pipexplore.balance import optimal_splits
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.plan import Plan
 from pipexplore.profile import profile
 from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
@@ -140,13 +141,20 @@ class Explorer:
         self.notes: list[str] = []
         if loss_fn is None:
             self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
+        # Layers are timed with the intra-op threads each CPU stage will have (the host's cores
+        # shared among the stages that run at once), so that what is predicted is what runs.
+        planned = devices or _default_devices(max(2, torch.cuda.device_count()))[0]
+        threads = stage_threads([str(d) for d in planned])
         if layer_table is None and self.traced:
             from pipexplore.trace import candidates_in_rows
 
             if isinstance(sample, Mapping):  # keyword inputs (a tokenizer's BatchEncoding too) as a plain dict
                 self.sample = sample = dict(sample)
-            layer_table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1, granularity=granularity,
-                                             loss_fn=loss_fn, target=target, repeats=profile_repeats)
+            with sharing_cores(threads):
+                layer_table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1,
+                                                 granularity=granularity, loss_fn=loss_fn, target=target,
+                                                 repeats=profile_repeats)
+            layer_table.attrs["threads"] = threads or torch.get_num_threads()
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
                               "the traced stages in this process (threads) or one process per stage (processes).")
@@ -159,7 +167,7 @@ class Explorer:
             with validate.naming_failing_layer(profiled, sample), profile_progress() as progress:
                 # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
                 layer_table = profile(profiled, sample, repeats=profile_repeats, microbatch_rows=rows,
-                                      device=_as_device(profile_device), progress=progress)
+                                      device=_as_device(profile_device), progress=progress, threads=threads)
         self.layer_table = layer_table
         n = len(self.layer_table)
         if splits is not None:
