@@ -4,7 +4,9 @@ For each config: ``explore(model, sample, chunks=…, schedule=…, devices=…,
 ``run()`` five times, changing the plan between runs as a user would:
 
 1. first run (the profile only), 2. the same plan again (after learning from run 1),
-3. chunks changed, 4. the first split moved by one layer, 5. schedule changed.
+3. chunks changed, 4. the first split moved by one layer, 5. schedule changed; and beside them how
+far the second measurement of the plan is from the first (the machine's own noise: a floor for
+what any prediction can reach).
 
 Each column prints the median and max |error| of ``predicted_step_time`` against the measured
 ``step_time`` in ``explorer.runs`` (what the explorer shows). Goal on a 2-core CPU: median ≤ 10 %
@@ -28,6 +30,9 @@ import pipexplore
 from pipexplore.examples import Block, SleepLayer
 
 COLUMNS = ["first run", "same plan again", "chunks changed", "split moved", "schedule changed"]
+#: Not a prediction: how far the second measurement of the same plan is from the first. No
+#: prediction of one run from another can be reliably closer than the machine repeats itself.
+NOISE = "measured twice (noise)"
 
 
 def fixed(device: str) -> tuple[nn.Sequential, torch.Tensor]:
@@ -76,10 +81,11 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
     devices = [device] * (stages // 2 if schedule == "interleaved" else stages)
     ex = pipexplore.explore(model, sample, chunks=chunks, schedule=schedule, devices=devices, executor=executor,
                             loss_fn=None)
-    errors, notes = [], []
+    errors, notes, measured = [], [], []
 
     def measure(label: str) -> None:
         row = ex.run()
+        measured.append(float(row["step_time"]))
         errors.append(float(row["prediction_error"]))
         notes.append(f"{label}: predicted {row['predicted_step_time'] * 1e3:.1f} ms, "
                      f"measured {row['step_time'] * 1e3:.1f} ms ({row['prediction_error'] * 100:+.0f} %)")
@@ -102,6 +108,7 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
         else:
             ex.update(schedule=other)
         measure("schedule")
+    errors.append(measured[1] / measured[0] - 1)
     return errors, notes
 
 
@@ -132,7 +139,7 @@ def main() -> None:
     print(f"\n{len(table)} configs in {time.perf_counter() - started:.0f} s; |error| per column:")
     print(f"| {'column':18} | median | max |")
     print("|---|---:|---:|")
-    for k, column in enumerate(COLUMNS):
+    for k, column in enumerate([*COLUMNS, NOISE]):
         values = [abs(row[k]) for row in table if not math.isnan(row[k])]
         if values:
             print(f"| {column:18} | {statistics.median(values) * 100:5.1f} % | {max(values) * 100:5.1f} % |")

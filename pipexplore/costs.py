@@ -14,7 +14,7 @@ and the lane time each action costs beyond its span (the executor's own dispatch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -57,8 +57,13 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
 
     With a fit: ``a + b·rows``. Without one (a table of whole-batch seconds), proportional:
     ``rows`` is then the micro-batch's fraction of the profiled batch when the table says no batch.
+    Zero-bubble's ``input_grad`` and ``weight_grad`` are the backward times the profiled
+    ``input_grad_ratio``/``weight_grad_ratio`` (half each where the table does not say).
     """
-    source, share = PHASE_SOURCE[phase]
+    source, default = PHASE_SOURCE[phase]
+    share: Union[float, np.ndarray] = default
+    if f"{phase}_ratio" in table:  # zero-bubble's I and W as profiled (else half the backward each)
+        share = np.nan_to_num(table[f"{phase}_ratio"].to_numpy(dtype=float), nan=default)
     if has_fit(table):
         a = table[f"{source}_a"].to_numpy(dtype=float)
         b = table[f"{source}_b"].to_numpy(dtype=float)
@@ -151,12 +156,21 @@ class Corrections:
         prediction made with these corrections for the same plan), action by action.
 
         Per stage and phase, the measured seconds over the predicted seconds (both with the
-        contention of that run) rescale the factor of every layer in the stage; the executor's
-        gap is the median time a worker spent between actions beyond waiting for inputs.
+        contention of that run) rescale the factor of every layer in the stage (a run of
+        zero-bubble's I and W also rescales the whole backward B, and a run of B rescales I and W);
+        the executor's gap is the median time a worker spent between actions beyond waiting for
+        inputs.
         """
         keys = ["stage", "microbatch", "phase"]
         both = _spans(predicted).merge(_spans(measured), on=keys, suffixes=("_p", "_m"))
+        if (both["phase"] == "weight_grad").any():
+            # Zero-bubble's first stage: its input needs no gradient, so its I is the whole backward
+            # (B's cost, as simulated) and its W does nothing worth learning from.
+            first = both["stage"] == 0
+            both = both[~(first & (both["phase"] == "weight_grad"))]
+            both.loc[first & (both["phase"] == "input_grad"), "phase"] = "backward"
         scales = {k: v.copy() for k, v in self.scales.items()}
+        taught = {phase: np.zeros(len(table), dtype=bool) for phase in PHASE_SOURCE}
         for phase in PHASE_SOURCE:
             rows = both[both["phase"] == phase]
             if rows.empty:
@@ -175,7 +189,9 @@ class Corrections:
                 # the machine must not throw the model off (later runs keep correcting).
                 ratio = min(max(measured_seconds / predicted_seconds, MAX_STEP ** -1), MAX_STEP)
                 factor[a:b] = factor[a:b] * ratio
+                taught[phase][a:b] = True
             scales[key] = factor
+        _share_backward_factors(scales, table, executor, taught)
         gaps, transfers = dict(self.gaps), dict(self.transfers)
         gap, transfer = handoff_gaps(measured, lanes_of(predicted))
         if gap is not None:
@@ -183,6 +199,37 @@ class Corrections:
         if transfer is not None:
             transfers[executor] = transfer
         return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers)
+
+
+def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
+                            taught: dict[str, np.ndarray]) -> None:
+    """A run of one backward family teaches the other on the layers where that one was not
+    measured itself (``taught[phase]``: the layers a run measured): the whole backward (B) takes
+    the input- and weight-gradient factors averaged by their profiled cost, and I and W take B's."""
+    n = len(table)
+
+    def ratio(phase: str) -> np.ndarray:
+        column = f"{phase}_ratio"
+        default = PHASE_SOURCE[phase][1]
+        return (np.nan_to_num(table[column].to_numpy(dtype=float), nan=default) if column in table
+                else np.full(n, default))
+
+    def factor(phase: str) -> np.ndarray:
+        return scales.get((executor, phase), np.ones(n))
+
+    split = taught["input_grad"] & taught["weight_grad"] & ~taught["backward"]
+    if split.any():
+        r_i, r_w = ratio("input_grad"), ratio("weight_grad")
+        total = np.where(r_i + r_w > 0, r_i + r_w, 1.0)
+        backward = factor("backward").copy()
+        backward[split] = ((factor("input_grad") * r_i + factor("weight_grad") * r_w) / total)[split]
+        scales[(executor, "backward")] = backward
+    whole = taught["backward"] & ~taught["input_grad"] & ~taught["weight_grad"]
+    if whole.any():
+        for phase in ("input_grad", "weight_grad"):
+            f = factor(phase).copy()
+            f[whole] = factor("backward")[whole]
+            scales[(executor, phase)] = f
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:

@@ -25,9 +25,11 @@ LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "back
                  "stash_keys", "pop_keys"]
 #: Cost as a function of the rows ``n`` of a micro-batch: ``t(n) = a + b·n`` per phase, bytes per
 #: row, the share of its device (the host's cores, or a GPU) a phase keeps busy when it runs
-#: alone, and how repeatable the timings were.
+#: alone, what the zero-bubble input- and weight-gradient passes cost as fractions of the backward
+#: (together often 1.2–1.5×: two passes over the graph), and how repeatable the timings were.
 FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
-               "saved_bytes_per_row", "share_forward", "share_backward", "spread"]
+               "saved_bytes_per_row", "share_forward", "share_backward", "input_grad_ratio", "weight_grad_ratio",
+               "spread"]
 
 #: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
 TARGET_SPREAD = 0.05
@@ -166,6 +168,44 @@ def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[An
     return forward, backward
 
 
+def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                    repeats: int, backward: float) -> tuple[float, float]:
+    """The input-gradient (I) and weight-gradient (W) passes of zero-bubble schedules, as the
+    executors run them (``torch.distributed.pipelining``'s ``stage_backward_input`` then
+    ``stage_backward_weight``), each over the plain ``backward`` seconds: ``(1, 0)`` for a layer
+    without weights, ``(nan, nan)`` where they cannot be timed (no output or input that needs a
+    gradient, or torch refuses the layer)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:  # no weights: I is the whole backward, W nothing
+        return 1.0, 0.0
+    if backward <= 0:
+        return math.nan, math.nan
+    timers = (_Timer(target), _Timer(target))
+    try:
+        for _ in range(repeats + 1):
+            tracker = SkipTracker()
+            popped = {key: _detach(t) for key, t in skips.items()}
+            tracker.tensors.update(popped)  # type: ignore[misc]
+            leaf = _detach(value)
+            with use_skip_tracker(tracker), torch.enable_grad():
+                output = layer(leaf)
+            outs = [t for t in tensors_in(output) + [t for k, t in tracker.tensors.items() if k not in skips]
+                    if t.requires_grad]
+            inputs = [t for t in tensors_in(leaf) + list(popped.values()) if t.requires_grad]
+            if not outs or not inputs:
+                return math.nan, math.nan
+            _, groups = timers[0](lambda: stage_backward_input(outs, [torch.ones_like(t) for t in outs], inputs,
+                                                               iter(params)))
+            timers[1](lambda: stage_backward_weight(iter(params), groups))
+        layer.zero_grad(set_to_none=True)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        layer.zero_grad(set_to_none=True)
+        return math.nan, math.nan
+    return (statistics.median(timers[0].wall[1:]) / backward, statistics.median(timers[1].wall[1:]) / backward)
+
+
 class _LayerRun:
     """One layer's input (and the skip tensors it pops), ready to be called again and again."""
 
@@ -237,11 +277,13 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     rows = []
     for run in layers:
         layer = run.layer
-        slow_forward = slow_backward = math.nan
+        slow_forward = slow_backward = input_ratio = weight_ratio = math.nan
         if contend:
             together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
             slow_forward = together[0] / run.forward.median if run.forward.median > 0 else 1.0
             slow_backward = together[1] / run.backward.median if run.backward.median > 0 else 1.0
+            input_ratio, weight_ratio = _split_backward(layer, run.value, run.skips, target, repeats,
+                                                        run.backward.median)
         rows.append({
             "name": run.name,
             "type": type(layer).__name__,
@@ -254,6 +296,8 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
             "cpu_backward": run.backward.cores,
             "slow_forward": slow_forward,
             "slow_backward": slow_backward,
+            "input_grad_ratio": input_ratio,
+            "weight_grad_ratio": weight_ratio,
             "spread": run.spread,
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
@@ -371,6 +415,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     for phase in ("forward", "backward"):
         table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
         table[f"share_{phase}"] = _shares(per_size, phase, target)
+    for column in ("input_grad_ratio", "weight_grad_ratio"):  # measured at the first (smallest) size
+        table[column] = per_size[0][column].to_numpy(dtype=float)
     table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
     table["output_bytes_per_row"] = table["output_bytes"] / last
     table["saved_bytes_per_row"] = table["saved_bytes"] / last

@@ -267,6 +267,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             size = rows if fit or layer_table.attrs.get("batch") or not batch else rows / batch
             seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + action_overhead + (
                 corrections.overhead(learnt) if corrections is not None else 0.0)
+            if schedule == "zero-bubble" and kind in ("I", "W"):
+                # The first stage's input is the user's data, which needs no gradient: its I runs the
+                # whole backward (weights too) and its W has nothing left to do, as the executors do.
+                whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
+                whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
+                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + action_overhead + (
+                    corrections.overhead(learnt) if corrections is not None else 0.0)
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.where(host, 0.0, wanted) if cpu_stages_overlap else wanted
     gap = corrections.gap(learnt) if corrections is not None else 0.0

@@ -198,3 +198,20 @@ def test_hand_offs_are_read_per_worker_as_the_prediction_runs_them():
     # Read stage by stage, the engine's own pause would pass for a hand-over between stages.
     _, per_stage_transfer = handoff_gaps(step.drop(columns="lane"))
     assert per_stage_transfer == pytest.approx(0.05)
+
+
+def test_zero_bubble_first_stage_runs_its_whole_backward_in_i_and_teaches_the_other_schedules():
+    model = _sleepy_model()
+    ex = explore(model, torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[3], schedule="zero-bubble")
+    predicted = ex.plan.predicted
+    spans = predicted.assign(seconds=predicted["end"] - predicted["start"]).groupby(["stage", "phase"])["seconds"]
+    whole = simulate(ex.layer_table, [3], chunks=4, schedule="1f1b", checkpoint=ex.plan.checkpoint,
+                     devices=["cpu", "cpu"], executor="threads")
+    whole_spans = whole.assign(seconds=whole["end"] - whole["start"]).groupby(["stage", "phase"])["seconds"]
+    # The user's data needs no gradient: stage 0's I is its whole backward, its W (almost) nothing.
+    assert spans.median()[(0, "input_grad")] == pytest.approx(whole_spans.median()[(0, "backward")], rel=0.05)
+    assert spans.median()[(0, "weight_grad")] < 0.1 * spans.median()[(1, "weight_grad")]
+    ex.run()  # learns I and W (stage 0: B)
+    ex.update(schedule="1f1b")
+    switched = ex.run()
+    assert abs(switched["prediction_error"]) < 0.10
