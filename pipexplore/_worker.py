@@ -45,7 +45,9 @@ def _set_threads(world: int, backend: str) -> None:
         return
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from pipexplore.host import host_cores
+
+    torch.set_num_threads(max(1, host_cores() // world))
 
 
 def main(argv: list[str] | None = None) -> None:

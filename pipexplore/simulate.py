@@ -260,6 +260,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     seconds: dict[tuple[str, float], np.ndarray] = {}
     demand: dict[tuple[str, float], np.ndarray] = {}
     host = np.array([_is_host(d) for d in stage_device])
+    cores = host_cores()
+    rank_share = max(1, cores // S) / cores
     for kind, phase in PHASES.items():
         scale = corrections.scale(learnt, phase) if corrections is not None else None
         for rows in distinct:
@@ -275,6 +277,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + action_overhead + (
                     corrections.overhead(learnt) if corrections is not None else 0.0)
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
+            if executor == "processes":
+                # A process per stage: no GIL between them, and each keeps at most its own intra-op
+                # threads busy (the host's cores shared among the ranks, as the workers set them).
+                wanted = np.where(host, np.minimum(wanted, rank_share), wanted)
             demand[(kind, rows)] = np.where(host, 0.0, wanted) if cpu_stages_overlap else wanted
     gap = corrections.gap(learnt) if corrections is not None else 0.0
     last_layers = costs["last_layer"].to_numpy()

@@ -206,7 +206,7 @@ def test_zero_bubble_first_stage_runs_its_whole_backward_in_i_and_teaches_the_ot
     predicted = ex.plan.predicted
     spans = predicted.assign(seconds=predicted["end"] - predicted["start"]).groupby(["stage", "phase"])["seconds"]
     whole = simulate(ex.layer_table, [3], chunks=4, schedule="1f1b", checkpoint=ex.plan.checkpoint,
-                     devices=["cpu", "cpu"], executor="threads")
+                     devices=["cpu", "cpu"], executor="threads", corrections=ex.plan.corrections)
     whole_spans = whole.assign(seconds=whole["end"] - whole["start"]).groupby(["stage", "phase"])["seconds"]
     # The user's data needs no gradient: stage 0's I is its whole backward, its W (almost) nothing.
     assert spans.median()[(0, "input_grad")] == pytest.approx(whole_spans.median()[(0, "backward")], rel=0.05)

@@ -65,3 +65,26 @@ def test_profile_threads_are_recorded_and_restored():
     table = pipexplore.profile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(8, 4), threads=1)
     assert table.attrs["threads"] == 1
     assert torch.get_num_threads() == before
+
+
+def test_processes_are_predicted_to_share_cores_not_the_gil(monkeypatch):
+    # Layers that twin threads slow to a crawl (the GIL) keep a whole host busy as threads, but a
+    # process per stage keeps only its own threads busy: 2 ranks on 2 cores run side by side.
+    monkeypatch.setattr("pipexplore.host.host_cores", lambda: 2)
+    import importlib
+
+    import pandas as pd
+
+    monkeypatch.setattr(importlib.import_module("pipexplore.simulate"), "host_cores", lambda: 2)
+
+    from pipexplore import simulate
+    from pipexplore.timeline import step_time
+
+    table = pd.DataFrame({"forward": [1.0] * 4, "backward": [2.0] * 4, "output_bytes": [0.0] * 4,
+                          "share_forward": [1.0] * 4, "share_backward": [1.0] * 4})
+    options = dict(chunks=4, schedule="gpipe", checkpoint="never", devices=["cpu", "cpu"])
+    threads = step_time(simulate(table, [2], executor="threads", **options))
+    processes = step_time(simulate(table, [2], executor="processes", **options))
+    serial = step_time(simulate(table, [], executor="threads", **{**options, "devices": ["cpu"]}))
+    assert threads == pytest.approx(serial, rel=0.01)  # contended: no faster than one stage
+    assert processes == pytest.approx(serial * (4 + 1) / (4 * 2), rel=0.01)  # (m + p - 1) / (m p) of it
