@@ -168,3 +168,31 @@ def test_gpipe_module_records_every_micro_batch_and_serial_cpu_backward():
     b = measured[measured.phase == "backward"].sort_values("start")
     assert len(b) == p * m
     assert (b["start"].to_numpy()[1:] >= b["end"].to_numpy()[:-1] - 1e-4).all()
+
+
+@pytest.mark.parametrize("executor,schedule", [("threads", "1f1b"), ("threads", "zero-bubble"), ("autograd", "gpipe")])
+def test_actions_are_counted_per_stage_while_the_measured_steps_run(executor, schedule):
+    import time
+
+    from pipexplore import profile
+    from pipexplore.plan import Plan
+    from pipexplore.run import run_step
+    from pipexplore.timeline import COMPUTE_PHASES, counting_actions
+
+    model = nn.Sequential(*[SleepFB(0.002, 0.002) for _ in range(4)])
+    sample = torch.randn(8, 4)
+    plan = Plan(profile(model, sample), (2,), ("cpu", "cpu"), chunks=4, schedule=schedule, checkpoint="never",
+                executor=executor)
+    seen: list[dict[int, int]] = []
+    with counting_actions() as counter:
+        watcher = threading.Thread(target=lambda: [seen.append(counter.done()) or time.sleep(0.005)
+                                                   for _ in range(60)])
+        watcher.start()
+        result = run_step(model, sample, plan, repeats=3)
+        watcher.join()
+    per_step = result.timeline[result.timeline["phase"].isin(COMPUTE_PHASES)].groupby("stage").size()
+    assert counter.done() == {int(s): 3 * int(n) for s, n in per_step.items()}  # 3 measured steps, no warm-up
+    assert any(0 < sum(d.values()) < sum(counter.done().values()) for d in seen)  # readable mid-run
+    with counting_actions() as other:  # a new block counts from zero; outside any block nothing counts
+        pass
+    assert other.done() == {}

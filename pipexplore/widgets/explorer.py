@@ -191,6 +191,7 @@ class Explorer:
         # Plan changes, run completion and view refreshes happen under this lock, from any thread.
         self._plan_lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
+        self._counter: Optional[tl.ActionCounter] = None  # actions done per stage by the run in progress
         self._cancel_token: Optional[CancelToken] = None
         self.last_error = ""
         self._build_widget()
@@ -381,7 +382,8 @@ class Explorer:
 
     def _run_in_background(self, token: CancelToken) -> None:
         try:
-            with cancel_scope(token):
+            with cancel_scope(token), tl.counting_actions() as counter:
+                self._counter = counter
                 self.run()
         except Cancelled:
             with self._plan_lock:
@@ -952,17 +954,25 @@ class Explorer:
         except RuntimeError:
             return
         expected = max(1e-3, 4 * tl.step_time(self._plan.predicted))  # 1 warm-up + 3 measured steps
+        per_stage = _actions_per_stage(self._plan.predicted, steps=3)
 
         def tick() -> None:
             if self._thread is None or not self._thread.is_alive():
                 return
             elapsed = time.monotonic() - self._run_started
-            self.w_progress.value = min(0.95, elapsed / (expected + 0.5))
+            done = self._counter.done() if self._counter is not None else {}
+            total = sum(per_stage.values())
+            if done and total:  # the measured steps' actions, as the stages do them
+                self.w_progress.value = min(0.99, sum(done.values()) / total)
+                detail = " · ".join(f"stage {s}: {done.get(s, 0)}/{n}" for s, n in sorted(per_stage.items()))
+                detail = f"measured steps, actions done: {detail}"
+            else:  # the warm-up step (or a process per stage, which reports at the end)
+                self.w_progress.value = min(0.95, elapsed / (expected + 0.5))
+                detail = f"1 warm-up + 3 measured steps, predicted {expected:.2f} s"
             with self._plan_lock:
                 self.w_status.value = self._notes_html() + (
                     "<div class='pipexplore-status'><span class='pipexplore-spinner'></span>"
-                    f"{html.escape(self._running_text)} {elapsed:.1f} s (1 warm-up + 3 measured steps, predicted "
-                    f"{expected:.2f} s)</div>")
+                    f"{html.escape(self._running_text)} {elapsed:.1f} s ({html.escape(detail)})</div>")
             loop.call_later(0.25, tick)
 
         loop.call_later(0.25, tick)
@@ -1137,6 +1147,12 @@ class Explorer:
     def _show_code(self, code: str, title: str = "") -> None:
         self.w_code.title = title
         self.w_code.code = code
+
+
+def _actions_per_stage(predicted: pd.DataFrame, steps: int) -> dict[int, int]:
+    """The compute actions each stage does in ``steps`` steps of a plan, from its prediction."""
+    compute = predicted[predicted["phase"].isin(tl.COMPUTE_PHASES)]
+    return {int(s): int(n) * steps for s, n in compute.groupby("stage").size().items()}
 
 
 def _run_summary(row: dict[str, Any]) -> str:
