@@ -121,6 +121,27 @@ def test_a_measured_panel_of_another_plan_says_so(explorer):
     assert "run 0" in title and "not the current plan: chunks 4 → 8" in title
 
 
+def test_hovering_a_layer_shades_its_stage_and_a_block_names_its_layers(explorer):
+    explorer.run()
+    explorer.bar.hovered = 1  # what the strip sets when the pointer is over a layer of stage 1
+    shapes = explorer.figure.layout.shapes
+    assert [(s.yref, s.y0, s.y1) for s in shapes] == [("y", 0.5, 1.5), ("y2", 0.5, 1.5)]  # both timelines
+    explorer.bar.hovered = -1
+    assert explorer.figure.layout.shapes == ()
+    # splits [2, 5] of 8 layers: a block of stage 1 says layers 2–4; a measured block also says
+    # what its own run predicted for the same action.
+    forward, measured_forward = explorer.figure.data[0], explorer.figure.data[len(PHASE_COLORS)]
+    custom = forward.customdata
+    assert "layers %{customdata[5]}–%{customdata[6]}" in forward.hovertemplate
+    assert {(row[1], row[5], row[6]) for row in custom} == {(0, 0, 1), (1, 2, 4), (2, 5, 7)}
+    result = explorer._results[-1]
+    predicted = result.predicted[result.predicted["phase"] == "forward"]
+    spans = {(r.stage, r.microbatch): (r.end - r.start) * 1e3 for r in predicted.itertuples()}
+    assert "predicted for this run" in measured_forward.hovertemplate
+    for row in measured_forward.customdata:
+        assert row[7] == pytest.approx(spans[(int(row[1]), int(row[0]))])
+
+
 def test_the_plotly_toolbar_has_no_chart_studio_link(explorer):
     config = explorer.figure._config
     assert config["displaylogo"] is False and config["showSendToCloud"] is False

@@ -488,6 +488,7 @@ class Explorer:
         self.bar = SplitBar(layers=self._layer_dicts(), splits=list(plan.splits), skips=self._skip_dicts(),
                             view="time", stage_totals=self._stage_totals("time"))
         self.bar.observe(self._on_bar_splits, names="splits")
+        self.bar.observe(self._on_bar_hover, names="hovered")
         compact = {"description_width": "initial"}
         self.w_stage_count = W.IntText(value=plan.num_stages, description="stages", style=compact,
                                        layout=W.Layout(width="92px"))
@@ -739,6 +740,13 @@ class Explorer:
             self._figures_of = (self._plan, figures)
         return figures
 
+    def _on_bar_hover(self, change: dict) -> None:
+        """A layer of the strip hovered: its stage's lanes shaded in the timelines (-1: none)."""
+        stage = change["new"]
+        with self._plan_lock:
+            if hasattr(self, "timelines"):
+                self.timelines.highlight(None if stage is None or stage < 0 else int(stage))
+
     def _refresh_header(self) -> None:
         if not hasattr(self, "w_header"):
             return
@@ -757,12 +765,14 @@ class Explorer:
         if result is not None:
             difference = self._plan_difference(result.plan)
             measured = dict(measured=result.timeline, measured_title=f"run {self._run_number(result)} · "
-                            f"{short_plan_text(result.plan)}", measured_warning=difference)
+                            f"{short_plan_text(result.plan)}", measured_warning=difference,
+                            measured_prediction=result.predicted,
+                            measured_stage_layers=_stage_layers(result.plan.splits, len(self.layer_table)))
         figures = self._plan_figures()
         numbers = (f"step {figures['step_time'] * 1e3:.1f} ms · bubble {figures['bubble'] * 100:.1f} %"
                    + (f" · {figures['throughput']:,.0f} samples/s" if not math.isnan(figures["throughput"]) else ""))
         self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title="the current plan",
-                            predicted_summary=numbers,
+                            predicted_summary=numbers, stage_layers=_stage_layers(plan.splits, len(self.layer_table)),
                             memory_cap=self._memory_cap, **measured)
 
     def _plan_difference(self, other: Plan) -> str:
@@ -1147,6 +1157,12 @@ class Explorer:
     def _show_code(self, code: str, title: str = "") -> None:
         self.w_code.title = title
         self.w_code.code = code
+
+
+def _stage_layers(splits: Sequence[int], layers: int) -> list[tuple[int, int]]:
+    """Each stage's first and last layer."""
+    points = [0, *splits, layers]
+    return [(a, b - 1) for a, b in zip(points, points[1:])]
 
 
 def _actions_per_stage(predicted: pd.DataFrame, steps: int) -> dict[int, int]:

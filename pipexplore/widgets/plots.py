@@ -112,26 +112,49 @@ def _blocks(frame: Optional[pd.DataFrame]) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-def _hover(phase: str) -> str:
-    return (f"{phase} · micro-batch %{{customdata[0]}} · stage %{{customdata[1]}}<br>"
-            "%{customdata[2]:.2f} → %{customdata[3]:.2f} ms (%{customdata[4]:.2f} ms)<extra></extra>")
+def _hover(phase: str, layers: bool = False, other: str = "") -> str:
+    """Phase, micro-batch, stage (and its layers), span; ``other``: the panel whose span of the same
+    action is shown beside it (``'predicted'`` on a measured bar, ``'measured'`` on a predicted one)."""
+    text = f"{phase} · micro-batch %{{customdata[0]}} · stage %{{customdata[1]}}"
+    if layers:
+        text += " · layers %{customdata[5]}–%{customdata[6]}"
+    text += "<br>%{customdata[2]:.2f} → %{customdata[3]:.2f} ms (%{customdata[4]:.2f} ms)"
+    if other:
+        text += f"<br>{other}: %{{customdata[7]:.2f}} ms"
+    return text + "<extra></extra>"
 
 
-def _bar_props(phase: str, data: Optional[dict[str, np.ndarray]]) -> dict[str, Any]:
-    """What a phase's bars change from one plan to the next (a restyle of one trace)."""
+def _bar_props(phase: str, data: Optional[dict[str, np.ndarray]],
+               stage_layers: Optional[Sequence[tuple[int, int]]] = None,
+               other: Optional[dict[str, np.ndarray]] = None, other_name: str = "") -> dict[str, Any]:
+    """What a phase's bars change from one plan to the next (a restyle of one trace).
+    ``stage_layers``: each stage's first and last layer; ``other``: the other panel's blocks of
+    this phase, whose span of the same (stage, micro-batch) the hover shows."""
     if not data:
         return dict(x=np.empty(0), base=np.empty(0), y=np.empty(0), text=np.empty(0, dtype=object),
-                    customdata=np.empty((0, 5)), hovertext=np.empty(0, dtype=object), hovertemplate=_hover(phase))
+                    customdata=np.empty((0, 8)), hovertext=np.empty(0, dtype=object), hovertemplate=_hover(phase))
     start, end = data["start"], data["end"]
     letter = PHASE_LETTERS.get(phase, "")
     text = (letter + pd.Series(data["microbatch"]).astype(str)).to_numpy(dtype=object) if letter else \
         np.full(len(start), "", dtype=object)
-    custom = np.column_stack([data["microbatch"], data["stage"], start, end, end - start]).astype(float)
+    stage = data["stage"].astype(int)
+    first = last = np.full(len(start), np.nan)
+    known = stage_layers is not None and len(stage_layers) > 0 and stage.max() < len(stage_layers)
+    if known:
+        bounds = np.asarray(stage_layers, dtype=float)
+        first, last = bounds[stage, 0], bounds[stage, 1]
+    beside = np.full(len(start), np.nan)
+    if other:
+        spans = dict(zip(zip(other["stage"].astype(int), other["microbatch"].astype(int)), other["end"] - other["start"]))
+        beside = np.array([spans.get((s, int(i)), np.nan) for s, i in zip(stage, data["microbatch"])], dtype=float)
+    custom = np.column_stack([data["microbatch"], data["stage"], start, end, end - start, first, last,
+                              beside]).astype(float)
     hovertext = np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{a:.2f} → {b:.2f} ms ({b - a:.2f} ms){ex}"
                           for mb, st, a, b, ex in zip(data["microbatch"], data["stage"], start, end, data["extra"])],
                          dtype=object) if "extra" in data else np.empty(0, dtype=object)
+    template = _hover(phase, layers=known, other=other_name if other and not np.isnan(beside).all() else "")
     return dict(x=end - start, base=start, y=data["lane"], text=text, customdata=custom, hovertext=hovertext,
-                hovertemplate="%{hovertext}<extra></extra>" if len(hovertext) else _hover(phase))
+                hovertemplate="%{hovertext}<extra></extra>" if len(hovertext) else template)
 
 
 def _line_props(phase: str, data: Optional[dict[str, np.ndarray]], width: float) -> dict[str, Any]:
@@ -197,6 +220,13 @@ class TimelineView:
         self.measured_warning = ""
         self.memory_cap: Optional[float] = memory_cap
         self.splits: Sequence[int] = ()
+        #: Each stage's (first, last) layer, for the hover of a block: the current plan's and the
+        #: measured run's (empty: not shown).
+        self.stage_layers: Sequence[tuple[int, int]] = ()
+        self.measured_stage_layers: Sequence[tuple[int, int]] = ()
+        self.highlighted: Optional[int] = None
+        #: What was predicted for the run in the measured panel (its blocks' hover shows it).
+        self.measured_prediction: Optional[pd.DataFrame] = None
         self._kinds: tuple[Any, ...] = ()
         self._summaries: dict[int, tuple[pd.DataFrame, str]] = {}
         self._memory_unit = "B"
@@ -230,7 +260,10 @@ class TimelineView:
              clear_measured: bool = False, predicted_title: Optional[str] = None,
              measured_title: Optional[str] = None, measured_warning: Optional[str] = None,
              memory_cap: Any = (), splits: Optional[Sequence[int]] = None,
-             predicted_summary: Optional[str] = None) -> None:
+             predicted_summary: Optional[str] = None,
+             stage_layers: Optional[Sequence[tuple[int, int]]] = None,
+             measured_stage_layers: Optional[Sequence[tuple[int, int]]] = None,
+             measured_prediction: Optional[pd.DataFrame] = None) -> None:
         """Redraw what changed (``None`` keeps a panel's timeline; ``clear_measured`` empties it).
         ``predicted_summary`` replaces the predicted panel's figures (when the caller has them).
 
@@ -261,6 +294,15 @@ class TimelineView:
             self.measured_warning = measured_warning
         if splits is not None:
             self.splits = list(splits)
+        if stage_layers is not None and list(stage_layers) != list(self.stage_layers):
+            self.stage_layers = [tuple(b) for b in stage_layers]
+            rows.add(1)
+        if measured_stage_layers is not None and list(measured_stage_layers) != list(self.measured_stage_layers):
+            self.measured_stage_layers = [tuple(b) for b in measured_stage_layers]
+            rows.add(2)
+        if measured_prediction is not None and measured_prediction is not self.measured_prediction:
+            self.measured_prediction = measured_prediction
+            rows.add(2)
         self._draw(rows)
 
     @property
@@ -310,7 +352,31 @@ class TimelineView:
         if kind == "gl":
             width = 0.7 * _lane_px(lane_count)
             return [_line_props(phase, data.get(phase), width) for phase in PHASES]
-        return [_bar_props(phase, data.get(phase)) for phase in PHASES]
+        if row == 1:
+            return [_bar_props(phase, data.get(phase), self.stage_layers) for phase in PHASES]
+        # A measured block's hover shows what was predicted for the same action of its own run.
+        other = _blocks(self.measured_prediction) if self.measured_prediction is not None else {}
+        return [_bar_props(phase, data.get(phase), self.measured_stage_layers, other.get(phase),
+                           "predicted for this run") for phase in PHASES]
+
+    def highlight(self, stage: Optional[int]) -> None:
+        """Shade ``stage``'s lane in both timelines (what hovering a layer of the strip does);
+        ``None`` clears it. One layout message; the traces are untouched."""
+        shapes = []
+        if stage is not None:
+            color = STAGE_COLORS[int(stage) % len(STAGE_COLORS)]
+            for row, frame in ((1, self.predicted), (2, self.measured)):
+                if frame is None or frame.empty:
+                    continue
+                pairs = _lane_pairs(frame)
+                lanes_of_stage = [k for k, (s, _) in enumerate(pairs) if int(s) == int(stage)]
+                for lane in lanes_of_stage:
+                    suffix = "" if row == 1 else "2"
+                    shapes.append(dict(type="rect", xref=f"x{suffix} domain", yref=f"y{suffix}", x0=0, x1=1,
+                                       y0=lane - 0.5, y1=lane + 0.5, fillcolor=color, opacity=0.18,
+                                       line=dict(width=0), layer="below"))
+        self.highlighted = stage
+        self.figure.layout.shapes = shapes
 
     def _draw(self, rows: set[int]) -> None:
         lane_sets = [lanes(self.predicted), lanes(self.measured)]

@@ -261,6 +261,18 @@ function render({ model, el: host }) {
     draw(next.indexOf(b));
   });
 
+  // Hovering a layer names its stage (the explorer shades that stage's lanes in the timelines).
+  function hover(stage) {
+    if (drag || model.get("hovered") === stage) return;
+    model.set("hovered", stage);
+    model.save_changes();
+  }
+  svg.addEventListener("pointerover", (event) => {
+    const cell = event.target.closest && event.target.closest(".cell");
+    if (cell) hover(Number(cell.dataset.stage));
+  });
+  svg.addEventListener("pointerleave", () => hover(-1));
+
   for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => draw());
   draw(null);
   return () => {};

@@ -30,13 +30,14 @@ _CSS = """
 
 
 class SplitBar(anywidget.AnyWidget):
-    """The layer strip. ``splits`` is the only trait the front end changes: on release of a
+    """The layer strip. ``splits`` is the trait the front end changes for the plan: on release of a
     dragged handle, on an arrow key, and with one more split (double-click a layer boundary) or
     one fewer (Delete on a focused handle, or a handle dragged off the strip).
 
     ``layers``: one dict per layer (``name``, ``type``, ``time``, ``params``, ``memory``, ``label``);
     ``skips``: ``{'name', 'from', 'to'}`` per route; ``view``: which cost sets the widths;
-    ``stage_totals``: one label per stage; ``error``: a message shown under the strip.
+    ``stage_totals``: one label per stage; ``error``: a message shown under the strip;
+    ``hovered``: the stage of the layer under the pointer (-1: none), set by the front end.
     """
 
     _esm = _HERE / "splitbar.js"
@@ -48,3 +49,5 @@ class SplitBar(anywidget.AnyWidget):
     view = traitlets.Unicode("time").tag(sync=True)
     stage_totals = traitlets.List(traitlets.Unicode()).tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
+    #: The stage of the layer under the pointer (-1: none), set by the front end.
+    hovered = traitlets.Int(-1).tag(sync=True)

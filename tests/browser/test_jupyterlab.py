@@ -148,6 +148,14 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             # The predicted timeline is redrawn for the new split.
             page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
 
+            # Hovering a layer shades its stage's lane in the timelines.
+            page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
+            page.wait_for_function("document.querySelectorAll('.pipexplore-timeline .shapelayer path').length > 0",
+                                   timeout=30_000)
+            page.mouse.move(5, 5)
+            page.wait_for_function("document.querySelectorAll('.pipexplore-timeline .shapelayer path').length === 0",
+                                   timeout=30_000)
+
             # The kernel's explorer has the new split.
             run_cell(page, 2)
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [5]')",
