@@ -980,6 +980,8 @@ class Explorer:
                 self.w_progress.value = min(0.95, elapsed / (expected + 0.5))
                 detail = f"1 warm-up + 3 measured steps, predicted {expected:.2f} s"
             with self._plan_lock:
+                if not self._running_text:  # the run has said its last word meanwhile: keep it
+                    return
                 self.w_status.value = self._notes_html() + (
                     "<div class='pipexplore-status'><span class='pipexplore-spinner'></span>"
                     f"{html.escape(self._running_text)} {elapsed:.1f} s ({html.escape(detail)})</div>")
