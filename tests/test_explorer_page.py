@@ -138,6 +138,13 @@ def test_hovering_a_layer_shades_its_stage_and_a_block_names_its_layers(explorer
     predicted = result.predicted[result.predicted["phase"] == "forward"]
     spans = {(r.stage, r.microbatch): (r.end - r.start) * 1e3 for r in predicted.itertuples()}
     assert "predicted for this run" in measured_forward.hovertemplate
+    # What travels to the browser is JSON: no NaN anywhere in the blocks' data.
+    from pipexplore.widgets.plots import TimelineView
+
+    bare = TimelineView(explorer.plan.predicted, widget=False)  # no layer ranges given: none shown, none NaN
+    for figure in (explorer.figure, bare.figure):
+        for trace in figure.data[: 2 * len(PHASE_COLORS)]:
+            json.dumps([list(row) for row in trace.customdata], allow_nan=False)  # raises on NaN
     for row in measured_forward.customdata:
         assert row[7] == pytest.approx(spans[(int(row[1]), int(row[0]))])
 

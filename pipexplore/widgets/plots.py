@@ -147,8 +147,9 @@ def _bar_props(phase: str, data: Optional[dict[str, np.ndarray]],
     if other:
         spans = dict(zip(zip(other["stage"].astype(int), other["microbatch"].astype(int)), other["end"] - other["start"]))
         beside = np.array([spans.get((s, int(i)), np.nan) for s, i in zip(stage, data["microbatch"])], dtype=float)
-    custom = np.column_stack([data["microbatch"], data["stage"], start, end, end - start, first, last,
-                              beside]).astype(float)
+    # No NaN in what travels to the browser (the widget's messages are JSON): -1 where unknown.
+    custom = np.nan_to_num(np.column_stack([data["microbatch"], data["stage"], start, end, end - start, first, last,
+                                            beside]).astype(float), nan=-1.0)
     hovertext = np.array([f"{phase} · micro-batch {mb} · stage {st}<br>{a:.2f} → {b:.2f} ms ({b - a:.2f} ms){ex}"
                           for mb, st, a, b, ex in zip(data["microbatch"], data["stage"], start, end, data["extra"])],
                          dtype=object) if "extra" in data else np.empty(0, dtype=object)

@@ -7,6 +7,10 @@ const SVG = "http://www.w3.org/2000/svg";
 const W = 1000, BAR_H = 44, ARC_TOP = 8, OFF_STRIP = 60;
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
 const CHAR_W = 6.2; // width of one character of the 10px labels, in strip units
+// From this many layers on, an overview under the strip holds a brush: the strip shows the
+// brushed layers in detail (drag the brush to pan, drag across the overview to choose a range,
+// double-click it to see every layer again).
+const ZOOM_MIN = 60, OVER_H = 12;
 
 function el(tag, attrs = {}, parent = null) {
   const node = document.createElementNS(SVG, tag);
@@ -87,12 +91,79 @@ function render({ model, el: host }) {
   let BAR_Y = 10; // room above the bar for skip arcs, when there are any
   tagTimeline(host);
 
+  let win = null; // [first, end) layers shown in detail, or null: all of them
+  let full = []; // every boundary on the whole strip (the overview's scale)
+
   function boundaries() {
     const layers = model.get("layers");
     const w = weights(layers, model.get("view"));
-    const out = [0];
-    for (const f of w) out.push(out[out.length - 1] + f * W);
-    return out;
+    full = [0];
+    for (const f of w) full.push(full[full.length - 1] + f * W);
+    if (!win || win[1] > layers.length || win[0] >= win[1]) {
+      win = null;
+      return full;
+    }
+    const a = full[win[0]], scale = W / Math.max(1e-9, full[win[1]] - a);
+    return full.map((x) => (x - a) * scale);
+  }
+
+  // The overview: each stage as one segment of the whole strip, and the brush over the detail.
+  function drawOverview(y, layers, splits) {
+    const group = el("g", { class: "overview", transform: `translate(0 ${y})` }, svg);
+    const points = [0, ...splits, layers.length];
+    for (let s = 0; s + 1 < points.length; s++) {
+      el("rect", { x: full[points[s]], y: 0, width: Math.max(0.5, full[points[s + 1]] - full[points[s]]),
+                   height: OVER_H, fill: COLORS[s % COLORS.length], class: "overview-stage" }, group);
+    }
+    const [w0, w1] = win || [0, layers.length];
+    const brush = el("rect", { x: full[w0], y: -2, width: Math.max(2, full[w1] - full[w0]), height: OVER_H + 4,
+                               class: "brush", "data-first": w0, "data-end": w1 }, group);
+    el("title", {}, brush).textContent = `layers ${w0}–${w1 - 1} in detail (drag to pan; double-click: all)`;
+    const layerAt = (x) => nearestOverview(x);
+    group.addEventListener("pointerdown", (event) => {
+      event.preventDefault();
+      group.setPointerCapture(event.pointerId);
+      const x = local(event).x;
+      const onBrush = event.target === brush && win;
+      brushing = onBrush ? { pan: true, from: layerAt(x), start: [...win] } : { pan: false, from: layerAt(x) };
+    });
+    group.addEventListener("pointermove", (event) => {
+      if (!brushing) return;
+      const at = layerAt(local(event).x);
+      const n = layers.length;
+      let next;
+      if (brushing.pan) {
+        const width = brushing.start[1] - brushing.start[0];
+        const first = Math.min(n - width, Math.max(0, brushing.start[0] + at - brushing.from));
+        next = [first, first + width];
+      } else {
+        const lo = Math.min(at, brushing.from), hi = Math.max(at, brushing.from);
+        next = hi - lo >= 2 ? [lo, Math.min(n, hi)] : win;
+      }
+      if (String(next) !== String(win)) {
+        win = next;
+        draw(null);
+        svg.querySelector(".overview")?.setPointerCapture?.(event.pointerId);
+      }
+    });
+    const release = () => { brushing = null; };
+    group.addEventListener("pointerup", release);
+    group.addEventListener("pointercancel", release);
+    group.addEventListener("dblclick", (event) => {
+      event.stopPropagation();
+      win = null;
+      draw(null);
+    });
+  }
+  let brushing = null;
+
+  function nearestOverview(x) {
+    let best = 0, distance = Infinity;
+    for (let b = 0; b < full.length; b++) {
+      const d = Math.abs(full[b] - x);
+      if (d < distance) { distance = d; best = b; }
+    }
+    return best;
   }
 
   function commit(splits) {
@@ -132,10 +203,14 @@ function render({ model, el: host }) {
     const blocks = groups(layers);
     BAR_Y = model.get("skips").length ? 70 : 10;
     const GROUP_Y = BAR_Y + BAR_H + 24;
-    svg.setAttribute("viewBox", `0 0 ${W} ${GROUP_Y + (blocks.length ? 20 : 0)}`);
+    const zoomable = layers.length >= ZOOM_MIN;
+    const OVER_Y = GROUP_Y + (blocks.length ? 20 : 0) + 4;
+    svg.setAttribute("viewBox", `0 0 ${W} ${OVER_Y + (zoomable ? OVER_H + 8 : -4)}`);
     svg.replaceChildren();
-    // Cells (labelled only where the name fits).
+    if (zoomable) drawOverview(OVER_Y, layers, splits);
+    // Cells (labelled only where the name fits); those outside the detail are not drawn.
     layers.forEach((layer, i) => {
+      if (xs[i + 1] < 0 || xs[i] > W) return;
       const stage = stageOf(i, splits);
       const width = xs[i + 1] - xs[i];
       const cell = el("rect", {
@@ -153,7 +228,8 @@ function render({ model, el: host }) {
     });
     // The model's own blocks (a shared parent module) as brackets under the cells.
     for (const g of blocks) {
-      const x0 = xs[g.start] + 1, x1 = xs[g.end] - 1;
+      if (xs[g.end] < 0 || xs[g.start] > W) continue;
+      const x0 = Math.max(0, xs[g.start]) + 1, x1 = Math.min(W, xs[g.end]) - 1;
       el("path", { d: `M ${x0} ${GROUP_Y - 4} v 4 H ${x1} v -4`, class: "group" }, svg);
       if (x1 - x0 > g.name.length * CHAR_W + 4) {
         const t = el("text", { x: (x0 + x1) / 2, y: GROUP_Y + 12, class: "group-label" }, svg);
@@ -177,14 +253,15 @@ function render({ model, el: host }) {
     const points = [0, ...splits, layers.length];
     for (let s = 0; s + 1 < points.length; s++) {
       const text = totals[s] !== undefined && !drag ? totals[s] : `stage ${s}`;
-      const width = xs[points[s + 1]] - xs[points[s]];
-      if (width < text.length * 7) continue;
-      const t = el("text", { x: (xs[points[s]] + xs[points[s + 1]]) / 2, y: BAR_Y + BAR_H + 18, class: "stage-total" }, svg);
+      const a = Math.max(0, xs[points[s]]), b = Math.min(W, xs[points[s + 1]]);
+      if (b - a < text.length * 7) continue;
+      const t = el("text", { x: (a + b) / 2, y: BAR_Y + BAR_H + 18, class: "stage-total" }, svg);
       t.textContent = text;
     }
     // Handles; narrow grips where splits are dense, so that each stays grabbable.
     splits.forEach((split, k) => {
       const x = xs[split];
+      if (x < 0 || x > W) return; // outside the detail: brush the overview to reach it
       const left = k > 0 ? x - xs[splits[k - 1]] : x;
       const right = (k + 1 < splits.length ? xs[splits[k + 1]] : W) - x;
       const grip = Math.max(3, Math.min(12, left, right));

@@ -25,6 +25,10 @@ _CSS = """
 .pipexplore-splitbar .handle:focus .bar { stroke: var(--jp-brand-color1, #1976d2); }
 .pipexplore-splitbar .handle.removing .bar { stroke: #d62728; stroke-dasharray: 4 3; }
 .pipexplore-splitbar .handle .grip { fill: rgba(128, 128, 128, 0.18); }
+.pipexplore-splitbar .overview { cursor: crosshair; }
+.pipexplore-splitbar .overview-stage { opacity: 0.55; }
+.pipexplore-splitbar .brush { fill: rgba(128, 128, 128, 0.15); stroke: var(--jp-ui-font-color1, #333);
+  stroke-width: 1.5; cursor: grab; }
 .pipexplore-splitbar .pipexplore-error { color: #b00020; font-size: 13px; min-height: 1em; }
 """
 

@@ -209,6 +209,76 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             browser.close()
 
 
+MANY_LAYERS_CELLS = [
+    "import numpy as np, pandas as pd, torch\n"
+    "from torch import nn\n"
+    "from pipexplore.widgets import Explorer\n"
+    "n = 120\n"
+    "table = pd.DataFrame({'name': [f'blocks.{k}' for k in range(n)], 'type': 'Linear', 'param_bytes': 4096.0,\n"
+    "    'output_bytes': 1e3, 'forward': [1e-4] * n, 'backward': [2e-4] * n, 'stash': '', 'pop': ''})\n"
+    "ex = Explorer(nn.Sequential(*[nn.Identity() for _ in range(n)]), torch.zeros(8, 1), layer_table=table,\n"
+    "              devices=['cpu'] * 4, chunks=4, splits=[30, 60, 90], calibrate=False)\n"
+    "ex",
+]
+
+
+@pytest.fixture
+def many_layers_lab(tmp_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    try:
+        with jupyterlab(tmp_path, {"many.ipynb": MANY_LAYERS_CELLS}) as (url, token):
+            yield url, token
+    except LabError as error:
+        pytest.fail(str(error))
+
+
+def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):
+    url, token = many_layers_lab
+    OUTPUT.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1400})
+        try:
+            page.goto(f"{url}/lab/workspaces/pipexplore-zoom/tree/many.ipynb?reset&token={token}")
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+            _run_all(page)
+            page.wait_for_selector(".pipexplore-splitbar .overview .brush", timeout=90_000)
+            dismiss_news(page)
+            cells = ".pipexplore-splitbar .cell"
+            assert page.locator(cells).count() == 120  # the whole strip
+            # Drag across the overview from layer 20 to layer 50: the strip shows those in detail.
+            overview = page.locator(".pipexplore-splitbar .overview-stage").first.bounding_box()
+            last = page.locator(".pipexplore-splitbar .overview-stage").last.bounding_box()
+            left, width = overview["x"], last["x"] + last["width"] - overview["x"]
+            y = overview["y"] + overview["height"] / 2
+            page.mouse.move(left + width * 20 / 120, y)
+            page.mouse.down()
+            page.mouse.move(left + width * 50 / 120, y, steps=8)
+            page.mouse.up()
+            page.wait_for_function(f"document.querySelectorAll('{cells}').length <= 32", timeout=10_000)
+            brush = page.locator(".pipexplore-splitbar .brush")
+            assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("20", "50")
+            # Only the split inside the detail has a handle, and it can be grabbed.
+            assert [h.get_attribute("aria-valuenow") for h in page.locator(".pipexplore-splitbar .handle").all()] \
+                == ["30"]
+            # Drag the brush to pan by 10 layers, then double-click the overview: every layer again.
+            box = brush.bounding_box()
+            page.mouse.move(box["x"] + box["width"] / 2, y)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] / 2 + width * 10 / 120, y, steps=6)
+            page.mouse.up()
+            assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("30", "60")
+            page.mouse.dblclick(left + width * 0.9, y)
+            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
+            assert page.locator(".pipexplore-splitbar .handle").count() == 3  # no split was added
+        except BaseException:
+            page.screenshot(path=str(OUTPUT / "failure-zoom.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
 def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
     """``Explorer.to_html`` writes one page; Chromium opens it from disk with every network request
     refused, and plotly draws its timeline from the embedded JavaScript."""
