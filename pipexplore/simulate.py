@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 from typing import Optional, Sequence, Union
 
 import numpy as np

@@ -145,7 +145,8 @@ def _bar_props(phase: str, data: Optional[dict[str, np.ndarray]],
         first, last = bounds[stage, 0], bounds[stage, 1]
     beside = np.full(len(start), np.nan)
     if other:
-        spans = dict(zip(zip(other["stage"].astype(int), other["microbatch"].astype(int)), other["end"] - other["start"]))
+        keys = zip(other["stage"].astype(int), other["microbatch"].astype(int))
+        spans = dict(zip(keys, other["end"] - other["start"]))
         beside = np.array([spans.get((s, int(i)), np.nan) for s, i in zip(stage, data["microbatch"])], dtype=float)
     # No NaN in what travels to the browser (the widget's messages are JSON): -1 where unknown.
     custom = np.nan_to_num(np.column_stack([data["microbatch"], data["stage"], start, end, end - start, first, last,

@@ -35,15 +35,20 @@ NOTEBOOK_CELLS = [
 ]
 
 
-@pytest.fixture
-def lab(tmp_path):
+def _serving(tmp_path, notebooks: dict):
+    """JupyterLab serving ``notebooks`` (name -> cells): yields its URL and token."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
     try:
-        with jupyterlab(tmp_path, {"explorer.ipynb": NOTEBOOK_CELLS}) as (url, token):
+        with jupyterlab(tmp_path, notebooks) as (url, token):
             yield url, token
     except LabError as error:
         pytest.fail(str(error))
+
+
+@pytest.fixture
+def lab(tmp_path):
+    yield from _serving(tmp_path, {"explorer.ipynb": NOTEBOOK_CELLS})
 
 
 def _output_text(page, index: int) -> str:
@@ -224,13 +229,7 @@ MANY_LAYERS_CELLS = [
 
 @pytest.fixture
 def many_layers_lab(tmp_path):
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
-    try:
-        with jupyterlab(tmp_path, {"many.ipynb": MANY_LAYERS_CELLS}) as (url, token):
-            yield url, token
-    except LabError as error:
-        pytest.fail(str(error))
+    yield from _serving(tmp_path, {"many.ipynb": MANY_LAYERS_CELLS})
 
 
 def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):
