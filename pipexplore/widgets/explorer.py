@@ -7,6 +7,7 @@ and runs from :func:`pipexplore.run.run_step`.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import copy
 import html
 import json
@@ -27,6 +28,7 @@ from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.balance import optimal_splits
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
+from pipexplore.costs import Corrections
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.host import sharing_cores, stage_threads
@@ -141,33 +143,17 @@ class Explorer:
         self.notes: list[str] = []
         if loss_fn is None:
             self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
-        # Layers are timed with the intra-op threads each CPU stage will have (the host's cores
-        # shared among the stages that run at once), so that what is predicted is what runs.
-        planned = devices or _default_devices(max(2, torch.cuda.device_count()))[0]
-        threads = stage_threads([str(d) for d in planned])
-        if layer_table is None and self.traced:
-            from pipexplore.trace import candidates_in_rows
-
-            if isinstance(sample, Mapping):  # keyword inputs (a tokenizer's BatchEncoding too) as a plain dict
+        self._profile_options = dict(granularity=granularity, repeats=profile_repeats,
+                                     device=devices[0] if devices else None)
+        if layer_table is None:
+            if self.traced and isinstance(sample, Mapping):  # keyword inputs (a BatchEncoding too) as a dict
                 self.sample = sample = dict(sample)
-            with sharing_cores(threads):
-                layer_table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1,
-                                                 granularity=granularity, loss_fn=loss_fn, target=target,
-                                                 repeats=profile_repeats)
-            layer_table.attrs["threads"] = threads or torch.get_num_threads()
+            planned = devices or _default_devices(max(2, torch.cuda.device_count()))[0]
+            layer_table = self._profile_layers(chunks, [str(d) for d in planned])
+        if self.traced:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
                               "the traced stages in this process (threads) or one process per stage (processes).")
-        if layer_table is None:
-            # Costs as a line in the micro-batch rows, from the plan's micro-batch and the whole batch.
-            batch = batch_size(sample)
-            rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
-            profile_device = (devices[0] if devices else "cuda:0" if torch.cuda.is_available() else "cpu")
-            profiled = copy.deepcopy(model)
-            with validate.naming_failing_layer(profiled, sample), profile_progress() as progress:
-                # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
-                layer_table = profile(profiled, sample, repeats=profile_repeats, microbatch_rows=rows,
-                                      device=_as_device(profile_device), progress=progress, threads=threads)
         self.layer_table = layer_table
         n = len(self.layer_table)
         if splits is not None:
@@ -248,6 +234,67 @@ class Explorer:
         gap = plan.corrections.gaps.get(executor, gap)  # what a real run taught wins
         transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
+
+    def _profile_layers(self, chunks: int, devices: Sequence[str]) -> pd.DataFrame:
+        """Time every layer (or traced candidate) on the sample, at the micro-batch of ``chunks`` and
+        at the whole batch, with the intra-op threads each CPU stage on ``devices`` runs with (the
+        host's cores shared among the stages that run at once), so that what is predicted is what
+        runs."""
+        threads = stage_threads(devices)
+        options = self._profile_options
+        if self.traced:
+            from pipexplore.trace import candidates_in_rows
+
+            with sharing_cores(threads):
+                table = candidates_in_rows(copy.deepcopy(self.model), self.sample, chunks=chunks or 1,
+                                           granularity=options["granularity"], loss_fn=self.loss_fn,
+                                           target=self.target, repeats=options["repeats"])
+            table.attrs["threads"] = threads or torch.get_num_threads()
+            return table
+        batch = batch_size(self.sample)
+        rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
+        device = options["device"] or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        profiled = copy.deepcopy(self.model)
+        with validate.naming_failing_layer(profiled, self.sample), profile_progress() as progress:
+            # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
+            return profile(profiled, self.sample, repeats=options["repeats"], microbatch_rows=rows,
+                           device=_as_device(device), progress=progress, threads=threads)
+
+    def reprofile(self) -> pd.DataFrame:
+        """Time every layer again, for the current plan: its micro-batch size and the intra-op
+        threads its CPU stages run with (which change with the number of CPU stages). Predictions
+        then start from the new table: what runs taught (relative to the old one) is dropped, and
+        the executor is probed again. Returns the new layer table.
+
+        Example::
+
+            explorer.update(devices="cpu,cpu,cpu,cpu")   # 4 CPU stages: fewer threads each
+            explorer.reprofile()
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("a run is in progress: re-profile once it has finished (or cancel it)")
+        plan = self._plan
+        table = self._profile_layers(plan.chunks, [str(d) for d in plan.devices[: plan.num_devices]])
+        if len(table) != len(self.layer_table):
+            raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
+                               "start a new explorer for it")
+        with self._plan_lock:
+            self.layer_table = table
+            self._set_plan(replace(plan, layer_table=table, corrections=Corrections()))
+        return table
+
+    def _thread_note(self) -> str:
+        """What to say when the costs were timed with other intra-op threads than the plan's CPU
+        stages run with ('' when they agree)."""
+        plan = self._plan
+        profiled = self.layer_table.attrs.get("threads")
+        if profiled is None:
+            return ""
+        runs_with = stage_threads([str(d) for d in plan.devices[: plan.num_devices]]) or torch.get_num_threads()
+        if runs_with == profiled:
+            return ""
+        return (f"Costs were timed with {profiled} intra-op thread(s); this plan's CPU stages run with {runs_with} "
+                "each (the cores are shared among the stages): ex.reprofile() times them again.")
 
     def _change_plan(self, change: Callable[[Plan], Plan]) -> Plan:
         """Apply ``change`` to the current plan and show it, atomically with respect to runs finishing."""
@@ -693,7 +740,8 @@ class Explorer:
 
 
     def _notes_html(self) -> str:
-        return "".join(f"<div class='pipexplore-note'>{html.escape(n)}</div>" for n in self.notes)
+        notes = [*self.notes, self._thread_note()] if hasattr(self, "_plan") else self.notes
+        return "".join(f"<div class='pipexplore-note'>{html.escape(n)}</div>" for n in notes if n)
 
 
     def shared_parameters(self) -> dict[str, list[int]]:
