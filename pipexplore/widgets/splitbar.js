@@ -276,6 +276,7 @@ function render({ model, el: host }) {
       el("line", { x1: x, x2: x, y1: BAR_Y - 8, y2: BAR_Y + BAR_H + 8, class: "bar" }, handle);
       handle.addEventListener("pointerdown", (event) => {
         event.preventDefault();
+        clearTimeout(hoverTimer);
         handle.setPointerCapture(event.pointerId);
         drag = { k, splits: [...model.get("splits")], off: false };
       });
@@ -338,11 +339,16 @@ function render({ model, el: host }) {
     draw(next.indexOf(b));
   });
 
-  // Hovering a layer names its stage (the explorer shades that stage's lanes in the timelines).
+  // Hovering a layer names its stage (the explorer shades that stage's lanes in the timelines),
+  // once the pointer rests on it: passing over the strip on the way to a handle sends nothing.
+  let hoverTimer = null;
   function hover(stage) {
-    if (drag || model.get("hovered") === stage) return;
-    model.set("hovered", stage);
-    model.save_changes();
+    clearTimeout(hoverTimer);
+    hoverTimer = setTimeout(() => {
+      if (drag || model.get("hovered") === stage) return;
+      model.set("hovered", stage);
+      model.save_changes();
+    }, 150);
   }
   svg.addEventListener("pointerover", (event) => {
     const cell = event.target.closest && event.target.closest(".cell");
