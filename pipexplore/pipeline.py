@@ -1,7 +1,9 @@
-"""The GPipe schedule: micro-batch ``i`` on partition ``j`` runs at clock tick ``i + j``."""
+"""The GPipe schedule: micro-batch ``i`` on partition ``j`` runs in clock tick ``i + j``'s order,
+each task as soon as the ticks before it have given it what it needs."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from queue import Queue
 from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, cast
 
 import torch
@@ -87,15 +89,49 @@ class Pipeline:
         self.recorder = _timeline.active_recorder()
 
     def run(self) -> None:
+        """Run every (micro-batch, partition) task in the clock order's dependencies, but each as
+        soon as they are met rather than a whole tick at a time: task ``(i, j)`` starts once
+        ``(i, j-1)`` (its input) and ``(i-1, j)`` (its partition's previous micro-batch) are done
+        and ``(i+1, j-1)`` has started (so that the autograd graph is the one the ticks build:
+        micro-batch ``i``'s fork in partition ``j-1`` comes before its copy to partition ``j``).
+        A partition waits for its own inputs, not for the slowest task of a tick."""
         m, n = len(self.batches), len(self.partitions)
         skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
         if self.recorder is not None and torch.is_grad_enabled() and not self.batches[0][0].requires_grad:
             self.recorder.watch_parameters(0, self.partitions[0])
-        with spawn_workers(list(self.devices)) as (in_queues, out_queues):
-            for schedule in clock_cycles(m, n):
-                check_cancelled()  # a cancelled run stops between clock ticks; the workers are joined on exit
-                self.fence(schedule, skip_trackers)
-                self.compute(schedule, skip_trackers, in_queues, out_queues)
+        streams = [current_stream(d) for d in self.devices]
+        started = [0] * n  # micro-batches each partition has started
+        done = [0] * n  # micro-batches each partition has finished (in order)
+        in_flight = 0
+        exc_info: Optional[ExcInfo] = None
+        with spawn_workers(list(self.devices), one_out_queue=True) as (in_queues, out_queues):
+            results = out_queues[0]
+            while True:
+                if exc_info is None:
+                    check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
+                    for j in range(n):
+                        i = started[j]
+                        if i < m and done[j] == i and (j == 0 or done[j - 1] > i) and \
+                                (j == 0 or i + 1 >= m or started[j - 1] > i + 1):
+                            self.fence([(i, j)], skip_trackers)
+                            self._start(i, j, streams, skip_trackers[i], in_queues[j])
+                            started[j] += 1
+                            in_flight += 1
+                if in_flight == 0:
+                    break
+                ok, payload = results.get()
+                in_flight -= 1
+                if not ok:
+                    exc_info = exc_info or cast(ExcInfo, payload)
+                    continue
+                if exc_info is not None:
+                    continue
+                task, batch = cast(tuple[Task, Batch], payload)
+                i, j = task.key
+                self._finish(i, j, task, batch, streams)
+                done[j] += 1
+        if exc_info is not None:
+            raise exc_info[1].with_traceback(exc_info[2])
 
     def fence(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals]) -> None:
         """Order backward across micro-batches and copy inputs (and skips) to the next partition."""
@@ -118,49 +154,34 @@ class Pipeline:
             return nullcontext()
         return _stream_span(self.recorder, j, self.devices[j], i, "copy", next_stream)
 
-    def compute(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals],
-                in_queues: list, out_queues: list) -> None:
-        """Run the tick's tasks in the partitions' workers, then schedule recomputation."""
-        batches, partitions, devices = self.batches, self.partitions, self.devices
-        copy_streams = self.copy_streams
-        n = len(partitions)
-        streams = [current_stream(d) for d in devices]
+    def _start(self, i: int, j: int, streams: list[AbstractStream], skip_tracker: SkipTrackerThroughPortals,
+               in_queue: "Queue[Optional[Task]]") -> None:
+        """Hand micro-batch ``i`` of partition ``j`` to its worker."""
+        batch, recorder = self.batches[i], self.recorder
+        if j != 0:
+            # Its backward is where the gradient leaves stage j: the end of j's backward.
+            closes = None if recorder is None else _close(recorder, j, i, self.devices[j])
+            wait(batch, self.copy_streams[j][i], streams[j], closes)
+        elif recorder is not None:
+            batch[0] = _timeline.mark_backward_end(recorder, batch[0], j, i)
+        task = self._task(batch, i, j, streams[j], skip_tracker)
+        task.key = (i, j)
+        in_queue.put(task)
 
+    def _finish(self, i: int, j: int, task: Task, batch: Batch, streams: list[AbstractStream]) -> None:
+        """Take micro-batch ``i``'s output of partition ``j`` back, and schedule its recomputation."""
         recorder = self.recorder
-        for i, j in schedule:
-            batch = batches[i]
-            if j != 0:
-                # Its backward is where the gradient leaves stage j: the end of j's backward.
-                closes = None if recorder is None else _close(recorder, j, i, devices[j])
-                wait(batch, copy_streams[j][i], streams[j], closes)
-            elif recorder is not None:
-                batch[0] = _timeline.mark_backward_end(recorder, batch[0], j, i)
-            task = self._task(batch, i, j, streams[j], skip_trackers[i])
-            in_queues[j].put(task)
-
-        exc_info: Optional[ExcInfo] = None
-        for i, j in schedule:
-            ok, payload = out_queues[j].get()
-            if exc_info is not None:
-                continue
-            if not ok:
-                exc_info = cast(ExcInfo, payload)
-                continue
-            task, batch = cast(tuple[Task, Batch], payload)
-            if j != n - 1:
-                # Its backward runs once the gradient reached stage j and any recomputation is
-                # done (the recompute node joined below runs first): j's backward starts there.
-                opens = None if recorder is None else _open(recorder, j, i, devices[j])
-                wait(batch, streams[j], copy_streams[j][i], opens)
-            elif recorder is not None:
-                batch[0] = _timeline.mark_backward_start(recorder, batch[0], j, i)
-            # Joined last, the recomputation runs first in backward, overlapping the gradient's copy.
-            with use_device(devices[j]):
-                task.finalize(batch)
-            batches[i] = batch
-
-        if exc_info is not None:
-            raise exc_info[1].with_traceback(exc_info[2])
+        if j != len(self.partitions) - 1:
+            # Its backward runs once the gradient reached stage j and any recomputation is
+            # done (the recompute node joined below runs first): j's backward starts there.
+            opens = None if recorder is None else _open(recorder, j, i, self.devices[j])
+            wait(batch, streams[j], self.copy_streams[j][i], opens)
+        elif recorder is not None:
+            batch[0] = _timeline.mark_backward_start(recorder, batch[0], j, i)
+        # Joined last, the recomputation runs first in backward, overlapping the gradient's copy.
+        with use_device(self.devices[j]):
+            task.finalize(batch)
+        self.batches[i] = batch
 
     def _task(self, batch: Batch, i: int, j: int, stream: AbstractStream,
               skip_tracker: SkipTrackerThroughPortals) -> Task:

@@ -30,6 +30,7 @@ class Task:
     def __init__(self, stream: AbstractStream, *, compute: Callable[[], Batch],
                  finalize: Optional[Callable[[Batch], None]]) -> None:
         self.stream = stream
+        self.key: tuple[int, int] = (0, 0)  # (micro-batch, partition), set by the pipeline
         self._compute = compute
         self._finalize = finalize
         self._grad_enabled = torch.is_grad_enabled()
@@ -83,16 +84,18 @@ def join_all(threads: list[threading.Thread], on_interrupt: Optional[Callable[[]
 
 
 @contextmanager
-def spawn_workers(devices: list[torch.device],
-                  name: str = "pipexplore") -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
+def spawn_workers(devices: list[torch.device], name: str = "pipexplore", one_out_queue: bool = False
+                  ) -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
     """Start one worker thread per entry of ``devices`` (one per partition); join them on exit.
+    ``one_out_queue``: every worker reports into the same queue (read results as they come).
 
     Partitions that share a device get threads of their own, so they still overlap where the
     device allows (the CPU's cores, or host-side work while a GPU computes). The threads run in
     a copy of the caller's context: they record into the caller's ``record()`` block only.
     """
     in_queues: list[InQueue] = [Queue() for _ in devices]
-    out_queues: list[OutQueue] = [Queue() for _ in devices]
+    shared: OutQueue = Queue()
+    out_queues: list[OutQueue] = [shared if one_out_queue else Queue() for _ in devices]
     threads = [
         thread_in_this_context(_worker, (iq, oq, d), name=f"{name}-partition{j}")
         for j, (iq, oq, d) in enumerate(zip(in_queues, out_queues, devices))

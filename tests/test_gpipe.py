@@ -504,3 +504,28 @@ def test_cpu_and_cuda_partitions_mixed():
     torch.testing.assert_close(out, expected)
     for g, e in zip(pipe.parameters(), expected_grads):
         torch.testing.assert_close(g.grad.cpu(), e)
+
+
+def test_a_partition_runs_its_next_micro_batch_without_waiting_for_a_slower_partition():
+    # Stage 0 takes 5 ms a micro-batch, stage 1 takes 30 ms. Tick by tick, stage 0 would wait for
+    # stage 1 at every tick (its 4 forwards ending after ~65 ms); as soon as its own inputs are
+    # there, it runs them back to back (~20 ms) while stage 1 works through its queue.
+    from models import SleepFB
+    from pipexplore.timeline import record
+
+    model = nn.Sequential(SleepFB(0.005, 0.001), SleepFB(0.030, 0.001))
+    pipe = GPipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    x = torch.ones(4, 1, requires_grad=True)
+    reference = copy.deepcopy(model)
+    with record() as rec:
+        pipe(x).sum().backward()
+    forward = rec.timeline[rec.timeline["phase"] == "forward"]
+    stage0_done = forward[forward["stage"] == 0]["end"].max()
+    stage1 = forward[forward["stage"] == 1].sort_values("start")
+    assert stage0_done < stage1["end"].iloc[1]  # all of stage 0 before stage 1's second micro-batch ends
+    # The same gradients as the plain model.
+    x2 = x.detach().clone().requires_grad_()
+    reference(x2).sum().backward()
+    assert torch.allclose(x.grad, x2.grad)
+    for a, b in zip(pipe.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad)
