@@ -2,6 +2,8 @@
 // State lives in the Python model (layers, splits, skips, view, stage_totals, error); a drag
 // moves a handle between layer boundaries and commits `splits` on release. Double-click a layer
 // boundary to add a split; Delete on a focused handle (or dragging it off the strip) removes it.
+// The model's blocks are bracketed under the cells; a click on a bracket closes the block into one
+// cell (or opens it). Many layers get an overview with a brush (see ZOOM_MIN).
 // It also tags the explorer's predicted timeline with `data-splits` once plotly has drawn it.
 const SVG = "http://www.w3.org/2000/svg";
 const W = 1000, BAR_H = 44, ARC_TOP = 8, OFF_STRIP = 60;
@@ -44,7 +46,7 @@ function groups(layers) {
     if (p !== null && last && last.name === p && last.end === i) last.end = i + 1;
     else if (p !== null) out.push({ name: p, start: i, end: i + 1 });
   });
-  return out.filter((g) => g.end - g.start > 1);
+  return out.filter((g) => g.end - g.start > 1 && g.end - g.start < layers.length);
 }
 
 function stageOf(layer, splits) {
@@ -92,6 +94,7 @@ function render({ model, el: host }) {
   tagTimeline(host);
 
   let win = null; // [first, end) layers shown in detail, or null: all of them
+  const collapsed = new Set(); // the model's blocks drawn closed, as one cell
   let full = []; // every boundary on the whole strip (the overview's scale)
 
   function boundaries() {
@@ -208,9 +211,13 @@ function render({ model, el: host }) {
     svg.setAttribute("viewBox", `0 0 ${W} ${OVER_Y + (zoomable ? OVER_H + 8 : -4)}`);
     svg.replaceChildren();
     if (zoomable) drawOverview(OVER_Y, layers, splits);
+    // Layers inside a closed block are drawn as the block (below).
+    const closed = blocks.filter((g) => collapsed.has(g.name));
+    const inClosed = new Set();
+    for (const g of closed) for (let i = g.start; i < g.end; i++) inClosed.add(i);
     // Cells (labelled only where the name fits); those outside the detail are not drawn.
     layers.forEach((layer, i) => {
-      if (xs[i + 1] < 0 || xs[i] > W) return;
+      if (xs[i + 1] < 0 || xs[i] > W || inClosed.has(i)) return;
       const stage = stageOf(i, splits);
       const width = xs[i + 1] - xs[i];
       const cell = el("rect", {
@@ -226,11 +233,42 @@ function render({ model, el: host }) {
         t.textContent = label;
       }
     });
-    // The model's own blocks (a shared parent module) as brackets under the cells.
+    // A closed block: one cell per stage it spans, named once.
+    for (const g of closed) {
+      if (xs[g.end] < 0 || xs[g.start] > W) continue;
+      const cuts = [g.start, ...splits.filter((p) => p > g.start && p < g.end), g.end];
+      for (let k = 0; k + 1 < cuts.length; k++) {
+        const stage = stageOf(cuts[k], splits);
+        const width = xs[cuts[k + 1]] - xs[cuts[k]];
+        const cell = el("rect", {
+          x: xs[cuts[k]], y: BAR_Y, width: Math.max(0.5, width - (width > 3 ? 1 : 0)), height: BAR_H,
+          fill: COLORS[stage % COLORS.length], class: "cell block", "data-layer": cuts[k], "data-stage": stage,
+          "data-block": g.name,
+        }, svg);
+        el("title", {}, cell).textContent =
+          `${g.name}: layers ${g.start}–${g.end - 1} · stage ${stage}\n(click its bracket to open it)`;
+      }
+      const width = xs[g.end] - xs[g.start];
+      if (width > g.name.length * CHAR_W + 6) {
+        const t = el("text", { x: (xs[g.start] + xs[g.end]) / 2, y: BAR_Y + BAR_H / 2 + 4, class: "cell-label" }, svg);
+        t.textContent = g.name;
+      }
+    }
+    // The model's own blocks (a shared parent module) as brackets under the cells: a click on
+    // one closes the block into one cell, or opens it again.
     for (const g of blocks) {
       if (xs[g.end] < 0 || xs[g.start] > W) continue;
       const x0 = Math.max(0, xs[g.start]) + 1, x1 = Math.min(W, xs[g.end]) - 1;
-      el("path", { d: `M ${x0} ${GROUP_Y - 4} v 4 H ${x1} v -4`, class: "group" }, svg);
+      const shut = collapsed.has(g.name);
+      el("path", { d: `M ${x0} ${GROUP_Y - 4} v 4 H ${x1} v -4`, class: shut ? "group closed" : "group" }, svg);
+      const hit = el("rect", { x: x0, y: GROUP_Y - 8, width: Math.max(4, x1 - x0), height: 24, class: "group-hit",
+                               "data-block": g.name }, svg);
+      el("title", {}, hit).textContent = shut ? `${g.name}: click to open` : `${g.name}: click to close into one block`;
+      hit.addEventListener("click", () => {
+        if (shut) collapsed.delete(g.name);
+        else collapsed.add(g.name);
+        draw(null);
+      });
       if (x1 - x0 > g.name.length * CHAR_W + 4) {
         const t = el("text", { x: (x0 + x1) / 2, y: GROUP_Y + 12, class: "group-label" }, svg);
         t.textContent = g.name;
@@ -328,7 +366,7 @@ function render({ model, el: host }) {
 
   // Double-click between two layers: a new split there (one more stage).
   svg.addEventListener("dblclick", (event) => {
-    if (event.target.closest && event.target.closest(".handle")) return;
+    if (event.target.closest && event.target.closest(".handle, .group-hit, .overview")) return;
     const layers = model.get("layers");
     if (layers.length < 2) return;
     const b = nearestBoundary(local(event).x, 1, layers.length - 1);

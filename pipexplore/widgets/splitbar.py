@@ -16,7 +16,8 @@ _CSS = """
 .pipexplore-splitbar .cell-label { font-size: 10px; fill: white; text-anchor: middle; pointer-events: none; }
 .pipexplore-splitbar .stage-total { font-size: 12px; fill: var(--jp-ui-font-color1, #333); text-anchor: middle; }
 .pipexplore-splitbar .group { fill: none; stroke: var(--jp-ui-font-color2, #777); stroke-width: 1; }
-.pipexplore-splitbar .group-label { font-size: 10px; fill: var(--jp-ui-font-color2, #777); text-anchor: middle; }
+.pipexplore-splitbar .group-label { font-size: 10px; fill: var(--jp-ui-font-color2, #777); text-anchor: middle;
+  pointer-events: none; }
 .pipexplore-splitbar .skip { fill: none; stroke: #888; stroke-width: 1.5; }
 .pipexplore-splitbar .skip.crossing { stroke: #d62728; stroke-width: 2; stroke-dasharray: 5 3; }
 .pipexplore-splitbar .handle { cursor: ew-resize; outline: none; }
@@ -25,6 +26,9 @@ _CSS = """
 .pipexplore-splitbar .handle:focus .bar { stroke: var(--jp-brand-color1, #1976d2); }
 .pipexplore-splitbar .handle.removing .bar { stroke: #d62728; stroke-dasharray: 4 3; }
 .pipexplore-splitbar .handle .grip { fill: rgba(128, 128, 128, 0.18); }
+.pipexplore-splitbar .group.closed { stroke-width: 2.5; }
+.pipexplore-splitbar .group-hit { fill: transparent; cursor: pointer; }
+.pipexplore-splitbar .cell.block { stroke: var(--jp-ui-font-color1, #333); stroke-width: 1; }
 .pipexplore-splitbar .overview { cursor: crosshair; }
 .pipexplore-splitbar .overview-stage { opacity: 0.55; }
 .pipexplore-splitbar .brush { fill: rgba(128, 128, 128, 0.15); stroke: var(--jp-ui-font-color1, #333);

@@ -219,7 +219,8 @@ MANY_LAYERS_CELLS = [
     "from torch import nn\n"
     "from pipexplore.widgets import Explorer\n"
     "n = 120\n"
-    "table = pd.DataFrame({'name': [f'blocks.{k}' for k in range(n)], 'type': 'Linear', 'param_bytes': 4096.0,\n"
+    "table = pd.DataFrame({'name': [f'blocks.{k // 4}.{k % 4}' for k in range(n)], 'type': 'Linear',\n"
+    "    'param_bytes': 4096.0,\n"
     "    'output_bytes': 1e3, 'forward': [1e-4] * n, 'backward': [2e-4] * n, 'stash': '', 'pop': ''})\n"
     "ex = Explorer(nn.Sequential(*[nn.Identity() for _ in range(n)]), torch.zeros(8, 1), layer_table=table,\n"
     "              devices=['cpu'] * 4, chunks=4, splits=[30, 60, 90], calibrate=False)\n"
@@ -246,6 +247,13 @@ def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_l
             dismiss_news(page)
             cells = ".pipexplore-splitbar .cell"
             assert page.locator(cells).count() == 120  # the whole strip
+            # The model's blocks (blocks.N: 4 layers each) are bracketed; a click closes one into a cell.
+            page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
+            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 117", timeout=10_000)
+            assert page.locator(".pipexplore-splitbar .cell.block[data-block='blocks.5']").count() == 1
+            page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
+            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
+            assert page.locator(".pipexplore-splitbar .handle").count() == 3  # clicks add no split
             # Drag across the overview from layer 20 to layer 50: the strip shows those in detail.
             overview = page.locator(".pipexplore-splitbar .overview-stage").first.bounding_box()
             last = page.locator(".pipexplore-splitbar .overview-stage").last.bounding_box()
