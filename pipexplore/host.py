@@ -13,17 +13,14 @@ what runs::
 """
 from __future__ import annotations
 
+import contextvars
 import os
-import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["host_cores", "stage_threads", "sharing_cores"]
-
-_lock = threading.Lock()
-
+__all__ = ["host_cores", "stage_threads", "sharing_cores", "use_stage_threads"]
 
 def host_cores() -> int:
     """Cores this process may run on: what CPU stages of one host share."""
@@ -45,17 +42,31 @@ def stage_threads(devices: Sequence[str], cores: Optional[int] = None) -> Option
 
 @contextmanager
 def sharing_cores(threads: Optional[int]) -> Iterator[None]:
-    """Run the block with ``threads`` intra-op threads (``torch.set_num_threads``; worker threads
-    started inside it inherit the setting), and restore the previous count after it. ``None``:
-    nothing changes."""
+    """Run the block with ``threads`` intra-op threads (``torch.set_num_threads``), and give the
+    same count to the pipeline workers started inside it (:func:`use_stage_threads` at their
+    start); restore this thread's count after it. Blocks in different threads may overlap (two
+    explorers running at once): each worker sets its own count as it starts, so one block ending
+    does not change the threads of another's. ``None``: nothing changes."""
     if threads is None:
         yield
         return
-    with _lock:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+    before = torch.get_num_threads()
+    token = _stage_threads.set(threads)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
-        with _lock:
-            torch.set_num_threads(before)
+        _stage_threads.reset(token)
+        torch.set_num_threads(before)
+
+
+def use_stage_threads() -> None:
+    """In a pipeline worker thread (started in a copy of the caller's context): take the intra-op
+    threads of the enclosing :func:`sharing_cores` block, if any."""
+    threads = _stage_threads.get()
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+_stage_threads: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("pipexplore_stage_threads",
+                                                                                default=None)

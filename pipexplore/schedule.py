@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from pipexplore import timeline as tl
 from pipexplore import validate
+from pipexplore.host import use_stage_threads
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import (enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks,
                                    save_rng_states)
@@ -242,6 +243,7 @@ class ScheduleExecutor:
         errors: list[Any] = []
 
         def work(order: list[tuple[int, str, int]], device: torch.device) -> None:
+            use_stage_threads()  # the host's cores shared among the stages (pipexplore.host)
             stage, kind, i = order[0]
             try:
                 with use_device(device):

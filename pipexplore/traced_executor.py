@@ -33,6 +33,7 @@ from torch import Tensor, fx, nn
 
 from pipexplore import timeline as tl
 from pipexplore import validate
+from pipexplore.host import use_stage_threads
 from pipexplore.checkpoint import restore_rng_states, save_rng_states
 from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, make_optimizer, measure,
                                        result, synthetic_loss)
@@ -217,6 +218,7 @@ class TracedExecutor:
         errors: list[Any] = []
 
         def work(order: list[tuple[int, str, int]], device: torch.device) -> None:
+            use_stage_threads()  # the host's cores shared among the stages (pipexplore.host)
             try:
                 with use_device(device):
                     for stage, kind, i in order:
@@ -227,8 +229,8 @@ class TracedExecutor:
                 errors.append(sys.exc_info())
                 self._abort.set()
 
-        threads = [threading.Thread(target=work, args=(order, self.stage_devices[order[0][0]]),
-                                    name=f"pipexplore-traced{w}", daemon=True)
+        threads = [tl.thread_in_this_context(work, (order, self.stage_devices[order[0][0]]),
+                                             name=f"pipexplore-traced{w}")
                    for w, order in enumerate(self.worker_orders) if order]
         for thread in threads:
             thread.start()

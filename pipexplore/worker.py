@@ -11,6 +11,7 @@ from typing import Callable, Generator, Optional, Union
 import torch
 
 from pipexplore.microbatch import Batch
+from pipexplore.host import use_stage_threads
 from pipexplore.timeline import thread_in_this_context
 from pipexplore.stream import AbstractStream, use_device, use_stream
 
@@ -47,6 +48,7 @@ class Task:
 
 
 def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> None:
+    use_stage_threads()  # the host's cores shared among the partitions (pipexplore.host)
     with use_device(device):
         while True:
             task = in_queue.get()

@@ -109,3 +109,45 @@ def test_a_plan_whose_stages_get_other_threads_says_so_and_reprofile_times_them_
     assert ex.plan.layer_table is table and ex.plan.corrections.runs == 0  # learnt on the old table: dropped
     assert list(ex.plan.splits) == [1, 2, 3] and ex._thread_note() == ""
     assert ex.run()["finite"]
+
+
+def test_overlapping_runs_keep_their_workers_threads_and_each_thread_gets_its_count_back():
+    # Two runs at once (two explorers): run A ends while run B is still starting workers. B's
+    # workers still take B's share; each run's own thread gets its count back as its block ends.
+    import threading
+
+    from pipexplore.host import use_stage_threads
+    from pipexplore.timeline import thread_in_this_context
+
+    before = torch.get_num_threads()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def worker_of_b() -> None:
+        use_stage_threads()
+        seen["b's worker"] = torch.get_num_threads()
+
+    def run_b() -> None:
+        a_in.wait()
+        with sharing_cores(1):
+            b_in.set()
+            a_out.wait()  # run A has ended (and restored its own thread's count) by now
+            worker = thread_in_this_context(worker_of_b, name="b-worker")
+            worker.start()
+            worker.join()
+
+    b = threading.Thread(target=run_b)
+    b.start()
+    with sharing_cores(1):
+        a_in.set()
+        b_in.wait()
+    seen["a after"] = torch.get_num_threads()
+    a_out.set()
+    b.join()
+    assert seen["b's worker"] == 1
+    assert seen["a after"] == before
+    outside = []
+    plain = threading.Thread(target=lambda: (use_stage_threads(), outside.append("no block: nothing changes")))
+    plain.start()
+    plain.join()
+    assert outside and torch.get_num_threads() == before
