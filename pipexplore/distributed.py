@@ -33,12 +33,10 @@ from pipexplore.model_inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
 from pipexplore.timeline import COLUMNS
+from pipexplore.trace import MULTI_STAGE, SCHEDULE_CLASSES
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
-MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
 
 #: The default timeout is this many predicted steps, and never less than ``MIN_TIMEOUT`` seconds.
 TIMEOUT_STEPS = 20

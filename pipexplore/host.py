@@ -22,6 +22,7 @@ import torch
 
 __all__ = ["host_cores", "stage_threads", "sharing_cores", "use_stage_threads"]
 
+
 def host_cores() -> int:
     """Cores this process may run on: what CPU stages of one host share."""
     try:

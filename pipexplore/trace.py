@@ -24,9 +24,15 @@ from torch import fx, nn
 from pipexplore.microbatch import tensors_in
 from pipexplore.model_inputs import call_inputs
 
+#: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
+#: take a list of stages per rank (several stages on one rank).
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
+MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+
 __all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
            "inputs_past_first_stage", "split", "skip_routes_of",
-           "module_fqns_per_model_part", "torchrun_script"]
+           "module_fqns_per_model_part", "torchrun_script", "SCHEDULE_CLASSES", "MULTI_STAGE"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
 #: containers sit) or ``children`` (each block opened one level more).
@@ -575,8 +581,6 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
                     devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
     schedule and trains with the model, data and loss of the ``hooks`` module."""
-    from pipexplore.distributed import MULTI_STAGE, SCHEDULE_CLASSES
-
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)}; not {schedule!r}")
     if not hooks or not all(part.isidentifier() for part in hooks.split(".")):

@@ -57,7 +57,7 @@ class BackendPipeline:
         """Train on ``x`` split into ``chunks`` micro-batches; returns each micro-batch's loss."""
         chunks = validate.chunks(chunks, batch=int(x.size(0)))
         validate.target(target, int(x.size(0)))
-        from pipexplore.run import synthetic_loss
+        from pipexplore.executors.base import synthetic_loss
 
         loss_fn = loss_fn or synthetic_loss
         micro_x = x.chunk(chunks)
