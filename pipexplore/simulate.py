@@ -288,35 +288,26 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
 
     handoff = corrections.transfer(learnt) if corrections is not None else 0.0
 
+    # The copy over each stage boundary, per micro-batch; seconds and shares as plain floats (the
+    # event loop below reads one per action: numpy scalars would cost it more than its own work).
+    edge_copy = [[_copy_seconds(copy_cost, stage_device[b], stage_device[b + 1], edge_bytes[b] * fractions[i])
+                  for i in range(m)] for b in range(S - 1)]
+    seconds_of = {key: values.tolist() for key, values in seconds.items()}
+    demand_of = {key: values.tolist() for key, values in demand.items()}
+
     def copy_seconds(a: int, b: int, i: int) -> float:
-        return _copy_seconds(copy_cost, stage_device[a], stage_device[b], edge_bytes[min(a, b)] * fractions[i])
+        return edge_copy[min(a, b)][i]
 
     end: dict[tuple[int, str, int], float] = {}
     rows_out: list[tuple] = []
     grad_kind = "I" if schedule == "zero-bubble" else "B"
 
-    def ready(s: int, kind: str, i: int) -> Optional[float]:
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            t = end.get((s - 1, "F", i))
-            return None if t is None else t + copy_seconds(s - 1, s, i) + handoff
-        if kind in ("B", "I", "R"):
-            own = end.get((s, "F", i))
-            if own is None:
-                return None
-            if s == S - 1:
-                return own
-            t = end.get((s + 1, grad_kind, i))
-            return None if t is None else max(own, t + copy_seconds(s + 1, s, i) + handoff)
-        return end.get((s, "I", i))  # W
-
     Q = len(lane_queues)
     heads = [0] * Q
     free_at = [0.0] * Q
     resource = [_resource(d) for d in stage_device]
-    # The queues that hold each stage: when an action of stage s ends, only the queues of stages
-    # s - 1, s and s + 1 can have a next action become ready.
+    # The queues that hold each stage: when an action of stage s ends, only the queues of stage s
+    # and of the stage it hands its output to can have a next action become ready.
     stage_queues: list[set[int]] = [set() for _ in range(S)]
     for q, queue in enumerate(lane_queues):
         for s, _, _ in queue:
@@ -348,21 +339,42 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             if q in running or heads[q] >= len(lane_queues[q]):
                 continue
             s, kind, i = lane_queues[q][heads[q]]
-            if kind in ("B", "I") and i < stop and (s, "R", i) not in end:
-                continue
-            t = ready(s, kind, i)
-            if t is None:
-                continue
+            # When its inputs are there: a forward's from the stage before (plus the copy and the
+            # hand-off), a backward's (or I's, or its recompute's) own forward and the gradient from
+            # the stage after, a W's own I. Inlined: this loop runs once per action and look.
+            if kind == "F":
+                if s == 0:
+                    t = 0.0
+                else:
+                    t = end.get((s - 1, "F", i))
+                    if t is None:
+                        continue
+                    t += edge_copy[s - 1][i] + handoff
+            elif kind == "W":
+                t = end.get((s, "I", i))
+                if t is None:
+                    continue
+            else:
+                if kind != "R" and i < stop and (s, "R", i) not in end:
+                    continue
+                t = end.get((s, "F", i))
+                if t is None:
+                    continue
+                if s != S - 1:
+                    later = end.get((s + 1, grad_kind, i))
+                    if later is None:
+                        continue
+                    t = max(t, later + edge_copy[s][i] + handoff)
             start = max(t, free_at[q])
             if start > now + eps:
                 timed[q] = start
                 continue
             key = (kind, sizes[i])
-            share = float(demand[key][s])
+            share = demand_of[key][s]
             r = resource[s] if share > 0 else FREE
             if r not in finishing or not finishing[r]:
                 clock[r], asked[r], finishing[r] = 0.0, 0.0, []
-            heapq.heappush(finishing[r], (clock[r] + float(seconds[key][s]), order, q))
+            heapq.heappush(finishing[r], (clock[r] + seconds_of[key][s], order, q))
             order += 1
             asked[r] += share
             running[q] = (r, share, now, s, kind, i)
@@ -395,9 +407,15 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 free_at[q] = now + gap
                 rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted", q))
                 dirty.add(q)
-                for neighbour in (s - 1, s, s + 1):
-                    if 0 <= neighbour < S:
-                        dirty |= stage_queues[neighbour]
+                # What this action's end can make ready: its stage's actions (the next in its
+                # queue, a backward waiting for its forward or recompute), and the forward of
+                # the next stage after a forward, the backward of the previous after a backward.
+                dirty |= stage_queues[s]
+                if kind == "F":
+                    if s + 1 < S:
+                        dirty |= stage_queues[s + 1]
+                elif kind in ("B", "I") and s > 0:
+                    dirty |= stage_queues[s - 1]
 
     frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
              .reset_index(drop=True))
