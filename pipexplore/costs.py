@@ -60,10 +60,8 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     Zero-bubble's ``input_grad`` and ``weight_grad`` are the backward times the profiled
     ``input_grad_ratio``/``weight_grad_ratio`` (half each where the table does not say).
     """
-    source, default = PHASE_SOURCE[phase]
-    share: Union[float, np.ndarray] = default
-    if f"{phase}_ratio" in table:  # zero-bubble's I and W as profiled (else half the backward each)
-        share = np.nan_to_num(table[f"{phase}_ratio"].to_numpy(dtype=float), nan=default)
+    source = PHASE_SOURCE[phase][0]
+    share = _source_share(table, phase)
     if has_fit(table):
         a = table[f"{source}_a"].to_numpy(dtype=float)
         b = table[f"{source}_b"].to_numpy(dtype=float)
@@ -71,6 +69,14 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     whole = table[source].to_numpy(dtype=float)
     batch = table.attrs.get("batch")
     return share * whole * (rows / batch if batch else rows)
+
+
+def _source_share(table: pd.DataFrame, phase: str) -> Union[float, np.ndarray]:
+    """The share of its profiled phase a phase costs, per layer where the table says
+    (zero-bubble's ``input_grad_ratio``/``weight_grad_ratio``), else :data:`PHASE_SOURCE`'s."""
+    default = PHASE_SOURCE[phase][1]
+    column = f"{phase}_ratio"
+    return np.nan_to_num(table[column].to_numpy(dtype=float), nan=default) if column in table else default
 
 
 def stage_seconds(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,
@@ -209,10 +215,7 @@ def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
     n = len(table)
 
     def ratio(phase: str) -> np.ndarray:
-        column = f"{phase}_ratio"
-        default = PHASE_SOURCE[phase][1]
-        return (np.nan_to_num(table[column].to_numpy(dtype=float), nan=default) if column in table
-                else np.full(n, default))
+        return np.broadcast_to(_source_share(table, phase), (n,))
 
     def factor(phase: str) -> np.ndarray:
         return scales.get((executor, phase), np.ones(n))

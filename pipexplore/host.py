@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 import os
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -31,10 +31,10 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def stage_threads(devices: Sequence[str], cores: Optional[int] = None) -> Optional[int]:
-    """Intra-op threads for each CPU stage when the stages on ``devices`` (one worker each) run at
-    once: the host's cores shared among its CPU workers; ``None`` with fewer than two CPU workers
-    (torch's own setting stays)."""
+def stage_threads(devices: Sequence[Any], cores: Optional[int] = None) -> Optional[int]:
+    """Intra-op threads for each CPU stage when the stages on ``devices`` (names or
+    ``torch.device``; one worker each) run at once: the host's cores shared among its CPU
+    workers; ``None`` with fewer than two CPU workers (torch's own setting stays)."""
     workers = sum(1 for d in devices if str(d).split(":")[0] == "cpu")
     if workers < 2:
         return None

@@ -104,8 +104,7 @@ class Pipeline:
         done = [0] * n  # micro-batches each partition has finished (in order)
         in_flight = 0
         exc_info: Optional[ExcInfo] = None
-        with spawn_workers(list(self.devices), one_out_queue=True) as (in_queues, out_queues):
-            results = out_queues[0]
+        with spawn_workers(list(self.devices)) as (in_queues, results):
             while True:
                 if exc_info is None:
                     check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
@@ -113,7 +112,7 @@ class Pipeline:
                         i = started[j]
                         if i < m and done[j] == i and (j == 0 or done[j - 1] > i) and \
                                 (j == 0 or i + 1 >= m or started[j - 1] > i + 1):
-                            self.fence([(i, j)], skip_trackers)
+                            self.fence(i, j, skip_trackers[i])
                             self._start(i, j, streams, skip_trackers[i], in_queues[j])
                             started[j] += 1
                             in_flight += 1
@@ -133,20 +132,20 @@ class Pipeline:
         if exc_info is not None:
             raise exc_info[1].with_traceback(exc_info[2])
 
-    def fence(self, schedule: list[tuple[int, int]], skip_trackers: list[SkipTrackerThroughPortals]) -> None:
-        """Order backward across micro-batches and copy inputs (and skips) to the next partition."""
+    def fence(self, i: int, j: int, skip_tracker: SkipTrackerThroughPortals) -> None:
+        """Before micro-batch ``i`` runs on partition ``j``: order backward across micro-batches and
+        copy its input (and skips) to the partition."""
         batches, copy_streams = self.batches, self.copy_streams
-        for i, j in schedule:
-            # Partition j runs backward on micro-batch i-1 only after micro-batch i (mirrored order).
-            if i != 0:
-                depend(batches[i - 1], batches[i])
-            next_stream = copy_streams[j][i]
-            for stash_partition, ns, name in self.skip_layout.copy_policy(j):
-                with self._copy_span(stash_partition, j, i, next_stream):
-                    skip_trackers[i].copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
-            if j != 0:
-                with self._copy_span(j - 1, j, i, next_stream):
-                    copy(batches[i], copy_streams[j - 1][i], next_stream)
+        # Partition j runs backward on micro-batch i-1 only after micro-batch i (mirrored order).
+        if i != 0:
+            depend(batches[i - 1], batches[i])
+        next_stream = copy_streams[j][i]
+        for stash_partition, ns, name in self.skip_layout.copy_policy(j):
+            with self._copy_span(stash_partition, j, i, next_stream):
+                skip_tracker.copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
+        if j != 0:
+            with self._copy_span(j - 1, j, i, next_stream):
+                copy(batches[i], copy_streams[j - 1][i], next_stream)
 
     def _copy_span(self, prev_j: int, j: int, i: int, next_stream: AbstractStream) -> ContextManager[None]:
         """Record a copy (on the receiving device's copy stream) when devices differ."""

@@ -129,6 +129,14 @@ def fit_columns(table: pd.DataFrame, tables: Sequence[pd.DataFrame], rows: Seque
         table[f"{phase}_b"] = [b for _, b in fits]
 
 
+def _popping(skips: dict[Any, Tensor]) -> SkipTracker:
+    """A skip tracker holding fresh leaves of ``skips``: what a layer that pops them reads, as if
+    the layers before it had just stashed them."""
+    tracker = SkipTracker()
+    tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
+    return tracker
+
+
 def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
                         repeats: int) -> tuple[float, float]:
     """How much slower a layer's forward and backward run while a second thread runs the same
@@ -143,8 +151,7 @@ def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[An
         try:
             barrier.wait()
             for _ in range(repeats + 1):
-                tracker = SkipTracker()
-                tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
+                tracker = _popping(skips)
                 with use_skip_tracker(tracker), torch.enable_grad():
                     output = forward(lambda: layer(_detach(value)))
                 outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
@@ -184,15 +191,14 @@ def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, T
     timers = (_Timer(target), _Timer(target))
     try:
         for _ in range(repeats + 1):
-            tracker = SkipTracker()
-            popped = {key: _detach(t) for key, t in skips.items()}
-            tracker.tensors.update(popped)  # type: ignore[misc]
+            tracker = _popping(skips)
+            popped = [tracker.tensors[key] for key in skips]  # type: ignore[index]
             leaf = _detach(value)
             with use_skip_tracker(tracker), torch.enable_grad():
                 output = layer(leaf)
             outs = [t for t in tensors_in(output) + [t for k, t in tracker.tensors.items() if k not in skips]
                     if t.requires_grad]
-            inputs = [t for t in tensors_in(leaf) + list(popped.values()) if t.requires_grad]
+            inputs = [t for t in tensors_in(leaf) + popped if t.requires_grad]
             if not outs or not inputs:
                 return math.nan, math.nan
             _, groups = timers[0](lambda: stage_backward_input(outs, [torch.ones_like(t) for t in outs], inputs,
@@ -217,8 +223,7 @@ class _LayerRun:
         self.stashed: dict[Any, Tensor] = {}
 
     def call(self, timed: bool) -> None:
-        tracker = SkipTracker()
-        tracker.tensors.update({key: _detach(t) for key, t in self.skips.items()})  # type: ignore[misc]
+        tracker = _popping(self.skips)
         memory = SavedBytes(self.layer) if timed else self.saved
 
         def run_forward() -> Any:

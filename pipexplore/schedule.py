@@ -45,7 +45,7 @@ from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_mo
 from pipexplore.saved import SavedBytes, tensor_bytes
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
 from pipexplore.executors.base import synthetic_loss
-from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
+from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders, worker_devices
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.skippable import verify_skippables
@@ -195,7 +195,7 @@ class ScheduleExecutor:
     @property
     def worker_devices(self) -> list[torch.device]:
         """The device of each worker thread (one per stage; one per device for ``interleaved``)."""
-        return [self.stage_devices[order[0][0]] for order in self.worker_orders if order]
+        return worker_devices(self.worker_orders, self.stage_devices)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for partition in self.partitions for p in partition.parameters()]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -30,8 +30,9 @@ from pipexplore.host import host_cores
 from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
+from pipexplore.validate import interleaved_devices
 
-__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "host_cores"]
+__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "host_cores", "worker_devices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
@@ -112,6 +113,13 @@ def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
     if build is None:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     return [build(s, stages, m) for s in range(stages)]
+
+
+def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stage_devices: Sequence[Any]) -> list[Any]:
+    """The device each worker runs on, from its ``(stage, kind, micro-batch)`` order: the device of
+    its first stage (an interleaved worker's stages all share one). Workers with nothing to do are
+    left out."""
+    return [stage_devices[order[0][0]] for order in worker_orders if order]
 
 
 def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
@@ -227,13 +235,11 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             raise ValueError(f"interleaved needs the stage count ({S}) to be a multiple of virtual_stages "
                              f"({virtual_stages})")
         p = S // virtual_stages
-        if m % p:
-            raise ValueError(f"interleaved needs chunks ({m}) to be a multiple of the device count ({p})")
         device_names = list(devices) if devices is not None else ["cpu"] * p
         if len(device_names) != p:
             raise ValueError(f"interleaved with {S} stages and virtual_stages={virtual_stages} needs {p} devices, "
                              f"got {len(device_names)}")
-        stage_device = [device_names[s % p] for s in range(S)]
+        stage_device = interleaved_devices(S, device_names, m)
         lane_queues = [[(s, k, i) for s, k, i in _interleaved(d, p, virtual_stages, m)] for d in range(p)]
     else:
         stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
@@ -261,20 +267,20 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     host = np.array([_is_host(d) for d in stage_device])
     cores = host_cores()
     rank_share = max(1, cores // S) / cores
+    # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed).
+    extra = action_overhead + (corrections.overhead(learnt) if corrections is not None else 0.0)
     for kind, phase in PHASES.items():
         scale = corrections.scale(learnt, phase) if corrections is not None else None
         for rows in distinct:
             # A table without a fit or a batch of its own holds whole-batch seconds: give it the fraction.
             size = rows if fit or layer_table.attrs.get("batch") or not batch else rows / batch
-            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + action_overhead + (
-                corrections.overhead(learnt) if corrections is not None else 0.0)
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra
             if schedule == "zero-bubble" and kind in ("I", "W"):
                 # The first stage's input is the user's data, which needs no gradient: its I runs the
                 # whole backward (weights too) and its W has nothing left to do, as the executors do.
                 whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
                 whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
-                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + action_overhead + (
-                    corrections.overhead(learnt) if corrections is not None else 0.0)
+                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + extra
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             if executor == "processes":
                 # A process per stage: no GIL between them, and each keeps at most its own intra-op
@@ -294,9 +300,6 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                   for i in range(m)] for b in range(S - 1)]
     seconds_of = {key: values.tolist() for key, values in seconds.items()}
     demand_of = {key: values.tolist() for key, values in demand.items()}
-
-    def copy_seconds(a: int, b: int, i: int) -> float:
-        return edge_copy[min(a, b)][i]
 
     end: dict[tuple[int, str, int], float] = {}
     rows_out: list[tuple] = []
@@ -379,7 +382,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             asked[r] += share
             running[q] = (r, share, now, s, kind, i)
             if kind == "F" and s:
-                copy = copy_seconds(s - 1, s, i)
+                copy = edge_copy[s - 1][i]
                 if copy > 0:
                     done = end[(s - 1, "F", i)]
                     rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted", q))
@@ -406,10 +409,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 end[(s, kind, i)] = now
                 free_at[q] = now + gap
                 rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted", q))
-                dirty.add(q)
                 # What this action's end can make ready: its stage's actions (the next in its
-                # queue, a backward waiting for its forward or recompute), and the forward of
-                # the next stage after a forward, the backward of the previous after a backward.
+                # queue, which is one of them; a backward waiting for its forward or recompute),
+                # and the forward of the next stage after a forward, the backward of the previous
+                # after a backward.
                 dirty |= stage_queues[s]
                 if kind == "F":
                     if s + 1 < S:

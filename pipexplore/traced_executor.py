@@ -42,7 +42,7 @@ from pipexplore.microbatch import to_device
 from pipexplore.model_inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.schedule import PHASE, StepResult, _Aborted, _Mailbox
-from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders
+from pipexplore.simulate import SCHEDULES, _interleaved, stage_orders, worker_devices
 from pipexplore.stream import use_device
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
@@ -176,7 +176,7 @@ class TracedExecutor:
     @property
     def worker_devices(self) -> list[torch.device]:
         """The device of each worker thread (one per stage; one per device for ``interleaved``)."""
-        return [self.stage_devices[order[0][0]] for order in self.worker_orders if order]
+        return worker_devices(self.worker_orders, self.stage_devices)
 
     def parameters(self) -> list[nn.Parameter]:
         """Every stage's parameters (a tied weight once per stage that holds a copy)."""

@@ -421,7 +421,6 @@ def naming_failing_layer(module: nn.Module, value: Any, name: str = "sample") ->
                          f"{type(layer).__name__}) failed on it with {type(exc).__name__}: {exc}") from exc
 
 
-
 def interleaved_devices(stages: int, devices: Sequence[Any], chunks: int) -> list[Any]:
     """The device of each stage under the interleaved schedule (stage ``s`` on device ``s % p``),
     after checking that the stages and ``chunks`` are multiples of the ``p`` devices.

@@ -86,26 +86,24 @@ def join_all(threads: list[threading.Thread], on_interrupt: Optional[Callable[[]
 
 
 @contextmanager
-def spawn_workers(devices: list[torch.device], name: str = "pipexplore", one_out_queue: bool = False
-                  ) -> Generator[tuple[list[InQueue], list[OutQueue]], None, None]:
+def spawn_workers(devices: list[torch.device],
+                  name: str = "pipexplore") -> Generator[tuple[list[InQueue], OutQueue], None, None]:
     """Start one worker thread per entry of ``devices`` (one per partition); join them on exit.
-    ``one_out_queue``: every worker reports into the same queue (read results as they come).
+    Yields each worker's task queue, and the one queue they all report into (results come as
+    they are done; a task says which it was by its ``key``).
 
     Partitions that share a device get threads of their own, so they still overlap where the
     device allows (the CPU's cores, or host-side work while a GPU computes). The threads run in
     a copy of the caller's context: they record into the caller's ``record()`` block only.
     """
     in_queues: list[InQueue] = [Queue() for _ in devices]
-    shared: OutQueue = Queue()
-    out_queues: list[OutQueue] = [shared if one_out_queue else Queue() for _ in devices]
-    threads = [
-        thread_in_this_context(_worker, (iq, oq, d), name=f"{name}-partition{j}")
-        for j, (iq, oq, d) in enumerate(zip(in_queues, out_queues, devices))
-    ]
+    out_queue: OutQueue = Queue()
+    threads = [thread_in_this_context(_worker, (iq, out_queue, d), name=f"{name}-partition{j}")
+               for j, (iq, d) in enumerate(zip(in_queues, devices))]
     for t in threads:
         t.start()
     try:
-        yield in_queues, out_queues
+        yield in_queues, out_queue
     finally:
         for q in in_queues:
             q.put(None)

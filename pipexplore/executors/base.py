@@ -76,7 +76,7 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
     the loss of the first recorded step (so that two runs of the same plan report the same loss,
     whichever step was the median). A non-finite loss in any recorded step is the loss reported."""
     measured, losses = [], []
-    with sharing_cores(stage_threads([str(d) for d in devices])):
+    with sharing_cores(stage_threads(devices)):
         for _ in range(warmup):
             step()
         for _ in range(max(1, repeats)):

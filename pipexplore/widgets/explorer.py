@@ -28,7 +28,7 @@ from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.balance import optimal_splits
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
-from pipexplore.costs import Corrections
+from pipexplore.costs import Corrections, stage_bounds
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.host import sharing_cores, stage_threads
@@ -149,7 +149,7 @@ class Explorer:
             if self.traced and isinstance(sample, Mapping):  # keyword inputs (a BatchEncoding too) as a dict
                 self.sample = sample = dict(sample)
             planned = devices or _default_devices(max(2, torch.cuda.device_count()))[0]
-            layer_table = self._profile_layers(chunks, [str(d) for d in planned])
+            layer_table = self._profile_layers(chunks, planned)
         if self.traced:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
@@ -235,7 +235,7 @@ class Explorer:
         transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
-    def _profile_layers(self, chunks: int, devices: Sequence[str]) -> pd.DataFrame:
+    def _profile_layers(self, chunks: int, devices: Sequence[Any]) -> pd.DataFrame:
         """Time every layer (or traced candidate) on the sample, at the micro-batch of ``chunks`` and
         at the whole batch, with the intra-op threads each CPU stage on ``devices`` runs with (the
         host's cores shared among the stages that run at once), so that what is predicted is what
@@ -274,7 +274,7 @@ class Explorer:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run is in progress: re-profile once it has finished (or cancel it)")
         plan = self._plan
-        table = self._profile_layers(plan.chunks, [str(d) for d in plan.devices[: plan.num_devices]])
+        table = self._profile_layers(plan.chunks, plan.devices[: plan.num_devices])
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
                                "start a new explorer for it")
@@ -290,7 +290,7 @@ class Explorer:
         profiled = self.layer_table.attrs.get("threads")
         if profiled is None:
             return ""
-        runs_with = stage_threads([str(d) for d in plan.devices[: plan.num_devices]]) or torch.get_num_threads()
+        runs_with = stage_threads(plan.devices[: plan.num_devices]) or torch.get_num_threads()
         if runs_with == profiled:
             return ""
         return (f"Costs were timed with {profiled} intra-op thread(s); this plan's CPU stages run with {runs_with} "
@@ -1211,8 +1211,7 @@ class Explorer:
 
 def _stage_layers(splits: Sequence[int], layers: int) -> list[tuple[int, int]]:
     """Each stage's first and last layer."""
-    points = [0, *splits, layers]
-    return [(a, b - 1) for a, b in zip(points, points[1:])]
+    return [(a, b - 1) for a, b in stage_bounds(splits, layers)]
 
 
 def _actions_per_stage(predicted: pd.DataFrame, steps: int) -> dict[int, int]:

@@ -113,8 +113,8 @@ def _blocks(frame: Optional[pd.DataFrame]) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _hover(phase: str, layers: bool = False, other: str = "") -> str:
-    """Phase, micro-batch, stage (and its layers), span; ``other``: the panel whose span of the same
-    action is shown beside it (``'predicted'`` on a measured bar, ``'measured'`` on a predicted one)."""
+    """Phase, micro-batch, stage (and its layers), span; ``other``: the name of the span of the same
+    action shown beside it (on a measured block: what its run predicted)."""
     text = f"{phase} · micro-batch %{{customdata[0]}} · stage %{{customdata[1]}}"
     if layers:
         text += " · layers %{customdata[5]}–%{customdata[6]}"
@@ -226,7 +226,6 @@ class TimelineView:
         #: measured run's (empty: not shown).
         self.stage_layers: Sequence[tuple[int, int]] = ()
         self.measured_stage_layers: Sequence[tuple[int, int]] = ()
-        self.highlighted: Optional[int] = None
         #: What was predicted for the run in the measured panel (its blocks' hover shows it).
         self.measured_prediction: Optional[pd.DataFrame] = None
         self._kinds: tuple[Any, ...] = ()
@@ -377,7 +376,6 @@ class TimelineView:
                     shapes.append(dict(type="rect", xref=f"x{suffix} domain", yref=f"y{suffix}", x0=0, x1=1,
                                        y0=lane - 0.5, y1=lane + 0.5, fillcolor=color, opacity=0.18,
                                        line=dict(width=0), layer="below"))
-        self.highlighted = stage
         self.figure.layout.shapes = shapes
 
     def _draw(self, rows: set[int]) -> None:

@@ -49,6 +49,16 @@ function groups(layers) {
   return out.filter((g) => g.end - g.start > 1 && g.end - g.start < layers.length);
 }
 
+// The index in lo…hi of the boundary of `points` nearest to x.
+function nearest(points, x, lo, hi) {
+  let best = lo, distance = Infinity;
+  for (let b = lo; b <= hi; b++) {
+    const d = Math.abs(points[b] - x);
+    if (d < distance) { distance = d; best = b; }
+  }
+  return best;
+}
+
 function stageOf(layer, splits) {
   let s = 0;
   for (const p of splits) if (p <= layer) s += 1;
@@ -122,7 +132,7 @@ function render({ model, el: host }) {
     const brush = el("rect", { x: full[w0], y: -2, width: Math.max(2, full[w1] - full[w0]), height: OVER_H + 4,
                                class: "brush", "data-first": w0, "data-end": w1 }, group);
     el("title", {}, brush).textContent = `layers ${w0}–${w1 - 1} in detail (drag to pan; double-click: all)`;
-    const layerAt = (x) => nearestOverview(x);
+    const layerAt = (x) => nearest(full, x, 0, full.length - 1);
     group.addEventListener("pointerdown", (event) => {
       event.preventDefault();
       group.setPointerCapture(event.pointerId);
@@ -160,14 +170,6 @@ function render({ model, el: host }) {
   }
   let brushing = null;
 
-  function nearestOverview(x) {
-    let best = 0, distance = Infinity;
-    for (let b = 0; b < full.length; b++) {
-      const d = Math.abs(full[b] - x);
-      if (d < distance) { distance = d; best = b; }
-    }
-    return best;
-  }
 
   function commit(splits) {
     model.set("splits", splits);
@@ -186,12 +188,7 @@ function render({ model, el: host }) {
   }
 
   function nearestBoundary(x, lo, hi) {
-    let best = lo, distance = Infinity;
-    for (let b = lo; b <= hi; b++) {
-      const d = Math.abs(xs[b] - x);
-      if (d < distance) { distance = d; best = b; }
-    }
-    return best;
+    return nearest(xs, x, lo, hi);
   }
 
   function focusedIndex() {
