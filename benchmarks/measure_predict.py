@@ -3,7 +3,10 @@
 1. Recording overhead: a GPipe step with ``pipexplore.record()`` ÷ without (interleaved; goal ≤ 1.01).
 2. Balance: ``optimal_splits`` for 1,000 layers × 16 partitions (goal ≤ 50 ms).
 3. Re-simulation after a split change: 256 layers × 8 stages × 32 micro-batches (goal ≤ 50 ms),
-   per schedule.
+   per schedule; and 1,000 layers × 64 stages × 256 micro-batches (goal ≤ 20 ms) with a device per
+   stage — the schedule's graph timed level by level against the processor-sharing event loop on
+   the same plan — and with every stage on one CPU host (where the stages share its cores, which
+   only the event loop models).
 4. Prediction error: a GPipe step of ordinary layers (MLP) predicted from ``profile`` vs measured.
 5. The GPipe module's measured forward bubble on uniform sleep layers against (p−1)/(m+p−1)
    (goal: within 2 points), and its measured step against the simulated one.
@@ -89,6 +92,42 @@ def simulation_speed() -> None:
             times.append(time.perf_counter() - start)
         print(f"3. simulate 256 layers × 8 stages × 32 micro-batches, {schedule:12}: "
               f"{statistics.median(times) * 1e3:.1f} ms (median of 10)")
+    large_simulation_speed()
+
+
+def large_simulation_speed() -> None:
+    import importlib
+
+    simulate_module = importlib.import_module("pipexplore.simulate")
+    longest_path = simulate_module._longest_path
+    n, stages = 1000, 64
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame({"forward": rng.random(n) * 1e-3, "backward": rng.random(n) * 2e-3, "output_bytes": 1e6})
+    splits = [15 * k + 10 for k in range(1, stages)]
+
+    def timed(schedule: str, devices: list[str], repeats: int) -> float:
+        simulate(table, splits, chunks=256, schedule=schedule, devices=devices)  # the graph, built once per shape
+        times = []
+        for k in range(repeats):
+            moved = list(splits)
+            moved[k % (stages - 1)] += 1
+            start = time.perf_counter()
+            simulate(table, moved, chunks=256, schedule=schedule, devices=devices)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    gpus = [f"cuda:{d}" for d in range(stages)]
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        graph = timed(schedule, gpus, 9)
+        simulate_module._longest_path = lambda *args, **kwargs: None  # the event loop alone
+        try:
+            loop = timed(schedule, gpus, 3)
+        finally:
+            simulate_module._longest_path = longest_path
+        host = timed(schedule, ["cpu"] * stages, 3)
+        print(f"3. simulate 1,000 layers × 64 stages × 256 micro-batches, {schedule:12}: a device per stage "
+              f"{graph * 1e3:.1f} ms (event loop {loop * 1e3:.0f} ms, {loop / graph:.1f}×); "
+              f"one CPU host {host * 1e3:.0f} ms")
 
 
 def prediction_error(devices: list[str], repeats: int) -> None:

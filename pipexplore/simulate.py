@@ -19,6 +19,7 @@ worker that runs the action (what a measured timeline's hand-offs are read again
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Any, Optional, Sequence, Union
@@ -27,16 +28,18 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.host import host_cores
+from pipexplore.dataflow import ActionGraph, oversubscribed
 from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
 from pipexplore.validate import interleaved_devices
 
-__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "host_cores", "worker_devices"]
+__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
+PHASE_NAMES = np.array([*PHASES.values(), "copy"], dtype=object)  # by the graph's kind numbers, then copies
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
 DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
@@ -122,6 +125,37 @@ def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stag
     return [stage_devices[order[0][0]] for order in worker_orders if order]
 
 
+@functools.lru_cache(maxsize=16)
+def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpointed: int, virtual_stages: int = 2,
+                   resources: Optional[tuple[str, ...]] = None) -> ActionGraph:
+    """The actions of one step, per worker in the order it runs them, and what each waits for.
+
+    ``checkpointed``: micro-batches ``0 … checkpointed-1`` recompute their forward right before their
+    backward. ``resources``: what each stage's device shares (the autograd executor runs the
+    backward of each on one worker). Depends on the schedule's shape only, so it is cached: moving
+    a split re-times the same graph.
+    """
+    S = stages
+    if schedule == "interleaved":
+        p = S // virtual_stages
+        lane_queues = [_interleaved(d, p, virtual_stages, m) for d in range(p)]
+    else:
+        lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
+                       for s, order in enumerate(stage_orders(schedule, S, m))]
+        if executor == "autograd":
+            # One backward() call: autograd's engine runs the backward of each device on one thread
+            # (the caller's for the CPU), micro-batch-major, last first.
+            resources = resources or ("host",) * S
+            for device in dict.fromkeys(resources):
+                lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
+                                    if resources[s] == device])
+    # Recompute right before the backward (or I) of checkpointed micro-batches.
+    lane_queues = [[a for s, kind, i in queue
+                    for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
+                   for queue in lane_queues]
+    return ActionGraph.build(lane_queues, S, "I" if schedule == "zero-bubble" else "B")
+
+
 def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
     """Per-stage sums of a layer table: ``forward``, ``backward``, ``param_bytes``,
     ``activation_bytes`` (what its layers keep for backward: ``saved_bytes`` where profiled,
@@ -144,13 +178,14 @@ def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-def _copy_seconds(copy_cost: Optional[float], a: str, b: str, nbytes: float) -> float:
+def _copy_rate(copy_cost: Optional[float], a: str, b: str) -> float:
+    """Seconds per byte from device ``a`` to ``b`` (none on the same device)."""
     if a == b:
         return 0.0
     if copy_cost is not None:
-        return nbytes * copy_cost
+        return copy_cost
     kinds = "-".join(sorted(d.split(":")[0] for d in (a, b)))
-    return nbytes * DEFAULT_COPY_COST.get(kinds, 0.0)
+    return DEFAULT_COPY_COST.get(kinds, 0.0)
 
 
 def _is_host(device: str) -> bool:
@@ -240,24 +275,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             raise ValueError(f"interleaved with {S} stages and virtual_stages={virtual_stages} needs {p} devices, "
                              f"got {len(device_names)}")
         stage_device = interleaved_devices(S, device_names, m)
-        lane_queues = [[(s, k, i) for s, k, i in _interleaved(d, p, virtual_stages, m)] for d in range(p)]
     else:
         stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
         if len(stage_device) != S:
             raise ValueError(f"{S} stages need {S} devices, got {len(stage_device)}")
-        orders = stage_orders(schedule, S, m)
-        lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
-                       for s, order in enumerate(orders)]
-        if executor == "autograd":
-            # One backward() call: autograd's engine runs the backward of each device on one thread
-            # (the caller's for the CPU), micro-batch-major, last first.
-            for device in dict.fromkeys(_resource(d) for d in stage_device):
-                lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
-                                    if _resource(stage_device[s]) == device])
-    # Expand recompute (before B or I of checkpointed micro-batches).
-    lane_queues = [[a for s, kind, i in queue
-                    for a in ([(s, "R", i)] if kind in ("B", "I") and i < stop else []) + [(s, kind, i)]]
-                   for queue in lane_queues]
+    resource = [_resource(d) for d in stage_device]
+    graph = schedule_graph(schedule, S, m, executor=executor, checkpointed=stop, virtual_stages=virtual_stages,
+                           resources=tuple(resource) if executor == "autograd" else None)
 
     # Seconds, and the share of its device, of every (kind, stage, micro-batch).
     learnt = executor
@@ -294,21 +318,42 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
 
     handoff = corrections.transfer(learnt) if corrections is not None else 0.0
 
-    # The copy over each stage boundary, per micro-batch; seconds and shares as plain floats (the
-    # event loop below reads one per action: numpy scalars would cost it more than its own work).
-    edge_copy = [[_copy_seconds(copy_cost, stage_device[b], stage_device[b + 1], edge_bytes[b] * fractions[i])
-                  for i in range(m)] for b in range(S - 1)]
+    # The copy over each stage boundary, per micro-batch.
+    edge_copy = (np.array([_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) * edge_bytes[b]
+                           for b in range(S - 1)]).reshape(S - 1, 1) * np.asarray(fractions).reshape(1, m))
+    size_index = np.searchsorted(distinct, sizes)
+    times = None
+    if graph.depth <= max(2000, len(graph) // 4):  # else a chain of single actions: the loop is as fast
+        times = _longest_path(graph, seconds, demand, size_index, edge_copy, handoff, gap, resource)
+    if times is not None:
+        frame = _frame(graph, times, edge_copy, stage_device, run)
+    else:
+        rows_out = _processor_sharing(graph, seconds, demand, sizes, edge_copy.tolist(), handoff, gap, resource,
+                                      stage_device, run, stop, "I" if schedule == "zero-bubble" else "B")
+        frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
+                 .reset_index(drop=True))
+    frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
+    frame.attrs["peak_memory"] = {}
+    return frame
+
+
+def _processor_sharing(graph: ActionGraph, seconds: dict, demand: dict, sizes: list[float],
+                       edge_copy: list[list[float]], handoff: float, gap: float, resource: list[str],
+                       stage_device: list[str], run: Union[int, str], stop: int, grad_kind: str) -> list[tuple]:
+    """The step as an event loop: what :func:`simulate` runs when stages that share a device ask
+    for more than all of it at once. Rows of the timeline, in the order their actions end."""
+    # Seconds and shares as plain floats: the loop reads one per action, and numpy scalars would
+    # cost it more than its own work.
     seconds_of = {key: values.tolist() for key, values in seconds.items()}
     demand_of = {key: values.tolist() for key, values in demand.items()}
-
+    lane_queues = graph.queues
+    S = len(stage_device)
     end: dict[tuple[int, str, int], float] = {}
     rows_out: list[tuple] = []
-    grad_kind = "I" if schedule == "zero-bubble" else "B"
 
     Q = len(lane_queues)
     heads = [0] * Q
     free_at = [0.0] * Q
-    resource = [_resource(d) for d in stage_device]
     # The queues that hold each stage: when an action of stage s ends, only the queues of stage s
     # and of the stage it hands its output to can have a next action become ready.
     stage_queues: list[set[int]] = [set() for _ in range(S)]
@@ -391,7 +436,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         active = [r for r, heap in finishing.items() if heap]
         if not active:
             if wake == math.inf:
-                raise RuntimeError(f"schedule {schedule!r} deadlocked: no stage can run its next action")
+                raise RuntimeError("the schedule deadlocked: no stage can run its next action")
             now = wake
             continue
         rates = {r: rate(r) for r in active}
@@ -420,11 +465,57 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 elif kind in ("B", "I") and s > 0:
                     dirty |= stage_queues[s - 1]
 
-    frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
-             .reset_index(drop=True))
-    frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
-    frame.attrs["peak_memory"] = {}
-    return frame
+    return rows_out
+
+
+def _longest_path(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
+                  handoff: float, gap: float, resource: list[str]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Start and end of every action of ``graph`` (its level order) when no device is ever asked
+    for more than all of it, else ``None`` (the processor-sharing loop must run)."""
+    kinds = list(PHASES)
+    by_size = sorted({rows for _, rows in seconds})
+    table = np.array([[seconds[(k, rows)] for rows in by_size] for k in kinds])  # kind × size × stage
+    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in kinds])
+    stage, micro, kind = graph.stage, graph.micro, graph.kind
+    size = size_index[micro]
+    n = len(graph)
+    first_wait = np.zeros(n)
+    forward = (kind == 0) & (stage > 0)
+    first_wait[forward] = edge_copy[stage[forward] - 1, micro[forward]] + handoff
+    second_wait = np.zeros(n)
+    gradient = graph.second < n
+    second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
+    start, end = graph.times(table[kind, size, stage], first_wait, second_wait, gap)
+    resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
+    if oversubscribed(graph, resource_id, asked[kind, size, stage], start, end):
+        return None
+    return start, end
+
+
+def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], edge_copy: np.ndarray,
+           stage_device: list[str], run: Union[int, str]) -> pd.DataFrame:
+    """The timeline of a timed graph, with a copy row before every forward that receives over a
+    copy, sorted by start and stage (array by array: at 65k actions a row-wise build would cost
+    more than the timing itself)."""
+    start, end = times
+    stage, micro, kind = graph.stage, graph.micro, graph.kind
+    received = np.flatnonzero((kind == 0) & (stage > 0))
+    copy = edge_copy[stage[received] - 1, micro[received]]
+    copied = received[copy > 0]
+    sent = end[graph.first[copied]]
+    stage = np.concatenate([stage, stage[copied]])
+    start = np.concatenate([start, sent])
+    end = np.concatenate([end, sent + copy[copy > 0]])
+    by_stage = np.argsort(stage, kind="stable")
+    order = by_stage[np.argsort(start[by_stage], kind="stable")]
+    stage, start, end = stage[order], start[order], end[order]
+    micro = np.concatenate([micro, micro[copied]])[order]
+    kind = np.concatenate([kind, np.full(len(copied), len(PHASE_NAMES) - 1)])[order]
+    return pd.DataFrame({
+        "run": run, "stage": stage, "device": np.array(stage_device, dtype=object)[stage], "microbatch": micro,
+        "phase": PHASE_NAMES[kind], "start": start, "end": end, "source": "predicted",
+        "lane": np.concatenate([graph.lane, graph.lane[copied]])[order],
+    })
 
 
 def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, fractions: np.ndarray, stop: int) -> np.ndarray:
@@ -434,19 +525,19 @@ def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, fractions: np.n
     act = costs["activation_bytes"].to_numpy()
     inp = costs["input_bytes"].to_numpy()
     stage = frame["stage"].to_numpy()
-    phase = frame["phase"].to_numpy()
+    kind = pd.Categorical(frame["phase"], categories=PHASE_NAMES).codes
     micro = frame["microbatch"].to_numpy()
     share = fractions[micro]
     checkpointed = micro < stop
-    delta = np.zeros(len(frame))
-    forward = phase == "forward"
-    delta[forward] = np.where(checkpointed[forward], inp[stage[forward]], act[stage[forward]]) * share[forward]
-    recompute = phase == "recompute"
-    delta[recompute] = act[stage[recompute]] * share[recompute]
-    frees = (phase == "backward") | (phase == "input_grad")
-    delta[frees] = -(act[stage[frees]] + np.where(checkpointed[frees], inp[stage[frees]], 0.0)) * share[frees]
+    kept = np.where(checkpointed, inp[stage], act[stage])  # what a forward keeps
+    freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees
+    delta = np.select([kind == 0, kind == 2, (kind == 1) | (kind == 3)], [kept, act[stage], -freed], 0.0) * share
+    # Per stage, in the order events end: a running sum that starts again at each stage.
     order = np.lexsort((frame["end"].to_numpy(), stage))
+    running = np.cumsum(delta[order])
+    ordered = stage[order]
+    first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    running -= np.repeat(np.r_[0.0, running[first[1:] - 1]], np.diff(np.r_[first, len(order)]))
     held = np.empty(len(frame))
-    running = pd.Series(delta[order]).groupby(stage[order]).cumsum().to_numpy()
     held[order] = np.clip(running, 0.0, None)
     return held

@@ -1,0 +1,202 @@
+"""A schedule as a dependency graph, and its timeline as the graph's longest path, level by level.
+
+While no device is asked for more than all of it at once, every action of a predicted step starts
+as soon as its worker is free and its inputs are there::
+
+    start = max(end of the worker's previous action + gap,
+                end of its first input + copy,  end of its second input + copy)
+
+— a longest path over a graph that depends only on the schedule's shape (schedule, stages,
+micro-batches, checkpointing, the executor's workers), not on any cost. :class:`ActionGraph` builds
+that graph once and numbers its actions level by level (every input of a level sits in an earlier
+one), so :meth:`ActionGraph.times` times a whole step with a few array operations per level: a
+drag that moves a split re-times the same graph. Where the timed step does ask a device for more
+than all of it (stages sharing a host's cores or a GPU, at once), :func:`oversubscribed` says so,
+and the event loop of :func:`pipexplore.simulate` models the slowdown instead.
+
+An action's inputs, as :func:`pipexplore.simulate` runs them: a forward's is the previous stage's
+forward of its micro-batch; a backward's (input-grad's, recompute's) are its own forward and the
+next stage's backward (input-grad) of the micro-batch; a weight-grad's is its own input-grad.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["ActionGraph", "oversubscribed"]
+
+Action = tuple[int, str, int]  # (stage, kind, micro-batch)
+KINDS = ("F", "B", "R", "I", "W")
+
+
+@dataclass(frozen=True, eq=False)
+class ActionGraph:
+    """The actions of one step and what each waits for, numbered level by level.
+
+    ``queues`` holds each worker's actions in the order it runs them. The arrays hold one entry
+    per action, in level order: its ``stage``, ``kind`` (index in ``KINDS``), ``micro``-batch,
+    ``lane`` (the worker), and three inputs as action numbers — ``after`` (the worker's previous
+    action), ``first`` and ``second`` (data inputs) — where ``len(stage)`` means "none" (the
+    sentinel, which ends at 0). ``levels`` are the bounds of each level in that order;
+    ``heads`` and ``tails`` the first and last action of each worker with something to do.
+    """
+
+    queues: tuple[tuple[Action, ...], ...]
+    stage: np.ndarray
+    kind: np.ndarray
+    micro: np.ndarray
+    lane: np.ndarray
+    after: np.ndarray
+    first: np.ndarray
+    second: np.ndarray
+    levels: tuple[tuple[int, int], ...]
+    heads: np.ndarray
+    tails: np.ndarray
+
+    @classmethod
+    def build(cls, queues: Sequence[Sequence[Action]], stages: int, grad_kind: str = "B") -> "ActionGraph":
+        """The graph of ``queues`` (one per worker). ``grad_kind``: what carries the gradient to the
+        stage before (``I`` for zero-bubble). Raises ``ValueError`` if the schedule can never finish
+        (a worker waits for an action that waits for it)."""
+        queues = tuple(tuple(q) for q in queues)
+        actions = [a for q in queues for a in q]
+        number = {a: n for n, a in enumerate(actions)}
+        if len(number) != len(actions):
+            raise ValueError("a schedule lists an action twice")
+        none = len(actions)
+        lane = np.fromiter((q for q, queue in enumerate(queues) for _ in queue), dtype=np.int64, count=none)
+        # Actions are numbered queue after queue: the worker's previous action is the number before.
+        after = np.arange(-1, none - 1, dtype=np.int64)
+        starts = np.cumsum([0, *map(len, queues)])[:-1]
+        after[starts[starts < none]] = none
+        first = np.full(none, none, dtype=np.int64)
+        second = np.full(none, none, dtype=np.int64)
+
+        def numbered(action: Action, waiting: Action) -> int:
+            if action not in number:
+                raise ValueError(f"{waiting} waits for {action}, which no worker runs")
+            return number[action]
+
+        for n, (s, kind, i) in enumerate(actions):
+            if kind == "F":
+                if s > 0:
+                    first[n] = numbered((s - 1, "F", i), actions[n])
+            elif kind == "W":
+                first[n] = numbered((s, "I", i), actions[n])
+            else:
+                first[n] = numbered((s, "F", i), actions[n])
+                if s < stages - 1:
+                    second[n] = numbered((s + 1, grad_kind, i), actions[n])
+        level = _levels(after, first, second)
+        order = np.argsort(level, kind="stable")
+        renumber = np.empty(none + 1, dtype=np.int64)
+        renumber[order] = np.arange(none)
+        renumber[none] = none
+        counts = np.bincount(level)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        return cls(
+            queues=queues,
+            stage=np.array([a[0] for a in actions], dtype=np.int64)[order],
+            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64)[order],
+            micro=np.array([a[2] for a in actions], dtype=np.int64)[order],
+            lane=lane[order],
+            after=renumber[after[order]], first=renumber[first[order]], second=renumber[second[order]],
+            levels=tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])),
+            heads=renumber[starts[starts < none]],
+            tails=renumber[np.cumsum(list(map(len, queues)))[[len(q) > 0 for q in queues]] - 1],
+        )
+
+    def __len__(self) -> int:
+        return len(self.stage)
+
+    @property
+    def depth(self) -> int:
+        """Levels: how many array passes :meth:`times` makes."""
+        return len(self.levels)
+
+    def times(self, seconds: np.ndarray, first_wait: np.ndarray, second_wait: np.ndarray,
+              gap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end of every action (level order): ``seconds`` each takes, the time between
+        the end of its first (second) input and when it may start (copies, hand-offs), and the
+        ``gap`` a worker leaves between two of its actions."""
+        n = len(self)
+        end = np.zeros(n + 1)
+        start = np.empty(n)
+        after_wait = np.where(self.after < n, gap, 0.0)
+        after, first, second = self.after, self.first, self.second
+        for lo, hi in self.levels:
+            t = end[after[lo:hi]]
+            t += after_wait[lo:hi]
+            u = end[first[lo:hi]]
+            u += first_wait[lo:hi]
+            np.maximum(t, u, out=t)
+            u = end[second[lo:hi]]
+            u += second_wait[lo:hi]
+            np.maximum(t, u, out=t)
+            start[lo:hi] = t
+            t += seconds[lo:hi]
+            end[lo:hi] = t
+        return start, end[:n]
+
+
+def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Each action's level: one more than the highest of its inputs' (Kahn's order)."""
+    none = len(after)
+    inputs = np.stack([after, first, second], axis=1)
+    waiting = (inputs < none).sum(axis=1)
+    users: list[list[int]] = [[] for _ in range(none)]
+    for n, row in enumerate(inputs.tolist()):
+        for m in row:
+            if m < none:
+                users[m].append(n)
+    level = [0] * none
+    waiting = waiting.tolist()
+    ready = [n for n in range(none) if waiting[n] == 0]
+    placed = 0
+    while ready:
+        n = ready.pop()
+        placed += 1
+        for u in users[n]:
+            if level[u] <= level[n]:
+                level[u] = level[n] + 1
+            waiting[u] -= 1
+            if not waiting[u]:
+                ready.append(u)
+    if placed != none:
+        raise ValueError("the schedule deadlocks: some worker waits for an action that waits for it")
+    return np.asarray(level, dtype=np.int64)
+
+
+def oversubscribed(graph: ActionGraph, resource: np.ndarray, share: np.ndarray, start: np.ndarray,
+                   end: np.ndarray) -> bool:
+    """Whether, at some moment of a timed ``graph``, the actions running on one resource (an
+    integer per stage) ask for more than all of it (their ``share`` summed over 1). An action that
+    ends when another starts does not overlap it. Workers run one action at a time, so only
+    resources where two workers are busy at once are looked at action by action."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for r, a, b in zip(resource[graph.stage[graph.heads]].tolist(), start[graph.heads].tolist(),
+                       end[graph.tails].tolist()):
+        spans.setdefault(r, []).append((a, b))
+    shared = []
+    for r, group in spans.items():
+        reach = -math.inf  # the latest end of the spans begun so far on this resource
+        for a, b in sorted(group):
+            if a < reach:
+                shared.append(r)
+                break
+            reach = max(reach, b)
+    if not shared:
+        return False
+    mine = np.isin(resource[graph.stage], shared) & (share > 0)
+    if not mine.any():
+        return False
+    where, share, start, end = resource[graph.stage][mine], share[mine], start[mine], end[mine]
+    times = np.concatenate([start, end])
+    delta = np.concatenate([share, -share])
+    order = np.lexsort((delta, times, np.concatenate([where, where])))  # what ends before what starts
+    # Each resource's shares sum to zero over its actions, so one running sum restarts per resource.
+    return bool(np.cumsum(delta[order]).max() > 1.0 + 1e-9)
+

@@ -1,0 +1,127 @@
+"""The schedule as a graph: its longest path equals the event loop wherever no device is oversubscribed."""
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipexplore.dataflow import ActionGraph, oversubscribed
+from pipexplore.simulate import schedule_graph, simulate
+
+simulate_module = importlib.import_module("pipexplore.simulate")
+
+KEYS = ["stage", "phase", "microbatch", "lane", "device"]
+
+
+def table(n: int = 12, share: float = 0.45) -> pd.DataFrame:
+    rng = np.random.default_rng(1)
+    return pd.DataFrame({"forward": rng.random(n), "backward": 2 * rng.random(n), "output_bytes": 1e6 * rng.random(n),
+                         "param_bytes": 10.0, "share_forward": share, "share_backward": share})
+
+
+def canonical(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.sort_values(["stage", "phase", "microbatch", "start"]).reset_index(drop=True)
+
+
+def both_ways(monkeypatch, layers: pd.DataFrame, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame, bool]:
+    """The timeline as simulate gives it, as the event loop alone gives it, and whether the
+    graph's longest path gave the first."""
+    longest = simulate_module._longest_path
+    taken = []
+
+    def spy(*args, **kw):
+        result = longest(*args, **kw)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(simulate_module, "_longest_path", spy)
+    fast = simulate(layers, [3, 6, 9], **kwargs)
+    monkeypatch.setattr(simulate_module, "_longest_path", lambda *args, **kw: None)
+    loop = simulate(layers, [3, 6, 9], **kwargs)
+    return fast, loop, bool(taken and taken[0])
+
+
+def devices_for(schedule: str, kind: str) -> list[str]:
+    if schedule == "interleaved":
+        return {"cuda": ["cuda:0", "cuda:1"], "cpu": ["cpu", "cpu"], "mixed": ["cpu", "cuda:0"]}[kind]
+    return {"cuda": [f"cuda:{s}" for s in range(4)], "cpu": ["cpu"] * 4,
+            "mixed": ["cpu", "cuda:0", "cuda:0", "cuda:1"]}[kind]
+
+
+CONFIGS = [(s, e, c, d) for s, e, c, d in itertools.product(
+    ["gpipe", "1f1b", "zero-bubble", "interleaved"], ["autograd", "threads", "processes"],
+    ["always", "except_last", "never"], ["cuda", "cpu", "mixed"]) if e != "autograd" or s == "gpipe"]
+
+
+@pytest.mark.parametrize("schedule,executor,checkpoint,devices", CONFIGS)
+def test_the_graph_times_every_plan_as_the_event_loop_does(monkeypatch, schedule, executor, checkpoint, devices):
+    fast, loop, taken = both_ways(monkeypatch, table(), chunks=6, schedule=schedule, checkpoint=checkpoint,
+                                  devices=devices_for(schedule, devices), executor=executor, copy_cost=1e-9, batch=24)
+    a, b = canonical(fast), canonical(loop)
+    assert (a[KEYS].to_numpy() == b[KEYS].to_numpy()).all()
+    np.testing.assert_allclose(a[["start", "end", "memory"]], b[["start", "end", "memory"]], rtol=1e-9, atol=1e-12)
+    assert fast["start"].is_monotonic_increasing
+    if devices == "cuda":
+        assert taken  # a device per stage: no worker ever shares one with another running action
+
+
+def test_stages_that_oversubscribe_their_host_are_left_to_processor_sharing(monkeypatch):
+    fast, loop, taken = both_ways(monkeypatch, table(share=1.0), chunks=4, schedule="1f1b", devices=["cpu"] * 4)
+    assert not taken
+    pd.testing.assert_frame_equal(fast, loop)
+    # and the sharing shows: the same plan with every stage on a device of its own is faster.
+    alone = simulate(table(share=1.0), [3, 6, 9], chunks=4, schedule="1f1b", copy_cost=0.0,
+                     devices=[f"cuda:{s}" for s in range(4)])
+    assert fast["end"].max() > 1.2 * alone["end"].max()
+
+
+def test_oversubscribed_reads_shares_of_actions_that_overlap_on_one_resource():
+    graph = ActionGraph.build([[(0, "F", 0)], [(1, "F", 0)]], stages=2)
+
+    def check(share, start, end, resource=(0, 0)):
+        order = [int(np.flatnonzero(graph.stage == s)[0]) for s in (0, 1)]
+        arrays = [np.empty(2) for _ in range(3)]
+        for array, values in zip(arrays, (share, start, end)):
+            array[order] = values
+        return oversubscribed(graph, np.asarray(resource), *arrays)
+
+    assert check((0.6, 0.6), (0.0, 0.5), (1.0, 1.5))
+    assert not check((0.5, 0.5), (0.0, 0.5), (1.0, 1.5))  # all of it, not more
+    assert not check((0.9, 0.9), (0.0, 1.0), (1.0, 2.0))  # one ends as the other starts
+    assert not check((0.9, 0.9), (0.0, 0.5), (1.0, 1.5), resource=(0, 1))  # two devices
+    assert not check((0.9, 0.0), (0.0, 0.5), (1.0, 1.5))  # a sleep asks for none of it
+
+
+def test_schedule_graphs_are_cached_and_every_input_sits_in_an_earlier_level():
+    graph = schedule_graph("1f1b", 4, 8, executor="threads", checkpointed=7)
+    assert schedule_graph("1f1b", 4, 8, executor="threads", checkpointed=7) is graph
+    level = np.repeat(np.arange(graph.depth), [hi - lo for lo, hi in graph.levels])
+    level = np.r_[level, -1]  # the sentinel "no input" comes before everything
+    for inputs in (graph.after, graph.first, graph.second):
+        assert (level[inputs] < level[:-1]).all()
+    assert len(graph) == 4 * 8 * 2 + 4 * 7  # F, B, and a recompute for the checkpointed micro-batches
+    # each worker's actions stay in its queue's order
+    for q, queue in enumerate(graph.queues):
+        mine = np.flatnonzero(graph.lane == q)
+        assert [(int(graph.stage[n]), int(graph.micro[n])) for n in mine[np.argsort(level[mine])]] == \
+            [(s, i) for s, _, i in queue]
+
+
+def test_a_schedule_that_waits_for_itself_is_refused():
+    with pytest.raises(ValueError, match="deadlocks"):
+        ActionGraph.build([[(0, "B", 0), (0, "F", 0)]], stages=1)
+    with pytest.raises(ValueError, match=r"waits for \(0, 'F', 0\), which no worker runs"):
+        ActionGraph.build([[(0, "B", 0)]], stages=1)
+    with pytest.raises(ValueError, match="twice"):
+        ActionGraph.build([[(0, "F", 0)], [(0, "F", 0)]], stages=1)
+
+
+def test_stages_that_leave_the_host_free_are_timed_as_a_graph(monkeypatch):
+    # cpu_stages_overlap: CPU stages ask for none of the host, so none can oversubscribe it.
+    fast, loop, taken = both_ways(monkeypatch, table(share=1.0), chunks=4, schedule="gpipe", devices=["cpu"] * 4,
+                                  executor="threads", cpu_stages_overlap=True)
+    assert taken
+    np.testing.assert_allclose(canonical(fast)[["start", "end"]], canonical(loop)[["start", "end"]], rtol=1e-9)
