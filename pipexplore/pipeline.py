@@ -3,7 +3,6 @@ each task as soon as the ticks before it have given it what it needs."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from queue import Queue
 from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, cast
 
 import torch
@@ -18,7 +17,7 @@ from pipexplore.microbatch import Batch
 from pipexplore.skip.layout import SkipLayout
 from pipexplore.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
 from pipexplore.stream import AbstractStream, current_stream, use_device, use_stream
-from pipexplore.worker import ExcInfo, Task, spawn_workers
+from pipexplore.worker import ExcInfo, InQueue, Task, spawn_workers
 
 __all__ = ["Pipeline", "clock_cycles"]
 
@@ -143,7 +142,8 @@ class Pipeline:
         for stash_partition, ns, name in self.skip_layout.copy_policy(j):
             with self._copy_span(stash_partition, j, i, next_stream):
                 skip_tracker.copy(batches[i], copy_streams[stash_partition][i], next_stream, ns, name)
-        if j != 0:
+        if j != 0 and (self.devices[j - 1] != self.devices[j] or self.devices[j].type != "cpu"):
+            # (Between two CPU partitions there is nothing to copy or order: no autograd node.)
             with self._copy_span(j - 1, j, i, next_stream):
                 copy(batches[i], copy_streams[j - 1][i], next_stream)
 
@@ -154,7 +154,7 @@ class Pipeline:
         return _stream_span(self.recorder, j, self.devices[j], i, "copy", next_stream)
 
     def _start(self, i: int, j: int, streams: list[AbstractStream], skip_tracker: SkipTrackerThroughPortals,
-               in_queue: "Queue[Optional[Task]]") -> None:
+               in_queue: InQueue) -> None:
         """Hand micro-batch ``i`` of partition ``j`` to its worker."""
         batch, recorder = self.batches[i], self.recorder
         if j != 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import contextmanager
-from queue import Queue
+from queue import SimpleQueue
 from types import TracebackType
 from typing import Callable, Generator, Optional, Union
 
@@ -18,8 +18,9 @@ from pipexplore.stream import AbstractStream, use_device, use_stream
 __all__ = ["Task", "spawn_workers", "join_all"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
-InQueue = Queue[Optional["Task"]]
-OutQueue = Queue[tuple[bool, Union[tuple["Task", Batch], ExcInfo, None]]]
+# SimpleQueue: put and get in C, a hand-off between threads costs less than Queue's Python locking.
+InQueue = SimpleQueue[Optional["Task"]]
+OutQueue = SimpleQueue[tuple[bool, Union[tuple["Task", Batch], ExcInfo, None]]]
 
 
 class Task:
@@ -96,8 +97,8 @@ def spawn_workers(devices: list[torch.device],
     device allows (the CPU's cores, or host-side work while a GPU computes). The threads run in
     a copy of the caller's context: they record into the caller's ``record()`` block only.
     """
-    in_queues: list[InQueue] = [Queue() for _ in devices]
-    out_queue: OutQueue = Queue()
+    in_queues: list[InQueue] = [SimpleQueue() for _ in devices]
+    out_queue: OutQueue = SimpleQueue()
     threads = [thread_in_this_context(_worker, (iq, out_queue, d), name=f"{name}-partition{j}")
                for j, (iq, d) in enumerate(zip(in_queues, devices))]
     for t in threads:
