@@ -8,9 +8,9 @@ as soon as its worker is free and its inputs are there::
 
 — a longest path over a graph that depends only on the schedule's shape (schedule, stages,
 micro-batches, checkpointing, the executor's workers), not on any cost. :class:`ActionGraph` builds
-that graph once and numbers its actions level by level (every input of a level sits in an earlier
-one), so :meth:`ActionGraph.times` times a whole step with a few array operations per level: a
-drag that moves a split re-times the same graph. Where the timed step does ask a device for more
+that graph once and, when first timed, sorts its actions level by level (every input of a level
+sits in an earlier one), so :meth:`ActionGraph.times` times a whole step with a few array
+operations per level: a drag that moves a split re-times the same graph. Where the timed step does ask a device for more
 than all of it (stages sharing a host's cores or a GPU, at once), :func:`oversubscribed` says so,
 and the event loop of :func:`pipexplore.simulate` models the slowdown instead.
 
@@ -20,6 +20,7 @@ next stage's backward (input-grad) of the micro-batch; a weight-grad's is its ow
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -34,14 +35,15 @@ KINDS = ("F", "B", "R", "I", "W")
 
 @dataclass(frozen=True, eq=False)
 class ActionGraph:
-    """The actions of one step and what each waits for, numbered level by level.
+    """The actions of one step and what each waits for.
 
-    ``queues`` holds each worker's actions in the order it runs them. The arrays hold one entry
-    per action, in level order: its ``stage``, ``kind`` (index in ``KINDS``), ``micro``-batch,
-    ``lane`` (the worker), and three inputs as action numbers — ``after`` (the worker's previous
-    action), ``first`` and ``second`` (data inputs) — where ``len(stage)`` means "none" (the
-    sentinel, which ends at 0). ``levels`` are the bounds of each level in that order;
-    ``heads`` and ``tails`` the first and last action of each worker with something to do.
+    ``queues`` holds each worker's actions in the order it runs them; actions are numbered queue
+    after queue in that order. The arrays hold one entry per action: its ``stage``, ``kind``
+    (index in ``KINDS``), ``micro``-batch, ``lane`` (the worker), and three inputs as action
+    numbers — ``after`` (the worker's previous action), ``first`` and ``second`` (data inputs) —
+    where ``len(graph)`` means "none" (the sentinel, which ends at 0). ``heads`` and ``tails``
+    are the first and last action of each worker with something to do. The levels are found
+    when first timed (:attr:`level`): a schedule that only the event loop times never pays for them.
     """
 
     queues: tuple[tuple[Action, ...], ...]
@@ -52,15 +54,13 @@ class ActionGraph:
     after: np.ndarray
     first: np.ndarray
     second: np.ndarray
-    levels: tuple[tuple[int, int], ...]
     heads: np.ndarray
     tails: np.ndarray
 
     @classmethod
     def build(cls, queues: Sequence[Sequence[Action]], stages: int, grad_kind: str = "B") -> "ActionGraph":
         """The graph of ``queues`` (one per worker). ``grad_kind``: what carries the gradient to the
-        stage before (``I`` for zero-bubble). Raises ``ValueError`` if the schedule can never finish
-        (a worker waits for an action that waits for it)."""
+        stage before (``I`` for zero-bubble)."""
         queues = tuple(tuple(q) for q in queues)
         actions = [a for q in queues for a in q]
         number = {a: n for n, a in enumerate(actions)}
@@ -70,8 +70,9 @@ class ActionGraph:
         lane = np.fromiter((q for q, queue in enumerate(queues) for _ in queue), dtype=np.int64, count=none)
         # Actions are numbered queue after queue: the worker's previous action is the number before.
         after = np.arange(-1, none - 1, dtype=np.int64)
-        starts = np.cumsum([0, *map(len, queues)])[:-1]
-        after[starts[starts < none]] = none
+        ends = np.cumsum([0, *map(len, queues)])
+        busy = np.array([len(q) > 0 for q in queues], dtype=bool)
+        after[ends[:-1][busy]] = none
         first = np.full(none, none, dtype=np.int64)
         second = np.full(none, none, dtype=np.int64)
 
@@ -90,44 +91,58 @@ class ActionGraph:
                 first[n] = numbered((s, "F", i), actions[n])
                 if s < stages - 1:
                     second[n] = numbered((s + 1, grad_kind, i), actions[n])
-        level = _levels(after, first, second)
-        order = np.argsort(level, kind="stable")
-        renumber = np.empty(none + 1, dtype=np.int64)
-        renumber[order] = np.arange(none)
-        renumber[none] = none
-        counts = np.bincount(level)
-        bounds = np.concatenate([[0], np.cumsum(counts)])
         return cls(
             queues=queues,
-            stage=np.array([a[0] for a in actions], dtype=np.int64)[order],
-            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64)[order],
-            micro=np.array([a[2] for a in actions], dtype=np.int64)[order],
-            lane=lane[order],
-            after=renumber[after[order]], first=renumber[first[order]], second=renumber[second[order]],
-            levels=tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])),
-            heads=renumber[starts[starts < none]],
-            tails=renumber[np.cumsum(list(map(len, queues)))[[len(q) > 0 for q in queues]] - 1],
+            stage=np.array([a[0] for a in actions], dtype=np.int64).reshape(none),
+            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64).reshape(none),
+            micro=np.array([a[2] for a in actions], dtype=np.int64).reshape(none),
+            lane=lane, after=after, first=first, second=second,
+            heads=ends[:-1][busy], tails=ends[1:][busy] - 1,
         )
 
     def __len__(self) -> int:
         return len(self.stage)
 
     @property
+    def longest_queue(self) -> int:
+        """The most actions one worker runs: the fewest levels the graph can have."""
+        return max(map(len, self.queues), default=0)
+
+    @functools.cached_property
+    def level(self) -> np.ndarray:
+        """Each action's level: one more than the highest of its inputs'. Raises ``ValueError`` if
+        the schedule can never finish (a worker waits for an action that waits for it)."""
+        return _levels(self.after, self.first, self.second)
+
+    @property
     def depth(self) -> int:
         """Levels: how many array passes :meth:`times` makes."""
-        return len(self.levels)
+        return int(self.level.max()) + 1 if len(self) else 0
+
+    @functools.cached_property
+    def _by_level(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """The actions in level order, their three inputs renumbered to it, and each level's bounds."""
+        none = len(self)
+        order = np.argsort(self.level, kind="stable")
+        renumber = np.empty(none + 1, dtype=np.int64)
+        renumber[order] = np.arange(none)
+        renumber[none] = none
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.level, minlength=self.depth))]).tolist()
+        return (order, renumber[self.after[order]], renumber[self.first[order]], renumber[self.second[order]],
+                list(zip(bounds[:-1], bounds[1:])))
 
     def times(self, seconds: np.ndarray, first_wait: np.ndarray, second_wait: np.ndarray,
               gap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """Start and end of every action (level order): ``seconds`` each takes, the time between
-        the end of its first (second) input and when it may start (copies, hand-offs), and the
-        ``gap`` a worker leaves between two of its actions."""
+        """Start and end of every action: ``seconds`` each takes, the time between the end of its
+        first (second) input and when it may start (copies, hand-offs), and the ``gap`` a worker
+        leaves between two of its actions. One pass of array operations per level."""
         n = len(self)
+        order, after, first, second, levels = self._by_level
+        seconds, first_wait, second_wait = seconds[order], first_wait[order], second_wait[order]
+        after_wait = np.where(after < n, gap, 0.0)
         end = np.zeros(n + 1)
         start = np.empty(n)
-        after_wait = np.where(self.after < n, gap, 0.0)
-        after, first, second = self.after, self.first, self.second
-        for lo, hi in self.levels:
+        for lo, hi in levels:
             t = end[after[lo:hi]]
             t += after_wait[lo:hi]
             u = end[first[lo:hi]]
@@ -139,7 +154,9 @@ class ActionGraph:
             start[lo:hi] = t
             t += seconds[lo:hi]
             end[lo:hi] = t
-        return start, end[:n]
+        in_order_start, in_order_end = np.empty(n), np.empty(n)
+        in_order_start[order], in_order_end[order] = start, end[:n]
+        return in_order_start, in_order_end
 
 
 def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:

@@ -322,14 +322,16 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     edge_copy = (np.array([_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) * edge_bytes[b]
                            for b in range(S - 1)]).reshape(S - 1, 1) * np.asarray(fractions).reshape(1, m))
     size_index = np.searchsorted(distinct, sizes)
+    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, handoff)
     times = None
-    if graph.depth <= max(2000, len(graph) // 4):  # else a chain of single actions: the loop is as fast
-        times = _longest_path(graph, seconds, demand, size_index, edge_copy, handoff, gap, resource)
+    # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
+    # stages, is timed as fast by the loop, which a crowded host needs anyway.)
+    if graph.longest_queue <= max(2000, len(graph) // 4) and graph.depth <= max(2000, len(graph) // 4):
+        times = _longest_path(graph, action_costs, resource, gap)
     if times is not None:
         frame = _frame(graph, times, edge_copy, stage_device, run)
     else:
-        rows_out = _processor_sharing(graph, seconds, demand, sizes, edge_copy.tolist(), handoff, gap, resource,
-                                      stage_device, run, stop, "I" if schedule == "zero-bubble" else "B")
+        rows_out = _processor_sharing(graph, action_costs, edge_copy, gap, resource, stage_device, run)
         frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
                  .reset_index(drop=True))
     frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
@@ -337,21 +339,51 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     return frame
 
 
-def _processor_sharing(graph: ActionGraph, seconds: dict, demand: dict, sizes: list[float],
-                       edge_copy: list[list[float]], handoff: float, gap: float, resource: list[str],
-                       stage_device: list[str], run: Union[int, str], stop: int, grad_kind: str) -> list[tuple]:
+def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
+                  handoff: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per action of ``graph``: its seconds, the share of its device it asks for, and the time
+    from the end of its first (second) input to when it may start (the copy and the hand-off)."""
+    kinds = list(PHASES)
+    by_size = sorted({rows for _, rows in seconds})
+    stage, micro, kind = graph.stage, graph.micro, graph.kind
+    size = size_index[micro]
+    took = np.array([[seconds[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
+    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
+    n = len(graph)
+    first_wait = np.zeros(n)
+    forward = (kind == 0) & (stage > 0)
+    first_wait[forward] = edge_copy[stage[forward] - 1, micro[forward]] + handoff
+    second_wait = np.zeros(n)
+    gradient = graph.second < n
+    second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
+    return took, asked, first_wait, second_wait
+
+
+def _processor_sharing(graph: ActionGraph, costs: tuple[np.ndarray, ...], edge_copy: np.ndarray, gap: float,
+                       resource: list[str], stage_device: list[str], run: Union[int, str]) -> list[tuple]:
     """The step as an event loop: what :func:`simulate` runs when stages that share a device ask
     for more than all of it at once. Rows of the timeline, in the order their actions end."""
-    # Seconds and shares as plain floats: the loop reads one per action, and numpy scalars would
-    # cost it more than its own work.
-    seconds_of = {key: values.tolist() for key, values in seconds.items()}
-    demand_of = {key: values.tolist() for key, values in demand.items()}
-    lane_queues = graph.queues
-    S = len(stage_device)
-    end: dict[tuple[int, str, int], float] = {}
+    # Per action as plain lists: the loop reads a few per action, and numpy scalars would cost it
+    # more than its own work.
+    took, asked, first_wait, second_wait = (c.tolist() for c in costs)
+    stage, micro, kind = graph.stage.tolist(), graph.micro.tolist(), graph.kind.tolist()
+    first, second = graph.first.tolist(), graph.second.tolist()
+    none = len(graph)
+    received = (graph.kind == 0) & (graph.stage > 0)
+    copy_seconds = np.zeros(none)
+    copy_seconds[received] = edge_copy[graph.stage[received] - 1, graph.micro[received]]
+    copy_of = copy_seconds.tolist()
+    phase_of = list(PHASES.values())
+    end = [-1.0] * none + [0.0]  # -1: not yet done; the sentinel "no input" ended at 0
     rows_out: list[tuple] = []
 
+    lane_queues = graph.queues
     Q = len(lane_queues)
+    S = len(stage_device)
+    base = [0] * Q  # each queue's first action number (actions are numbered queue after queue)
+    for q in range(1, Q):
+        base[q] = base[q - 1] + len(lane_queues[q - 1])
+    length = [len(queue) for queue in lane_queues]
     heads = [0] * Q
     free_at = [0.0] * Q
     # The queues that hold each stage: when an action of stage s ends, only the queues of stage s
@@ -367,127 +399,103 @@ def _processor_sharing(graph: ActionGraph, seconds: dict, demand: dict, sizes: l
     # speed on a clock of their own (FREE).
     FREE = "\0free"
     clock: dict[str, float] = {}
-    asked: dict[str, float] = {}
+    demand: dict[str, float] = {}
     finishing: dict[str, list] = {}  # resource -> heap of (clock at the end, order, queue)
-    running: dict[int, tuple] = {}  # queue -> (resource, demand, start, stage, kind, i)
+    running: dict[int, tuple] = {}  # queue -> (resource, share, start, action)
     dirty, timed = set(range(Q)), {}  # queues to look at now; queues waiting for a time
     order = 0
-    remaining = sum(len(q) for q in lane_queues)
+    remaining = none
     now = 0.0
     eps = 1e-12
 
-    def rate(r: str) -> float:
-        return 1.0 / asked[r] if r != FREE and asked[r] > 1.0 else 1.0
-
     while remaining:
-        for q in [q for q, t in timed.items() if t <= now + eps]:
-            del timed[q]
-            dirty.add(q)
+        if timed:
+            for q in [q for q, t in timed.items() if t <= now + eps]:
+                del timed[q]
+                dirty.add(q)
         for q in sorted(dirty):
-            if q in running or heads[q] >= len(lane_queues[q]):
+            if q in running or heads[q] >= length[q]:
                 continue
-            s, kind, i = lane_queues[q][heads[q]]
-            # When its inputs are there: a forward's from the stage before (plus the copy and the
-            # hand-off), a backward's (or I's, or its recompute's) own forward and the gradient from
-            # the stage after, a W's own I. Inlined: this loop runs once per action and look.
-            if kind == "F":
-                if s == 0:
-                    t = 0.0
-                else:
-                    t = end.get((s - 1, "F", i))
-                    if t is None:
-                        continue
-                    t += edge_copy[s - 1][i] + handoff
-            elif kind == "W":
-                t = end.get((s, "I", i))
-                if t is None:
-                    continue
-            else:
-                if kind != "R" and i < stop and (s, "R", i) not in end:
-                    continue
-                t = end.get((s, "F", i))
-                if t is None:
-                    continue
-                if s != S - 1:
-                    later = end.get((s + 1, grad_kind, i))
-                    if later is None:
-                        continue
-                    t = max(t, later + edge_copy[s][i] + handoff)
-            start = max(t, free_at[q])
+            n = base[q] + heads[q]
+            # When its inputs are there (the worker's previous action is: it is the queue's head).
+            t = end[first[n]]
+            if t < 0:
+                continue
+            t += first_wait[n]
+            later = end[second[n]]
+            if later < 0:
+                continue
+            later += second_wait[n]
+            if later > t:
+                t = later
+            start = free_at[q] if free_at[q] > t else t
             if start > now + eps:
                 timed[q] = start
                 continue
-            key = (kind, sizes[i])
-            share = demand_of[key][s]
-            r = resource[s] if share > 0 else FREE
-            if r not in finishing or not finishing[r]:
-                clock[r], asked[r], finishing[r] = 0.0, 0.0, []
-            heapq.heappush(finishing[r], (clock[r] + seconds_of[key][s], order, q))
+            share = asked[n]
+            r = resource[stage[n]] if share > 0 else FREE
+            heap = finishing.get(r)
+            if not heap:
+                clock[r], demand[r], finishing[r] = 0.0, 0.0, []
+                heap = finishing[r]
+            heapq.heappush(heap, (clock[r] + took[n], order, q))
             order += 1
-            asked[r] += share
-            running[q] = (r, share, now, s, kind, i)
-            if kind == "F" and s:
-                copy = edge_copy[s - 1][i]
-                if copy > 0:
-                    done = end[(s - 1, "F", i)]
-                    rows_out.append((run, s, stage_device[s], i, "copy", done, done + copy, "predicted", q))
+            demand[r] += share
+            running[q] = (r, share, now, n)
+            copy = copy_of[n]
+            if copy > 0:
+                done = end[first[n]]
+                rows_out.append((run, stage[n], stage_device[stage[n]], micro[n], "copy", done, done + copy,
+                                 "predicted", q))
         dirty.clear()
-        wake = min(timed.values(), default=math.inf)
+        wake = min(timed.values()) if timed else math.inf
         active = [r for r, heap in finishing.items() if heap]
         if not active:
             if wake == math.inf:
                 raise RuntimeError("the schedule deadlocked: no stage can run its next action")
             now = wake
             continue
-        rates = {r: rate(r) for r in active}
-        step = min(min((finishing[r][0][0] - clock[r]) / rates[r] for r in active), wake - now)
+        rates = [1.0 / demand[r] if r != FREE and demand[r] > 1.0 else 1.0 for r in active]
+        step = wake - now
+        for r, rate in zip(active, rates):
+            left = (finishing[r][0][0] - clock[r]) / rate
+            if left < step:
+                step = left
         now += step
-        for r in active:
-            clock[r] += step * rates[r]
+        for r, rate in zip(active, rates):
+            clock[r] += step * rate
             heap = finishing[r]
             while heap and heap[0][0] - clock[r] <= eps * max(1.0, now):
                 _, _, q = heapq.heappop(heap)
-                _, share, start, s, kind, i = running.pop(q)
-                asked[r] -= share
+                _, share, start, n = running.pop(q)
+                demand[r] -= share
                 heads[q] += 1
                 remaining -= 1
-                end[(s, kind, i)] = now
+                end[n] = now
                 free_at[q] = now + gap
-                rows_out.append((run, s, stage_device[s], i, PHASES[kind], start, now, "predicted", q))
+                s, k = stage[n], kind[n]
+                rows_out.append((run, s, stage_device[s], micro[n], phase_of[k], start, now, "predicted", q))
                 # What this action's end can make ready: its stage's actions (the next in its
                 # queue, which is one of them; a backward waiting for its forward or recompute),
                 # and the forward of the next stage after a forward, the backward of the previous
-                # after a backward.
+                # after a backward (or input-grad).
                 dirty |= stage_queues[s]
-                if kind == "F":
+                if k == 0:
                     if s + 1 < S:
                         dirty |= stage_queues[s + 1]
-                elif kind in ("B", "I") and s > 0:
+                elif (k == 1 or k == 3) and s > 0:
                     dirty |= stage_queues[s - 1]
-
     return rows_out
 
 
-def _longest_path(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
-                  handoff: float, gap: float, resource: list[str]) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """Start and end of every action of ``graph`` (its level order) when no device is ever asked
-    for more than all of it, else ``None`` (the processor-sharing loop must run)."""
-    kinds = list(PHASES)
-    by_size = sorted({rows for _, rows in seconds})
-    table = np.array([[seconds[(k, rows)] for rows in by_size] for k in kinds])  # kind × size × stage
-    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in kinds])
-    stage, micro, kind = graph.stage, graph.micro, graph.kind
-    size = size_index[micro]
-    n = len(graph)
-    first_wait = np.zeros(n)
-    forward = (kind == 0) & (stage > 0)
-    first_wait[forward] = edge_copy[stage[forward] - 1, micro[forward]] + handoff
-    second_wait = np.zeros(n)
-    gradient = graph.second < n
-    second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
-    start, end = graph.times(table[kind, size, stage], first_wait, second_wait, gap)
+def _longest_path(graph: ActionGraph, costs: tuple[np.ndarray, ...],
+                  resource: list[str], gap: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Start and end of every action of ``graph`` when no device is ever asked for more than all
+    of it, else ``None`` (the processor-sharing loop must run)."""
+    took, asked, first_wait, second_wait = costs
+    start, end = graph.times(took, first_wait, second_wait, gap)
     resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
-    if oversubscribed(graph, resource_id, asked[kind, size, stage], start, end):
+    if oversubscribed(graph, resource_id, asked, start, end):
         return None
     return start, end
 
