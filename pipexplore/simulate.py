@@ -12,6 +12,11 @@ proportion (processor sharing)::
     stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
     stage 1     F0 F1 F2 F3 ·  ·  B3 B2 B1 B0
 
+Where no device is ever asked for more than all of it at once (a device per stage, stages that
+leave the host free), the step is the longest path of the schedule's dependency graph, which is
+cached per shape and timed level by level (:mod:`pipexplore.dataflow`); otherwise an event loop
+runs the processor sharing. Both give the same timeline where both apply (tests).
+
 The result is a timeline in the common schema with ``source='predicted'``, a ``memory``
 column (the activation bytes the stage holds once the event is done) and a ``lane`` column: the
 worker that runs the action (what a measured timeline's hand-offs are read against, see
