@@ -415,3 +415,27 @@ def test_the_notebook_keeps_a_static_view(explorer):
     assert not page.scripts
     layers = [a for a in page.attributes if a.get("class") == "cell"]
     assert [int(a["data-stage"]) for a in layers] == [0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_large_timelines_travel_as_single_precision_webgl_segments_at_the_right_times():
+    import numpy as np
+
+    from pipexplore.simulate import simulate
+    from pipexplore.widgets.plots import BAR_LIMIT, TimelineView
+
+    import pandas as pd
+
+    table = pd.DataFrame({"forward": [1e-3] * 8, "backward": [2e-3] * 8, "output_bytes": 0.0})
+    predicted = simulate(table, list(range(1, 8)), chunks=256, schedule="1f1b", executor="threads",
+                         devices=[f"cuda:{s}" for s in range(8)], copy_cost=0.0, batch=256)
+    assert len(predicted) > BAR_LIMIT
+    view = TimelineView(predicted, samples=256, widget=False)
+    forward = next(t for t in view.figure.data if t.name == "forward" and t.xaxis == "x")
+    assert forward.type == "scattergl"
+    x = np.asarray(forward.x)
+    assert x.dtype == np.float32  # half the bytes of a redraw
+    blocks = predicted[predicted["phase"] == "forward"]
+    origin = predicted["start"].min()
+    np.testing.assert_allclose(np.sort(x[0::3]), np.sort((blocks["start"] - origin).to_numpy() * 1e3), rtol=1e-6,
+                               atol=1e-4)
+    assert np.isnan(x[2::3]).all()  # a gap after each block
