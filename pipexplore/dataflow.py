@@ -67,7 +67,7 @@ class ActionGraph:
         if len(number) != len(actions):
             raise ValueError("a schedule lists an action twice")
         none = len(actions)
-        lane = np.fromiter((q for q, queue in enumerate(queues) for _ in queue), dtype=np.int64, count=none)
+        lane = np.repeat(np.arange(len(queues), dtype=np.int64), [len(q) for q in queues])
         # Actions are numbered queue after queue: the worker's previous action is the number before.
         after = np.arange(-1, none - 1, dtype=np.int64)
         ends = np.cumsum([0, *map(len, queues)])
@@ -93,9 +93,9 @@ class ActionGraph:
                     second[n] = numbered((s + 1, grad_kind, i), actions[n])
         return cls(
             queues=queues,
-            stage=np.array([a[0] for a in actions], dtype=np.int64).reshape(none),
-            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64).reshape(none),
-            micro=np.array([a[2] for a in actions], dtype=np.int64).reshape(none),
+            stage=np.array([a[0] for a in actions], dtype=np.int64),
+            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64),
+            micro=np.array([a[2] for a in actions], dtype=np.int64),
             lane=lane, after=after, first=first, second=second,
             heads=ends[:-1][busy], tails=ends[1:][busy] - 1,
         )
@@ -107,6 +107,15 @@ class ActionGraph:
     def longest_queue(self) -> int:
         """The most actions one worker runs: the fewest levels the graph can have."""
         return max(map(len, self.queues), default=0)
+
+    @functools.cached_property
+    def stage_lanes(self) -> list[set[int]]:
+        """Per stage, the workers that run some of its actions."""
+        lanes: list[set[int]] = [set() for _ in range(int(self.stage.max()) + 1 if len(self) else 0)]
+        workers = len(self.queues)
+        for pair in np.unique(self.stage * workers + self.lane).tolist():
+            lanes[pair // workers].add(pair % workers)
+        return lanes
 
     @functools.cached_property
     def level(self) -> np.ndarray:
@@ -207,10 +216,11 @@ def oversubscribed(graph: ActionGraph, resource: np.ndarray, share: np.ndarray, 
             reach = max(reach, b)
     if not shared:
         return False
-    mine = np.isin(resource[graph.stage], shared) & (share > 0)
+    of_action = resource[graph.stage]
+    mine = np.isin(of_action, shared) & (share > 0)
     if not mine.any():
         return False
-    where, share, start, end = resource[graph.stage][mine], share[mine], start[mine], end[mine]
+    where, share, start, end = of_action[mine], share[mine], start[mine], end[mine]
     times = np.concatenate([start, end])
     delta = np.concatenate([share, -share])
     order = np.lexsort((delta, times, np.concatenate([where, where])))  # what ends before what starts

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -331,12 +331,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
     # stages, is timed as fast by the loop, which a crowded host needs anyway.)
-    if graph.longest_queue <= max(2000, len(graph) // 4) and graph.depth <= max(2000, len(graph) // 4):
+    most_levels = max(2000, len(graph) // 4)
+    if graph.longest_queue <= most_levels and graph.depth <= most_levels:
         times = _longest_path(graph, action_costs, resource, gap)
     if times is not None:
-        frame = _frame(graph, times, edge_copy, stage_device, run)
+        frame = _frame(graph, times, action_costs.copy, stage_device, run)
     else:
-        rows_out = _processor_sharing(graph, action_costs, edge_copy, gap, resource, stage_device, run)
+        rows_out = _processor_sharing(graph, action_costs, gap, resource, stage_device, run)
         frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
                  .reset_index(drop=True))
     frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
@@ -344,10 +345,20 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     return frame
 
 
+class ActionCosts(NamedTuple):
+    """Per action of a graph: its ``seconds``, the ``share`` of its device it asks for, the ``copy``
+    of its input from the stage before (forwards), and the time from the end of its first (second)
+    input to when it may start (the copy and the hand-off)."""
+
+    seconds: np.ndarray
+    share: np.ndarray
+    copy: np.ndarray
+    first_wait: np.ndarray
+    second_wait: np.ndarray
+
+
 def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
-                  handoff: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per action of ``graph``: its seconds, the share of its device it asks for, and the time
-    from the end of its first (second) input to when it may start (the copy and the hand-off)."""
+                  handoff: float) -> ActionCosts:
     kinds = list(PHASES)
     by_size = sorted({rows for _, rows in seconds})
     stage, micro, kind = graph.stage, graph.micro, graph.kind
@@ -355,29 +366,26 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
     took = np.array([[seconds[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
     asked = np.array([[demand[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
     n = len(graph)
-    first_wait = np.zeros(n)
-    forward = (kind == 0) & (stage > 0)
-    first_wait[forward] = edge_copy[stage[forward] - 1, micro[forward]] + handoff
+    copy = np.zeros(n)
+    received = (kind == 0) & (stage > 0)
+    copy[received] = edge_copy[stage[received] - 1, micro[received]]
+    first_wait = np.where(received, copy + handoff, 0.0)
     second_wait = np.zeros(n)
     gradient = graph.second < n
     second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
-    return took, asked, first_wait, second_wait
+    return ActionCosts(took, asked, copy, first_wait, second_wait)
 
 
-def _processor_sharing(graph: ActionGraph, costs: tuple[np.ndarray, ...], edge_copy: np.ndarray, gap: float,
-                       resource: list[str], stage_device: list[str], run: Union[int, str]) -> list[tuple]:
+def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str],
+                       stage_device: list[str], run: Union[int, str]) -> list[tuple]:
     """The step as an event loop: what :func:`simulate` runs when stages that share a device ask
     for more than all of it at once. Rows of the timeline, in the order their actions end."""
     # Per action as plain lists: the loop reads a few per action, and numpy scalars would cost it
     # more than its own work.
-    took, asked, first_wait, second_wait = (c.tolist() for c in costs)
+    took, asked, copy_of, first_wait, second_wait = (c.tolist() for c in costs)
     stage, micro, kind = graph.stage.tolist(), graph.micro.tolist(), graph.kind.tolist()
     first, second = graph.first.tolist(), graph.second.tolist()
     none = len(graph)
-    received = (graph.kind == 0) & (graph.stage > 0)
-    copy_seconds = np.zeros(none)
-    copy_seconds[received] = edge_copy[graph.stage[received] - 1, graph.micro[received]]
-    copy_of = copy_seconds.tolist()
     phase_of = list(PHASES.values())
     end = [-1.0] * none + [0.0]  # -1: not yet done; the sentinel "no input" ended at 0
     rows_out: list[tuple] = []
@@ -391,12 +399,9 @@ def _processor_sharing(graph: ActionGraph, costs: tuple[np.ndarray, ...], edge_c
     length = [len(queue) for queue in lane_queues]
     heads = [0] * Q
     free_at = [0.0] * Q
-    # The queues that hold each stage: when an action of stage s ends, only the queues of stage s
-    # and of the stage it hands its output to can have a next action become ready.
-    stage_queues: list[set[int]] = [set() for _ in range(S)]
-    for q, queue in enumerate(lane_queues):
-        for s, _, _ in queue:
-            stage_queues[s].add(q)
+    # When an action of stage s ends, only the queues of stage s and of the stage it hands its
+    # output to can have a next action become ready.
+    stage_queues = graph.stage_lanes
     # Processor sharing with a virtual clock per device: while the actions on one device ask for
     # more than all of it (``asked`` > 1), each runs slower in proportion, so all of them advance
     # at the same rate, 1 / asked, and an action ends when its device's clock has advanced by its
@@ -493,32 +498,29 @@ def _processor_sharing(graph: ActionGraph, costs: tuple[np.ndarray, ...], edge_c
     return rows_out
 
 
-def _longest_path(graph: ActionGraph, costs: tuple[np.ndarray, ...],
-                  resource: list[str], gap: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
+def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str],
+                  gap: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Start and end of every action of ``graph`` when no device is ever asked for more than all
     of it, else ``None`` (the processor-sharing loop must run)."""
-    took, asked, first_wait, second_wait = costs
-    start, end = graph.times(took, first_wait, second_wait, gap)
+    start, end = graph.times(costs.seconds, costs.first_wait, costs.second_wait, gap)
     resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
-    if oversubscribed(graph, resource_id, asked, start, end):
+    if oversubscribed(graph, resource_id, costs.share, start, end):
         return None
     return start, end
 
 
-def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], edge_copy: np.ndarray,
+def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,
            stage_device: list[str], run: Union[int, str]) -> pd.DataFrame:
     """The timeline of a timed graph, with a copy row before every forward that receives over a
     copy, sorted by start and stage (array by array: at 65k actions a row-wise build would cost
     more than the timing itself)."""
     start, end = times
     stage, micro, kind = graph.stage, graph.micro, graph.kind
-    received = np.flatnonzero((kind == 0) & (stage > 0))
-    copy = edge_copy[stage[received] - 1, micro[received]]
-    copied = received[copy > 0]
+    copied = np.flatnonzero(copy > 0)
     sent = end[graph.first[copied]]
     stage = np.concatenate([stage, stage[copied]])
     start = np.concatenate([start, sent])
-    end = np.concatenate([end, sent + copy[copy > 0]])
+    end = np.concatenate([end, sent + copy[copied]])
     by_stage = np.argsort(stage, kind="stable")
     order = by_stage[np.argsort(start[by_stage], kind="stable")]
     stage, start, end = stage[order], start[order], end[order]
