@@ -10,6 +10,7 @@ from torch import nn
 from models import unet_model
 from pipexplore import GPipe, SplitError
 from pipexplore.widgets import Explorer, explore
+from pipexplore.widgets.timeline_canvas import blocks_of
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def test_setting_splits_updates_plan_strip_and_prediction(explorer):
     after = explorer.timeline("predicted")
     assert set(after["stage"]) == {0, 1, 2} and not after.equals(before)
     # the figure's predicted row shows the new plan's numbers
-    assert explorer.figure.layout.annotations[0].text.startswith("predicted: step")
-    ticks = explorer.figure.layout.yaxis.ticktext  # lanes are numbered, stage 0 on top
-    lanes = {ticks[y] for trace in explorer.figure.data[:8] if trace.y is not None for y in trace.y}
+    panel = explorer.figure.scene["panels"][0]
+    assert panel["title"].startswith("predicted: step")
+    lanes = {panel["lanes"][lane] for lane in blocks_of(panel)["lane"]}  # stage 0 on top
     assert lanes == {"stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"}
 
 
@@ -114,7 +115,7 @@ def test_run_adds_a_row_and_a_measured_timeline(explorer):
     measured = explorer.timeline("measured")
     assert set(measured["source"]) == {"measured"} and set(measured["stage"]) == {0, 1, 2}
     assert explorer.w_runs.value.count("<tr") == 3  # header + 2 runs
-    assert explorer.figure.layout.annotations[1].text.startswith("measured: step")
+    assert explorer.figure.scene["panels"][1]["title"].startswith("measured: step")
 
 
 def test_the_users_model_is_not_changed_by_a_run(explorer):
@@ -254,7 +255,7 @@ def test_load_ext_pays_the_first_explorers_imports_in_one_background_thread():
     shell.run_line_magic("load_ext", "pipexplore")
     assert magics.warm_up_thread is thread  # once per process
     thread.join(120)
-    assert not thread.is_alive() and "plotly.basewidget" in sys.modules
+    assert not thread.is_alive() and "pipexplore.widgets.timeline_canvas" in sys.modules
 
 
 def test_async_backends_schedule_runs_stages_as_expert_backends():
@@ -266,8 +267,9 @@ def test_async_backends_schedule_runs_stages_as_expert_backends():
     assert set(batches["phase"]) == {"forward", "backward"} and set(batches["stage"]) == {0, 1}
     assert batches["tasks"].sum() == 4 * 2 * 2  # 4 micro-batches × 2 stages × forward and backward
     assert (batches["batch_size"] >= 8).all() and (batches["wait"] >= 0).all()
-    hover = [h for trace in ex.figure.data[8:] if trace.hovertext is not None for h in trace.hovertext]
-    assert hover and all("rows from" in h and "waited" in h for h in hover)
+    measured = ex.figure.scene["panels"][1]
+    hover = measured["extra"]  # each block's hover says what batch it was
+    assert len(hover) == measured["count"] == len(batches) and all("rows from" in h and "waited" in h for h in hover)
     # Beside it, a GPipe run of the same split.
     ex.update(schedule="gpipe")
     ex.run()

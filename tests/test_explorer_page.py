@@ -6,6 +6,8 @@ import html.parser
 import json
 import threading
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -14,8 +16,8 @@ from pipexplore import timeline as tl
 from pipexplore.profile import profile
 from pipexplore.widgets import explore
 from pipexplore.widgets.header import format_bytes
-from pipexplore.widgets.plots import PHASE_COLORS
 from pipexplore.widgets.residual_view import residual_grid
+from pipexplore.widgets.timeline_canvas import blocks_of
 
 LAYERS, WIDTH, BATCH = 8, 16, 16
 
@@ -40,6 +42,15 @@ def explorer(table):
 def _text(widget) -> str:
     """What an HTML widget says (entities decoded)."""
     return html.unescape(widget.value)
+
+
+def _panel(explorer, k: int) -> dict:
+    """Panel ``k`` of the explorer's timelines (0 predicted, 1 measured, 2 memory), as the page gets it."""
+    return explorer.figure.scene["panels"][k]
+
+
+def _title(panel: dict) -> str:
+    return panel["title"] + (f" ⚠ {panel['warning']}" if panel.get("warning") else "")
 
 
 def _peaks(plan) -> list[float]:
@@ -69,94 +80,109 @@ def test_header_shows_the_plans_predicted_figures(explorer):
 
 
 def test_an_empty_measured_panel_says_no_run_yet_without_axes(explorer):
-    layout = explorer.figure.layout
-    assert layout.annotations[1].text == "measured: no run yet"
-    assert layout.annotations[3].visible and "no run yet" in layout.annotations[3].text
-    assert layout.yaxis2.visible is False and layout.xaxis2.showgrid is False
-    measured_bars = explorer.figure.data[len(PHASE_COLORS): 2 * len(PHASE_COLORS)]
-    assert all(len(trace.x) == 0 for trace in measured_bars)
+    measured = _panel(explorer, 1)
+    assert measured["title"] == "measured: no run yet" and "no run yet" in measured["empty"]
+    assert measured["lanes"] == [] and measured["count"] == 0 and len(blocks_of(measured)) == 0  # no lanes drawn
 
 
 def test_predicted_and_measured_share_one_time_axis(explorer):
     explorer.run()
-    layout = explorer.figure.layout
-    assert layout.xaxis.matches == layout.xaxis2.matches == "x3"  # zoom and pan together
+    scene = explorer.figure.scene
+    assert [p["kind"] for p in scene["panels"]] == ["blocks", "blocks", "memory"]  # one canvas stack, one axis
     longest = max(tl.step_time(explorer.plan.predicted), tl.step_time(explorer.timeline("measured"))) * 1e3
-    for axis in (layout.xaxis, layout.xaxis2, layout.xaxis3):
-        assert axis.range == pytest.approx((0.0, longest * 1.02))
-    assert layout.annotations[1].text.startswith("measured: step")
-    assert layout.yaxis2.visible and not layout.annotations[3].visible
-    legend = [trace.name for trace in explorer.figure.data if trace.showlegend]
-    assert len(legend) == len(set(legend))  # one legend for both panels
+    assert scene["x_range"] == pytest.approx((0.0, longest * 1.02))
+    for k in (0, 1):  # both panels' blocks lie on that axis
+        assert blocks_of(_panel(explorer, k))["end"].max() <= scene["x_range"][1]
+    assert _panel(explorer, 1)["title"].startswith("measured: step") and _panel(explorer, 1)["lanes"]
+    shown = set(explorer.plan.predicted["phase"]) | set(explorer.timeline("measured")["phase"])
+    legend = [scene["phases"][k]["name"] for k in scene["legend"]]  # one legend for both panels
+    assert sorted(legend) == sorted(shown)
 
 
 def test_stage_zero_is_the_top_lane_and_blocks_carry_phase_and_microbatch(explorer):
-    axis = explorer.figure.layout.yaxis
-    assert list(axis.ticktext) == ["stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"]
-    assert list(axis.tickvals) == [0, 1, 2] and list(axis.range) == [2.5, -0.5]  # lane 0 at the top
-    forward = explorer.figure.data[0]
+    panel = _panel(explorer, 0)
+    assert panel["lanes"] == ["stage 0 · cpu", "stage 1 · cpu", "stage 2 · cpu"]  # lane 0 drawn at the top
+    phases = explorer.figure.scene["phases"]
+    assert [p["letter"] for p in phases[:2]] == ["F", "B"]  # a block's label: its phase letter and micro-batch
+    blocks = blocks_of(panel)
+    forward = blocks[blocks["phase"] == [p["name"] for p in phases].index("forward")]
     predicted = explorer.plan.predicted
-    expected = predicted[predicted["phase"] == "forward"]
-    assert list(forward.text) == [f"F{mb}" for mb in expected["microbatch"]]
-    assert list(forward.y) == expected["stage"].tolist()
-    assert list(forward.base) == pytest.approx((expected["start"] * 1e3).tolist())
-    assert list(forward.x) == pytest.approx(((expected["end"] - expected["start"]) * 1e3).tolist())
+    expected = predicted[predicted["phase"] == "forward"].sort_values(["stage", "start"])
+    assert forward["microbatch"].tolist() == expected["microbatch"].tolist()
+    assert forward["stage"].tolist() == forward["lane"].tolist() == expected["stage"].tolist()
+    assert forward["start"].tolist() == pytest.approx((expected["start"] * 1e3).tolist(), abs=1e-4)
+    assert forward["end"].tolist() == pytest.approx((expected["end"] * 1e3).tolist(), abs=1e-4)
+    # Sorted by lane, then start: each lane's blocks are one slice (what the page searches on hover).
+    assert panel["offsets"] == [0] + blocks.groupby("lane").size().cumsum().tolist()
+    assert blocks.groupby("lane")["start"].apply(lambda s: s.is_monotonic_increasing).all()
 
 
 def test_zero_bubble_input_gradients_are_coloured_apart_from_backward(explorer):
     explorer.update(schedule="zero-bubble")
-    traces = {trace.name: trace for trace in explorer.figure.data[: len(PHASE_COLORS)]}
+    phases = {p["name"]: (k, p) for k, p in enumerate(explorer.figure.scene["phases"])}
+    blocks = blocks_of(_panel(explorer, 0))
     predicted = explorer.plan.predicted
-    assert len(traces["input_grad"].x) == (predicted["phase"] == "input_grad").sum() > 0
-    assert set(traces["input_grad"].text) == {f"I{mb}" for mb in range(4)}
-    assert set(traces["weight_grad"].text) == {f"W{mb}" for mb in range(4)}
-    assert traces["input_grad"].marker.color != traces["backward"].marker.color
+    input_grad = blocks[blocks["phase"] == phases["input_grad"][0]]
+    assert len(input_grad) == (predicted["phase"] == "input_grad").sum() > 0
+    assert set(input_grad["microbatch"]) == set(range(4)) and phases["input_grad"][1]["letter"] == "I"
+    assert phases["weight_grad"][1]["letter"] == "W"
+    assert phases["input_grad"][1]["color"] != phases["backward"][1]["color"]
 
 
 def test_a_measured_panel_of_another_plan_says_so(explorer):
     explorer.run()
-    assert "not the current plan" not in explorer.figure.layout.annotations[1].text
+    assert "not the current plan" not in _title(_panel(explorer, 1))
     explorer.update(chunks=8)
-    title = explorer.figure.layout.annotations[1].text
+    title = _title(_panel(explorer, 1))
     assert "run 0" in title and "not the current plan: chunks 4 → 8" in title
 
 
 def test_hovering_a_layer_shades_its_stage_and_a_block_names_its_layers(explorer):
     explorer.run()
     explorer.bar.hovered = 1  # what the strip sets when the pointer is over a layer of stage 1
-    shapes = explorer.figure.layout.shapes
-    assert [(s.yref, s.y0, s.y1) for s in shapes] == [("y", 0.5, 1.5), ("y2", 0.5, 1.5)]  # both timelines
+    assert explorer.figure.highlight == 1  # the page shades stage 1's lanes in both timelines
     explorer.bar.hovered = -1
-    assert explorer.figure.layout.shapes == ()
+    assert explorer.figure.highlight == -1
     # splits [2, 5] of 8 layers: a block of stage 1 says layers 2–4; a measured block also says
     # what its own run predicted for the same action.
-    forward, measured_forward = explorer.figure.data[0], explorer.figure.data[len(PHASE_COLORS)]
-    custom = forward.customdata
-    assert "layers %{customdata[5]}–%{customdata[6]}" in forward.hovertemplate
-    assert {(row[1], row[5], row[6]) for row in custom} == {(0, 0, 1), (1, 2, 4), (2, 5, 7)}
+    assert _panel(explorer, 0)["stage_layers"] == [[0, 1], [2, 4], [5, 7]]
+    measured = _panel(explorer, 1)
+    assert measured["stage_layers"] == [[0, 1], [2, 4], [5, 7]] and measured["other_name"] == "predicted for this run"
     result = explorer._results[-1]
-    predicted = result.predicted[result.predicted["phase"] == "forward"]
-    spans = {(r.stage, r.microbatch): (r.end - r.start) * 1e3 for r in predicted.itertuples()}
-    assert "predicted for this run" in measured_forward.hovertemplate
-    # What travels to the browser is JSON: no NaN anywhere in the blocks' data.
-    from pipexplore.widgets.plots import TimelineView
+    spans = {(r.stage, r.microbatch, r.phase): (r.end - r.start) * 1e3 for r in result.predicted.itertuples()}
+    names = [p["name"] for p in explorer.figure.scene["phases"]]
+    blocks = blocks_of(measured)
+    assert len(blocks) == len(result.timeline)
+    for row in blocks.itertuples():
+        assert row.other == pytest.approx(spans[(row.stage, row.microbatch, names[row.phase])], rel=1e-5)
+    # What travels to the browser is JSON plus binary buffers: no NaN in the JSON.
+    from pipexplore.widgets.timeline_canvas import TimelineCanvas
 
-    bare = TimelineView(explorer.plan.predicted, widget=False)  # no layer ranges given: none shown, none NaN
-    for figure in (explorer.figure, bare.figure):
-        for trace in figure.data[: 2 * len(PHASE_COLORS)]:
-            json.dumps([list(row) for row in trace.customdata], allow_nan=False)  # raises on NaN
-    for row in measured_forward.customdata:
-        assert row[7] == pytest.approx(spans[(int(row[1]), int(row[0]))])
+    state = TimelineCanvas(scene=explorer.figure.scene).get_state()
+    json.dumps({k: v for k, v in state.items() if k != "scene"}, allow_nan=False)
+    json.dumps(explorer.figure.scene, allow_nan=False, default=lambda b: None)  # raises on NaN
 
 
-def test_the_plotly_toolbar_has_no_chart_studio_link(explorer):
-    config = explorer.figure._config
-    assert config["displaylogo"] is False and config["showSendToCloud"] is False
-    assert "sendDataToCloud" in config["modeBarButtonsToRemove"]
+def test_the_timeline_says_which_split_it_shows(explorer):
     assert "pipexplore-timeline" in explorer.figure._dom_classes
-    assert explorer.figure.layout.meta["splits"] == "2,5"
+    assert explorer.figure.scene["splits"] == "2,5"  # the page's data-splits, once drawn
     explorer.splits = [4, 6]
-    assert explorer.figure.layout.meta["splits"] == "4,6"
+    assert explorer.figure.scene["splits"] == "4,6"
+
+
+def test_the_explorers_page_draws_without_plotly():
+    """plotly.js ships as a 5 MB widget module; the live page's timelines are our own canvas, so
+    an explorer (and its warm-up) never import plotly. Reports and residuals load it on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom torch import nn\nfrom pipexplore.widgets import explore\n"
+            "from pipexplore.widgets.plots import warm_up\nwarm_up()\n"
+            "ex = explore(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(8, 4), chunks=2, calibrate=False)\n"
+            "ex._repr_mimebundle_()\nprint('PLOTLY', 'plotly' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "PLOTLY False" in out.stdout
 
 
 # ---- memory over time -------------------------------------------------------------------
@@ -167,14 +193,16 @@ def test_memory_panel_draws_each_stages_activations_and_marks_its_peak(explorer)
     assert peaks["bytes"].tolist() == _peaks(explorer.plan)
     memory = tl.activation_memory(explorer.plan.predicted)
     scale = 1024.0 if max(_peaks(explorer.plan)) >= 1024 else 1.0
-    stage_lines = explorer.figure.data[2 * len(PHASE_COLORS) + 2:]
-    assert len(stage_lines) == 3
-    for stage, line in enumerate(stage_lines):
+    panel = _panel(explorer, 2)
+    assert panel["kind"] == "memory" and panel["unit"] == ("KiB" if scale == 1024.0 else "B")
+    assert [line["stage"] for line in panel["series"]] == [0, 1, 2]
+    for stage, line in enumerate(panel["series"]):
         rows = memory[memory["stage"] == stage]
-        assert list(line.y[1:]) == pytest.approx((rows["bytes"] / scale).tolist())
-        assert list(line.x[1:]) == pytest.approx((rows["time"] * 1e3).tolist())
-    marks = explorer.figure.data[2 * len(PHASE_COLORS) + 1]
-    assert list(marks.y) == pytest.approx([v / scale for v in _peaks(explorer.plan)])
+        assert np.frombuffer(line["v"], np.float32).tolist() == pytest.approx((rows["bytes"] / scale).tolist())
+        assert np.frombuffer(line["t"], np.float32).tolist() == pytest.approx((rows["time"] * 1e3).tolist(),
+                                                                              abs=1e-4)
+    assert [m["v"] for m in panel["peaks"]] == pytest.approx([v / scale for v in _peaks(explorer.plan)])
+    assert not any(m["over"] for m in panel["peaks"]) and panel["cap"] is None
 
 
 def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
@@ -184,13 +212,14 @@ def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
     over = [stage for stage, peak in enumerate(peaks) if peak > cap]
     assert 0 < len(over) < 3
     assert explorer.timelines.peaks()["over_cap"].tolist() == [p > cap for p in peaks]
-    text = explorer.figure.layout.annotations[2].text
-    assert f"{', '.join(map(str, over))} over the cap" in text
+    panel = _panel(explorer, 2)
+    assert f"{', '.join(map(str, over))} over the cap" in panel["warning"]
     assert "over the cap" in explorer.w_header.value and "⚠" in explorer.w_stages.value
-    cap_line = explorer.figure.data[2 * len(PHASE_COLORS)]
-    assert cap_line.name == "memory cap" and len(cap_line.y) == 2
+    scale = 1024.0 if max(peaks) >= 1024 else 1.0
+    assert panel["cap"] == pytest.approx(explorer.memory_cap / scale)  # the cap's line
+    assert [m["over"] for m in panel["peaks"]] == [p > cap for p in peaks]  # marks of the stages over it
     explorer.w_memory_cap.value = "1 GiB"
-    assert explorer.memory_cap == 2 ** 30 and "all stages under the cap" in explorer.figure.layout.annotations[2].text
+    assert explorer.memory_cap == 2 ** 30 and "all stages under the cap" in _panel(explorer, 2)["title"]
     explorer.w_memory_cap.value = "lots"
     assert ("memory_cap must be a number of bytes > 0 or a size such as '2 GiB'"
             in _text(explorer.w_errors["memory_cap"]))
@@ -240,12 +269,12 @@ def test_a_past_run_shows_again_and_its_plan_can_be_restored(explorer):
     explorer.update(chunks=8, splits=[4, 6])
     explorer.run()
     explorer.w_show_run.value = 0
-    assert "run 0 · splits [2, 5] · 4 chunks · gpipe" in explorer.figure.layout.annotations[1].text
-    assert explorer.figure.data[len(PHASE_COLORS)].y is not None
+    assert "run 0 · splits [2, 5] · 4 chunks · gpipe" in _panel(explorer, 1)["title"]
+    assert _panel(explorer, 1)["count"] == len(explorer.timeline("measured", run=0))
     assert explorer.w_restore.description == "Restore run 0's plan"
     explorer.w_restore.click()
     assert explorer.splits == [2, 5] and explorer.plan.chunks == 4
-    assert "not the current plan" not in explorer.figure.layout.annotations[1].text
+    assert "not the current plan" not in _title(_panel(explorer, 1))
     with pytest.raises(LookupError, match=r"run 7 is not in explorer.runs \(latest runs: 0, 1\)"):
         explorer.restore(7)
 
@@ -258,9 +287,10 @@ def test_two_runs_side_by_side(explorer):
     table_html, figure = explorer.w_compare_box.children[1], explorer.w_compare_box.children[2]
     assert "<th>run 1</th>" in table_html.value and "<th>run 0</th>" in table_html.value
     assert "1f1b" in table_html.value and "gpipe" in table_html.value
-    assert figure.layout.annotations[0].text.startswith("run 1: step")
-    assert figure.layout.annotations[1].text.startswith("run 0: step")
-    assert figure.layout.xaxis.range == figure.layout.xaxis2.range
+    first, second = figure.scene["panels"]  # one time axis, no memory panel
+    assert first["title"].startswith("run 1: step") and second["title"].startswith("run 0: step")
+    longest = max(tl.step_time(explorer.timeline("measured", run=n)) for n in (0, 1)) * 1e3
+    assert figure.scene["x_range"] == pytest.approx((0.0, longest * 1.02))
     explorer.w_compare.value = -1
     assert explorer.w_compare_box.children == ()
 

@@ -5,11 +5,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
-from plotly.basedatatypes import Undefined
-from plotly.subplots import make_subplots
 
 from pipexplore import timeline as tl
+from pipexplore.widgets import timeline_canvas as canvas
 
 __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "PLOTLY_CONFIG", "BAR_LIMIT", "TEXT_COLOR",
            "TimelineView", "timeline_figure", "update_timeline_figure", "summary", "lanes", "memory_scale"]
@@ -180,13 +178,17 @@ def _axes(row: int) -> dict[str, str]:
     return {"xaxis": f"x{row if row > 1 else ''}", "yaxis": f"y{row if row > 1 else ''}"}
 
 
-def _bar_trace(phase: str, props: dict[str, Any], row: int) -> go.Bar:
+def _bar_trace(phase: str, props: dict[str, Any], row: int) -> Any:
+    import plotly.graph_objects as go
+
     return go.Bar(orientation="h", name=phase, legendgroup=phase, showlegend=row == 1, marker_color=PHASE_COLORS[phase],
                   marker_line_width=0, textposition="inside", insidetextanchor="middle", textangle=0,
                   textfont=dict(color="white"), constraintext="inside", cliponaxis=True, **_axes(row), **props)
 
 
-def _line_trace(phase: str, props: dict[str, Any], row: int) -> go.Scattergl:
+def _line_trace(phase: str, props: dict[str, Any], row: int) -> Any:
+    import plotly.graph_objects as go
+
     props = dict(props)
     width = props.pop("line.width")
     return go.Scattergl(mode="lines", name=phase, legendgroup=phase, showlegend=row == 1, connectgaps=False,
@@ -194,14 +196,16 @@ def _line_trace(phase: str, props: dict[str, Any], row: int) -> go.Scattergl:
 
 
 class TimelineView:
-    """One plotly figure: the predicted step (top), the measured one, and the predicted activation
-    memory per stage (bottom), on one shared time axis (same range, zoom and pan together).
+    """The predicted step (top), the measured one, and the predicted activation memory per stage
+    (bottom), on one shared time axis (same range, zoom and pan together).
 
-    Stage 0 is the top lane; blocks carry their phase letter and micro-batch where they fit; panels
-    with more than :data:`BAR_LIMIT` blocks are drawn with WebGL. A redraw is one message to the
-    browser (a plotly update of the traces and layout that changed). ``figure`` is a
-    ``go.FigureWidget`` (class ``pipexplore-timeline``; ``layout.meta['splits']`` names the plan
-    drawn). ``names`` titles the two timeline panels; ``memory=False`` leaves the memory panel out.
+    Stage 0 is the top lane; blocks carry their phase letter and micro-batch where they fit. With
+    ``widget=True`` (the explorer's) ``figure`` is a :class:`~pipexplore.widgets.timeline_canvas.TimelineCanvas`
+    (class ``pipexplore-timeline``; its ``scene['splits']`` names the plan drawn): a redraw is one
+    message of binary arrays, drawn on canvas with a level of detail. With ``widget=False`` it is a
+    plotly figure (what a static report embeds), where panels of more than :data:`BAR_LIMIT` blocks
+    are WebGL lines. ``names`` titles the two timeline panels; ``memory=False`` leaves the memory
+    panel out.
 
     Example::
 
@@ -233,6 +237,18 @@ class TimelineView:
         self._kinds: tuple[Any, ...] = ()
         self._summaries: dict[int, tuple[pd.DataFrame, str]] = {}
         self._memory_unit = "B"
+        self._panels: dict[int, dict[str, Any]] = {}  # the canvas's block panels, kept until their rows change
+        self.widget = widget
+        self.figure: Any = canvas.TimelineCanvas() if widget else self._plotly_figure()
+        self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
+        if widget:
+            self.figure.add_class("pipexplore-timeline")
+        self.show(predicted=predicted, measured=measured)
+
+    def _plotly_figure(self) -> Any:
+        from plotly.subplots import make_subplots
+
+        memory = self.memory
         figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.05,
                                subplot_titles=(self.names[0], self.names[1], "activation memory"))
         figure.add_annotation(text="", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
@@ -251,12 +267,7 @@ class TimelineView:
         for axis in ("yaxis", "yaxis2"):
             figure.layout[axis].update(tickmode="array", showgrid=False, fixedrange=True)
         figure.update_xaxes(title_text="ms from the step's start", row=3 if memory else 2, col=1)
-        self.figure: Any = go.FigureWidget(figure) if widget else figure
-        self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
-        if widget:
-            self.figure._config = dict(PLOTLY_CONFIG)
-            self.figure.add_class("pipexplore-timeline")
-        self.show(predicted=predicted, measured=measured)
+        return figure
 
     # ---- what is drawn ---------------------------------------------------------------
     def show(self, *, predicted: Optional[pd.DataFrame] = None, measured: Optional[pd.DataFrame] = None,
@@ -365,6 +376,9 @@ class TimelineView:
     def highlight(self, stage: Optional[int]) -> None:
         """Shade ``stage``'s lane in both timelines (what hovering a layer of the strip does);
         ``None`` clears it. One layout message; the traces are untouched."""
+        if self.widget:
+            self.figure.highlight = -1 if stage is None else int(stage)
+            return
         shapes = []
         if stage is not None:
             color = STAGE_COLORS[int(stage) % len(STAGE_COLORS)]
@@ -381,6 +395,48 @@ class TimelineView:
         self.figure.layout.shapes = shapes
 
     def _draw(self, rows: set[int]) -> None:
+        if self.widget:
+            self._draw_canvas(rows)
+        else:
+            self._draw_plotly(rows)
+
+    def _draw_canvas(self, rows: set[int]) -> None:
+        """One scene message: block panels rebuilt for the rows that changed, titles and memory always."""
+        phases = list(PHASE_COLORS)
+        measured_text, measured_warning = self._measured_parts()
+        if 1 in rows or 1 not in self._panels:
+            self._panels[1] = canvas.block_panel(self.predicted, phases, stage_layers=self.stage_layers)
+        if 2 in rows or 2 not in self._panels:
+            self._panels[2] = canvas.block_panel(
+                self.measured, phases, empty="no run yet: press Run step to measure this plan",
+                stage_layers=self.measured_stage_layers, other=self.measured_prediction,
+                other_name="predicted for this run")
+        panels = [self._panels[1] | {"title": self._predicted_text()},
+                  self._panels[2] | {"title": measured_text, "warning": measured_warning}]
+        if self.memory:
+            if 3 in rows or 3 not in self._panels:
+                self._panels[3] = self._memory_panel()
+            text, warning = self._memory_parts()
+            panels.append(self._panels[3] | {"title": text, "warning": warning})
+        shown = {phase for frame in (self.predicted, self.measured) if frame is not None
+                 for phase in frame["phase"].unique()}
+        self.figure.scene = {
+            "panels": panels, "phases": canvas.phase_table(PHASE_COLORS, PHASE_LETTERS),
+            "legend": [k for k, phase in enumerate(phases) if phase in shown],
+            "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits)}
+
+    def _memory_panel(self) -> dict[str, Any]:
+        peaks = self.peaks()
+        has_memory = self.predicted is not None and "memory" in self.predicted and not self.predicted.empty
+        memory = self._memory() if has_memory else pd.DataFrame({"stage": [], "time": [], "bytes": []})
+        scale, unit = memory_scale(max([float(peaks["bytes"].max()) if len(peaks) else 0.0,
+                                        float(self.memory_cap or 0.0)]))
+        self._memory_unit = unit
+        return canvas.memory_panel(memory, peaks, STAGE_COLORS, scale=scale, unit=unit, cap=self.memory_cap)
+
+    def _draw_plotly(self, rows: set[int]) -> None:
+        from plotly.basedatatypes import Undefined
+
         lane_sets = [lanes(self.predicted), lanes(self.measured)]
         counts = [len(f) if f is not None else 0 for f in (self.predicted, self.measured)]
         has_memory = self.memory and self.predicted is not None and "memory" in self.predicted \
@@ -450,6 +506,8 @@ class TimelineView:
         return props
 
     def _memory_trace(self, k: int, props: dict[str, Any], stages: Sequence[int]) -> Any:
+        import plotly.graph_objects as go
+
         common = dict(xaxis="x3", yaxis="y3", x=props["x"], y=props["y"], hovertemplate=props["hovertemplate"])
         if k == 0:
             return go.Scatter(mode="lines", name="memory cap", showlegend=props["showlegend"],
@@ -505,43 +563,53 @@ class TimelineView:
         text = f"{self.names[0]}: " + self._summary(self.predicted)
         return text + (f" — {self.predicted_title}" if self.predicted_title else "")
 
-    def _measured_text(self) -> str:
+    def _measured_parts(self) -> tuple[str, str]:
+        """The measured panel's title and its warning ('' when none)."""
         text = f"{self.names[1]}: " + self._summary(self.measured)
         if self.measured is not None and self.measured_title:
             text += f" — {self.measured_title}"
-        if self.measured is not None and self.measured_warning:
-            text += f" <span style='color:#d62728'>⚠ {self.measured_warning}</span>"
-        return text
+        return text, self.measured_warning if self.measured is not None else ""
 
-    def _memory_text(self) -> str:
+    def _measured_text(self) -> str:
+        text, warning = self._measured_parts()
+        return text + (f" <span style='color:#d62728'>⚠ {warning}</span>" if warning else "")
+
+    def _memory_parts(self) -> tuple[str, str]:
+        """The memory panel's title and its warning (the stages over the cap; '' when none)."""
         peaks = self.peaks()
         if peaks.empty:
-            return "activation memory: not predicted for this timeline"
+            return "activation memory: not predicted for this timeline", ""
         scale, unit = memory_scale(float(max(peaks["bytes"].max(), self.memory_cap or 0.0)))
         top = peaks.loc[peaks["bytes"].idxmax()]
         text = (f"predicted activation memory per stage — peak {top['bytes'] / scale:.2f} {unit} "
                 f"(stage {int(top['stage'])})")
-        if self.memory_cap is not None:
-            over = [str(int(s)) for s in peaks.loc[peaks["over_cap"].astype(bool), "stage"]]
-            text += (f" · <span style='color:#d62728'>⚠ stage{'s' if len(over) > 1 else ''} {', '.join(over)} over the "
-                     f"cap of {self.memory_cap / scale:.2f} {unit}</span>" if over
-                     else f" · all stages under the cap of {self.memory_cap / scale:.2f} {unit}")
-        return text
+        if self.memory_cap is None:
+            return text, ""
+        over = [str(int(s)) for s in peaks.loc[peaks["over_cap"].astype(bool), "stage"]]
+        cap = f"{self.memory_cap / scale:.2f} {unit}"
+        if over:
+            return text, f"stage{'s' if len(over) > 1 else ''} {', '.join(over)} over the cap of {cap}"
+        return text + f" · all stages under the cap of {cap}", ""
+
+    def _memory_text(self) -> str:
+        text, warning = self._memory_parts()
+        return text + (f" · <span style='color:#d62728'>⚠ {warning}</span>" if warning else "")
 
 
 def warm_up() -> None:
-    """Pay the first-use costs of an explorer ahead of it: plotly's widget module (it imports
-    nbformat and jsonschema, ~1.4 s), its trace classes, and torch's optimizers (~1 s on first
-    use), by drawing a tiny timeline off screen and making one optimizer. ``%load_ext pipexplore``
-    runs this in a background thread, while the user writes the next cell."""
-    import plotly.basewidget  # noqa: F401
+    """Pay the first-use costs of an explorer ahead of it: the widget modules, the simulator, and
+    torch's optimizers (~1 s on first use), by laying out a tiny timeline and making one
+    optimizer. ``%load_ext pipexplore`` runs this in a background thread, while the user writes the
+    next cell."""
     import torch
 
     from pipexplore.simulate import simulate
 
     table = pd.DataFrame({"name": ["0", "1"], "forward": [1e-3, 1e-3], "backward": [2e-3, 2e-3],
                           "output_bytes": 0.0, "param_bytes": 0.0})
-    TimelineView(simulate(table, [1], chunks=2), samples=2, widget=False)
+    predicted = simulate(table, [1], chunks=2)
+    canvas.block_panel(predicted, PHASES)
+    tl.activation_memory(predicted)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 

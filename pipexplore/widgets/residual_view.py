@@ -5,7 +5,6 @@ from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 
 from pipexplore.widgets.plots import PHASES, PLOTLY_CONFIG, TEXT_COLOR
 
@@ -34,6 +33,8 @@ def residual_figure(table: Optional[pd.DataFrame] = None, title: str = "", *, wi
 
         residual_figure(explorer.residuals(), title="run 3")
     """
+    import plotly.graph_objects as go  # on first use: the explorer's page draws no plotly until then
+
     heat = go.Heatmap(colorscale="RdBu_r", zmid=0, texttemplate="%{text}", colorbar=dict(title="error %", thickness=12),
                       hovertemplate="%{y} · micro-batch %{x}<br>error %{z:+.1f} %<extra></extra>")
     figure = (go.FigureWidget if widget else go.Figure)(go.Figure(heat))

@@ -4,7 +4,6 @@
 // boundary to add a split; Delete on a focused handle (or dragging it off the strip) removes it.
 // The model's blocks are bracketed under the cells; a click on a bracket closes the block into one
 // cell (or opens it). Many layers get an overview with a brush (see ZOOM_MIN).
-// It also tags the explorer's predicted timeline with `data-splits` once plotly has drawn it.
 const SVG = "http://www.w3.org/2000/svg";
 const W = 1000, BAR_H = 44, ARC_TOP = 8, OFF_STRIP = 60;
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
@@ -65,30 +64,6 @@ function stageOf(layer, splits) {
   return s;
 }
 
-// The explorer's predicted timeline carries the splits it shows, set once plotly has drawn them.
-function tagTimeline(host) {
-  let tries = 0;
-  const timer = setInterval(() => {
-    tries += 1;
-    const explorer = host.closest(".pipexplore-explorer");
-    const timeline = explorer && explorer.querySelector(".pipexplore-timeline");
-    // plotly's FigureWidget draws into its own element: the timeline is the graph.
-    const graph = timeline && (timeline.classList.contains("js-plotly-plot") ? timeline
-      : timeline.querySelector(".js-plotly-plot"));
-    if (!graph || typeof graph.on !== "function") {
-      if (tries > 600) clearInterval(timer);
-      return;
-    }
-    clearInterval(timer);
-    const sync = () => {
-      const meta = (graph.layout && graph.layout.meta) || {};
-      if (meta.splits !== undefined) timeline.dataset.splits = String(meta.splits);
-    };
-    for (const event of ["plotly_afterplot", "plotly_restyle", "plotly_relayout", "plotly_update"]) graph.on(event, sync);
-    sync();
-  }, 100);
-}
-
 function render({ model, el: host }) {
   const root = document.createElement("div");
   root.className = "pipexplore-splitbar";
@@ -101,7 +76,6 @@ function render({ model, el: host }) {
   let drag = null; // { k, splits, off }
   let xs = [];
   let BAR_Y = 10; // room above the bar for skip arcs, when there are any
-  tagTimeline(host);
 
   let win = null; // [first, end) layers shown in detail, or null: all of them
   const collapsed = new Set(); // the model's blocks drawn closed, as one cell

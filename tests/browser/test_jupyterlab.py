@@ -73,10 +73,11 @@ def _run_all(page) -> None:
 
 _OVERLAPS = """
 root => {
-  // Every piece of text drawn in the explorer (SVG text of the strip and the plotly figure, and
-  // the HTML labels) as boxes; the pairs that overlap by more than a pixel each way.
+  // Every piece of text drawn in the explorer (SVG text of the strip, the HTML labels, the
+  // timelines' titles, legend and buttons) as boxes; the pairs that overlap by more than a pixel each way.
   const boxes = [];
-  for (const node of root.querySelectorAll('svg text, .widget-label, .pipexplore-card-label, .pipexplore-card-value')) {
+  for (const node of root.querySelectorAll('svg text, .widget-label, .pipexplore-card-label, .pipexplore-card-value, '
+                                           + '.pipexplore-tl-title, .pipexplore-tl-key, .pipexplore-tl-button')) {
     if (!node.textContent.trim() || node.closest('.modebar')) continue;
     const style = getComputedStyle(node);
     if (style.display === 'none' || style.visibility === 'hidden' || style.opacity === '0') continue;
@@ -100,8 +101,7 @@ root => {
   // Elements of the explorer that reach past its right edge (a page wider than its window).
   const right = root.getBoundingClientRect().right + 1;
   return [...root.querySelectorAll('*')].filter(node => node.getBoundingClientRect().right > right
-    && getComputedStyle(node).display !== 'none' && !node.closest('.pipexplore-runs')
-    && !node.closest('.draglayer'))  // plotly's invisible drag handles reach past the axis ends
+    && getComputedStyle(node).display !== 'none' && !node.closest('.pipexplore-runs'))
     .slice(0, 8).map(node => node.tagName + '.' + String(node.className.baseVal ?? node.className).slice(0, 60)
       + ' ' + Math.round(node.getBoundingClientRect().right - right) + 'px: ' + node.textContent.slice(0, 50));
 }
@@ -111,11 +111,8 @@ root => {
 _TIMELINE_STATE = """
 () => {
   const timeline = document.querySelector('.pipexplore-timeline');
-  const graph = timeline && (timeline.classList.contains('js-plotly-plot') ? timeline
-    : timeline.querySelector('.js-plotly-plot'));
   return JSON.stringify({timeline: timeline ? timeline.className + ' ' + JSON.stringify(timeline.dataset) : null,
-                         graph: !!graph, on: graph ? typeof graph.on : null,
-                         meta: graph && graph.layout ? graph.layout.meta : null});
+                         canvases: timeline ? timeline.querySelectorAll('canvas').length : 0});
 }
 """
 
@@ -137,7 +134,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [2]')",
                                    timeout=120_000)
             assert handle.get_attribute("aria-valuenow") == "2"
-            # The predicted timeline says which split it shows once plotly has drawn it.
+            # The predicted timeline says which split it shows once it has drawn it.
             page.wait_for_selector(".pipexplore-timeline[data-splits='2']", timeout=60_000)
             explorer = page.locator(".pipexplore-explorer")
             assert "no run yet" in explorer.locator(".pipexplore-timeline").inner_text()
@@ -155,11 +152,27 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
 
             # Hovering a layer shades its stage's lane in the timelines.
             page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
-            page.wait_for_function("document.querySelectorAll('.pipexplore-timeline .shapelayer path').length > 0",
-                                   timeout=30_000)
+            page.wait_for_selector(".pipexplore-timeline[data-highlight='1']", timeout=30_000)
             page.mouse.move(5, 5)
-            page.wait_for_function("document.querySelectorAll('.pipexplore-timeline .shapelayer path').length === 0",
-                                   timeout=30_000)
+            page.wait_for_selector(".pipexplore-timeline[data-highlight='-1']", timeout=30_000)
+            # Hovering a block of the predicted timeline tells what it is.
+            canvas = page.locator(".pipexplore-timeline canvas").first
+            canvas.scroll_into_view_if_needed()
+            box = canvas.bounding_box()
+            tip = page.locator(".pipexplore-timeline .pipexplore-tl-tip")
+            for k in range(1, 40):  # along the top lane (stage 0) until the pointer is over a block
+                page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
+                if tip.is_visible():
+                    break
+            assert re.search(r"micro-batch \d+ · stage 0 · layers 0–4", tip.inner_text()), tip.inner_text()
+            # Drag across the timelines to zoom into a time range; double-click to see the whole step.
+            page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + 20)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
+            page.mouse.up()
+            assert page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
+            page.mouse.dblclick(box["x"] + box["width"] * 0.6, box["y"] + 20)
+            assert not page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
 
             # The kernel's explorer has the new split.
             run_cell(page, 2)

@@ -1,0 +1,513 @@
+// Timelines on canvas: the predicted and measured steps (one lane per stage, stage 0 on top, a
+// block per action) and the activation memory per stage, on one shared time axis.
+//
+// Everything drawn comes in the model's `scene` (see timeline_canvas.py): per block panel its lanes
+// and, as binary buffers, each block's start, end (ms), lane, phase and micro-batch, sorted by lane
+// then start; per memory panel one step line per stage, the peaks and the cap. A redraw is one
+// message and one pass over typed arrays; blocks narrower than a few pixels are merged per lane and
+// phase, so ~100k blocks draw as at most (lanes x pixels) rectangles. `highlight` shades a stage's
+// lanes. Drag across a panel to zoom into that time range (every panel follows), double-click to
+// see the whole step, Ctrl+wheel zooms around the pointer and Shift+wheel pans. Hovering a block
+// tells its phase, micro-batch, stage, layers and span (and what its run predicted for it).
+// Once a scene is drawn, the element carries `data-splits` (the plan it shows).
+const LANE_MIN = 10, LANE_MAX = 28, LANES_PX = 360, PANEL_MIN = 110, EMPTY_PX = 56, MEMORY_PX = 150;
+const AXIS_PX = 34, RIGHT = 12, MERGE_PX = 3;
+const STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
+const FONT = "12px system-ui, sans-serif", SMALL = "10px system-ui, sans-serif";
+
+// A typed array over a binary buffer of the scene (a DataView from the widget's message).
+function typed(view, Type) {
+  if (!view) return new Type(0);
+  if (ArrayBuffer.isView(view) || view instanceof ArrayBuffer) {
+    const buffer = view.buffer || view, offset = view.byteOffset || 0, length = view.byteLength;
+    if (offset % Type.BYTES_PER_ELEMENT === 0) return new Type(buffer, offset, length / Type.BYTES_PER_ELEMENT);
+    return new Type(buffer.slice(offset, offset + length));
+  }
+  return Type.from(view);  // a plain list (a scene written as JSON)
+}
+
+function laneHeight(count) { return Math.max(LANE_MIN, Math.min(LANE_MAX, LANES_PX / Math.max(1, count))); }
+
+function panelHeight(panel) {
+  if (panel.kind === "memory") return MEMORY_PX;
+  const n = panel.lanes.length;
+  return n ? Math.max(PANEL_MIN, n * laneHeight(n)) : EMPTY_PX;
+}
+
+// Round tick values between x0 and x1, about `count` of them.
+function ticks(x0, x1, count) {
+  const span = x1 - x0;
+  if (!(span > 0)) return [x0];
+  const raw = span / count, magnitude = 10 ** Math.floor(Math.log10(raw)), norm = raw / magnitude;
+  const step = (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * magnitude;
+  const out = [];
+  for (let v = Math.ceil(x0 / step) * step; v <= x1 + step * 1e-9; v += step) out.push(Math.abs(v) < step * 1e-9 ? 0 : v);
+  return out;
+}
+
+function label(value, step) {
+  const digits = Math.max(0, Math.min(6, -Math.floor(Math.log10(step || 1) + 1e-9)));
+  return value.toFixed(digits);
+}
+
+// The last index in [lo, hi) whose start is <= t (lo - 1 if none).
+function lastStartingBy(start, lo, hi, t) {
+  let a = lo, b = hi;
+  while (a < b) {
+    const m = (a + b) >> 1;
+    if (start[m] <= t) a = m + 1; else b = m;
+  }
+  return a - 1;
+}
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+function render({ model, el: host }) {
+  host.classList.add("pipexplore-timeline");
+  const root = document.createElement("div");
+  root.className = "pipexplore-tl";
+  host.appendChild(root);
+  const bar = document.createElement("div");
+  bar.className = "pipexplore-tl-bar";
+  const legend = document.createElement("div");
+  legend.className = "pipexplore-tl-legend";
+  const reset = document.createElement("button");
+  reset.className = "pipexplore-tl-button";
+  reset.textContent = "whole step";
+  reset.title = "zoom out to the whole step (or double-click a panel)";
+  const save = document.createElement("button");
+  save.className = "pipexplore-tl-button";
+  save.textContent = "save PNG";
+  save.title = "download the timelines as a picture";
+  bar.append(legend, reset, save);
+  root.appendChild(bar);
+  const stack = document.createElement("div");
+  stack.className = "pipexplore-tl-stack";
+  root.appendChild(stack);
+  const band = document.createElement("div");
+  band.className = "pipexplore-tl-band";
+  stack.appendChild(band);
+  const tip = document.createElement("div");
+  tip.className = "pipexplore-tl-tip";
+  root.appendChild(tip);
+
+  let scene = null, panels = [], view = null, left = 60, width = 0, drag = null;
+
+  function colors() {
+    const style = getComputedStyle(host);
+    const text = style.getPropertyValue("--jp-ui-font-color1").trim() || "#555";
+    const faint = style.getPropertyValue("--jp-ui-font-color2").trim() || "#888";
+    return { text, faint, grid: "rgba(128, 128, 128, 0.25)" };
+  }
+
+  // Decode the scene's buffers once per scene.
+  function decode(raw) {
+    return (raw.panels || []).map((p) => {
+      if (p.kind === "memory") {
+        return { ...p, series: (p.series || []).map((s) => ({ ...s, t: typed(s.t, Float32Array), v: typed(s.v, Float32Array) })) };
+      }
+      return {
+        ...p, start: typed(p.start, Float32Array), end: typed(p.end, Float32Array), lane: typed(p.lane, Int32Array),
+        phase: typed(p.phase, Uint8Array), micro: typed(p.micro, Int32Array),
+        other: p.other ? typed(p.other, Float32Array) : null, offsets: p.offsets || [0],
+      };
+    });
+  }
+
+  function build() {
+    const raw = model.get("scene") || {};
+    scene = raw;
+    const old = panels.map((p) => p.node);
+    for (const node of old) node.remove();
+    panels = decode(raw).map((p) => {
+      const node = document.createElement("div");
+      node.className = "pipexplore-tl-panel";
+      const title = document.createElement("div");
+      title.className = "pipexplore-tl-title";
+      title.innerHTML = escapeHtml(p.title || "") +
+        (p.warning ? ` <span class="pipexplore-tl-warning">⚠ ${escapeHtml(p.warning)}</span>` : "");
+      const canvas = document.createElement("canvas");
+      canvas.className = "pipexplore-tl-canvas";
+      node.append(title, canvas);
+      stack.insertBefore(node, band);
+      return { ...p, node, canvas, height: panelHeight(p) };
+    });
+    const axis = document.createElement("canvas");
+    axis.className = "pipexplore-tl-canvas pipexplore-tl-axis";
+    const axisNode = document.createElement("div");
+    axisNode.className = "pipexplore-tl-panel";
+    axisNode.appendChild(axis);
+    stack.insertBefore(axisNode, band);
+    panels.push({ kind: "axis", node: axisNode, canvas: axis, height: AXIS_PX });
+    const phases = raw.phases || [];
+    legend.innerHTML = (raw.legend || []).map((k) => phases[k]).map((ph) =>
+      `<span class="pipexplore-tl-key"><i style="background:${ph.color}"></i>${escapeHtml(ph.name)}</span>`).join("");
+    const range = raw.x_range || [0, 1];
+    if (!view || !drag && !view.zoomed) view = { x0: range[0], x1: range[1], zoomed: false };
+  }
+
+  function x(t) { return left + (t - view.x0) / (view.x1 - view.x0) * (width - left - RIGHT); }
+  function time(px) { return view.x0 + (px - left) / (width - left - RIGHT) * (view.x1 - view.x0); }
+
+  function size(canvas, h) {
+    const ratio = window.devicePixelRatio || 1;
+    canvas.style.height = h + "px";
+    canvas.width = Math.max(1, Math.round(width * ratio));
+    canvas.height = Math.max(1, Math.round(h * ratio));
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, width, h);
+    return ctx;
+  }
+
+  function grid(ctx, h, palette) {
+    ctx.strokeStyle = palette.grid;
+    ctx.lineWidth = 1;
+    ctx.beginPath();
+    for (const v of ticks(view.x0, view.x1, Math.max(2, Math.floor((width - left) / 90)))) {
+      const px = Math.round(x(v)) + 0.5;
+      ctx.moveTo(px, 0);
+      ctx.lineTo(px, h);
+    }
+    ctx.stroke();
+  }
+
+  function drawBlocks(p, palette) {
+    const ctx = size(p.canvas, p.height);
+    const n = p.lanes.length;
+    if (!n) {
+      ctx.fillStyle = palette.faint;
+      ctx.font = FONT;
+      ctx.textAlign = "center";
+      ctx.textBaseline = "middle";
+      ctx.fillText(p.empty || "", width / 2, p.height / 2);
+      return;
+    }
+    grid(ctx, p.height, palette);
+    const laneH = p.height / n, barH = Math.max(2, laneH * 0.75), phases = scene.phases || [];
+    const fills = phases.map((ph) => ph.color);
+    const highlight = model.get("highlight");
+    ctx.font = FONT;
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (let lane = 0; lane < n; lane++) {
+      const stage = p.lane_stage[lane];
+      if (highlight >= 0 && stage === highlight) {
+        ctx.fillStyle = STAGE_COLORS[stage % STAGE_COLORS.length];
+        ctx.globalAlpha = 0.18;
+        ctx.fillRect(left, lane * laneH, width - left - RIGHT, laneH);
+        ctx.globalAlpha = 1;
+      }
+      ctx.fillStyle = palette.text;
+      if (laneH >= 9) ctx.fillText(p.lanes[lane], left - 6, (lane + 0.5) * laneH);
+    }
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(left, 0, width - left - RIGHT, p.height);
+    ctx.clip();
+    const lo = left, hi = width - RIGHT, labels = [];
+    const { start, end, phase, micro, offsets } = p;
+    for (let lane = 0; lane < n; lane++) {
+      const y = lane * laneH + (laneH - barH) / 2;
+      let runA = 0, runB = -1, runPhase = -1;
+      const flush = () => {
+        if (runPhase < 0) return;
+        ctx.fillStyle = fills[runPhase] || "#999";
+        ctx.fillRect(runA, y, Math.max(1, runB - runA), barH);
+        runPhase = -1;
+      };
+      for (let i = offsets[lane]; i < offsets[lane + 1]; i++) {
+        let a = x(start[i]), b = x(end[i]);
+        if (b < lo || a > hi) continue;
+        if (b - a >= MERGE_PX) {
+          flush();
+          ctx.fillStyle = fills[phase[i]] || "#999";
+          ctx.fillRect(a, y, b - a - 1, barH);
+          const letter = (phases[phase[i]] || {}).letter;
+          if (letter && barH >= 11) labels.push(a, b, y, i);
+          continue;
+        }
+        if (runPhase === phase[i] && a <= runB + 0.5) { runB = Math.max(runB, b); continue; }
+        flush();
+        runA = a; runB = b; runPhase = phase[i];
+      }
+      flush();
+    }
+    ctx.fillStyle = "white";
+    ctx.font = SMALL;
+    ctx.textAlign = "center";
+    for (let k = 0; k < labels.length; k += 4) {
+      const a = labels[k], b = labels[k + 1], i = labels[k + 3];
+      const text = phases[phase[i]].letter + micro[i];
+      if (b - a - 4 < text.length * 6.2) continue;
+      ctx.fillText(text, (Math.max(a, lo) + Math.min(b, hi)) / 2, labels[k + 2] + barH / 2);
+    }
+    ctx.restore();
+  }
+
+  function drawMemory(p, palette) {
+    const ctx = size(p.canvas, p.height);
+    grid(ctx, p.height, palette);
+    const top = Math.max(p.y_max || 0, 1e-12) * 1.1, pad = 6;
+    const y = (v) => p.height - pad - v / top * (p.height - 2 * pad);
+    ctx.font = SMALL;
+    ctx.fillStyle = palette.text;
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    const yTicks = ticks(0, top, 3);
+    const yStep = yTicks.length > 1 ? yTicks[1] - yTicks[0] : top;
+    for (const v of yTicks) ctx.fillText(label(v, yStep) + " " + p.unit, left - 6, y(v));
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(left, 0, width - left - RIGHT, p.height);
+    ctx.clip();
+    ctx.lineWidth = 1.5;
+    for (const s of p.series) {
+      ctx.strokeStyle = s.color;
+      ctx.beginPath();
+      ctx.moveTo(x(0), y(0));
+      let last = 0;
+      for (let i = 0; i < s.t.length; i++) {
+        const px = x(s.t[i]);
+        ctx.lineTo(px, y(last));
+        last = s.v[i];
+        ctx.lineTo(px, y(last));
+      }
+      ctx.lineTo(x(view.x1), y(last));
+      ctx.stroke();
+    }
+    if (p.cap !== null && p.cap !== undefined) {
+      ctx.strokeStyle = "#d62728";
+      ctx.setLineDash([6, 4]);
+      ctx.beginPath();
+      ctx.moveTo(left, y(p.cap));
+      ctx.lineTo(width - RIGHT, y(p.cap));
+      ctx.stroke();
+      ctx.setLineDash([]);
+    }
+    for (const peak of p.peaks || []) {
+      const px = x(peak.t), py = y(peak.v), r = peak.over ? 5 : 4;
+      ctx.fillStyle = ctx.strokeStyle = peak.over ? "#d62728" : STAGE_COLORS[peak.stage % STAGE_COLORS.length];
+      ctx.beginPath();
+      if (peak.over) {
+        ctx.lineWidth = 2;
+        ctx.moveTo(px - r, py - r); ctx.lineTo(px + r, py + r); ctx.moveTo(px + r, py - r); ctx.lineTo(px - r, py + r);
+        ctx.stroke();
+      } else {
+        ctx.moveTo(px, py - r); ctx.lineTo(px + r, py); ctx.lineTo(px, py + r); ctx.lineTo(px - r, py);
+        ctx.closePath();
+        ctx.fill();
+      }
+    }
+    ctx.restore();
+  }
+
+  function drawAxis(p, palette) {
+    const ctx = size(p.canvas, p.height);
+    const count = Math.max(2, Math.floor((width - left) / 90));
+    const values = ticks(view.x0, view.x1, count);
+    const step = values.length > 1 ? values[1] - values[0] : view.x1 - view.x0;
+    ctx.font = SMALL;
+    ctx.fillStyle = palette.text;
+    ctx.strokeStyle = palette.grid;
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    ctx.beginPath();
+    ctx.moveTo(left, 0.5);
+    ctx.lineTo(width - RIGHT, 0.5);
+    ctx.stroke();
+    for (const v of values) ctx.fillText(label(v, step), x(v), 3);
+    ctx.font = FONT;
+    ctx.fillText("ms from the step's start", left + (width - left - RIGHT) / 2, 17);
+  }
+
+  function draw() {
+    if (!scene) return;
+    width = stack.clientWidth || host.clientWidth || 800;
+    const palette = colors();
+    const probe = document.createElement("canvas").getContext("2d");
+    probe.font = FONT;
+    let widest = 40;
+    for (const p of panels) if (p.lanes) for (const name of p.lanes) widest = Math.max(widest, probe.measureText(name).width);
+    for (const p of panels) if (p.kind === "memory") widest = Math.max(widest, 60);
+    left = Math.min(Math.ceil(widest) + 12, Math.floor(width * 0.35));
+    for (const p of panels) {
+      if (p.kind === "blocks") drawBlocks(p, palette);
+      else if (p.kind === "memory") drawMemory(p, palette);
+      else drawAxis(p, palette);
+    }
+    reset.style.visibility = view.zoomed ? "visible" : "hidden";
+    host.dataset.highlight = String(model.get("highlight"));
+    if (scene.splits !== undefined) host.dataset.splits = String(scene.splits);
+  }
+
+  // ---- hover -------------------------------------------------------------------------
+  function blockAt(p, px, py) {
+    const n = p.lanes.length;
+    if (!n || px < left || px > width - RIGHT) return -1;
+    const lane = Math.floor(py / (p.height / n));
+    if (lane < 0 || lane >= n) return -1;
+    const slack = (view.x1 - view.x0) / Math.max(1, width - left - RIGHT);  // a pixel, in ms
+    const t = time(px), lo = p.offsets[lane], hi = p.offsets[lane + 1];
+    let best = -1;
+    for (let i = lastStartingBy(p.start, lo, hi, t + slack); i >= lo && i > lastStartingBy(p.start, lo, hi, t) - 64; i--) {
+      if (p.end[i] + slack >= t) { best = i; break; }
+    }
+    return best;
+  }
+
+  function describe(p, i) {
+    const phases = scene.phases || [];
+    const name = (phases[p.phase[i]] || {}).name || "?";
+    const stage = p.lane_stage[p.lane[i]];
+    let text = `${name} · micro-batch ${p.micro[i]} · stage ${stage}`;
+    const layers = p.stage_layers && p.stage_layers[stage];
+    if (layers) text += ` · layers ${layers[0]}–${layers[1]}`;
+    const a = p.start[i], b = p.end[i];
+    text += `<br>${a.toFixed(2)} → ${b.toFixed(2)} ms (${(b - a).toFixed(2)} ms)`;
+    if (p.other && p.other[i] >= 0) text += `<br>${escapeHtml(p.other_name)}: ${p.other[i].toFixed(2)} ms`;
+    if (p.extra && p.extra[i]) text += `<br>${escapeHtml(p.extra[i])}`;
+    return text + `<br><span class="pipexplore-tl-faint">${escapeHtml(p.lanes[p.lane[i]])}</span>`;
+  }
+
+  function describeMemory(p, px) {
+    const t = time(px);
+    const rows = [];
+    for (const s of p.series) {
+      const k = lastStartingBy(s.t, 0, s.t.length, t);
+      rows.push([k >= 0 ? s.v[k] : 0, s]);
+    }
+    rows.sort((u, w) => w[0] - u[0]);
+    return `${t.toFixed(2)} ms` + rows.slice(0, 8).map(([v, s]) =>
+      `<br><i style="background:${s.color}"></i>stage ${s.stage}: ${v.toFixed(2)} ${escapeHtml(p.unit)}`).join("")
+      + (rows.length > 8 ? `<br>… ${rows.length - 8} more stages` : "");
+  }
+
+  function panelAt(event) {
+    for (const p of panels) {
+      const box = p.canvas.getBoundingClientRect();
+      if (event.clientY >= box.top && event.clientY < box.bottom) return [p, event.clientX - box.left, event.clientY - box.top];
+    }
+    return [null, 0, 0];
+  }
+
+  function showTip(html, event) {
+    const box = root.getBoundingClientRect();
+    tip.innerHTML = html;
+    tip.style.display = "block";
+    const w = tip.offsetWidth;
+    const px = event.clientX - box.left;
+    tip.style.left = Math.max(0, Math.min(px + 14, box.width - w - 4)) + "px";
+    tip.style.top = (event.clientY - box.top + 14) + "px";
+  }
+
+  // ---- zoom and pan ------------------------------------------------------------------
+  function zoomTo(x0, x1) {
+    const range = scene.x_range || [0, 1];
+    const full = range[1] - range[0];
+    if (x1 - x0 < full * 1e-6) return;
+    x0 = Math.max(range[0], x0); x1 = Math.min(range[1], x1);
+    view = { x0, x1, zoomed: x0 > range[0] || x1 < range[1] };
+    draw();
+  }
+
+  stack.addEventListener("pointerdown", (event) => {
+    if (event.button !== 0) return;
+    const box = stack.getBoundingClientRect();
+    const px = event.clientX - box.left;
+    if (px < left) return;
+    drag = { from: px, to: px, box };
+    stack.setPointerCapture(event.pointerId);
+  });
+  stack.addEventListener("pointermove", (event) => {
+    if (drag) {
+      drag.to = Math.max(left, Math.min(width - RIGHT, event.clientX - drag.box.left));
+      band.style.display = "block";
+      band.style.left = Math.min(drag.from, drag.to) + "px";
+      band.style.width = Math.abs(drag.to - drag.from) + "px";
+      tip.style.display = "none";
+      return;
+    }
+    const [p, px, py] = panelAt(event);
+    let html = "";
+    if (p && p.kind === "blocks") {
+      const i = blockAt(p, px, py);
+      if (i >= 0) html = describe(p, i);
+    } else if (p && p.kind === "memory" && px >= left && p.series.length) html = describeMemory(p, px);
+    if (html) showTip(html, event); else tip.style.display = "none";
+  });
+  stack.addEventListener("pointerleave", () => { if (!drag) tip.style.display = "none"; });
+  stack.addEventListener("pointerup", () => {
+    if (!drag) return;
+    const { from, to } = drag;
+    drag = null;
+    band.style.display = "none";
+    if (Math.abs(to - from) > 4) zoomTo(time(Math.min(from, to)), time(Math.max(from, to)));
+  });
+  stack.addEventListener("dblclick", () => {
+    const range = scene.x_range || [0, 1];
+    view = { x0: range[0], x1: range[1], zoomed: false };
+    draw();
+  });
+  reset.addEventListener("click", () => stack.dispatchEvent(new MouseEvent("dblclick")));
+  stack.addEventListener("wheel", (event) => {
+    if (!scene) return;
+    const box = stack.getBoundingClientRect();
+    const px = event.clientX - box.left;
+    if (event.ctrlKey || event.metaKey) {
+      event.preventDefault();
+      const t = time(px), factor = Math.exp(event.deltaY / 300);
+      zoomTo(t - (t - view.x0) * factor, t + (view.x1 - t) * factor);
+    } else if (view.zoomed && (event.shiftKey || Math.abs(event.deltaX) > Math.abs(event.deltaY))) {
+      event.preventDefault();
+      const range = scene.x_range || [0, 1], span = view.x1 - view.x0;
+      const shift = (event.shiftKey ? event.deltaY : event.deltaX) / (width - left - RIGHT) * span;
+      const x0 = Math.max(range[0], Math.min(range[1] - span, view.x0 + shift));
+      zoomTo(x0, x0 + span);
+    }
+  }, { passive: false });
+
+  save.addEventListener("click", () => {
+    const ratio = window.devicePixelRatio || 1, palette = colors();
+    const titles = 22, total = panels.reduce((h, p) => h + p.height + (p.kind === "axis" ? 0 : titles), 0);
+    const out = document.createElement("canvas");
+    out.width = Math.round(width * ratio);
+    out.height = Math.round(total * ratio);
+    const ctx = out.getContext("2d");
+    ctx.scale(ratio, ratio);
+    ctx.fillStyle = getComputedStyle(host).getPropertyValue("--jp-layout-color0").trim() || "white";
+    ctx.fillRect(0, 0, width, total);
+    let y = 0;
+    for (const p of panels) {
+      if (p.kind !== "axis") {
+        ctx.fillStyle = palette.text;
+        ctx.font = FONT;
+        ctx.textBaseline = "middle";
+        ctx.textAlign = "left";
+        ctx.fillText((p.title || "") + (p.warning ? " ⚠ " + p.warning : ""), 4, y + titles / 2);
+        y += titles;
+      }
+      ctx.drawImage(p.canvas, 0, y, width, p.height);
+      y += p.height;
+    }
+    const link = document.createElement("a");
+    link.download = "pipexplore-timeline.png";
+    link.href = out.toDataURL("image/png");
+    link.click();
+  });
+
+  const resize = new ResizeObserver(() => {
+    const w = stack.clientWidth;
+    if (w && w !== width) draw();
+  });
+  resize.observe(stack);
+  model.on("change:scene", () => { build(); draw(); });
+  model.on("change:highlight", draw);
+  build();
+  draw();
+  return () => resize.disconnect();
+}
+
+export default { render };

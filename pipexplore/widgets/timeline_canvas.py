@@ -1,0 +1,158 @@
+"""TimelineCanvas: the anywidget that draws timelines and activation memory on canvas, one time axis.
+
+A scene is plain data: per block panel its lane labels and, as binary buffers (single precision
+times in ms, int32 lanes and micro-batches, uint8 phases), one block per action sorted by lane then
+start; per memory panel one step line per stage, the peaks and the cap. Setting
+:attr:`TimelineCanvas.scene` is one widget message; the front end (``timeline_canvas.js``) draws
+it with a level of detail (narrow blocks merged per lane and phase), zooms and pans every panel
+together, and tells what a block is on hover. :func:`block_panel` and :func:`memory_panel` build
+the panels; :func:`blocks_of` reads a block panel back as a DataFrame.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping, Optional, Sequence
+
+import anywidget
+import numpy as np
+import pandas as pd
+import traitlets
+
+__all__ = ["TimelineCanvas", "block_panel", "memory_panel", "blocks_of", "phase_table"]
+
+_HERE = pathlib.Path(__file__).parent
+
+_CSS = """
+.pipexplore-tl { position: relative; font-family: system-ui, sans-serif; font-size: 12px;
+  color: var(--jp-ui-font-color1, #555); user-select: none; }
+.pipexplore-tl-bar { display: flex; align-items: center; gap: 8px; flex-wrap: wrap; min-height: 22px; }
+.pipexplore-tl-legend { display: flex; gap: 10px; flex-wrap: wrap; flex: 1; font-size: 11px; }
+.pipexplore-tl-key i, .pipexplore-tl-tip i { display: inline-block; width: 10px; height: 10px; margin-right: 4px;
+  vertical-align: -1px; border-radius: 2px; }
+.pipexplore-tl-button { font-size: 11px; padding: 1px 8px; cursor: pointer; color: inherit;
+  background: var(--jp-layout-color2, #eee); border: 1px solid var(--jp-border-color1, #ccc); border-radius: 3px; }
+.pipexplore-tl-stack { position: relative; cursor: crosshair; }
+.pipexplore-tl-panel { margin: 0; }
+.pipexplore-tl-title { padding: 8px 0 3px 0; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.pipexplore-tl-warning { color: #d62728; }
+.pipexplore-tl-canvas { display: block; width: 100%; }
+.pipexplore-tl-band { position: absolute; top: 0; bottom: 0; display: none; pointer-events: none;
+  background: rgba(66, 133, 244, 0.15); border-left: 1px solid #4285f4; border-right: 1px solid #4285f4; }
+.pipexplore-tl-tip { position: absolute; display: none; pointer-events: none; z-index: 10; padding: 5px 8px;
+  font-size: 12px; line-height: 1.4; white-space: nowrap; border-radius: 4px;
+  background: var(--jp-layout-color0, white); color: var(--jp-ui-font-color0, #222);
+  border: 1px solid var(--jp-border-color1, #bbb); box-shadow: 0 1px 4px rgba(0, 0, 0, 0.2); }
+.pipexplore-tl-faint { color: var(--jp-ui-font-color2, #888); }
+"""
+
+
+class TimelineCanvas(anywidget.AnyWidget):
+    """Timelines drawn on canvas. ``scene``: what is drawn (see :func:`block_panel`,
+    :func:`memory_panel`; keys ``panels``, ``phases``, ``legend``, ``x_range`` in ms and ``splits``,
+    which the element shows as ``data-splits`` once drawn); ``highlight``: the stage whose lanes
+    are shaded (-1: none).
+
+    Example::
+
+        canvas = TimelineCanvas(scene={"panels": [block_panel(plan.predicted, title="predicted")],
+                                       "phases": phase_table(), "x_range": [0, 12.5], "splits": "2,5"})
+    """
+
+    _esm = _HERE / "timeline_canvas.js"
+    _css = _CSS
+
+    scene = traitlets.Dict().tag(sync=True)
+    highlight = traitlets.Int(-1).tag(sync=True)
+
+
+def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[dict[str, str]]:
+    """The phases a scene knows, in code order: name, colour and the letter on a block."""
+    return [{"name": name, "color": color, "letter": letters.get(name, "")} for name, color in colors.items()]
+
+
+def _lane_pairs(frame: pd.DataFrame) -> pd.MultiIndex:
+    pairs = frame[["stage", "device"]].drop_duplicates().sort_values("stage", kind="stable")
+    return pd.MultiIndex.from_frame(pairs)
+
+
+def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: str = "", warning: str = "",
+                empty: str = "", stage_layers: Sequence[tuple[int, int]] = (),
+                other: Optional[pd.DataFrame] = None, other_name: str = "") -> dict[str, Any]:
+    """A panel of blocks: one lane per (stage, device), stage 0 first, times in ms from the step's start.
+
+    ``phases``: the phase names in code order (a block of another phase gets the code after them);
+    ``stage_layers``: each stage's first and last layer (the hover names them); ``other``: another
+    timeline of the same plan, whose span of the same (stage, micro-batch, phase) each block's
+    hover shows as ``other_name`` (on a measured block: what its run predicted).
+
+    Example::
+
+        block_panel(plan.predicted, list(PHASE_COLORS), title="predicted: step 12.3 ms")
+    """
+    panel: dict[str, Any] = {"kind": "blocks", "title": title, "warning": warning, "empty": empty, "lanes": [],
+                             "lane_stage": [], "offsets": [0], "stage_layers": [list(b) for b in stage_layers],
+                             "other_name": other_name, "count": 0}
+    if frame is None or frame.empty:
+        return panel | {key: b"" for key in ("start", "end", "lane", "phase", "micro")}
+    pairs = _lane_pairs(frame)
+    lane = pairs.get_indexer(pd.MultiIndex.from_frame(frame[["stage", "device"]])).astype(np.int32)
+    origin = float(frame["start"].min())
+    start = (frame["start"].to_numpy(dtype=float) - origin) * 1e3
+    end = (frame["end"].to_numpy(dtype=float) - origin) * 1e3
+    codes = pd.Categorical(frame["phase"], categories=list(phases)).codes.astype(np.int16)
+    codes[codes < 0] = len(phases)
+    order = np.lexsort((start, lane))
+    lane = lane[order]
+    panel.update(
+        lanes=[f"stage {s} · {d}" for s, d in pairs], lane_stage=[int(s) for s, _ in pairs],
+        offsets=np.searchsorted(lane, np.arange(len(pairs) + 1)).tolist(), count=len(frame),
+        start=start[order].astype(np.float32).tobytes(), end=end[order].astype(np.float32).tobytes(),
+        lane=lane.tobytes(), phase=codes[order].astype(np.uint8).tobytes(),
+        micro=frame["microbatch"].to_numpy().astype(np.int32)[order].tobytes())
+    if other is not None and not other.empty:
+        keys = ["stage", "microbatch", "phase"]
+        spans = other.assign(span=(other["end"] - other["start"]) * 1e3).drop_duplicates(keys)[keys + ["span"]]
+        beside = frame[keys].merge(spans, on=keys, how="left")["span"].to_numpy(dtype=float)
+        panel["other"] = np.nan_to_num(beside[order], nan=-1.0).astype(np.float32).tobytes()  # JSON has no NaN
+    if {"batch_size", "tasks", "wait"} <= set(frame.columns):  # each block a batch an expert backend formed
+        panel["extra"] = [f"batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms" for r, t, w in
+                          zip(frame["batch_size"].to_numpy()[order], frame["tasks"].to_numpy()[order],
+                              frame["wait"].to_numpy()[order])]
+    return panel
+
+
+def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str], *, scale: float, unit: str,
+                 cap: Optional[float] = None, title: str = "", warning: str = "") -> dict[str, Any]:
+    """A panel of step lines, one per stage: ``memory`` has ``stage``, ``time`` (s) and ``bytes``
+    after each change, sorted by stage; ``peaks`` one row per stage (``stage``, ``time``, ``bytes``,
+    ``over_cap``). Values travel divided by ``scale`` and are labelled ``unit``."""
+    stages = memory["stage"].to_numpy()
+    times = (memory["time"].to_numpy(dtype=float) * 1e3).astype(np.float32)
+    values = (memory["bytes"].to_numpy(dtype=float) / scale).astype(np.float32)
+    present = np.unique(stages)
+    bounds = np.searchsorted(stages, present, side="left").tolist() + [len(stages)]
+    series = [{"stage": int(s), "color": colors[int(s) % len(colors)], "t": times[a:b].tobytes(),
+               "v": values[a:b].tobytes()} for s, a, b in zip(present, bounds[:-1], bounds[1:])]
+    marks = [{"stage": int(s), "t": float(t) * 1e3, "v": float(v) / scale, "over": bool(o)}
+             for s, t, v, o in zip(peaks["stage"], peaks["time"], peaks["bytes"], peaks["over_cap"])]
+    top = max([m["v"] for m in marks] + [cap / scale if cap is not None else 0.0])
+    return {"kind": "memory", "title": title, "warning": warning, "unit": unit, "series": series, "peaks": marks,
+            "cap": cap / scale if cap is not None else None, "y_max": top}
+
+
+def blocks_of(panel: Mapping[str, Any]) -> pd.DataFrame:
+    """A block panel's blocks as a DataFrame (``start``, ``end`` in ms, ``lane``, ``stage``, ``phase``
+    code, ``microbatch``, and ``other`` where the panel has it), in the panel's order.
+
+    Example::
+
+        blocks_of(explorer.figure.scene["panels"][0]).query("phase == 0")   # the forward blocks
+    """
+    out = pd.DataFrame({
+        "start": np.frombuffer(panel["start"], np.float32), "end": np.frombuffer(panel["end"], np.float32),
+        "lane": np.frombuffer(panel["lane"], np.int32), "phase": np.frombuffer(panel["phase"], np.uint8),
+        "microbatch": np.frombuffer(panel["micro"], np.int32)})
+    out["stage"] = np.asarray(panel["lane_stage"], dtype=int)[out["lane"]] if len(out) else np.zeros(0, int)
+    if "other" in panel:
+        out["other"] = np.frombuffer(panel["other"], np.float32)
+    return out
