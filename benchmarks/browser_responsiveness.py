@@ -4,7 +4,7 @@ Two notebooks: a 12-layer MLP profiled on 3 CPU stages, and a synthetic layer ta
 layers × 64 stages × 256 micro-batches (``Explorer(..., layer_table=...)``, no profiling). For
 each, run right after ``%load_ext pipexplore`` and again once its background warm-up is over: the
 time from the explorer cell's Shift+Enter to the predicted timeline on screen (its
-``.pipexplore-timeline[data-splits]``, set when plotly's redraw is complete), and, for 10 drags of
+``.pipexplore-timeline[data-splits]``, set once the canvas is drawn), and, for 10 drags of
 a split handle, the time from the page's ``pointerup`` to ``data-splits`` showing the new split,
 both read on the page's clock (``performance.now()``).
 
@@ -32,7 +32,7 @@ SETUP = ("%load_ext pipexplore\n"
          "from pipexplore.widgets import Explorer\n"
          "torch.manual_seed(0)\n"
          "print('READY')")
-# The same, once %load_ext's background warm-up (plotly's widget and torch's optimizer imports,
+# The same, once %load_ext's background warm-up (the widget modules and torch's optimizer imports,
 # ~4 s on 2 cores) is over: what a person sees who runs the explorer's cell after writing it.
 WARM_SETUP = SETUP.replace("print('READY')",
                            "import pipexplore.magics\npipexplore.magics.warm_up_thread.join()\nprint('READY')")

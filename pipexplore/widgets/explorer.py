@@ -769,9 +769,9 @@ class Explorer:
             return
         self._sync_controls()
         self._refresh_bar()
-        self._refresh_stages()
+        self._refresh_timelines()  # the picture first: the page draws it while the tables follow
         self._refresh_header()
-        self._refresh_timelines()
+        self._refresh_stages()
 
     def _refresh_bar(self) -> None:
         with self.bar.hold_sync():

@@ -336,7 +336,15 @@ class TimelineView:
         if self.predicted is None or self.predicted.empty or "memory" not in self.predicted:
             return pd.DataFrame(columns=columns)
         memory = self._memory()
-        rows = memory.loc[memory.groupby("stage")["bytes"].idxmax()].reset_index(drop=True)
+        cached = getattr(self, "_peaks_of", (None, None))
+        if cached[0] is not memory:
+            # Each stage's first row of the most bytes (the memory is sorted by stage, then time).
+            stage, held = memory["stage"].to_numpy(), memory["bytes"].to_numpy(dtype=float)
+            order = np.lexsort((-held, stage))
+            firsts = order[np.concatenate([[0], np.flatnonzero(np.diff(stage[order])) + 1])] if len(order) else order
+            cached = (memory, memory.iloc[firsts].reset_index(drop=True))
+            self._peaks_of = cached
+        rows = cached[1].copy()
         cap = self.memory_cap
         rows["over_cap"] = rows["bytes"] > cap if cap is not None else False
         return rows[columns]
@@ -345,8 +353,9 @@ class TimelineView:
         predicted = self.predicted
         cached = getattr(self, "_memory_of", (None, None))
         if cached[0] is not predicted:
-            cached = (predicted,
-                      tl.activation_memory(predicted.assign(end=predicted["end"] - predicted["start"].min())))
+            memory = tl.activation_memory(predicted)
+            memory["time"] -= predicted["start"].min()  # from the step's start
+            cached = (predicted, memory)
             self._memory_of = cached
         return cached[1]
 

@@ -145,8 +145,16 @@ function render({ model, el: host }) {
   let brushing = null;
 
 
+  // The new splits go to the kernel first; the caller redraws the strip after (a strip of many
+  // layers takes tens of ms to redraw, time the kernel can spend predicting the new plan).
+  let committing = false;
   function commit(splits) {
-    model.set("splits", splits);
+    committing = true;
+    try {
+      model.set("splits", splits);
+    } finally {
+      committing = false;
+    }
     model.save_changes();
   }
 
@@ -365,7 +373,9 @@ function render({ model, el: host }) {
   });
   svg.addEventListener("pointerleave", () => hover(-1));
 
-  for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => draw());
+  for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => {
+    if (!committing) draw();
+  });
   draw(null);
   return () => {};
 }

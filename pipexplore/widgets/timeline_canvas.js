@@ -95,12 +95,19 @@ function render({ model, el: host }) {
 
   let scene = null, panels = [], view = null, left = 60, width = 0, drag = null;
 
+  // The theme's colours, read again when JupyterLab switches theme (it marks the body).
+  let palette = null;
   function colors() {
-    const style = getComputedStyle(host);
-    const text = style.getPropertyValue("--jp-ui-font-color1").trim() || "#555";
-    const faint = style.getPropertyValue("--jp-ui-font-color2").trim() || "#888";
-    return { text, faint, grid: "rgba(128, 128, 128, 0.25)" };
+    if (!palette) {
+      const style = getComputedStyle(host);
+      palette = { text: style.getPropertyValue("--jp-ui-font-color1").trim() || "#555",
+                  faint: style.getPropertyValue("--jp-ui-font-color2").trim() || "#888",
+                  grid: "rgba(128, 128, 128, 0.25)" };
+    }
+    return palette;
   }
+  const theme = new MutationObserver(() => { palette = null; draw(); });
+  theme.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light", "data-jp-theme-name"] });
 
   // Decode the scene's buffers once per scene.
   function decode(raw) {
@@ -116,34 +123,52 @@ function render({ model, el: host }) {
     });
   }
 
-  function build() {
-    const raw = model.get("scene") || {};
-    scene = raw;
-    const old = panels.map((p) => p.node);
-    for (const node of old) node.remove();
-    panels = decode(raw).map((p) => {
+  // Panels keep their elements from one scene to the next (only titles and pixels change): no
+  // layout of the page is forced while a drag's new plan is drawn.
+  let nodes = [];  // per panel: { node, title, canvas }
+  function element(k, axis) {
+    if (!nodes[k]) {
       const node = document.createElement("div");
       node.className = "pipexplore-tl-panel";
       const title = document.createElement("div");
       title.className = "pipexplore-tl-title";
-      title.innerHTML = escapeHtml(p.title || "") +
-        (p.warning ? ` <span class="pipexplore-tl-warning">⚠ ${escapeHtml(p.warning)}</span>` : "");
       const canvas = document.createElement("canvas");
       canvas.className = "pipexplore-tl-canvas";
       node.append(title, canvas);
       stack.insertBefore(node, band);
-      return { ...p, node, canvas, height: panelHeight(p) };
+      nodes[k] = { node, title, canvas, html: null, height: -1 };
+    }
+    const slot = nodes[k];
+    slot.title.style.display = axis ? "none" : "";
+    slot.canvas.classList.toggle("pipexplore-tl-axis", axis);
+    return slot;
+  }
+
+  function build() {
+    const raw = model.get("scene") || {};
+    scene = raw;
+    const decoded = decode(raw);
+    decoded.push({ kind: "axis" });
+    for (const extra of nodes.splice(decoded.length)) extra.node.remove();
+    panels = decoded.map((p, k) => {
+      const slot = element(k, p.kind === "axis");
+      const html = p.kind === "axis" ? "" : escapeHtml(p.title || "") +
+        (p.warning ? ` <span class="pipexplore-tl-warning">⚠ ${escapeHtml(p.warning)}</span>` : "");
+      if (html !== slot.html) {
+        slot.title.innerHTML = html;
+        slot.html = html;
+      }
+      const height = p.kind === "axis" ? AXIS_PX : panelHeight(p);
+      if (height !== slot.height) {
+        slot.canvas.style.height = height + "px";
+        slot.height = height;
+      }
+      return { ...p, node: slot.node, canvas: slot.canvas, height };
     });
-    const axis = document.createElement("canvas");
-    axis.className = "pipexplore-tl-canvas pipexplore-tl-axis";
-    const axisNode = document.createElement("div");
-    axisNode.className = "pipexplore-tl-panel";
-    axisNode.appendChild(axis);
-    stack.insertBefore(axisNode, band);
-    panels.push({ kind: "axis", node: axisNode, canvas: axis, height: AXIS_PX });
     const phases = raw.phases || [];
-    legend.innerHTML = (raw.legend || []).map((k) => phases[k]).map((ph) =>
+    const keys = (raw.legend || []).map((k) => phases[k]).map((ph) =>
       `<span class="pipexplore-tl-key"><i style="background:${ph.color}"></i>${escapeHtml(ph.name)}</span>`).join("");
+    if (legend.innerHTML !== keys) legend.innerHTML = keys;
     const range = raw.x_range || [0, 1];
     if (!view || !drag && !view.zoomed) view = { x0: range[0], x1: range[1], zoomed: false };
   }
@@ -153,7 +178,6 @@ function render({ model, el: host }) {
 
   function size(canvas, h) {
     const ratio = window.devicePixelRatio || 1;
-    canvas.style.height = h + "px";
     canvas.width = Math.max(1, Math.round(width * ratio));
     canvas.height = Math.max(1, Math.round(h * ratio));
     const ctx = canvas.getContext("2d");
@@ -323,11 +347,12 @@ function render({ model, el: host }) {
     ctx.fillText("ms from the step's start", left + (width - left - RIGHT) / 2, 17);
   }
 
+  const probe = document.createElement("canvas").getContext("2d");
+  let known = 0;  // the stack's width as the resize observer last saw it (0: not yet)
   function draw() {
     if (!scene) return;
-    width = stack.clientWidth || host.clientWidth || 800;
+    width = known || stack.clientWidth || host.clientWidth || 800;
     const palette = colors();
-    const probe = document.createElement("canvas").getContext("2d");
     probe.font = FONT;
     let widest = 40;
     for (const p of panels) if (p.lanes) for (const name of p.lanes) widest = Math.max(widest, probe.measureText(name).width);
@@ -498,16 +523,22 @@ function render({ model, el: host }) {
     link.click();
   });
 
-  const resize = new ResizeObserver(() => {
-    const w = stack.clientWidth;
-    if (w && w !== width) draw();
+  const resize = new ResizeObserver((entries) => {
+    const w = Math.round(entries[entries.length - 1].contentRect.width);
+    if (w && w !== known) {
+      known = w;
+      draw();
+    }
   });
   resize.observe(stack);
   model.on("change:scene", () => { build(); draw(); });
   model.on("change:highlight", draw);
   build();
   draw();
-  return () => resize.disconnect();
+  return () => {
+    resize.disconnect();
+    theme.disconnect();
+  };
 }
 
 export default { render };

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-__all__ = ["TimelineCanvas", "block_panel", "memory_panel", "blocks_of", "phase_table"]
+__all__ = ["TimelineCanvas", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of"]
 
 _HERE = pathlib.Path(__file__).parent
 
@@ -70,9 +70,19 @@ def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[d
     return [{"name": name, "color": color, "letter": letters.get(name, "")} for name, color in colors.items()]
 
 
-def _lane_pairs(frame: pd.DataFrame) -> pd.MultiIndex:
-    pairs = frame[["stage", "device"]].drop_duplicates().sort_values("stage", kind="stable")
-    return pd.MultiIndex.from_frame(pairs)
+def lane_of(frame: pd.DataFrame) -> tuple[list[tuple[int, str]], np.ndarray]:
+    """The lanes of a timeline, (stage, device) pairs by stage and then first appearance, and each
+    row's lane (what ``frame[['stage', 'device']].drop_duplicates().sort_values('stage')`` orders,
+    with array operations)."""
+    device_codes, devices = pd.factorize(frame["device"])
+    stage = frame["stage"].to_numpy().astype(np.int64)
+    keys, first, inverse = np.unique(stage * max(1, len(devices)) + device_codes, return_index=True,
+                                     return_inverse=True)
+    order = np.lexsort((first, keys // max(1, len(devices))))
+    rank = np.empty(len(keys), dtype=np.int32)
+    rank[order] = np.arange(len(keys), dtype=np.int32)
+    pairs = [(int(stage[first[k]]), str(devices[device_codes[first[k]]])) for k in order]
+    return pairs, rank[inverse.reshape(-1)]
 
 
 def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: str = "", warning: str = "",
@@ -94,12 +104,11 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
                              "other_name": other_name, "count": 0}
     if frame is None or frame.empty:
         return panel | {key: b"" for key in ("start", "end", "lane", "phase", "micro")}
-    pairs = _lane_pairs(frame)
-    lane = pairs.get_indexer(pd.MultiIndex.from_frame(frame[["stage", "device"]])).astype(np.int32)
+    pairs, lane = lane_of(frame)
     origin = float(frame["start"].min())
     start = (frame["start"].to_numpy(dtype=float) - origin) * 1e3
     end = (frame["end"].to_numpy(dtype=float) - origin) * 1e3
-    codes = pd.Categorical(frame["phase"], categories=list(phases)).codes.astype(np.int16)
+    codes = pd.Index(list(phases)).get_indexer(frame["phase"])
     codes[codes < 0] = len(phases)
     order = np.lexsort((start, lane))
     lane = lane[order]
