@@ -17,7 +17,7 @@ from pipexplore.timeline import record
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # the widgets import ipywidgets and plotly only when asked for
+def __getattr__(name: str):  # the widgets import ipywidgets only when asked for
     if name in ("explore", "Explorer"):
         from pipexplore.widgets import explorer
 

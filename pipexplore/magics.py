@@ -48,8 +48,8 @@ class PipexploreMagics(Magics):
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(PipexploreMagics)
-    # The first explorer would pay plotly's and torch's first-use imports (~2.5 s); pay them now,
-    # in the background, while the next cell is written.
+    # The first explorer would pay its widgets' and torch's first-use costs (~1.5 s); pay them
+    # now, in the background, while the next cell is written.
     global warm_up_thread
     if warm_up_thread is None:
         warm_up_thread = threading.Thread(target=_warm_up, name="pipexplore-warm-up", daemon=True)
