@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import pandas as pd
 import torch
@@ -18,6 +19,22 @@ __all__ = ["probe", "PROBE_DEVICES", "PROBE_CHUNKS"]
 #: otherwise spend a minute on layers that do nothing.
 PROBE_DEVICES = 8
 PROBE_CHUNKS = 8
+
+
+class _NoUpdate:
+    """An optimizer that only clears gradients: the probe times the executor's actions, not an
+    update, and a first ``torch.optim`` optimizer costs ~1 s (it imports ``torch._dynamo``), which
+    the explorer's first picture need not wait for."""
+
+    def __init__(self, parameters: Any) -> None:
+        self.parameters = list(parameters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+    def step(self) -> None:
+        pass
 
 
 def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
@@ -50,7 +67,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
     tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
                      checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                      executor=plan.executor, batch=chunks)
-    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats)).timeline
+    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
+                                  optimizer=_NoUpdate)).timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = (compute["end"] - compute["start"]).tolist()
     overhead = statistics.median(spans) if spans else 0.0

@@ -606,11 +606,13 @@ class TimelineView:
 
 
 def warm_up() -> None:
-    """Pay the first-use costs of an explorer ahead of it: the widget modules, the simulator, and
-    torch's optimizers (~1 s on first use), by laying out a tiny timeline and making one
-    optimizer. ``%load_ext pipexplore`` runs this in a background thread, while the user writes the
-    next cell."""
+    """Pay the first-use costs of an explorer ahead of it: torch's pipelining helpers that the
+    profile uses, the widget modules, the simulator, and torch's optimizers (~1 s on first use;
+    a run needs them), by laying out a tiny timeline and making one optimizer. ``%load_ext
+    pipexplore`` runs this in a background thread, while the user writes the next cell."""
     import torch
+    # What profiling a layer's input- and weight-gradient passes needs (~2 s: it imports torch._dynamo).
+    import torch.distributed.pipelining._backward  # noqa: F401
 
     from pipexplore.simulate import simulate
 
