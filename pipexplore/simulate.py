@@ -45,6 +45,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
 PHASE_NAMES = np.array([*PHASES.values(), "copy"], dtype=object)  # by the graph's kind numbers, then copies
+_PHASE_INDEX = pd.Index(PHASE_NAMES)
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
 DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
@@ -335,12 +336,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     if graph.longest_queue <= most_levels and graph.depth <= most_levels:
         times = _longest_path(graph, action_costs, resource, gap)
     if times is not None:
-        frame = _frame(graph, times, action_costs.copy, stage_device, run)
+        frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
     else:
         rows_out = _processor_sharing(graph, action_costs, gap, resource, stage_device, run)
         frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
                  .reset_index(drop=True))
-    frame["memory"] = _activation_memory(frame, costs, np.asarray(fractions), stop)
+        kinds = _PHASE_INDEX.get_indexer(frame["phase"])
+    frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), stop)
     frame.attrs["peak_memory"] = {}
     return frame
 
@@ -510,10 +512,10 @@ def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str],
 
 
 def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,
-           stage_device: list[str], run: Union[int, str]) -> pd.DataFrame:
+           stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
     """The timeline of a timed graph, with a copy row before every forward that receives over a
     copy, sorted by start and stage (array by array: at 65k actions a row-wise build would cost
-    more than the timing itself)."""
+    more than the timing itself); and each row's phase number (:data:`PHASE_NAMES`)."""
     start, end = times
     stage, micro, kind = graph.stage, graph.micro, graph.kind
     copied = np.flatnonzero(copy > 0)
@@ -521,26 +523,30 @@ def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.nd
     stage = np.concatenate([stage, stage[copied]])
     start = np.concatenate([start, sent])
     end = np.concatenate([end, sent + copy[copied]])
-    by_stage = np.argsort(stage, kind="stable")
+    # Stable sorts: a radix sort of the stage numbers, then a merge of the per-stage runs of
+    # ascending starts (each queue's actions start in order).
+    by_stage = np.argsort(stage.astype(np.int16), kind="stable")
     order = by_stage[np.argsort(start[by_stage], kind="stable")]
     stage, start, end = stage[order], start[order], end[order]
     micro = np.concatenate([micro, micro[copied]])[order]
     kind = np.concatenate([kind, np.full(len(copied), len(PHASE_NAMES) - 1)])[order]
-    return pd.DataFrame({
-        "run": run, "stage": stage, "device": np.array(stage_device, dtype=object)[stage], "microbatch": micro,
-        "phase": PHASE_NAMES[kind], "start": start, "end": end, "source": "predicted",
+    # Strings taken from an index of the few distinct ones (pandas checks each of an object array's).
+    frame = pd.DataFrame({
+        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage), "microbatch": micro,
+        "phase": _PHASE_INDEX.take(kind), "start": start, "end": end, "source": "predicted",
         "lane": np.concatenate([graph.lane, graph.lane[copied]])[order],
-    })
+    }, copy=False)  # the arrays are this frame's own
+    return frame, kind
 
 
-def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, fractions: np.ndarray, stop: int) -> np.ndarray:
-    """Activation bytes each stage holds after each event: a forward keeps its activations (only
-    its input when checkpointed), a recompute brings them back, the backward (input-grad) frees
-    them. Copies and weight-grads change nothing."""
+def _activation_memory(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFrame, fractions: np.ndarray,
+                       stop: int) -> np.ndarray:
+    """Activation bytes each stage holds after each event (``kind``: each row's phase number): a
+    forward keeps its activations (only its input when checkpointed), a recompute brings them back,
+    the backward (input-grad) frees them. Copies and weight-grads change nothing."""
     act = costs["activation_bytes"].to_numpy()
     inp = costs["input_bytes"].to_numpy()
     stage = frame["stage"].to_numpy()
-    kind = pd.Categorical(frame["phase"], categories=PHASE_NAMES).codes
     micro = frame["microbatch"].to_numpy()
     share = fractions[micro]
     checkpointed = micro < stop
@@ -548,7 +554,10 @@ def _activation_memory(frame: pd.DataFrame, costs: pd.DataFrame, fractions: np.n
     freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees
     delta = np.select([kind == 0, kind == 2, (kind == 1) | (kind == 3)], [kept, act[stage], -freed], 0.0) * share
     # Per stage, in the order events end: a running sum that starts again at each stage.
-    order = np.lexsort((frame["end"].to_numpy(), stage))
+    # By stage, then end (then row): the frame runs in order of start, so its ends are nearly
+    # sorted (a merge sort's best case), and the stage numbers take a radix sort.
+    by_end = np.argsort(frame["end"].to_numpy(), kind="stable")
+    order = by_end[np.argsort(stage[by_end].astype(np.int16), kind="stable")]
     running = np.cumsum(delta[order])
     ordered = stage[order]
     first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
