@@ -293,6 +293,11 @@ def test_two_runs_side_by_side(explorer):
     assert figure.scene["x_range"] == pytest.approx((0.0, longest * 1.02))
     explorer.w_compare.value = -1
     assert explorer.w_compare_box.children == ()
+    explorer.w_show_run.value = 0  # the other way round: the same widget, redrawn
+    explorer.w_compare.value = 1
+    again = explorer.w_compare_box.children[2]
+    assert again is figure and again.scene["panels"][0]["title"].startswith("run 0: step")
+    assert again.scene["panels"][1]["title"].startswith("run 1: step")
 
 
 # ---- editing the plan in the strip ----------------------------------------------------------

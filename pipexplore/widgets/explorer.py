@@ -983,9 +983,13 @@ class Explorer:
                        for key in keys)
         table = W.HTML(f"<table class='pipexplore-compare-table'><tr><th></th><th>run {first.get('run')}</th>"
                        f"<th>run {second.get('run')}</th></tr>{body}</table>")
-        view = TimelineView(a.timeline, b.timeline, batch_size(self.sample), memory=False,
-                            names=(f"run {first.get('run')}", f"run {second.get('run')}"))
-        view.show(predicted_title=short_plan_text(a.plan), measured_title=short_plan_text(b.plan))
+        names = (f"run {first.get('run')}", f"run {second.get('run')}")
+        view = getattr(self, "_compare_view", None)
+        if view is None:  # one view for every comparison: its widget is redrawn, not replaced
+            view = self._compare_view = TimelineView(samples=batch_size(self.sample), memory=False)
+        view.names = names
+        view.show(predicted=a.timeline, measured=b.timeline, predicted_title=short_plan_text(a.plan),
+                  measured_title=short_plan_text(b.plan))
         self.w_compare_box.children = [W.HTML("<div class='pipexplore-section'>compared</div>"), table, view.figure]
 
     def _set_status(self, text: str, *, busy: bool = False, error: bool = False) -> None:

@@ -376,11 +376,11 @@ function render({ model, el: host }) {
     if (lane < 0 || lane >= n) return -1;
     const slack = (view.x1 - view.x0) / Math.max(1, width - left - RIGHT);  // a pixel, in ms
     const t = time(px), lo = p.offsets[lane], hi = p.offsets[lane + 1];
-    let best = -1;
-    for (let i = lastStartingBy(p.start, lo, hi, t + slack); i >= lo && i > lastStartingBy(p.start, lo, hi, t) - 64; i--) {
-      if (p.end[i] + slack >= t) { best = i; break; }
-    }
-    return best;
+    // The latest block begun by the pointer's time (a pixel's slack) that has not ended before it;
+    // blocks of a lane rarely overlap, so a few steps back are enough.
+    const last = lastStartingBy(p.start, lo, hi, t + slack);
+    for (let i = last; i >= lo && i > last - 64; i--) if (p.end[i] + slack >= t) return i;
+    return -1;
   }
 
   function describe(p, i) {
