@@ -211,6 +211,31 @@ def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, T
     return (statistics.median(timers[0].wall[1:]) / backward, statistics.median(timers[1].wall[1:]) / backward)
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _signature(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor]) -> Optional[tuple]:
+    """What makes two layers the same work: the module tree's types, plain settings (``in_features``,
+    a sleep's seconds, …) and ``repr``, its parameters' and buffers' shapes, dtypes and devices, and
+    its inputs' (with the skip tensors it pops). ``None`` when it cannot be told."""
+    try:
+        settings = tuple((type(m).__qualname__, tuple((k, v) for k, v in sorted(vars(m).items())
+                                                      if not k.startswith("_") and _plain(v)))
+                         for m in layer.modules())
+        tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+                        for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+        inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in(value))
+        popped = tuple(sorted((str(k), tuple(t.shape), t.dtype) for k, t in skips.items())) \
+            if isinstance(layer, Skippable) else ()
+        return repr(layer), settings, tensors, inputs, popped
+    except Exception:  # a module whose repr or attributes cannot be read: measured on its own
+        return None
+
+
 class _LayerRun:
     """One layer's input (and the skip tensors it pops), ready to be called again and again."""
 
@@ -250,13 +275,14 @@ class _LayerRun:
 
 def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
                   max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
-                  done_before: int, total: int, contend: bool) -> list[dict[str, Any]]:
+                  done_before: int, total: int, contend: bool, same_work_once: bool = True) -> list[dict[str, Any]]:
     """Time every layer on one micro-batch ``value``, each on its own input from the chain.
 
     First one untimed call per layer (the first call pays allocation, kernel selection and
     dispatch caches, and gives the next layer its input); then rounds that time every layer once,
     until each layer's spread is small: a disturbance of the machine lands on one round of every
-    layer rather than on all the samples of one layer.
+    layer rather than on all the samples of one layer. After ``repeats`` rounds, a layer whose
+    spread is small already sits the rounds out.
     """
     skips: dict[Any, Tensor] = {}
     layers: list[_LayerRun] = []
@@ -271,6 +297,8 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         value = _detach(run.output)
     for k in range(1, max_repeats + 1):
         for index, run in enumerate(layers):
+            if k > repeats and run.spread <= TARGET_SPREAD:
+                continue  # this layer's times already agree: rounds go on for the others
             run.call(timed=True)
             if k == 1 and progress is not None:
                 progress(done_before + index + 1, total)
@@ -279,15 +307,25 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         if deadline is not None and time.perf_counter() > deadline:
             break
     rows = []
+    # The ratios (slowdown beside a twin, input- and weight-gradient over backward) of a layer that
+    # does the same work as one measured before: a model's repeated blocks are measured once.
+    ratios: dict[tuple, tuple[float, float, float, float]] = {}
     for run in layers:
         layer = run.layer
         slow_forward = slow_backward = input_ratio = weight_ratio = math.nan
         if contend:
-            together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
-            slow_forward = together[0] / run.forward.median if run.forward.median > 0 else 1.0
-            slow_backward = together[1] / run.backward.median if run.backward.median > 0 else 1.0
-            input_ratio, weight_ratio = _split_backward(layer, run.value, run.skips, target, repeats,
-                                                        run.backward.median)
+            signature = _signature(layer, run.value, run.skips) if same_work_once else None
+            known = ratios.get(signature) if signature is not None else None
+            if known is None:
+                together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
+                slow_forward = together[0] / run.forward.median if run.forward.median > 0 else 1.0
+                slow_backward = together[1] / run.backward.median if run.backward.median > 0 else 1.0
+                input_ratio, weight_ratio = _split_backward(layer, run.value, run.skips, target, repeats,
+                                                            run.backward.median)
+                if signature is not None:
+                    ratios[signature] = (slow_forward, slow_backward, input_ratio, weight_ratio)
+            else:
+                slow_forward, slow_backward, input_ratio, weight_ratio = known
         rows.append({
             "name": run.name,
             "type": type(layer).__name__,
@@ -349,14 +387,21 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
-            progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None) -> pd.DataFrame:
+            progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
+            same_work_once: bool = True) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
     in rounds that call every layer once (so that a disturbance of the machine lands on one round
-    of every layer, not on one layer), ``repeats`` rounds or more, until the interquartile range
-    of every layer's times is within 5 % of its median (at most ``max_repeats``; ``timeout``
-    seconds bound the whole profile). ``progress(done, total)`` is called as layers are timed.
+    of every layer, not on one layer), ``repeats`` rounds or more; after ``repeats`` a layer whose
+    interquartile range is within 5 % of its median sits out the later rounds, which go on until
+    every layer's is (at most ``max_repeats``; ``timeout`` seconds bound the whole profile).
+    ``progress(done, total)`` is called as layers are timed.
+
+    The ratios of the first size (slowdown beside a twin thread, input- and weight-gradient
+    passes over the backward) are measured once per kind of work: layers of the same type,
+    settings, parameter shapes and input (a model's repeated blocks) share them, unless
+    ``same_work_once=False`` (a layer whose work depends on what its attributes do not show).
 
     ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
     or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
@@ -409,7 +454,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
     training = module.training
     with sharing_cores(threads):
-        per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate)
+        per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
+                                  same_work_once)
         used_threads = torch.get_num_threads()
     module.train(training)
 
@@ -433,14 +479,16 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
 
 def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[int], target: torch.device,
                    repeats: int, max_repeats: int, deadline: Optional[float],
-                   progress: Optional[Callable[[int, int], None]], calibrate: bool) -> list[pd.DataFrame]:
+                   progress: Optional[Callable[[int, int], None]], calibrate: bool,
+                   same_work_once: bool = True) -> list[pd.DataFrame]:
     """One table of layer times per micro-batch size (the first also measures contention)."""
     per_size = []
     total = len(module) * len(sizes)
     for k, rows in enumerate(sizes):
         chunk = _detach(_rows(value, rows))
         table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
-                                           progress, k * len(module), total, contend=k == 0))
+                                           progress, k * len(module), total, contend=k == 0,
+                                           same_work_once=same_work_once))
         if calibrate:
             whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
             for column, whole in (("forward", whole_forward), ("backward", whole_backward)):

@@ -51,6 +51,46 @@ def test_profile_warms_up_so_identical_layers_cost_alike_and_balance_evenly():
     assert ex.balance("time") == [4]
 
 
+def test_a_models_repeated_blocks_have_their_ratios_measured_once(monkeypatch):
+    """Slowdown beside a twin and the I/W split are ratios of the work a layer does: layers that
+    do the same work (type, settings, shapes, input) share one measurement; any difference in
+    what they compute gets its own."""
+    import importlib
+
+    profiling = importlib.import_module("pipexplore.profile")
+    measured = []
+    real = profiling._contended_slowdown
+    monkeypatch.setattr(profiling, "_contended_slowdown", lambda layer, *a: measured.append(layer) or real(layer, *a))
+    model = nn.Sequential(SleepLayer(0.001, 0.001, 0.001), SleepLayer(0.001, 0.001, 0.001),
+                          SleepLayer(0.002, 0.001, 0.001),  # another sleep: other work
+                          nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 16, bias=False))
+    table = profile(model, torch.randn(4, 8), microbatch_rows=[2, 4])
+    assert [model[k] for k in (0, 2, 3, 5, 6)] == measured  # the first of each kind, once
+    for column in ("input_grad_ratio", "weight_grad_ratio"):
+        values = table[column].tolist()
+        assert values[1] == values[0] and values[4] == values[3], column
+    assert table["forward"].iloc[1] != table["forward"].iloc[0]  # times are each layer's own
+
+
+def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
+    import importlib
+
+    profiling = importlib.import_module("pipexplore.profile")
+    calls: dict[str, int] = {}
+    real_call = profiling._LayerRun.call
+
+    def counted(run, timed):
+        calls[run.name] = calls.get(run.name, 0) + timed
+        return real_call(run, timed)
+
+    monkeypatch.setattr(profiling._LayerRun, "call", counted)
+    # Layer "1" never agrees with itself; the others do at once.
+    monkeypatch.setattr(profiling._LayerRun, "spread", property(lambda run: 1.0 if run.name == "1" else 0.0))
+    profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(4, 4), repeats=3,
+            max_repeats=9, calibrate=False)
+    assert calls == {"0": 3, "1": 9, "2": 3}
+
+
 def test_sleeping_stages_overlap_and_compute_bound_stages_contend():
     sleepy = profile(nn.Sequential(*[SleepLayer(0.003, 0.001, 0.001) for _ in range(4)]), torch.randn(16, 4),
                      microbatch_rows=[4, 16])
