@@ -419,6 +419,7 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     remaining = none
     now = 0.0
     eps = 1e-12
+    push, pop, emit = heapq.heappush, heapq.heappop, rows_out.append  # looked up once, called per action
 
     while remaining:
         if timed:
@@ -450,35 +451,40 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
             if not heap:
                 clock[r], demand[r], finishing[r] = 0.0, 0.0, []
                 heap = finishing[r]
-            heapq.heappush(heap, (clock[r] + took[n], order, q))
+            push(heap, (clock[r] + took[n], order, q))
             order += 1
             demand[r] += share
             running[q] = (r, share, now, n)
             copy = copy_of[n]
             if copy > 0:
                 done = end[first[n]]
-                rows_out.append((run, stage[n], stage_device[stage[n]], micro[n], "copy", done, done + copy,
-                                 "predicted", q))
+                emit((run, stage[n], stage_device[stage[n]], micro[n], "copy", done, done + copy, "predicted", q))
         dirty.clear()
         wake = min(timed.values()) if timed else math.inf
-        active = [r for r, heap in finishing.items() if heap]
-        if not active:
+        # The next event: a wake-up, or the first end on a device's clock at its current rate.
+        step = wake - now
+        advancing = []
+        for r, heap in finishing.items():
+            if not heap:
+                continue
+            d = demand[r]
+            rate = 1.0 / d if r != FREE and d > 1.0 else 1.0
+            left = (heap[0][0] - clock[r]) / rate
+            if left < step:
+                step = left
+            advancing.append((r, heap, rate))
+        if not advancing:
             if wake == math.inf:
                 raise RuntimeError("the schedule deadlocked: no stage can run its next action")
             now = wake
             continue
-        rates = [1.0 / demand[r] if r != FREE and demand[r] > 1.0 else 1.0 for r in active]
-        step = wake - now
-        for r, rate in zip(active, rates):
-            left = (finishing[r][0][0] - clock[r]) / rate
-            if left < step:
-                step = left
         now += step
-        for r, rate in zip(active, rates):
-            clock[r] += step * rate
-            heap = finishing[r]
-            while heap and heap[0][0] - clock[r] <= eps * max(1.0, now):
-                _, _, q = heapq.heappop(heap)
+        tolerance = eps * max(1.0, now)
+        for r, heap, rate in advancing:
+            at = clock[r] + step * rate
+            clock[r] = at
+            while heap and heap[0][0] - at <= tolerance:
+                _, _, q = pop(heap)
                 _, share, start, n = running.pop(q)
                 demand[r] -= share
                 heads[q] += 1
@@ -486,7 +492,7 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                 end[n] = now
                 free_at[q] = now + gap
                 s, k = stage[n], kind[n]
-                rows_out.append((run, s, stage_device[s], micro[n], phase_of[k], start, now, "predicted", q))
+                emit((run, s, stage_device[s], micro[n], phase_of[k], start, now, "predicted", q))
                 # What this action's end can make ready: its stage's actions (the next in its
                 # queue, which is one of them; a backward waiting for its forward or recompute),
                 # and the forward of the next stage after a forward, the backward of the previous
