@@ -414,7 +414,9 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     demand: dict[str, float] = {}
     finishing: dict[str, list] = {}  # resource -> heap of (clock at the end, order, queue)
     running: dict[int, tuple] = {}  # queue -> (resource, share, start, action)
-    dirty, timed = set(range(Q)), {}  # queues to look at now; queues waiting for a time
+    # Queues to look at now; queues waiting for a time: when (``timed``), and those times as a
+    # heap (an entry whose queue has since been given another time, or none, is skipped).
+    dirty, timed, wakes = set(range(Q)), {}, []
     order = 0
     remaining = none
     now = 0.0
@@ -422,8 +424,9 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     push, pop, emit = heapq.heappush, heapq.heappop, rows_out.append  # looked up once, called per action
 
     while remaining:
-        if timed:
-            for q in [q for q, t in timed.items() if t <= now + eps]:
+        while wakes and wakes[0][0] <= now + eps:
+            t, q = pop(wakes)
+            if timed.get(q) == t:
                 del timed[q]
                 dirty.add(q)
         for q in sorted(dirty):
@@ -443,7 +446,9 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                 t = later
             start = free_at[q] if free_at[q] > t else t
             if start > now + eps:
-                timed[q] = start
+                if timed.get(q) != start:
+                    timed[q] = start
+                    push(wakes, (start, q))
                 continue
             share = asked[n]
             r = resource[stage[n]] if share > 0 else FREE
@@ -460,7 +465,9 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                 done = end[first[n]]
                 emit((run, stage[n], stage_device[stage[n]], micro[n], "copy", done, done + copy, "predicted", q))
         dirty.clear()
-        wake = min(timed.values()) if timed else math.inf
+        while wakes and timed.get(wakes[0][1]) != wakes[0][0]:
+            pop(wakes)  # stale
+        wake = wakes[0][0] if wakes else math.inf
         # The next event: a wake-up, or the first end on a device's clock at its current rate.
         step = wake - now
         advancing = []
