@@ -51,10 +51,10 @@ def test_profile_warms_up_so_identical_layers_cost_alike_and_balance_evenly():
     assert ex.balance("time") == [4]
 
 
-def test_a_models_repeated_blocks_have_their_ratios_measured_once(monkeypatch):
-    """Slowdown beside a twin and the I/W split are ratios of the work a layer does: layers that
-    do the same work (type, settings, shapes, input) share one measurement; any difference in
-    what they compute gets its own."""
+def test_a_models_repeated_blocks_are_timed_together_and_their_ratios_measured_once(monkeypatch):
+    """Layers that do the same work (type, settings, shapes, input) pool their timings and share
+    one measurement of their ratios (slowdown beside a twin, I/W split); any difference in what
+    they compute makes another kind."""
     import importlib
 
     profiling = importlib.import_module("pipexplore.profile")
@@ -66,13 +66,16 @@ def test_a_models_repeated_blocks_have_their_ratios_measured_once(monkeypatch):
                           nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 16, bias=False))
     table = profile(model, torch.randn(4, 8), microbatch_rows=[2, 4])
     assert [model[k] for k in (0, 2, 3, 5, 6)] == measured  # the first of each kind, once
-    for column in ("input_grad_ratio", "weight_grad_ratio"):
+    for column in ("forward", "backward", "input_grad_ratio", "weight_grad_ratio", "spread"):
         values = table[column].tolist()
         assert values[1] == values[0] and values[4] == values[3], column
-    assert table["forward"].iloc[1] != table["forward"].iloc[0]  # times are each layer's own
+    assert len(set(table["forward"].iloc[3:])) == 3  # Linear 8→8 (twice), 8→16, 16→16: three kinds
+    assert table["forward"].iloc[2] == pytest.approx(2 * table["forward"].iloc[0], rel=0.25)  # their own sleeps
+    each = profile(model, torch.randn(4, 8), microbatch_rows=[2, 4], same_work_once=False)
+    assert each["forward"].iloc[1] != each["forward"].iloc[0]  # every layer timed on its own
 
 
-def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
+def _counting_calls(monkeypatch) -> dict:
     import importlib
 
     profiling = importlib.import_module("pipexplore.profile")
@@ -84,11 +87,34 @@ def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
         return real_call(run, timed)
 
     monkeypatch.setattr(profiling._LayerRun, "call", counted)
+    return calls
+
+
+def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
+    import importlib
+
+    profiling = importlib.import_module("pipexplore.profile")
+    calls = _counting_calls(monkeypatch)
     # Layer "1" never agrees with itself; the others do at once.
-    monkeypatch.setattr(profiling._LayerRun, "spread", property(lambda run: 1.0 if run.name == "1" else 0.0))
-    profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(4, 4), repeats=3,
+    monkeypatch.setattr(profiling._Kind, "spread", property(lambda kind: 1.0 if kind.runs[0].name == "1" else 0.0))
+    profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5), nn.Linear(5, 4)), torch.randn(4, 4), repeats=3,
             max_repeats=9, calibrate=False)
     assert calls == {"0": 3, "1": 9, "2": 3}
+
+
+def test_pooled_timings_of_repeated_blocks_settle_in_fewer_rounds(monkeypatch):
+    import importlib
+
+    profiling = importlib.import_module("pipexplore.profile")
+    # One call's times spread by 10 %: too much for one layer (5 %), enough for 16 pooled (10 % / 4).
+    monkeypatch.setattr(profiling, "_spread", lambda times: 0.10 if len(times) >= 3 else 0.0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
+    calls = _counting_calls(monkeypatch)
+    profile(model, torch.randn(4, 4), repeats=3, max_repeats=9, calibrate=False)
+    assert set(calls.values()) == {3}
+    calls.clear()
+    profile(model, torch.randn(4, 4), repeats=3, max_repeats=9, calibrate=False, same_work_once=False)
+    assert set(calls.values()) == {9}
 
 
 def test_sleeping_stages_overlap_and_compute_bound_stages_contend():
