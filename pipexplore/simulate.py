@@ -257,6 +257,11 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     if action_overhead < 0:
         raise ValueError(f"action_overhead must be non-negative, got {action_overhead}")
 
+    if set(layer_table.attrs) - {"batch"}:
+        # pandas deep-copies a frame's attrs into every column it hands out, and the costs below
+        # read columns some hundred times: keep only what they use (the profiled batch).
+        layer_table = layer_table.copy(deep=False)
+        layer_table.attrs = {k: v for k, v in layer_table.attrs.items() if k == "batch"}
     costs = stage_costs(layer_table, splits)
     splits = [int(b) for b in costs["first_layer"].iloc[1:]]
     S = len(costs)
