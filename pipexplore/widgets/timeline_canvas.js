@@ -64,34 +64,27 @@ function escapeHtml(text) {
   return String(text).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
 
+// An element of the given class (and properties such as textContent or title).
+function make(tag, className, props = {}) {
+  return Object.assign(document.createElement(tag), { className, ...props });
+}
+
 function render({ model, el: host }) {
   host.classList.add("pipexplore-timeline");
-  const root = document.createElement("div");
-  root.className = "pipexplore-tl";
+  const root = make("div", "pipexplore-tl");
   host.appendChild(root);
-  const bar = document.createElement("div");
-  bar.className = "pipexplore-tl-bar";
-  const legend = document.createElement("div");
-  legend.className = "pipexplore-tl-legend";
-  const reset = document.createElement("button");
-  reset.className = "pipexplore-tl-button";
-  reset.textContent = "whole step";
-  reset.title = "zoom out to the whole step (or double-click a panel)";
-  const save = document.createElement("button");
-  save.className = "pipexplore-tl-button";
-  save.textContent = "save PNG";
-  save.title = "download the timelines as a picture";
+  const bar = make("div", "pipexplore-tl-bar");
+  const legend = make("div", "pipexplore-tl-legend");
+  const reset = make("button", "pipexplore-tl-button",
+                     { textContent: "whole step", title: "zoom out to the whole step (or double-click a panel)" });
+  const save = make("button", "pipexplore-tl-button",
+                    { textContent: "save PNG", title: "download the timelines as a picture" });
   bar.append(legend, reset, save);
-  root.appendChild(bar);
-  const stack = document.createElement("div");
-  stack.className = "pipexplore-tl-stack";
-  root.appendChild(stack);
-  const band = document.createElement("div");
-  band.className = "pipexplore-tl-band";
+  const stack = make("div", "pipexplore-tl-stack");
+  const band = make("div", "pipexplore-tl-band");
   stack.appendChild(band);
-  const tip = document.createElement("div");
-  tip.className = "pipexplore-tl-tip";
-  root.appendChild(tip);
+  const tip = make("div", "pipexplore-tl-tip");
+  root.append(bar, stack, tip);
 
   let scene = null, panels = [], view = null, left = 60, width = 0, drag = null;
 
@@ -128,12 +121,9 @@ function render({ model, el: host }) {
   let nodes = [];  // per panel: { node, title, canvas }
   function element(k, axis) {
     if (!nodes[k]) {
-      const node = document.createElement("div");
-      node.className = "pipexplore-tl-panel";
-      const title = document.createElement("div");
-      title.className = "pipexplore-tl-title";
-      const canvas = document.createElement("canvas");
-      canvas.className = "pipexplore-tl-canvas";
+      const node = make("div", "pipexplore-tl-panel");
+      const title = make("div", "pipexplore-tl-title");
+      const canvas = make("canvas", "pipexplore-tl-canvas");
       node.append(title, canvas);
       stack.insertBefore(node, band);
       nodes[k] = { node, title, canvas, html: null, height: -1 };
