@@ -232,12 +232,15 @@ def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
 
 def test_residual_mode_shows_each_actions_error_by_stage_and_microbatch(explorer):
     explorer.w_mode.value = "residuals"
-    assert explorer.residual_figure.layout.title.text == "residuals: no run yet"
+    view = explorer.residual_figure  # our canvas widget: the page loads no plotly for it
+    assert view.grid["title"] == "residuals: no run yet" and view.grid["rows"] == []
     explorer.run()
     grid = residual_grid(explorer.residuals())
-    heat = explorer.residual_figure.data[0]
-    assert heat.z == pytest.approx(grid.to_numpy() * 100, nan_ok=True)
-    assert list(heat.y) == [f"stage {s} · {phase}" for s, phase in grid.index]
+    assert explorer.residual_figure is view  # redrawn, not replaced
+    assert view.cells() == pytest.approx(grid.to_numpy() * 100, nan_ok=True, rel=1e-6)
+    assert view.grid["rows"] == [f"stage {s} · {phase}" for s, phase in grid.index]
+    assert view.grid["columns"] == [str(c) for c in grid.columns]
+    assert view.grid["title"].startswith("residuals — run 0: predicted ÷ measured − 1 per action")
     assert explorer.w_timeline_box.layout.display == "none" and explorer.w_residuals.layout.display == ""
     explorer.w_mode.value = "timelines"
     assert explorer.w_timeline_box.layout.display == "" and explorer.w_residuals.layout.display == "none"

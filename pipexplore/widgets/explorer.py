@@ -42,7 +42,7 @@ from pipexplore.widgets.header import (header_html, parse_bytes, plan_figures, p
                                        splits_text)
 from pipexplore.widgets.plots import STAGE_COLORS, TimelineView
 from pipexplore.widgets.progress import profile_progress
-from pipexplore.widgets.residual_view import residual_figure, update_residual_figure
+from pipexplore.widgets.residual_view import ResidualCanvas
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.style import style_tag
@@ -950,10 +950,9 @@ class Explorer:
         table = residuals(result.predicted, result.timeline) if result is not None else None
         title = f"run {self._run_number(result)}" if result is not None else ""
         if self.residual_figure is None:
-            self.residual_figure = residual_figure(table, title)
+            self.residual_figure = ResidualCanvas()
             self.w_residuals.children = [self.residual_figure]
-        else:
-            update_residual_figure(self.residual_figure, table, title)
+        self.residual_figure.show(table, title)
 
     def _refresh_compare(self) -> None:
         """Two runs side by side: their figures and plans in a table, their timelines on one time axis."""

@@ -1,14 +1,18 @@
 """Residuals as a picture: each action's prediction error in a stage × micro-batch strip."""
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Optional
 
+import anywidget
 import numpy as np
 import pandas as pd
+import traitlets
 
 from pipexplore.widgets.plots import PHASES, PLOTLY_CONFIG, TEXT_COLOR
+from pipexplore.widgets.timeline_canvas import CANVAS_CSS
 
-__all__ = ["residual_grid", "residual_figure", "update_residual_figure"]
+__all__ = ["residual_grid", "ResidualCanvas", "residual_figure", "update_residual_figure"]
 
 def residual_grid(table: pd.DataFrame) -> pd.DataFrame:
     """Residuals (from :func:`pipexplore.residuals.residuals`) as a grid: one row per stage and
@@ -23,6 +27,42 @@ def residual_grid(table: pd.DataFrame) -> pd.DataFrame:
     grid = table.pivot_table(index=["stage", "phase"], columns="microbatch", values="error", aggfunc="mean")
     order = {phase: k for k, phase in enumerate(PHASES)}
     return grid.sort_index(key=lambda index: index.map(order) if index.name == "phase" else index)
+
+
+def _title(grid: pd.DataFrame, title: str) -> str:
+    if grid.empty:
+        return "residuals: no run yet"
+    median = float(np.nanmedian(np.abs(grid.to_numpy(dtype=float) * 100)))
+    return (f"residuals{' — ' + title if title else ''}: predicted ÷ measured − 1 per action "
+            f"(median |error| {median:.0f} %)")
+
+
+class ResidualCanvas(anywidget.AnyWidget):
+    """The residuals of a run drawn on canvas (the explorer's residual mode): ``grid`` holds the
+    ``title``, the ``rows`` (``'stage 0 · forward'``), the ``columns`` (micro-batches) and the
+    error of each cell in percent as float32 bytes, row after row (NaN: no such action).
+
+    Example::
+
+        view = ResidualCanvas()
+        view.show(explorer.residuals(), "run 3")
+    """
+
+    _esm = pathlib.Path(__file__).parent / "residual_canvas.js"
+    _css = CANVAS_CSS + ".pipexplore-rg-wrap { position: relative; }"
+
+    grid = traitlets.Dict().tag(sync=True)
+
+    def show(self, table: Optional[pd.DataFrame], title: str = "") -> None:
+        """Draw ``table`` (per-action residuals, :func:`pipexplore.residuals.residuals`; ``None``: no run yet)."""
+        grid = residual_grid(table) if table is not None else pd.DataFrame()
+        percent = grid.to_numpy(dtype=np.float32) * 100 if not grid.empty else np.zeros((0, 0), np.float32)
+        self.grid = {"title": _title(grid, title), "rows": [f"stage {s} · {phase}" for s, phase in grid.index],
+                     "columns": [str(c) for c in grid.columns], "values": percent.tobytes()}
+
+    def cells(self) -> np.ndarray:
+        """The errors drawn, in percent, one row per entry of ``grid['rows']``."""
+        return np.frombuffer(self.grid.get("values", b""), np.float32).reshape(len(self.grid.get("rows", [])), -1)
 
 
 def residual_figure(table: Optional[pd.DataFrame] = None, title: str = "", *, widget: bool = True) -> Any:
@@ -70,7 +110,5 @@ def update_residual_figure(figure: Any, table: Optional[pd.DataFrame], title: st
         heat.x = [str(c) for c in grid.columns]
         heat.y = [f"stage {s} · {phase}" for s, phase in grid.index]
         heat.text = [["" if np.isnan(v) or grid.shape[1] > 32 else f"{v:+.0f}" for v in row] for row in percent]
-        median = float(np.nanmedian(np.abs(percent)))
-        figure.layout.title.text = (f"residuals{' — ' + title if title else ''}: predicted ÷ measured − 1 per action "
-                                    f"(median |error| {median:.0f} %)")
+        figure.layout.title.text = _title(grid, title)
         figure.layout.height = max(200, 22 * len(grid) + 110)

@@ -18,11 +18,12 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-__all__ = ["TimelineCanvas", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of"]
+__all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of"]
 
 _HERE = pathlib.Path(__file__).parent
 
-_CSS = """
+#: The look of the canvas widgets (timelines, residuals): titles, tooltips, buttons, theme colours.
+CANVAS_CSS = """
 .pipexplore-tl { position: relative; font-family: system-ui, sans-serif; font-size: 12px;
   color: var(--jp-ui-font-color1, #555); user-select: none; }
 .pipexplore-tl-bar { display: flex; align-items: center; gap: 8px; flex-wrap: wrap; min-height: 22px; }
@@ -59,7 +60,7 @@ class TimelineCanvas(anywidget.AnyWidget):
     """
 
     _esm = _HERE / "timeline_canvas.js"
-    _css = _CSS
+    _css = CANVAS_CSS
 
     scene = traitlets.Dict().tag(sync=True)
     highlight = traitlets.Int(-1).tag(sync=True)

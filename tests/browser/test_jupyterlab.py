@@ -209,6 +209,14 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
                                    timeout=60_000)
             page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
                                    timeout=30_000)
+            # The residual mode draws the run's error per action; a cell's hover names it.
+            explorer.locator(".widget-toggle-button", has_text="residuals").click()
+            page.wait_for_selector(".pipexplore-residuals[data-rows]:not([data-rows='0'])", timeout=30_000)
+            grid = page.locator(".pipexplore-residuals canvas").bounding_box()
+            page.mouse.move(grid["x"] + grid["width"] * 0.6, grid["y"] + 15)
+            tip = page.locator(".pipexplore-residuals .pipexplore-tl-tip")
+            assert re.search(r"stage 0 · \w+ · micro-batch \d+: error [+-]", tip.inner_text()), tip.inner_text()
+            explorer.locator(".widget-toggle-button", has_text="timelines").click()
 
             # The page fits a 1,280-px window and no text overlaps other text.
             overflowing = explorer.evaluate(_OVERFLOWING)
