@@ -55,8 +55,11 @@ class TimelineCanvas(anywidget.AnyWidget):
 
     Example::
 
-        canvas = TimelineCanvas(scene={"panels": [block_panel(plan.predicted, title="predicted")],
-                                       "phases": phase_table(), "x_range": [0, 12.5], "splits": "2,5"})
+        from pipexplore.widgets.plots import PHASE_COLORS, PHASE_LETTERS, PHASES
+
+        canvas = TimelineCanvas(scene={"panels": [block_panel(plan.predicted, PHASES, title="predicted")],
+                                       "phases": phase_table(PHASE_COLORS, PHASE_LETTERS), "legend": [0, 1],
+                                       "x_range": [0, 12.5], "splits": "2,5"})
     """
 
     _esm = _HERE / "timeline_canvas.js"
