@@ -439,8 +439,15 @@ def test_to_html_writes_one_self_contained_page(explorer, tmp_path):
     page.feed(text)
     assert "pipexplore-timeline" in page.classes and "pipexplore-runs" in page.classes
     assert any(a.get("data-splits") == "2,5" for a in page.attributes)
-    assert any("plotly.js" in script and "newPlot" in script for script in page.scripts)  # embedded, no CDN
-    assert not any((a.get("src") or "").startswith("http") for a in page.attributes)
+    # The notebook's own canvas widgets, embedded, each element with its state beside it; no CDN, no plotly.
+    assert any("__pipexploreWidgets" in script and "function render" in script for script in page.scripts)
+    assert not any(a.get("src") for a in page.attributes) and "plotly" not in text.lower()
+    states = {a["id"]: a for a in page.attributes if a.get("data-pipexplore-widget")}
+    assert set(states) == {"pipexplore-timeline-figure", "pipexplore-residuals-figure"}
+    scene = next(json.loads(script) for script in page.scripts if script.lstrip().startswith('{"scene"'))["scene"]
+    assert scene["splits"] == "2,5" and [p["kind"] for p in scene["panels"]] == ["blocks", "blocks", "memory"]
+    assert scene["panels"][0]["count"] == len(explorer.plan.predicted)
+    assert len(text) < 400_000  # the widgets' JavaScript, not a charting library
     assert explorer.export("gpipe").split("\n")[3].strip() in text.replace("&#x27;", "'")
     assert "pipexplore-strip" in page.classes and "cell" in page.classes  # the strip as SVG
 
@@ -457,25 +464,22 @@ def test_the_notebook_keeps_a_static_view(explorer):
     assert [int(a["data-stage"]) for a in layers] == [0, 0, 1, 1, 1, 2, 2, 2]
 
 
-def test_large_timelines_travel_as_single_precision_webgl_segments_at_the_right_times():
+def test_large_timelines_travel_as_single_precision_blocks_at_the_right_times():
     import numpy as np
+    import pandas as pd
 
     from pipexplore.simulate import simulate
-    from pipexplore.widgets.plots import BAR_LIMIT, TimelineView
-
-    import pandas as pd
+    from pipexplore.widgets.plots import TimelineView
 
     table = pd.DataFrame({"forward": [1e-3] * 8, "backward": [2e-3] * 8, "output_bytes": 0.0})
     predicted = simulate(table, list(range(1, 8)), chunks=256, schedule="1f1b", executor="threads",
                          devices=[f"cuda:{s}" for s in range(8)], copy_cost=0.0, batch=256)
-    assert len(predicted) > BAR_LIMIT
     view = TimelineView(predicted, samples=256, widget=False)
-    forward = next(t for t in view.figure.data if t.name == "forward" and t.xaxis == "x")
-    assert forward.type == "scattergl"
-    x = np.asarray(forward.x)
-    assert x.dtype == np.float32  # half the bytes of a redraw
-    blocks = predicted[predicted["phase"] == "forward"]
+    panel = view.figure.scene["panels"][0]
+    assert len(panel["start"]) == 4 * len(predicted)  # 4 bytes a time: half the bytes of a redraw
+    blocks = blocks_of(panel)
     origin = predicted["start"].min()
-    np.testing.assert_allclose(np.sort(x[0::3]), np.sort((blocks["start"] - origin).to_numpy() * 1e3), rtol=1e-6,
-                               atol=1e-4)
-    assert np.isnan(x[2::3]).all()  # a gap after each block
+    np.testing.assert_allclose(np.sort(blocks["start"].to_numpy()), np.sort((predicted["start"] - origin) * 1e3),
+                               rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(np.sort(blocks["end"].to_numpy()), np.sort((predicted["end"] - origin) * 1e3),
+                               rtol=1e-6, atol=1e-4)

@@ -1,4 +1,4 @@
-"""Widgets: the Explorer, the split strip and the timelines (anywidget, canvas), reports (plotly)."""
+"""Widgets: the Explorer, the split strip, the timelines and residuals (anywidgets, canvas), reports."""
 from pipexplore.widgets.explorer import Explorer, explore
 from pipexplore.widgets.splitbar import SplitBar
 

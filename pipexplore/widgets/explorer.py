@@ -668,9 +668,10 @@ class Explorer:
                 + "</div>" + self.w_runs.value + "</div>")
 
     def to_html(self, path: Any = "pipexplore-report.html") -> Any:
-        """Write one self-contained HTML page of the explorer (strip as SVG, stage view, timelines
-        and memory as interactive plotly with its JavaScript embedded, residuals, runs table, the
-        exported code) that opens in a browser with no kernel and no network. Returns its path.
+        """Write one self-contained HTML page of the explorer (strip as SVG, stage view, timelines,
+        memory and residuals drawn by the page's own canvas widgets with their JavaScript embedded,
+        runs table, the exported code) that opens in a browser with no kernel and no network.
+        Returns its path.
 
         Example::
 

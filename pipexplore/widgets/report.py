@@ -1,18 +1,20 @@
 """A self-contained HTML report of an explorer: opens in a browser with no kernel and no network."""
 from __future__ import annotations
 
+import base64
 import datetime
 import html
+import json
 import pathlib
-from typing import TYPE_CHECKING, Union
-
+from typing import TYPE_CHECKING, Any, Union
 
 from pipexplore.widgets.header import plan_text, short_plan_text
-from pipexplore.widgets.plots import PLOTLY_CONFIG, TimelineView
-from pipexplore.widgets.residual_view import residual_figure
+from pipexplore.widgets.plots import TimelineView
+from pipexplore.widgets.residual_view import ResidualCanvas, residual_state
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.static import strip_svg
 from pipexplore.widgets.style import style_tag
+from pipexplore.widgets.timeline_canvas import TimelineCanvas
 
 if TYPE_CHECKING:
     from pipexplore.widgets.explorer import Explorer
@@ -39,10 +41,66 @@ body { margin: 16px auto; max-width: 1240px; padding: 0 12px; }
   body { background: #111; }
   .pipexplore-report { --px-fg: #e8e8e8; --px-fg2: #aaa; --px-bg2: #1f1f1f; --px-border: #444; }
   .pipexplore-report pre { background: #1a1a1a; border-color: #444; color: #ddd; }
-  .pipexplore-report .main-svg text:not(.bartext) { fill: #ddd !important; }
   table.pipexplore-stages th { background: #111; }
 }
 """
+
+
+#: The canvas widgets a report draws, by the name its elements carry (``data-pipexplore-widget``).
+_WIDGETS = {"timeline": TimelineCanvas, "residuals": ResidualCanvas}
+
+# Each widget's module, run as a plain script (its ``export default`` made a return), renders
+# into its element from the state beside it: the same drawing as in the notebook, with a model
+# that only answers ``get`` (binary buffers travel as base64).
+_LOADER = """
+(function () {
+  function revive(value) {
+    if (value && typeof value === 'object') {
+      if (typeof value.$b64 === 'string') {
+        var text = atob(value.$b64), bytes = new Uint8Array(text.length);
+        for (var i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+        return new DataView(bytes.buffer);
+      }
+      for (var key in value) value[key] = revive(value[key]);
+    }
+    return value;
+  }
+  document.querySelectorAll('[data-pipexplore-widget]').forEach(function (el) {
+    var state = revive(JSON.parse(document.getElementById(el.id + '-state').textContent));
+    var model = {get: function (key) { return state[key]; }, on: function () {}, set: function () {},
+                 save_changes: function () {}};
+    window.__pipexploreWidgets[el.dataset.pipexploreWidget].render({model: model, el: el});
+  });
+})();
+"""
+
+
+def _module_script(name: str, widget: Any) -> str:
+    """A widget's ES module as a script that registers its ``render`` under ``name``."""
+    source = str(widget._esm)  # the module's text (anywidget reads the file)
+    export = "export default { render };"
+    if source.count(export) != 1:
+        raise RuntimeError(f"{widget.__name__}'s module must end with {export!r} to be embedded in a report")
+    body = source.replace(export, "return { render };")
+    return (f"<script>window.__pipexploreWidgets = window.__pipexploreWidgets || {{}};\n"
+            f"window.__pipexploreWidgets[{json.dumps(name)}] = (function () {{\n{body}\n}})();</script>")
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$b64": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _widget_html(name: str, key: str, state: dict[str, Any], attributes: str = "") -> str:
+    """An element the loader renders widget ``name`` into, with its state beside it as JSON."""
+    data = json.dumps(_encode(state), allow_nan=False).replace("</", "<\\/")
+    return (f"<div id='{key}' data-pipexplore-widget='{name}'{attributes}></div>"
+            f"<script type='application/json' id='{key}-state'>{data}</script>")
 
 
 def _code_block(title: str, code: str, key: str) -> str:
@@ -52,8 +110,8 @@ def _code_block(title: str, code: str, key: str) -> str:
 
 def report_html(explorer: "Explorer") -> str:
     """The explorer's report as one HTML page: header, strip (SVG), stage view, predicted and
-    measured timelines with the memory panel (plotly, its JavaScript embedded), residuals of the
-    shown run, the runs table and the exported code.
+    measured timelines with the memory panel and the residuals of the shown run (drawn by the
+    notebook's own canvas widgets, their JavaScript embedded), the runs table and the exported code.
 
     Example::
 
@@ -70,12 +128,12 @@ def report_html(explorer: "Explorer") -> str:
                               if result is not None else ""),
               measured_warning=explorer._plan_difference(result.plan) if result is not None else "")
     splits = ",".join(map(str, plan.splits))
-    timeline = view.figure.to_html(full_html=False, include_plotlyjs=True, config=PLOTLY_CONFIG,
-                                   div_id="pipexplore-timeline-figure", default_width="100%")
+    scripts = "".join(_module_script(name, widget) for name, widget in _WIDGETS.items())
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>pipexplore report · {html.escape(plan_text(plan))}</title>",
-        style_tag(), f"<style>{_REPORT_CSS}</style></head><body>",
+        style_tag(), f"<style>{_REPORT_CSS}{''.join(str(w._css) for w in _WIDGETS.values())}</style>", scripts,
+        "</head><body>",
         "<div class='pipexplore-report'>", explorer.w_header.value,
         f"<div class='pipexplore-note'>written {datetime.datetime.now().isoformat(timespec='seconds')}</div>",
         "<h2>split</h2>",
@@ -83,13 +141,12 @@ def report_html(explorer: "Explorer") -> str:
                   explorer.bar.stage_totals),
         explorer.w_stages.value,
         "<h2>timelines</h2>",
-        f"<div class='pipexplore-timeline' data-splits='{splits}'>{timeline}</div>",
+        _widget_html("timeline", "pipexplore-timeline-figure", {"scene": view.figure.scene, "highlight": -1},
+                     f" class='pipexplore-timeline' data-splits='{splits}'"),
     ]
     if result is not None:
-        heat = residual_figure(residuals(result.predicted, result.timeline),
-                               f"run {explorer._run_number(result)}", widget=False)
-        parts += ["<h2>residuals</h2>", heat.to_html(full_html=False, include_plotlyjs=False, config=PLOTLY_CONFIG,
-                                                     default_width="100%")]
+        grid = residual_state(residuals(result.predicted, result.timeline), f"run {explorer._run_number(result)}")
+        parts += ["<h2>residuals</h2>", _widget_html("residuals", "pipexplore-residuals-figure", {"grid": grid})]
     runs = explorer.runs
     parts += ["<h2>runs</h2>", runs_html(runs, shown_run=explorer._run_number(result), uuid="pipexplore-report-runs")]
     kinds = [("pipelining", "torch.distributed.pipelining"),
@@ -102,7 +159,7 @@ def report_html(explorer: "Explorer") -> str:
         except Exception as exc:  # a kind this model cannot export: say why instead
             code = f"# {type(exc).__name__}: {exc}"
         parts.append(_code_block(f"export: {title}", code, f"pipexplore-code-{kind}"))
-    parts += ["</div>", f"<script>{_COPY_SCRIPT}</script>", "</body></html>"]
+    parts += ["</div>", f"<script>{_COPY_SCRIPT}{_LOADER}</script>", "</body></html>"]
     return "".join(parts)
 
 

@@ -9,7 +9,8 @@
 // lanes. Drag across a panel to zoom into that time range (every panel follows), double-click to
 // see the whole step, Ctrl+wheel zooms around the pointer and Shift+wheel pans. Hovering a block
 // tells its phase, micro-batch, stage, layers and span (and what its run predicted for it).
-// Once a scene is drawn, the element carries `data-splits` (the plan it shows).
+// Once a scene is drawn, the element carries `data-splits` (the plan it shows) and `data-blocks`
+// (how many blocks its panels hold).
 const LANE_MIN = 10, LANE_MAX = 28, LANES_PX = 360, PANEL_MIN = 110, EMPTY_PX = 56, MEMORY_PX = 150;
 const AXIS_PX = 34, RIGHT = 12, MERGE_PX = 3;
 const STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
@@ -355,6 +356,7 @@ function render({ model, el: host }) {
     }
     reset.style.visibility = view.zoomed ? "visible" : "hidden";
     host.dataset.highlight = String(model.get("highlight"));
+    host.dataset.blocks = String(panels.reduce((n, p) => n + (p.kind === "blocks" ? p.count || 0 : 0), 0));
     if (scene.splits !== undefined) host.dataset.splits = String(scene.splits);
   }
 

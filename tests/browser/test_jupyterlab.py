@@ -309,7 +309,7 @@ def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_l
 
 def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
     """``Explorer.to_html`` writes one page; Chromium opens it from disk with every network request
-    refused, and plotly draws its timeline from the embedded JavaScript."""
+    refused, and the embedded canvas widgets draw its timeline and residuals."""
     import torch
     from torch import nn
 
@@ -330,9 +330,11 @@ def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
                        else (requests.append(route.request.url), route.abort()))
             page.on("pageerror", lambda error: errors.append(str(error)))
             page.goto(path.resolve().as_uri())
-            page.wait_for_selector(".pipexplore-timeline[data-splits='2,4'] .barlayer .point", timeout=30_000)
-            assert page.locator(".pipexplore-timeline .barlayer .point").count() == len(ex.plan.predicted) + len(
-                ex.timeline("measured"))
+            page.wait_for_selector(".pipexplore-timeline[data-splits='2,4'][data-blocks] canvas", timeout=30_000)
+            blocks = page.locator(".pipexplore-timeline").get_attribute("data-blocks")
+            assert int(blocks) == len(ex.plan.predicted) + len(ex.timeline("measured"))
+            assert page.locator(".pipexplore-timeline canvas").count() == 4  # predicted, measured, memory, axis
+            page.wait_for_selector(".pipexplore-residuals[data-rows='9'] canvas", timeout=30_000)  # 3 stages × F/B/R
             assert page.locator(".pipexplore-strip .cell").count() == 6
             assert page.locator(".pipexplore-runs table tbody tr").count() == 1
             assert "GPipe(model, balance=[2, 2, 2]" in page.locator("#pipexplore-code-gpipe").inner_text()
