@@ -191,6 +191,26 @@ def test_the_page_a_run_the_residuals_and_the_report_need_no_charting_library(tm
     assert "data-pipexplore-widget='residuals'" in report.read_text()
 
 
+# ---- memory over time -------------------------------------------------------------------
+
+def test_memory_panel_draws_each_stages_activations_and_marks_its_peak(explorer):
+    view = explorer.timelines
+    peaks = view.peaks()
+    assert peaks["bytes"].tolist() == _peaks(explorer.plan)
+    memory = tl.activation_memory(explorer.plan.predicted)
+    scale = 1024.0 if max(_peaks(explorer.plan)) >= 1024 else 1.0
+    panel = _panel(explorer, 2)
+    assert panel["kind"] == "memory" and panel["unit"] == ("KiB" if scale == 1024.0 else "B")
+    assert [line["stage"] for line in panel["series"]] == [0, 1, 2]
+    for stage, line in enumerate(panel["series"]):
+        rows = memory[memory["stage"] == stage]
+        assert np.frombuffer(line["v"], np.float32).tolist() == pytest.approx((rows["bytes"] / scale).tolist())
+        assert np.frombuffer(line["t"], np.float32).tolist() == pytest.approx((rows["time"] * 1e3).tolist(),
+                                                                              abs=1e-4)
+    assert [m["v"] for m in panel["peaks"]] == pytest.approx([v / scale for v in _peaks(explorer.plan)])
+    assert not any(m["over"] for m in panel["peaks"]) and panel["cap"] is None
+
+
 def test_a_memory_cap_flags_the_stages_over_it(table, explorer):
     peaks = _peaks(explorer.plan)
     cap = (sorted(peaks)[0] + sorted(peaks)[-1]) / 2
