@@ -86,7 +86,8 @@ def stage_seconds(table: pd.DataFrame, splits: Sequence[int], rows: float, phase
     if scale is not None:
         seconds = seconds * scale
     cumulative = np.concatenate([[0.0], np.cumsum(seconds)])
-    return np.array([cumulative[b] - cumulative[a] for a, b in stage_bounds(splits, len(table))])
+    points = np.asarray([0, *splits, len(table)])
+    return cumulative[points[1:]] - cumulative[points[:-1]]
 
 
 def stage_shares(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,

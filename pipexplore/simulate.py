@@ -173,15 +173,18 @@ def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFram
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else np.zeros(n)
     kept = layer_table["saved_bytes"].to_numpy(dtype=float) if "saved_bytes" in layer_table else out_bytes
     params = layer_table["param_bytes"].to_numpy(dtype=float) if "param_bytes" in layer_table else np.zeros(n)
-    rows = []
-    for s, (a, b) in enumerate(zip(points, points[1:])):
-        rows.append({
-            "stage": s, "first_layer": a, "last_layer": b - 1, "layers": b - a,
-            "forward": forward[a:b].sum(), "backward": backward[a:b].sum(),
-            "param_bytes": params[a:b].sum(), "activation_bytes": kept[a:b].sum(),
-            "input_bytes": out_bytes[a - 1] if a > 0 else 0.0,
-        })
-    return pd.DataFrame(rows)
+    first, end = np.asarray(points[:-1]), np.asarray(points[1:])
+
+    def per_stage(values: np.ndarray) -> np.ndarray:  # each stage's sum, from running totals
+        total = np.concatenate([[0.0], np.cumsum(values)])
+        return total[end] - total[first]
+
+    return pd.DataFrame({
+        "stage": np.arange(len(first)), "first_layer": first, "last_layer": end - 1, "layers": end - first,
+        "forward": per_stage(forward), "backward": per_stage(backward), "param_bytes": per_stage(params),
+        "activation_bytes": per_stage(kept),
+        "input_bytes": np.where(first > 0, out_bytes[np.maximum(first - 1, 0)], 0.0),
+    })
 
 
 def _copy_rate(copy_cost: Optional[float], a: str, b: str) -> float:
