@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_shares",
-           "stage_bounds", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
+           "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
 PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
@@ -85,9 +85,15 @@ def stage_seconds(table: pd.DataFrame, splits: Sequence[int], rows: float, phase
     seconds = layer_seconds(table, rows, phase)
     if scale is not None:
         seconds = seconds * scale
-    cumulative = np.concatenate([[0.0], np.cumsum(seconds)])
-    points = np.asarray([0, *splits, len(table)])
-    return cumulative[points[1:]] - cumulative[points[:-1]]
+    return stage_sums(seconds, [0, *splits, len(table)])
+
+
+def stage_sums(values: np.ndarray, points: Sequence[int]) -> np.ndarray:
+    """Per stage, the sum of ``values`` (one per layer) over its layers; ``points`` are the stage
+    boundaries, ``[0, *splits, layers]`` (differences of running totals: one pass for all stages)."""
+    total = np.concatenate([[0.0], np.cumsum(values)])
+    bounds = np.asarray(points)
+    return total[bounds[1:]] - total[bounds[:-1]]
 
 
 def stage_shares(table: pd.DataFrame, splits: Sequence[int], rows: float, phase: str,

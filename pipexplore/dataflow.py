@@ -27,10 +27,12 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ActionGraph", "oversubscribed"]
+__all__ = ["ActionGraph", "oversubscribed", "KINDS", "FORWARD", "BACKWARD", "RECOMPUTE", "INPUT_GRAD", "WEIGHT_GRAD"]
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
 KINDS = ("F", "B", "R", "I", "W")
+#: The kind numbers of the graph's arrays.
+FORWARD, BACKWARD, RECOMPUTE, INPUT_GRAD, WEIGHT_GRAD = range(len(KINDS))
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,8 +33,8 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.host import host_cores
-from pipexplore.dataflow import ActionGraph, oversubscribed
-from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares
+from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
+from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.splits import check_splits
 from pipexplore.timeline import COLUMNS
 from pipexplore.validate import interleaved_devices
@@ -44,7 +44,7 @@ __all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "schedule_gra
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
-PHASE_NAMES = np.array([*PHASES.values(), "copy"], dtype=object)  # by the graph's kind numbers, then copies
+PHASE_NAMES = np.array([*(PHASES[k] for k in KINDS), "copy"], dtype=object)  # by the graph's kind numbers, then copies
 _PHASE_INDEX = pd.Index(PHASE_NAMES)
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
@@ -174,15 +174,10 @@ def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFram
     kept = layer_table["saved_bytes"].to_numpy(dtype=float) if "saved_bytes" in layer_table else out_bytes
     params = layer_table["param_bytes"].to_numpy(dtype=float) if "param_bytes" in layer_table else np.zeros(n)
     first, end = np.asarray(points[:-1]), np.asarray(points[1:])
-
-    def per_stage(values: np.ndarray) -> np.ndarray:  # each stage's sum, from running totals
-        total = np.concatenate([[0.0], np.cumsum(values)])
-        return total[end] - total[first]
-
     return pd.DataFrame({
         "stage": np.arange(len(first)), "first_layer": first, "last_layer": end - 1, "layers": end - first,
-        "forward": per_stage(forward), "backward": per_stage(backward), "param_bytes": per_stage(params),
-        "activation_bytes": per_stage(kept),
+        "forward": stage_sums(forward, points), "backward": stage_sums(backward, points),
+        "param_bytes": stage_sums(params, points), "activation_bytes": stage_sums(kept, points),
         "input_bytes": np.where(first > 0, out_bytes[np.maximum(first - 1, 0)], 0.0),
     })
 
@@ -369,15 +364,14 @@ class ActionCosts(NamedTuple):
 
 def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
                   handoff: float) -> ActionCosts:
-    kinds = list(PHASES)
     by_size = sorted({rows for _, rows in seconds})
     stage, micro, kind = graph.stage, graph.micro, graph.kind
     size = size_index[micro]
-    took = np.array([[seconds[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
-    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in kinds])[kind, size, stage]
+    took = np.array([[seconds[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
+    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
     n = len(graph)
     copy = np.zeros(n)
-    received = (kind == 0) & (stage > 0)
+    received = (kind == FORWARD) & (stage > 0)
     copy[received] = edge_copy[stage[received] - 1, micro[received]]
     first_wait = np.where(received, copy + handoff, 0.0)
     second_wait = np.zeros(n)
@@ -396,7 +390,7 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     stage, micro, kind = graph.stage.tolist(), graph.micro.tolist(), graph.kind.tolist()
     first, second = graph.first.tolist(), graph.second.tolist()
     none = len(graph)
-    phase_of = list(PHASES.values())
+    phase_of = PHASE_NAMES.tolist()
     end = [-1.0] * none + [0.0]  # -1: not yet done; the sentinel "no input" ended at 0
     rows_out: list[tuple] = []
 
@@ -513,10 +507,10 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                 # and the forward of the next stage after a forward, the backward of the previous
                 # after a backward (or input-grad).
                 dirty |= stage_queues[s]
-                if k == 0:
+                if k == FORWARD:
                     if s + 1 < S:
                         dirty |= stage_queues[s + 1]
-                elif (k == 1 or k == 3) and s > 0:
+                elif (k == BACKWARD or k == INPUT_GRAD) and s > 0:
                     dirty |= stage_queues[s - 1]
     return rows_out
 
@@ -573,7 +567,8 @@ def _activation_memory(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFram
     checkpointed = micro < stop
     kept = np.where(checkpointed, inp[stage], act[stage])  # what a forward keeps
     freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees
-    delta = np.select([kind == 0, kind == 2, (kind == 1) | (kind == 3)], [kept, act[stage], -freed], 0.0) * share
+    delta = np.select([kind == FORWARD, kind == RECOMPUTE, (kind == BACKWARD) | (kind == INPUT_GRAD)],
+                      [kept, act[stage], -freed], 0.0) * share
     # Per stage, in the order events end: a running sum that starts again at each stage.
     # By stage, then end (then row): the frame runs in order of start, so its ends are nearly
     # sorted (a merge sort's best case), and the stage numbers take a radix sort.
