@@ -268,10 +268,6 @@ class _LayerRun:
         if not timed:
             self.output, self.stashed = output, stashed
 
-    @property
-    def spread(self) -> float:
-        return max(_spread(self.forward.wall), _spread(self.backward.wall))
-
 
 class _Kind:
     """The layers of one profile that do the same work (see :func:`_signature`; a layer whose work
@@ -333,25 +329,29 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         skips.update({key: t.detach() for key, t in run.stashed.items()})
         layers.append(run)
         value = _detach(run.output)
+    settled: set[int] = set()  # the kinds whose times already agree (after ``repeats`` rounds)
     for k in range(1, max_repeats + 1):
-        settled = {id(kind) for kind in kinds.values() if kind.settled} if k > repeats else set()
         for index, run in enumerate(layers):
             if id(kind_of[index]) in settled:
                 continue  # this kind of layer's times already agree: rounds go on for the others
             run.call(timed=True)
             if k == 1 and progress is not None:
                 progress(done_before + index + 1, total)
-        if k >= repeats and all(kind.settled for kind in kinds.values()):
-            break
+        if k >= repeats:
+            settled = {id(kind) for kind in kinds.values() if kind.settled}
+            if len(settled) == len(kinds):
+                break
         if deadline is not None and time.perf_counter() > deadline:
             break
     rows = []
-    # The ratios (slowdown beside a twin, input- and weight-gradient over backward) of a kind of
-    # layer are measured on its first layer.
+    # Each kind's pooled times, once; its ratios (slowdown beside a twin, input- and weight-gradient
+    # over backward) measured on its first layer.
+    times = {id(kind): (kind.median("forward"), kind.median("backward"), kind.cores("forward"),
+                        kind.cores("backward"), kind.spread, any(kind.walls("backward"))) for kind in kinds.values()}
     ratios: dict[int, tuple[float, float, float, float]] = {}
     for run, kind in zip(layers, kind_of):
         layer = run.layer
-        forward, backward = kind.median("forward"), kind.median("backward")
+        forward, backward, cpu_forward, cpu_backward, spread, backward_ran = times[id(kind)]
         slow_forward = slow_backward = input_ratio = weight_ratio = math.nan
         if contend:
             known = ratios.get(id(kind))
@@ -370,14 +370,14 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
             "output_bytes": _bytes(tensors_in(run.output)) + _bytes(list(run.stashed.values())),
             "saved_bytes": run.saved.total,
             "forward": forward,
-            "backward": backward if any(kind.walls("backward")) else 0.0,
-            "cpu_forward": kind.cores("forward"),
-            "cpu_backward": kind.cores("backward"),
+            "backward": backward if backward_ran else 0.0,
+            "cpu_forward": cpu_forward,
+            "cpu_backward": cpu_backward,
             "slow_forward": slow_forward,
             "slow_backward": slow_backward,
             "input_grad_ratio": input_ratio,
             "weight_grad_ratio": weight_ratio,
-            "spread": kind.spread,
+            "spread": spread,
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
             "stash_keys": _keys(layer.stashable()) if isinstance(layer, Skippable) else "",
