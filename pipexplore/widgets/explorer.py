@@ -524,6 +524,7 @@ class Explorer:
         plan = self._plan
         self._shown_run: Optional[int] = None  # the run the measured panel shows (None: the latest)
         self._compare_run: Optional[int] = None
+        self._compare_view: Optional[TimelineView] = None  # made on the first comparison, redrawn after
         self._runs_sort = "run"
         self._strip_error = ""
         self._running_text = ""
@@ -984,7 +985,7 @@ class Explorer:
         table = W.HTML(f"<table class='pipexplore-compare-table'><tr><th></th><th>run {first.get('run')}</th>"
                        f"<th>run {second.get('run')}</th></tr>{body}</table>")
         names = (f"run {first.get('run')}", f"run {second.get('run')}")
-        view = getattr(self, "_compare_view", None)
+        view = self._compare_view
         if view is None:  # one view for every comparison: its widget is redrawn, not replaced
             view = self._compare_view = TimelineView(samples=batch_size(self.sample), memory=False)
         view.names = names

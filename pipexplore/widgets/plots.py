@@ -21,6 +21,8 @@ PHASES = list(PHASE_COLORS)
 PHASE_LETTERS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W", "recompute": "R"}
 #: One colour per stage, as in the split strip.
 STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"]
+
+
 def summary(frame: Optional[pd.DataFrame], samples: Optional[int] = None) -> str:
     """One line: step time, bubble fraction (and throughput when ``samples`` is given).
 
@@ -45,7 +47,7 @@ def lanes(frame: Optional[pd.DataFrame]) -> list[str]:
     """
     if frame is None or frame.empty:
         return []
-    return [f"stage {s} · {d}" for s, d in canvas.lane_of(frame)[0]]
+    return canvas.lane_labels(canvas.lane_of(frame)[0])
 
 
 def memory_scale(peak_bytes: float) -> tuple[float, str]:
@@ -110,7 +112,6 @@ class TimelineView:
         #: What was predicted for the run in the measured panel (its blocks' hover shows it).
         self.measured_prediction: Optional[pd.DataFrame] = None
         self._summaries: dict[int, tuple[pd.DataFrame, str]] = {}
-        self._memory_unit = "B"
         self._panels: dict[int, dict[str, Any]] = {}  # the block panels, kept until their rows change
         self.figure: Any = canvas.TimelineCanvas() if widget else Scene()
         self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
@@ -226,13 +227,12 @@ class TimelineView:
 
     def _draw(self, rows: set[int]) -> None:
         """One scene message: block panels rebuilt for the rows that changed, titles and memory always."""
-        phases = list(PHASE_COLORS)
         measured_text, measured_warning = self._measured_parts()
         if 1 in rows or 1 not in self._panels:
-            self._panels[1] = canvas.block_panel(self.predicted, phases, stage_layers=self.stage_layers)
+            self._panels[1] = canvas.block_panel(self.predicted, PHASES, stage_layers=self.stage_layers)
         if 2 in rows or 2 not in self._panels:
             self._panels[2] = canvas.block_panel(
-                self.measured, phases, empty="no run yet: press Run step to measure this plan",
+                self.measured, PHASES, empty="no run yet: press Run step to measure this plan",
                 stage_layers=self.measured_stage_layers, other=self.measured_prediction,
                 other_name="predicted for this run")
         panels = [self._panels[1] | {"title": self._predicted_text()},
@@ -246,16 +246,17 @@ class TimelineView:
                  for phase in frame["phase"].unique()}
         self.figure.scene = {
             "panels": panels, "phases": canvas.phase_table(PHASE_COLORS, PHASE_LETTERS),
-            "legend": [k for k, phase in enumerate(phases) if phase in shown],
+            "legend": [k for k, phase in enumerate(PHASES) if phase in shown],
             "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits)}
+
+    def _memory_scale(self, peaks: pd.DataFrame) -> tuple[float, str]:
+        """The divisor and unit of the memory panel: its largest peak's, or the cap's if larger."""
+        return memory_scale(max(float(peaks["bytes"].max()) if len(peaks) else 0.0, float(self.memory_cap or 0.0)))
 
     def _memory_panel(self) -> dict[str, Any]:
         peaks = self.peaks()
-        has_memory = self.predicted is not None and "memory" in self.predicted and not self.predicted.empty
-        memory = self._memory() if has_memory else pd.DataFrame({"stage": [], "time": [], "bytes": []})
-        scale, unit = memory_scale(max([float(peaks["bytes"].max()) if len(peaks) else 0.0,
-                                        float(self.memory_cap or 0.0)]))
-        self._memory_unit = unit
+        memory = self._memory() if len(peaks) else pd.DataFrame({"stage": [], "time": [], "bytes": []})
+        scale, unit = self._memory_scale(peaks)
         return canvas.memory_panel(memory, peaks, STAGE_COLORS, scale=scale, unit=unit, cap=self.memory_cap)
 
     def _predicted_text(self) -> str:
@@ -274,7 +275,7 @@ class TimelineView:
         peaks = self.peaks()
         if peaks.empty:
             return "activation memory: not predicted for this timeline", ""
-        scale, unit = memory_scale(float(max(peaks["bytes"].max(), self.memory_cap or 0.0)))
+        scale, unit = self._memory_scale(peaks)
         top = peaks.loc[peaks["bytes"].idxmax()]
         text = (f"predicted activation memory per stage — peak {top['bytes'] / scale:.2f} {unit} "
                 f"(stage {int(top['stage'])})")
@@ -285,6 +286,7 @@ class TimelineView:
         if over:
             return text, f"stage{'s' if len(over) > 1 else ''} {', '.join(over)} over the cap of {cap}"
         return text + f" · all stages under the cap of {cap}", ""
+
 
 def warm_up() -> None:
     """Pay the first-use costs of an explorer ahead of it: torch's pipelining helpers that the

@@ -129,10 +129,11 @@ def report_html(explorer: "Explorer") -> str:
               measured_warning=explorer._plan_difference(result.plan) if result is not None else "")
     splits = ",".join(map(str, plan.splits))
     scripts = "".join(_module_script(name, widget) for name, widget in _WIDGETS.items())
+    widget_css = "".join(dict.fromkeys(str(widget._css) for widget in _WIDGETS.values()))  # shared once
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>pipexplore report · {html.escape(plan_text(plan))}</title>",
-        style_tag(), f"<style>{_REPORT_CSS}{''.join(str(w._css) for w in _WIDGETS.values())}</style>", scripts,
+        style_tag(), f"<style>{_REPORT_CSS}{widget_css}</style>", scripts,
         "</head><body>",
         "<div class='pipexplore-report'>", explorer.w_header.value,
         f"<div class='pipexplore-note'>written {datetime.datetime.now().isoformat(timespec='seconds')}</div>",

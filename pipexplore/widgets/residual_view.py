@@ -59,7 +59,7 @@ class ResidualCanvas(anywidget.AnyWidget):
     """
 
     _esm = pathlib.Path(__file__).parent / "residual_canvas.js"
-    _css = CANVAS_CSS + ".pipexplore-rg-wrap { position: relative; }"
+    _css = CANVAS_CSS
 
     grid = traitlets.Dict().tag(sync=True)
 

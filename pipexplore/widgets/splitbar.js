@@ -144,7 +144,6 @@ function render({ model, el: host }) {
   }
   let brushing = null;
 
-
   // The new splits go to the kernel first; the caller redraws the strip after (a strip of many
   // layers takes tens of ms to redraw, time the kernel can spend predicting the new plan).
   let committing = false;

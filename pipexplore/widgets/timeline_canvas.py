@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-__all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of"]
+__all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
+           "lane_labels"]
 
 _HERE = pathlib.Path(__file__).parent
 
@@ -44,6 +45,7 @@ CANVAS_CSS = """
   background: var(--jp-layout-color0, white); color: var(--jp-ui-font-color0, #222);
   border: 1px solid var(--jp-border-color1, #bbb); box-shadow: 0 1px 4px rgba(0, 0, 0, 0.2); }
 .pipexplore-tl-faint { color: var(--jp-ui-font-color2, #888); }
+.pipexplore-rg-wrap { position: relative; }
 """
 
 
@@ -89,6 +91,11 @@ def lane_of(frame: pd.DataFrame) -> tuple[list[tuple[int, str]], np.ndarray]:
     return pairs, rank[inverse.reshape(-1)]
 
 
+def lane_labels(pairs: Sequence[tuple[int, str]]) -> list[str]:
+    """The label of each lane of :func:`lane_of`: ``'stage 0 · cpu'``."""
+    return [f"stage {s} · {d}" for s, d in pairs]
+
+
 def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: str = "", warning: str = "",
                 empty: str = "", stage_layers: Sequence[tuple[int, int]] = (),
                 other: Optional[pd.DataFrame] = None, other_name: str = "") -> dict[str, Any]:
@@ -117,7 +124,7 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     order = np.lexsort((start, lane))
     lane = lane[order]
     panel.update(
-        lanes=[f"stage {s} · {d}" for s, d in pairs], lane_stage=[int(s) for s, _ in pairs],
+        lanes=lane_labels(pairs), lane_stage=[int(s) for s, _ in pairs],
         offsets=np.searchsorted(lane, np.arange(len(pairs) + 1)).tolist(), count=len(frame),
         start=start[order].astype(np.float32).tobytes(), end=end[order].astype(np.float32).tobytes(),
         lane=lane.tobytes(), phase=codes[order].astype(np.uint8).tobytes(),
