@@ -36,8 +36,12 @@ from pipexplore.host import host_cores
 from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
 from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.splits import check_splits
-from pipexplore.timeline import COLUMNS
 from pipexplore.validate import interleaved_devices
+
+try:  # the compiled processor-sharing loop; the Python one runs where it was not built
+    from pipexplore import _sharing
+except ImportError:  # pragma: no cover - depends on the install
+    _sharing = None
 
 __all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
@@ -334,17 +338,17 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, handoff)
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
-    # stages, is timed as fast by the loop, which a crowded host needs anyway.)
+    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where a device's
+    # workers could ask for more than all of it, the compiled loop is faster than timing the graph
+    # to find out: both give the same timeline where both apply.)
     most_levels = max(2000, len(graph) // 4)
-    if graph.longest_queue <= most_levels and graph.depth <= most_levels:
+    crowded = _sharing is not None and _may_oversubscribe(graph, action_costs.share, resource)
+    if not crowded and graph.longest_queue <= most_levels and graph.depth <= most_levels:
         times = _longest_path(graph, action_costs, resource, gap)
     if times is not None:
         frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
     else:
-        rows_out = _processor_sharing(graph, action_costs, gap, resource, stage_device, run)
-        frame = (pd.DataFrame(rows_out, columns=[*COLUMNS, "lane"]).sort_values(["start", "stage"], kind="stable")
-                 .reset_index(drop=True))
-        kinds = _PHASE_INDEX.get_indexer(frame["phase"])
+        frame, kinds = _shared_frame(graph, _processor_sharing(graph, action_costs, gap, resource), stage_device, run)
     frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), stop)
     frame.attrs["peak_memory"] = {}
     return frame
@@ -380,23 +384,90 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
     return ActionCosts(took, asked, copy, first_wait, second_wait)
 
 
+class Records(NamedTuple):
+    """What the processor-sharing loop emits, row by row in the order it emits them: the action,
+    its start and end, and whether the row is the copy before that action (a forward's input)."""
+
+    action: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    copy: np.ndarray
+
+
 def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str],
-                       stage_device: list[str], run: Union[int, str]) -> list[tuple]:
+                       compiled: Optional[bool] = None) -> Records:
     """The step as an event loop: what :func:`simulate` runs when stages that share a device ask
-    for more than all of it at once. Rows of the timeline, in the order their actions end."""
+    for more than all of it at once. ``compiled``: the C loop (default where it was built), or the
+    Python one (``False``); both give the same records bit for bit."""
+    if compiled is None:
+        compiled = _sharing is not None
+    if not compiled:
+        return _sharing_loop(graph, costs, gap, resource)
+    if _sharing is None:
+        raise RuntimeError("pipexplore._sharing (the compiled event loop) was not built with this install")
+    n, S = len(graph), len(resource)
+    names = list(dict.fromkeys(resource))
+    device = np.array([names.index(r) for r in resource], dtype=np.int64)
+    lanes = graph.stage_lanes
+    lanes = lanes + [set()] * (S - len(lanes))
+    lanes_at = np.cumsum([0, *map(len, lanes)]).astype(np.int64)
+    lane_list = np.array([q for queue in lanes for q in sorted(queue)], dtype=np.int64)
+    out_action = np.empty(2 * n, dtype=np.int64)
+    out_start, out_end = np.empty(2 * n), np.empty(2 * n)
+    out_copy = np.empty(2 * n, dtype=np.int8)
+
+    def f64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float64)
+
+    def i64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.int64)
+
+    rows = _sharing.run(
+        f64(costs.seconds), f64(costs.share), f64(costs.first_wait), f64(costs.second_wait), f64(costs.copy),
+        i64(graph.first), i64(graph.second), i64(graph.stage), i64(graph.kind),
+        np.array([len(q) for q in graph.queues], dtype=np.int64), device, len(names), lanes_at, lane_list,
+        float(gap), FORWARD, BACKWARD, INPUT_GRAD, out_action, out_start, out_end, out_copy)
+    return Records(out_action[:rows], out_start[:rows], out_end[:rows], out_copy[:rows].astype(bool))
+
+
+def _shared_frame(graph: ActionGraph, records: Records, stage_device: list[str],
+                  run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """The timeline of the processor-sharing loop's records, sorted by start then stage (stable:
+    rows that tie keep the order the loop emitted them), and each row's phase number."""
+    action = records.action
+    stage = graph.stage[action]
+    # By start, then stage: a radix sort of the stages, then a stable sort of the starts (per stage
+    # the loop emits them nearly in order); the same order as a lexsort, in half its time.
+    by_stage = np.argsort(stage.astype(np.int16), kind="stable")
+    order = by_stage[np.argsort(records.start[by_stage], kind="stable")]
+    action, stage = action[order], stage[order]
+    kind = np.where(records.copy[order], len(PHASE_NAMES) - 1, graph.kind[action])
+    frame = pd.DataFrame({
+        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage),
+        "microbatch": graph.micro[action], "phase": _PHASE_INDEX.take(kind), "start": records.start[order],
+        "end": records.end[order], "source": "predicted", "lane": graph.lane[action],
+    }, copy=False)
+    return frame, kind
+
+
+def _sharing_loop(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str]) -> Records:
+    """The processor-sharing event loop in Python: the reference for the compiled one
+    (``_sharing.c``, the same steps), and what runs where that was not built."""
     # Per action as plain lists: the loop reads a few per action, and numpy scalars would cost it
     # more than its own work.
     took, asked, copy_of, first_wait, second_wait = (c.tolist() for c in costs)
-    stage, micro, kind = graph.stage.tolist(), graph.micro.tolist(), graph.kind.tolist()
+    stage, kind = graph.stage.tolist(), graph.kind.tolist()
     first, second = graph.first.tolist(), graph.second.tolist()
     none = len(graph)
-    phase_of = PHASE_NAMES.tolist()
     end = [-1.0] * none + [0.0]  # -1: not yet done; the sentinel "no input" ended at 0
-    rows_out: list[tuple] = []
+    rows_action: list[int] = []
+    rows_start: list[float] = []
+    rows_end: list[float] = []
+    rows_copy: list[bool] = []
 
     lane_queues = graph.queues
     Q = len(lane_queues)
-    S = len(stage_device)
+    S = len(resource)
     base = [0] * Q  # each queue's first action number (actions are numbered queue after queue)
     for q in range(1, Q):
         base[q] = base[q - 1] + len(lane_queues[q - 1])
@@ -423,7 +494,13 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     remaining = none
     now = 0.0
     eps = 1e-12
-    push, pop, emit = heapq.heappush, heapq.heappop, rows_out.append  # looked up once, called per action
+    push, pop = heapq.heappush, heapq.heappop  # looked up once, called per action
+
+    def emit(n: int, start: float, end: float, copied: bool) -> None:
+        rows_action.append(n)
+        rows_start.append(start)
+        rows_end.append(end)
+        rows_copy.append(copied)
 
     while remaining:
         while wakes and wakes[0][0] <= now + eps:
@@ -465,7 +542,7 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
             copy = copy_of[n]
             if copy > 0:
                 done = end[first[n]]
-                emit((run, stage[n], stage_device[stage[n]], micro[n], "copy", done, done + copy, "predicted", q))
+                emit(n, done, done + copy, True)
         dirty.clear()
         while wakes and timed.get(wakes[0][1]) != wakes[0][0]:
             pop(wakes)  # stale
@@ -500,8 +577,8 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                 remaining -= 1
                 end[n] = now
                 free_at[q] = now + gap
+                emit(n, start, now, False)
                 s, k = stage[n], kind[n]
-                emit((run, s, stage_device[s], micro[n], phase_of[k], start, now, "predicted", q))
                 # What this action's end can make ready: its stage's actions (the next in its
                 # queue, which is one of them; a backward waiting for its forward or recompute),
                 # and the forward of the next stage after a forward, the backward of the previous
@@ -512,7 +589,17 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
                         dirty |= stage_queues[s + 1]
                 elif (k == BACKWARD or k == INPUT_GRAD) and s > 0:
                     dirty |= stage_queues[s - 1]
-    return rows_out
+    return Records(np.array(rows_action, dtype=np.int64), np.array(rows_start), np.array(rows_end),
+                   np.array(rows_copy, dtype=bool))
+
+
+def _may_oversubscribe(graph: ActionGraph, share: np.ndarray, resource: list[str]) -> bool:
+    """Whether some device's workers, each at the most it ever asks for, add up to more than all
+    of it (then they may, depending on timing; otherwise they never do)."""
+    device = np.unique(np.asarray(resource), return_inverse=True)[1]
+    most = np.zeros((int(device.max()) + 1 if len(device) else 0, len(graph.queues)))
+    np.maximum.at(most, (device[graph.stage], graph.lane), share)
+    return bool((most.sum(axis=1) > 1.0).any())
 
 
 def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str],

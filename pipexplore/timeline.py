@@ -309,42 +309,39 @@ def step_time(timeline: pd.DataFrame) -> float:
     return float(timeline["end"].max() - timeline["start"].min())
 
 
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    total, current_start, current_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
-    return total
+def _busy(timeline: pd.DataFrame, by: str,
+          phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, float], float]:
+    """Seconds each stage (or device) computed, overlapping spans counted once, keyed in order of
+    their names; and the span of the frame's events (of ``phases``, where given).
 
-
-def _lanes(timeline: pd.DataFrame, by: str,
-           phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, tuple[np.ndarray, np.ndarray]], float]:
-    """Compute spans grouped by stage or device as numpy arrays, and the span of the frame's events."""
+    Array by array: sorted by key and start, each span adds what reaches past the furthest end of
+    the spans before it (a 64-stage step has ~100k spans)."""
     phase = timeline["phase"].to_numpy()
     keep = np.isin(phase, list(phases)) if phases is not None else np.ones(len(phase), dtype=bool)
-    start, end = timeline["start"].to_numpy()[keep], timeline["end"].to_numpy()[keep]
+    start, end = timeline["start"].to_numpy(dtype=float)[keep], timeline["end"].to_numpy(dtype=float)[keep]
     total = float(end.max() - start.min()) if len(start) else 0.0
     compute = np.isin(phase[keep], COMPUTE_PHASES)
     keys = timeline[by].to_numpy()[keep]
-    lanes: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
-    for key in sorted(set(keys.tolist()), key=str):
-        mask = compute & (keys == key)
-        lanes[key] = (start[mask], end[mask])
-    return lanes, total
+    names = sorted(set(keys.tolist()), key=str)
+    codes = pd.Index(names).get_indexer(keys[compute])
+    start, end = start[compute], end[compute]
+    order = np.lexsort((end, start, codes))
+    codes, start, end = codes[order], start[order], end[order]
+    reach = pd.Series(end).groupby(codes).cummax().to_numpy()
+    before = np.empty_like(reach)
+    before[1:] = reach[:-1]
+    before[np.r_[True, codes[1:] != codes[:-1]] if len(codes) else []] = -np.inf  # each key's first span
+    added = np.maximum(end - np.maximum(start, before), 0.0)
+    busy = np.bincount(codes, weights=added, minlength=len(names))
+    return dict(zip(names, busy.tolist())), total
 
 
 def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = "stage") -> float:
     """Seconds a stage (or device, ``by='device'``) computed, overlapping spans counted once;
     all of them summed when ``stage`` is None."""
-    lanes, _ = _lanes(timeline, by)
-    keys = [stage] if stage is not None else list(lanes)
-    return sum(_union_length(zip(*lanes[k])) for k in keys if k in lanes)
+    busy, _ = _busy(timeline, by)
+    keys = [stage] if stage is not None else list(busy)
+    return sum(busy[k] for k in keys if k in busy)
 
 
 def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,
@@ -358,10 +355,10 @@ def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,
     """
     if by not in ("stage", "device"):
         raise ValueError(f"by must be 'stage' or 'device', got {by!r}")
-    lanes, total = _lanes(timeline, by, phases)
-    if total <= 0 or not lanes:
+    busy, total = _busy(timeline, by, phases)
+    if total <= 0 or not busy:
         return pd.Series(dtype=float) if per_stage else 0.0
-    values = pd.Series({k: 1.0 - _union_length(zip(*lanes[k])) / total for k in lanes}, name="bubble")
+    values = pd.Series({k: 1.0 - seconds / total for k, seconds in busy.items()}, name="bubble")
     values.index.name = by
     return values if per_stage else float(values.mean())
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch and pipexplore (editable) with its test extras.
-# Idempotent: a second run only re-installs when pyproject.toml changed.
+# Idempotent: a second run only re-installs when the package's build files changed (pyproject.toml,
+# setup.py, or the compiled simulator loop's source).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,7 +9,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.pipexplore-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+        || [ pipexplore/_sharing.c -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # The CPU wheel, pinned: a loose `torch` would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"

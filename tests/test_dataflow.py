@@ -38,6 +38,8 @@ def both_ways(monkeypatch, layers: pd.DataFrame, **kwargs) -> tuple[pd.DataFrame
         return result
 
     monkeypatch.setattr(simulate_module, "_longest_path", spy)
+    # (the graph is tried even where a device's workers could crowd it, as without the compiled loop)
+    monkeypatch.setattr(simulate_module, "_may_oversubscribe", lambda *args: False)
     fast = simulate(layers, [3, 6, 9], **kwargs)
     monkeypatch.setattr(simulate_module, "_longest_path", lambda *args, **kw: None)
     loop = simulate(layers, [3, 6, 9], **kwargs)
@@ -120,3 +122,44 @@ def test_stages_that_leave_the_host_free_are_timed_as_a_graph(monkeypatch):
                                   executor="threads", cpu_stages_overlap=True)
     assert taken
     np.testing.assert_allclose(canonical(fast)[["start", "end"]], canonical(loop)[["start", "end"]], rtol=1e-9)
+
+
+def test_the_compiled_loop_is_built():
+    # setup.py builds it (optional, so an install without a compiler still works, more slowly)
+    assert simulate_module._sharing is not None, "pipexplore._sharing was not built: pip install -e . with a C compiler"
+
+
+@pytest.mark.parametrize("schedule, executor, checkpoint, devices", CONFIGS[::2])
+@pytest.mark.parametrize("gap", [0.0, 0.05])
+def test_the_compiled_loop_emits_what_the_python_loop_does_bit_for_bit(monkeypatch, schedule, executor, checkpoint,
+                                                                         devices, gap):
+    monkeypatch.setattr(simulate_module, "_longest_path", lambda *a, **k: None)
+    captured = {}
+    real = simulate_module._processor_sharing
+
+    def spy(graph, costs, gap_, resource, compiled=None):
+        captured.update(graph=graph, costs=costs, resource=resource)
+        return real(graph, costs, gap_, resource, compiled)
+
+    monkeypatch.setattr(simulate_module, "_processor_sharing", spy)
+    simulate(table(share=0.7), [3, 6, 9], chunks=6, schedule=schedule, checkpoint=checkpoint, executor=executor,
+             devices=devices_for(schedule, devices), copy_cost=1e-9, batch=24)
+    args = captured["graph"], captured["costs"], gap, captured["resource"]
+    c, py = real(*args, compiled=True), real(*args, compiled=False)
+    assert len(c.action) == len(py.action) >= len(captured["graph"])
+    for field in c._fields:
+        np.testing.assert_array_equal(getattr(c, field), getattr(py, field), err_msg=field)
+
+
+def test_the_compiled_loop_refuses_inputs_that_do_not_fit_and_a_deadlock():
+    graph = ActionGraph.build([[(0, "F", 0)], [(1, "F", 0)]], stages=2)
+    costs = simulate_module.ActionCosts(*(np.ones(2) for _ in range(5)))
+    short = costs._replace(seconds=np.ones(1))
+    with pytest.raises(ValueError, match="took: expected 16 bytes, got 8"):
+        simulate_module._processor_sharing(graph, short, 0.0, ["host", "host"], compiled=True)
+    # each worker waits for the other's action: neither loop can start anything
+    stuck = ActionGraph.build([[(0, "B", 0), (0, "F", 0)], [(1, "B", 0), (1, "F", 0)]], stages=2)
+    costs = simulate_module.ActionCosts(*(np.ones(4) for _ in range(5)))
+    for compiled in (True, False):
+        with pytest.raises(RuntimeError, match="deadlocked"):
+            simulate_module._processor_sharing(stuck, costs, 0.0, ["host", "host"], compiled=compiled)
