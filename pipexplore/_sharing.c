@@ -146,6 +146,17 @@ static PyObject *run(PyObject *self, PyObject *args) {
     int64_t *base = malloc((size_t)(Q + 1) * sizeof(int64_t)), *heads = calloc((size_t)Q + 1, sizeof(int64_t));
     double *free_at = calloc((size_t)Q + 1, sizeof(double)), *timed = malloc((size_t)(Q + 1) * sizeof(double));
     char *has_timed = calloc((size_t)Q + 1, 1), *dirty = malloc((size_t)Q + 1), *is_running = calloc((size_t)Q + 1, 1);
+    /* The queues marked to look at (each once: `dirty` says which are). */
+    int64_t *dirty_list = malloc((size_t)(Q + 1) * sizeof(int64_t));
+    Py_ssize_t ndirty = 0;
+#define MARK(queue)                        \
+    do {                                   \
+        int64_t q_ = (queue);              \
+        if (!dirty[q_]) {                  \
+            dirty[q_] = 1;                 \
+            dirty_list[ndirty++] = q_;     \
+        }                                  \
+    } while (0)
     /* What runs on each queue: its clock (resource), share, start and action. */
     int64_t *run_r = malloc((size_t)(Q + 1) * sizeof(int64_t)), *run_n = malloc((size_t)(Q + 1) * sizeof(int64_t));
     double *run_share = malloc((size_t)(Q + 1) * sizeof(double)), *run_start = malloc((size_t)(Q + 1) * sizeof(double));
@@ -158,7 +169,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
     int64_t *advancing = malloc((size_t)R * sizeof(int64_t));
     double *advancing_rate = malloc((size_t)R * sizeof(double));
     Heap wakes = {NULL, 0, 0};
-    if (!end || !base || !heads || !free_at || !timed || !has_timed || !dirty || !is_running || !run_r || !run_n ||
+    if (!end || !base || !heads || !free_at || !timed || !has_timed || !dirty || !dirty_list || !is_running || !run_r ||
+        !run_n ||
         !run_share || !run_start || !clock || !demand || !finishing || !seen || !seen_order || !advancing ||
         !advancing_rate) {
         PyErr_NoMemory();
@@ -169,6 +181,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
     base[0] = 0;
     for (Py_ssize_t q = 1; q < Q; q++) base[q] = base[q - 1] + length[q - 1];
     memset(dirty, 1, (size_t)Q);
+    for (Py_ssize_t q = 0; q < Q; q++) dirty_list[q] = q;
+    ndirty = Q;
 
     Py_ssize_t rows = 0, seen_count = 0, remaining = n;
     int64_t order = 0;
@@ -182,11 +196,21 @@ static PyObject *run(PyObject *self, PyObject *args) {
             Entry w = heap_pop(&wakes);
             if (has_timed[w.q] && timed[w.q] == w.key) {
                 has_timed[w.q] = 0;
-                dirty[w.q] = 1;
+                MARK(w.q);
             }
         }
-        for (Py_ssize_t q = 0; q < Q; q++) {
-            if (!dirty[q]) continue;
+        /* The queues to look at, in ascending order (as the Python loop's sorted set): a handful
+         * per event, so an insertion sort. */
+        for (Py_ssize_t i = 1; i < ndirty; i++) {
+            int64_t q = dirty_list[i];
+            Py_ssize_t j = i;
+            for (; j > 0 && dirty_list[j - 1] > q; j--) dirty_list[j] = dirty_list[j - 1];
+            dirty_list[j] = q;
+        }
+        Py_ssize_t looked = ndirty;
+        ndirty = 0;
+        for (Py_ssize_t i = 0; i < looked; i++) {
+            int64_t q = dirty_list[i];
             dirty[q] = 0;
             if (is_running[q] || heads[q] >= length[q]) continue;
             int64_t a = base[q] + heads[q];
@@ -274,12 +298,12 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 out_end[rows] = now;
                 out_copy[rows++] = 0;
                 int64_t s = stage[a], k = kind[a];
-                for (int64_t j = lanes_at[s]; j < lanes_at[s + 1]; j++) dirty[lanes[j]] = 1;
+                for (int64_t j = lanes_at[s]; j < lanes_at[s + 1]; j++) MARK(lanes[j]);
                 if (k == forward) {
                     if (s + 1 < S)
-                        for (int64_t j = lanes_at[s + 1]; j < lanes_at[s + 2]; j++) dirty[lanes[j]] = 1;
+                        for (int64_t j = lanes_at[s + 1]; j < lanes_at[s + 2]; j++) MARK(lanes[j]);
                 } else if ((k == backward || k == input_grad) && s > 0) {
-                    for (int64_t j = lanes_at[s - 1]; j < lanes_at[s]; j++) dirty[lanes[j]] = 1;
+                    for (int64_t j = lanes_at[s - 1]; j < lanes_at[s]; j++) MARK(lanes[j]);
                 }
             }
         }
@@ -294,7 +318,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
         result = PyLong_FromSsize_t(rows);
 
 free_state:
-    free(end); free(base); free(heads); free(free_at); free(timed); free(has_timed); free(dirty); free(is_running);
+    free(end); free(base); free(heads); free(free_at); free(timed); free(has_timed); free(dirty); free(dirty_list);
+    free(is_running);
     free(run_r); free(run_n); free(run_share); free(run_start); free(clock); free(demand); free(seen);
     free(seen_order); free(advancing); free(advancing_rate); free(wakes.at);
     if (finishing)

@@ -81,14 +81,15 @@ def lane_of(frame: pd.DataFrame) -> tuple[list[tuple[int, str]], np.ndarray]:
     row's lane (what ``frame[['stage', 'device']].drop_duplicates().sort_values('stage')`` orders,
     with array operations)."""
     device_codes, devices = pd.factorize(frame["device"])
-    stage = frame["stage"].to_numpy().astype(np.int64)
-    keys, first, inverse = np.unique(stage * max(1, len(devices)) + device_codes, return_index=True,
-                                     return_inverse=True)
-    order = np.lexsort((first, keys // max(1, len(devices))))
-    rank = np.empty(len(keys), dtype=np.int32)
-    rank[order] = np.arange(len(keys), dtype=np.int32)
-    pairs = [(int(stage[first[k]]), str(devices[device_codes[first[k]]])) for k in order]
-    return pairs, rank[inverse.reshape(-1)]
+    width = max(1, len(devices))
+    # (hashed, not sorted: the pairs come numbered in order of first appearance)
+    codes, pairs_seen = pd.factorize(frame["stage"].to_numpy().astype(np.int64) * width + device_codes)
+    stage_seen = pairs_seen // width
+    order = np.argsort(stage_seen, kind="stable")  # by stage, then first appearance
+    rank = np.empty(len(pairs_seen), dtype=np.int32)
+    rank[order] = np.arange(len(pairs_seen), dtype=np.int32)
+    pairs = [(int(stage_seen[k]), str(devices[pairs_seen[k] % width])) for k in order]
+    return pairs, rank[codes]
 
 
 def lane_labels(pairs: Sequence[tuple[int, str]]) -> list[str]:
@@ -121,7 +122,10 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     end = (frame["end"].to_numpy(dtype=float) - origin) * 1e3
     codes = pd.Index(list(phases)).get_indexer(frame["phase"])
     codes[codes < 0] = len(phases)
-    order = np.lexsort((start, lane))
+    # By lane, then start (a lexsort's order): a stable sort of the starts, nearly in order already,
+    # then a radix sort of the lanes.
+    by_start = np.argsort(start, kind="stable")
+    order = by_start[np.argsort(lane[by_start].astype(np.int16 if len(pairs) < 2**15 else np.int32), kind="stable")]
     lane = lane[order]
     panel.update(
         lanes=lane_labels(pairs), lane_stage=[int(s) for s, _ in pairs],
