@@ -1,4 +1,4 @@
-/* The simulator's processor-sharing event loop, compiled.
+/* The simulator's processor-sharing event loop, and its graph's longest path, compiled.
  *
  * The same loop as pipexplore.simulate._sharing_loop (the reference, which runs where this module
  * was not built), step for step and with the same floating-point operations in the same order, so
@@ -84,6 +84,7 @@ static int check(Py_buffer *b, Py_ssize_t count, Py_ssize_t itemsize, const char
 }
 
 static PyObject *run(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer b[18];
     double gap;
     long long forward, backward, input_grad;
@@ -331,11 +332,57 @@ release:
     return result;
 }
 
+/* times(after, first, second, seconds, after_wait, first_wait, second_wait, start, end): the longest
+ * path of a graph whose actions come in level order (every input before its user; n = none):
+ * each starts when the last of its inputs' ends plus its wait is reached, and takes its seconds.
+ * The same operations as pipexplore.dataflow.ActionGraph.times's array passes, action by action;
+ * `end` has n + 1 places (the sentinel "no input", which ends at 0). */
+static PyObject *times(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b[9];
+    memset(b, 0, sizeof(b));
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8]))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = b[0].len / 8;
+    const char *names[] = {"after", "first", "second", "seconds", "after_wait", "first_wait", "second_wait", "start"};
+    for (int i = 0; i < 8; i++)
+        if (check(&b[i], n, 8, names[i])) goto release;
+    if (check(&b[8], n + 1, 8, "end")) goto release;
+    const int64_t *inputs[3] = {b[0].buf, b[1].buf, b[2].buf};
+    for (int k = 0; k < 3; k++)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (inputs[k][i] < 0 || inputs[k][i] > n || (inputs[k][i] >= i && inputs[k][i] != n)) {
+                PyErr_SetString(PyExc_ValueError, "an input does not come before its action (not in level order)");
+                goto release;
+            }
+    const int64_t *after = b[0].buf, *first = b[1].buf, *second = b[2].buf;
+    const double *seconds = b[3].buf, *after_wait = b[4].buf, *first_wait = b[5].buf, *second_wait = b[6].buf;
+    double *start = b[7].buf, *end = b[8].buf;
+    end[n] = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double t = end[after[i]] + after_wait[i];
+        double u = end[first[i]] + first_wait[i];
+        if (u > t) t = u;
+        u = end[second[i]] + second_wait[i];
+        if (u > t) t = u;
+        start[i] = t;
+        end[i] = t + seconds[i];
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+release:
+    for (int i = 0; i < 9; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "The processor-sharing event loop (see pipexplore.simulate)."},
+    {"times", times, METH_VARARGS, "The longest path of a graph in level order (see pipexplore.dataflow)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sharing", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sharing", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__sharing(void) { return PyModule_Create(&module); }

@@ -27,6 +27,11 @@ from typing import Sequence
 
 import numpy as np
 
+try:  # the compiled longest path (built by setup.py); the array passes below where it was not
+    from pipexplore import _sharing
+except ImportError:  # pragma: no cover - depends on the install
+    _sharing = None
+
 __all__ = ["ActionGraph", "oversubscribed", "KINDS", "FORWARD", "BACKWARD", "RECOMPUTE", "INPUT_GRAD", "WEIGHT_GRAD"]
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
@@ -143,16 +148,22 @@ class ActionGraph:
                 list(zip(bounds[:-1], bounds[1:])))
 
     def times(self, seconds: np.ndarray, first_wait: np.ndarray, second_wait: np.ndarray,
-              gap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+              gap: float = 0.0, compiled: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Start and end of every action: ``seconds`` each takes, the time between the end of its
         first (second) input and when it may start (copies, hand-offs), and the ``gap`` a worker
-        leaves between two of its actions. One pass of array operations per level."""
+        leaves between two of its actions. One pass of array operations per level, or (where
+        ``pipexplore._sharing`` was built and ``compiled``) one pass in C in the same level order:
+        the same operations, the same times bit for bit."""
         n = len(self)
         order, after, first, second, levels = self._by_level
         seconds, first_wait, second_wait = seconds[order], first_wait[order], second_wait[order]
         after_wait = np.where(after < n, gap, 0.0)
         end = np.zeros(n + 1)
         start = np.empty(n)
+        if _sharing is not None and compiled:  # the same operations, action by action in C
+            _sharing.times(after, first, second, *(np.ascontiguousarray(a, dtype=np.float64) for a in
+                                                   (seconds, after_wait, first_wait, second_wait)), start, end)
+            levels = []
         for lo, hi in levels:
             t = end[after[lo:hi]]
             t += after_wait[lo:hi]

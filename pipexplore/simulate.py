@@ -342,9 +342,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     # workers could ask for more than all of it, the compiled loop is faster than timing the graph
     # to find out: both give the same timeline where both apply.)
     most_levels = max(2000, len(graph) // 4)
-    crowded = _sharing is not None and _may_oversubscribe(graph, action_costs.share, resource)
-    if not crowded and graph.longest_queue <= most_levels and graph.depth <= most_levels:
-        times = _longest_path(graph, action_costs, resource, gap)
+    crowding = _may_oversubscribe(graph, action_costs.share, resource)
+    if (not crowding or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
+        times = _longest_path(graph, action_costs, resource, gap, crowding)
     if times is not None:
         frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
     else:
@@ -602,13 +602,14 @@ def _may_oversubscribe(graph: ActionGraph, share: np.ndarray, resource: list[str
     return bool((most.sum(axis=1) > 1.0).any())
 
 
-def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str],
-                  gap: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
+def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], gap: float,
+                  crowding: bool = True) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Start and end of every action of ``graph`` when no device is ever asked for more than all
-    of it, else ``None`` (the processor-sharing loop must run)."""
+    of it, else ``None`` (the processor-sharing loop must run). ``crowding=False``: the caller
+    knows no device can be (:func:`_may_oversubscribe`), so the timed graph is not checked."""
     start, end = graph.times(costs.seconds, costs.first_wait, costs.second_wait, gap)
     resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
-    if oversubscribed(graph, resource_id, costs.share, start, end):
+    if crowding and oversubscribed(graph, resource_id, costs.share, start, end):
         return None
     return start, end
 

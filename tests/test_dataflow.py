@@ -38,8 +38,9 @@ def both_ways(monkeypatch, layers: pd.DataFrame, **kwargs) -> tuple[pd.DataFrame
         return result
 
     monkeypatch.setattr(simulate_module, "_longest_path", spy)
-    # (the graph is tried even where a device's workers could crowd it, as without the compiled loop)
-    monkeypatch.setattr(simulate_module, "_may_oversubscribe", lambda *args: False)
+    # (the graph is tried even where a device's workers could crowd it, as without the compiled loop,
+    # which test_the_compiled_loop_emits_what_the_python_loop_does_bit_for_bit compares with this one)
+    monkeypatch.setattr(simulate_module, "_sharing", None)
     fast = simulate(layers, [3, 6, 9], **kwargs)
     monkeypatch.setattr(simulate_module, "_longest_path", lambda *args, **kw: None)
     loop = simulate(layers, [3, 6, 9], **kwargs)
@@ -68,6 +69,19 @@ def test_the_graph_times_every_plan_as_the_event_loop_does(monkeypatch, schedule
     assert fast["start"].is_monotonic_increasing
     if devices == "cuda":
         assert taken  # a device per stage: no worker ever shares one with another running action
+
+
+def test_a_device_whose_workers_cannot_crowd_it_is_not_checked_and_one_that_could_goes_to_the_loop(monkeypatch):
+    checked = []
+    real = simulate_module.oversubscribed
+    monkeypatch.setattr(simulate_module, "oversubscribed", lambda *a: checked.append(1) or real(*a))
+    loops = []
+    sharing = simulate_module._processor_sharing
+    monkeypatch.setattr(simulate_module, "_processor_sharing", lambda *a, **k: loops.append(1) or sharing(*a, **k))
+    simulate(table(share=0.2), [3, 6, 9], chunks=4, schedule="1f1b", devices=["cpu"] * 4)  # 4 × 0.2 of the host
+    assert not checked and not loops
+    simulate(table(share=0.3), [3, 6, 9], chunks=4, schedule="1f1b", devices=["cpu"] * 4)  # 4 × 0.3: could be
+    assert not checked and loops == [1]
 
 
 def test_stages_that_oversubscribe_their_host_are_left_to_processor_sharing(monkeypatch):
@@ -163,3 +177,27 @@ def test_the_compiled_loop_refuses_inputs_that_do_not_fit_and_a_deadlock():
     for compiled in (True, False):
         with pytest.raises(RuntimeError, match="deadlocked"):
             simulate_module._processor_sharing(stuck, costs, 0.0, ["host", "host"], compiled=compiled)
+
+
+@pytest.mark.parametrize("schedule, executor, checkpoint, devices", CONFIGS[1::3])
+def test_the_compiled_longest_path_times_the_graph_as_the_array_passes_do_bit_for_bit(schedule, executor, checkpoint,
+                                                                                        devices):
+    graph = schedule_graph(schedule, 4, 6, executor=executor, checkpointed={"always": 6, "except_last": 5,
+                                                                           "never": 0}[checkpoint])
+    rng = np.random.default_rng(len(graph))
+    seconds, first_wait, second_wait = (rng.random(len(graph)) for _ in range(3))
+    compiled = graph.times(seconds, first_wait, second_wait, 0.01)
+    passes = graph.times(seconds, first_wait, second_wait, 0.01, compiled=False)
+    for a, b in zip(compiled, passes):
+        np.testing.assert_array_equal(a, b)
+    assert (compiled[1] > compiled[0]).all()
+
+
+def test_the_compiled_longest_path_refuses_a_graph_out_of_level_order():
+    n = 2
+    one = np.zeros(n)
+    with pytest.raises(ValueError, match="not in level order"):
+        simulate_module._sharing.times(np.array([n, 1]), np.array([n, n]), np.array([n, n]), one, one, one, one,
+                                       np.empty(n), np.empty(n + 1))
+    with pytest.raises(ValueError, match="end: expected 24 bytes, got 16"):
+        simulate_module._sharing.times(*(np.array([n, n]),) * 3, one, one, one, one, np.empty(n), np.empty(n))
