@@ -37,6 +37,12 @@ def test_a_block_panel_reads_back_as_the_timeline_in_lane_then_start_order():
     assert blocks["end"].tolist() == pytest.approx([100.0, 200.0, 700.0, 300.0, 500.0], abs=1e-4)
     assert blocks["phase"].tolist() == [0, 0, len(PHASES), 0, PHASES.index("backward")]  # unknown: after all
     assert blocks["other"].tolist() == pytest.approx([50.0] * 5, abs=1e-4)
+    assert blocks["microbatch"].tolist() == [0, 1, 0, 0, 0] and blocks["lane"].tolist() == [0, 0, 0, 1, 1]
+    # 11 bytes a block: two float32 times, a phase byte, a 2-byte micro-batch (lanes as bounds)
+    assert sum(len(panel[k]) for k in ("start", "end", "phase", "micro")) == 11 * 5 and panel["micro_bytes"] == 2
+    many = frame.assign(microbatch=[70_000, 1, 2, 3, 4])  # more micro-batches than 2 bytes count
+    wide = block_panel(many, PHASES)
+    assert wide["micro_bytes"] == 4 and blocks_of(wide)["microbatch"].tolist() == [2, 1, 4, 70_000, 3]
     empty = block_panel(None, PHASES, empty="no run yet")
     assert empty["lanes"] == [] and len(blocks_of(empty)) == 0 and empty["empty"] == "no run yet"
 

@@ -242,11 +242,13 @@ class TimelineView:
                 self._panels[3] = self._memory_panel()
             text, warning = self._memory_parts()
             panels.append(self._panels[3] | {"title": text, "warning": warning})
-        shown = {phase for frame in (self.predicted, self.measured) if frame is not None
-                 for phase in frame["phase"].unique()}
+        # The phases drawn, from the panels' phase codes (one byte a block; not the frames' strings).
+        shown = set()
+        for row in (1, 2):
+            shown.update(np.flatnonzero(np.bincount(np.frombuffer(self._panels[row]["phase"], np.uint8))).tolist())
         self.figure.scene = {
             "panels": panels, "phases": canvas.phase_table(PHASE_COLORS, PHASE_LETTERS),
-            "legend": [k for k, phase in enumerate(PHASES) if phase in shown],
+            "legend": [k for k in range(len(PHASES)) if k in shown],
             "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits)}
 
     def _memory_scale(self, peaks: pd.DataFrame) -> tuple[float, str]:

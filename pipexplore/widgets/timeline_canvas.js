@@ -2,7 +2,7 @@
 // block per action) and the activation memory per stage, on one shared time axis.
 //
 // Everything drawn comes in the model's `scene` (see timeline_canvas.py): per block panel its lanes
-// and, as binary buffers, each block's start, end (ms), lane, phase and micro-batch, sorted by lane
+// and, as binary buffers, each block's start, end (ms), phase and micro-batch, sorted by lane
 // then start; per memory panel one step line per stage, the peaks and the cap. A redraw is one
 // message and one pass over typed arrays; blocks narrower than a few pixels are merged per lane and
 // phase, so ~100k blocks draw as at most (lanes x pixels) rectangles. `highlight` shades a stage's
@@ -110,8 +110,8 @@ function render({ model, el: host }) {
         return { ...p, series: (p.series || []).map((s) => ({ ...s, t: typed(s.t, Float32Array), v: typed(s.v, Float32Array) })) };
       }
       return {
-        ...p, start: typed(p.start, Float32Array), end: typed(p.end, Float32Array), lane: typed(p.lane, Int32Array),
-        phase: typed(p.phase, Uint8Array), micro: typed(p.micro, Int32Array),
+        ...p, start: typed(p.start, Float32Array), end: typed(p.end, Float32Array),
+        phase: typed(p.phase, Uint8Array), micro: typed(p.micro, p.micro_bytes === 4 ? Int32Array : Uint16Array),
         other: p.other ? typed(p.other, Float32Array) : null, offsets: p.offsets || [0],
       };
     });
@@ -375,10 +375,21 @@ function render({ model, el: host }) {
     return -1;
   }
 
+  // A block's lane: the one whose bounds hold it (blocks travel sorted by lane).
+  function laneOf(p, i) {
+    let lo = 0, hi = p.offsets.length - 2;
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (p.offsets[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
   function describe(p, i) {
     const phases = scene.phases || [];
     const name = (phases[p.phase[i]] || {}).name || "?";
-    const stage = p.lane_stage[p.lane[i]];
+    const lane = laneOf(p, i);
+    const stage = p.lane_stage[lane];
     let text = `${name} · micro-batch ${p.micro[i]} · stage ${stage}`;
     const layers = p.stage_layers && p.stage_layers[stage];
     if (layers) text += ` · layers ${layers[0]}–${layers[1]}`;
@@ -386,7 +397,7 @@ function render({ model, el: host }) {
     text += `<br>${a.toFixed(2)} → ${b.toFixed(2)} ms (${(b - a).toFixed(2)} ms)`;
     if (p.other && p.other[i] >= 0) text += `<br>${escapeHtml(p.other_name)}: ${p.other[i].toFixed(2)} ms`;
     if (p.extra && p.extra[i]) text += `<br>${escapeHtml(p.extra[i])}`;
-    return text + `<br><span class="pipexplore-tl-faint">${escapeHtml(p.lanes[p.lane[i]])}</span>`;
+    return text + `<br><span class="pipexplore-tl-faint">${escapeHtml(p.lanes[lane])}</span>`;
   }
 
   function describeMemory(p, px) {
