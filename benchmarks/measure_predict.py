@@ -96,38 +96,42 @@ def simulation_speed() -> None:
 
 
 def large_simulation_speed() -> None:
+    """1,000 layers × 64 stages × 256 micro-batches, a split moved between repeats: a device per
+    stage (the graph's longest path) and every stage on one CPU host (processor sharing), each
+    with the compiled loops (``pipexplore._sharing``) and with the Python ones, alternating."""
     import importlib
 
     simulate_module = importlib.import_module("pipexplore.simulate")
-    longest_path = simulate_module._longest_path
+    dataflow_module = importlib.import_module("pipexplore.dataflow")
+    compiled = simulate_module._sharing
     n, stages = 1000, 64
     rng = np.random.default_rng(0)
     table = pd.DataFrame({"forward": rng.random(n) * 1e-3, "backward": rng.random(n) * 2e-3, "output_bytes": 1e6})
     splits = [15 * k + 10 for k in range(1, stages)]
 
-    def timed(schedule: str, devices: list[str], repeats: int) -> float:
-        simulate(table, splits, chunks=256, schedule=schedule, devices=devices)  # the graph, built once per shape
-        times = []
-        for k in range(repeats):
+    def once(schedule: str, devices: list[str], k: int, use_compiled: bool) -> float:
+        simulate_module._sharing = dataflow_module._sharing = compiled if use_compiled else None
+        try:
             moved = list(splits)
             moved[k % (stages - 1)] += 1
             start = time.perf_counter()
             simulate(table, moved, chunks=256, schedule=schedule, devices=devices)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            return time.perf_counter() - start
+        finally:
+            simulate_module._sharing = dataflow_module._sharing = compiled
 
     gpus = [f"cuda:{d}" for d in range(stages)]
     for schedule in ("gpipe", "1f1b", "zero-bubble"):
-        graph = timed(schedule, gpus, 9)
-        simulate_module._longest_path = lambda *args, **kwargs: None  # the event loop alone
-        try:
-            loop = timed(schedule, gpus, 3)
-        finally:
-            simulate_module._longest_path = longest_path
-        host = timed(schedule, ["cpu"] * stages, 3)
-        print(f"3. simulate 1,000 layers × 64 stages × 256 micro-batches, {schedule:12}: a device per stage "
-              f"{graph * 1e3:.1f} ms (event loop {loop * 1e3:.0f} ms, {loop / graph:.1f}×); "
-              f"one CPU host {host * 1e3:.0f} ms")
+        row = []
+        for name, devices, repeats in (("a device per stage", gpus, 9), ("one CPU host", ["cpu"] * stages, 5)):
+            simulate(table, splits, chunks=256, schedule=schedule, devices=devices)  # the graph, built once per shape
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for k in range(repeats):
+                for use_compiled in (True, False):
+                    times[use_compiled].append(once(schedule, devices, k, use_compiled))
+            c, py = statistics.median(times[True]), statistics.median(times[False])
+            row.append(f"{name} {c * 1e3:.1f} ms (Python loops {py * 1e3:.0f} ms, {py / c:.1f}×)")
+        print(f"3. simulate 1,000 layers × 64 stages × 256 micro-batches, {schedule:12}: " + "; ".join(row))
 
 
 def prediction_error(devices: list[str], repeats: int) -> None:

@@ -338,12 +338,12 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, handoff)
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
-    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where a device's
-    # workers could ask for more than all of it, the compiled loop is faster than timing the graph
-    # to find out: both give the same timeline where both apply.)
+    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where the
+    # workers of several stages could ask for more of a device than all of it, the compiled loop
+    # is faster than timing the graph to find out: both give the same timeline where both apply.)
     most_levels = max(2000, len(graph) // 4)
-    crowding = _may_oversubscribe(graph, action_costs.share, resource)
-    if (not crowding or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
+    crowding, stages_crowd = _may_oversubscribe(graph, action_costs.share, resource)
+    if (not stages_crowd or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
         times = _longest_path(graph, action_costs, resource, gap, crowding)
     if times is not None:
         frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
@@ -593,13 +593,17 @@ def _sharing_loop(graph: ActionGraph, costs: ActionCosts, gap: float, resource: 
                    np.array(rows_copy, dtype=bool))
 
 
-def _may_oversubscribe(graph: ActionGraph, share: np.ndarray, resource: list[str]) -> bool:
+def _may_oversubscribe(graph: ActionGraph, share: np.ndarray, resource: list[str]) -> tuple[bool, bool]:
     """Whether some device's workers, each at the most it ever asks for, add up to more than all
-    of it (then they may, depending on timing; otherwise they never do)."""
+    of it (then they may, depending on timing; otherwise they never do); and whether such a
+    device runs several stages (then they usually do: a crowded host, where the loop is the
+    faster way; one stage's forward and backward workers, e.g. autograd's on a GPU, seldom do)."""
     device = np.unique(np.asarray(resource), return_inverse=True)[1]
     most = np.zeros((int(device.max()) + 1 if len(device) else 0, len(graph.queues)))
     np.maximum.at(most, (device[graph.stage], graph.lane), share)
-    return bool((most.sum(axis=1) > 1.0).any())
+    crowded = most.sum(axis=1) > 1.0
+    stages_per_device = np.bincount(device, minlength=len(crowded))
+    return bool(crowded.any()), bool((crowded & (stages_per_device > 1)).any())
 
 
 def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], gap: float,
