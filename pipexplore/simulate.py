@@ -15,7 +15,9 @@ proportion (processor sharing)::
 Where no device is ever asked for more than all of it at once (a device per stage, stages that
 leave the host free), the step is the longest path of the schedule's dependency graph, which is
 cached per shape and timed level by level (:mod:`pipexplore.dataflow`); otherwise an event loop
-runs the processor sharing. Both give the same timeline where both apply (tests).
+runs the processor sharing. Both give the same timeline where both apply (tests). Both are
+compiled (``pipexplore/_sharing.c``, built at install) and also written here in Python: the
+reference the compiled ones equal bit for bit (tests), and what runs where no compiler was found.
 
 The result is a timeline in the common schema with ``source='predicted'``, a ``memory``
 column (the activation bytes the stage holds once the event is done) and a ``lane`` column: the
