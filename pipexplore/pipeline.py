@@ -2,8 +2,11 @@
 each task as soon as the ticks before it have given it what it needs."""
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 from contextlib import contextmanager, nullcontext
-from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, cast
+from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -93,43 +96,121 @@ class Pipeline:
         ``(i, j-1)`` (its input) and ``(i-1, j)`` (its partition's previous micro-batch) are done
         and ``(i+1, j-1)`` has started (so that the autograd graph is the one the ticks build:
         micro-batch ``i``'s fork in partition ``j-1`` comes before its copy to partition ``j``).
-        A partition waits for its own inputs, not for the slowest task of a tick."""
+        A partition waits for its own inputs, not for the slowest task of a tick.
+
+        Each partition's worker starts its own tasks, under one lock: right after computing a
+        task it takes the output back and, where its next micro-batch is ready, starts it and
+        goes on with it (no hand-off through another thread); where what it did makes the next
+        partition's task ready, it pokes that partition's worker, which starts that task itself
+        while this one computes. This thread starts the first tasks and waits for the last, or
+        for the first error (then nothing more starts, and the tasks in flight are waited for
+        before it is raised)."""
         m, n = len(self.batches), len(self.partitions)
-        skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
+        self._skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
         if self.recorder is not None and torch.is_grad_enabled() and not self.batches[0][0].requires_grad:
             self.recorder.watch_parameters(0, self.partitions[0])
-        streams = [current_stream(d) for d in self.devices]
-        started = [0] * n  # micro-batches each partition has started
-        done = [0] * n  # micro-batches each partition has finished (in order)
-        in_flight = 0
+        self._streams = [current_stream(d) for d in self.devices]
+        self._started = [0] * n  # micro-batches each partition has started
+        self._done = [0] * n  # micro-batches each partition has finished (in order)
+        self._poked = [False] * n  # a poke waits in that partition's queue
+        self._in_flight = 0
+        self._remaining = m * n
+        self._failed = self._ended = False
+        self._grad_enabled = torch.is_grad_enabled()  # the workers build the graph in this mode too
+        self._lock = threading.Lock()
         exc_info: Optional[ExcInfo] = None
         with spawn_workers(list(self.devices)) as (in_queues, results):
-            while True:
-                if exc_info is None:
-                    check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
+            self._in_queues, self._results = in_queues, results
+            with self._lock:
+                try:
                     for j in range(n):
-                        i = started[j]
-                        if i < m and done[j] == i and (j == 0 or done[j - 1] > i) and \
-                                (j == 0 or i + 1 >= m or started[j - 1] > i + 1):
-                            self.fence(i, j, skip_trackers[i])
-                            self._start(i, j, streams, skip_trackers[i], in_queues[j])
-                            started[j] += 1
-                            in_flight += 1
-                if in_flight == 0:
-                    break
-                ok, payload = results.get()
-                in_flight -= 1
-                if not ok:
-                    exc_info = exc_info or cast(ExcInfo, payload)
-                    continue
-                if exc_info is not None:
-                    continue
-                task, batch = cast(tuple[Task, Batch], payload)
-                i, j = task.key
-                self._finish(i, j, task, batch, streams)
-                done[j] += 1
+                        self._start_next(j)
+                except BaseException:
+                    self._failed = True
+                    exc_info = cast(ExcInfo, sys.exc_info())
+                waiting = self._in_flight > 0
+            try:
+                while waiting:
+                    ok, payload = results.get()
+                    if not ok:
+                        exc_info = exc_info or cast(ExcInfo, payload)
+                    elif payload is None:  # the last task is done, or the last in flight after an error
+                        break
+            except BaseException:  # interrupted: the workers start nothing more; they are joined on exit
+                with self._lock:
+                    self._failed = True
+                raise
         if exc_info is not None:
             raise exc_info[1].with_traceback(exc_info[2])
+
+    def _ready(self, j: int) -> bool:
+        """Whether partition ``j``'s next task may start (under the lock)."""
+        i, done, started = self._started[j], self._done, self._started
+        return (i < len(self.batches) and done[j] == i and (j == 0 or done[j - 1] > i)
+                and (j == 0 or i + 1 >= len(self.batches) or started[j - 1] > i + 1))
+
+    def _start_next(self, j: int) -> None:
+        """Start partition ``j``'s next task if it is ready (under the lock), and poke partition
+        ``j + 1``'s worker if that makes its task ready (it forks what that task waits for)."""
+        if self._failed or not self._ready(j):
+            return
+        check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
+        i = self._started[j]
+        self.fence(i, j, self._skip_trackers[i])
+        self._start(i, j, self._streams, self._skip_trackers[i], self._in_queues[j])
+        self._started[j] += 1
+        self._in_flight += 1
+        self._poke(j + 1)
+
+    def _poke(self, j: int) -> None:
+        """Wake partition ``j``'s worker to start its next task, if it is ready (under the lock)."""
+        if j < len(self.partitions) and not self._poked[j] and self._ready(j):
+            self._poked[j] = True
+            self._in_queues[j].put(functools.partial(self._on_poke, j))
+
+    def _on_poke(self, j: int) -> None:
+        """In partition ``j``'s worker: start its next task (it then computes it)."""
+        with self._lock:
+            self._poked[j] = False
+            self._guarded(lambda: self._start_next(j))
+            self._end_if_over()
+
+    def _then(self, task: Task, ok: bool, payload: Union[Batch, ExcInfo]) -> None:
+        """In the worker that computed ``task``: take its output back and start what it makes ready."""
+        with self._lock:
+            self._in_flight -= 1
+            if ok:
+                i, j = task.key
+
+                def finish() -> None:
+                    self._finish(i, j, task, cast(Batch, payload), self._streams)
+                    self._done[j] += 1
+                    self._remaining -= 1
+                    self._start_next(j)
+                    self._poke(j + 1)
+
+                self._guarded(finish)
+            elif not self._failed:
+                self._failed = True
+                self._results.put((False, payload))  # type: ignore[arg-type]
+            self._end_if_over()
+
+    def _end_if_over(self) -> None:
+        """Tell the waiting thread the run is over: all done, or failed with nothing in flight (under the lock)."""
+        if self._in_flight == 0 and (self._failed or self._remaining == 0) and not self._ended:
+            self._ended = True
+            self._results.put((True, None))
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (under the lock, in a worker) unless the run has failed; its error fails the run."""
+        if self._failed:
+            return
+        try:
+            with torch.set_grad_enabled(self._grad_enabled):
+                work()
+        except BaseException:
+            self._failed = True
+            self._results.put((False, sys.exc_info()))  # type: ignore[arg-type]
 
     def fence(self, i: int, j: int, skip_tracker: SkipTrackerThroughPortals) -> None:
         """Before micro-batch ``i`` runs on partition ``j``: order backward across micro-batches and
@@ -165,6 +246,7 @@ class Pipeline:
             batch[0] = _timeline.mark_backward_end(recorder, batch[0], j, i)
         task = self._task(batch, i, j, streams[j], skip_tracker)
         task.key = (i, j)
+        task.then = self._then
         in_queue.put(task)
 
     def _finish(self, i: int, j: int, task: Task, batch: Batch, streams: list[AbstractStream]) -> None:

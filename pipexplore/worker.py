@@ -19,12 +19,15 @@ __all__ = ["Task", "spawn_workers", "join_all"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 # SimpleQueue: put and get in C, a hand-off between threads costs less than Queue's Python locking.
-InQueue = SimpleQueue[Optional["Task"]]
+InQueue = SimpleQueue[Union["Task", Callable[[], None], None]]
 OutQueue = SimpleQueue[tuple[bool, Union[tuple["Task", Batch], ExcInfo, None]]]
 
 
 class Task:
-    """One partition on one micro-batch: ``compute`` in the worker, ``finalize`` back in the caller.
+    """One partition on one micro-batch: ``compute`` in the worker, then ``finalize`` (the
+    recomputation's place in the graph), either back in the caller or, where the task has a
+    ``then``, by the worker itself: ``then(task, ok, batch or exc_info)`` runs in the worker right
+    after ``compute`` (it must not raise; the pipeline reports its own errors).
 
     The grad mode of the thread that made the task is used for both.
     """
@@ -33,6 +36,7 @@ class Task:
                  finalize: Optional[Callable[[Batch], None]]) -> None:
         self.stream = stream
         self.key: tuple[int, int] = (0, 0)  # (micro-batch, partition), set by the pipeline
+        self.then: Optional[Callable[["Task", bool, Union[Batch, ExcInfo]], None]] = None
         self._compute = compute
         self._finalize = finalize
         self._grad_enabled = torch.is_grad_enabled()
@@ -55,13 +59,20 @@ def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> Non
             task = in_queue.get()
             if task is None:
                 break
-            try:
-                batch = task.compute()
-            except BaseException:
-                out_queue.put((False, sys.exc_info()))  # type: ignore[arg-type]
+            if not isinstance(task, Task):  # a pipeline's poke: start this partition's next task
+                task()
                 continue
-            out_queue.put((True, (task, batch)))
-            del task, batch
+            try:
+                ok, payload = True, task.compute()
+            except BaseException:
+                ok, payload = False, sys.exc_info()
+            if task.then is not None:
+                task.then(task, ok, payload)  # type: ignore[arg-type]
+            elif ok:
+                out_queue.put((True, (task, payload)))  # type: ignore[arg-type]
+            else:
+                out_queue.put((False, payload))  # type: ignore[arg-type]
+            del task, payload
 
 
 def join_all(threads: list[threading.Thread], on_interrupt: Optional[Callable[[], None]] = None) -> None:

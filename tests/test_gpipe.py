@@ -529,3 +529,53 @@ def test_a_partition_runs_its_next_micro_batch_without_waiting_for_a_slower_part
     assert torch.allclose(x.grad, x2.grad)
     for a, b in zip(pipe.parameters(), reference.parameters()):
         assert torch.allclose(a.grad, b.grad)
+
+
+def test_each_partitions_worker_starts_its_own_tasks_after_the_first():
+    # The caller starts (0, 0); then each partition's worker takes its task's output back and
+    # starts its own next task (no hand-off through the caller), the next partition's worker
+    # starting its tasks once poked. The graph, and so the gradients, are the clock order's.
+    import pipexplore.pipeline as pipeline
+
+    starters = {}
+    start = pipeline.Pipeline._start
+
+    def spy(self, i, j, *args):
+        starters[(i, j)] = threading.current_thread().name
+        return start(self, i, j, *args)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.GELU(), nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(6, 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline.Pipeline, "_start", spy)
+        pipe, out, grads = _pipe_step(model, x, balance=[2, 1, 1], devices=["cpu"] * 3, chunks=3)
+    assert starters.pop((0, 0)) == threading.current_thread().name
+    assert starters == {key: f"pipexplore-partition{key[1]}" for key in starters} and len(starters) == 8
+    expected_out, expected = _reference_step(model, x)
+    torch.testing.assert_close(out, expected_out)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("where", ["fence", "_finish"])
+def test_an_error_while_a_worker_builds_the_graph_is_raised_once_and_leaves_no_thread(where):
+    import pipexplore.pipeline as pipeline
+
+    real = getattr(pipeline.Pipeline, where)
+    calls = []
+
+    def failing(self, i, j, *args):
+        calls.append((i, j))
+        if (i, j) == (2, 1):
+            raise RuntimeError(f"{where} failed at (2, 1)")
+        return real(self, i, j, *args)
+
+    before = set(threading.enumerate())
+    pipe = GPipe(nn.Sequential(Sleep(0.002), Sleep(0.002)), balance=[1, 1], devices=["cpu"] * 2, chunks=6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline.Pipeline, where, failing)
+        with pytest.raises(RuntimeError, match=rf"{where} failed at \(2, 1\)"):
+            pipe(torch.ones(6, 1))
+    assert set(threading.enumerate()) == before
+    assert (5, 1) not in calls  # nothing more started after the error
+    assert pipe(torch.ones(6, 1)).shape == (6, 1)  # and the next step runs whole
