@@ -373,7 +373,11 @@ def activation_memory(timeline: pd.DataFrame) -> pd.DataFrame:
     if "memory" not in timeline:
         raise KeyError("this timeline has no memory column (predicted timelines have one)")
     stage, time = timeline["stage"].to_numpy(), timeline["end"].to_numpy()
-    order = np.lexsort((time, stage))  # stable: by stage, then time, then the timeline's order
+    # By stage, then time, then the timeline's order (a lexsort's order): a stable sort of the
+    # times (nearly in order already), then a radix sort of the stage numbers.
+    by_time = np.argsort(time, kind="stable")
+    small = len(stage) == 0 or (stage.min() >= 0 and stage.max() < 2**15)
+    order = by_time[np.argsort(stage[by_time].astype(np.int16) if small else stage[by_time], kind="stable")]
     return pd.DataFrame({"stage": stage[order], "time": time[order], "bytes": timeline["memory"].to_numpy()[order]})
 
 

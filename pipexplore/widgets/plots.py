@@ -188,10 +188,15 @@ class TimelineView:
         memory = self._memory()
         cached = getattr(self, "_peaks_of", (None, None))
         if cached[0] is not memory:
-            # Each stage's first row of the most bytes (the memory is sorted by stage, then time).
+            # Each stage's first row of the most bytes (the memory is sorted by stage, then time):
+            # per run of a stage its maximum, then the first row that reaches it.
             stage, held = memory["stage"].to_numpy(), memory["bytes"].to_numpy(dtype=float)
-            order = np.lexsort((-held, stage))
-            firsts = order[np.concatenate([[0], np.flatnonzero(np.diff(stage[order])) + 1])] if len(order) else order
+            firsts = np.zeros(0, dtype=np.int64)
+            if len(stage):
+                bounds = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]])
+                most = np.maximum.reduceat(held, bounds)
+                reached = np.flatnonzero(held == np.repeat(most, np.diff(np.r_[bounds, len(stage)])))
+                firsts = reached[np.searchsorted(reached, bounds)]
             cached = (memory, memory.iloc[firsts].reset_index(drop=True))
             self._peaks_of = cached
         rows = cached[1].copy()
