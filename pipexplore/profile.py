@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -421,6 +422,17 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
     return forward.median, backward.median
 
 
+def _wait_for_warm_up() -> None:
+    """Timings need the interpreter to themselves: wait for ``%load_ext pipexplore``'s background
+    imports where they still run (a notebook run cell after cell). Beside them a layer's time
+    holds whatever share of the interpreter the imports took meanwhile (~1.5 s of them on 2
+    cores); the wait costs little, as the profile needs most of the same imports."""
+    magics = sys.modules.get("pipexplore.magics")
+    thread = getattr(magics, "warm_up_thread", None)
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
@@ -489,6 +501,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     first_param = next(module.parameters(), None)
     target = torch.device(device) if device is not None else (first_param.device if first_param is not None
                                                                else tensors_in(sample)[0].device)
+    _wait_for_warm_up()
     deadline = None if timeout is None else time.perf_counter() + timeout
     value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
     value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
