@@ -332,11 +332,15 @@ def _busy(timeline: pd.DataFrame, by: str,
     order = by_start[np.argsort(codes[by_start].astype(np.int16 if len(names) < 2**15 else np.int64),
                                 kind="stable")]
     codes, start, end = codes[order], start[order], end[order]
-    reach = pd.Series(end).groupby(codes).cummax().to_numpy()
-    before = np.empty_like(reach)
-    before[1:] = reach[:-1]
-    before[np.r_[True, codes[1:] != codes[:-1]] if len(codes) else []] = -np.inf  # each key's first span
-    added = np.maximum(end - np.maximum(start, before), 0.0)
+    first = np.r_[True, codes[1:] != codes[:-1]] if len(codes) else np.zeros(0, dtype=bool)  # each key's first span
+    if ((start[1:] >= end[:-1]) | first[1:]).all():
+        added = end - start  # no span overlaps the one before it (a worker per stage): the same sums
+    else:
+        reach = pd.Series(end).groupby(codes).cummax().to_numpy()
+        before = np.empty_like(reach)
+        before[1:] = reach[:-1]
+        before[first] = -np.inf
+        added = np.maximum(end - np.maximum(start, before), 0.0)
     busy = np.bincount(codes, weights=added, minlength=len(names))
     return dict(zip(names, busy.tolist())), total
 

@@ -184,12 +184,21 @@ def test_actions_are_counted_per_stage_while_the_measured_steps_run(executor, sc
     plan = Plan(profile(model, sample), (2,), ("cpu", "cpu"), chunks=4, schedule=schedule, checkpoint="never",
                 executor=executor)
     seen: list[dict[int, int]] = []
+    over = threading.Event()
+
+    def watch() -> None:  # reads the counts until the run is over, however long it takes
+        while not over.is_set():
+            seen.append(counter.done())
+            time.sleep(0.002)
+
     with counting_actions() as counter:
-        watcher = threading.Thread(target=lambda: [seen.append(counter.done()) or time.sleep(0.005)
-                                                   for _ in range(60)])
+        watcher = threading.Thread(target=watch)
         watcher.start()
-        result = run_step(model, sample, plan, repeats=3)
-        watcher.join()
+        try:
+            result = run_step(model, sample, plan, repeats=3)
+        finally:
+            over.set()
+            watcher.join()
     per_step = result.timeline[result.timeline["phase"].isin(COMPUTE_PHASES)].groupby("stage").size()
     assert counter.done() == {int(s): 3 * int(n) for s, n in per_step.items()}  # 3 measured steps, no warm-up
     assert any(0 < sum(d.values()) < sum(counter.done().values()) for d in seen)  # readable mid-run
