@@ -8,7 +8,7 @@ from pipexplore import balance, timeline
 from pipexplore.checkpoint import is_checkpointing, is_recomputing
 from pipexplore.flatten import FlattenError, flatten
 from pipexplore.gpipe import BalanceError, GPipe
-from pipexplore.profile import profile
+from pipexplore.profile import backward_split, profile
 from pipexplore.simulate import simulate
 from pipexplore.schedule import ScheduleExecutor
 from pipexplore.splits import SplitError, balance_to_splits, splits_to_balance
@@ -39,7 +39,7 @@ def unload_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
 
 __all__ = [
     "GPipe", "BalanceError", "SplitError", "is_checkpointing", "is_recomputing",
-    "record", "profile", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",
+    "record", "profile", "backward_split", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",
     "ScheduleExecutor", "flatten", "FlattenError",
     "explore", "Explorer", "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]

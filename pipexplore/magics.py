@@ -48,12 +48,13 @@ class PipexploreMagics(Magics):
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(PipexploreMagics)
-    # The first explorer would pay its widgets' and torch's first-use costs (~1.5 s); pay them
-    # now, in the background, while the next cell is written.
+    # The first explorer would pay its modules' first-use costs; pay them now, in the background,
+    # while the next cell is written (what a run needs is imported once an explorer is built).
     global warm_up_thread
     if warm_up_thread is None:
-        warm_up_thread = threading.Thread(target=_warm_up, name="pipexplore-warm-up", daemon=True)
-        warm_up_thread.start()
+        from pipexplore import background
+
+        warm_up_thread = background.start(_warm_up, "pipexplore-warm-up")
 
 
 #: The thread that pays the explorer's first-use imports, started by the first ``%load_ext``.

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -13,13 +12,14 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from pipexplore import background
 from pipexplore.host import host_cores, sharing_cores
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ["profile", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
+__all__ = ["profile", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
 LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
                  "stash_keys", "pop_keys"]
@@ -303,7 +303,8 @@ class _Kind:
 
 def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
                   max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
-                  done_before: int, total: int, contend: bool, same_work_once: bool = True) -> list[dict[str, Any]]:
+                  done_before: int, total: int, contend: bool, same_work_once: bool = True,
+                  split_backward: bool = True) -> list[dict[str, Any]]:
     """Time every layer on one micro-batch ``value``, each on its own input from the chain.
 
     First one untimed call per layer (the first call pays allocation, kernel selection and
@@ -360,7 +361,8 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
                 together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
                 slow_forward = together[0] / forward if forward > 0 else 1.0
                 slow_backward = together[1] / backward if backward > 0 else 1.0
-                input_ratio, weight_ratio = _split_backward(layer, run.value, run.skips, target, repeats, backward)
+                input_ratio, weight_ratio = (_split_backward(layer, run.value, run.skips, target, repeats, backward)
+                                             if split_backward else (math.nan, math.nan))
                 ratios[id(kind)] = (slow_forward, slow_backward, input_ratio, weight_ratio)
             else:
                 slow_forward, slow_backward, input_ratio, weight_ratio = known
@@ -422,22 +424,11 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
     return forward.median, backward.median
 
 
-def _wait_for_warm_up() -> None:
-    """Timings need the interpreter to themselves: wait for ``%load_ext pipexplore``'s background
-    imports where they still run (a notebook run cell after cell). Beside them a layer's time
-    holds whatever share of the interpreter the imports took meanwhile (~1.5 s of them on 2
-    cores); the wait costs little, as the profile needs most of the same imports."""
-    magics = sys.modules.get("pipexplore.magics")
-    thread = getattr(magics, "warm_up_thread", None)
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
-
-
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
             progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
-            same_work_once: bool = True) -> pd.DataFrame:
+            same_work_once: bool = True, split_backward: bool = True) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
@@ -453,7 +444,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     need 3 rounds, not 15) and they share one measurement of the first size's ratios (slowdown
     beside a twin thread, input- and weight-gradient passes over the backward).
     ``same_work_once=False`` times and measures every layer on its own (for layers whose work
-    depends on what their attributes do not show).
+    depends on what their attributes do not show). ``split_backward=False`` leaves the input-
+    and weight-gradient split (what zero-bubble schedules run) unmeasured (NaN; it needs
+    ``torch.distributed.pipelining``, ~1.5 s to import): :func:`backward_split` measures it later.
 
     ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
     or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
@@ -501,14 +494,14 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     first_param = next(module.parameters(), None)
     target = torch.device(device) if device is not None else (first_param.device if first_param is not None
                                                                else tensors_in(sample)[0].device)
-    _wait_for_warm_up()
+    background.wait()  # timed beside a background import, a layer would hold its share of the interpreter
     deadline = None if timeout is None else time.perf_counter() + timeout
     value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
     value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
     training = module.training
     with sharing_cores(threads):
         per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
-                                  same_work_once)
+                                  same_work_once, split_backward)
         used_threads = torch.get_num_threads()
     module.train(training)
 
@@ -526,14 +519,62 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     table["output_bytes"] = table["output_bytes_per_row"] * batch
     table["saved_bytes"] = table["saved_bytes_per_row"] * batch
     table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
-    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads)
+    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads,
+                       backward_split=split_backward)
     return table
+
+
+def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.DataFrame, *,
+                   repeats: int = 3, threads: Optional[int] = None, same_work_once: bool = True) -> pd.DataFrame:
+    """``table`` (a :func:`profile` of ``module`` on ``sample``) with its input- and weight-gradient
+    split measured: ``input_grad_ratio`` and ``weight_grad_ratio`` over each layer's backward, at
+    the table's first micro-batch size, as :func:`profile` measures them (once per kind of layer
+    with ``same_work_once``). A copy; the table's other columns are unchanged.
+
+    Example::
+
+        table = profile(model, sample, split_backward=False)   # no zero-bubble plan yet
+        table = backward_split(model, sample, table)           # now one is wanted
+    """
+    if not isinstance(module, nn.Sequential) or len(module) != len(table):
+        raise ValueError(f"backward_split needs the nn.Sequential of {len(table)} layers that the table profiles")
+    background.wait()
+    rows = int(table.attrs.get("rows", (batch_size(sample),))[0])
+    first_param = next(module.parameters(), None)
+    target = first_param.device if first_param is not None else tensors_in(sample)[0].device
+    value = Batch(sample).call(lambda v: v).tensor_or_tensors
+    value = _detach(_rows(tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target), rows))
+    skips: dict[Any, Tensor] = {}
+    measured: dict[Any, tuple[float, float]] = {}
+    ratios = []
+    with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
+        for index, (name, layer) in enumerate(module.named_children()):
+            run = _LayerRun(name, layer, value, skips, target)
+            signature = _signature(layer, value, run.skips) if same_work_once else None
+            key = signature if signature is not None else ("alone", index)
+            run.call(timed=False)
+            if key not in measured:
+                for _ in range(repeats + 1):  # the plain backward beside it, as the profile timed it
+                    run.call(timed=True)
+                plain = statistics.median(run.backward.wall[1:]) if len(run.backward.wall) > 1 else 0.0
+                measured[key] = _split_backward(layer, run.value, run.skips, target, repeats, plain)
+            ratios.append(measured[key])
+            if isinstance(layer, Skippable):
+                for ns_name in layer.poppable():
+                    skips.pop(ns_name, None)
+            skips.update({k: t.detach() for k, t in run.stashed.items()})
+            value = _detach(run.output)
+    out = table.copy()
+    out["input_grad_ratio"] = [r[0] for r in ratios]
+    out["weight_grad_ratio"] = [r[1] for r in ratios]
+    out.attrs["backward_split"] = True
+    return out
 
 
 def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[int], target: torch.device,
                    repeats: int, max_repeats: int, deadline: Optional[float],
                    progress: Optional[Callable[[int, int], None]], calibrate: bool,
-                   same_work_once: bool = True) -> list[pd.DataFrame]:
+                   same_work_once: bool = True, split_backward: bool = True) -> list[pd.DataFrame]:
     """One table of layer times per micro-batch size (the first also measures contention)."""
     per_size = []
     total = len(module) * len(sizes)
@@ -541,7 +582,7 @@ def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[in
         chunk = _detach(_rows(value, rows))
         table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
                                            progress, k * len(module), total, contend=k == 0,
-                                           same_work_once=same_work_once))
+                                           same_work_once=same_work_once, split_backward=split_backward))
         if calibrate:
             whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
             for column, whole in (("forward", whole_forward), ("backward", whole_backward)):

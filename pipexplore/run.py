@@ -8,7 +8,7 @@ from torch import nn
 from pipexplore.executors import autograd, backends, processes, threads
 from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, measure, result,
                                        synthetic_loss)
-from pipexplore import validate
+from pipexplore import background, validate
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
@@ -55,6 +55,7 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     """
     # Every executor runs exactly the plan's micro-batches, or none: the same refusal for all of them.
     validate.chunks_for_batch(plan.chunks, batch_size(validate.sample(sample)))
+    background.wait()  # nothing is timed beside pipexplore's background imports
     job = StepJob(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, warmup=warmup,
                   run=run, repeats=repeats, timeout=timeout)
     executor = executor_for(model, plan)

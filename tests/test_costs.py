@@ -283,13 +283,13 @@ def test_zero_bubble_first_stage_runs_its_whole_backward_in_i_and_teaches_the_ot
     assert abs(switched["prediction_error"]) < 0.10
 
 
-def test_profile_waits_for_the_extensions_background_imports_before_timing(monkeypatch):
-    # %load_ext pipexplore imports in a background thread; a layer timed beside it would hold
-    # that thread's share of the interpreter, so the profile starts timing once it is done.
+def test_profile_waits_for_the_extensions_background_imports_before_timing():
+    # %load_ext pipexplore and a built explorer import in background threads; a layer timed beside
+    # them would hold their share of the interpreter, so the profile starts timing once they are done.
     import threading
     import time
 
-    import pipexplore.magics as magics
+    from pipexplore import background
 
     finished = threading.Event()
 
@@ -297,10 +297,10 @@ def test_profile_waits_for_the_extensions_background_imports_before_timing(monke
         time.sleep(1.5)  # longer than this profile takes
         finished.set()
 
-    thread = threading.Thread(target=imports, name="test-warm-up")
-    monkeypatch.setattr(magics, "warm_up_thread", thread)
+    background.start(imports, f"test-imports-{id(finished)}")
     seen = []
-    thread.start()
     profile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(8, 4),
             progress=lambda done, total: seen.append(finished.is_set()))
     assert seen and all(seen)
+    assert background.start(imports, f"test-imports-{id(finished)}") is not None  # once per name
+    assert not background.running()

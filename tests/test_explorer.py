@@ -315,3 +315,61 @@ def test_runs_calibrate_later_predictions():
     uncalibrated = explore(model, torch.randn(16, 8), devices=["cpu", "cpu"], splits=[3], chunks=4, calibrate=False)
     uncalibrated.run()
     assert uncalibrated.plan.corrections.runs == 0
+
+
+def _mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+
+
+def test_the_backward_split_is_measured_when_a_zero_bubble_plan_first_needs_it():
+    # Only zero-bubble runs the backward as input- and weight-gradient passes; measuring them needs
+    # torch's pipelining helpers (~1.5 s to import), so a gpipe explorer leaves them for later.
+    torch.manual_seed(0)
+    ex = explore(_mlp(), torch.randn(16, 16), chunks=4, devices=["cpu", "cpu"], schedule="gpipe")
+    table = ex.layer_table
+    assert table.attrs["backward_split"] is False
+    assert table[["input_grad_ratio", "weight_grad_ratio"]].isna().all().all()
+    ex.update(schedule="zero-bubble")
+    measured = ex.plan.layer_table
+    assert measured is ex.layer_table and measured.attrs["backward_split"] is True
+    assert (measured["input_grad_ratio"] > 0).all() and (measured["weight_grad_ratio"] >= 0).all()
+    for column in ("forward", "backward", "forward_a", "backward_b"):  # nothing else changes
+        assert measured[column].tolist() == table[column].tolist()
+    phases = set(ex.timeline("predicted")["phase"])
+    assert {"input_grad", "weight_grad"} <= phases
+    ex.update(schedule="1f1b")
+    assert ex.plan.layer_table is measured  # measured once
+
+
+@pytest.mark.parametrize("how", ["explore", "sweep"])
+def test_a_zero_bubble_explorer_or_sweep_measures_the_split_before_predicting_it(how):
+    torch.manual_seed(0)
+    ex = explore(_mlp(), torch.randn(16, 16), chunks=4, devices=["cpu", "cpu"],
+                 schedule="zero-bubble" if how == "explore" else "1f1b")
+    if how == "sweep":
+        assert ex.layer_table.attrs["backward_split"] is False
+        ex.sweep(schedules=["1f1b", "zero-bubble"])
+    assert ex.plan.layer_table.attrs["backward_split"] is True
+    assert ex.plan.layer_table["input_grad_ratio"].notna().all()
+
+
+def test_once_the_page_has_drawn_it_an_explorer_imports_what_a_run_needs_and_a_run_waits_for_it(monkeypatch):
+    import time
+
+    from pipexplore import background
+    from pipexplore.widgets import plots
+
+    started = threading.Event()
+
+    def imports() -> None:  # a stand-in for torch's optimizer and pipelining imports
+        started.set()
+        time.sleep(0.5)
+
+    monkeypatch.setattr(plots, "warm_up_runs", imports)
+    monkeypatch.setattr(background, "_started", {})  # as in a new process
+    ex = explore(_mlp(), torch.randn(8, 16), chunks=2, devices=["cpu", "cpu"])
+    assert not started.is_set()  # nothing competes with putting the explorer on the screen
+    ex.figure._handle_custom_msg({"event": "drawn"}, [])  # what the page sends once it has drawn
+    assert started.wait(5) and background.running()
+    ex.run()
+    assert not background.running()  # the run waited for it

@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipexplore import background
 from pipexplore.costs import PHASE_SOURCE, handoff_gaps
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
@@ -50,6 +51,7 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[float, float, float]:
 
         overhead, gap = probe(plan)      # e.g. 60 µs and 25 µs for the threads executor on a CPU
     """
+    background.wait()  # nothing is timed beside pipexplore's background imports
     from pipexplore.executors import autograd, threads
 
     module = {"threads": threads, "autograd": autograd}.get(plan.executor)

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from pipexplore import background
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.balance import optimal_splits
@@ -149,7 +150,8 @@ class Explorer:
             if self.traced and isinstance(sample, Mapping):  # keyword inputs (a BatchEncoding too) as a dict
                 self.sample = sample = dict(sample)
             planned = devices or _default_devices(max(2, torch.cuda.device_count()))[0]
-            layer_table = self._profile_layers(chunks, planned)
+            # The input/weight-gradient split is measured when a zero-bubble plan first needs it.
+            layer_table = self._profile_layers(chunks, planned, split_backward=schedule == "zero-bubble")
         if self.traced:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
@@ -235,7 +237,7 @@ class Explorer:
         transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
-    def _profile_layers(self, chunks: int, devices: Sequence[Any]) -> pd.DataFrame:
+    def _profile_layers(self, chunks: int, devices: Sequence[Any], split_backward: bool = True) -> pd.DataFrame:
         """Time every layer (or traced candidate) on the sample, at the micro-batch of ``chunks`` and
         at the whole batch, with the intra-op threads each CPU stage on ``devices`` runs with (the
         host's cores shared among the stages that run at once), so that what is predicted is what
@@ -258,7 +260,8 @@ class Explorer:
         with validate.naming_failing_layer(profiled, self.sample), profile_progress() as progress:
             # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
             return profile(profiled, self.sample, repeats=options["repeats"], microbatch_rows=rows,
-                           device=_as_device(device), progress=progress, threads=threads)
+                           device=_as_device(device), progress=progress, threads=threads,
+                           split_backward=split_backward)
 
     def reprofile(self) -> pd.DataFrame:
         """Time every layer again, for the current plan: its micro-batch size and the intra-op
@@ -274,7 +277,8 @@ class Explorer:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run is in progress: re-profile once it has finished (or cancel it)")
         plan = self._plan
-        table = self._profile_layers(plan.chunks, plan.devices[: plan.num_devices])
+        table = self._profile_layers(plan.chunks, plan.devices[: plan.num_devices],
+                                     split_backward=plan.schedule == "zero-bubble")
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
                                "start a new explorer for it")
@@ -299,11 +303,37 @@ class Explorer:
     def _change_plan(self, change: Callable[[Plan], Plan]) -> Plan:
         """Apply ``change`` to the current plan and show it, atomically with respect to runs finishing."""
         with self._plan_lock:
-            plan = self._with_executor_costs(change(self._plan))
+            plan = change(self._plan)
+            if plan.schedule == "zero-bubble":
+                plan = replace(plan, layer_table=self._with_backward_split())
+            plan = self._with_executor_costs(plan)
             _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
             self._plan = plan
             self._refresh()
             return plan
+
+    def _on_figure_message(self, widget: Any, content: Any, buffers: Any) -> None:
+        """The page drew the explorer's first timeline: now import what a first run needs (torch's
+        optimizers, the pipelining helpers: ~1.5 s) in the background, while the explorer is
+        looked at; a run waits for it (nothing is timed beside an import). Not before: beside the
+        import, the kernel would put the explorer on the screen ~1 s later."""
+        if isinstance(content, dict) and content.get("event") == "drawn":
+            from pipexplore.widgets.plots import warm_up_runs
+
+            background.start(warm_up_runs, "pipexplore-warm-up-runs")
+
+    def _with_backward_split(self) -> pd.DataFrame:
+        """The layer table with its input/weight-gradient split measured (zero-bubble runs its
+        backward as those two passes): measured once, the first time a plan needs it."""
+        if self.layer_table.attrs.get("backward_split", True) or self.traced:
+            return self.layer_table
+        from pipexplore.profile import backward_split
+
+        device = self._profile_options["device"] or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        profiled = copy.deepcopy(self.model).to(_as_device(device))
+        self.layer_table = backward_split(profiled, self.sample, self.layer_table,
+                                          repeats=self._profile_options["repeats"])
+        return self.layer_table
 
     def _set_plan(self, plan: Plan) -> None:
         self._change_plan(lambda _: plan)
@@ -483,6 +513,9 @@ class Explorer:
         """
         from pipexplore.sweep import sweep
 
+        if "zero-bubble" in schedules:  # predicted from the measured input/weight-gradient split
+            with self._plan_lock:
+                self._set_plan(replace(self._plan, layer_table=self._with_backward_split()))
         table = sweep(self._plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint)
         if measure > 0 and not table.empty:
             previous = self._plan
@@ -594,6 +627,7 @@ class Explorer:
                                       "memory_cap", "export")}
         self.timelines = TimelineView(plan.predicted, None, batch_size(self.sample), memory_cap=self._memory_cap)
         self.figure = self.timelines.figure
+        self.figure.on_msg(self._on_figure_message)
         self.w_timeline_box = W.VBox([self.figure])
         self.w_residuals = W.VBox([], layout=W.Layout(display="none"))
         self.residual_figure: Any = None

@@ -296,13 +296,11 @@ class TimelineView:
 
 
 def warm_up() -> None:
-    """Pay the first-use costs of an explorer ahead of it: torch's pipelining helpers that the
-    profile uses, the widget modules, the simulator, and torch's optimizers (~1 s on first use;
-    a run needs them), by laying out a tiny timeline and making one optimizer. ``%load_ext
-    pipexplore`` runs this in a background thread, while the user writes the next cell."""
+    """Pay the first-use costs of an explorer ahead of it: the widget modules, the simulator and
+    autograd's first backward, by laying out a tiny timeline and running one. ``%load_ext
+    pipexplore`` runs this in a background thread while the user writes the next cell; what a
+    run needs comes after (:func:`warm_up_runs`)."""
     import torch
-    # What profiling a layer's input- and weight-gradient passes needs (~2 s: it imports torch._dynamo).
-    import torch.distributed.pipelining._backward  # noqa: F401
 
     from pipexplore.simulate import simulate
 
@@ -311,6 +309,19 @@ def warm_up() -> None:
     predicted = simulate(table, [1], chunks=2)
     canvas.block_panel(predicted, PHASES)
     tl.activation_memory(predicted)
+    # A first backward imports torch's symbolic shapes (and sympy: ~0.5 s); the profile's first is one.
+    out = torch.nn.Linear(1, 1)(torch.ones(1, 1))
+    torch.autograd.backward([out], [torch.ones_like(out)])  # (with its gradient given, as the profile's)
+
+
+def warm_up_runs() -> None:
+    """Pay what a first run needs ahead of it: torch's optimizers and the pipelining helpers of
+    zero-bubble schedules (together they import ``torch._dynamo``: ~1.5 s on 2 cores). An
+    explorer starts this in the background once the page has drawn it; a run waits for it
+    (:func:`pipexplore.background.wait`)."""
+    import torch
+    import torch.distributed.pipelining._backward  # noqa: F401
+
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 

@@ -104,7 +104,7 @@ function render({ model, el: host }) {
   const tip = make("div", "pipexplore-tl-tip");
   root.append(bar, stack, tip);
 
-  let scene = null, panels = [], view = null, left = 60, width = 0, drag = null;
+  let scene = null, panels = [], view = null, left = 60, width = 0, drag = null, announced = false;
 
   // The theme's colours, read again when JupyterLab switches theme (it marks the body).
   let palette = null;
@@ -383,6 +383,10 @@ function render({ model, el: host }) {
     host.dataset.highlight = String(model.get("highlight"));
     host.dataset.blocks = String(panels.reduce((n, p) => n + (p.kind === "blocks" ? p.count || 0 : 0), 0));
     if (scene.splits !== undefined) host.dataset.splits = String(scene.splits);
+    if (!announced && panels.length > 1 && typeof model.send === "function") {
+      announced = true;
+      model.send({ event: "drawn" });  // the kernel may now do what could have delayed this picture
+    }
   }
 
   // ---- hover -------------------------------------------------------------------------
