@@ -201,3 +201,37 @@ def test_the_compiled_longest_path_refuses_a_graph_out_of_level_order():
                                        np.empty(n), np.empty(n + 1))
     with pytest.raises(ValueError, match="end: expected 24 bytes, got 16"):
         simulate_module._sharing.times(*(np.array([n, n]),) * 3, one, one, one, one, np.empty(n), np.empty(n))
+
+
+def test_without_the_compiled_module_simulate_runs_the_python_loops_with_the_same_timeline():
+    # An install without a C compiler has no pipexplore._sharing: the same timelines, in Python.
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "pipexplore._sharing":
+            raise ImportError("no compiled loop in this install")
+sys.meta_path.insert(0, Block())
+import importlib
+import numpy as np, pandas as pd
+simulate_module = importlib.import_module("pipexplore.simulate")
+assert simulate_module._sharing is None
+rng = np.random.default_rng(1)
+table = pd.DataFrame({"forward": rng.random(12), "backward": 2 * rng.random(12), "output_bytes": 1e6,
+                      "share_forward": 0.7, "share_backward": 0.7})
+frame = simulate_module.simulate(table, [3, 6, 9], chunks=6, schedule="1f1b", devices=["cpu"] * 4)
+print(json.dumps([frame["start"].tolist(), frame["end"].tolist(), frame["phase"].tolist()]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    start, end, phase = json.loads(out.stdout)
+    rng = np.random.default_rng(1)
+    layers = pd.DataFrame({"forward": rng.random(12), "backward": 2 * rng.random(12), "output_bytes": 1e6,
+                           "share_forward": 0.7, "share_backward": 0.7})
+    frame = simulate(layers, [3, 6, 9], chunks=6, schedule="1f1b", devices=["cpu"] * 4)
+    assert simulate_module._sharing is not None
+    assert frame["start"].tolist() == start and frame["end"].tolist() == end and frame["phase"].tolist() == phase
