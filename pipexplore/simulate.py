@@ -38,6 +38,7 @@ from pipexplore.host import host_cores
 from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
 from pipexplore.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.splits import check_splits
+from pipexplore.timeline import lexsort
 from pipexplore.validate import interleaved_devices
 
 try:  # the compiled processor-sharing loop; the Python one runs where it was not built
@@ -434,22 +435,12 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
 
 def _shared_frame(graph: ActionGraph, records: Records, stage_device: list[str],
                   run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
-    """The timeline of the processor-sharing loop's records, sorted by start then stage (stable:
-    rows that tie keep the order the loop emitted them), and each row's phase number."""
+    """The timeline of the processor-sharing loop's records (rows that tie keep the order the loop
+    emitted them), and each row's phase number."""
     action = records.action
-    stage = graph.stage[action]
-    # By start, then stage: a radix sort of the stages, then a stable sort of the starts (per stage
-    # the loop emits them nearly in order); the same order as a lexsort, in half its time.
-    by_stage = np.argsort(stage.astype(np.int16), kind="stable")
-    order = by_stage[np.argsort(records.start[by_stage], kind="stable")]
-    action, stage = action[order], stage[order]
-    kind = np.where(records.copy[order], len(PHASE_NAMES) - 1, graph.kind[action])
-    frame = pd.DataFrame({
-        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage),
-        "microbatch": graph.micro[action], "phase": _PHASE_INDEX.take(kind), "start": records.start[order],
-        "end": records.end[order], "source": "predicted", "lane": graph.lane[action],
-    }, copy=False)
-    return frame, kind
+    kind = np.where(records.copy, len(PHASE_NAMES) - 1, graph.kind[action])
+    return _timeline_frame(graph.stage[action], graph.micro[action], kind, records.start, records.end,
+                           graph.lane[action], stage_device, run)
 
 
 def _sharing_loop(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str]) -> Records:
@@ -623,27 +614,30 @@ def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], g
 def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,
            stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
     """The timeline of a timed graph, with a copy row before every forward that receives over a
-    copy, sorted by start and stage (array by array: at 65k actions a row-wise build would cost
-    more than the timing itself); and each row's phase number (:data:`PHASE_NAMES`)."""
+    copy; and each row's phase number (:data:`PHASE_NAMES`)."""
     start, end = times
-    stage, micro, kind = graph.stage, graph.micro, graph.kind
     copied = np.flatnonzero(copy > 0)
     sent = end[graph.first[copied]]
-    stage = np.concatenate([stage, stage[copied]])
-    start = np.concatenate([start, sent])
-    end = np.concatenate([end, sent + copy[copied]])
-    # Stable sorts: a radix sort of the stage numbers, then a merge of the per-stage runs of
-    # ascending starts (each queue's actions start in order).
-    by_stage = np.argsort(stage.astype(np.int16), kind="stable")
-    order = by_stage[np.argsort(start[by_stage], kind="stable")]
-    stage, start, end = stage[order], start[order], end[order]
-    micro = np.concatenate([micro, micro[copied]])[order]
-    kind = np.concatenate([kind, np.full(len(copied), len(PHASE_NAMES) - 1)])[order]
+    return _timeline_frame(np.concatenate([graph.stage, graph.stage[copied]]),
+                           np.concatenate([graph.micro, graph.micro[copied]]),
+                           np.concatenate([graph.kind, np.full(len(copied), len(PHASE_NAMES) - 1)]),
+                           np.concatenate([start, sent]), np.concatenate([end, sent + copy[copied]]),
+                           np.concatenate([graph.lane, graph.lane[copied]]), stage_device, run)
+
+
+def _timeline_frame(stage: np.ndarray, micro: np.ndarray, kind: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    lane: np.ndarray, stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """A predicted timeline from one array per column (``kind``: phase numbers), its rows sorted by
+    start then stage, built array by array (at 65k actions a row-wise build would cost more than
+    the timing itself); and each row's phase number in that order."""
+    order = lexsort((stage, start))
+    kind = kind[order]
+    stage = stage[order]
     # Strings taken from an index of the few distinct ones (pandas checks each of an object array's).
     frame = pd.DataFrame({
-        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage), "microbatch": micro,
-        "phase": _PHASE_INDEX.take(kind), "start": start, "end": end, "source": "predicted",
-        "lane": np.concatenate([graph.lane, graph.lane[copied]])[order],
+        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage), "microbatch": micro[order],
+        "phase": _PHASE_INDEX.take(kind), "start": start[order], "end": end[order], "source": "predicted",
+        "lane": lane[order],
     }, copy=False)  # the arrays are this frame's own
     return frame, kind
 
@@ -664,10 +658,7 @@ def _activation_memory(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFram
     delta = np.select([kind == FORWARD, kind == RECOMPUTE, (kind == BACKWARD) | (kind == INPUT_GRAD)],
                       [kept, act[stage], -freed], 0.0) * share
     # Per stage, in the order events end: a running sum that starts again at each stage.
-    # By stage, then end (then row): the frame runs in order of start, so its ends are nearly
-    # sorted (a merge sort's best case), and the stage numbers take a radix sort.
-    by_end = np.argsort(frame["end"].to_numpy(), kind="stable")
-    order = by_end[np.argsort(stage[by_end].astype(np.int16), kind="stable")]
+    order = lexsort((frame["end"].to_numpy(), stage))  # by stage, then end (then row)
     running = np.cumsum(delta[order])
     ordered = stage[order]
     first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])

@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 import traitlets
 
+from pipexplore.timeline import lexsort
+
 __all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
            "lane_labels"]
 
@@ -122,10 +124,7 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     end = (frame["end"].to_numpy(dtype=float) - origin) * 1e3
     codes = pd.Index(list(phases)).get_indexer(frame["phase"])
     codes[codes < 0] = len(phases)
-    # By lane, then start (a lexsort's order): a stable sort of the starts, nearly in order already,
-    # then a radix sort of the lanes.
-    by_start = np.argsort(start, kind="stable")
-    order = by_start[np.argsort(lane[by_start].astype(np.int16 if len(pairs) < 2**15 else np.int32), kind="stable")]
+    order = lexsort((start, lane))  # by lane, then start
     lane = lane[order]
     micro = frame["microbatch"].to_numpy()[order]
     # The lanes travel as their bounds (``offsets``), micro-batch numbers in 2 bytes where they fit:
