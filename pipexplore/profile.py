@@ -301,6 +301,34 @@ class _Kind:
         return self.spread / math.sqrt(len(self.runs)) <= TARGET_SPREAD
 
 
+def _chain(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
+           same_work_once: bool) -> list[tuple[_LayerRun, Any]]:
+    """Every layer ready to be called on its own input from the chain (each called once, untimed:
+    the first call pays allocation, kernel selection and dispatch caches, and gives the next layer
+    its input, with the skip tensors stashed before it), with its kind: what makes two layers the
+    same work (:func:`_signature`; with ``same_work_once=False``, or where that cannot be told, a
+    kind of its own)."""
+    skips: dict[Any, Tensor] = {}
+    chain = []
+    for index, (name, layer) in enumerate(module.named_children()):
+        run = _LayerRun(name, layer, value, skips, target)
+        signature = _signature(layer, value, run.skips) if same_work_once else None
+        chain.append((run, signature if signature is not None else ("alone", index)))
+        run.call(timed=False)
+        if isinstance(layer, Skippable):
+            for ns_name in layer.poppable():
+                skips.pop(ns_name, None)
+        skips.update({key: t.detach() for key, t in run.stashed.items()})
+        value = _detach(run.output)
+    return chain
+
+
+def _on_device(sample: TensorOrTensors, target: torch.device) -> TensorOrTensors:
+    """The sample's tensors (a tensor, or a tuple of them) on ``target``."""
+    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
+    return tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
+
+
 def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
                   max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
                   done_before: int, total: int, contend: bool, same_work_once: bool = True,
@@ -314,23 +342,14 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     calls (``same_work_once``): a kind of layer whose pooled median is settled after ``repeats``
     rounds sits the later rounds out.
     """
-    skips: dict[Any, Tensor] = {}
     layers: list[_LayerRun] = []
     kinds: dict[Any, _Kind] = {}
     kind_of: list[_Kind] = []
-    for name, layer in module.named_children():
-        run = _LayerRun(name, layer, value, skips, target)
-        signature = _signature(layer, value, run.skips) if same_work_once else None
-        kind = kinds.setdefault(signature if signature is not None else ("alone", len(layers)), _Kind())
+    for run, key in _chain(module, value, target, same_work_once):
+        kind = kinds.setdefault(key, _Kind())
         kind.runs.append(run)
         kind_of.append(kind)
-        run.call(timed=False)
-        if isinstance(layer, Skippable):
-            for ns_name in layer.poppable():
-                skips.pop(ns_name, None)
-        skips.update({key: t.detach() for key, t in run.stashed.items()})
         layers.append(run)
-        value = _detach(run.output)
     settled: set[int] = set()  # the kinds whose times already agree (after ``repeats`` rounds)
     for k in range(1, max_repeats + 1):
         for index, run in enumerate(layers):
@@ -496,8 +515,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
                                                                else tensors_in(sample)[0].device)
     background.wait()  # timed beside a background import, a layer would hold its share of the interpreter
     deadline = None if timeout is None else time.perf_counter() + timeout
-    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
-    value = tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
+    value = _on_device(sample, target)
     training = module.training
     with sharing_cores(threads):
         per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
@@ -542,28 +560,17 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
     rows = int(table.attrs.get("rows", (batch_size(sample),))[0])
     first_param = next(module.parameters(), None)
     target = first_param.device if first_param is not None else tensors_in(sample)[0].device
-    value = Batch(sample).call(lambda v: v).tensor_or_tensors
-    value = _detach(_rows(tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target), rows))
-    skips: dict[Any, Tensor] = {}
+    value = _detach(_rows(_on_device(sample, target), rows))
     measured: dict[Any, tuple[float, float]] = {}
     ratios = []
     with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
-        for index, (name, layer) in enumerate(module.named_children()):
-            run = _LayerRun(name, layer, value, skips, target)
-            signature = _signature(layer, value, run.skips) if same_work_once else None
-            key = signature if signature is not None else ("alone", index)
-            run.call(timed=False)
+        for run, key in _chain(module, value, target, same_work_once):
             if key not in measured:
                 for _ in range(repeats + 1):  # the plain backward beside it, as the profile timed it
                     run.call(timed=True)
                 plain = statistics.median(run.backward.wall[1:]) if len(run.backward.wall) > 1 else 0.0
-                measured[key] = _split_backward(layer, run.value, run.skips, target, repeats, plain)
+                measured[key] = _split_backward(run.layer, run.value, run.skips, target, repeats, plain)
             ratios.append(measured[key])
-            if isinstance(layer, Skippable):
-                for ns_name in layer.poppable():
-                    skips.pop(ns_name, None)
-            skips.update({k: t.detach() for k, t in run.stashed.items()})
-            value = _detach(run.output)
     out = table.copy()
     out["input_grad_ratio"] = [r[0] for r in ratios]
     out["weight_grad_ratio"] = [r[1] for r in ratios]
