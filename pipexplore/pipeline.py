@@ -151,15 +151,15 @@ class Pipeline:
 
     def _start_next(self, j: int) -> None:
         """Start partition ``j``'s next task if it is ready (under the lock), and poke partition
-        ``j + 1``'s worker if that makes its task ready (it forks what that task waits for)."""
-        if self._failed or not self._ready(j):
-            return
-        check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
-        i = self._started[j]
-        self.fence(i, j, self._skip_trackers[i])
-        self._start(i, j, self._streams, self._skip_trackers[i], self._in_queues[j])
-        self._started[j] += 1
-        self._in_flight += 1
+        ``j + 1``'s worker if its task now is: what ``j`` did (finished a micro-batch, or forked
+        one by starting the next) may be what it waited for."""
+        if not self._failed and self._ready(j):
+            check_cancelled()  # a cancelled run stops starting tasks; the workers are joined on exit
+            i = self._started[j]
+            self.fence(i, j, self._skip_trackers[i])
+            self._start(i, j, self._streams, self._skip_trackers[i], self._in_queues[j])
+            self._started[j] += 1
+            self._in_flight += 1
         self._poke(j + 1)
 
     def _poke(self, j: int) -> None:
@@ -187,12 +187,10 @@ class Pipeline:
                     self._done[j] += 1
                     self._remaining -= 1
                     self._start_next(j)
-                    self._poke(j + 1)
 
                 self._guarded(finish)
-            elif not self._failed:
-                self._failed = True
-                self._results.put((False, payload))  # type: ignore[arg-type]
+            else:
+                self._fail(cast(ExcInfo, payload))
             self._end_if_over()
 
     def _end_if_over(self) -> None:
@@ -209,8 +207,13 @@ class Pipeline:
             with torch.set_grad_enabled(self._grad_enabled):
                 work()
         except BaseException:
+            self._fail(cast(ExcInfo, sys.exc_info()))
+
+    def _fail(self, exc_info: ExcInfo) -> None:
+        """The run has failed (under the lock): nothing more starts, and the first error is the one raised."""
+        if not self._failed:
             self._failed = True
-            self._results.put((False, sys.exc_info()))  # type: ignore[arg-type]
+            self._results.put((False, exc_info))  # type: ignore[arg-type]
 
     def fence(self, i: int, j: int, skip_tracker: SkipTrackerThroughPortals) -> None:
         """Before micro-batch ``i`` runs on partition ``j``: order backward across micro-batches and
