@@ -255,13 +255,16 @@ class Explorer:
             return table
         batch = batch_size(self.sample)
         rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
-        device = options["device"] or ("cuda:0" if torch.cuda.is_available() else "cpu")
         profiled = copy.deepcopy(self.model)
         with validate.naming_failing_layer(profiled, self.sample), profile_progress() as progress:
             # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
             return profile(profiled, self.sample, repeats=options["repeats"], microbatch_rows=rows,
-                           device=_as_device(device), progress=progress, threads=threads,
+                           device=self._profile_device(), progress=progress, threads=threads,
                            split_backward=split_backward)
+
+    def _profile_device(self) -> torch.device:
+        """Where layers are timed: the first stage's device, else the first GPU, else the CPU."""
+        return _as_device(self._profile_options["device"] or ("cuda:0" if torch.cuda.is_available() else "cpu"))
 
     def reprofile(self) -> pd.DataFrame:
         """Time every layer again, for the current plan: its micro-batch size and the intra-op
@@ -304,8 +307,8 @@ class Explorer:
         """Apply ``change`` to the current plan and show it, atomically with respect to runs finishing."""
         with self._plan_lock:
             plan = change(self._plan)
-            if plan.schedule == "zero-bubble":
-                plan = replace(plan, layer_table=self._with_backward_split())
+            if plan.schedule == "zero-bubble" and self._with_backward_split() is not plan.layer_table:
+                plan = replace(plan, layer_table=self.layer_table)
             plan = self._with_executor_costs(plan)
             _ = plan.predicted  # a plan that cannot be predicted is refused before it replaces the old one
             self._plan = plan
@@ -329,8 +332,7 @@ class Explorer:
             return self.layer_table
         from pipexplore.profile import backward_split
 
-        device = self._profile_options["device"] or ("cuda:0" if torch.cuda.is_available() else "cpu")
-        profiled = copy.deepcopy(self.model).to(_as_device(device))
+        profiled = copy.deepcopy(self.model).to(self._profile_device())
         self.layer_table = backward_split(profiled, self.sample, self.layer_table,
                                           repeats=self._profile_options["repeats"])
         return self.layer_table
@@ -513,9 +515,10 @@ class Explorer:
         """
         from pipexplore.sweep import sweep
 
-        if "zero-bubble" in schedules:  # predicted from the measured input/weight-gradient split
+        # zero-bubble rows are predicted from the measured input/weight-gradient split
+        if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
             with self._plan_lock:
-                self._set_plan(replace(self._plan, layer_table=self._with_backward_split()))
+                self._set_plan(replace(self._plan, layer_table=self.layer_table))
         table = sweep(self._plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint)
         if measure > 0 and not table.empty:
             previous = self._plan
