@@ -85,7 +85,7 @@ static int check(Py_buffer *b, Py_ssize_t count, Py_ssize_t itemsize, const char
 
 static PyObject *run(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b[18];
+    Py_buffer b[17];
     double gap;
     long long forward, backward, input_grad;
     long long free_id;

@@ -18,31 +18,24 @@ from typing import Callable
 
 __all__ = ["start", "wait", "running"]
 
-_threads: list[threading.Thread] = []
 _lock = threading.Lock()
-
-
-_started: dict[str, threading.Thread] = {}
+_started: dict[str, threading.Thread] = {}  # by name: each is started once per process
 
 
 def start(target: Callable[[], None], name: str) -> threading.Thread:
     """Run ``target`` in a daemon thread called ``name``, once per process (a second call with
     the same name returns the first thread); :func:`wait` waits for it."""
     with _lock:
-        if name in _started:
-            return _started[name]
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        _started[name] = thread
-        _threads[:] = [t for t in _threads if t.is_alive()]
-        _threads.append(thread)
-        thread.start()
-    return thread
+        if name not in _started:
+            _started[name] = threading.Thread(target=target, name=name, daemon=True)
+            _started[name].start()
+        return _started[name]
 
 
 def running() -> list[threading.Thread]:
     """The background threads still running."""
     with _lock:
-        return [t for t in _threads if t.is_alive()]
+        return [t for t in _started.values() if t.is_alive()]
 
 
 def wait() -> None:

@@ -163,19 +163,19 @@ class ActionGraph:
         if _sharing is not None and compiled:  # the same operations, action by action in C
             _sharing.times(after, first, second, *(np.ascontiguousarray(a, dtype=np.float64) for a in
                                                    (seconds, after_wait, first_wait, second_wait)), start, end)
-            levels = []
-        for lo, hi in levels:
-            t = end[after[lo:hi]]
-            t += after_wait[lo:hi]
-            u = end[first[lo:hi]]
-            u += first_wait[lo:hi]
-            np.maximum(t, u, out=t)
-            u = end[second[lo:hi]]
-            u += second_wait[lo:hi]
-            np.maximum(t, u, out=t)
-            start[lo:hi] = t
-            t += seconds[lo:hi]
-            end[lo:hi] = t
+        else:
+            for lo, hi in levels:
+                t = end[after[lo:hi]]
+                t += after_wait[lo:hi]
+                u = end[first[lo:hi]]
+                u += first_wait[lo:hi]
+                np.maximum(t, u, out=t)
+                u = end[second[lo:hi]]
+                u += second_wait[lo:hi]
+                np.maximum(t, u, out=t)
+                start[lo:hi] = t
+                t += seconds[lo:hi]
+                end[lo:hi] = t
         in_order_start, in_order_end = np.empty(n), np.empty(n)
         in_order_start[order], in_order_end[order] = start, end[:n]
         return in_order_start, in_order_end
