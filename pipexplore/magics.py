@@ -49,7 +49,7 @@ class PipexploreMagics(Magics):
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(PipexploreMagics)
     # The first explorer would pay its modules' first-use costs; pay them now, in the background,
-    # while the next cell is written (what a run needs is imported once an explorer is built).
+    # while the next cell is written (what a run needs comes once the page has drawn an explorer).
     global warm_up_thread
     if warm_up_thread is None:
         from pipexplore import background
