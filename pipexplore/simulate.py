@@ -46,7 +46,8 @@ try:  # the compiled processor-sharing loop; the Python one runs where it was no
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 
-__all__ = ["SCHEDULES", "simulate", "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
+__all__ = ["SCHEDULES", "simulate", "prepare_step", "Setup",
+           "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
@@ -248,6 +249,98 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         predicted = simulate(table, [4, 8], chunks=8, schedule="1f1b")
         bubble_fraction(predicted)
     """
+    setup = prepare_step(layer_table, splits, chunks=chunks, schedule=schedule, checkpoint=checkpoint, devices=devices,
+                   copy_cost=copy_cost, virtual_stages=virtual_stages, executor=executor,
+                   cpu_stages_overlap=cpu_stages_overlap, per_microbatch=per_microbatch,
+                   action_overhead=action_overhead, batch=batch, corrections=corrections)
+    layer_table, graph, costs = setup.layer_table, setup.graph, setup.costs
+    splits, stage_device, resource, executor = setup.splits, setup.stage_device, setup.resource, setup.executor
+    sizes, distinct, fractions = setup.sizes, setup.distinct, setup.fractions
+    S = len(costs)
+
+    # Seconds, and the share of its device, of every (kind, stage, micro-batch).
+    learnt = executor
+    seconds: dict[tuple[str, float], np.ndarray] = {}
+    demand: dict[tuple[str, float], np.ndarray] = {}
+    extra = setup.extra
+    for kind, phase in PHASES.items():
+        scale = corrections.scale(learnt, phase) if corrections is not None else None
+        for rows in distinct:
+            size = setup.layer_rows(rows)
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra
+            if schedule == "zero-bubble" and kind in ("I", "W"):
+                # The first stage's input is the user's data, which needs no gradient: its I runs the
+                # whole backward (weights too) and its W has nothing left to do, as the executors do.
+                whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
+                whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
+                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + extra
+            wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
+            demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
+    last_layers = costs["last_layer"].to_numpy()
+    out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
+    edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
+
+    # The copy over each stage boundary, per micro-batch.
+    edge_copy = (np.array([setup.copy_rates[b] * edge_bytes[b] for b in range(S - 1)]).reshape(S - 1, 1)
+                 * np.asarray(fractions).reshape(1, len(sizes)))
+    size_index = np.searchsorted(distinct, sizes)
+    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff)
+    gap = setup.gap
+    times = None
+    # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
+    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where the
+    # workers of several stages could ask for more of a device than all of it, the compiled loop
+    # is faster than timing the graph to find out: both give the same timeline where both apply.)
+    most_levels = max(2000, len(graph) // 4)
+    crowding, stages_crowd = _may_oversubscribe(graph, action_costs.share, resource)
+    if (not stages_crowd or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
+        times = _longest_path(graph, action_costs, resource, gap, crowding)
+    if times is not None:
+        frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
+    else:
+        frame, kinds = _shared_frame(graph, _processor_sharing(graph, action_costs, gap, resource), stage_device, run)
+    frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), setup.stop)
+    frame.attrs["peak_memory"] = {}
+    return frame
+
+
+class Setup(NamedTuple):
+    """What a step's prediction needs that a moved split does not change (the stage count
+    stays): the graph, micro-batch sizes, devices and what corrections and the executor add."""
+
+    layer_table: pd.DataFrame
+    splits: list[int]
+    costs: pd.DataFrame  # stage_costs of these splits
+    graph: ActionGraph
+    executor: str
+    sizes: list[float]  # rows of each micro-batch
+    distinct: list[float]  # the distinct sizes, ascending
+    fractions: list[float]  # each micro-batch's fraction of the table's bytes
+    stop: int  # micro-batches 0 … stop-1 are checkpointed
+    stage_device: list[str]
+    resource: list[str]
+    host: np.ndarray  # per stage: on the host's cores
+    share_cap: np.ndarray  # per stage: the most of its device an action may ask for
+    extra: float  # seconds every compute action's span holds beyond its layers
+    gap: float  # seconds a worker spends between actions
+    handoff: float  # seconds from an action's end to the start of the one on another stage it feeds
+    copy_rates: list[float]  # seconds per byte over each stage boundary
+    fit: bool
+    batch: Optional[int]
+
+    def layer_rows(self, rows: float) -> float:
+        """The size a layer table's costs are read at for a micro-batch of ``rows`` rows (a table
+        without a fit or a batch of its own holds whole-batch seconds: the fraction)."""
+        return rows if self.fit or self.layer_table.attrs.get("batch") or not self.batch else rows / self.batch
+
+
+def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
+                 checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
+                 copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
+                 cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
+                 batch: Optional[int] = None, corrections: Optional[Corrections] = None) -> Setup:
+    """:func:`simulate`'s arguments checked, and what they fix for every split of the same stage
+    count (what :mod:`pipexplore.retime` hands a page to re-time a drag with)."""
     if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks!r}")
     if checkpoint not in ("always", "except_last", "never"):
@@ -299,62 +392,22 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     graph = schedule_graph(schedule, S, m, executor=executor, checkpointed=stop, virtual_stages=virtual_stages,
                            resources=tuple(resource) if executor == "autograd" else None)
 
-    # Seconds, and the share of its device, of every (kind, stage, micro-batch).
-    learnt = executor
-    distinct = sorted(set(sizes))
-    seconds: dict[tuple[str, float], np.ndarray] = {}
-    demand: dict[tuple[str, float], np.ndarray] = {}
     host = np.array([_is_host(d) for d in stage_device])
     cores = host_cores()
     rank_share = max(1, cores // S) / cores
+    share_cap = np.ones(S)
+    if executor == "processes":
+        # A process per stage: no GIL between them, and each keeps at most its own intra-op
+        # threads busy (the host's cores shared among the ranks, as the workers set them).
+        share_cap = np.where(host, rank_share, share_cap)
+    if cpu_stages_overlap:
+        share_cap = np.where(host, 0.0, share_cap)
     # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed).
-    extra = action_overhead + (corrections.overhead(learnt) if corrections is not None else 0.0)
-    for kind, phase in PHASES.items():
-        scale = corrections.scale(learnt, phase) if corrections is not None else None
-        for rows in distinct:
-            # A table without a fit or a batch of its own holds whole-batch seconds: give it the fraction.
-            size = rows if fit or layer_table.attrs.get("batch") or not batch else rows / batch
-            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra
-            if schedule == "zero-bubble" and kind in ("I", "W"):
-                # The first stage's input is the user's data, which needs no gradient: its I runs the
-                # whole backward (weights too) and its W has nothing left to do, as the executors do.
-                whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
-                whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
-                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + extra
-            wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
-            if executor == "processes":
-                # A process per stage: no GIL between them, and each keeps at most its own intra-op
-                # threads busy (the host's cores shared among the ranks, as the workers set them).
-                wanted = np.where(host, np.minimum(wanted, rank_share), wanted)
-            demand[(kind, rows)] = np.where(host, 0.0, wanted) if cpu_stages_overlap else wanted
-    gap = corrections.gap(learnt) if corrections is not None else 0.0
-    last_layers = costs["last_layer"].to_numpy()
-    out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
-    edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
-
-    handoff = corrections.transfer(learnt) if corrections is not None else 0.0
-
-    # The copy over each stage boundary, per micro-batch.
-    edge_copy = (np.array([_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) * edge_bytes[b]
-                           for b in range(S - 1)]).reshape(S - 1, 1) * np.asarray(fractions).reshape(1, m))
-    size_index = np.searchsorted(distinct, sizes)
-    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, handoff)
-    times = None
-    # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
-    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where the
-    # workers of several stages could ask for more of a device than all of it, the compiled loop
-    # is faster than timing the graph to find out: both give the same timeline where both apply.)
-    most_levels = max(2000, len(graph) // 4)
-    crowding, stages_crowd = _may_oversubscribe(graph, action_costs.share, resource)
-    if (not stages_crowd or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
-        times = _longest_path(graph, action_costs, resource, gap, crowding)
-    if times is not None:
-        frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
-    else:
-        frame, kinds = _shared_frame(graph, _processor_sharing(graph, action_costs, gap, resource), stage_device, run)
-    frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), stop)
-    frame.attrs["peak_memory"] = {}
-    return frame
+    extra = action_overhead + (corrections.overhead(executor) if corrections is not None else 0.0)
+    return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
+                 resource, host, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
+                 corrections.transfer(executor) if corrections is not None else 0.0,
+                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) for b in range(S - 1)], fit, batch)
 
 
 class ActionCosts(NamedTuple):

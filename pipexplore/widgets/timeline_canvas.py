@@ -21,7 +21,7 @@ import traitlets
 from pipexplore.timeline import lexsort
 
 __all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
-           "lane_labels"]
+           "lane_labels", "retime_panel"]
 
 _HERE = pathlib.Path(__file__).parent
 
@@ -146,6 +146,20 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
                           zip(frame["batch_size"].to_numpy()[order], frame["tasks"].to_numpy()[order],
                               frame["wait"].to_numpy()[order])]
     return panel
+
+
+def retime_panel(panel: Mapping[str, Any], phases: Sequence[str], model: Mapping[str, Any]) -> dict[str, Any]:
+    """How the page lays out a re-timed step (:mod:`pipexplore.retime`) as ``panel`` (a block panel
+    of the same plan shape) has it: each stage's lane, how many lanes, the phase code of each of the
+    graph's kinds and of a copy, the micro-batch bytes, and each stage's bubble key."""
+    stage_lane = [0] * int(model["stages"])
+    for lane, stage in enumerate(panel["lane_stage"]):
+        stage_lane[stage] = lane
+    index = {name: k for k, name in enumerate(phases)}
+    names = ["forward", "backward", "recompute", "input_grad", "weight_grad", "copy"]  # the graph's kinds, a copy
+    return {"stage_lane": stage_lane, "lanes": len(panel["lanes"]),
+            "codes": [index.get(name, len(phases)) for name in names],
+            "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 else 2, "bubble_key": model["bubble_key"]}
 
 
 def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str], *, scale: float, unit: str,

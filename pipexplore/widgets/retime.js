@@ -1,0 +1,289 @@
+// Re-timing a plan in the page after a drag (see pipexplore/retime.py): the layers of the new
+// split summed per stage, the step's graph timed by the processor-sharing loop of _sharing.c
+// (the same steps: each action starts when its worker is free and its inputs are there; actions
+// on one device that ask for more than all of it slow down in proportion), and the result laid out
+// as the predicted panel's blocks. The kernel predicts the same plan meanwhile and its scene then
+// replaces this one; tests compare the two.
+
+// A typed array over a binary buffer of the scene (a DataView from the widget's message).
+function typed(view, Type) {
+  if (!view) return new Type(0);
+  if (ArrayBuffer.isView(view) || view instanceof ArrayBuffer) {
+    const buffer = view.buffer || view, offset = view.byteOffset || 0, length = view.byteLength;
+    if (offset % Type.BYTES_PER_ELEMENT === 0) return new Type(buffer, offset, length / Type.BYTES_PER_ELEMENT);
+    return new Type(buffer.slice(offset, offset + length));
+  }
+  return Type.from(view);  // a plain list (a scene written as JSON)
+}
+
+// The model's buffers as typed arrays, once per model.
+function decodeRetime(raw) {
+  const f64 = (k) => typed(raw[k], Float64Array), i32 = (k) => typed(raw[k], Int32Array);
+  return {
+    ...raw, seconds: f64("seconds"), raw: f64("raw"), weighted: f64("weighted"), share_cap: f64("share_cap"),
+    copy_rates: f64("copy_rates"), out_bytes: f64("out_bytes"), fractions: f64("fractions"),
+    size_of_micro: i32("size_of_micro"), resource: i32("resource"), first: i32("first"), second: i32("second"),
+    stage: i32("stage"), kind: typed(raw.kind, Uint8Array), micro: i32("micro"), queue_len: i32("queue_len"),
+    lanes_at: i32("lanes_at"), lanes: i32("lanes"),
+  };
+}
+
+// A binary heap of [key, tie, queue], least key (then tie) first.
+class Heap {
+  constructor() { this.at = []; }
+  get size() { return this.at.length; }
+  top() { return this.at[0]; }
+  static less(a, b) { return a[0] < b[0] || (a[0] === b[0] && a[1] < b[1]); }
+  push(entry) {
+    const at = this.at;
+    let i = at.length;
+    at.push(entry);
+    while (i > 0) {
+      const parent = (i - 1) >> 1;
+      if (!Heap.less(entry, at[parent])) break;
+      at[i] = at[parent];
+      i = parent;
+    }
+    at[i] = entry;
+  }
+  pop() {
+    const at = this.at, top = at[0], last = at.pop(), n = at.length;
+    if (!n) return top;
+    let i = 0;
+    for (;;) {
+      let child = 2 * i + 1;
+      if (child >= n) break;
+      if (child + 1 < n && Heap.less(at[child + 1], at[child])) child++;
+      if (!Heap.less(at[child], last)) break;
+      at[i] = at[child];
+      i = child;
+    }
+    at[i] = last;
+    return top;
+  }
+}
+
+// Per action: seconds, share of its device, copy of its input, and the waits after its first and
+// second input, for the stage boundaries `points` ([0, ...splits, layers]), as simulate() has them.
+function actionCosts(m, points) {
+  const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = 5;
+  const sums = (values, offset) => {  // per stage, the sum of a layer array (running totals, as numpy's)
+    const total = new Float64Array(L + 1);
+    for (let l = 0; l < L; l++) total[l + 1] = total[l] + values[offset + l];
+    const out = new Float64Array(S);
+    for (let s = 0; s < S; s++) out[s] = total[points[s + 1]] - total[points[s]];
+    return out;
+  };
+  const took = [], asked = [];  // [kind * Z + size] -> per stage
+  for (let k = 0; k < K; k++) {
+    for (let z = 0; z < Z; z++) {
+      const at = (k * Z + z) * L;
+      const seconds = sums(m.seconds, at).map((v) => v + m.extra);
+      if (m.zero_bubble && (k === 3 || k === 4)) {  // the first stage's I is its whole backward, its W nothing
+        const whole = sums(m.seconds, (1 * Z + z) * L)[0];
+        seconds[0] = (k === 3 ? whole : 0.0) + m.extra;
+      }
+      let share;
+      if (m.has_share[k]) {
+        const raw = sums(m.raw, at), weighted = sums(m.weighted, at);
+        share = raw.map((t, s) => (t > 0 ? weighted[s] / t : 0.0));
+      } else {
+        share = new Float64Array(S).fill(1.0);
+      }
+      took.push(seconds);
+      asked.push(share.map((v, s) => Math.min(Math.min(Math.max(v, 0.0), 1.0), m.share_cap[s])));
+    }
+  }
+  const copy = new Float64Array(n), firstWait = new Float64Array(n), secondWait = new Float64Array(n);
+  const seconds = new Float64Array(n), share = new Float64Array(n);
+  const edge = (b, i) => m.copy_rates[b] * m.out_bytes[points[b + 1] - 1] * m.fractions[i];
+  for (let a = 0; a < n; a++) {
+    const s = m.stage[a], i = m.micro[a], k = m.kind[a], z = m.size_of_micro[i];
+    seconds[a] = took[k * Z + z][s];
+    share[a] = asked[k * Z + z][s];
+    if (k === m.forward && s > 0) {
+      copy[a] = edge(s - 1, i);
+      firstWait[a] = copy[a] + m.handoff;
+    }
+    if (m.second[a] < n) secondWait[a] = edge(s, i) + m.handoff;
+  }
+  return { seconds, share, copy, firstWait, secondWait };
+}
+
+// The processor-sharing loop (pipexplore/_sharing.c's run): rows in the order it emits them.
+function shareLoop(m, c) {
+  const n = m.actions, Q = m.queue_len.length, S = m.stages, free = m.free, gap = m.gap;
+  const { first, second, stage, kind, lanes_at: lanesAt, lanes } = m;
+  const end = new Float64Array(n + 1).fill(-1.0);
+  end[n] = 0.0;
+  const base = new Int32Array(Q), heads = new Int32Array(Q), freeAt = new Float64Array(Q);
+  for (let q = 1; q < Q; q++) base[q] = base[q - 1] + m.queue_len[q - 1];
+  const timed = new Float64Array(Q), hasTimed = new Uint8Array(Q), dirty = new Uint8Array(Q).fill(1);
+  const running = new Uint8Array(Q), runR = new Int32Array(Q), runN = new Int32Array(Q);
+  const runShare = new Float64Array(Q), runStart = new Float64Array(Q);
+  let dirtyList = Array.from({ length: Q }, (_, q) => q);
+  const clock = new Float64Array(free + 1), demand = new Float64Array(free + 1);
+  const finishing = Array.from({ length: free + 1 }, () => new Heap());
+  const seen = new Uint8Array(free + 1), seenOrder = [];
+  const wakes = new Heap();
+  const rows = { action: new Int32Array(2 * n), start: new Float64Array(2 * n), end: new Float64Array(2 * n),
+                 copy: new Uint8Array(2 * n), count: 0 };
+  const emit = (a, start, stop, copied) => {
+    const r = rows.count++;
+    rows.action[r] = a; rows.start[r] = start; rows.end[r] = stop; rows.copy[r] = copied;
+  };
+  const mark = (q) => { if (!dirty[q]) { dirty[q] = 1; dirtyList.push(q); } };
+  const eps = 1e-12;
+  let remaining = n, order = 0, now = 0.0;
+  while (remaining) {
+    while (wakes.size && wakes.top()[0] <= now + eps) {
+      const w = wakes.pop();
+      if (hasTimed[w[2]] && timed[w[2]] === w[0]) { hasTimed[w[2]] = 0; mark(w[2]); }
+    }
+    const looking = dirtyList.sort((a, b) => a - b);
+    dirtyList = [];
+    for (const q of looking) {
+      dirty[q] = 0;
+      if (running[q] || heads[q] >= m.queue_len[q]) continue;
+      const a = base[q] + heads[q];
+      let t = end[first[a]];
+      if (t < 0) continue;
+      t += c.firstWait[a];
+      let later = end[second[a]];
+      if (later < 0) continue;
+      later += c.secondWait[a];
+      if (later > t) t = later;
+      const start = freeAt[q] > t ? freeAt[q] : t;
+      if (start > now + eps) {
+        if (!hasTimed[q] || timed[q] !== start) {
+          hasTimed[q] = 1;
+          timed[q] = start;
+          wakes.push([start, q, q]);
+        }
+        continue;
+      }
+      const share = c.share[a], r = share > 0 ? m.resource[stage[a]] : free;
+      if (!seen[r]) { seen[r] = 1; seenOrder.push(r); }
+      if (!finishing[r].size) { clock[r] = 0.0; demand[r] = 0.0; }
+      finishing[r].push([clock[r] + c.seconds[a], order++, q]);
+      demand[r] += share;
+      running[q] = 1; runR[q] = r; runShare[q] = share; runStart[q] = now; runN[q] = a;
+      if (c.copy[a] > 0) {
+        const done = end[first[a]];
+        emit(a, done, done + c.copy[a], 1);
+      }
+    }
+    while (wakes.size && !(hasTimed[wakes.top()[2]] && timed[wakes.top()[2]] === wakes.top()[0])) wakes.pop();
+    const wake = wakes.size ? wakes.top()[0] : Infinity;
+    let step = wake - now;
+    const advancing = [];
+    for (const r of seenOrder) {
+      const heap = finishing[r];
+      if (!heap.size) continue;
+      const d = demand[r], rate = r !== free && d > 1.0 ? 1.0 / d : 1.0;
+      const left = (heap.top()[0] - clock[r]) / rate;
+      if (left < step) step = left;
+      advancing.push([r, rate]);
+    }
+    if (!advancing.length) {
+      if (wake === Infinity) throw new Error("the schedule deadlocked: no stage can run its next action");
+      now = wake;
+      continue;
+    }
+    now += step;
+    const tolerance = eps * (now > 1.0 ? now : 1.0);
+    for (const [r, rate] of advancing) {
+      const heap = finishing[r], at = clock[r] + step * rate;
+      clock[r] = at;
+      while (heap.size && heap.top()[0] - at <= tolerance) {
+        const q = heap.pop()[2], a = runN[q];
+        running[q] = 0;
+        demand[r] -= runShare[q];
+        heads[q]++;
+        remaining--;
+        end[a] = now;
+        freeAt[q] = now + gap;
+        emit(a, runStart[q], now, 0);
+        const s = stage[a], k = kind[a];
+        for (let j = lanesAt[s]; j < lanesAt[s + 1]; j++) mark(lanes[j]);
+        if (k === m.forward) {
+          if (s + 1 < S) for (let j = lanesAt[s + 1]; j < lanesAt[s + 2]; j++) mark(lanes[j]);
+        } else if ((k === m.backward || k === m.input_grad) && s > 0) {
+          for (let j = lanesAt[s - 1]; j < lanesAt[s]; j++) mark(lanes[j]);
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+// The bubble of a step: per key (a stage, or a device for interleaved: `keyOf[stage]`), the share
+// of the step it computed nothing (overlapping spans counted once), averaged over the keys.
+function bubbleOf(rows, m, keyOf) {
+  const n = rows.count, spans = new Map();
+  let first = Infinity, last = -Infinity;
+  for (let r = 0; r < n; r++) {
+    first = Math.min(first, rows.start[r]);
+    last = Math.max(last, rows.end[r]);
+    const key = keyOf[m.stage[rows.action[r]]];
+    if (!spans.has(key)) spans.set(key, []);
+    if (!rows.copy[r]) spans.get(key).push(r);
+  }
+  const total = last - first;
+  if (!(total > 0) || !spans.size) return 0.0;
+  let sum = 0.0;
+  for (const list of spans.values()) {
+    list.sort((a, b) => rows.start[a] - rows.start[b] || a - b);
+    let busy = 0.0, reach = -Infinity;
+    for (const r of list) {
+      const s = rows.start[r], e = rows.end[r];
+      busy += Math.max(e - Math.max(s, reach), 0.0);
+      reach = Math.max(reach, e);
+    }
+    sum += 1.0 - busy / total;
+  }
+  return sum / spans.size;
+}
+
+// The plan with `splits` re-timed: the predicted panel's blocks (as block_panel lays them out:
+// by lane, then start), its step (ms) and bubble. `panel` supplies each stage's lane (`lane_of`)
+// and the phase code of each kind and of a copy (`codes`: F B R I W, then copy).
+function retime(m, splits, panel) {
+  const S = m.stages, L = m.layers;
+  if (splits.length !== S - 1) throw new Error(`${S} stages need ${S - 1} splits, got ${splits.length}`);
+  const points = [0, ...splits, L];
+  for (let s = 0; s < S; s++) {
+    if (!(Number.isInteger(points[s + 1]) && points[s + 1] > points[s])) throw new Error(`splits out of order: ${splits}`);
+  }
+  const rows = shareLoop(m, actionCosts(m, points));
+  const n = rows.count, laneOf = panel.stage_lane, lanes = panel.lanes;
+  let origin = Infinity, last = -Infinity;
+  for (let r = 0; r < n; r++) { origin = Math.min(origin, rows.start[r]); last = Math.max(last, rows.end[r]); }
+  // By lane (counting), then start, then the order the loop emitted them (as the kernel's sorts).
+  const lane = new Int32Array(n), offsets = new Array(lanes + 1).fill(0);
+  for (let r = 0; r < n; r++) { lane[r] = laneOf[m.stage[rows.action[r]]]; offsets[lane[r] + 1]++; }
+  for (let q = 0; q < lanes; q++) offsets[q + 1] += offsets[q];
+  const order = new Int32Array(n), fill = offsets.slice(0, lanes);
+  for (let r = 0; r < n; r++) order[fill[lane[r]]++] = r;
+  const byStart = (a, b) => rows.start[a] - rows.start[b] || a - b;
+  for (let q = 0; q < lanes; q++) {
+    const part = order.subarray(offsets[q], offsets[q + 1]);
+    let sorted = true;
+    for (let i = 1; i < part.length && sorted; i++) sorted = byStart(part[i - 1], part[i]) < 0;
+    if (!sorted) part.set(Array.from(part).sort(byStart));
+  }
+  const start = new Float32Array(n), stop = new Float32Array(n), phase = new Uint8Array(n);
+  const micro = panel.micro_bytes === 4 ? new Int32Array(n) : new Uint16Array(n);
+  for (let i = 0; i < n; i++) {
+    const r = order[i], a = rows.action[r];
+    start[i] = (rows.start[r] - origin) * 1e3;
+    stop[i] = (rows.end[r] - origin) * 1e3;
+    phase[i] = panel.codes[rows.copy[r] ? 5 : m.kind[a]];
+    micro[i] = m.micro[a];
+  }
+  const keyOf = panel.bubble_key || Array.from({ length: S }, (_, s) => s);
+  return {
+    start, end: stop, phase, micro, offsets, count: n, step: (last - origin) * 1e3, bubble: bubbleOf(rows, m, keyOf),
+    stage_layers: Array.from({ length: S }, (_, s) => [points[s], points[s + 1] - 1]),
+  };
+}

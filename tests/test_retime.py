@@ -1,0 +1,150 @@
+"""The page's re-timing of a drag (widgets/retime.js, run by Node) against the kernel's simulate."""
+from __future__ import annotations
+
+import base64
+import json
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipexplore import timeline as tl
+from pipexplore.costs import Corrections
+from pipexplore.retime import retime_key, retime_model
+from pipexplore.simulate import simulate
+from pipexplore.widgets.plots import PHASES
+from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
+
+NODE = shutil.which("node")
+SOURCE = pathlib.Path(__file__).parents[1] / "pipexplore" / "widgets" / "retime.js"
+RUNNER = """
+const fs = require("fs");
+const source = fs.readFileSync(process.argv[2], "utf8");
+const { decodeRetime, retime } = new Function(source + "\\nreturn { decodeRetime, retime };")();
+const unpack = (v) => (v && v.$b64 !== undefined ? Buffer.from(v.$b64, "base64")
+  : Array.isArray(v) ? v.map(unpack) : v && typeof v === "object" ? Object.fromEntries(
+      Object.entries(v).map(([k, x]) => [k, unpack(x)])) : v);
+const job = unpack(JSON.parse(fs.readFileSync(0, "utf8")));
+const model = decodeRetime(job.model);
+const out = job.splits.map((splits) => {
+  try {
+    const r = retime(model, splits, job.panel);
+    const b64 = (a) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString("base64");
+    return { start: b64(r.start), end: b64(r.end), phase: b64(r.phase), micro: b64(r.micro), offsets: r.offsets,
+             step: r.step, bubble: r.bubble, stage_layers: r.stage_layers };
+  } catch (e) { return { error: String(e.message) }; }
+});
+process.stdout.write(JSON.stringify(out));
+"""
+
+pytestmark = pytest.mark.skipif(NODE is None, reason="the page's code is run by Node, which is not installed")
+
+
+def _encode(value):
+    if isinstance(value, (bytes, bytearray)):
+        return {"$b64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    return value
+
+
+def run_page(model: dict, panel: dict, splits: list[list[int]], tmp_path: pathlib.Path) -> list[dict]:
+    runner = tmp_path / "runner.js"
+    runner.write_text(RUNNER)
+    job = json.dumps(_encode({"model": model, "panel": panel, "splits": splits}))
+    done = subprocess.run([NODE, str(runner), str(SOURCE)], input=job, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def table(n: int, seed: int = 0, shares: bool = True, fit: bool = True) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({"forward": 1e-3 * (0.5 + rng.random(n)), "backward": 2e-3 * (0.5 + rng.random(n)),
+                          "output_bytes": 1e6 * rng.random(n), "param_bytes": 1e3, "saved_bytes": 2e6 * rng.random(n)})
+    if fit:
+        frame["forward_a"], frame["forward_b"] = 1e-4 * rng.random(n), 3e-5 * (0.5 + rng.random(n))
+        frame["backward_a"], frame["backward_b"] = 2e-4 * rng.random(n), 6e-5 * (0.5 + rng.random(n))
+    if shares:
+        frame["share_forward"], frame["share_backward"] = 0.3 + 0.7 * rng.random(n), 0.3 + 0.7 * rng.random(n)
+    frame.attrs["batch"] = 30
+    return frame
+
+
+def corrections(n: int) -> Corrections:
+    rng = np.random.default_rng(7)
+    scales = {(ex, phase): 0.6 + rng.random(n) for ex in ("threads", "autograd", "processes")
+              for phase in ("forward", "backward", "recompute", "input_grad", "weight_grad")}
+    learnt = Corrections(scales=scales, gaps={"threads": 2e-5, "processes": 1e-4}, runs=1)
+    return learnt.with_executor_costs("threads", 3e-5, 2e-5, 5e-5).with_executor_costs("processes", 1e-4, 1e-4, 4e-4)
+
+
+CASES = {  # name: (layers, splits before, splits after, simulate options)
+    "gpipe autograd, one host": (12, [4, 8], [[3, 8], [5, 9], [1, 2]], dict(chunks=4, schedule="gpipe",
+                                                                             devices=["cpu"] * 3)),
+    "1f1b threads, crowded host, corrections": (16, [4, 8, 12], [[5, 8, 12], [2, 3, 15]], dict(
+        chunks=6, schedule="1f1b", devices=["cpu"] * 4, executor="threads", corrections=corrections(16))),
+    "zero-bubble threads, I/W ratios": (10, [5], [[4], [7], [1]], dict(chunks=4, schedule="zero-bubble",
+                                                                     devices=["cpu", "cpu"])),
+    "interleaved on two GPUs, copies": (16, [4, 8, 12], [[3, 9, 12], [6, 7, 13]], dict(
+        chunks=4, schedule="interleaved", devices=["cuda:0", "cuda:1"])),
+    "processes, checkpoint always, uneven micro-batches": (9, [3, 6], [[2, 6], [3, 8]], dict(
+        chunks=4, schedule="1f1b", devices=["cpu"] * 3, executor="processes", checkpoint="always",
+        corrections=corrections(9))),
+    "gpu per stage, gpipe threads, no fit": (8, [4], [[2], [6]], dict(chunks=8, schedule="gpipe", executor="threads",
+                                                                      devices=["cuda:0", "cuda:1"])),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_page_retimes_a_drag_as_simulate_predicts_it(name, tmp_path):
+    layers, before, afters, options = CASES[name]
+    frame = table(layers, seed=len(name), fit="no fit" not in name)
+    if options["schedule"] == "zero-bubble":
+        frame["input_grad_ratio"], frame["weight_grad_ratio"] = 0.6, 0.7
+    by = "device" if options["schedule"] == "interleaved" else "stage"
+    model = retime_model(frame, before, samples=30, bubble_by=by, **options)
+    current = simulate(frame, before, **options)
+    panel = retime_panel(block_panel(current, PHASES), PHASES, model)
+    for splits, page in zip(afters, run_page(model, panel, afters, tmp_path)):
+        assert "error" not in page, page
+        kernel = block_panel(simulate(frame, splits, **options), PHASES)
+        assert page["offsets"] == kernel["offsets"]
+        for key, dtype in (("phase", np.uint8), ("micro", np.uint16)):
+            assert np.array_equal(np.frombuffer(base64.b64decode(page[key]), dtype),
+                                  np.frombuffer(kernel[key], dtype)), (splits, key)
+        for key in ("start", "end"):
+            np.testing.assert_allclose(np.frombuffer(base64.b64decode(page[key]), np.float32),
+                                       np.frombuffer(kernel[key], np.float32), rtol=1e-6, atol=1e-6)
+        predicted = simulate(frame, splits, **options)
+        assert page["step"] == pytest.approx(tl.step_time(predicted) * 1e3, rel=1e-9)
+        assert page["bubble"] == pytest.approx(tl.bubble_fraction(predicted, by=by), abs=1e-9)
+        bounds = [0, *splits, layers]
+        assert page["stage_layers"] == [[a, b - 1] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_the_page_refuses_splits_of_another_stage_count_or_out_of_order(tmp_path):
+    frame = table(8)
+    options = dict(chunks=2, schedule="gpipe", devices=["cpu"] * 3)
+    model = retime_model(frame, [3, 5], **options)
+    panel = retime_panel(block_panel(simulate(frame, [3, 5], **options), PHASES), PHASES, model)
+    pages = run_page(model, panel, [[4], [5, 3], [3, 8]], tmp_path)
+    assert "3 stages need 2 splits, got 1" in pages[0]["error"]
+    assert "out of order" in pages[1]["error"] and "out of order" in pages[2]["error"]
+
+
+def test_a_new_model_is_needed_when_the_shape_or_the_costs_change_not_when_a_split_moves():
+    frame = table(8)
+    options = dict(chunks=4, schedule="1f1b", devices=["cpu"] * 3)
+    key = retime_key(frame, [3, 5], options)
+    assert retime_key(frame, [2, 6], options) == key
+    assert retime_key(frame, [2], {**options, "devices": ["cpu"] * 2}) != key
+    assert retime_key(frame, [3, 5], {**options, "chunks": 8}) != key
+    assert retime_key(frame, [3, 5], {**options, "corrections": corrections(8)}) != key
+    assert retime_key(table(8, seed=3), [3, 5], options) != key
