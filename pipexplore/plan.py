@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import pandas as pd
 
@@ -164,17 +164,21 @@ class Plan:
         ``async-backends`` is predicted as a fill-drain pipeline with a worker per stage (it does
         not model how the pools merge micro-batches into batches).
         """
+        return simulate(self.layer_table, list(self.splits), **{**self.simulate_options(), **kwargs})
+
+    def simulate_options(self) -> dict[str, Any]:
+        """The options :meth:`predict` gives :func:`pipexplore.simulate` for this plan."""
         backends = self.schedule == "async-backends"
-        options: dict = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
-                             checkpoint="never" if backends else self.checkpoint,
-                             devices=list(self.devices[: self.num_devices]), virtual_stages=self.virtual_stages)
+        options: dict[str, Any] = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
+                                       checkpoint="never" if backends else self.checkpoint,
+                                       devices=list(self.devices[: self.num_devices]),
+                                       virtual_stages=self.virtual_stages)
         options["executor"] = self.predict_executor
         options["action_overhead"] = self.action_overhead
         options["corrections"] = self.corrections
         if self.batch is not None:
             options["batch"] = self.batch
-        options.update(kwargs)
-        return simulate(self.layer_table, list(self.splits), **options)
+        return options
 
     def calibrated(self, measured: pd.DataFrame) -> "Plan":
         """This plan with its cost model corrected by a measured timeline of it.

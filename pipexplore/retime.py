@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -28,12 +29,14 @@ from pipexplore.simulate import PHASES, prepare_step
 __all__ = ["retime_model", "retime_key"]
 
 
-def retime_key(layer_table: pd.DataFrame, splits: Sequence[int], options: dict[str, Any]) -> tuple:
-    """What a retime model depends on: a new model is needed when this changes (the splits only
-    count by their number)."""
-    return (id(layer_table), len(splits), tuple(sorted((k, repr(v) if not isinstance(v, (int, float, str, type(None)))
-                                                        else v) for k, v in options.items() if k != "corrections")),
-            id(options.get("corrections")))
+def retime_key(layer_table: pd.DataFrame, splits: Sequence[int], options: dict[str, Any]) -> str:
+    """What a retime model depends on, as a short string: a new model is needed when it changes
+    (the splits count only by their number; the table and corrections by identity, so the caller
+    keeps them alive while it holds the key)."""
+    named = sorted((k, v if isinstance(v, (int, float, str, type(None))) else repr(v))
+                   for k, v in options.items() if k != "corrections")
+    text = repr((id(layer_table), len(splits), named, id(options.get("corrections"))))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _f64(values: Any) -> bytes:

@@ -111,7 +111,7 @@ def test_the_page_retimes_a_drag_as_simulate_predicts_it(name, tmp_path):
     by = "device" if options["schedule"] == "interleaved" else "stage"
     model = retime_model(frame, before, samples=30, bubble_by=by, **options)
     current = simulate(frame, before, **options)
-    panel = retime_panel(block_panel(current, PHASES), PHASES, model)
+    panel = retime_panel(block_panel(current, PHASES)["lane_stage"], PHASES, model)
     for splits, page in zip(afters, run_page(model, panel, afters, tmp_path)):
         assert "error" not in page, page
         kernel = block_panel(simulate(frame, splits, **options), PHASES)
@@ -133,7 +133,7 @@ def test_the_page_refuses_splits_of_another_stage_count_or_out_of_order(tmp_path
     frame = table(8)
     options = dict(chunks=2, schedule="gpipe", devices=["cpu"] * 3)
     model = retime_model(frame, [3, 5], **options)
-    panel = retime_panel(block_panel(simulate(frame, [3, 5], **options), PHASES), PHASES, model)
+    panel = retime_panel(block_panel(simulate(frame, [3, 5], **options), PHASES)["lane_stage"], PHASES, model)
     pages = run_page(model, panel, [[4], [5, 3], [3, 8]], tmp_path)
     assert "3 stages need 2 splits, got 1" in pages[0]["error"]
     assert "out of order" in pages[1]["error"] and "out of order" in pages[2]["error"]
@@ -148,3 +148,32 @@ def test_a_new_model_is_needed_when_the_shape_or_the_costs_change_not_when_a_spl
     assert retime_key(frame, [3, 5], {**options, "chunks": 8}) != key
     assert retime_key(frame, [3, 5], {**options, "corrections": corrections(8)}) != key
     assert retime_key(table(8, seed=3), [3, 5], options) != key
+
+
+def test_the_explorer_gives_the_page_a_model_once_drawn_and_again_only_when_the_shape_changes(tmp_path):
+    import torch
+    from torch import nn
+
+    from pipexplore.widgets.explorer import Explorer
+    from pipexplore.widgets.timeline_canvas import blocks_of
+
+    frame = table(12).assign(name=[str(k) for k in range(12)], type="Linear", stash="", pop="")
+    ex = Explorer(nn.Sequential(*[nn.Identity() for _ in range(12)]), torch.zeros(30, 1), layer_table=frame,
+                  devices=["cpu"] * 3, chunks=4, splits=[4, 8])
+    scene = ex.figure.scene
+    assert scene["retime_key"] and ex.figure.retime == {}  # named, but nothing sent before the first picture
+    ex._on_figure_message(ex.figure, {"event": "drawn"}, [])
+    model = ex.figure.retime
+    assert model["key"] == ex.figure.scene["retime_key"] and model["stages"] == 3
+    assert ex.bar.group and ex.bar.group == ex.figure.group
+
+    ex.splits = [5, 8]  # a move: the same model serves, the scene still names it
+    assert ex.figure.retime is model and ex.figure.scene["retime_key"] == model["key"]
+    page = run_page(model, model["panel"], [[5, 8]], tmp_path)[0]
+    kernel = blocks_of(ex.figure.scene["panels"][0])
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(page["start"]), np.float32), kernel["start"], rtol=1e-6)
+    assert page["step"] == pytest.approx(tl.step_time(ex.plan.predicted) * 1e3, rel=1e-9)
+
+    ex.update(chunks=6)  # another shape: a new model, named by the new scenes
+    assert ex.figure.retime["key"] != model["key"] and ex.figure.retime["key"] == ex.figure.scene["retime_key"]
+    assert ex.figure.retime["micro_batches"] == 6

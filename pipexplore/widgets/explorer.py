@@ -324,6 +324,33 @@ class Explorer:
             from pipexplore.widgets.plots import warm_up_runs
 
             background.start(warm_up_runs, "pipexplore-warm-up-runs")
+            with self._plan_lock:
+                self._drawn = True
+                self._send_retime()
+
+    def _send_retime(self) -> None:
+        """Name the current plan's shape to the timeline, and give the page what it needs to
+        re-time a moved split itself (:mod:`pipexplore.retime`) when that shape or the costs
+        changed since it was last given. Not before the first picture is drawn: the model is
+        about as large as a scene, and the page waits for the kernel until it has one."""
+        from pipexplore.retime import retime_key, retime_model
+        from pipexplore.widgets.timeline_canvas import lane_of
+
+        plan = self._plan
+        options = plan.simulate_options()
+        key = retime_key(plan.layer_table, plan.splits, options)
+        self.timelines.retime(key)  # scenes name the shape; the page re-times with a model of the same
+        if not self._drawn or key == self._retime_for[0]:
+            return
+        try:
+            model = retime_model(plan.layer_table, list(plan.splits), samples=batch_size(self.sample),
+                                 bubble_by="device" if plan.schedule == "interleaved" else "stage", **options)
+        except Exception:  # nothing the page can re-time: it waits for the kernel's scenes
+            self.timelines.retime("")
+            return
+        # (the table and corrections are held with the key, which names them by identity)
+        self._retime_for = (key, plan.layer_table, plan.corrections)
+        self.timelines.retime(key, {**model, "key": key}, [stage for stage, _ in lane_of(plan.predicted)[0]])
 
     def _with_backward_split(self) -> pd.DataFrame:
         """The layer table with its input/weight-gradient split measured (zero-bubble runs its
@@ -569,8 +596,9 @@ class Explorer:
         self._memory_cap = getattr(self, "_memory_cap", None)
         self._uuid = f"pipexplore-runs-{id(self):x}"
         self._choosing = False  # the run choosers are being refilled: not a choice of the user
+        group = f"pipexplore-{id(self):x}"  # the strip whose moves the timeline re-times in the page
         self.bar = SplitBar(layers=self._layer_dicts(), splits=list(plan.splits), skips=self._skip_dicts(),
-                            view="time", stage_totals=self._stage_totals("time"))
+                            view="time", stage_totals=self._stage_totals("time"), group=group)
         self.bar.observe(self._on_bar_splits, names="splits")
         self.bar.observe(self._on_bar_hover, names="hovered")
         compact = {"description_width": "initial"}
@@ -630,6 +658,9 @@ class Explorer:
                                       "memory_cap", "export")}
         self.timelines = TimelineView(plan.predicted, None, batch_size(self.sample), memory_cap=self._memory_cap)
         self.figure = self.timelines.figure
+        self.figure.group = group
+        self._drawn = False  # the page has drawn the first timeline
+        self._retime_for: tuple[Any, ...] = ("",)  # the key the page's re-timing model has, and what it names
         self.figure.on_msg(self._on_figure_message)
         self.w_timeline_box = W.VBox([self.figure])
         self.w_residuals = W.VBox([], layout=W.Layout(display="none"))
@@ -855,6 +886,7 @@ class Explorer:
                             f"{short_plan_text(result.plan)}", measured_warning=difference,
                             measured_prediction=result.predicted,
                             measured_stage_layers=_stage_layers(result.plan.splits, len(self.layer_table)))
+        self._send_retime()  # before the scene, which names it
         figures = self._plan_figures()
         numbers = (f"step {figures['step_time'] * 1e3:.1f} ms · bubble {figures['bubble'] * 100:.1f} %"
                    + (f" · {figures['throughput']:,.0f} samples/s" if not math.isnan(figures["throughput"]) else ""))

@@ -113,6 +113,7 @@ class TimelineView:
         self.measured_prediction: Optional[pd.DataFrame] = None
         self._summaries: dict[int, tuple[pd.DataFrame, str]] = {}
         self._panels: dict[int, dict[str, Any]] = {}  # the block panels, kept until their rows change
+        self._retime_key = ""  # the plan shape the page may re-time (see :meth:`retime`)
         self.figure: Any = canvas.TimelineCanvas() if widget else Scene()
         self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
         if widget:
@@ -225,6 +226,16 @@ class TimelineView:
             self._summaries[id(frame)] = cached
         return cached[1]
 
+    def retime(self, key: str, model: Optional[dict[str, Any]] = None, lane_stage: Sequence[int] = ()) -> None:
+        """Let the page re-time a moved split of the predicted plan itself. ``key`` names the
+        predicted plan's shape (:func:`pipexplore.retime.retime_key`; scenes drawn from now on
+        carry it; ``''``: none); ``model``: :func:`pipexplore.retime.retime_model` of that plan
+        with the same ``key``, ``lane_stage`` the stage of each of its lanes (may come later: the
+        page re-times only with a model whose key is its scene's)."""
+        self._retime_key = key
+        if model is not None and isinstance(self.figure, canvas.TimelineCanvas):
+            self.figure.retime = {**model, "panel": canvas.retime_panel(lane_stage, PHASES, model)}
+
     def highlight(self, stage: Optional[int]) -> None:
         """Shade ``stage``'s lane in both timelines (what hovering a layer of the strip does);
         ``None`` clears it. One small message; the scene is untouched."""
@@ -240,7 +251,8 @@ class TimelineView:
                 self.measured, PHASES, empty="no run yet: press Run step to measure this plan",
                 stage_layers=self.measured_stage_layers, other=self.measured_prediction,
                 other_name="predicted for this run")
-        panels = [self._panels[1] | {"title": self._predicted_text()},
+        panels = [self._panels[1] | {"title": self._predicted_text(), "role": "predicted",
+                                     "title_parts": [f"{self.names[0]}: ", self._predicted_suffix()]},
                   self._panels[2] | {"title": measured_text, "warning": measured_warning}]
         if self.memory:
             if 3 in rows or 3 not in self._panels:
@@ -254,7 +266,9 @@ class TimelineView:
         self.figure.scene = {
             "panels": panels, "phases": canvas.phase_table(PHASE_COLORS, PHASE_LETTERS),
             "legend": [k for k in range(len(PHASES)) if k in shown],
-            "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits)}
+            "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits),
+            "measured_ms": tl.step_time(self.measured) * 1e3 if self.measured is not None else 0.0,
+            "retime_key": self._retime_key}
 
     def _memory_scale(self, peaks: pd.DataFrame) -> tuple[float, str]:
         """The divisor and unit of the memory panel: its largest peak's, or the cap's if larger."""
@@ -267,8 +281,10 @@ class TimelineView:
         return canvas.memory_panel(memory, peaks, STAGE_COLORS, scale=scale, unit=unit, cap=self.memory_cap)
 
     def _predicted_text(self) -> str:
-        text = f"{self.names[0]}: " + self._summary(self.predicted)
-        return text + (f" — {self.predicted_title}" if self.predicted_title else "")
+        return f"{self.names[0]}: " + self._summary(self.predicted) + self._predicted_suffix()
+
+    def _predicted_suffix(self) -> str:
+        return f" — {self.predicted_title}" if self.predicted_title else ""
 
     def _measured_parts(self) -> tuple[str, str]:
         """The measured panel's title and its warning ('' when none)."""

@@ -28,37 +28,50 @@ function decodeRetime(raw) {
   };
 }
 
-// A binary heap of [key, tie, queue], least key (then tie) first.
+// A binary heap of (key, tie, queue) entries, least key (then tie) first, in typed arrays (the
+// loop pushes and pops one per action: no object per entry).
 class Heap {
-  constructor() { this.at = []; }
-  get size() { return this.at.length; }
-  top() { return this.at[0]; }
-  static less(a, b) { return a[0] < b[0] || (a[0] === b[0] && a[1] < b[1]); }
-  push(entry) {
-    const at = this.at;
-    let i = at.length;
-    at.push(entry);
+  constructor(capacity = 64) {
+    this.key = new Float64Array(capacity);
+    this.tie = new Float64Array(capacity);
+    this.q = new Int32Array(capacity);
+    this.size = 0;
+  }
+  less(i, key, tie) { return this.key[i] < key || (this.key[i] === key && this.tie[i] < tie); }
+  push(key, tie, q) {
+    if (this.size === this.key.length) {
+      for (const name of ["key", "tie", "q"]) {
+        const grown = new this[name].constructor(2 * this.size);
+        grown.set(this[name]);
+        this[name] = grown;
+      }
+    }
+    let i = this.size++;
     while (i > 0) {
       const parent = (i - 1) >> 1;
-      if (!Heap.less(entry, at[parent])) break;
-      at[i] = at[parent];
+      const above = this.key[parent];
+      if (!(key < above || (key === above && tie < this.tie[parent]))) break;
+      this.key[i] = this.key[parent]; this.tie[i] = this.tie[parent]; this.q[i] = this.q[parent];
       i = parent;
     }
-    at[i] = entry;
+    this.key[i] = key; this.tie[i] = tie; this.q[i] = q;
   }
+  // Removes the least entry and returns its queue (its key and tie are read before, at 0).
   pop() {
-    const at = this.at, top = at[0], last = at.pop(), n = at.length;
+    const top = this.q[0], n = --this.size;
     if (!n) return top;
+    const key = this.key[n], tie = this.tie[n], q = this.q[n];
     let i = 0;
     for (;;) {
       let child = 2 * i + 1;
       if (child >= n) break;
-      if (child + 1 < n && Heap.less(at[child + 1], at[child])) child++;
-      if (!Heap.less(at[child], last)) break;
-      at[i] = at[child];
+      if (child + 1 < n && (this.key[child + 1] < this.key[child] ||
+          (this.key[child + 1] === this.key[child] && this.tie[child + 1] < this.tie[child]))) child++;
+      if (!this.less(child, key, tie)) break;
+      this.key[i] = this.key[child]; this.tie[i] = this.tie[child]; this.q[i] = this.q[child];
       i = child;
     }
-    at[i] = last;
+    this.key[i] = key; this.tie[i] = tie; this.q[i] = q;
     return top;
   }
 }
@@ -121,128 +134,139 @@ function shareLoop(m, c) {
   const timed = new Float64Array(Q), hasTimed = new Uint8Array(Q), dirty = new Uint8Array(Q).fill(1);
   const running = new Uint8Array(Q), runR = new Int32Array(Q), runN = new Int32Array(Q);
   const runShare = new Float64Array(Q), runStart = new Float64Array(Q);
-  let dirtyList = Array.from({ length: Q }, (_, q) => q);
+  const dirtyList = new Int32Array(Q);
+  for (let q = 0; q < Q; q++) dirtyList[q] = q;
+  let ndirty = Q;
   const clock = new Float64Array(free + 1), demand = new Float64Array(free + 1);
   const finishing = Array.from({ length: free + 1 }, () => new Heap());
-  const seen = new Uint8Array(free + 1), seenOrder = [];
+  const seen = new Uint8Array(free + 1), seenOrder = new Int32Array(free + 1);
+  let seenCount = 0;
+  const advancing = new Int32Array(free + 1), advancingRate = new Float64Array(free + 1);
   const wakes = new Heap();
-  const rows = { action: new Int32Array(2 * n), start: new Float64Array(2 * n), end: new Float64Array(2 * n),
-                 copy: new Uint8Array(2 * n), count: 0 };
-  const emit = (a, start, stop, copied) => {
-    const r = rows.count++;
-    rows.action[r] = a; rows.start[r] = start; rows.end[r] = stop; rows.copy[r] = copied;
-  };
-  const mark = (q) => { if (!dirty[q]) { dirty[q] = 1; dirtyList.push(q); } };
+  const outAction = new Int32Array(2 * n), outStart = new Float64Array(2 * n), outEnd = new Float64Array(2 * n);
+  const outCopy = new Uint8Array(2 * n);
+  let count = 0;
+  const { seconds: took, share: asked, copy: copyOf, firstWait, secondWait } = c;
+  const queueLen = m.queue_len, resource = m.resource, forward = m.forward, backward = m.backward;
+  const inputGrad = m.input_grad;
+  const mark = (q) => { if (!dirty[q]) { dirty[q] = 1; dirtyList[ndirty++] = q; } };
   const eps = 1e-12;
   let remaining = n, order = 0, now = 0.0;
   while (remaining) {
-    while (wakes.size && wakes.top()[0] <= now + eps) {
-      const w = wakes.pop();
-      if (hasTimed[w[2]] && timed[w[2]] === w[0]) { hasTimed[w[2]] = 0; mark(w[2]); }
+    while (wakes.size && wakes.key[0] <= now + eps) {
+      const key = wakes.key[0], q = wakes.pop();
+      if (hasTimed[q] && timed[q] === key) { hasTimed[q] = 0; mark(q); }
     }
-    const looking = dirtyList.sort((a, b) => a - b);
-    dirtyList = [];
-    for (const q of looking) {
+    // The queues to look at, ascending (a handful per event: an insertion sort).
+    for (let i = 1; i < ndirty; i++) {
+      const q = dirtyList[i];
+      let j = i;
+      for (; j > 0 && dirtyList[j - 1] > q; j--) dirtyList[j] = dirtyList[j - 1];
+      dirtyList[j] = q;
+    }
+    const looked = ndirty;
+    ndirty = 0;
+    for (let i = 0; i < looked; i++) {
+      const q = dirtyList[i];
       dirty[q] = 0;
-      if (running[q] || heads[q] >= m.queue_len[q]) continue;
+      if (running[q] || heads[q] >= queueLen[q]) continue;
       const a = base[q] + heads[q];
       let t = end[first[a]];
       if (t < 0) continue;
-      t += c.firstWait[a];
+      t += firstWait[a];
       let later = end[second[a]];
       if (later < 0) continue;
-      later += c.secondWait[a];
+      later += secondWait[a];
       if (later > t) t = later;
       const start = freeAt[q] > t ? freeAt[q] : t;
       if (start > now + eps) {
         if (!hasTimed[q] || timed[q] !== start) {
           hasTimed[q] = 1;
           timed[q] = start;
-          wakes.push([start, q, q]);
+          wakes.push(start, q, q);
         }
         continue;
       }
-      const share = c.share[a], r = share > 0 ? m.resource[stage[a]] : free;
-      if (!seen[r]) { seen[r] = 1; seenOrder.push(r); }
+      const share = asked[a], r = share > 0 ? resource[stage[a]] : free;
+      if (!seen[r]) { seen[r] = 1; seenOrder[seenCount++] = r; }
       if (!finishing[r].size) { clock[r] = 0.0; demand[r] = 0.0; }
-      finishing[r].push([clock[r] + c.seconds[a], order++, q]);
+      finishing[r].push(clock[r] + took[a], order++, q);
       demand[r] += share;
       running[q] = 1; runR[q] = r; runShare[q] = share; runStart[q] = now; runN[q] = a;
-      if (c.copy[a] > 0) {
+      if (copyOf[a] > 0) {
         const done = end[first[a]];
-        emit(a, done, done + c.copy[a], 1);
+        outAction[count] = a; outStart[count] = done; outEnd[count] = done + copyOf[a]; outCopy[count++] = 1;
       }
     }
-    while (wakes.size && !(hasTimed[wakes.top()[2]] && timed[wakes.top()[2]] === wakes.top()[0])) wakes.pop();
-    const wake = wakes.size ? wakes.top()[0] : Infinity;
-    let step = wake - now;
-    const advancing = [];
-    for (const r of seenOrder) {
-      const heap = finishing[r];
+    while (wakes.size && !(hasTimed[wakes.q[0]] && timed[wakes.q[0]] === wakes.key[0])) wakes.pop();  // stale
+    const wake = wakes.size ? wakes.key[0] : Infinity;
+    let step = wake - now, moving = 0;
+    for (let i = 0; i < seenCount; i++) {
+      const r = seenOrder[i], heap = finishing[r];
       if (!heap.size) continue;
       const d = demand[r], rate = r !== free && d > 1.0 ? 1.0 / d : 1.0;
-      const left = (heap.top()[0] - clock[r]) / rate;
+      const left = (heap.key[0] - clock[r]) / rate;
       if (left < step) step = left;
-      advancing.push([r, rate]);
+      advancing[moving] = r;
+      advancingRate[moving++] = rate;
     }
-    if (!advancing.length) {
+    if (!moving) {
       if (wake === Infinity) throw new Error("the schedule deadlocked: no stage can run its next action");
       now = wake;
       continue;
     }
     now += step;
     const tolerance = eps * (now > 1.0 ? now : 1.0);
-    for (const [r, rate] of advancing) {
-      const heap = finishing[r], at = clock[r] + step * rate;
+    for (let i = 0; i < moving; i++) {
+      const r = advancing[i], heap = finishing[r], at = clock[r] + step * advancingRate[i];
       clock[r] = at;
-      while (heap.size && heap.top()[0] - at <= tolerance) {
-        const q = heap.pop()[2], a = runN[q];
+      while (heap.size && heap.key[0] - at <= tolerance) {
+        const q = heap.pop(), a = runN[q];
         running[q] = 0;
         demand[r] -= runShare[q];
         heads[q]++;
         remaining--;
         end[a] = now;
         freeAt[q] = now + gap;
-        emit(a, runStart[q], now, 0);
+        outAction[count] = a; outStart[count] = runStart[q]; outEnd[count] = now; outCopy[count++] = 0;
         const s = stage[a], k = kind[a];
         for (let j = lanesAt[s]; j < lanesAt[s + 1]; j++) mark(lanes[j]);
-        if (k === m.forward) {
+        if (k === forward) {
           if (s + 1 < S) for (let j = lanesAt[s + 1]; j < lanesAt[s + 2]; j++) mark(lanes[j]);
-        } else if ((k === m.backward || k === m.input_grad) && s > 0) {
+        } else if ((k === backward || k === inputGrad) && s > 0) {
           for (let j = lanesAt[s - 1]; j < lanesAt[s]; j++) mark(lanes[j]);
         }
       }
     }
   }
-  return rows;
+  return { action: outAction, start: outStart, end: outEnd, copy: outCopy, count };
 }
 
 // The bubble of a step: per key (a stage, or a device for interleaved: `keyOf[stage]`), the share
-// of the step it computed nothing (overlapping spans counted once), averaged over the keys.
-function bubbleOf(rows, m, keyOf) {
-  const n = rows.count, spans = new Map();
-  let first = Infinity, last = -Infinity;
-  for (let r = 0; r < n; r++) {
-    first = Math.min(first, rows.start[r]);
-    last = Math.max(last, rows.end[r]);
-    const key = keyOf[m.stage[rows.action[r]]];
-    if (!spans.has(key)) spans.set(key, []);
-    if (!rows.copy[r]) spans.get(key).push(r);
-  }
-  const total = last - first;
-  if (!(total > 0) || !spans.size) return 0.0;
+// of the step it computed nothing (overlapping spans counted once), averaged over the keys. `order`
+// holds the rows by lane then start, `offsets` each lane's bounds, `laneKey` each lane's key.
+function bubbleOf(rows, m, order, offsets, laneKey, total) {
+  const keys = new Map();  // key -> its lanes
+  laneKey.forEach((key, lane) => { if (!keys.has(key)) keys.set(key, []); keys.get(key).push(lane); });
+  if (!(total > 0) || !keys.size) return 0.0;
   let sum = 0.0;
-  for (const list of spans.values()) {
-    list.sort((a, b) => rows.start[a] - rows.start[b] || a - b);
+  for (const lanes of keys.values()) {
+    let spans = [];
+    for (const lane of lanes) spans.push(order.subarray(offsets[lane], offsets[lane + 1]));
+    if (spans.length > 1) {  // several lanes (an interleaved device's stages): one list by start
+      spans = [Int32Array.from(spans.flatMap((part) => Array.from(part)))
+        .sort((a, b) => rows.start[a] - rows.start[b] || a - b)];
+    }
     let busy = 0.0, reach = -Infinity;
-    for (const r of list) {
+    for (const r of spans[0]) {
+      if (rows.copy[r]) continue;
       const s = rows.start[r], e = rows.end[r];
       busy += Math.max(e - Math.max(s, reach), 0.0);
-      reach = Math.max(reach, e);
+      if (e > reach) reach = e;
     }
     sum += 1.0 - busy / total;
   }
-  return sum / spans.size;
+  return sum / keys.size;
 }
 
 // The plan with `splits` re-timed: the predicted panel's blocks (as block_panel lays them out:
@@ -260,30 +284,41 @@ function retime(m, splits, panel) {
   let origin = Infinity, last = -Infinity;
   for (let r = 0; r < n; r++) { origin = Math.min(origin, rows.start[r]); last = Math.max(last, rows.end[r]); }
   // By lane (counting), then start, then the order the loop emitted them (as the kernel's sorts).
-  const lane = new Int32Array(n), offsets = new Array(lanes + 1).fill(0);
-  for (let r = 0; r < n; r++) { lane[r] = laneOf[m.stage[rows.action[r]]]; offsets[lane[r] + 1]++; }
+  const lane = new Int32Array(n), offsets = new Array(lanes + 1).fill(0), stageOf = m.stage;
+  for (let r = 0; r < n; r++) { lane[r] = laneOf[stageOf[rows.action[r]]]; offsets[lane[r] + 1]++; }
   for (let q = 0; q < lanes; q++) offsets[q + 1] += offsets[q];
   const order = new Int32Array(n), fill = offsets.slice(0, lanes);
   for (let r = 0; r < n; r++) order[fill[lane[r]]++] = r;
-  const byStart = (a, b) => rows.start[a] - rows.start[b] || a - b;
+  // Within a lane the loop emits rows nearly by start (a copy comes right after the action before
+  // it): an insertion sort, by start then emission.
+  const starts = rows.start;
   for (let q = 0; q < lanes; q++) {
-    const part = order.subarray(offsets[q], offsets[q + 1]);
-    let sorted = true;
-    for (let i = 1; i < part.length && sorted; i++) sorted = byStart(part[i - 1], part[i]) < 0;
-    if (!sorted) part.set(Array.from(part).sort(byStart));
+    for (let i = offsets[q] + 1; i < offsets[q + 1]; i++) {
+      const r = order[i], t = starts[r];
+      let j = i;
+      for (; j > offsets[q] && (starts[order[j - 1]] > t || (starts[order[j - 1]] === t && order[j - 1] > r)); j--) {
+        order[j] = order[j - 1];
+      }
+      order[j] = r;
+    }
   }
   const start = new Float32Array(n), stop = new Float32Array(n), phase = new Uint8Array(n);
   const micro = panel.micro_bytes === 4 ? new Int32Array(n) : new Uint16Array(n);
+  const codes = Uint8Array.from(panel.codes), kinds = m.kind, micros = m.micro, action = rows.action;
+  const ends = rows.end, copied = rows.copy;
   for (let i = 0; i < n; i++) {
-    const r = order[i], a = rows.action[r];
-    start[i] = (rows.start[r] - origin) * 1e3;
-    stop[i] = (rows.end[r] - origin) * 1e3;
-    phase[i] = panel.codes[rows.copy[r] ? 5 : m.kind[a]];
-    micro[i] = m.micro[a];
+    const r = order[i], a = action[r];
+    start[i] = (starts[r] - origin) * 1e3;
+    stop[i] = (ends[r] - origin) * 1e3;
+    phase[i] = codes[copied[r] ? 5 : kinds[a]];
+    micro[i] = micros[a];
   }
   const keyOf = panel.bubble_key || Array.from({ length: S }, (_, s) => s);
+  const laneKey = new Array(lanes);
+  for (let s = 0; s < S; s++) laneKey[laneOf[s]] = keyOf[s];
   return {
-    start, end: stop, phase, micro, offsets, count: n, step: (last - origin) * 1e3, bubble: bubbleOf(rows, m, keyOf),
+    start, end: stop, phase, micro, offsets, count: n, step: (last - origin) * 1e3,
+    bubble: bubbleOf(rows, m, order, offsets, laneKey, last - origin),
     stage_layers: Array.from({ length: S }, (_, s) => [points[s], points[s + 1] - 1]),
   };
 }

@@ -146,6 +146,9 @@ function render({ model, el: host }) {
 
   // The new splits go to the kernel first; the caller redraws the strip after (a strip of many
   // layers takes tens of ms to redraw, time the kernel can spend predicting the new plan).
+  // The timeline of the same group re-times and draws the new plan in the page first (on two cores
+  // the kernel's prediction would slow it), then they go to the kernel, whose picture of the plan
+  // follows; the timeline is told too when the kernel sets the splits (a move refused).
   let committing = false;
   function commit(splits) {
     committing = true;
@@ -154,7 +157,13 @@ function render({ model, el: host }) {
     } finally {
       committing = false;
     }
+    announce();
     model.save_changes();
+  }
+  function announce() {
+    const group = model.get("group");
+    if (group) document.dispatchEvent(new CustomEvent("pipexplore-splits",
+                                                      { detail: { group, splits: [...model.get("splits")] } }));
   }
 
   function bounds(k, splits, n) {
@@ -314,7 +323,8 @@ function render({ model, el: host }) {
         const proposed = drag.off ? drag.splits.filter((_, j) => j !== k) : drag.splits;
         drag = null;
         commit(proposed);
-        draw(null);
+        // (the strip shows the move already; redrawn in a task of its own, after the timeline's)
+        setTimeout(() => draw(null), 0);
       };
       handle.addEventListener("pointerup", release);
       handle.addEventListener("pointercancel", release);
@@ -375,6 +385,7 @@ function render({ model, el: host }) {
   for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => {
     if (!committing) draw();
   });
+  model.on("change:splits", () => { if (!committing) announce(); });
   draw(null);
   return () => {};
 }

@@ -59,3 +59,7 @@ class SplitBar(anywidget.AnyWidget):
     error = traitlets.Unicode("").tag(sync=True)
     #: The stage of the layer under the pointer (-1: none), set by the front end.
     hovered = traitlets.Int(-1).tag(sync=True)
+    #: A name shared with the timeline that re-times this strip's moves in the page (a
+    #: :class:`~pipexplore.widgets.timeline_canvas.TimelineCanvas` of the same ``group``; empty: none):
+    #: the strip tells it every splits it shows, moved here or set by the kernel.
+    group = traitlets.Unicode("").tag(sync=True)

@@ -10,22 +10,15 @@
 // see the whole step, Ctrl+wheel zooms around the pointer and Shift+wheel pans. Hovering a block
 // tells its phase, micro-batch, stage, layers and span (and what its run predicted for it).
 // Once a scene is drawn, the element carries `data-splits` (the plan it shows) and `data-blocks`
-// (how many blocks its panels hold).
+// (how many blocks its panels hold). A split moved in the strip of the same group is re-timed and
+// drawn here at once (retime.js; `data-source="page"`) until the kernel's scene of it comes
+// (`data-source="kernel"`); `data-retime="ready"` once the page can.
 const LANE_MIN = 10, LANE_MAX = 28, LANES_PX = 360, PANEL_MIN = 110, EMPTY_PX = 56, MEMORY_PX = 150;
 const AXIS_PX = 34, RIGHT = 12, MERGE_PX = 3;
 const STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"];
 const FONT = "12px system-ui, sans-serif", SMALL = "10px system-ui, sans-serif";
 
-// A typed array over a binary buffer of the scene (a DataView from the widget's message).
-function typed(view, Type) {
-  if (!view) return new Type(0);
-  if (ArrayBuffer.isView(view) || view instanceof ArrayBuffer) {
-    const buffer = view.buffer || view, offset = view.byteOffset || 0, length = view.byteLength;
-    if (offset % Type.BYTES_PER_ELEMENT === 0) return new Type(buffer, offset, length / Type.BYTES_PER_ELEMENT);
-    return new Type(buffer.slice(offset, offset + length));
-  }
-  return Type.from(view);  // a plain list (a scene written as JSON)
-}
+// (typed(): a typed array over one of the scene's buffers, in retime.js, which comes first.)
 
 // A CSS colour as one pixel of an ImageData's Uint32Array (RGBA bytes, little-endian), cached.
 const PACKED = new Map();
@@ -105,6 +98,7 @@ function render({ model, el: host }) {
   root.append(bar, stack, tip);
 
   let scene = null, panels = [], view = null, left = 60, width = 0, drag = null, announced = false;
+  let pending = null;  // the splits the page re-timed and shows while the kernel predicts them (null: none)
 
   // The theme's colours, read again when JupyterLab switches theme (it marks the body).
   let palette = null;
@@ -152,8 +146,7 @@ function render({ model, el: host }) {
     return slot;
   }
 
-  function build() {
-    const raw = model.get("scene") || {};
+  function build(raw = model.get("scene") || {}) {
     scene = raw;
     const decoded = decode(raw);
     decoded.push({ kind: "axis" });
@@ -383,6 +376,11 @@ function render({ model, el: host }) {
     host.dataset.highlight = String(model.get("highlight"));
     host.dataset.blocks = String(panels.reduce((n, p) => n + (p.kind === "blocks" ? p.count || 0 : 0), 0));
     if (scene.splits !== undefined) host.dataset.splits = String(scene.splits);
+    // Whose picture this is (the page's re-timing of a move, or the kernel's), and whether a move
+    // would be re-timed here (a model of the shown plan's shape has come).
+    host.dataset.source = pending !== null ? "page" : "kernel";
+    host.dataset.retime = (model.get("retime") || {}).key && (model.get("retime") || {}).key === scene.retime_key
+      ? "ready" : "";
     if (!announced && panels.length > 1 && typeof model.send === "function") {
       announced = true;
       model.send({ event: "drawn" });  // the kernel may now do what could have delayed this picture
@@ -563,13 +561,89 @@ function render({ model, el: host }) {
     }
   });
   resize.observe(stack);
-  model.on("change:scene", () => { build(); draw(); });
+  // A split moved in the strip of this group: the predicted panel re-timed and drawn here at once
+  // (retime.js), while the kernel predicts the same plan; its scene then replaces this one. A scene
+  // of other splits that comes while a move is pending (the kernel behind) is shown with the
+  // pending move re-timed over it; splits the kernel sets in the strip (a move refused) end it.
+  let retimer = null;
+  function retimeModel() {
+    const raw = model.get("retime") || {};
+    if (!raw.key) return null;
+    if (!retimer || retimer.raw !== raw) retimer = { raw, model: decodeRetime(raw) };
+    return retimer.model;
+  }
+  function retimed(kernel, splits) {
+    const m = retimeModel();
+    if (!m || m.key !== kernel.retime_key) return null;
+    const r = retime(m, splits, m.panel);
+    let shown = 0;
+    const panels = (kernel.panels || []).map((p) => {
+      if (p.role !== "predicted") return p;
+      shown = r.step;
+      const figures = `step ${r.step.toFixed(1)} ms · bubble ${(r.bubble * 100).toFixed(1)} %` +
+        (m.samples && r.step > 0 ? ` · ${Math.round(m.samples / (r.step / 1e3)).toLocaleString("en-US")} samples/s` : "");
+      return { ...p, start: r.start, end: r.end, phase: r.phase, micro: r.micro, offsets: r.offsets, count: r.count,
+               stage_layers: r.stage_layers, title: (p.title_parts || ["", ""])[0] + figures + (p.title_parts || ["", ""])[1] };
+    });
+    return { ...kernel, panels, splits: splits.join(","),
+             x_range: [0, Math.max(shown, kernel.measured_ms || 0, 1e-9) * 1.02] };
+  }
+  function showSplits(splits) {
+    const kernel = model.get("scene") || {};
+    const text = splits.join(",");
+    if (text === String(kernel.splits)) {  // the kernel's plan: its own picture
+      const was = pending;
+      pending = null;
+      if (was !== null) { build(kernel); draw(); }
+      return;
+    }
+    if (text === pending) return;
+    let preview = null;
+    try {
+      preview = retimed(kernel, splits);
+    } catch (error) {
+      console.warn("pipexplore: re-timing the moved split in the page failed; waiting for the kernel", error);
+    }
+    if (!preview) return;
+    pending = text;
+    build(preview);
+    draw();
+  }
+  function onSplits(event) {
+    const detail = event.detail || {};
+    if (detail.group && detail.group === model.get("group")) showSplits(detail.splits || []);
+  }
+  document.addEventListener("pipexplore-splits", onSplits);
+  // The page's code compiled before the first move (the first re-timings of a large plan cost a
+  // few times the later ones): the current plan re-timed three times, while the page is idle.
+  const idle = window.requestIdleCallback || ((f) => setTimeout(f, 50));
+  function warm(times) {
+    const kernel = model.get("scene") || {};
+    try {
+      if (kernel.splits !== undefined) retimed(kernel, String(kernel.splits).split(",").filter((v) => v).map(Number));
+    } catch (error) { return; }  // told when a move needs it
+    if (times > 1) idle(() => warm(times - 1));
+  }
+  model.on("change:retime", () => { draw(); idle(() => warm(3)); });
+
+  model.on("change:scene", () => {
+    const kernel = model.get("scene") || {};
+    if (pending !== null && pending === String(kernel.splits)) pending = null;
+    let preview = null;
+    if (pending !== null) {
+      try { preview = retimed(kernel, pending.split(",").filter((v) => v).map(Number)); } catch (error) { preview = null; }
+      if (!preview) pending = null;
+    }
+    build(preview || kernel);
+    draw();
+  });
   model.on("change:highlight", draw);
   build();
   draw();
   return () => {
     resize.disconnect();
     theme.disconnect();
+    document.removeEventListener("pipexplore-splits", onSplits);
   };
 }
 

@@ -55,7 +55,9 @@ class TimelineCanvas(anywidget.AnyWidget):
     """Timelines drawn on canvas. ``scene``: what is drawn (see :func:`block_panel`,
     :func:`memory_panel`; keys ``panels``, ``phases``, ``legend``, ``x_range`` in ms and ``splits``,
     which the element shows as ``data-splits`` once drawn); ``highlight``: the stage whose lanes
-    are shaded (-1: none).
+    are shaded (-1: none). With ``retime`` and ``group``, a split moved in the strip of the same
+    group is re-timed and drawn by the page at once (the predicted panel, ``role: 'predicted'``),
+    and the kernel's scene of the new plan replaces it when it comes.
 
     Example::
 
@@ -66,11 +68,19 @@ class TimelineCanvas(anywidget.AnyWidget):
                                        "x_range": [0, 12.5], "splits": "2,5"})
     """
 
-    _esm = _HERE / "timeline_canvas.js"
+    # (the page's re-timing of a drag, then the drawing)
+    _esm = (_HERE / "retime.js").read_text() + "\n" + (_HERE / "timeline_canvas.js").read_text()
     _css = CANVAS_CSS
 
     scene = traitlets.Dict().tag(sync=True)
     highlight = traitlets.Int(-1).tag(sync=True)
+    #: What the page needs to re-time the predicted plan for a moved split itself
+    #: (:func:`pipexplore.retime.retime_model` with ``panel``: :func:`retime_panel`), used while its
+    #: ``key`` is the scene's ``retime_key``; empty: the page waits for the kernel's scene.
+    retime = traitlets.Dict().tag(sync=True)
+    #: The split strip whose moves this canvas re-times (the same ``group`` on a
+    #: :class:`~pipexplore.widgets.splitbar.SplitBar`; empty: none).
+    group = traitlets.Unicode("").tag(sync=True)
 
 
 def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[dict[str, str]]:
@@ -148,16 +158,17 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     return panel
 
 
-def retime_panel(panel: Mapping[str, Any], phases: Sequence[str], model: Mapping[str, Any]) -> dict[str, Any]:
-    """How the page lays out a re-timed step (:mod:`pipexplore.retime`) as ``panel`` (a block panel
-    of the same plan shape) has it: each stage's lane, how many lanes, the phase code of each of the
-    graph's kinds and of a copy, the micro-batch bytes, and each stage's bubble key."""
+def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> dict[str, Any]:
+    """How the page lays out a re-timed step (:mod:`pipexplore.retime`) as :func:`block_panel` lays
+    out the plan's (``lane_stage``: each lane's stage, as :func:`lane_of` pairs them): each stage's
+    lane, how many lanes, the phase code of each of the graph's kinds and of a copy, the
+    micro-batch bytes, and each stage's bubble key."""
     stage_lane = [0] * int(model["stages"])
-    for lane, stage in enumerate(panel["lane_stage"]):
+    for lane, stage in enumerate(lane_stage):
         stage_lane[stage] = lane
     index = {name: k for k, name in enumerate(phases)}
     names = ["forward", "backward", "recompute", "input_grad", "weight_grad", "copy"]  # the graph's kinds, a copy
-    return {"stage_lane": stage_lane, "lanes": len(panel["lanes"]),
+    return {"stage_lane": stage_lane, "lanes": len(lane_stage),
             "codes": [index.get(name, len(phases)) for name in names],
             "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 else 2, "bubble_key": model["bubble_key"]}
 

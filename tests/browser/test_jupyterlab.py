@@ -139,7 +139,10 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             explorer = page.locator(".pipexplore-explorer")
             assert "no run yet" in explorer.locator(".pipexplore-timeline").inner_text()
 
-            # Drag the handle to the boundary before layer 5.
+            # Drag the handle to the boundary before layer 5: the page re-times the moved split and
+            # draws it at once, then the kernel's picture of the same plan replaces it, the same step.
+            page.wait_for_selector(".pipexplore-timeline[data-retime='ready']", timeout=60_000)
+            page.evaluate(_WATCH_SOURCES)
             box = handle.bounding_box()
             target = page.locator(".pipexplore-splitbar .cell[data-layer='5']").bounding_box()
             page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
@@ -148,7 +151,10 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             page.mouse.up()
             page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
             # The predicted timeline is redrawn for the new split.
-            page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
+            page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
+            shown = [entry for entry in page.evaluate("window.__pipexploreSources") if entry[0] == "5"]
+            assert [source for _, source, _ in shown][:2] == ["page", "kernel"], shown
+            assert shown[0][2] == shown[1][2] and "step" in shown[0][2], shown  # the same figures in the title
 
             # Hovering a layer shades its stage's lane in the timelines.
             page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
@@ -233,6 +239,19 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             raise
         finally:
             browser.close()
+
+
+# Each picture the predicted timeline shows: its splits, whose it is, and the predicted panel's title.
+_WATCH_SOURCES = """
+() => {
+  window.__pipexploreSources = [];
+  const timeline = document.querySelector('.pipexplore-timeline[data-splits]');
+  const title = () => (timeline.querySelector('.pipexplore-tl-title') || {}).textContent || '';
+  new MutationObserver(() => window.__pipexploreSources.push([timeline.dataset.splits, timeline.dataset.source,
+                                                             title()]))
+    .observe(timeline, {attributes: true, attributeFilter: ['data-source', 'data-splits']});
+}
+"""
 
 
 MANY_LAYERS_CELLS = [
