@@ -486,3 +486,26 @@ def test_large_timelines_travel_as_single_precision_blocks_at_the_right_times():
                                rtol=1e-6, atol=1e-4)
     np.testing.assert_allclose(np.sort(blocks["end"].to_numpy()), np.sort((predicted["end"] - origin) * 1e3),
                                rtol=1e-6, atol=1e-4)
+
+
+def test_the_memory_panel_draws_what_the_run_measured_beside_the_prediction():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)])
+    ex = explore(model, torch.randn(32, 64), devices=["cpu", "cpu"], chunks=4, splits=[3], schedule="1f1b",
+                 checkpoint="never", calibrate=False)
+    memory = [p for p in ex.figure.scene["panels"] if p["kind"] == "memory"][0]
+    assert memory["measured_series"] == [] and "measured" not in memory["title"]  # no run yet
+    ex.run()
+    memory = [p for p in ex.figure.scene["panels"] if p["kind"] == "memory"][0]
+    measured = ex.timeline("measured")
+    held = tl.activation_memory(measured[measured["memory"].notna()])
+    scale = {"B": 1.0, "KiB": 1024.0, "MiB": 1024.0 ** 2, "GiB": 1024.0 ** 3}[memory["unit"]]
+    assert [s["stage"] for s in memory["measured_series"]] == [0, 1]
+    for series in memory["measured_series"]:
+        stage = held[held["stage"] == series["stage"]]
+        np.testing.assert_allclose(np.frombuffer(series["v"], np.float32), stage["bytes"] / scale, rtol=1e-6)
+        np.testing.assert_allclose(np.frombuffer(series["t"], np.float32),
+                                   (stage["time"] - measured["start"].min()) * 1e3, rtol=1e-5, atol=1e-3)
+    top = held["bytes"].max() / scale
+    assert f"measured (dashed) {top:.2f} {memory['unit']}" in memory["title"], memory["title"]
+    assert memory["y_max"] >= top

@@ -144,10 +144,10 @@ class TimelineView:
             self._summaries[id(self.predicted)] = (self.predicted, predicted_summary)
         if measured is not None and measured is not self.measured:
             self.measured = measured
-            rows.add(2)
+            rows |= {2, 3}
         if clear_measured and self.measured is not None:
             self.measured = None
-            rows.add(2)
+            rows |= {2, 3}
         if memory_cap != () and memory_cap != self.memory_cap:
             self.memory_cap = memory_cap
             rows.add(3)
@@ -271,14 +271,39 @@ class TimelineView:
             "retime_key": self._retime_key}
 
     def _memory_scale(self, peaks: pd.DataFrame) -> tuple[float, str]:
-        """The divisor and unit of the memory panel: its largest peak's, or the cap's if larger."""
-        return memory_scale(max(float(peaks["bytes"].max()) if len(peaks) else 0.0, float(self.memory_cap or 0.0)))
+        """The divisor and unit of the memory panel: its largest peak's (predicted or measured),
+        or the cap's if larger."""
+        measured = self.measured_memory()
+        return memory_scale(max(float(peaks["bytes"].max()) if len(peaks) else 0.0, float(self.memory_cap or 0.0),
+                                float(measured["bytes"].max()) if measured is not None and len(measured) else 0.0))
+
+    def measured_memory(self) -> Optional[pd.DataFrame]:
+        """``stage, time, bytes``: the activation memory each stage held over the measured step (time
+        from its start), where the run measured it (the schedule executor counts what autograd
+        saves), else ``None``.
+
+        Example::
+
+            view.measured_memory().groupby("stage")["bytes"].max()    # each stage's measured peak
+        """
+        measured = self.measured
+        if measured is None or measured.empty or "memory" not in measured or measured["memory"].isna().all():
+            return None
+        cached = getattr(self, "_measured_memory_of", (None, None))
+        if cached[0] is not measured:
+            frame = measured[measured["memory"].notna()]
+            memory = tl.activation_memory(frame)
+            memory["time"] -= measured["start"].min()  # from the step's start
+            cached = (measured, memory)
+            self._measured_memory_of = cached
+        return cached[1]
 
     def _memory_panel(self) -> dict[str, Any]:
         peaks = self.peaks()
         memory = self._memory() if len(peaks) else pd.DataFrame({"stage": [], "time": [], "bytes": []})
         scale, unit = self._memory_scale(peaks)
-        return canvas.memory_panel(memory, peaks, STAGE_COLORS, scale=scale, unit=unit, cap=self.memory_cap)
+        return canvas.memory_panel(memory, peaks, STAGE_COLORS, scale=scale, unit=unit, cap=self.memory_cap,
+                                   measured=self.measured_memory())
 
     def _predicted_text(self) -> str:
         return f"{self.names[0]}: " + self._summary(self.predicted) + self._predicted_suffix()
@@ -302,6 +327,10 @@ class TimelineView:
         top = peaks.loc[peaks["bytes"].idxmax()]
         text = (f"predicted activation memory per stage — peak {top['bytes'] / scale:.2f} {unit} "
                 f"(stage {int(top['stage'])})")
+        measured = self.measured_memory()
+        if measured is not None and len(measured):
+            most = measured.loc[measured["bytes"].idxmax()]
+            text += f"; measured (dashed) {most['bytes'] / scale:.2f} {unit} (stage {int(most['stage'])})"
         if self.memory_cap is None:
             return text, ""
         over = [str(int(s)) for s in peaks.loc[peaks["over_cap"].astype(bool), "stage"]]

@@ -118,7 +118,8 @@ function render({ model, el: host }) {
   function decode(raw) {
     return (raw.panels || []).map((p) => {
       if (p.kind === "memory") {
-        return { ...p, series: (p.series || []).map((s) => ({ ...s, t: typed(s.t, Float32Array), v: typed(s.v, Float32Array) })) };
+        const lines = (list) => (list || []).map((s) => ({ ...s, t: typed(s.t, Float32Array), v: typed(s.v, Float32Array) }));
+        return { ...p, series: lines(p.series), measured_series: lines(p.measured_series) };
       }
       return {
         ...p, start: typed(p.start, Float32Array), end: typed(p.end, Float32Array),
@@ -311,6 +312,22 @@ function render({ model, el: host }) {
       ctx.lineTo(x(view.x1), y(last));
       ctx.stroke();
     }
+    // What the shown run measured (saved-tensor bytes held per stage), dashed beside the prediction.
+    ctx.setLineDash([4, 3]);
+    for (const s of p.measured_series || []) {
+      ctx.strokeStyle = s.color;
+      ctx.beginPath();
+      ctx.moveTo(x(0), y(0));
+      let last = 0;
+      for (let i = 0; i < s.t.length; i++) {
+        const px = x(s.t[i]);
+        ctx.lineTo(px, y(last));
+        last = s.v[i];
+        ctx.lineTo(px, y(last));
+      }
+      ctx.stroke();
+    }
+    ctx.setLineDash([]);
     if (p.cap !== null && p.cap !== undefined) {
       ctx.strokeStyle = "#d62728";
       ctx.setLineDash([6, 4]);
@@ -435,8 +452,14 @@ function render({ model, el: host }) {
       rows.push([k >= 0 ? s.v[k] : 0, s]);
     }
     rows.sort((u, w) => w[0] - u[0]);
+    const measured = new Map();
+    for (const s of p.measured_series || []) {
+      const k = lastStartingBy(s.t, 0, s.t.length, t);
+      measured.set(s.stage, k >= 0 ? s.v[k] : 0);
+    }
     return `${t.toFixed(2)} ms` + rows.slice(0, 8).map(([v, s]) =>
-      `<br><i style="background:${s.color}"></i>stage ${s.stage}: ${v.toFixed(2)} ${escapeHtml(p.unit)}`).join("")
+      `<br><i style="background:${s.color}"></i>stage ${s.stage}: ${v.toFixed(2)} ${escapeHtml(p.unit)}` +
+      (measured.has(s.stage) ? ` (measured ${measured.get(s.stage).toFixed(2)})` : "")).join("")
       + (rows.length > 8 ? `<br>… ${rows.length - 8} more stages` : "");
   }
 

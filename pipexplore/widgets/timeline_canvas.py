@@ -173,23 +173,31 @@ def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mappin
             "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 else 2, "bubble_key": model["bubble_key"]}
 
 
-def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str], *, scale: float, unit: str,
-                 cap: Optional[float] = None, title: str = "", warning: str = "") -> dict[str, Any]:
-    """A panel of step lines, one per stage: ``memory`` has ``stage``, ``time`` (s) and ``bytes``
-    after each change, sorted by stage; ``peaks`` one row per stage (``stage``, ``time``, ``bytes``,
-    ``over_cap``). Values travel divided by ``scale`` and are labelled ``unit``."""
+def _memory_series(memory: pd.DataFrame, colors: Sequence[str], scale: float) -> list[dict[str, Any]]:
     stages = memory["stage"].to_numpy()
     times = (memory["time"].to_numpy(dtype=float) * 1e3).astype(np.float32)
     values = (memory["bytes"].to_numpy(dtype=float) / scale).astype(np.float32)
     present = np.unique(stages)
     bounds = np.searchsorted(stages, present, side="left").tolist() + [len(stages)]
-    series = [{"stage": int(s), "color": colors[int(s) % len(colors)], "t": times[a:b].tobytes(),
-               "v": values[a:b].tobytes()} for s, a, b in zip(present, bounds[:-1], bounds[1:])]
+    return [{"stage": int(s), "color": colors[int(s) % len(colors)], "t": times[a:b].tobytes(),
+             "v": values[a:b].tobytes()} for s, a, b in zip(present, bounds[:-1], bounds[1:])]
+
+
+def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str], *, scale: float, unit: str,
+                 cap: Optional[float] = None, title: str = "", warning: str = "",
+                 measured: Optional[pd.DataFrame] = None) -> dict[str, Any]:
+    """A panel of step lines, one per stage: ``memory`` has ``stage``, ``time`` (s) and ``bytes``
+    after each change, sorted by stage; ``peaks`` one row per stage (``stage``, ``time``, ``bytes``,
+    ``over_cap``). Values travel divided by ``scale`` and are labelled ``unit``. ``measured``: the
+    same columns from a run (time from its step's start), drawn dashed beside the prediction."""
+    series = _memory_series(memory, colors, scale)
     marks = [{"stage": int(s), "t": float(t) * 1e3, "v": float(v) / scale, "over": bool(o)}
              for s, t, v, o in zip(peaks["stage"], peaks["time"], peaks["bytes"], peaks["over_cap"])]
-    top = max([m["v"] for m in marks] + [cap / scale if cap is not None else 0.0])
+    measured_series = _memory_series(measured, colors, scale) if measured is not None and len(measured) else []
+    most_measured = float(measured["bytes"].max()) / scale if measured_series else 0.0
+    top = max([m["v"] for m in marks] + [cap / scale if cap is not None else 0.0, most_measured])
     return {"kind": "memory", "title": title, "warning": warning, "unit": unit, "series": series, "peaks": marks,
-            "cap": cap / scale if cap is not None else None, "y_max": top}
+            "measured_series": measured_series, "cap": cap / scale if cap is not None else None, "y_max": top}
 
 
 def blocks_of(panel: Mapping[str, Any]) -> pd.DataFrame:

@@ -29,7 +29,7 @@ NOTEBOOK_CELLS = [
     "torch.manual_seed(0)\n"
     "model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)])\n"
     "sample = torch.randn(64, 64)",
-    "ex = %pipexplore model sample --chunks 4 --devices cpu,cpu --splits 2\n"
+    "ex = %pipexplore model sample --chunks 4 --devices cpu,cpu --splits 2 --schedule 1f1b\n"
     "ex",
     "print('SPLITS', ex.splits, 'RUNS', len(ex.runs))",
 ]
@@ -215,6 +215,9 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
                                    timeout=60_000)
             page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
                                    timeout=30_000)
+            # The run's activation memory, measured as autograd saved it, beside the prediction.
+            page.wait_for_function("document.querySelector('.pipexplore-timeline').innerText"
+                                   ".includes('measured (dashed)')", timeout=30_000)
             # The residual mode draws the run's error per action; a cell's hover names it.
             explorer.locator(".widget-toggle-button", has_text="residuals").click()
             page.wait_for_selector(".pipexplore-residuals[data-rows]:not([data-rows='0'])", timeout=30_000)
