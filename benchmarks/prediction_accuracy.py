@@ -67,6 +67,8 @@ CONFIGS = [
     ("transformer", "zero-bubble", 8, 2, "threads"), ("transformer", "gpipe", 4, 2, "autograd"),
     ("mlp", "interleaved", 8, 4, "threads"),
     ("mlp", "1f1b", 4, 2, "processes"), ("transformer", "gpipe", 4, 2, "processes"),
+    # One CPU stage: its worker thread runs with the host's intra-op threads (see pipexplore.host).
+    ("transformer", "1f1b", 4, 1, "threads"), ("mlp", "gpipe", 8, 1, "threads"),
 ]
 
 
@@ -96,9 +98,12 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
     measure("chunks")
     splits = list(ex.splits)
     layers = len(ex.layer_table)
-    moved = splits[0] + 1 if splits[0] + 1 < (splits[1] if len(splits) > 1 else layers) else splits[0] - 1
-    ex.splits = [moved, *splits[1:]]
-    measure("split")
+    if splits:
+        moved = splits[0] + 1 if splits[0] + 1 < (splits[1] if len(splits) > 1 else layers) else splits[0] - 1
+        ex.splits = [moved, *splits[1:]]
+        measure("split")
+    else:
+        errors.append(math.nan)  # one stage: no split to move
     if executor == "autograd":
         errors.append(math.nan)  # the GPipe module runs only gpipe
     else:

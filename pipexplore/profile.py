@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import background
-from pipexplore.host import host_cores, sharing_cores
+from pipexplore.host import as_stage_worker, host_cores, sharing_cores
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
@@ -518,9 +518,16 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     value = _on_device(sample, target)
     training = module.training
     with sharing_cores(threads):
-        per_size = _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
-                                  same_work_once, split_backward)
         used_threads = torch.get_num_threads()
+
+        def timed() -> list[pd.DataFrame]:
+            return _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
+                                  same_work_once, split_backward)
+
+        # Where the stages run in worker threads with intra-op threads of their own, so are the layers
+        # timed (see pipexplore.host.as_stage_worker: in the main thread they would run faster).
+        in_worker = target.type == "cpu" and used_threads > 1
+        per_size = as_stage_worker(timed) if in_worker else timed()
     module.train(training)
 
     table = per_size[-1].copy()
@@ -538,7 +545,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     table["saved_bytes"] = table["saved_bytes_per_row"] * batch
     table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
     table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads,
-                       backward_split=split_backward)
+                       backward_split=split_backward, timed_in="a worker thread" if in_worker else "this thread")
     return table
 
 
@@ -563,7 +570,7 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
     value = _detach(_rows(_on_device(sample, target), rows))
     measured: dict[Any, tuple[float, float]] = {}
     ratios = []
-    with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
+    def timed() -> None:
         for run, key in _chain(module, value, target, same_work_once):
             if key not in measured:
                 for _ in range(repeats + 1):  # the plain backward beside it, as the profile timed it
@@ -571,6 +578,9 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
                 plain = statistics.median(run.backward.wall[1:]) if len(run.backward.wall) > 1 else 0.0
                 measured[key] = _split_backward(run.layer, run.value, run.skips, target, repeats, plain)
             ratios.append(measured[key])
+
+    with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
+        as_stage_worker(timed) if target.type == "cpu" and torch.get_num_threads() > 1 else timed()
     out = table.copy()
     out["input_grad_ratio"] = [r[0] for r in ratios]
     out["weight_grad_ratio"] = [r[1] for r in ratios]

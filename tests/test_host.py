@@ -151,3 +151,41 @@ def test_overlapping_runs_keep_their_workers_threads_and_each_thread_gets_its_co
     plain.start()
     plain.join()
     assert outside and torch.get_num_threads() == before
+
+
+class _Where(nn.Module):
+    """Records the thread and its intra-op threads each call runs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen: set[tuple[int, int]] = set()
+
+    def forward(self, x):
+        import threading
+
+        self.seen.add((threading.get_ident(), torch.get_num_threads()))
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layers_with_intra_op_threads_are_timed_in_a_worker_thread_as_stages_run_them(threads):
+    import threading
+
+    layer = _Where()
+    table = pipexplore.profile(nn.Sequential(layer), torch.randn(4, 8), threads=threads, repeats=1, max_repeats=1,
+                               calibrate=False)
+    callers = {ident for ident, _ in layer.seen}
+    if threads == 1:  # no parallel region: where it runs does not matter, the caller's thread times it
+        assert threading.get_ident() in callers and table.attrs["timed_in"] == "this thread"
+    else:
+        assert threading.get_ident() not in callers and table.attrs["timed_in"] == "a worker thread"
+    assert {n for _, n in layer.seen} == {threads}  # the stage's intra-op threads, in whatever thread
+
+
+def test_as_stage_worker_returns_the_result_and_raises_the_error_in_the_caller():
+    from pipexplore.host import as_stage_worker
+
+    assert as_stage_worker(lambda: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        as_stage_worker(lambda: 1 / 0)
