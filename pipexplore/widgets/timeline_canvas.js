@@ -385,6 +385,11 @@ function render({ model, el: host }) {
     for (const p of panels) if (p.kind === "memory") widest = Math.max(widest, 60);
     left = Math.min(Math.ceil(widest) + 12, Math.floor(width * 0.35));
     for (const p of panels) {
+      // While the page shows its own re-timing of a move, the memory panel keeps the kernel's last
+      // picture, dimmed, until the kernel's scene of the new plan comes (saves its redraw).
+      const stale = pending !== null && p.kind === "memory" && p.canvas.width > 1;
+      p.node.classList.toggle("pipexplore-tl-stale", stale);
+      if (stale) continue;
       if (p.kind === "blocks") drawBlocks(p, palette);
       else if (p.kind === "memory") drawMemory(p, palette);
       else drawAxis(p, palette);

@@ -37,6 +37,7 @@ CANVAS_CSS = """
   background: var(--jp-layout-color2, #eee); border: 1px solid var(--jp-border-color1, #ccc); border-radius: 3px; }
 .pipexplore-tl-stack { position: relative; cursor: crosshair; }
 .pipexplore-tl-panel { margin: 0; }
+.pipexplore-tl-stale { opacity: 0.45; }
 .pipexplore-tl-title { padding: 8px 0 3px 0; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .pipexplore-tl-warning { color: #d62728; }
 .pipexplore-tl-canvas { display: block; width: 100%; }

@@ -153,8 +153,10 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             # The predicted timeline is redrawn for the new split.
             page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
             shown = [entry for entry in page.evaluate("window.__pipexploreSources") if entry[0] == "5"]
-            assert [source for _, source, _ in shown][:2] == ["page", "kernel"], shown
+            assert [source for _, source, _, _ in shown][:2] == ["page", "kernel"], shown
             assert shown[0][2] == shown[1][2] and "step" in shown[0][2], shown  # the same figures in the title
+            # (the memory panel dimmed while the page's picture is shown: it is the previous plan's)
+            assert [stale for *_, stale in shown][:2] == [True, False], shown
 
             # Hovering a layer shades its stage's lane in the timelines.
             page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
@@ -244,14 +246,15 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             browser.close()
 
 
-# Each picture the predicted timeline shows: its splits, whose it is, and the predicted panel's title.
+# Each picture the predicted timeline shows: its splits, whose it is, the predicted panel's title, and
+# whether a panel is dimmed as stale.
 _WATCH_SOURCES = """
 () => {
   window.__pipexploreSources = [];
   const timeline = document.querySelector('.pipexplore-timeline[data-splits]');
   const title = () => (timeline.querySelector('.pipexplore-tl-title') || {}).textContent || '';
   new MutationObserver(() => window.__pipexploreSources.push([timeline.dataset.splits, timeline.dataset.source,
-                                                             title()]))
+                                                             title(), !!timeline.querySelector('.pipexplore-tl-stale')]))
     .observe(timeline, {attributes: true, attributeFilter: ['data-source', 'data-splits']});
 }
 """
