@@ -298,35 +298,28 @@ function render({ model, el: host }) {
     ctx.rect(left, 0, width - left - RIGHT, p.height);
     ctx.clip();
     ctx.lineWidth = 1.5;
-    for (const s of p.series) {
-      ctx.strokeStyle = s.color;
-      ctx.beginPath();
-      ctx.moveTo(x(0), y(0));
-      let last = 0;
-      for (let i = 0; i < s.t.length; i++) {
-        const px = x(s.t[i]);
-        ctx.lineTo(px, y(last));
-        last = s.v[i];
-        ctx.lineTo(px, y(last));
+    // One step line per stage: the value holds from each change to the next (the prediction's
+    // last one to the view's end).
+    const steps = (list, toEnd) => {
+      for (const s of list || []) {
+        ctx.strokeStyle = s.color;
+        ctx.beginPath();
+        ctx.moveTo(x(0), y(0));
+        let last = 0;
+        for (let i = 0; i < s.t.length; i++) {
+          const px = x(s.t[i]);
+          ctx.lineTo(px, y(last));
+          last = s.v[i];
+          ctx.lineTo(px, y(last));
+        }
+        if (toEnd) ctx.lineTo(x(view.x1), y(last));
+        ctx.stroke();
       }
-      ctx.lineTo(x(view.x1), y(last));
-      ctx.stroke();
-    }
+    };
+    steps(p.series, true);
     // What the shown run measured (saved-tensor bytes held per stage), dashed beside the prediction.
     ctx.setLineDash([4, 3]);
-    for (const s of p.measured_series || []) {
-      ctx.strokeStyle = s.color;
-      ctx.beginPath();
-      ctx.moveTo(x(0), y(0));
-      let last = 0;
-      for (let i = 0; i < s.t.length; i++) {
-        const px = x(s.t[i]);
-        ctx.lineTo(px, y(last));
-        last = s.v[i];
-        ctx.lineTo(px, y(last));
-      }
-      ctx.stroke();
-    }
+    steps(p.measured_series, false);
     ctx.setLineDash([]);
     if (p.cap !== null && p.cap !== undefined) {
       ctx.strokeStyle = "#d62728";
