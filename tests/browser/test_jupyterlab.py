@@ -32,6 +32,13 @@ NOTEBOOK_CELLS = [
     "ex = %pipexplore model sample --chunks 4 --devices cpu,cpu --splits 2 --schedule 1f1b\n"
     "ex",
     "print('SPLITS', ex.splits, 'RUNS', len(ex.runs))",
+    # The kernel refuses one plan (as it refuses a split it cannot run): the page must give it up.
+    "_change = ex._change_plan\n"
+    "def _refusing(change):\n"
+    "    if list(change(ex.plan).splits) == [6]:\n"
+    "        raise ValueError('split [6] refused for this test')\n"
+    "    return _change(change)\n"
+    "ex._change_plan = _refusing",
 ]
 
 
@@ -157,6 +164,22 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             assert shown[0][2] == shown[1][2] and "step" in shown[0][2], shown  # the same figures in the title
             # (the memory panel dimmed while the page's picture is shown: it is the previous plan's)
             assert [stale for *_, stale in shown][:2] == [True, False], shown
+
+            # A move the kernel refuses: the page's own picture of it gives way to the plan kept.
+            page.evaluate(_WATCH_SOURCES)
+            handle = page.locator(".pipexplore-splitbar .handle[aria-valuenow='5']")
+            box = handle.bounding_box()
+            target = page.locator(".pipexplore-splitbar .cell[data-layer='6']").bounding_box()
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            page.mouse.down()
+            page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=6)
+            page.mouse.up()
+            page.wait_for_function("document.querySelector('.pipexplore-splitbar').innerText"
+                                   ".includes('split [6] refused for this test')", timeout=30_000)
+            page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
+            page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
+            shown = page.evaluate("window.__pipexploreSources")
+            assert shown[0][:2] == ["6", "page"] and shown[-1][:2] == ["5", "kernel"], shown
 
             # Hovering a layer shades its stage's lane in the timelines.
             page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
