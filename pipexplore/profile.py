@@ -139,40 +139,64 @@ def _popping(skips: dict[Any, Tensor]) -> SkipTracker:
 
 
 def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
-                        repeats: int) -> tuple[float, float]:
+                        repeats: int, seconds: float = 0.0) -> tuple[float, float]:
     """How much slower a layer's forward and backward run while a second thread runs the same
     work at the same time: 1 when they overlap freely (sleeps, a host left free), 2 when they
     share the cores fully. Catches what CPU time cannot: intra-op threads that spin while they
-    wait, the GIL, memory bandwidth."""
-    barrier = threading.Barrier(2)
-    timers = [(_Timer(target), _Timer(target)) for _ in range(2)]
+    wait, the GIL, memory bandwidth.
+
+    Measured in rounds that alternate two calls alone (in this thread) with three calls in each
+    of two threads at once (the middle ones compared: the threads start and end a little apart),
+    the first round dropped: how fast a shared machine runs drifts from one
+    moment to the next, and a ratio of times taken far apart carries that drift (the shares of the
+    same layer went 0.51 → 0.90 between two profiles when the twins ran once, apart from the
+    calls alone). ``seconds``: one forward and backward's time, to bound the rounds to ~0.15 s
+    (at least ``repeats + 1``, at most 12)."""
+    rounds = max(repeats + 1, min(12, int(0.15 / (8 * seconds)) if seconds > 0 else repeats + 1))
+    alone = (_Timer(target), _Timer(target))
+    twins = [(_Timer(target), _Timer(target)) for _ in range(2)]
     errors: list[BaseException] = []
 
-    def work(forward: _Timer, backward: _Timer) -> None:
+    def call(forward: _Timer, backward: _Timer) -> None:
+        tracker = _popping(skips)
+        with use_skip_tracker(tracker), torch.enable_grad():
+            output = forward(lambda: layer(_detach(value)))
+        outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
+        backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+
+    def twin(barrier: threading.Barrier, timers: tuple[_Timer, _Timer]) -> None:
         try:
             barrier.wait()
-            for _ in range(repeats + 1):
-                tracker = _popping(skips)
-                with use_skip_tracker(tracker), torch.enable_grad():
-                    output = forward(lambda: layer(_detach(value)))
-                outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
-                backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+            for _ in range(3):  # the middle call is the one both threads run through at once
+                call(*timers)
         except BaseException as exc:  # a layer that cannot run in two threads: no contention measured
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=work, args=pair, daemon=True) for pair in timers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads_count = torch.get_num_threads()
+    for _ in range(rounds):
+        for _ in range(2):
+            call(*alone)
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=lambda pair=pair: (torch.set_num_threads(threads_count),
+                                                               twin(barrier, pair)), daemon=True)
+                   for pair in twins]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            break
     layer.zero_grad(set_to_none=True)
     if errors:
         return 1.0, 1.0
-    # Drop each thread's first call (warm-up), and compare with the median of the same calls alone.
-    forward = statistics.median([w for f, _ in timers for w in f.wall[1:]])
-    backward = statistics.median([w for _, b in timers for w in b.wall[1:]])
-    return forward, backward
+
+    def ratio(k: int) -> float:  # the first round of each side dropped (warm-up)
+        together = statistics.median([w for pair in twins for w in pair[k].wall[4::3]])
+        by_itself = statistics.median(alone[k].wall[2:])
+        return together / by_itself if by_itself > 0 else 1.0
+
+    return ratio(0), ratio(1)
 
 
 def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
@@ -377,9 +401,8 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         if contend:
             known = ratios.get(id(kind))
             if known is None:
-                together = _contended_slowdown(layer, run.value, run.skips, target, repeats)
-                slow_forward = together[0] / forward if forward > 0 else 1.0
-                slow_backward = together[1] / backward if backward > 0 else 1.0
+                slow_forward, slow_backward = _contended_slowdown(layer, run.value, run.skips, target, repeats,
+                                                                  forward + backward)
                 input_ratio, weight_ratio = (_split_backward(layer, run.value, run.skips, target, repeats, backward)
                                              if split_backward else (math.nan, math.nan))
                 ratios[id(kind)] = (slow_forward, slow_backward, input_ratio, weight_ratio)

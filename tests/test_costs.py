@@ -304,3 +304,25 @@ def test_profile_waits_for_the_extensions_background_imports_before_timing():
     assert seen and all(seen)
     assert background.start(imports, f"test-imports-{id(finished)}") is not None  # once per name
     assert not background.running()
+
+
+class _HoldsTheInterpreter(nn.Module):
+    """A forward of pure Python (~70 ms of work, many times the interpreter's switch interval):
+    two threads running it take turns inside each call (the GIL)."""
+
+    def forward(self, x):
+        total = 0
+        for k in range(1_500_000):
+            total += k
+        return x * 1.0
+
+
+def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_host_free():
+    import importlib
+
+    profiling = importlib.import_module("pipexplore.profile")
+    x = torch.randn(4, 4, requires_grad=True)
+    turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.15)
+    free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
+    assert turns > 1.5, turns  # ~2: one runs while the other waits
+    assert free < 1.3, free  # ~1: both sleep at once

@@ -276,8 +276,9 @@ _WATCH_SOURCES = """
   window.__pipexploreSources = [];
   const timeline = document.querySelector('.pipexplore-timeline[data-splits]');
   const title = () => (timeline.querySelector('.pipexplore-tl-title') || {}).textContent || '';
+  const stale = () => !!timeline.querySelector('.pipexplore-tl-stale');
   new MutationObserver(() => window.__pipexploreSources.push([timeline.dataset.splits, timeline.dataset.source,
-                                                             title(), !!timeline.querySelector('.pipexplore-tl-stale')]))
+                                                             title(), stale()]))
     .observe(timeline, {attributes: true, attributeFilter: ['data-source', 'data-splits']});
 }
 """
