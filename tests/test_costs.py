@@ -324,5 +324,5 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
     x = torch.randn(4, 4, requires_grad=True)
     turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.15)
     free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
-    assert turns > 1.5, turns  # ~2: one runs while the other waits
-    assert free < 1.3, free  # ~1: both sleep at once
+    # ~2 (1.4–2.2 seen on 2 cores, also under load): one runs while the other waits; ~1: both sleep at once
+    assert turns > 1.3 and free < 1.2, (turns, free)
