@@ -19,12 +19,16 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-__all__ = ["PHASE_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds", "stage_shares",
-           "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
+__all__ = ["PHASE_SOURCE", "COST_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds",
+           "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
 PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
                 "input_grad": ("backward", 0.5), "weight_grad": ("backward", 0.5)}
+#: What :func:`layer_seconds` costs: the phases, and a checkpointed micro-batch's forward, which
+#: keeps nothing for backward (it runs without autograd): the forward times the profiled
+#: ``checkpointed_ratio`` (1 where the table does not say).
+COST_SOURCE = {**PHASE_SOURCE, "checkpointed": ("forward", 1.0)}
 
 
 #: The most one run may scale a layer's cost, either way.
@@ -58,9 +62,10 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     With a fit: ``a + b·rows``. Without one (a table of whole-batch seconds), proportional:
     ``rows`` is then the micro-batch's fraction of the profiled batch when the table says no batch.
     Zero-bubble's ``input_grad`` and ``weight_grad`` are the backward times the profiled
-    ``input_grad_ratio``/``weight_grad_ratio`` (half each where the table does not say).
+    ``input_grad_ratio``/``weight_grad_ratio`` (half each where the table does not say), and a
+    ``checkpointed`` forward (without autograd) the forward times ``checkpointed_ratio``.
     """
-    source = PHASE_SOURCE[phase][0]
+    source = COST_SOURCE[phase][0]
     share = _source_share(table, phase)
     if has_fit(table):
         a = table[f"{source}_a"].to_numpy(dtype=float)
@@ -74,7 +79,7 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
 def _source_share(table: pd.DataFrame, phase: str) -> Union[float, np.ndarray]:
     """The share of its profiled phase a phase costs, per layer where the table says
     (zero-bubble's ``input_grad_ratio``/``weight_grad_ratio``), else :data:`PHASE_SOURCE`'s."""
-    default = PHASE_SOURCE[phase][1]
+    default = COST_SOURCE[phase][1]
     column = f"{phase}_ratio"
     return np.nan_to_num(table[column].to_numpy(dtype=float), nan=default) if column in table else default
 
@@ -100,7 +105,7 @@ def stage_shares(table: pd.DataFrame, splits: Sequence[int], rows: float, phase:
                  default: float) -> np.ndarray:
     """Per stage: the share of its device (0…1) a phase keeps busy when it runs alone, weighted by
     its layers' time. ``default`` when the table does not say (no ``share_*`` columns)."""
-    source, _ = PHASE_SOURCE[phase]
+    source, _ = COST_SOURCE[phase]
     column = f"share_{source}"
     bounds = stage_bounds(splits, len(table))
     if column not in table:

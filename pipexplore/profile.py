@@ -26,10 +26,11 @@ LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "back
 #: Cost as a function of the rows ``n`` of a micro-batch: ``t(n) = a + b·n`` per phase, bytes per
 #: row, the share of its device (the host's cores, or a GPU) a phase keeps busy when it runs
 #: alone, what the zero-bubble input- and weight-gradient passes cost as fractions of the backward
-#: (together often 1.2–1.5×: two passes over the graph), and how repeatable the timings were.
+#: (together often 1.2–1.5×: two passes over the graph), what a forward without autograd (a
+#: checkpointed micro-batch's) costs as a fraction of the forward, and how repeatable the timings were.
 FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
                "saved_bytes_per_row", "share_forward", "share_backward", "input_grad_ratio", "weight_grad_ratio",
-               "spread"]
+               "checkpointed_ratio", "spread"]
 
 #: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
 TARGET_SPREAD = 0.05
@@ -197,6 +198,19 @@ def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[An
         return together / by_itself if by_itself > 0 else 1.0
 
     return ratio(0), ratio(1)
+
+
+def _checkpointed_ratio(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                        repeats: int) -> float:
+    """What a checkpointed micro-batch's forward costs (without autograd: nothing kept for
+    backward, as the executors run it) over the forward with autograd, timed in alternation."""
+    timers = (_Timer(target), _Timer(target))
+    for _ in range(repeats + 1):
+        for grad, timer in zip((False, True), timers):
+            with use_skip_tracker(_popping(skips)), torch.set_grad_enabled(grad):
+                timer(lambda: layer(_detach(value)))
+    without, with_grad = (statistics.median(t.wall[1:]) for t in timers)
+    return without / with_grad if with_grad > 0 else 1.0
 
 
 def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
@@ -393,11 +407,11 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     # over backward) measured on its first layer.
     times = {id(kind): (kind.median("forward"), kind.median("backward"), kind.cores("forward"),
                         kind.cores("backward"), kind.spread, any(kind.walls("backward"))) for kind in kinds.values()}
-    ratios: dict[int, tuple[float, float, float, float]] = {}
+    ratios: dict[int, tuple[float, float, float, float, float]] = {}
     for run, kind in zip(layers, kind_of):
         layer = run.layer
         forward, backward, cpu_forward, cpu_backward, spread, backward_ran = times[id(kind)]
-        slow_forward = slow_backward = input_ratio = weight_ratio = math.nan
+        slow_forward = slow_backward = input_ratio = weight_ratio = checkpointed = math.nan
         if contend:
             known = ratios.get(id(kind))
             if known is None:
@@ -405,9 +419,10 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
                                                                   forward + backward)
                 input_ratio, weight_ratio = (_split_backward(layer, run.value, run.skips, target, repeats, backward)
                                              if split_backward else (math.nan, math.nan))
-                ratios[id(kind)] = (slow_forward, slow_backward, input_ratio, weight_ratio)
+                checkpointed = _checkpointed_ratio(layer, run.value, run.skips, target, repeats)
+                ratios[id(kind)] = (slow_forward, slow_backward, input_ratio, weight_ratio, checkpointed)
             else:
-                slow_forward, slow_backward, input_ratio, weight_ratio = known
+                slow_forward, slow_backward, input_ratio, weight_ratio, checkpointed = known
         rows.append({
             "name": run.name,
             "type": type(layer).__name__,
@@ -422,6 +437,7 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
             "slow_backward": slow_backward,
             "input_grad_ratio": input_ratio,
             "weight_grad_ratio": weight_ratio,
+            "checkpointed_ratio": checkpointed,
             "spread": spread,
             "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
             "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
@@ -484,7 +500,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     model's repeated blocks — are one kind: their calls are pooled (a kind's median is settled
     when its spread over the square root of its layers is within 5 %, so 256 identical layers
     need 3 rounds, not 15) and they share one measurement of the first size's ratios (slowdown
-    beside a twin thread, input- and weight-gradient passes over the backward).
+    beside a twin thread, input- and weight-gradient passes over the backward, a forward without
+    autograd over the forward: ``checkpointed_ratio``, what a checkpointed micro-batch's forward
+    costs).
     ``same_work_once=False`` times and measures every layer on its own (for layers whose work
     depends on what their attributes do not show). ``split_backward=False`` leaves the input-
     and weight-gradient split (what zero-bubble schedules run) unmeasured (NaN; it needs
@@ -559,7 +577,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     for phase in ("forward", "backward"):
         table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
         table[f"share_{phase}"] = _shares(per_size, phase, target)
-    for column in ("input_grad_ratio", "weight_grad_ratio"):  # measured at the first (smallest) size
+    for column in ("input_grad_ratio", "weight_grad_ratio", "checkpointed_ratio"):  # at the first (smallest) size
         table[column] = per_size[0][column].to_numpy(dtype=float)
     table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
     table["output_bytes_per_row"] = table["output_bytes"] / last

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from pipexplore.costs import PHASE_SOURCE, layer_seconds
+from pipexplore.costs import COST_SOURCE, layer_seconds
 from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS
 from pipexplore.simulate import PHASES, prepare_step
 
@@ -51,7 +51,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
                  bubble_by: str = "stage", **options: Any) -> dict[str, Any]:
     """The split-independent part of ``simulate(layer_table, splits, **options)`` as plain data.
 
-    Per layer, kind (``F B R I W``) and distinct micro-batch size: ``seconds`` (the layer's cost,
+    Per layer, kind (``F B R I W``, then ``C``: a checkpointed micro-batch's forward, for
+    micro-batches ``0 … stop-1``) and distinct micro-batch size: ``seconds`` (the layer's cost,
     corrections applied, float64, kind-major then size then layer), and where the table has shares,
     ``raw`` (uncorrected seconds) and ``weighted`` (``raw`` × the layer's share of its device): a
     stage asks for ``Σ weighted / Σ raw`` of its layers. Per stage: ``resource`` (its device's
@@ -69,10 +70,10 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     corrections, executor = options.get("corrections"), setup.executor
     n, S, L = len(graph), len(setup.costs), len(table)
     seconds, raw, weighted, has_share = [], [], [], []
-    for kind in KINDS:
-        phase = PHASES[kind]
-        scale = corrections.scale(executor, phase) if corrections is not None else None
-        column = f"share_{PHASE_SOURCE[phase][0]}"
+    # The graph's kinds, then "C": the forward of a checkpointed micro-batch (simulate's costs).
+    for kind, phase in [*((k, PHASES[k]) for k in KINDS), ("C", "checkpointed")]:
+        scale = corrections.scale(executor, "forward" if kind == "C" else phase) if corrections is not None else None
+        column = f"share_{COST_SOURCE[phase][0]}"
         has_share.append(column in table)
         for rows in setup.distinct:
             values = layer_seconds(table, setup.layer_rows(rows), phase)
@@ -87,7 +88,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "size_of_micro": _i32(np.searchsorted(setup.distinct, setup.sizes)),
         "seconds": _f64(np.concatenate(seconds)), "raw": _f64(np.concatenate(raw)),
         "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
-        "extra": float(setup.extra), "gap": float(setup.gap), "handoff": float(setup.handoff),
+        "extra": float(setup.extra), "gap": float(setup.gap), "handoff": float(setup.handoff), "stop": setup.stop,
         "zero_bubble": options.get("schedule") == "zero-bubble",
         "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
         "fractions": _f64(setup.fractions),

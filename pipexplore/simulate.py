@@ -276,6 +276,15 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + extra
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
+    # A checkpointed micro-batch's forward keeps nothing for backward: costed apart ("C"), with the
+    # forward's corrections (runs teach the forward from both).
+    if setup.stop:
+        scale = corrections.scale(learnt, "forward") if corrections is not None else None
+        for rows in distinct:
+            size = setup.layer_rows(rows)
+            seconds[("C", rows)] = stage_seconds(layer_table, splits, size, "checkpointed", scale) + extra
+            wanted = np.clip(stage_shares(layer_table, splits, size, "checkpointed", default=1.0), 0.0, 1.0)
+            demand[("C", rows)] = np.minimum(wanted, setup.share_cap)
     last_layers = costs["last_layer"].to_numpy()
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
     edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
@@ -284,7 +293,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     edge_copy = (np.array([setup.copy_rates[b] * edge_bytes[b] for b in range(S - 1)]).reshape(S - 1, 1)
                  * np.asarray(fractions).reshape(1, len(sizes)))
     size_index = np.searchsorted(distinct, sizes)
-    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff)
+    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop)
     gap = setup.gap
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
@@ -423,12 +432,19 @@ class ActionCosts(NamedTuple):
 
 
 def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
-                  handoff: float) -> ActionCosts:
+                  handoff: float, stop: int = 0) -> ActionCosts:
+    """``seconds``/``demand`` per (kind letter, rows) and stage; ``("C", rows)``: the forward of a
+    checkpointed micro-batch (``micro < stop``)."""
     by_size = sorted({rows for _, rows in seconds})
     stage, micro, kind = graph.stage, graph.micro, graph.kind
     size = size_index[micro]
     took = np.array([[seconds[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
     asked = np.array([[demand[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
+    if stop and ("C", by_size[0]) in seconds:
+        checkpointed = (kind == FORWARD) & (micro < stop)
+        at = (size[checkpointed], stage[checkpointed])
+        took[checkpointed] = np.array([seconds[("C", rows)] for rows in by_size])[at]
+        asked[checkpointed] = np.array([demand[("C", rows)] for rows in by_size])[at]
     n = len(graph)
     copy = np.zeros(n)
     received = (kind == FORWARD) & (stage > 0)

@@ -326,3 +326,30 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
     free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
     # ~2 (1.4–2.2 seen on 2 cores, also under load): one runs while the other waits; ~1: both sleep at once
     assert turns > 1.3 and free < 1.2, (turns, free)
+
+
+class _CheaperWithoutAutograd(nn.Module):
+    """Sleeps 4 ms in a forward with autograd, 2 ms without (a checkpointed micro-batch's)."""
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.004 if torch.is_grad_enabled() else 0.002)
+        return x * 1.0
+
+
+def test_a_checkpointed_forward_is_profiled_and_predicted_at_its_own_cost():
+    table = profile(nn.Sequential(_CheaperWithoutAutograd(), _CheaperWithoutAutograd()), torch.randn(8, 4),
+                    microbatch_rows=[2, 8], calibrate=False)
+    assert table["checkpointed_ratio"].tolist() == pytest.approx([0.5, 0.5], rel=0.3)
+    table["checkpointed_ratio"] = 0.5  # what the forward without autograd costs, exactly
+    options = dict(chunks=4, schedule="gpipe", executor="threads", devices=["cuda:0", "cuda:1"])
+    for checkpoint, stop in (("always", 4), ("except_last", 3), ("never", 0)):
+        frame = simulate(table, [1], checkpoint=checkpoint, **options)
+        forwards = frame[frame["phase"] == "forward"].sort_values(["stage", "microbatch"])
+        spans = (forwards["end"] - forwards["start"]).to_numpy().reshape(2, 4)
+        full = layer_seconds(table, 2, "forward")  # each stage holds one layer; micro-batches of 2 rows
+        expected = np.array([[full[s] * (0.5 if i < stop else 1.0) for i in range(4)] for s in range(2)])
+        np.testing.assert_allclose(spans, expected, rtol=1e-9)
+        recomputes = frame[frame["phase"] == "recompute"]
+        np.testing.assert_allclose(recomputes["end"] - recomputes["start"], full[recomputes["stage"]], rtol=1e-9)

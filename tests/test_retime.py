@@ -73,6 +73,7 @@ def table(n: int, seed: int = 0, shares: bool = True, fit: bool = True) -> pd.Da
         frame["backward_a"], frame["backward_b"] = 2e-4 * rng.random(n), 6e-5 * (0.5 + rng.random(n))
     if shares:
         frame["share_forward"], frame["share_backward"] = 0.3 + 0.7 * rng.random(n), 0.3 + 0.7 * rng.random(n)
+        frame["checkpointed_ratio"] = 0.5 + 0.4 * rng.random(n)  # forwards without autograd cost less
     frame.attrs["batch"] = 30
     return frame
 

@@ -79,7 +79,7 @@ class Heap {
 // Per action: seconds, share of its device, copy of its input, and the waits after its first and
 // second input, for the stage boundaries `points` ([0, ...splits, layers]), as simulate() has them.
 function actionCosts(m, points) {
-  const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = 5;
+  const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = 6;  // F B R I W, then C (checkpointed F)
   const sums = (values, offset) => {  // per stage, the sum of a layer array (running totals, as numpy's)
     const total = new Float64Array(L + 1);
     for (let l = 0; l < L; l++) total[l + 1] = total[l] + values[offset + l];
@@ -111,10 +111,11 @@ function actionCosts(m, points) {
   const seconds = new Float64Array(n), share = new Float64Array(n);
   const edge = (b, i) => m.copy_rates[b] * m.out_bytes[points[b + 1] - 1] * m.fractions[i];
   for (let a = 0; a < n; a++) {
-    const s = m.stage[a], i = m.micro[a], k = m.kind[a], z = m.size_of_micro[i];
+    const s = m.stage[a], i = m.micro[a], z = m.size_of_micro[i];
+    const k = m.kind[a] === m.forward && i < m.stop ? 5 : m.kind[a];
     seconds[a] = took[k * Z + z][s];
     share[a] = asked[k * Z + z][s];
-    if (k === m.forward && s > 0) {
+    if (m.kind[a] === m.forward && s > 0) {
       copy[a] = edge(s - 1, i);
       firstWait[a] = copy[a] + m.handoff;
     }
