@@ -132,8 +132,9 @@ class Corrections:
     gaps: Mapping[str, float] = field(default_factory=dict)
     runs: int = 0
     #: ``overheads[executor]``: seconds each action's span costs beyond its layers (the executor's
-    #: own bookkeeping inside the span), measured by :func:`pipexplore.executors.probe`.
-    overheads: Mapping[str, float] = field(default_factory=dict)
+    #: own bookkeeping inside the span), measured by :func:`pipexplore.executors.probe`: one
+    #: number, or one per phase with ``"all"`` for the phases the probe did not run.
+    overheads: Mapping[str, Union[float, Mapping[str, float]]] = field(default_factory=dict)
     #: ``transfers[executor]``: seconds from the end of an action to the start of the action on
     #: another stage that waits for it (mailbox hand-over, send/receive), beyond the copy itself.
     transfers: Mapping[str, float] = field(default_factory=dict)
@@ -144,13 +145,18 @@ class Corrections:
     def gap(self, executor: str) -> float:
         return float(self.gaps.get(executor, 0.0))
 
-    def overhead(self, executor: str) -> float:
-        return float(self.overheads.get(executor, 0.0))
+    def overhead(self, executor: str, phase: Optional[str] = None) -> float:
+        """Seconds an action of ``phase`` costs ``executor`` beyond its layers (its median over
+        the phases probed where the phase was not, or where ``phase`` is ``None``)."""
+        value = self.overheads.get(executor, 0.0)
+        if isinstance(value, Mapping):
+            return float(value.get(phase, value.get("all", 0.0)) if phase is not None else value.get("all", 0.0))
+        return float(value)
 
     def transfer(self, executor: str) -> float:
         return float(self.transfers.get(executor, 0.0))
 
-    def with_executor_costs(self, executor: str, overhead: float, gap: float,
+    def with_executor_costs(self, executor: str, overhead: Union[float, Mapping[str, float]], gap: float,
                             transfer: Optional[float] = None) -> "Corrections":
         """These corrections with an executor's own cost per action, as a probe measured it."""
         transfers = {**self.transfers, executor: transfer} if transfer is not None else dict(self.transfers)

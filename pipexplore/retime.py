@@ -57,8 +57,9 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     ``raw`` (uncorrected seconds) and ``weighted`` (``raw`` × the layer's share of its device): a
     stage asks for ``Σ weighted / Σ raw`` of its layers. Per stage: ``resource`` (its device's
     number), ``share_cap``; per boundary ``copy_rates`` (seconds per byte) and per layer
-    ``out_bytes``. The graph: per action ``first``, ``second`` (input action numbers, ``n`` =
-    none), ``stage``, ``kind``, ``micro``; per worker ``queue_len``; per stage the workers that run
+    ``out_bytes``; per kind ``extra``, the seconds an action holds beyond its layers. The graph:
+    per action ``first``, ``second`` (input action numbers, ``n`` = none), ``stage``, ``kind``,
+    ``micro``; per worker ``queue_len``; per stage the workers that run
     it (``lanes_at``, ``lanes``). ``samples``: the batch's rows (throughput); ``bubble_by``: the
     bubble per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
     :func:`pipexplore.timeline.bubble_fraction` takes it.
@@ -88,7 +89,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "size_of_micro": _i32(np.searchsorted(setup.distinct, setup.sizes)),
         "seconds": _f64(np.concatenate(seconds)), "raw": _f64(np.concatenate(raw)),
         "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
-        "extra": float(setup.extra), "gap": float(setup.gap), "handoff": float(setup.handoff), "stop": setup.stop,
+        "extra": [float(setup.extra[k]) for k in (*KINDS, "C")], "gap": float(setup.gap),
+        "handoff": float(setup.handoff), "stop": setup.stop,
         "zero_bubble": options.get("schedule") == "zero-bubble",
         "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
         "fractions": _f64(setup.fractions),

@@ -267,13 +267,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         scale = corrections.scale(learnt, phase) if corrections is not None else None
         for rows in distinct:
             size = setup.layer_rows(rows)
-            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra[kind]
             if schedule == "zero-bubble" and kind in ("I", "W"):
                 # The first stage's input is the user's data, which needs no gradient: its I runs the
                 # whole backward (weights too) and its W has nothing left to do, as the executors do.
                 whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
                 whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
-                seconds[(kind, rows)][0] = (whole if kind == "I" else 0.0) + extra
+                seconds[(kind, rows)][0] = whole + extra[kind] if kind == "I" else 0.0
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
     # A checkpointed micro-batch's forward keeps nothing for backward: costed apart ("C"), with the
@@ -282,7 +282,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         scale = corrections.scale(learnt, "forward") if corrections is not None else None
         for rows in distinct:
             size = setup.layer_rows(rows)
-            seconds[("C", rows)] = stage_seconds(layer_table, splits, size, "checkpointed", scale) + extra
+            seconds[("C", rows)] = stage_seconds(layer_table, splits, size, "checkpointed", scale) + extra["C"]
             wanted = np.clip(stage_shares(layer_table, splits, size, "checkpointed", default=1.0), 0.0, 1.0)
             demand[("C", rows)] = np.minimum(wanted, setup.share_cap)
     last_layers = costs["last_layer"].to_numpy()
@@ -330,7 +330,7 @@ class Setup(NamedTuple):
     resource: list[str]
     host: np.ndarray  # per stage: on the host's cores
     share_cap: np.ndarray  # per stage: the most of its device an action may ask for
-    extra: float  # seconds every compute action's span holds beyond its layers
+    extra: dict[str, float]  # per kind letter (and "C"): seconds an action's span holds beyond its layers
     gap: float  # seconds a worker spends between actions
     handoff: float  # seconds from an action's end to the start of the one on another stage it feeds
     copy_rates: list[float]  # seconds per byte over each stage boundary
@@ -411,8 +411,11 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
         share_cap = np.where(host, rank_share, share_cap)
     if cpu_stages_overlap:
         share_cap = np.where(host, 0.0, share_cap)
-    # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed).
-    extra = action_overhead + (corrections.overhead(executor) if corrections is not None else 0.0)
+    # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed per
+    # phase; "C", a checkpointed forward, as a forward).
+    extra = {kind: action_overhead + (corrections.overhead(executor, PHASES[kind]) if corrections is not None
+                                      else 0.0) for kind in KINDS}
+    extra["C"] = extra["F"]
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
                  resource, host, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,

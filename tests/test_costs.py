@@ -353,3 +353,31 @@ def test_a_checkpointed_forward_is_profiled_and_predicted_at_its_own_cost():
         np.testing.assert_allclose(spans, expected, rtol=1e-9)
         recomputes = frame[frame["phase"] == "recompute"]
         np.testing.assert_allclose(recomputes["end"] - recomputes["start"], full[recomputes["stage"]], rtol=1e-9)
+
+
+def test_each_phase_holds_the_executors_own_cost_as_probed_for_it():
+    from pipexplore.executors.probe import probe
+    from pipexplore.plan import Plan
+
+    table = pd.DataFrame({"name": ["a", "b"], "forward": [2e-3, 2e-3], "backward": [4e-3, 4e-3],
+                          "output_bytes": 0.0, "param_bytes": 8.0})
+    plan = Plan(table, splits=(1,), devices=("cpu", "cpu"), chunks=4, checkpoint="except_last", schedule="gpipe",
+                executor="threads", batch=4)
+    overhead, gap, _ = probe(plan)
+    assert {"forward", "backward", "recompute", "all"} <= set(overhead) and gap >= 0
+    assert all(seconds > 0 for seconds in overhead.values()), overhead
+
+    learnt = Corrections().with_executor_costs("threads", {"forward": 1e-3, "backward": 3e-3, "all": 2e-3}, 0.0)
+    options = dict(chunks=4, executor="threads", devices=["cuda:0", "cuda:1"], checkpoint="never", batch=4)
+    frame = simulate(table, [1], schedule="gpipe", corrections=learnt, **options)
+    spans = frame.assign(span=frame["end"] - frame["start"]).groupby("phase")["span"]
+    assert spans.min()["forward"] == pytest.approx(2e-3 / 4 + 1e-3) and spans.max()["forward"] == pytest.approx(
+        2e-3 / 4 + 1e-3)
+    assert spans.min()["backward"] == pytest.approx(4e-3 / 4 + 3e-3)
+    # Zero-bubble: I and W, which the probe did not run here, cost the median of what it did; the
+    # first stage's W does nothing (its I ran the whole backward) and costs nothing.
+    frame = simulate(table.assign(input_grad_ratio=0.5, weight_grad_ratio=0.5), [1], schedule="zero-bubble",
+                     corrections=learnt, **options)
+    w = frame[frame["phase"] == "weight_grad"]
+    assert ((w["end"] - w["start"])[w["stage"] == 0] == 0).all()
+    assert (w["end"] - w["start"])[w["stage"] == 1].to_numpy() == pytest.approx(4e-3 / 4 * 0.5 + 2e-3)

@@ -83,7 +83,9 @@ def corrections(n: int) -> Corrections:
     scales = {(ex, phase): 0.6 + rng.random(n) for ex in ("threads", "autograd", "processes")
               for phase in ("forward", "backward", "recompute", "input_grad", "weight_grad")}
     learnt = Corrections(scales=scales, gaps={"threads": 2e-5, "processes": 1e-4}, runs=1)
-    return learnt.with_executor_costs("threads", 3e-5, 2e-5, 5e-5).with_executor_costs("processes", 1e-4, 1e-4, 4e-4)
+    per_phase = {"forward": 3e-5, "backward": 7e-5, "input_grad": 5e-5, "weight_grad": 9e-5, "all": 4e-5}
+    return learnt.with_executor_costs("threads", per_phase, 2e-5, 5e-5).with_executor_costs("processes", 1e-4, 1e-4,
+                                                                                              4e-4)
 
 
 CASES = {  # name: (layers, splits before, splits after, simulate options)
@@ -91,8 +93,8 @@ CASES = {  # name: (layers, splits before, splits after, simulate options)
                                                                              devices=["cpu"] * 3)),
     "1f1b threads, crowded host, corrections": (16, [4, 8, 12], [[5, 8, 12], [2, 3, 15]], dict(
         chunks=6, schedule="1f1b", devices=["cpu"] * 4, executor="threads", corrections=corrections(16))),
-    "zero-bubble threads, I/W ratios": (10, [5], [[4], [7], [1]], dict(chunks=4, schedule="zero-bubble",
-                                                                     devices=["cpu", "cpu"])),
+    "zero-bubble threads, I/W ratios, overheads per phase": (10, [5], [[4], [7], [1]], dict(
+        chunks=4, schedule="zero-bubble", devices=["cpu", "cpu"], corrections=corrections(10))),
     "interleaved on two GPUs, copies": (16, [4, 8, 12], [[3, 9, 12], [6, 7, 13]], dict(
         chunks=4, schedule="interleaved", devices=["cuda:0", "cuda:1"])),
     "processes, checkpoint always, uneven micro-batches": (9, [3, 6], [[2, 6], [3, 8]], dict(

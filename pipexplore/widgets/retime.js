@@ -91,10 +91,10 @@ function actionCosts(m, points) {
   for (let k = 0; k < K; k++) {
     for (let z = 0; z < Z; z++) {
       const at = (k * Z + z) * L;
-      const seconds = sums(m.seconds, at).map((v) => v + m.extra);
+      const seconds = sums(m.seconds, at).map((v) => v + m.extra[k]);
       if (m.zero_bubble && (k === 3 || k === 4)) {  // the first stage's I is its whole backward, its W nothing
         const whole = sums(m.seconds, (1 * Z + z) * L)[0];
-        seconds[0] = (k === 3 ? whole : 0.0) + m.extra;
+        seconds[0] = k === 3 ? whole + m.extra[k] : 0.0;
       }
       let share;
       if (m.has_share[k]) {
