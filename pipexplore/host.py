@@ -14,6 +14,7 @@ what runs::
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import os
 import threading
 from contextlib import contextmanager
@@ -101,7 +102,13 @@ def as_stage_worker(work: Callable[[], T]) -> T:
 
     worker = threading.Thread(target=context.run, args=(run,), name="pipexplore-stage-worker", daemon=True)
     worker.start()
-    worker.join()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except BaseException:  # the caller interrupted (Ctrl+C, the kernel's interrupt): the work stops too
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(KeyboardInterrupt))
+        worker.join()
+        raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]

@@ -189,3 +189,24 @@ def test_as_stage_worker_returns_the_result_and_raises_the_error_in_the_caller()
     assert as_stage_worker(lambda: 41 + 1) == 42
     with pytest.raises(ZeroDivisionError):
         as_stage_worker(lambda: 1 / 0)
+
+
+def test_interrupting_the_caller_of_a_stage_worker_stops_its_work_and_leaves_no_thread():
+    import _thread
+    import threading
+    import time
+
+    from pipexplore.host import as_stage_worker
+
+    def long_work():
+        for _ in range(3000):  # 30 s unless interrupted
+            time.sleep(0.01)
+        return "finished"
+
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        as_stage_worker(long_work)
+    assert time.perf_counter() - started < 5
+    assert not [t for t in threading.enumerate() if t.name == "pipexplore-stage-worker" and t.is_alive()]
