@@ -150,12 +150,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             # draws it at once, then the kernel's picture of the same plan replaces it, the same step.
             page.wait_for_selector(".pipexplore-timeline[data-retime='ready']", timeout=60_000)
             page.evaluate(_WATCH_SOURCES)
-            box = handle.bounding_box()
-            target = page.locator(".pipexplore-splitbar .cell[data-layer='5']").bounding_box()
-            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-            page.mouse.down()
-            page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=12)
-            page.mouse.up()
+            _drag_handle(page, handle, 5, steps=12)
             page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
             # The predicted timeline is redrawn for the new split.
             page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
@@ -167,13 +162,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
 
             # A move the kernel refuses: the page's own picture of it gives way to the plan kept.
             page.evaluate(_WATCH_SOURCES)
-            handle = page.locator(".pipexplore-splitbar .handle[aria-valuenow='5']")
-            box = handle.bounding_box()
-            target = page.locator(".pipexplore-splitbar .cell[data-layer='6']").bounding_box()
-            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-            page.mouse.down()
-            page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=6)
-            page.mouse.up()
+            _drag_handle(page, page.locator(".pipexplore-splitbar .handle[aria-valuenow='5']"), 6, steps=6)
             page.wait_for_function("document.querySelector('.pipexplore-splitbar').innerText"
                                    ".includes('split [6] refused for this test')", timeout=30_000)
             page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
@@ -267,6 +256,16 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             raise
         finally:
             browser.close()
+
+
+def _drag_handle(page, handle, layer: int, steps: int) -> None:
+    """Press on a split handle, move it to the boundary before ``layer`` and release it."""
+    box = handle.bounding_box()
+    target = page.locator(f".pipexplore-splitbar .cell[data-layer='{layer}']").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=steps)
+    page.mouse.up()
 
 
 # Each picture the predicted timeline shows: its splits, whose it is, the predicted panel's title, and
