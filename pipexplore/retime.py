@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.costs import COST_SOURCE, layer_seconds
-from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS
-from pipexplore.simulate import PHASES, prepare_step
+from pipexplore.dataflow import BACKWARD, FORWARD, INPUT_GRAD
+from pipexplore.simulate import COSTED, PHASE_NAMES, loop_layout, prepare_step
 
 __all__ = ["retime_model", "retime_key"]
 
@@ -59,9 +59,10 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     number), ``share_cap``; per boundary ``copy_rates`` (seconds per byte) and per layer
     ``out_bytes``; per kind ``extra``, the seconds an action holds beyond its layers. The graph:
     per action ``first``, ``second`` (input action numbers, ``n`` = none), ``stage``, ``kind``,
-    ``micro``; per worker ``queue_len``; per stage the workers that run
-    it (``lanes_at``, ``lanes``). ``samples``: the batch's rows (throughput); ``bubble_by``: the
-    bubble per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
+    ``micro``; per worker ``queue_len``; per stage the workers that run it (``lanes_at``,
+    ``lanes``: :func:`~pipexplore.simulate.loop_layout`); ``kind_names``: the phase of each kind
+    number, then a copy's. ``samples``: the batch's rows (throughput); ``bubble_by``: the bubble
+    per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
     :func:`pipexplore.timeline.bubble_fraction` takes it.
     """
     if bubble_by not in ("stage", "device"):
@@ -71,9 +72,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     corrections, executor = options.get("corrections"), setup.executor
     n, S, L = len(graph), len(setup.costs), len(table)
     seconds, raw, weighted, has_share = [], [], [], []
-    # The graph's kinds, then "C": the forward of a checkpointed micro-batch (simulate's costs).
-    for kind, phase in [*((k, PHASES[k]) for k in KINDS), ("C", "checkpointed")]:
-        scale = corrections.scale(executor, "forward" if kind == "C" else phase) if corrections is not None else None
+    for phase, corrected_as in COSTED.values():  # the graph's kinds, then a checkpointed forward
+        scale = corrections.scale(executor, corrected_as) if corrections is not None else None
         column = f"share_{COST_SOURCE[phase][0]}"
         has_share.append(column in table)
         for rows in setup.distinct:
@@ -81,26 +81,24 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
             seconds.append(values * scale if scale is not None else values)
             raw.append(values)
             weighted.append(values * table[column].to_numpy(dtype=float) if column in table else np.zeros(L))
-    names = list(dict.fromkeys(setup.resource))
-    stage_lanes = graph.stage_lanes + [set()] * (S - len(graph.stage_lanes))
+    resource, devices, lanes_at, lanes = loop_layout(graph, setup.resource)
     out_bytes = table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in table else np.zeros(L)
     return {
         "layers": L, "stages": S, "actions": n, "micro_batches": len(setup.sizes), "sizes": len(setup.distinct),
         "size_of_micro": _i32(np.searchsorted(setup.distinct, setup.sizes)),
         "seconds": _f64(np.concatenate(seconds)), "raw": _f64(np.concatenate(raw)),
         "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
-        "extra": [float(setup.extra[k]) for k in (*KINDS, "C")], "gap": float(setup.gap),
+        "extra": [float(setup.extra[k]) for k in COSTED], "gap": float(setup.gap),
         "handoff": float(setup.handoff), "stop": setup.stop,
         "zero_bubble": options.get("schedule") == "zero-bubble",
         "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
         "fractions": _f64(setup.fractions),
-        "resource": _i32([names.index(r) for r in setup.resource]), "free": len(names),
+        "resource": _i32(resource), "free": devices,
         "first": _i32(graph.first), "second": _i32(graph.second), "stage": _i32(graph.stage),
         "kind": np.ascontiguousarray(graph.kind, dtype=np.uint8).tobytes(), "micro": _i32(graph.micro),
         "queue_len": _i32([len(q) for q in graph.queues]),
-        "lanes_at": _i32(np.cumsum([0, *map(len, stage_lanes)])),
-        "lanes": _i32([q for queue in stage_lanes for q in sorted(queue)]),
-        "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD,
+        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes),
+        "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD, "kind_names": list(PHASE_NAMES),
         "stage_device": list(setup.stage_device), "samples": samples,
         "bubble_key": (list(range(S)) if bubble_by == "stage"
                        else [list(dict.fromkeys(setup.stage_device)).index(d) for d in setup.stage_device]),

@@ -46,12 +46,16 @@ try:  # the compiled processor-sharing loop; the Python one runs where it was no
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 
-__all__ = ["SCHEDULES", "simulate", "prepare_step", "Setup",
+__all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Setup", "loop_layout",
            "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 Action = tuple[str, int]  # (kind, micro-batch)
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
+#: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.costs.layer_seconds`)
+#: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
+#: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
+COSTED = {**{kind: (phase, phase) for kind, phase in PHASES.items()}, "C": ("checkpointed", "forward")}
 PHASE_NAMES = np.array([*(PHASES[k] for k in KINDS), "copy"], dtype=object)  # by the graph's kind numbers, then copies
 _PHASE_INDEX = pd.Index(PHASE_NAMES)
 
@@ -263,8 +267,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     seconds: dict[tuple[str, float], np.ndarray] = {}
     demand: dict[tuple[str, float], np.ndarray] = {}
     extra = setup.extra
-    for kind, phase in PHASES.items():
-        scale = corrections.scale(learnt, phase) if corrections is not None else None
+    for kind, (phase, corrected_as) in COSTED.items():
+        if kind == "C" and not setup.stop:
+            continue  # no checkpointed micro-batch
+        scale = corrections.scale(learnt, corrected_as) if corrections is not None else None
         for rows in distinct:
             size = setup.layer_rows(rows)
             seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra[kind]
@@ -276,15 +282,6 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 seconds[(kind, rows)][0] = whole + extra[kind] if kind == "I" else 0.0
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
-    # A checkpointed micro-batch's forward keeps nothing for backward: costed apart ("C"), with the
-    # forward's corrections (runs teach the forward from both).
-    if setup.stop:
-        scale = corrections.scale(learnt, "forward") if corrections is not None else None
-        for rows in distinct:
-            size = setup.layer_rows(rows)
-            seconds[("C", rows)] = stage_seconds(layer_table, splits, size, "checkpointed", scale) + extra["C"]
-            wanted = np.clip(stage_shares(layer_table, splits, size, "checkpointed", default=1.0), 0.0, 1.0)
-            demand[("C", rows)] = np.minimum(wanted, setup.share_cap)
     last_layers = costs["last_layer"].to_numpy()
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
     edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
@@ -328,7 +325,6 @@ class Setup(NamedTuple):
     stop: int  # micro-batches 0 … stop-1 are checkpointed
     stage_device: list[str]
     resource: list[str]
-    host: np.ndarray  # per stage: on the host's cores
     share_cap: np.ndarray  # per stage: the most of its device an action may ask for
     extra: dict[str, float]  # per kind letter (and "C"): seconds an action's span holds beyond its layers
     gap: float  # seconds a worker spends between actions
@@ -413,11 +409,10 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
         share_cap = np.where(host, 0.0, share_cap)
     # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed per
     # phase; "C", a checkpointed forward, as a forward).
-    extra = {kind: action_overhead + (corrections.overhead(executor, PHASES[kind]) if corrections is not None
-                                      else 0.0) for kind in KINDS}
-    extra["C"] = extra["F"]
+    extra = {kind: action_overhead + (corrections.overhead(executor, corrected_as) if corrections is not None
+                                      else 0.0) for kind, (_, corrected_as) in COSTED.items()}
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
-                 resource, host, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
+                 resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
                  [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) for b in range(S - 1)], fit, batch)
 
@@ -480,13 +475,8 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
         return _sharing_loop(graph, costs, gap, resource)
     if _sharing is None:
         raise RuntimeError("pipexplore._sharing (the compiled event loop) was not built with this install")
-    n, S = len(graph), len(resource)
-    names = list(dict.fromkeys(resource))
-    device = np.array([names.index(r) for r in resource], dtype=np.int64)
-    lanes = graph.stage_lanes
-    lanes = lanes + [set()] * (S - len(lanes))
-    lanes_at = np.cumsum([0, *map(len, lanes)]).astype(np.int64)
-    lane_list = np.array([q for queue in lanes for q in sorted(queue)], dtype=np.int64)
+    n = len(graph)
+    device, devices, lanes_at, lane_list = loop_layout(graph, resource)
     out_action = np.empty(2 * n, dtype=np.int64)
     out_start, out_end = np.empty(2 * n), np.empty(2 * n)
     out_copy = np.empty(2 * n, dtype=np.int8)
@@ -500,9 +490,22 @@ def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resou
     rows = _sharing.run(
         f64(costs.seconds), f64(costs.share), f64(costs.first_wait), f64(costs.second_wait), f64(costs.copy),
         i64(graph.first), i64(graph.second), i64(graph.stage), i64(graph.kind),
-        np.array([len(q) for q in graph.queues], dtype=np.int64), device, len(names), lanes_at, lane_list,
+        np.array([len(q) for q in graph.queues], dtype=np.int64), device, devices, lanes_at, lane_list,
         float(gap), FORWARD, BACKWARD, INPUT_GRAD, out_action, out_start, out_end, out_copy)
     return Records(out_action[:rows], out_start[:rows], out_end[:rows], out_copy[:rows].astype(bool))
+
+
+def loop_layout(graph: ActionGraph, resource: list[str]) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """How the event loop numbers what it shares: each stage's device (by first appearance in
+    ``resource``), how many devices, and the workers of each stage as bounds (``lanes_at``, S + 1)
+    into one list (``lanes``, ascending per stage). The C loop and the page's port take these."""
+    S = len(resource)
+    names = list(dict.fromkeys(resource))
+    device = np.array([names.index(r) for r in resource], dtype=np.int64)
+    lanes = graph.stage_lanes + [set()] * (S - len(graph.stage_lanes))
+    lanes_at = np.cumsum([0, *map(len, lanes)]).astype(np.int64)
+    lane_list = np.array([q for queue in lanes for q in sorted(queue)], dtype=np.int64)
+    return device, len(names), lanes_at, lane_list
 
 
 def _shared_frame(graph: ActionGraph, records: Records, stage_device: list[str],

@@ -168,9 +168,8 @@ def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mappin
     for lane, stage in enumerate(lane_stage):
         stage_lane[stage] = lane
     index = {name: k for k, name in enumerate(phases)}
-    names = ["forward", "backward", "recompute", "input_grad", "weight_grad", "copy"]  # the graph's kinds, a copy
     return {"stage_lane": stage_lane, "lanes": len(lane_stage),
-            "codes": [index.get(name, len(phases)) for name in names],
+            "codes": [index.get(name, len(phases)) for name in model["kind_names"]],
             "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 else 2, "bubble_key": model["bubble_key"]}
 
 
