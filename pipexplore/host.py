@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["host_cores", "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker"]
+__all__ = ["host_cores", "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker",
+           "stage_worker_matters"]
 
 
 def host_cores() -> int:
@@ -76,6 +77,12 @@ _stage_threads: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("
 
 
 T = TypeVar("T")
+
+
+def stage_worker_matters(device: torch.device) -> bool:
+    """Whether work on ``device`` runs differently in a stage's worker thread than here (see
+    :func:`as_stage_worker`): CPU work with two or more intra-op threads."""
+    return device.type == "cpu" and torch.get_num_threads() > 1
 
 
 def as_stage_worker(work: Callable[[], T]) -> T:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import background
-from pipexplore.host import as_stage_worker, host_cores, sharing_cores
+from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_worker_matters
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
@@ -567,7 +567,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
 
         # Where the stages run in worker threads with intra-op threads of their own, so are the layers
         # timed (see pipexplore.host.as_stage_worker: in the main thread they would run faster).
-        in_worker = target.type == "cpu" and used_threads > 1
+        in_worker = stage_worker_matters(target)
         per_size = as_stage_worker(timed) if in_worker else timed()
     module.train(training)
 
@@ -611,6 +611,7 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
     value = _detach(_rows(_on_device(sample, target), rows))
     measured: dict[Any, tuple[float, float]] = {}
     ratios = []
+
     def timed() -> None:
         for run, key in _chain(module, value, target, same_work_once):
             if key not in measured:
@@ -621,7 +622,7 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
             ratios.append(measured[key])
 
     with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
-        as_stage_worker(timed) if target.type == "cpu" and torch.get_num_threads() > 1 else timed()
+        as_stage_worker(timed) if stage_worker_matters(target) else timed()
     out = table.copy()
     out["input_grad_ratio"] = [r[0] for r in ratios]
     out["weight_grad_ratio"] = [r[1] for r in ratios]

@@ -206,13 +206,18 @@ class TimelineView:
         return rows[columns]
 
     def _memory(self) -> pd.DataFrame:
-        predicted = self.predicted
-        cached = getattr(self, "_memory_of", (None, None))
-        if cached[0] is not predicted:
-            memory = tl.activation_memory(predicted)
-            memory["time"] -= predicted["start"].min()  # from the step's start
-            cached = (predicted, memory)
-            self._memory_of = cached
+        return self._held(self.predicted, "_memory_of")
+
+    def _held(self, frame: pd.DataFrame, slot: str) -> pd.DataFrame:
+        """The activation memory of ``frame``'s rows that say it, time from its step's start;
+        kept in ``slot`` while the frame is the same."""
+        cached = getattr(self, slot, (None, None))
+        if cached[0] is not frame:
+            said = frame["memory"].notna()
+            memory = tl.activation_memory(frame if said.all() else frame[said])
+            memory["time"] -= frame["start"].min()  # from the step's start
+            cached = (frame, memory)
+            setattr(self, slot, cached)
         return cached[1]
 
     def _summary(self, frame: Optional[pd.DataFrame]) -> str:
@@ -289,14 +294,7 @@ class TimelineView:
         measured = self.measured
         if measured is None or measured.empty or "memory" not in measured or measured["memory"].isna().all():
             return None
-        cached = getattr(self, "_measured_memory_of", (None, None))
-        if cached[0] is not measured:
-            frame = measured[measured["memory"].notna()]
-            memory = tl.activation_memory(frame)
-            memory["time"] -= measured["start"].min()  # from the step's start
-            cached = (measured, memory)
-            self._measured_memory_of = cached
-        return cached[1]
+        return self._held(measured, "_measured_memory_of")
 
     def _memory_panel(self) -> dict[str, Any]:
         peaks = self.peaks()
