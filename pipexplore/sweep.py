@@ -76,7 +76,7 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
         rows.append({
             "stages": n, "splits": list(candidate.splits), "chunks": m, "schedule": schedule, "checkpoint": mode,
             "devices": ",".join(candidate.devices[: candidate.num_devices]), "predicted_step_time": step,
-            "bubble": tl.bubble_fraction(predicted, by="device" if schedule == "interleaved" else "stage"),
+            "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(schedule)),
             "throughput": (batch / step) if batch and step > 0 else math.nan,
             "peak_memory": float(peaks.max()) if len(peaks) else math.nan,
             "peak_memory_per_stage": [float(v) for v in peaks.tolist()],

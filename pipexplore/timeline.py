@@ -39,7 +39,7 @@ import torch
 
 __all__ = [
     "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline", "thread_in_this_context",
-    "step_time", "busy_time", "bubble_fraction", "throughput", "copy_overlap", "to_chrome_trace",
+    "step_time", "busy_time", "bubble_fraction", "bubble_by", "throughput", "copy_overlap", "to_chrome_trace",
     "activation_memory", "ActionCounter", "counting_actions",
 ]
 
@@ -367,6 +367,12 @@ def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = 
     busy, _ = _busy(timeline, by)
     keys = [stage] if stage is not None else list(busy)
     return sum(busy[k] for k in keys if k in busy)
+
+
+def bubble_by(schedule: str) -> str:
+    """What a schedule's bubble is counted per (:func:`bubble_fraction`'s ``by``): ``'device'`` for
+    interleaved, whose devices each run several stages, else ``'stage'``."""
+    return "device" if schedule == "interleaved" else "stage"
 
 
 def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,

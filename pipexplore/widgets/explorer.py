@@ -344,7 +344,7 @@ class Explorer:
             return
         try:
             model = retime_model(plan.layer_table, list(plan.splits), samples=batch_size(self.sample),
-                                 bubble_by="device" if plan.schedule == "interleaved" else "stage", **options)
+                                 bubble_by=tl.bubble_by(plan.schedule), **options)
         except Exception:  # nothing the page can re-time: it waits for the kernel's scenes
             self.timelines.retime("")
             return

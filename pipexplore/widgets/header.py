@@ -81,7 +81,7 @@ def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
     peaks = (predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float))
     return {
         "step_time": step,
-        "bubble": tl.bubble_fraction(predicted, by="device" if plan.schedule == "interleaved" else "stage"),
+        "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(plan.schedule)),
         "throughput": (samples / step) if samples and step > 0 else math.nan,
         "peak_memory_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
     }

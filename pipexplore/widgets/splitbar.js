@@ -144,11 +144,10 @@ function render({ model, el: host }) {
   }
   let brushing = null;
 
-  // The new splits go to the kernel first; the caller redraws the strip after (a strip of many
-  // layers takes tens of ms to redraw, time the kernel can spend predicting the new plan).
   // The timeline of the same group re-times and draws the new plan in the page first (on two cores
-  // the kernel's prediction would slow it), then they go to the kernel, whose picture of the plan
-  // follows; the timeline is told too when the kernel sets the splits (a move refused).
+  // the kernel's prediction would slow it), then the new splits go to the kernel, whose picture of
+  // the plan follows; the caller redraws the strip after (a strip of many layers takes tens of ms
+  // to redraw). The timeline is told too when the kernel sets the splits (a move refused).
   let committing = false;
   function commit(splits) {
     committing = true;

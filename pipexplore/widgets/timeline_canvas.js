@@ -394,8 +394,8 @@ function render({ model, el: host }) {
     // Whose picture this is (the page's re-timing of a move, or the kernel's), and whether a move
     // would be re-timed here (a model of the shown plan's shape has come).
     host.dataset.source = pending !== null ? "page" : "kernel";
-    host.dataset.retime = (model.get("retime") || {}).key && (model.get("retime") || {}).key === scene.retime_key
-      ? "ready" : "";
+    const key = (model.get("retime") || {}).key;
+    host.dataset.retime = key && key === scene.retime_key ? "ready" : "";
     if (!announced && panels.length > 1 && typeof model.send === "function") {
       announced = true;
       model.send({ event: "drawn" });  // the kernel may now do what could have delayed this picture
@@ -587,6 +587,7 @@ function render({ model, el: host }) {
   // of other splits that comes while a move is pending (the kernel behind) is shown with the
   // pending move re-timed over it; splits the kernel sets in the strip (a move refused) end it.
   let retimer = null;
+  const splitsOf = (text) => String(text).split(",").filter((v) => v).map(Number);  // "2,5" -> [2, 5]
   function retimeModel() {
     const raw = model.get("retime") || {};
     if (!raw.key) return null;
@@ -603,8 +604,9 @@ function render({ model, el: host }) {
       shown = r.step;
       const figures = `step ${r.step.toFixed(1)} ms · bubble ${(r.bubble * 100).toFixed(1)} %` +
         (m.samples && r.step > 0 ? ` · ${Math.round(m.samples / (r.step / 1e3)).toLocaleString("en-US")} samples/s` : "");
+      const [before, after] = p.title_parts || ["", ""];
       return { ...p, start: r.start, end: r.end, phase: r.phase, micro: r.micro, offsets: r.offsets, count: r.count,
-               stage_layers: r.stage_layers, title: (p.title_parts || ["", ""])[0] + figures + (p.title_parts || ["", ""])[1] };
+               stage_layers: r.stage_layers, title: before + figures + after };
     });
     return { ...kernel, panels, splits: splits.join(","),
              x_range: [0, Math.max(shown, kernel.measured_ms || 0, 1e-9) * 1.02] };
@@ -641,7 +643,7 @@ function render({ model, el: host }) {
   function warm(times) {
     const kernel = model.get("scene") || {};
     try {
-      if (kernel.splits !== undefined) retimed(kernel, String(kernel.splits).split(",").filter((v) => v).map(Number));
+      if (kernel.splits !== undefined) retimed(kernel, splitsOf(kernel.splits));
     } catch (error) { return; }  // told when a move needs it
     if (times > 1) idle(() => warm(times - 1));
   }
@@ -652,7 +654,7 @@ function render({ model, el: host }) {
     if (pending !== null && pending === String(kernel.splits)) pending = null;
     let preview = null;
     if (pending !== null) {
-      try { preview = retimed(kernel, pending.split(",").filter((v) => v).map(Number)); } catch (error) { preview = null; }
+      try { preview = retimed(kernel, splitsOf(pending)); } catch (error) { preview = null; }
       if (!preview) pending = null;
     }
     build(preview || kernel);
