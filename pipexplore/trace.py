@@ -218,7 +218,8 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
                 output = model(*args, **kwargs)
                 loss = loss_fn(output, target) if loss_fn is not None else sum(
                     t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
-                loss.backward()  # gradients accumulate, as over a step's micro-batches (see profile)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
                 if not timed:
                     for times in forward.values():
                         times.clear()
@@ -227,7 +228,6 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
                     if k in bwd_start:
                         backward[k].append(max(0.0, bwd_end.get(k, bwd_start[k]) - bwd_start[k]))
         finally:
-            model.zero_grad(set_to_none=True)
             producer.clear()
             for handle in handles:
                 handle.remove()

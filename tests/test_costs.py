@@ -1,8 +1,6 @@
 """The cost model: costs in the micro-batch size, shared hosts, learning from runs, trustworthy profiles."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -49,43 +47,6 @@ def test_a_line_in_the_rows_holds_at_an_unprofiled_size():
             line = times * (per_call + per_row * rows)
             seconds = layer_seconds(table, rows, phase)
             assert np.allclose(seconds, a + b * rows) and (seconds >= 0.95 * line).all(), (phase, rows)
-
-
-class _FreshGradCost(torch.autograd.Function):
-    """``x · weight``, whose backward sleeps 1 ms, and 4 ms more when the weight has no gradient
-    yet: a layer that pays for fresh gradients once per step, not once per micro-batch."""
-
-    @staticmethod
-    def forward(ctx, x, weight, layer):  # type: ignore[override]
-        ctx.layer = layer
-        ctx.save_for_backward(x, weight)
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        time.sleep(0.001 + (0.004 if ctx.layer.weight.grad is None else 0.0))
-        return grad * weight, (grad * x).sum().reshape(weight.shape), None
-
-
-class FreshGradLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FreshGradCost.apply(x, self.weight, self)
-
-
-def test_a_steps_fresh_gradients_are_not_counted_in_every_micro_batchs_backward():
-    """The whole-model pass that calibrates the layers lets gradients accumulate, as a step's
-    micro-batches after the first do (with gradients set to None before each pass, the 4 ms of
-    fresh gradients would be scaled into every micro-batch's backward: ~5 ms a layer)."""
-    model = nn.Sequential(*[FreshGradLayer() for _ in range(3)])
-    table = profile(model, torch.randn(32, 4), microbatch_rows=[8, 32], repeats=3)
-    backward = layer_seconds(table, 8, "backward")
-    assert (backward > 0.0009).all() and (backward < 0.0025).all(), backward
-    assert all(p.grad is None for p in model.parameters())  # the profile leaves no gradient behind
 
 
 def test_profile_warms_up_so_identical_layers_cost_alike_and_balance_evenly():
@@ -429,25 +390,3 @@ def test_each_phase_holds_the_executors_own_cost_as_probed_for_it():
     w = frame[frame["phase"] == "weight_grad"]
     assert ((w["end"] - w["start"])[w["stage"] == 0] == 0).all()
     assert (w["end"] - w["start"])[w["stage"] == 1].to_numpy() == pytest.approx(4e-3 / 4 * 0.5 + 2e-3)
-
-
-def test_a_traced_models_blocks_are_timed_with_gradients_accumulating():
-    """Blocks timed inside whole passes of a model that is not split by hand (``trace.candidates``)
-    are timed as a step's later micro-batches run them too: their gradients already there."""
-    from pipexplore import trace
-
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(FreshGradLayer() for _ in range(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    model = Wrapped()
-    table = trace.candidates(model, torch.randn(8, 4), repeats=3)
-    assert list(table["name"]) == ["layers.0", "layers.1", "layers.2"]
-    assert (table["backward"] > 0.0009).all() and (table["backward"] < 0.0025).all(), table["backward"].tolist()
-    assert all(p.grad is None for p in model.parameters())
