@@ -4,13 +4,21 @@ The library: ``GPipe`` (torchgpipe-compatible), ``pipexplore.skip`` (skip connec
 partitions), ``record`` (measured timelines), ``profile`` (layer tables), ``pipexplore.balance``
 (exact balancing) and ``simulate`` (predicted timelines for GPipe, 1F1B, interleaved, zero-bubble).
 """
-from pipexplore import balance, timeline
+import importlib as _importlib
+
+# The old module paths of the moved modules are aliases for one release. Three of them share a name
+# with a function of this package: load them first, so that a later ``import pipexplore.simulate``
+# cannot rebind ``pipexplore.simulate`` (the function) to the module.
+for _old in ("flatten", "profile", "simulate"):
+    _importlib.import_module(f"pipexplore.{_old}")
+
+from pipexplore import balance, timeline  # noqa: E402
 from pipexplore.checkpoint import is_checkpointing, is_recomputing
-from pipexplore.flatten import FlattenError, flatten
+from pipexplore.models.flatten import FlattenError, flatten
 from pipexplore.gpipe import BalanceError, GPipe
-from pipexplore.profile import backward_split, profile
-from pipexplore.simulate import simulate
-from pipexplore.schedule import ScheduleExecutor
+from pipexplore.predict.profiler import backward_split, profile
+from pipexplore.predict.simulator import simulate
+from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.splits import SplitError, balance_to_splits, splits_to_balance
 from pipexplore.timeline import record
 

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from pipexplore import validate
-from pipexplore.costs import Corrections
-from pipexplore.simulate import SCHEDULES, simulate, stage_costs
+from pipexplore.predict.costs import Corrections
+from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.splits import SplitError, splits_to_balance
 
 __all__ = ["Plan", "SkipRoute", "skip_routes"]

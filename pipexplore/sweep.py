@@ -10,7 +10,7 @@ import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
-from pipexplore.costs import layer_seconds, microbatch_rows
+from pipexplore.predict.costs import layer_seconds, microbatch_rows
 from pipexplore.plan import Plan
 
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]

@@ -64,7 +64,7 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
 def _children():
     """This process's pool workers that are still running."""
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore._worker" in " ".join(p.cmdline())]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore.executors._worker" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipexplore import background
-from pipexplore.costs import PHASE_SOURCE, handoff_gaps
+from pipexplore.predict.costs import PHASE_SOURCE, handoff_gaps
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 

@@ -10,7 +10,7 @@ NAME = "processes"
 
 def run(job: StepJob) -> RunResult:
     """Run the plan's schedule in one process per device (see :func:`pipexplore.distributed.run_processes`)."""
-    from pipexplore.distributed import run_processes
+    from pipexplore.executors.distributed import run_processes
 
     plan = job.plan
     return run_processes(job.model, job.sample, plan, target=job.target, loss_fn=job.loss_fn,

@@ -12,7 +12,7 @@ NAME = "threads"
 
 def run(job: StepJob) -> RunResult:
     """One step of the plan's schedule through :class:`pipexplore.schedule.ScheduleExecutor`; measure."""
-    from pipexplore.schedule import ScheduleExecutor
+    from pipexplore.executors.sequential import ScheduleExecutor
 
     plan = job.plan
     executor = ScheduleExecutor(copy.deepcopy(job.model), plan.balance, devices=list(plan.devices[: plan.num_devices]),

@@ -29,13 +29,13 @@ from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.balance import optimal_splits
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
-from pipexplore.costs import Corrections, stage_bounds
+from pipexplore.predict.costs import Corrections, stage_bounds
 from pipexplore.gpipe import _as_device
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.plan import Plan
-from pipexplore.profile import profile
-from pipexplore.run import LossFn, OptimizerFactory, RunResult, run_step
+from pipexplore.predict.profiler import profile
+from pipexplore.executors.step import LossFn, OptimizerFactory, RunResult, run_step
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets.codeview import CodeView
@@ -130,7 +130,7 @@ class Explorer:
         if splits is not None and not self.traced:
             splits = validate.splits(splits, len(model))
         if layer_table is not None and not isinstance(layer_table, pd.DataFrame):
-            raise TypeError(f"layer_table must be a pandas DataFrame (from pipexplore.profile) or None, got "
+            raise TypeError(f"layer_table must be a pandas DataFrame (from pipexplore.predict.profiler) or None, got "
                             f"{type(layer_table).__name__}")
         profile_repeats = validate.integer(profile_repeats, "profile_repeats", minimum=1)
         validate.boolean(calibrate, "calibrate")
@@ -245,7 +245,7 @@ class Explorer:
         threads = stage_threads(devices)
         options = self._profile_options
         if self.traced:
-            from pipexplore.trace import candidates_in_rows
+            from pipexplore.models.trace import candidates_in_rows
 
             with sharing_cores(threads):
                 table = candidates_in_rows(copy.deepcopy(self.model), self.sample, chunks=chunks or 1,
@@ -333,7 +333,7 @@ class Explorer:
         re-time a moved split itself (:mod:`pipexplore.retime`) when that shape or the costs
         changed since it was last given. Not before the first picture is drawn: the model is
         about as large as a scene, and the page waits for the kernel until it has one."""
-        from pipexplore.retime import retime_key, retime_model
+        from pipexplore.predict.retime import retime_key, retime_model
         from pipexplore.widgets.timeline_canvas import lane_of
 
         plan = self._plan
@@ -357,7 +357,7 @@ class Explorer:
         backward as those two passes): measured once, the first time a plan needs it."""
         if self.layer_table.attrs.get("backward_split", True) or self.traced:
             return self.layer_table
-        from pipexplore.profile import backward_split
+        from pipexplore.predict.profiler import backward_split
 
         profiled = copy.deepcopy(self.model).to(self._profile_device())
         self.layer_table = backward_split(profiled, self.sample, self.layer_table,
@@ -509,7 +509,7 @@ class Explorer:
         ``get_batch()`` and ``loss_fn()`` from the ``hooks`` module.
         """
         if kind == "torchrun":
-            from pipexplore.trace import torchrun_script
+            from pipexplore.models.trace import torchrun_script
 
             schedule = self._plan.schedule if self._plan.schedule != "async-backends" else "gpipe"
             return torchrun_script(self.layer_table, list(self._plan.splits), hooks=hooks, chunks=self._plan.chunks,
@@ -522,7 +522,7 @@ class Explorer:
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:
         """The current split as torchtitan's ``module_fqns_per_model_part``."""
-        from pipexplore.trace import module_fqns_per_model_part
+        from pipexplore.models.trace import module_fqns_per_model_part
 
         return module_fqns_per_model_part(self.layer_table, list(self._plan.splits))
 
@@ -575,7 +575,7 @@ class Explorer:
     def residuals(self, run: int = -1) -> pd.DataFrame:
         """Each action of a run (default: the latest) against its prediction: predicted and measured
         span and ``error`` (see :func:`pipexplore.residuals.residuals`)."""
-        from pipexplore.residuals import residuals
+        from pipexplore.predict.residuals import residuals
 
         if not self._results:
             raise LookupError("no run yet: call explorer.run() or press 'Run step'")
@@ -1015,7 +1015,7 @@ class Explorer:
         self.w_timeline_box.layout.display = "none" if residual_mode else ""
         if not residual_mode:
             return
-        from pipexplore.residuals import residuals
+        from pipexplore.predict.residuals import residuals
 
         result = self._shown_result()
         table = residuals(result.predicted, result.timeline) if result is not None else None

@@ -345,7 +345,7 @@ def warm_up() -> None:
     run needs comes after (:func:`warm_up_runs`)."""
     import torch
 
-    from pipexplore.simulate import simulate
+    from pipexplore.predict.simulator import simulate
 
     table = pd.DataFrame({"name": ["0", "1"], "forward": [1e-3, 1e-3], "backward": [2e-3, 2e-3],
                           "output_bytes": 0.0, "param_bytes": 0.0})

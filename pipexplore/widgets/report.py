@@ -117,7 +117,7 @@ def report_html(explorer: "Explorer") -> str:
 
         pathlib.Path("report.html").write_text(report_html(explorer))
     """
-    from pipexplore.residuals import residuals
+    from pipexplore.predict.residuals import residuals
 
     plan = explorer.plan
     result = explorer._shown_result()

@@ -1,0 +1,301 @@
+"""Multi-process steps: one process per rank, running ``torch.distributed.pipelining`` schedules.
+
+The ranks are the workers of a warm pool (:mod:`pipexplore.pool`): started once with a clean
+entry point (a user's script is never re-run in them), they meet on a free loopback port (gloo
+on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun pays no process
+start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
+stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
+lambdas and closures included). Each rank builds its stage(s) with ``PipelineStage`` and runs
+the torch schedule for the plan; it times each stage's ``forward_one_chunk``,
+``backward_one_chunk`` and ``backward_weight_one_chunk`` on the host clock, which all processes
+on one machine share, and sends its events back. A rank that raises, dies or hangs fails the run
+with a :class:`DistributedRunError` naming it; every process is reaped and the pool rebuilt.
+
+Example::
+
+    result = run_processes(model, sample, plan)       # plan.executor == "processes"
+    result.timeline                                   # every rank's events, one schema
+"""
+from __future__ import annotations
+
+import io
+import math
+import numbers
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from pipexplore.microbatch import to_device
+from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
+from pipexplore.plan import Plan
+from pipexplore.executors.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
+from pipexplore.timeline import COLUMNS
+from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+
+__all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
+
+
+#: The default timeout is this many predicted steps, and never less than ``MIN_TIMEOUT`` seconds.
+TIMEOUT_STEPS = 20
+MIN_TIMEOUT = 30.0
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def default_timeout(plan: Plan, warmup: int = 1) -> float:
+    """Seconds a run of ``warmup`` + 1 steps of ``plan`` may take in processes, start-up apart.
+
+    ``max(30 s, 20 × (warmup + 1) × the predicted step)``; process start-up is bounded on its own
+    (:data:`pipexplore.pool.STARTUP_TIMEOUT`).
+
+    Example::
+
+        default_timeout(plan)            # 30.0 for a step predicted at 10 ms
+    """
+    from pipexplore.timeline import step_time
+
+    predicted = step_time(plan.predicted)
+    if not math.isfinite(predicted):
+        return MIN_TIMEOUT
+    return max(MIN_TIMEOUT, TIMEOUT_STEPS * (warmup + 1) * predicted)
+
+
+def check_timeout(timeout: Any) -> Optional[float]:
+    """``timeout`` as float seconds (None stays None), or a clear error naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive, finite number of seconds (or None for the default derived "
+                         f"from the predicted step), not {timeout!r}")
+    return float(timeout)
+
+
+def _timed(stage: Any, spans: list, name: str, phase_of: Callable[..., str]) -> None:
+    original = getattr(stage, name)
+
+    def timed(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = original(chunk, *args, **kwargs)
+        if stage.device.type == "cuda":
+            torch.cuda.synchronize(stage.device)
+        spans.append((stage.stage_index, str(stage.device), chunk, phase_of(*args, **kwargs), start,
+                      time.perf_counter()))
+        return out
+
+    setattr(stage, name, timed)
+
+
+def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
+    """One rank of a run (in a pool worker): build its stages, run ``warmup`` + 1 steps, return the last's events."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    device = torch.device(job["devices"][rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    stages, params = [], []
+    if job.get("traced") is not None:
+        # A traced model: every rank traces the same split and builds its own stages from it.
+        from pipexplore.models.trace import split
+
+        traced = job["traced"]
+        pipe = split(traced["model"], traced["mb_args"], traced["split_points"], mb_kwargs=traced["mb_kwargs"])
+        num_stages = pipe.num_stages
+        indices = list(range(rank, num_stages, world))
+        for s in indices:
+            stage = pipe.build_stage(s, device)
+            params += list(stage.submod.parameters())
+            stages.append(stage)
+    else:
+        num_stages = job["num_stages"]
+        indices = sorted(job["stages"])
+        for s in indices:
+            module = job["stages"][s].to(device)
+            params += list(module.parameters())
+            stages.append(PipelineStage(module, s, num_stages, device))
+    spans: list = []
+    for stage in stages:
+        _timed(stage, spans, "forward_one_chunk", lambda *a, **k: "forward")
+        _timed(stage, spans, "backward_one_chunk",
+               lambda *a, full_backward=True, **k: "backward" if full_backward else "input_grad")
+        _timed(stage, spans, "backward_weight_one_chunk", lambda *a, **k: "weight_grad")
+    name = job["schedule_class"]
+    loss_fn = job["loss_fn"]
+    if job.get("traced") is not None:
+        # The loss sees the output as the unsplit model returns it (a ModelOutput: out.logits, out["logits"]).
+        from pipexplore.models.inputs import model_output
+
+        user_loss, spec = loss_fn, getattr(pipe, "output_spec", None)
+        loss_fn = lambda output, target: user_loss(model_output(output, spec), target)  # noqa: E731
+    schedule = getattr(schedules, name)(stages if name in MULTI_STAGE else stages[0], n_microbatches=job["chunks"],
+                                        loss_fn=loss_fn)
+    optimizer = job["optimizer"](params)
+    has_first, has_last = 0 in indices, num_stages - 1 in indices
+    # The model's inputs as it takes them (positional and keyword); torch's schedule cuts each into
+    # micro-batches and feeds the first stage.
+    args = tuple(to_device(a, device) for a in job["args"]) if has_first else ()
+    inputs = {k: to_device(v, device) for k, v in job["kwargs"].items()} if has_first else {}
+    target = job["target"].to(device) if torch.is_tensor(job["target"]) else job["target"]
+    losses: list = []
+    grads = None
+    for step in range(job["warmup"] + 1):
+        optimizer.zero_grad(set_to_none=True)
+        spans.clear()
+        losses = []
+        dist.barrier()
+        kwargs: dict[str, Any] = {}
+        if has_last:
+            kwargs.update(target=target, losses=losses)
+        schedule.step(*args, **inputs, **kwargs)
+        if job["return_grads"] and step == job["warmup"]:
+            grads = {f"{s}.{n}": p.grad.detach().cpu() for s, st in zip(indices, stages)
+                     for n, p in st.submod.named_parameters() if p.grad is not None}
+        optimizer.step()
+    dist.barrier()  # every rank done before the next run may start sending
+    # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
+    buffer = io.BytesIO()
+    torch.save({"spans": spans, "losses": [float(loss.detach()) for loss in losses], "grads": grads}, buffer)
+    return buffer.getvalue()
+
+
+def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
+    """Trace here first, so that a model that cannot be traced, or whose later stages read the
+    model's inputs themselves, fails fast and clearly, before any process starts."""
+    import copy
+
+    from pipexplore.models.trace import inputs_past_first_stage, split
+
+    pipe = split(copy.deepcopy(model), mb_args, points, mb_kwargs=mb_kwargs)
+    late = inputs_past_first_stage(pipe)
+    if late:
+        listed = ", ".join(f"{name!r} (stage {stage})" for name, stage in late.items())
+        raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "
+                         f"read {listed}: run in this process (executor='threads'), or leave such inputs out of the "
+                         f"sample (e.g. compute the loss in loss_fn from the logits, with the labels as its target)")
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if torch.is_tensor(value) else value
+
+
+def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
+    """One rank's job as bytes; if it cannot be pickled, a TypeError naming the model's culprit."""
+    try:
+        return pack_job(_rank_step, {"job": job})
+    except Exception:
+        ensure_picklable({"model": model})
+        raise
+
+
+def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = None,
+                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                  optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
+                  warmup: int = 1, timeout: Optional[float] = None, return_grads: bool = False) -> Any:
+    """Run ``warmup`` + 1 steps of ``plan`` in one process per device; measure the last.
+
+    Returns a :class:`pipexplore.run.RunResult` whose timeline holds every rank's events
+    (``device`` is the rank's device, ``stage`` the pipeline stage). ``metrics['startup_seconds']``
+    is the process start-up this run paid (0 when the warm pool was reused) and
+    ``metrics['worker_pids']`` the ranks' process ids. With ``return_grads`` the parameter
+    gradients of the measured step are in ``metrics['grads']`` (by ``'stage.param'``).
+
+    ``sample`` is one tensor for an ``nn.Sequential``; a traced model takes it as it takes its
+    inputs (a tensor, a tuple of positional inputs or a dict of keyword inputs such as
+    ``input_ids`` and ``labels``), cut into micro-batches by torch's schedule.
+    The model's stages, ``loss_fn(output, target)`` (default: the synthetic loss),
+    ``optimizer(parameters)`` (default: SGD, lr=0.01) and the batch are sent by value with
+    cloudpickle, so classes, lambdas and closures defined in a notebook or ``__main__`` work;
+    something that cannot be pickled is named in a TypeError before any process starts.
+    ``timeout`` bounds the steps in seconds (default :func:`default_timeout`); start-up is bounded
+    apart. A rank that raises, dies or hangs raises :class:`DistributedRunError` naming it, and
+    every process is reaped (so are they on KeyboardInterrupt).
+
+    Example::
+
+        plan = Plan(pipexplore.profile(model, x), (4,), ("cpu", "cpu"), chunks=4, executor="processes")
+        result = run_processes(model, x, plan, target=y, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+        result.loss, result.metrics["startup_seconds"]
+    """
+    import pandas as pd
+
+    from pipexplore.executors.base import result as _result, synthetic_loss
+
+    timeout = check_timeout(timeout)
+    if plan.schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"the processes executor runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
+    traced = not isinstance(model, nn.Sequential)
+    crossing = [r for r in plan.skip_routes if r.crosses]
+    if crossing and not traced:
+        raise ValueError("skip routes that cross stages cannot run in separate processes; move the split points "
+                         "so that every stash and its pop share a stage, or trace the model")
+    if not traced and not torch.is_tensor(sample):
+        raise TypeError(f"the processes executor takes one tensor as the sample of an nn.Sequential, got "
+                        f"{type(sample).__name__}")
+    args, kwargs = call_inputs(sample)
+    rows = sample_rows(sample)
+    if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
+                         f"{plan.chunks} < {plan.num_stages} stages")
+    if rows % plan.chunks:
+        raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
+                         f"{plan.chunks} chunks")
+    if target is None:  # torch's schedules want a target for the loss; the synthetic loss ignores it
+        target = torch.zeros(rows, 1)
+    loss_fn, optimizer = loss_fn or synthetic_loss, optimizer or default_optimizer
+    ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
+    world = plan.num_devices
+    devices = list(plan.devices[:world])
+    job = {
+        "devices": devices, "chunks": plan.chunks, "schedule_class": SCHEDULE_CLASSES[plan.schedule],
+        "loss_fn": loss_fn, "optimizer": optimizer,
+        "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
+        "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
+        "return_grads": return_grads, "traced": None,
+    }
+    if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
+        names = [str(n) for n in plan.layer_table["name"]]
+        mb_args, mb_kwargs = call_inputs(first_microbatch(sample, plan.chunks))
+        _check_traced_split(model, mb_args, mb_kwargs, [names[s] for s in plan.splits])
+        job["traced"] = {"model": model, "mb_args": tuple(_cpu(a) for a in mb_args),
+                         "mb_kwargs": {k: _cpu(v) for k, v in mb_kwargs.items()},
+                         "split_points": [names[s] for s in plan.splits]}
+        payloads = [_pack(job, model)] * world
+    else:
+        layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them
+        points = [0, *plan.splits, len(layers)]
+        stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
+        job["num_stages"] = len(stages)
+        payloads = [_pack({**job, "stages": {s: stages[s] for s in range(rank, len(stages), world)}}, model)
+                    for rank in range(world)]
+    if timeout is None:
+        timeout = default_timeout(plan, warmup)
+    with warm_pool(world, devices) as (pool, startup_seconds):
+        replies = pool.run(payloads, timeout)
+        pids = list(pool.pids)
+    outputs = [torch.load(io.BytesIO(reply), weights_only=False) for reply in replies]
+
+    rows = [(run, stage, device, chunk, phase, start, end, "measured")
+            for payload in outputs for stage, device, chunk, phase, start, end in payload["spans"]]
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    if len(frame):
+        origin = frame["start"].min()
+        frame["start"] -= origin
+        frame["end"] -= origin
+    frame = frame.sort_values(["start", "stage"]).reset_index(drop=True)
+    frame.attrs["peak_memory"] = {}
+    frame.attrs["startup_seconds"] = startup_seconds
+    losses = [loss for payload in outputs for loss in payload["losses"]]
+    result = _result(plan, frame, sum(losses) / len(losses) if losses else float("nan"), sample, set(devices))
+    if return_grads:
+        result.metrics["grads"] = {k: v for payload in outputs for k, v in (payload["grads"] or {}).items()}
+    result.metrics["losses"] = losses
+    result.metrics["startup_seconds"] = startup_seconds
+    result.metrics["worker_pids"] = pids
+    return result

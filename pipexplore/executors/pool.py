@@ -1,0 +1,384 @@
+"""A warm pool of worker processes, one per rank, that runs cloudpickled jobs and names any rank that dies.
+
+Workers start with a clean main module (``python -m pipexplore.executors._worker``), so a user's script or
+notebook is never re-run in them; jobs travel by value with ``cloudpickle``, so classes, lambdas
+and closures defined in ``__main__`` or a notebook cell reach them. The pool stays up between
+runs on the same world size and devices (a rerun pays no process start-up), is discarded after
+any failure, timeout or interrupt (every process killed and reaped), and is shut down at exit
+or by :func:`shutdown_pool`.
+
+Example::
+
+    payloads = [pack_job(function, {"x": 1}) for rank in range(2)]
+    with warm_pool(2, ["cpu", "cpu"]) as (pool, startup_seconds):
+        replies = pool.run(payloads, timeout=30.0)        # function(rank, world, x=1) per rank
+    shutdown_pool()
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import multiprocessing
+import os
+import pathlib
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "pack_job", "ensure_picklable",
+           "STARTUP_TIMEOUT"]
+
+#: Seconds the workers may take to start and join their process group (apart from a run's ``timeout``).
+STARTUP_TIMEOUT = 120.0
+#: After a first failure, how long to wait for other ranks' news, so that a dead rank is named
+#: rather than a survivor complaining about it.
+FAILURE_GRACE = 0.5
+#: Lines of a dead rank's stderr quoted in the error.
+STDERR_LINES = 20
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed, died or hung; the message names the rank and holds its traceback, or its
+    exit code or signal and the last lines of its stderr."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _backend(devices: Sequence[str]) -> str:
+    kinds = {str(d).split(":")[0] for d in devices}
+    if kinds == {"cuda"}:
+        return "nccl"
+    return "cpu:gloo,cuda:nccl" if "cuda" in kinds else "gloo"
+
+
+def _worker_env() -> dict[str, str]:
+    """The parent's environment, with pipexplore importable before any job says where the rest is."""
+    env = dict(os.environ)
+    package_root = str(pathlib.Path(__file__).resolve().parents[2])  # the folder that holds pipexplore/
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _how_it_ended(code: Optional[int]) -> str:
+    if code is None:
+        return "closed its pipe without reporting and did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+class WorkerPool:
+    """One worker process per rank, joined in one process group, serving jobs until closed.
+
+    Start-up (process start, imports, process-group rendezvous on a free loopback port) happens
+    in the constructor and is measured as :attr:`startup_seconds`; each rank's stderr goes to its
+    own file, whose last lines name what happened to a rank that dies.
+
+    Example::
+
+        pool = WorkerPool(2, ["cpu", "cpu"])
+        replies = pool.run([pack_job(fn, {}), pack_job(fn, {})], timeout=10.0)
+        pool.close()
+    """
+
+    def __init__(self, world: int, devices: Sequence[str]) -> None:
+        self.world, self.devices = world, tuple(str(d) for d in devices)
+        self.port = _free_port()
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._connections: list[Connection] = []
+        self._stderr: list[Any] = []
+        self._stderr_start = [0] * world
+        started = time.monotonic()
+        try:
+            for rank in range(world):
+                parent_end, child_end = multiprocessing.Pipe()
+                stderr = tempfile.TemporaryFile(prefix=f"pipexplore-rank{rank}-", suffix=".stderr")
+                self._stderr.append(stderr)
+                command = [sys.executable, "-m", "pipexplore.executors._worker", str(rank), str(world), str(self.port),
+                           str(child_end.fileno()), _backend(self.devices)]
+                # A session of their own: a Ctrl-C in a terminal reaches this process, which stops them.
+                self._processes.append(subprocess.Popen(command, pass_fds=(child_end.fileno(),), stderr=stderr,
+                                                        env=_worker_env(), start_new_session=True))
+                child_end.close()
+                self._connections.append(parent_end)
+            ready = self._collect(range(world), started + STARTUP_TIMEOUT, lambda waiting: (
+                f"the worker processes did not start within {STARTUP_TIMEOUT:g} s: rank(s) {waiting} never "
+                "joined the process group; every rank was stopped"), during="start-up")
+        except BaseException:
+            self.close(kill=True)
+            raise
+        self.pids: list[int] = [int(ready[rank]) for rank in range(world)]
+        self.startup_seconds = time.monotonic() - started
+
+    def alive(self) -> bool:
+        """Whether every worker is still running (a pool with a dead worker is not reused)."""
+        return bool(self._processes) and all(p.poll() is None for p in self._processes)
+
+    def run(self, payloads: Sequence[bytes], timeout: float) -> list[Any]:
+        """Send ``payloads[rank]`` (from :func:`pack_job`) to each rank; their replies, by rank.
+
+        Raises :class:`DistributedRunError` naming the first rank that failed or died, or the
+        ranks still busy after ``timeout`` seconds. The caller discards the pool after any error.
+        """
+        deadline = time.monotonic() + timeout
+        sys_path = [p for p in sys.path if isinstance(p, str)]
+        for rank, payload in enumerate(payloads):
+            self._stderr_start[rank] = os.fstat(self._stderr[rank].fileno()).st_size
+            try:
+                self._connections[rank].send_bytes(pickle.dumps((sys_path, payload)))
+            except OSError:  # it is dead: _collect reads its end and names it
+                pass
+        replies = self._collect(range(self.world), deadline, lambda waiting: (
+            f"the run timed out after {timeout:g} s (timeout={timeout:g}): rank(s) {waiting} did not finish; every "
+            "rank was stopped. If the step is just slow, pass a larger timeout="), during="the run")
+        return [replies[rank] for rank in range(self.world)]
+
+    def _collect(self, ranks: Iterator[int] | range, deadline: float, on_timeout: Callable[[list[int]], str],
+                 during: str) -> dict[int, Any]:
+        replies: dict[int, Any] = {}
+        failures: list[tuple[str, int, Any]] = []
+        pending = {self._connections[rank]: rank for rank in ranks}
+        grace_end: Optional[float] = None
+        while pending:
+            now = time.monotonic()
+            if grace_end is None and now >= deadline:
+                raise DistributedRunError(on_timeout(sorted(pending.values())))
+            if grace_end is not None and now >= grace_end:
+                break
+            for connection in wait(list(pending), timeout=(grace_end or deadline) - now):
+                rank = pending.pop(connection)  # type: ignore[call-overload]
+                try:
+                    status, payload = connection.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    failures.append(("died", rank, None))  # exited (or was killed) without reporting
+                    continue
+                if status in ("ok", "ready"):
+                    replies[rank] = payload
+                else:
+                    failures.append((status, rank, payload))
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + FAILURE_GRACE
+        if failures:
+            raise DistributedRunError(self._describe(failures, during))
+        return replies
+
+    def _describe(self, failures: list[tuple[str, int, Any]], during: str) -> str:
+        """The first rank that died (else the first that raised), with what the others did after it."""
+        deaths = [f for f in failures if f[0] == "died"]
+        status, rank, payload = (deaths or failures)[0]
+        device = self.devices[rank]
+        if status == "died":
+            try:
+                code: Optional[int] = self._processes[rank].wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            tail = self._stderr_tail(rank)
+            text = (f"rank {rank} ({device}, pid {self._processes[rank].pid}) {_how_it_ended(code)} during {during}, "
+                    "before reporting its result; " + (f"the last lines of its stderr:\n{tail}" if tail else
+                                                        "its stderr is empty"))
+        elif status == "unpicklable":
+            last = payload.strip().splitlines()[-1]
+            text = (f"rank {rank} ({device}) could not load the job it was sent: {last}. What the run sends is "
+                    "pickled by value only when defined in __main__ or a notebook; anything from a module must be "
+                    "importable in the workers (on sys.path, as here), or registered with "
+                    f"cloudpickle.register_pickle_by_value(module).\n{payload}")
+        else:
+            text = f"rank {rank} failed:\n{payload}"
+        others = sorted({r for _, r, _ in failures} - {rank})
+        if others:
+            text += f"\n(after it, rank(s) {others} failed too; every rank was stopped)"
+        return text
+
+    def _stderr_tail(self, rank: int) -> str:
+        fd = self._stderr[rank].fileno()
+        start = self._stderr_start[rank]
+        data = os.pread(fd, max(0, os.fstat(fd).st_size - start), start)  # pread: the worker shares the offset
+        lines = data.decode(errors="replace").rstrip().splitlines()
+        return "\n".join(lines[-STDERR_LINES:])
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop every worker and reap it: ask them to exit (or kill them with ``kill``), kill stragglers."""
+        if not kill:
+            for connection in self._connections:
+                with contextlib.suppress(OSError):
+                    connection.send_bytes(pickle.dumps(([], None)))
+            deadline = time.monotonic() + 5.0
+            for process in self._processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self._processes:
+            process.wait()
+        for connection in self._connections:
+            connection.close()
+        for stderr in self._stderr:
+            stderr.close()
+        self._processes, self._connections, self._stderr = [], [], []
+
+
+_lock = threading.Lock()
+_pool: Optional[WorkerPool] = None
+
+
+@contextlib.contextmanager
+def warm_pool(world: int, devices: Sequence[str]) -> Iterator[tuple[WorkerPool, float]]:
+    """The pool for ``world`` ranks on ``devices`` and its start-up seconds (0 when it was warm).
+
+    A pool for other ranks or devices, or with a dead worker, is replaced; the pool is
+    discarded (every process killed and reaped) when the block raises, KeyboardInterrupt
+    included. One run uses the pool at a time.
+
+    Example::
+
+        with warm_pool(2, ["cpu", "cpu"]) as (pool, startup_seconds):
+            pool.run(payloads, timeout=30.0)
+    """
+    global _pool
+    with _lock:
+        if _pool is not None and ((_pool.world, _pool.devices) != (world, tuple(map(str, devices)))
+                                  or not _pool.alive()):
+            _pool.close(kill=not _pool.alive())
+            _pool = None
+        startup_seconds = 0.0
+        if _pool is None:
+            _pool = WorkerPool(world, devices)
+            startup_seconds = _pool.startup_seconds
+        try:
+            yield _pool, startup_seconds
+        except BaseException:
+            _pool.close(kill=True)
+            _pool = None
+            raise
+
+
+def shutdown_pool() -> None:
+    """Stop the warm worker processes, if any (also done at exit); the next run starts new ones.
+
+    Example::
+
+        pipexplore.distributed.shutdown_pool()
+    """
+    global _pool
+    acquired = _lock.acquire(timeout=10.0)  # a run still in flight at exit: stop its workers anyway
+    try:
+        if _pool is not None:
+            _pool.close(kill=not acquired)
+            _pool = None
+    finally:
+        if acquired:
+            _lock.release()
+
+
+atexit.register(shutdown_pool)
+
+
+# ---- shipping objects by value ---------------------------------------------------------------------
+
+def _children(value: Any) -> Iterator[tuple[str, Any]]:
+    """(path suffix, object) for what pickling ``value`` pickles too, as far as it can be named."""
+    from torch import nn
+
+    if isinstance(value, nn.Module):
+        for name, child in value.__dict__.items():
+            if name in ("_modules", "_parameters", "_buffers"):
+                yield from ((f".{k}", v) for k, v in child.items() if v is not None)
+            else:
+                yield f".{name}", child
+    elif isinstance(value, dict):
+        yield from ((f"[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        yield from ((f"[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, functools.partial):
+        yield from [(".func", value.func), (".args", value.args), (".keywords", value.keywords)]
+    elif isinstance(value, types.MethodType):
+        yield from [(".__self__", value.__self__), (".__func__", value.__func__)]
+    elif isinstance(value, types.FunctionType):
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                yield f" (closure variable {name!r})", cell.cell_contents
+        for name in value.__code__.co_names:
+            if name in value.__globals__:
+                yield f" (global {name!r})", value.__globals__[name]
+        yield from ((f" (default {i})", v) for i, v in enumerate(value.__defaults__ or ()))
+    elif isinstance(value, type):
+        yield from ((f".{k}", v) for k, v in vars(value).items() if not k.startswith("__"))
+    elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
+        yield from ((f".{k}", v) for k, v in vars(value).items())
+
+
+def _first_unpicklable(value: Any, path: str, error: BaseException, seen: set[int], depth: int = 0
+                       ) -> tuple[str, Any, BaseException]:
+    """Descend into the first child that fails to pickle: the deepest such object names the culprit."""
+    import cloudpickle
+
+    seen.add(id(value))
+    if depth < 16:
+        for suffix, child in _children(value):
+            if id(child) in seen:
+                continue
+            try:
+                cloudpickle.dumps(child)
+            except Exception as child_error:
+                return _first_unpicklable(child, path + suffix, child_error, seen, depth + 1)
+    return path, value, error
+
+
+def ensure_picklable(named: dict[str, Any]) -> None:
+    """Check that each object can be sent to the workers; else a TypeError naming the culprit.
+
+    The error names the argument, the attribute path to the object that cannot be pickled (for
+    example ``model.1.lock``), its type and what to do.
+
+    Example::
+
+        ensure_picklable({"model": model, "loss_fn": loss_fn})
+    """
+    import cloudpickle
+
+    for name, value in named.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as error:
+            path, culprit, cause = _first_unpicklable(value, name, error, set())
+            raise TypeError(
+                f"cannot send {name} to the worker processes: {path} (a {type(culprit).__module__}."
+                f"{type(culprit).__qualname__}) cannot be pickled ({type(cause).__name__}: {cause}). The processes "
+                f"executor sends the model, loss_fn, optimizer and batch to each rank by value (cloudpickle): "
+                f"remove or replace that object (create it where it is used, or leave it out in __getstate__), "
+                "or run in this process with executor='threads'") from error
+
+
+def pack_job(function: Callable[..., Any], kwargs: dict[str, Any]) -> bytes:
+    """``function`` and its keyword arguments as bytes a worker runs as ``function(rank, world, **kwargs)``.
+
+    Example::
+
+        payload = pack_job(pipexplore.distributed._rank_step, {"job": job})
+    """
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps((function, kwargs)))
+    except Exception:
+        ensure_picklable(kwargs)  # names the culprit
+        raise

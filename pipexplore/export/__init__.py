@@ -1,0 +1,1 @@
+"""Code and files out: the torchrun script, torchtitan's module FQNs."""

@@ -1,0 +1,1 @@
+"""Any model into stages: tracing with torch.distributed.pipelining, flattening, model inputs."""

@@ -1,0 +1,596 @@
+"""Models that are not ``nn.Sequential``: candidate split points at any depth, their costs, and
+splits through ``torch.distributed.pipelining.pipeline`` (PyTorch's tracer; pipexplore does not trace itself).
+
+::
+
+    table = trace.candidates(model, {"input_ids": ids})   # one row per block, in execution order
+    pipe = trace.split(model, {"input_ids": ids[:2]}, ["transformer.h.2"])
+    trace.skip_routes_of(pipe)                            # values that jump over stages
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+import time
+import warnings
+from typing import Any, Optional, Sequence
+
+import pandas as pd
+import torch
+from torch import fx, nn
+
+from pipexplore.microbatch import tensors_in
+from pipexplore.models.inputs import call_inputs
+
+#: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
+#: take a list of stages per rank (several stages on one rank).
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
+MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+
+__all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
+           "inputs_past_first_stage", "split", "skip_routes_of",
+           "module_fqns_per_model_part", "torchrun_script", "SCHEDULE_CLASSES", "MULTI_STAGE"]
+
+#: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
+#: containers sit) or ``children`` (each block opened one level more).
+GRANULARITIES = ("blocks", "children")
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+class TraceError(RuntimeError):
+    """The model could not be captured as one graph, or split where asked; the message says what to do."""
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    """A container of blocks: a ``ModuleList``, ``ModuleDict`` or ``Sequential`` whose every
+    element is itself made of modules (``h.0``, ``layers["0"]``), not of plain layers."""
+    return isinstance(module, _CONTAINERS) and len(module) > 0 and all(
+        next(child.children(), None) is not None for child in module.children())
+
+
+def _opens(module: nn.Module, *, top: bool, in_block: bool) -> bool:
+    """Whether ``module`` is opened (its children become candidates) rather than being one.
+
+    Containers at the top of the model always open (as before); block lists open anywhere.
+    Outside blocks a module opens when a block list sits anywhere below it (``transformer`` of
+    ``transformer.h.N``, ``bert.encoder`` of ``bert.encoder.layer.N``). A block opens only when
+    block lists among its direct children hold most of its weights (``stages.N`` of
+    ``stages.N.blocks.M``), so that blocks keep lesser inner lists (attention heads) closed.
+    """
+    if isinstance(module, _CONTAINERS) and len(module) > 0 and (top or _is_block_list(module)):
+        return True
+    if not in_block:
+        return any(_is_block_list(m) for m in module.modules())
+    lists = [child for child in module.children() if _is_block_list(child)]
+    if not lists:
+        return False
+
+    def size(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters()) or sum(1 for _ in m.modules())
+
+    return 2 * sum(size(child) for child in lists) > size(module)
+
+
+def candidate_modules(model: nn.Module, granularity: str = "blocks") -> list[tuple[str, nn.Module]]:
+    """Modules a pipeline stage can begin at, by FQN, in the model's registration order.
+
+    ``granularity='blocks'``: the model's children, with containers opened wherever they sit —
+    ``ModuleList``, ``ModuleDict`` and ``Sequential`` holding blocks inside attributes, nested
+    (``transformer.h.0``, ``model.layers.0``, ``layers.0`` of a ``ModuleDict``,
+    ``encoder.layer.0``, ``backbone.stages.0.blocks.0``); a container at the top of the model
+    opens even when it holds plain layers. ``granularity='children'``: each of those blocks opened
+    one level more (``transformer.h.0.attn``, ``transformer.h.0.mlp``, …; a ``ModuleList`` child,
+    never called itself, gives its elements).
+
+    Example::
+
+        [name for name, _ in candidate_modules(gpt2)]
+        # ['transformer.wte', 'transformer.wpe', 'transformer.drop', 'transformer.h.0', …, 'lm_head']
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(fqn: str, module: nn.Module, *, top: bool, in_block: bool) -> None:
+        if fqn and not _opens(module, top=top, in_block=in_block):
+            found.append((fqn, module))
+            return
+        inner = in_block or _is_block_list(module)
+        for name, child in module.named_children():
+            visit(f"{fqn}.{name}" if fqn else name, child, top=not fqn, in_block=inner)
+
+    visit("", model, top=True, in_block=False)
+    if granularity == "children":
+        opened: list[tuple[str, nn.Module]] = []
+        for fqn, module in found:
+            children = [(f"{fqn}.{name}", child) for name, child in module.named_children()] or [(fqn, module)]
+            for name, child in children:  # a ModuleList or ModuleDict is never called itself: its elements are
+                lists = isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0
+                opened += [(f"{name}.{key}", element) for key, element in child.named_children()] if lists \
+                    else [(name, child)]
+        found = opened
+    return found
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """The same value seen by two blocks: backward hooks hand the caller a view, not the object."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, Any]] = None,
+               granularity: str = "blocks", loss_fn: Any = None, target: Any = None, repeats: int = 3,
+               warmup: int = 1) -> pd.DataFrame:
+    """Profile each candidate split point (:func:`candidate_modules`) as it runs in the model.
+
+    ``sample`` is one mini-batch as the model takes it: a tensor, a tuple of positional inputs or
+    a dict of keyword inputs (``input_ids``, ``attention_mask``, ``labels``); ``mb_kwargs`` adds
+    keyword inputs. Hooks time every candidate inside real forward and backward passes of the
+    whole model, ``warmup`` passes first (untimed: allocation, dispatch caches), then ``repeats``
+    timed ones; ``loss_fn(output, target)`` receives the output as the model returns it
+    (default: the mean of the squared floating outputs).
+
+    Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
+    gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
+    candidates (an output consumed by a later, non-adjacent candidate), and ``shared`` naming
+    parameters used by several candidates (tied weights). Times are medians over ``repeats``.
+
+    Example::
+
+        table = trace.candidates(gpt2, {"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss)
+        table[["name", "forward", "backward", "shared"]]
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be 0 or more passes, got {warmup}")
+    args, kwargs = call_inputs(sample)
+    kwargs.update(mb_kwargs or {})
+    blocks = candidate_modules(model, granularity)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no child modules to split between")
+    index = {id(module): k for k, (_, module) in enumerate(blocks)}
+    order: list[int] = []
+    forward: dict[int, list[float]] = {k: [] for k in range(len(blocks))}
+    backward: dict[int, list[float]] = {k: [] for k in range(len(blocks))}
+    out_bytes: dict[int, int] = {}
+    edges: set[tuple[int, int]] = set()
+    producer: dict[tuple, tuple[int, torch.Tensor]] = {}
+    started: dict[int, float] = {}
+    bwd_start: dict[int, float] = {}
+    bwd_end: dict[int, float] = {}
+    handles = []
+
+    def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        k = index[id(module)]
+        if k not in order:
+            order.append(k)
+        position = order.index(k)
+        for t in tensors_in(args) + tensors_in(kwargs):
+            source = producer.get(_identity(t), (None, None))[0]
+            if source is not None and order.index(source) < position - 1:  # skips a block in execution order
+                edges.add((source, k))
+        started[k] = time.perf_counter()
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        k = index[id(module)]
+        forward[k].append(time.perf_counter() - started[k])
+        tensors = tensors_in(output)
+        out_bytes[k] = sum(t.numel() * t.element_size() for t in tensors)
+        for t in tensors:
+            producer[_identity(t)] = (k, t)  # held for the pass: a freed address reused is not this value
+
+    def bwd_pre(module: nn.Module, grad_output: Any) -> None:
+        bwd_start[index[id(module)]] = time.perf_counter()
+
+    def bwd_post(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        bwd_end[index[id(module)]] = time.perf_counter()
+
+    for _, module in blocks:
+        handles += [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post),
+                    module.register_full_backward_pre_hook(bwd_pre), module.register_full_backward_hook(bwd_post)]
+    owners: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for k, (_, module) in enumerate(blocks):
+        for param in module.parameters():
+            owners.setdefault(id(param), []).append(k)
+            params[id(param)] = param
+
+    def accumulated(blocks_of_param: tuple[int, ...]) -> Any:
+        def hook(_: torch.Tensor) -> None:  # a block's backward ends at its weights' last accumulation
+            now = time.perf_counter()
+            for j in blocks_of_param:
+                bwd_end[j] = max(bwd_end.get(j, 0.0), now)
+        return hook
+
+    for pid, ks in owners.items():
+        if params[pid].requires_grad:
+            handles.append(params[pid].register_post_accumulate_grad_hook(accumulated(tuple(ks))))
+    with warnings.catch_warnings():
+        try:
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for timed in [False] * warmup + [True] * repeats:
+                producer.clear()
+                bwd_start.clear()
+                bwd_end.clear()
+                output = model(*args, **kwargs)
+                loss = loss_fn(output, target) if loss_fn is not None else sum(
+                    t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                if not timed:
+                    for times in forward.values():
+                        times.clear()
+                    continue
+                for k in range(len(blocks)):
+                    if k in bwd_start:
+                        backward[k].append(max(0.0, bwd_end.get(k, bwd_start[k]) - bwd_start[k]))
+        finally:
+            producer.clear()
+            for handle in handles:
+                handle.remove()
+    if len(order) < len(blocks):
+        unused = [blocks[k][0] for k in range(len(blocks)) if k not in order]
+        order += [k for k in range(len(blocks)) if k not in order]
+        warnings.warn(f"blocks not called in forward: {unused}", stacklevel=2)
+    shared = {k: [] for k in range(len(blocks))}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for pid, ks in owners.items():
+        if len(set(ks)) > 1:
+            for k in ks:
+                shared[k].append(names.get(pid, "?"))
+    rows = []
+    position = {k: p for p, k in enumerate(order)}
+    for k in order:
+        name, module = blocks[k]
+        routes = sorted((position[src], position[dst]) for src, dst in edges)
+        stash = [f"v{src}>{dst}" for src, dst in routes if src == position[k]]
+        pop = [f"v{src}>{dst}" for src, dst in routes if dst == position[k]]
+        rows.append({
+            "name": name, "type": type(module).__name__,
+            "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
+            "output_bytes": out_bytes.get(k, 0),
+            "forward": sorted(forward[k])[len(forward[k]) // 2] if forward[k] else 0.0,
+            "backward": sorted(backward[k])[len(backward[k]) // 2] if backward[k] else 0.0,
+            "stash": ",".join(stash), "pop": ",".join(pop), "stash_keys": ",".join(stash), "pop_keys": ",".join(pop),
+            "shared": ",".join(sorted(set(shared[k]))), "order": position[k],
+        })
+    return pd.DataFrame(rows)
+
+
+def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
+                     calls: dict[str, int]) -> list[tuple[nn.Module, Any]]:
+    """Make each split point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``),
+    counting the calls; returns each module with the instance ``forward`` it had (or None)."""
+    from torch.distributed.pipelining import pipe_split
+
+    modules = dict(model.named_modules())
+    marked = []
+    for fqn in split_points:
+        module = modules[fqn]
+        forward = module.forward
+        marked.append((module, module.__dict__.get("forward")))
+
+        def begin_stage(*args: Any, _forward: Any = forward, _fqn: str = fqn, **kwargs: Any) -> Any:
+            calls[_fqn] += 1
+            pipe_split()
+            return _forward(*args, **kwargs)
+
+        module.forward = begin_stage  # type: ignore[method-assign]
+    return marked
+
+
+def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline the ``torch.no_grad()`` regions (``wrap_with_set_grad_enabled``) whose inputs need no
+    gradient — buffers and integer inputs, like a rotary embedding's ``inv_freq`` and positions.
+
+    torch's splitter files such a region's body under its module twice, apart, and builds a stage
+    that cannot run (pytorch/pytorch#184361, every Hugging Face model with RoPE). Without the
+    wrapper the graph is the same computation: no gradient could flow through it anyway.
+    """
+    try:
+        from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    except ImportError:  # an older torch without the wrapper has nothing to inline
+        return gm
+    graph = gm.graph
+    needs_grad: set[fx.Node] = set()
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            try:
+                value = operator.attrgetter(str(node.target))(gm)
+            except AttributeError:
+                value = None
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                needs_grad.add(node)
+            continue
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            if value is None or torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
+                needs_grad.add(node)  # an input of unknown type counts as one that may need a gradient
+            continue
+        inputs_need_grad = any(n in needs_grad for n in node.all_input_nodes)
+        if not (node.op == "call_function" and node.target is wrap_with_set_grad_enabled):
+            if inputs_need_grad:
+                needs_grad.add(node)
+            continue
+        enable, body_node, *args = node.args
+        if inputs_need_grad and enable is not False:
+            needs_grad.add(node)
+        body = operator.attrgetter(str(body_node.target))(gm)
+        own_weights = [p for p in body.parameters() if p.requires_grad]
+        if inputs_need_grad or own_weights:
+            continue  # gradients could flow through it: torch's own handling stays
+        stack = node.meta.get("nn_module_stack", {})
+        env: dict[fx.Node, Any] = {}
+        outputs: Any = None
+        with graph.inserting_before(node):
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            env.update(zip(placeholders, args))
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    outputs = fx.map_arg(inner.args[0], lambda n: env[n])
+                    continue
+                if inner.op == "get_attr":
+                    name = f"{body_node.target}_{inner.target}".replace(".", "_")
+                    setattr(gm, name, operator.attrgetter(str(inner.target))(body))
+                    copied = graph.get_attr(name)
+                else:
+                    copied = graph.node_copy(inner, lambda n: env[n])
+                copied.meta = {**inner.meta, "nn_module_stack": stack}
+                env[inner] = copied
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(outputs)
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None,
+                       **options: Any) -> pd.DataFrame:
+    """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
+    with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
+    ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
+    ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
+
+    Example::
+
+        table = candidates_in_rows(model, {"input_ids": ids}, chunks=4)
+    """
+    from pipexplore.models.inputs import first_microbatch, sample_rows
+    from pipexplore.predict.profiler import fit_columns
+
+    whole = candidates(model, sample, target=target, **options)
+    batch = sample_rows(sample)
+    tables, rows = [whole], [batch]
+    if chunks > 1:
+        part = first_microbatch(sample, chunks)
+        part_rows = sample_rows(part)
+        part_target = target[:part_rows] if torch.is_tensor(target) and target.dim() > 0 else target
+        if part_rows < batch:
+            tables.insert(0, candidates(model, part, target=part_target, **options))
+            rows.insert(0, part_rows)
+    table = whole.copy()
+    fit_columns(table, tables, rows)
+    table.attrs.update(whole.attrs)
+    table.attrs.update(rows=tuple(rows), batch=batch)
+    return table
+
+
+def inputs_past_first_stage(pipe: Any) -> dict[str, int]:
+    """The model's inputs that a stage after the first reads directly (name → first such stage).
+
+    torch's ``PipelineStage`` feeds the model's inputs to stage 0 only, so a split whose later
+    stage reads an input itself (a Hugging Face model's ``labels``, read by the loss in the last
+    block) cannot run in processes; this process's executor delivers them.
+
+    Example::
+
+        inputs_past_first_stage(split(model, {"input_ids": ids, "labels": ids}, ["transformer.h.2"]))
+        # {'labels': 1}
+    """
+    found: dict[str, int] = {}
+    for node in pipe.split_gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        for user in node.users:
+            name = str(user.target)
+            if user.op == "call_module" and name.startswith("submod_"):
+                stage = int(name.rsplit("_", 1)[1])
+                if stage > 0:
+                    found[node.name] = min(found.get(node.name, stage), stage)
+    return found
+
+
+def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
+          mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
+    """Split ``model`` into pipeline stages with torch's tracer, each stage beginning at a split point.
+
+    As ``pipeline(model, mb_args, split_spec={fqn: SplitPoint.BEGINNING for each point})``.
+    ``mb_args`` is one micro-batch as the model takes it: a tensor, a tuple of positional inputs
+    or a dict of keyword inputs; ``mb_kwargs`` adds keyword inputs. The model is changed while
+    tracing: give a copy. The returned ``Pipe`` has ``output_spec``: the pytree structure of the
+    model's output (e.g. a Hugging Face ``ModelOutput``), to rebuild it from the flat outputs.
+
+    Raises :class:`TraceError` with what failed and what to do when the model cannot be traced,
+    when a split point names no submodule, or when a split point does not begin exactly one
+    stage (a module not called in forward, or called more than once).
+
+    Example::
+
+        pipe = trace.split(copy.deepcopy(gpt2), {"input_ids": ids[:2]}, ["transformer.h.2"])
+        pipe.num_stages   # 2
+    """
+    from torch.distributed.pipelining import pipeline
+
+    args, kwargs = call_inputs(mb_args)
+    kwargs.update(mb_kwargs or {})
+    split_points = list(split_points)
+    modules = dict(model.named_modules())
+    unknown = [fqn for fqn in split_points if fqn not in modules or not fqn]
+    if unknown:
+        examples = [name for name, _ in candidate_modules(model)][:6]
+        raise TraceError(f"split point(s) {unknown} name no submodule of {type(model).__name__}: a split point is a "
+                         f"module's FQN as model.named_modules() gives it, e.g. {examples} "
+                         "(trace.candidates lists them all)")
+    repeated = sorted({fqn for fqn in split_points if split_points.count(fqn) > 1})
+    if repeated:
+        raise TraceError(f"split point(s) {repeated} are given more than once: give each split point once")
+    calls = {fqn: 0 for fqn in split_points}
+    captured: dict[str, Any] = {}
+
+    def policy(gm: fx.GraphModule) -> fx.GraphModule:
+        codegen = getattr(gm.graph, "_codegen", None)
+        captured["output_spec"] = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+        return _inline_constant_no_grad_regions(gm)
+
+    noise = io.StringIO()
+    logger = logging.getLogger("torch")
+    level = logger.level
+    marked = _mark_beginnings(model, split_points, calls)
+    try:
+        logger.setLevel(logging.ERROR)
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=kwargs or None, split_policy=policy)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(
+            f"could not trace {type(model).__name__} into one graph to split it: {type(exc).__name__}: {first}\n"
+            "Typical causes: data-dependent control flow (an `if` on a tensor's value), graph breaks, or "
+            "operators without meta kernels. Mark the stage boundaries yourself with "
+            "`torch.distributed.pipelining.pipe_split()` inside forward, remove the data-dependent branch, or "
+            "build the stages with the manual API (`PipelineStage(stage_module, ...)`).") from exc
+    finally:
+        logger.setLevel(level)
+        for module, own_forward in marked:
+            if own_forward is None:
+                del module.forward
+            else:
+                module.forward = own_forward
+    never = [fqn for fqn, n in calls.items() if n == 0]
+    if never:
+        raise TraceError(f"split point(s) {never} did not begin a stage: {type(model).__name__}'s forward never "
+                         "calls them on this input; choose modules that forward calls (trace.candidates lists them "
+                         "in execution order)")
+    twice = [fqn for fqn, n in calls.items() if n > 1]
+    if twice:
+        raise TraceError(f"split point(s) {twice} would begin {max(calls[f] for f in twice)} stages each: forward "
+                         "calls them more than once (a shared module); split at a module that forward calls once")
+    pipe.output_spec = captured.get("output_spec")
+    return pipe
+
+
+def skip_routes_of(pipe: Any) -> list[tuple[int, int]]:
+    """``(producing stage, consuming stage)`` for every value that jumps over at least one stage."""
+    stage_of = {}
+    routes = set()
+    for node in pipe.split_gm.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("submod_pp_"):
+            stage = int(node.target.rsplit("_", 1)[1])
+            stage_of[node.name] = stage
+            for arg in node.all_input_nodes:
+                source = arg
+                while source.op == "call_function" and source.all_input_nodes:  # getitem of a stage's tuple
+                    source = source.all_input_nodes[0]
+                if source.name in stage_of and stage_of[source.name] < stage - 1:
+                    routes.add((stage_of[source.name], stage))
+    return sorted(routes)
+
+
+def module_fqns_per_model_part(table: pd.DataFrame, splits: Sequence[int]) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part``: the block FQNs of each stage."""
+    names = [str(n) for n in table["name"]]
+    points = [0, *splits, len(names)]
+    return [names[a:b] for a, b in zip(points, points[1:])]
+
+
+_SCRIPT = '''"""Pipeline training with torch.distributed.pipelining, exported by pipexplore.
+
+{stages} stages ({schedule}, {chunks} micro-batches per step), split at {split_points}.
+Run on one machine:   torchrun --standalone --nproc-per-node {world} {filename}
+The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target) and
+loss_fn(output, target).
+"""
+import importlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}
+
+HOOKS = {hooks!r}
+SPLIT_POINTS = {split_points!r}
+CHUNKS = {chunks}
+STEPS = {steps}
+# The same split for torchtitan's pipeline config:
+MODULE_FQNS_PER_MODEL_PART = {fqns!r}
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hooks = importlib.import_module(HOOKS)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    model = hooks.build_model()
+    inputs, target = hooks.get_batch()
+    pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
+                    split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
+    indices = list(range(rank, pipe.num_stages, world))
+    stages = [pipe.build_stage(s, device) for s in indices]
+    schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn)
+    optimizer = torch.optim.SGD([p for stage in stages for p in stage.submod.parameters()], lr=0.01)
+    last = pipe.num_stages - 1 in indices
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        kwargs = dict(target=target.to(device), losses=losses) if last else {{}}
+        if 0 in indices:
+            schedule.step(inputs.to(device), **kwargs)
+        else:
+            schedule.step(**kwargs)
+        optimizer.step()
+        if last:
+            print(f"step {{step}} loss={{sum(l.item() for l in losses) / len(losses):.6f}}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
+                    devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
+    """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
+    schedule and trains with the model, data and loss of the ``hooks`` module."""
+    if schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)}; not {schedule!r}")
+    if not hooks or not all(part.isidentifier() for part in hooks.split(".")):
+        raise ValueError(f"hooks must name an importable module (e.g. 'mypackage.train_hooks'), got {hooks!r}")
+    names = [str(n) for n in table["name"]]
+    schedule_class = SCHEDULE_CLASSES[schedule]
+    stages = len(splits) + 1
+    world = devices or stages
+    return _SCRIPT.format(
+        stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
+        filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps,
+        fqns=module_fqns_per_model_part(table, splits),
+        stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]")

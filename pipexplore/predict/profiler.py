@@ -1,0 +1,660 @@
+"""Layer profiles: what each layer of an ``nn.Sequential`` costs, as a DataFrame."""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor, nn
+
+from pipexplore import background
+from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_worker_matters
+from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
+from pipexplore.saved import SavedBytes
+from pipexplore.skip.skippable import Skippable
+from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
+
+__all__ = ["profile", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
+
+LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
+                 "stash_keys", "pop_keys"]
+#: Cost as a function of the rows ``n`` of a micro-batch: ``t(n) = a + b·n`` per phase, bytes per
+#: row, the share of its device (the host's cores, or a GPU) a phase keeps busy when it runs
+#: alone, what the zero-bubble input- and weight-gradient passes cost as fractions of the backward
+#: (together often 1.2–1.5×: two passes over the graph), what a forward without autograd (a
+#: checkpointed micro-batch's) costs as a fraction of the forward, and how repeatable the timings were.
+FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
+               "saved_bytes_per_row", "share_forward", "share_backward", "input_grad_ratio", "weight_grad_ratio",
+               "checkpointed_ratio", "spread"]
+
+#: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
+TARGET_SPREAD = 0.05
+
+
+def _keys(pairs: Any) -> str:
+    """Skip names qualified by namespace (``name@id``), so that isolated names pair up right."""
+    return ",".join(f"{name}@{'' if ns is None else ns.id.hex[:12]}" for ns, name in pairs)
+
+
+def _detach(value: TensorOrTensors) -> TensorOrTensors:
+    def one(t: Tensor) -> Tensor:
+        t = t.detach()
+        return t.requires_grad_() if t.is_floating_point() else t
+
+    if torch.is_tensor(value):
+        return one(value)  # type: ignore[arg-type]
+    return tuple(one(t) for t in value)  # type: ignore[union-attr]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rows(value: TensorOrTensors, rows: int) -> TensorOrTensors:
+    if torch.is_tensor(value):
+        return value[:rows]  # type: ignore[index]
+    return tuple(t[:rows] for t in value)  # type: ignore[union-attr]
+
+
+def _spread(times: list[float]) -> float:
+    """Interquartile range over the median (0 when there are too few samples to tell)."""
+    if len(times) < 3:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    median = statistics.median(times)
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+class _Timer:
+    """Wall and process-CPU seconds of repeated calls: the CPU time over the wall time is the
+    number of cores the work keeps busy (≈0 for a sleep, ≈ the intra-op threads for a GEMM)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.wall: list[float] = []
+        self.cpu = 0.0
+
+    def __call__(self, work: Callable[[], Any]) -> Any:
+        _sync(self.device)
+        c0, t0 = time.process_time(), time.perf_counter()
+        result = work()
+        _sync(self.device)
+        self.wall.append(time.perf_counter() - t0)
+        self.cpu += time.process_time() - c0
+        return result
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.wall) if self.wall else 0.0
+
+    @property
+    def cores(self) -> float:
+        total = sum(self.wall)
+        return self.cpu / total if total > 0 else 0.0
+
+
+def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``t(n) = a + b·n`` by least squares, with ``a, b ≥ 0``; one size: proportional (a = 0)."""
+    n = np.asarray(rows, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if len(set(rows)) < 2:
+        return 0.0, float(t.mean() / max(n.mean(), 1.0))
+    b, a = np.polyfit(n, t, 1)
+    if b < 0:
+        return float(t.mean()), 0.0
+    if a < 0:
+        return 0.0, float((n * t).sum() / (n * n).sum())
+    return float(a), float(b)
+
+
+def fit_columns(table: pd.DataFrame, tables: Sequence[pd.DataFrame], rows: Sequence[int]) -> None:
+    """Write ``forward_a``/``forward_b``/``backward_a``/``backward_b`` into ``table``: per layer, the
+    line ``t(n) = a + b·n`` through its seconds in ``tables``, one table profiled per size in ``rows``.
+
+    Example::
+
+        fit_columns(table, [at_16_rows, at_64_rows], [16, 64])
+    """
+    for phase in ("forward", "backward"):
+        fits = [_fit(rows, [float(t[phase].iloc[k]) for t in tables]) for k in range(len(table))]
+        table[f"{phase}_a"] = [a for a, _ in fits]
+        table[f"{phase}_b"] = [b for _, b in fits]
+
+
+def _popping(skips: dict[Any, Tensor]) -> SkipTracker:
+    """A skip tracker holding fresh leaves of ``skips``: what a layer that pops them reads, as if
+    the layers before it had just stashed them."""
+    tracker = SkipTracker()
+    tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
+    return tracker
+
+
+def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                        repeats: int, seconds: float = 0.0) -> tuple[float, float]:
+    """How much slower a layer's forward and backward run while a second thread runs the same
+    work at the same time: 1 when they overlap freely (sleeps, a host left free), 2 when they
+    share the cores fully. Catches what CPU time cannot: intra-op threads that spin while they
+    wait, the GIL, memory bandwidth.
+
+    Measured in rounds that alternate two calls alone (in this thread) with three calls in each
+    of two threads at once (the middle ones compared: the threads start and end a little apart),
+    the first round dropped: how fast a shared machine runs drifts from one
+    moment to the next, and a ratio of times taken far apart carries that drift (the shares of the
+    same layer went 0.51 → 0.90 between two profiles when the twins ran once, apart from the
+    calls alone). ``seconds``: one forward and backward's time, to bound the rounds to ~0.15 s
+    (at least ``repeats + 1``, at most 12)."""
+    rounds = max(repeats + 1, min(12, int(0.15 / (8 * seconds)) if seconds > 0 else repeats + 1))
+    alone = (_Timer(target), _Timer(target))
+    twins = [(_Timer(target), _Timer(target)) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def call(forward: _Timer, backward: _Timer) -> None:
+        tracker = _popping(skips)
+        with use_skip_tracker(tracker), torch.enable_grad():
+            output = forward(lambda: layer(_detach(value)))
+        outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
+        backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+
+    def twin(barrier: threading.Barrier, timers: tuple[_Timer, _Timer]) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):  # the middle call is the one both threads run through at once
+                call(*timers)
+        except BaseException as exc:  # a layer that cannot run in two threads: no contention measured
+            errors.append(exc)
+            barrier.abort()
+
+    threads_count = torch.get_num_threads()
+    for _ in range(rounds):
+        for _ in range(2):
+            call(*alone)
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=lambda pair=pair: (torch.set_num_threads(threads_count),
+                                                               twin(barrier, pair)), daemon=True)
+                   for pair in twins]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            break
+    layer.zero_grad(set_to_none=True)
+    if errors:
+        return 1.0, 1.0
+
+    def ratio(k: int) -> float:  # the first round of each side dropped (warm-up)
+        together = statistics.median([w for pair in twins for w in pair[k].wall[4::3]])
+        by_itself = statistics.median(alone[k].wall[2:])
+        return together / by_itself if by_itself > 0 else 1.0
+
+    return ratio(0), ratio(1)
+
+
+def _checkpointed_ratio(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                        repeats: int) -> float:
+    """What a checkpointed micro-batch's forward costs (without autograd: nothing kept for
+    backward, as the executors run it) over the forward with autograd, timed in alternation."""
+    timers = (_Timer(target), _Timer(target))
+    for _ in range(repeats + 1):
+        for grad, timer in zip((False, True), timers):
+            with use_skip_tracker(_popping(skips)), torch.set_grad_enabled(grad):
+                timer(lambda: layer(_detach(value)))
+    without, with_grad = (statistics.median(t.wall[1:]) for t in timers)
+    return without / with_grad if with_grad > 0 else 1.0
+
+
+def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
+                    repeats: int, backward: float) -> tuple[float, float]:
+    """The input-gradient (I) and weight-gradient (W) passes of zero-bubble schedules, as the
+    executors run them (``torch.distributed.pipelining``'s ``stage_backward_input`` then
+    ``stage_backward_weight``), each over the plain ``backward`` seconds: ``(1, 0)`` for a layer
+    without weights, ``(nan, nan)`` where they cannot be timed (no output or input that needs a
+    gradient, or torch refuses the layer)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:  # no weights: I is the whole backward, W nothing
+        return 1.0, 0.0
+    if backward <= 0:
+        return math.nan, math.nan
+    timers = (_Timer(target), _Timer(target))
+    try:
+        for _ in range(repeats + 1):
+            tracker = _popping(skips)
+            popped = [tracker.tensors[key] for key in skips]  # type: ignore[index]
+            leaf = _detach(value)
+            with use_skip_tracker(tracker), torch.enable_grad():
+                output = layer(leaf)
+            outs = [t for t in tensors_in(output) + [t for k, t in tracker.tensors.items() if k not in skips]
+                    if t.requires_grad]
+            inputs = [t for t in tensors_in(leaf) + popped if t.requires_grad]
+            if not outs or not inputs:
+                return math.nan, math.nan
+            _, groups = timers[0](lambda: stage_backward_input(outs, [torch.ones_like(t) for t in outs], inputs,
+                                                               iter(params)))
+            timers[1](lambda: stage_backward_weight(iter(params), groups))
+        layer.zero_grad(set_to_none=True)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        layer.zero_grad(set_to_none=True)
+        return math.nan, math.nan
+    return (statistics.median(timers[0].wall[1:]) / backward, statistics.median(timers[1].wall[1:]) / backward)
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _signature(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor]) -> Optional[tuple]:
+    """What makes two layers the same work: the module tree's types, plain settings (``in_features``,
+    a sleep's seconds, …) and ``repr``, its parameters' and buffers' shapes, dtypes and devices, and
+    its inputs' (with the skip tensors it pops). ``None`` when it cannot be told."""
+    try:
+        settings = tuple((type(m).__qualname__, tuple((k, v) for k, v in sorted(vars(m).items())
+                                                      if not k.startswith("_") and _plain(v)))
+                         for m in layer.modules())
+        tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+                        for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+        inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in(value))
+        popped = tuple(sorted((str(k), tuple(t.shape), t.dtype) for k, t in skips.items())) \
+            if isinstance(layer, Skippable) else ()
+        return repr(layer), settings, tensors, inputs, popped
+    except Exception:  # a module whose repr or attributes cannot be read: measured on its own
+        return None
+
+
+class _LayerRun:
+    """One layer's input (and the skip tensors it pops), ready to be called again and again."""
+
+    def __init__(self, name: str, layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor],
+                 target: torch.device) -> None:
+        self.name, self.layer, self.value, self.skips = name, layer, value, dict(skips)
+        self.forward, self.backward = _Timer(target), _Timer(target)
+        self.saved = SavedBytes(layer)
+        self.output: Any = None
+        self.stashed: dict[Any, Tensor] = {}
+
+    def call(self, timed: bool) -> None:
+        tracker = _popping(self.skips)
+        memory = SavedBytes(self.layer) if timed else self.saved
+
+        def run_forward() -> Any:
+            with use_skip_tracker(tracker), torch.enable_grad(), memory.hooks():
+                return self.layer(self.value)
+
+        output = self.forward(run_forward) if timed else run_forward()
+        stashed = {key: t for key, t in tracker.tensors.items() if key not in self.skips}
+        outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
+
+        def run_backward() -> None:
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+        self.backward(run_backward) if timed else run_backward()
+        self.layer.zero_grad(set_to_none=True)
+        if not timed:
+            self.output, self.stashed = output, stashed
+
+
+class _Kind:
+    """The layers of one profile that do the same work (see :func:`_signature`; a layer whose work
+    cannot be told is a kind of its own): their timings are pooled, so a model's repeated blocks
+    reach a reliable median in fewer rounds, and share it."""
+
+    def __init__(self) -> None:
+        self.runs: list[_LayerRun] = []
+
+    def walls(self, phase: str) -> list[float]:
+        return [w for run in self.runs for w in getattr(run, phase).wall]
+
+    def median(self, phase: str) -> float:
+        walls = self.walls(phase)
+        return statistics.median(walls) if walls else 0.0
+
+    def cores(self, phase: str) -> float:
+        total = sum(self.walls(phase))
+        return sum(getattr(run, phase).cpu for run in self.runs) / total if total > 0 else 0.0
+
+    @property
+    def spread(self) -> float:
+        """The interquartile range over the median of the pooled calls (the worse phase)."""
+        return max(_spread(self.walls("forward")), _spread(self.walls("backward")))
+
+    @property
+    def settled(self) -> bool:
+        """Whether the pooled median is known to :data:`TARGET_SPREAD`: the spread of one call,
+        narrowed by the square root of the layers that share it (one layer: its own spread)."""
+        return self.spread / math.sqrt(len(self.runs)) <= TARGET_SPREAD
+
+
+def _chain(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
+           same_work_once: bool) -> list[tuple[_LayerRun, Any]]:
+    """Every layer ready to be called on its own input from the chain (each called once, untimed:
+    the first call pays allocation, kernel selection and dispatch caches, and gives the next layer
+    its input, with the skip tensors stashed before it), with its kind: what makes two layers the
+    same work (:func:`_signature`; with ``same_work_once=False``, or where that cannot be told, a
+    kind of its own)."""
+    skips: dict[Any, Tensor] = {}
+    chain = []
+    for index, (name, layer) in enumerate(module.named_children()):
+        run = _LayerRun(name, layer, value, skips, target)
+        signature = _signature(layer, value, run.skips) if same_work_once else None
+        chain.append((run, signature if signature is not None else ("alone", index)))
+        run.call(timed=False)
+        if isinstance(layer, Skippable):
+            for ns_name in layer.poppable():
+                skips.pop(ns_name, None)
+        skips.update({key: t.detach() for key, t in run.stashed.items()})
+        value = _detach(run.output)
+    return chain
+
+
+def _on_device(sample: TensorOrTensors, target: torch.device) -> TensorOrTensors:
+    """The sample's tensors (a tensor, or a tuple of them) on ``target``."""
+    value: TensorOrTensors = Batch(sample).call(lambda v: v).tensor_or_tensors
+    return tuple(t.to(target) for t in value) if isinstance(value, tuple) else value.to(target)
+
+
+def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
+                  max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
+                  done_before: int, total: int, contend: bool, same_work_once: bool = True,
+                  split_backward: bool = True) -> list[dict[str, Any]]:
+    """Time every layer on one micro-batch ``value``, each on its own input from the chain.
+
+    First one untimed call per layer (the first call pays allocation, kernel selection and
+    dispatch caches, and gives the next layer its input); then rounds that time every layer once,
+    until each layer's spread is small: a disturbance of the machine lands on one round of every
+    layer rather than on all the samples of one layer. Layers that do the same work pool their
+    calls (``same_work_once``): a kind of layer whose pooled median is settled after ``repeats``
+    rounds sits the later rounds out.
+    """
+    layers: list[_LayerRun] = []
+    kinds: dict[Any, _Kind] = {}
+    kind_of: list[_Kind] = []
+    for run, key in _chain(module, value, target, same_work_once):
+        kind = kinds.setdefault(key, _Kind())
+        kind.runs.append(run)
+        kind_of.append(kind)
+        layers.append(run)
+    settled: set[int] = set()  # the kinds whose times already agree (after ``repeats`` rounds)
+    for k in range(1, max_repeats + 1):
+        for index, run in enumerate(layers):
+            if id(kind_of[index]) in settled:
+                continue  # this kind of layer's times already agree: rounds go on for the others
+            run.call(timed=True)
+            if k == 1 and progress is not None:
+                progress(done_before + index + 1, total)
+        if k >= repeats:
+            settled = {id(kind) for kind in kinds.values() if kind.settled}
+            if len(settled) == len(kinds):
+                break
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+    rows = []
+    # Each kind's pooled times, once; its ratios (slowdown beside a twin, input- and weight-gradient
+    # over backward) measured on its first layer.
+    times = {id(kind): (kind.median("forward"), kind.median("backward"), kind.cores("forward"),
+                        kind.cores("backward"), kind.spread, any(kind.walls("backward"))) for kind in kinds.values()}
+    ratios: dict[int, tuple[float, float, float, float, float]] = {}
+    for run, kind in zip(layers, kind_of):
+        layer = run.layer
+        forward, backward, cpu_forward, cpu_backward, spread, backward_ran = times[id(kind)]
+        slow_forward = slow_backward = input_ratio = weight_ratio = checkpointed = math.nan
+        if contend:
+            known = ratios.get(id(kind))
+            if known is None:
+                slow_forward, slow_backward = _contended_slowdown(layer, run.value, run.skips, target, repeats,
+                                                                  forward + backward)
+                input_ratio, weight_ratio = (_split_backward(layer, run.value, run.skips, target, repeats, backward)
+                                             if split_backward else (math.nan, math.nan))
+                checkpointed = _checkpointed_ratio(layer, run.value, run.skips, target, repeats)
+                ratios[id(kind)] = (slow_forward, slow_backward, input_ratio, weight_ratio, checkpointed)
+            else:
+                slow_forward, slow_backward, input_ratio, weight_ratio, checkpointed = known
+        rows.append({
+            "name": run.name,
+            "type": type(layer).__name__,
+            "param_bytes": _bytes(list(layer.parameters())),
+            "output_bytes": _bytes(tensors_in(run.output)) + _bytes(list(run.stashed.values())),
+            "saved_bytes": run.saved.total,
+            "forward": forward,
+            "backward": backward if backward_ran else 0.0,
+            "cpu_forward": cpu_forward,
+            "cpu_backward": cpu_backward,
+            "slow_forward": slow_forward,
+            "slow_backward": slow_backward,
+            "input_grad_ratio": input_ratio,
+            "weight_grad_ratio": weight_ratio,
+            "checkpointed_ratio": checkpointed,
+            "spread": spread,
+            "stash": ",".join(n for _, n in layer.stashable()) if isinstance(layer, Skippable) else "",
+            "pop": ",".join(n for _, n in layer.poppable()) if isinstance(layer, Skippable) else "",
+            "stash_keys": _keys(layer.stashable()) if isinstance(layer, Skippable) else "",
+            "pop_keys": _keys(layer.poppable()) if isinstance(layer, Skippable) else "",
+        })
+    return rows
+
+
+def _shares(per_size: list[pd.DataFrame], phase: str, device: torch.device) -> np.ndarray:
+    """The share of its device a phase keeps busy when it runs alone, in 0…1.
+
+    Beside a twin doing the same work, a phase that runs ``s`` times slower asks for ``s/2`` of
+    the device (1: the twins serialise; ½ or less: they overlap freely). On the host, the share
+    starts from the process CPU time over wall time, over the cores (a sleep asks for nothing, a
+    single-threaded layer on 2 cores for ½), times the twins' slowdown where they slow each
+    other (the GIL, memory bandwidth: what CPU time cannot show), so that two such stages are
+    predicted as slow as the twins ran.
+    """
+    slow = per_size[0][f"slow_{phase}"].to_numpy(dtype=float)
+    contended = np.clip(np.nan_to_num(slow, nan=2.0) / 2.0, 0.0, 1.0)
+    if device.type != "cpu":
+        return contended
+    capacity = float(host_cores())
+    cpu = np.clip(np.mean([t[f"cpu_{phase}"].to_numpy() for t in per_size], axis=0) / capacity, 0.0, 1.0)
+    return np.where(np.isnan(slow), cpu, np.clip(cpu * np.maximum(np.nan_to_num(slow, nan=1.0), 1.0), 0.0, 1.0))
+
+
+def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
+                         repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of the whole model, run as one chain (after one warm-up).
+
+    Gradients are set to None before each pass, so every timed backward allocates them afresh,
+    as a step's first micro-batch does (on a CPU, large allocations are fresh pages: 12 linear
+    layers of 512 at 32 rows take 1.0 ms a layer so, 0.64 ms accumulating). Letting them
+    accumulate instead, as later micro-batches do, was measured worse: side by side in three
+    rounds, the first runs of the accuracy benchmark's 14 MLP, conv and transformer configs went
+    from 11–12 % median |error| to 17–24 %, all biased low (what else a real step pays that the
+    layers alone do not: its fresh gradients once per stage, two stages' threads on the cores)."""
+    forward, backward = _Timer(target), _Timer(target)
+    for k in range(repeats + 1):
+        with use_skip_tracker(SkipTracker()), torch.enable_grad():
+            output = forward(lambda: module(_detach(value)))
+            outs = [t for t in tensors_in(output) if t.requires_grad]
+            backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+        module.zero_grad(set_to_none=True)
+        if k == 0:
+            forward.wall.clear()
+            backward.wall.clear()
+    return forward.median, backward.median
+
+
+def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
+            repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
+            microbatch_rows: Optional[Sequence[int]] = None,
+            progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
+            same_work_once: bool = True, split_backward: bool = True) -> pd.DataFrame:
+    """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
+
+    Each layer is called once untimed (the first call pays allocation and dispatch), then timed
+    in rounds that call every layer once (so that a disturbance of the machine lands on one round
+    of every layer, not on one layer), ``repeats`` rounds or more; after ``repeats`` a layer whose
+    interquartile range is within 5 % of its median sits out the later rounds, which go on until
+    every layer's is (at most ``max_repeats``; ``timeout`` seconds bound the whole profile).
+    ``progress(done, total)`` is called as layers are timed.
+
+    Layers that do the same work — the same type, settings, parameter shapes and input: a
+    model's repeated blocks — are one kind: their calls are pooled (a kind's median is settled
+    when its spread over the square root of its layers is within 5 %, so 256 identical layers
+    need 3 rounds, not 15) and they share one measurement of the first size's ratios (slowdown
+    beside a twin thread, input- and weight-gradient passes over the backward, a forward without
+    autograd over the forward: ``checkpointed_ratio``, what a checkpointed micro-batch's forward
+    costs).
+    ``same_work_once=False`` times and measures every layer on its own (for layers whose work
+    depends on what their attributes do not show). ``split_backward=False`` leaves the input-
+    and weight-gradient split (what zero-bubble schedules run) unmeasured (NaN; it needs
+    ``torch.distributed.pipelining``, ~1.5 s to import): :func:`backward_split` measures it later.
+
+    ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
+    or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
+    of a micro-batch (``forward_a``, ``forward_b``, …), fitted by least squares: a per-call cost
+    (``a``: dispatch, small kernels, sleeps) plus a per-row one. With one size the cost is taken
+    as proportional to the rows.
+
+    Returns one row per layer: ``name``, ``type``, ``param_bytes``; ``output_bytes`` (outputs and
+    stashed skip tensors) and ``saved_bytes`` (what autograd keeps for backward), both for the
+    whole ``sample``; ``forward`` and ``backward`` seconds for the whole sample (from the fit);
+    the fit columns (:data:`FIT_COLUMNS`: ``share_forward``/``share_backward`` are the share of
+    its device a phase keeps busy when it runs alone, measured beside a twin thread doing the same
+    work, and on the host capped by CPU time over wall time; ``spread`` is the worst
+    interquartile range over the median); ``stash`` and ``pop`` (skip names) and
+    ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``). ``table.attrs['rows']``
+    lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
+
+    ``threads``: the intra-op threads each layer runs with (``torch.set_num_threads`` for the
+    profile only; default: torch's current setting), as a CPU stage will run it when several share
+    the host (:func:`pipexplore.host.stage_threads`); ``table.attrs['threads']`` says which.
+
+    A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
+    add up to less than a pass through the whole model. With ``calibrate`` (the default) the
+    whole model is also timed at each size, and each layer's times are scaled so that the
+    layers add up to it.
+
+    Example::
+
+        table = pipexplore.profile(model, torch.randn(64, 128), microbatch_rows=[16, 64])
+        table[["name", "forward_a", "forward_b", "share_forward"]]
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"profile needs an nn.Sequential, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("cannot profile an empty module: it has no layers")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    batch = batch_size(sample)
+    sizes = sorted({int(n) for n in (microbatch_rows or [batch])})
+    if not sizes or sizes[0] < 1 or sizes[-1] > batch:
+        raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), "
+                         f"got {list(microbatch_rows or [])}")
+    if device is not None:
+        module.to(device)
+    first_param = next(module.parameters(), None)
+    target = torch.device(device) if device is not None else (first_param.device if first_param is not None
+                                                               else tensors_in(sample)[0].device)
+    background.wait()  # timed beside a background import, a layer would hold its share of the interpreter
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    value = _on_device(sample, target)
+    training = module.training
+    with sharing_cores(threads):
+        used_threads = torch.get_num_threads()
+
+        def timed() -> list[pd.DataFrame]:
+            return _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
+                                  same_work_once, split_backward)
+
+        # Where the stages run in worker threads with intra-op threads of their own, so are the layers
+        # timed (see pipexplore.host.as_stage_worker: in the main thread they would run faster).
+        in_worker = stage_worker_matters(target)
+        per_size = as_stage_worker(timed) if in_worker else timed()
+    module.train(training)
+
+    table = per_size[-1].copy()
+    last = sizes[-1]
+    fit_columns(table, per_size, sizes)
+    for phase in ("forward", "backward"):
+        table[phase] = table[f"{phase}_a"] + table[f"{phase}_b"] * batch
+        table[f"share_{phase}"] = _shares(per_size, phase, target)
+    for column in ("input_grad_ratio", "weight_grad_ratio", "checkpointed_ratio"):  # at the first (smallest) size
+        table[column] = per_size[0][column].to_numpy(dtype=float)
+    table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
+    table["output_bytes_per_row"] = table["output_bytes"] / last
+    table["saved_bytes_per_row"] = table["saved_bytes"] / last
+    table["output_bytes"] = table["output_bytes_per_row"] * batch
+    table["saved_bytes"] = table["saved_bytes_per_row"] * batch
+    table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
+    table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads,
+                       backward_split=split_backward, timed_in="a worker thread" if in_worker else "this thread")
+    return table
+
+
+def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.DataFrame, *,
+                   repeats: int = 3, threads: Optional[int] = None, same_work_once: bool = True) -> pd.DataFrame:
+    """``table`` (a :func:`profile` of ``module`` on ``sample``) with its input- and weight-gradient
+    split measured: ``input_grad_ratio`` and ``weight_grad_ratio`` over each layer's backward, at
+    the table's first micro-batch size, as :func:`profile` measures them (once per kind of layer
+    with ``same_work_once``). A copy; the table's other columns are unchanged.
+
+    Example::
+
+        table = profile(model, sample, split_backward=False)   # no zero-bubble plan yet
+        table = backward_split(model, sample, table)           # now one is wanted
+    """
+    if not isinstance(module, nn.Sequential) or len(module) != len(table):
+        raise ValueError(f"backward_split needs the nn.Sequential of {len(table)} layers that the table profiles")
+    background.wait()
+    rows = int(table.attrs.get("rows", (batch_size(sample),))[0])
+    first_param = next(module.parameters(), None)
+    target = first_param.device if first_param is not None else tensors_in(sample)[0].device
+    value = _detach(_rows(_on_device(sample, target), rows))
+    measured: dict[Any, tuple[float, float]] = {}
+    ratios = []
+
+    def timed() -> None:
+        for run, key in _chain(module, value, target, same_work_once):
+            if key not in measured:
+                for _ in range(repeats + 1):  # the plain backward beside it, as the profile timed it
+                    run.call(timed=True)
+                plain = statistics.median(run.backward.wall[1:]) if len(run.backward.wall) > 1 else 0.0
+                measured[key] = _split_backward(run.layer, run.value, run.skips, target, repeats, plain)
+            ratios.append(measured[key])
+
+    with sharing_cores(threads if threads is not None else table.attrs.get("threads")):
+        as_stage_worker(timed) if stage_worker_matters(target) else timed()
+    out = table.copy()
+    out["input_grad_ratio"] = [r[0] for r in ratios]
+    out["weight_grad_ratio"] = [r[1] for r in ratios]
+    out.attrs["backward_split"] = True
+    return out
+
+
+def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[int], target: torch.device,
+                   repeats: int, max_repeats: int, deadline: Optional[float],
+                   progress: Optional[Callable[[int, int], None]], calibrate: bool,
+                   same_work_once: bool = True, split_backward: bool = True) -> list[pd.DataFrame]:
+    """One table of layer times per micro-batch size (the first also measures contention)."""
+    per_size = []
+    total = len(module) * len(sizes)
+    for k, rows in enumerate(sizes):
+        chunk = _detach(_rows(value, rows))
+        table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
+                                           progress, k * len(module), total, contend=k == 0,
+                                           same_work_once=same_work_once, split_backward=split_backward))
+        if calibrate:
+            whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
+            for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
+                layers_total = float(table[column].sum())
+                if layers_total > 0 and whole > 0:
+                    table[column] = table[column] * (whole / layers_total)
+        per_size.append(table)
+    return per_size

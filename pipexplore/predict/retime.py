@@ -1,0 +1,105 @@
+"""What a page needs to re-time a plan after a drag, without the kernel.
+
+Moving a split keeps the stage count, so the step's graph, micro-batch sizes, devices, corrections
+and executor costs stay; only each stage's sums of its layers change. :func:`retime_model` packs
+what stays (the graph's arrays and each layer's costs, as :func:`pipexplore.simulate` reads them)
+into plain data with binary buffers, once per plan shape; the explorer's timeline
+(``widgets/retime.js``, the processor-sharing loop of ``_sharing.c`` step for step) sums the
+layers of the new split, times the graph and draws it the moment a handle is released, while the
+kernel predicts the same plan. Tests run the page's code on these models and compare its timeline
+with :func:`~pipexplore.simulate.simulate`'s.
+
+Example::
+
+    model = retime_model(plan.layer_table, plan.splits, **plan.simulate_options())
+    model["stages"], len(model["first"]) // 4    # stages, actions
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from pipexplore.predict.costs import COST_SOURCE, layer_seconds
+from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD
+from pipexplore.predict.simulator import COSTED, PHASE_NAMES, loop_layout, prepare_step
+
+__all__ = ["retime_model", "retime_key"]
+
+
+def retime_key(layer_table: pd.DataFrame, splits: Sequence[int], options: dict[str, Any]) -> str:
+    """What a retime model depends on, as a short string: a new model is needed when it changes
+    (the splits count only by their number; the table and corrections by identity, so the caller
+    keeps them alive while it holds the key)."""
+    named = sorted((k, v if isinstance(v, (int, float, str, type(None))) else repr(v))
+                   for k, v in options.items() if k != "corrections")
+    text = repr((id(layer_table), len(splits), named, id(options.get("corrections"))))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _f64(values: Any) -> bytes:
+    return np.ascontiguousarray(values, dtype=np.float64).tobytes()
+
+
+def _i32(values: Any) -> bytes:
+    return np.ascontiguousarray(values, dtype=np.int32).tobytes()
+
+
+def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: Optional[int] = None,
+                 bubble_by: str = "stage", **options: Any) -> dict[str, Any]:
+    """The split-independent part of ``simulate(layer_table, splits, **options)`` as plain data.
+
+    Per layer, kind (``F B R I W``, then ``C``: a checkpointed micro-batch's forward, for
+    micro-batches ``0 … stop-1``) and distinct micro-batch size: ``seconds`` (the layer's cost,
+    corrections applied, float64, kind-major then size then layer), and where the table has shares,
+    ``raw`` (uncorrected seconds) and ``weighted`` (``raw`` × the layer's share of its device): a
+    stage asks for ``Σ weighted / Σ raw`` of its layers. Per stage: ``resource`` (its device's
+    number), ``share_cap``; per boundary ``copy_rates`` (seconds per byte) and per layer
+    ``out_bytes``; per kind ``extra``, the seconds an action holds beyond its layers. The graph:
+    per action ``first``, ``second`` (input action numbers, ``n`` = none), ``stage``, ``kind``,
+    ``micro``; per worker ``queue_len``; per stage the workers that run it (``lanes_at``,
+    ``lanes``: :func:`~pipexplore.simulate.loop_layout`); ``kind_names``: the phase of each kind
+    number, then a copy's. ``samples``: the batch's rows (throughput); ``bubble_by``: the bubble
+    per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
+    :func:`pipexplore.timeline.bubble_fraction` takes it.
+    """
+    if bubble_by not in ("stage", "device"):
+        raise ValueError(f"bubble_by must be 'stage' or 'device', got {bubble_by!r}")
+    setup = prepare_step(layer_table, splits, **options)
+    table, graph = setup.layer_table, setup.graph
+    corrections, executor = options.get("corrections"), setup.executor
+    n, S, L = len(graph), len(setup.costs), len(table)
+    seconds, raw, weighted, has_share = [], [], [], []
+    for phase, corrected_as in COSTED.values():  # the graph's kinds, then a checkpointed forward
+        scale = corrections.scale(executor, corrected_as) if corrections is not None else None
+        column = f"share_{COST_SOURCE[phase][0]}"
+        has_share.append(column in table)
+        for rows in setup.distinct:
+            values = layer_seconds(table, setup.layer_rows(rows), phase)
+            seconds.append(values * scale if scale is not None else values)
+            raw.append(values)
+            weighted.append(values * table[column].to_numpy(dtype=float) if column in table else np.zeros(L))
+    resource, devices, lanes_at, lanes = loop_layout(graph, setup.resource)
+    out_bytes = table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in table else np.zeros(L)
+    return {
+        "layers": L, "stages": S, "actions": n, "micro_batches": len(setup.sizes), "sizes": len(setup.distinct),
+        "size_of_micro": _i32(np.searchsorted(setup.distinct, setup.sizes)),
+        "seconds": _f64(np.concatenate(seconds)), "raw": _f64(np.concatenate(raw)),
+        "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
+        "extra": [float(setup.extra[k]) for k in COSTED], "gap": float(setup.gap),
+        "handoff": float(setup.handoff), "stop": setup.stop,
+        "zero_bubble": options.get("schedule") == "zero-bubble",
+        "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
+        "fractions": _f64(setup.fractions),
+        "resource": _i32(resource), "free": devices,
+        "first": _i32(graph.first), "second": _i32(graph.second), "stage": _i32(graph.stage),
+        "kind": np.ascontiguousarray(graph.kind, dtype=np.uint8).tobytes(), "micro": _i32(graph.micro),
+        "queue_len": _i32([len(q) for q in graph.queues]),
+        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes),
+        "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD, "kind_names": list(PHASE_NAMES),
+        "stage_device": list(setup.stage_device), "samples": samples,
+        "bubble_key": (list(range(S)) if bubble_by == "stage"
+                       else [list(dict.fromkeys(setup.stage_device)).index(d) for d in setup.stage_device]),
+    }

@@ -1,0 +1,743 @@
+"""Predicted timelines: replay a schedule over per-layer costs, with stages sharing devices.
+
+Each stage gets an ordered list of actions — ``F`` forward, ``B`` backward, ``R`` recompute
+(checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch, run by
+a *worker* as the executor has them: one per stage (one per device for interleaved), and for the
+autograd-driven ``GPipe`` the backward of each device on one more (autograd's engine thread). An
+action starts when its worker is free and its inputs have arrived (plus the copy between
+devices); while it runs it keeps a share of its device busy (the host's cores for every CPU
+stage, or its GPU), and actions whose shares add up to more than the whole device run slower in
+proportion (processor sharing)::
+
+    stage 0  F0 F1 F2 F3 ·  ·  ·  ·  ·  ·  B3 B2 B1 B0          gpipe
+    stage 1     F0 F1 F2 F3 ·  ·  B3 B2 B1 B0
+
+Where no device is ever asked for more than all of it at once (a device per stage, stages that
+leave the host free), the step is the longest path of the schedule's dependency graph, which is
+cached per shape and timed level by level (:mod:`pipexplore.dataflow`); otherwise an event loop
+runs the processor sharing. Both give the same timeline where both apply (tests). Both are
+compiled (``pipexplore/_sharing.c``, built at install) and also written here in Python: the
+reference the compiled ones equal bit for bit (tests), and what runs where no compiler was found.
+
+The result is a timeline in the common schema with ``source='predicted'``, a ``memory``
+column (the activation bytes the stage holds once the event is done) and a ``lane`` column: the
+worker that runs the action (what a measured timeline's hand-offs are read against, see
+:func:`pipexplore.costs.handoff_gaps`).
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+from pipexplore.host import host_cores
+from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
+from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
+from pipexplore.splits import check_splits
+from pipexplore.timeline import lexsort
+from pipexplore.validate import interleaved_devices
+
+try:  # the compiled processor-sharing loop; the Python one runs where it was not built
+    from pipexplore import _sharing
+except ImportError:  # pragma: no cover - depends on the install
+    _sharing = None
+
+__all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Setup", "loop_layout",
+           "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+Action = tuple[str, int]  # (kind, micro-batch)
+PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
+#: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.costs.layer_seconds`)
+#: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
+#: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
+COSTED = {**{kind: (phase, phase) for kind, phase in PHASES.items()}, "C": ("checkpointed", "forward")}
+PHASE_NAMES = np.array([*(PHASES[k] for k in KINDS), "copy"], dtype=object)  # by the graph's kind numbers, then copies
+_PHASE_INDEX = pd.Index(PHASE_NAMES)
+
+# Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
+DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
+
+
+def _gpipe(stage: int, stages: int, m: int) -> list[Action]:
+    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+
+
+def _one_f_one_b(stage: int, stages: int, m: int) -> list[Action]:
+    warmup = min(stages - stage - 1, m)
+    order: list[Action] = [("F", i) for i in range(warmup)]
+    for k in range(m - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    order += [("B", k) for k in range(m - warmup, m)]
+    return order
+
+
+def _zero_bubble_h1(stage: int, stages: int, m: int) -> list[Action]:
+    """ZB-H1: 1F1B with backward split in input-grad (I) and weight-grad (W).
+
+    Stage ``s`` keeps up to ``s`` weight-grads pending: the last stages, which finish first,
+    push their W's back so that the chain of I's towards stage 0 starts early, and the W's
+    fill the drain's bubbles. Bubble per stage: (stages-1)·(F + I − W), against 1F1B's
+    (stages-1)·(F + I + W).
+    """
+    warmup = min(stages - stage - 1, m)
+    order: list[Action] = [("F", i) for i in range(warmup)]
+    pending: list[int] = []
+    for k in range(m):
+        if warmup + k < m:
+            order.append(("F", warmup + k))
+        order.append(("I", k))
+        pending.append(k)
+        if len(pending) > stage:
+            order.append(("W", pending.pop(0)))
+    order += [("W", k) for k in pending]
+    return order
+
+
+def _interleaved(device: int, devices: int, v: int, m: int) -> list[tuple[int, str, int]]:
+    """Megatron's interleaved 1F1B for one device: ``(stage, kind, micro-batch)`` in order.
+
+    The device holds stages ``device, device + devices, …`` (``v`` of them).
+    """
+    total = m * v
+
+    def step(t: int, forward: bool) -> tuple[int, int]:
+        group, within = divmod(t, devices * v)
+        chunk = within // devices
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * devices + device, group * devices + t % devices
+
+    warmup = min((devices - device - 1) * 2 + (v - 1) * devices, total)
+    order = []
+    for t in range(warmup):
+        s, i = step(t, True)
+        order.append((s, "F", i))
+    for k in range(total - warmup):
+        s, i = step(warmup + k, True)
+        order.append((s, "F", i))
+        s, i = step(k, False)
+        order.append((s, "B", i))
+    for k in range(total - warmup, total):
+        s, i = step(k, False)
+        order.append((s, "B", i))
+    return order
+
+
+def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
+    """Each stage's actions in the order its worker runs them (``interleaved``: see :func:`simulate`)."""
+    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zero-bubble": _zero_bubble_h1}.get(schedule)
+    if build is None:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    return [build(s, stages, m) for s in range(stages)]
+
+
+def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stage_devices: Sequence[Any]) -> list[Any]:
+    """The device each worker runs on, from its ``(stage, kind, micro-batch)`` order: the device of
+    its first stage (an interleaved worker's stages all share one). Workers with nothing to do are
+    left out."""
+    return [stage_devices[order[0][0]] for order in worker_orders if order]
+
+
+@functools.lru_cache(maxsize=16)
+def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpointed: int, virtual_stages: int = 2,
+                   resources: Optional[tuple[str, ...]] = None) -> ActionGraph:
+    """The actions of one step, per worker in the order it runs them, and what each waits for.
+
+    ``checkpointed``: micro-batches ``0 … checkpointed-1`` recompute their forward right before their
+    backward. ``resources``: what each stage's device shares (the autograd executor runs the
+    backward of each on one worker). Depends on the schedule's shape only, so it is cached: moving
+    a split re-times the same graph.
+    """
+    S = stages
+    if schedule == "interleaved":
+        p = S // virtual_stages
+        lane_queues = [_interleaved(d, p, virtual_stages, m) for d in range(p)]
+    else:
+        lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
+                       for s, order in enumerate(stage_orders(schedule, S, m))]
+        if executor == "autograd":
+            # One backward() call: autograd's engine runs the backward of each device on one thread
+            # (the caller's for the CPU), micro-batch-major, last first.
+            resources = resources or ("host",) * S
+            for device in dict.fromkeys(resources):
+                lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
+                                    if resources[s] == device])
+    # Recompute right before the backward (or I) of checkpointed micro-batches.
+    lane_queues = [[a for s, kind, i in queue
+                    for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
+                   for queue in lane_queues]
+    return ActionGraph.build(lane_queues, S, "I" if schedule == "zero-bubble" else "B")
+
+
+def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
+    """Per-stage sums of a layer table: ``forward``, ``backward``, ``param_bytes``,
+    ``activation_bytes`` (what its layers keep for backward: ``saved_bytes`` where profiled,
+    else their outputs) and ``input_bytes`` (what it receives), for the table's whole batch."""
+    n = len(layer_table)
+    points = [0, *check_splits(splits, n), n]
+    forward = layer_table["forward"].to_numpy(dtype=float)
+    backward = layer_table["backward"].to_numpy(dtype=float)
+    out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else np.zeros(n)
+    kept = layer_table["saved_bytes"].to_numpy(dtype=float) if "saved_bytes" in layer_table else out_bytes
+    params = layer_table["param_bytes"].to_numpy(dtype=float) if "param_bytes" in layer_table else np.zeros(n)
+    first, end = np.asarray(points[:-1]), np.asarray(points[1:])
+    return pd.DataFrame({
+        "stage": np.arange(len(first)), "first_layer": first, "last_layer": end - 1, "layers": end - first,
+        "forward": stage_sums(forward, points), "backward": stage_sums(backward, points),
+        "param_bytes": stage_sums(params, points), "activation_bytes": stage_sums(kept, points),
+        "input_bytes": np.where(first > 0, out_bytes[np.maximum(first - 1, 0)], 0.0),
+    })
+
+
+def _copy_rate(copy_cost: Optional[float], a: str, b: str) -> float:
+    """Seconds per byte from device ``a`` to ``b`` (none on the same device)."""
+    if a == b:
+        return 0.0
+    if copy_cost is not None:
+        return copy_cost
+    kinds = "-".join(sorted(d.split(":")[0] for d in (a, b)))
+    return DEFAULT_COPY_COST.get(kinds, 0.0)
+
+
+def _is_host(device: str) -> bool:
+    return not device.startswith("cuda")
+
+
+def _resource(device: str) -> str:
+    """What a stage's work shares: the host's cores for every CPU device, else the GPU itself."""
+    return "host" if _is_host(device) else device
+
+
+def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
+             checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
+             copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
+             cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
+             batch: Optional[int] = None, corrections: Optional[Corrections] = None,
+             run: Union[int, str] = "predicted") -> pd.DataFrame:
+    """Predict the timeline of one training step.
+
+    Args:
+        layer_table: per-layer costs, as :func:`pipexplore.profile` gives: ``t(n) = a + b·n`` per
+            phase in the rows ``n`` of a micro-batch, and the share of its device each phase
+            keeps busy (``share_forward``, ``share_backward``; 1 where the table does not say).
+            A table of whole-batch seconds only (``forward``, ``backward``) is taken as
+            proportional to the rows.
+        splits: layers that begin a stage.
+        chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
+            stage ``s`` on device ``s % (stages / virtual_stages)``) or ``zero-bubble`` (ZB-H1).
+        checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
+            recompute their forward right before their backward.
+        devices: one per stage (``interleaved``: one per device); default ``'cpu'`` for each.
+            Every CPU device is the same host: its stages share its cores.
+        copy_cost: seconds per byte between different devices (default by device kinds).
+        executor: ``autograd`` (the ``GPipe`` module: one ``backward()`` call), ``threads`` (the
+            schedule executor: a worker per stage) or ``processes`` (a process per stage).
+            Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
+        batch: rows of the mini-batch (default: the profiled sample's, ``table.attrs['batch']``).
+        corrections: what earlier runs taught (:class:`pipexplore.costs.Corrections`): a factor
+            per layer and phase, and the executor's time between actions.
+        action_overhead: seconds added to every compute action (a what-if).
+        per_microbatch: the table's seconds are already per micro-batch (a table without a fit).
+        cpu_stages_overlap: CPU stages never slow each other (layers that leave the CPU free:
+            sleeps, I/O, waits on other machines), whatever the table says of their shares.
+
+    Example::
+
+        table = pipexplore.profile(model, sample, microbatch_rows=[16, 64])
+        predicted = simulate(table, [4, 8], chunks=8, schedule="1f1b")
+        bubble_fraction(predicted)
+    """
+    setup = prepare_step(layer_table, splits, chunks=chunks, schedule=schedule, checkpoint=checkpoint, devices=devices,
+                   copy_cost=copy_cost, virtual_stages=virtual_stages, executor=executor,
+                   cpu_stages_overlap=cpu_stages_overlap, per_microbatch=per_microbatch,
+                   action_overhead=action_overhead, batch=batch, corrections=corrections)
+    layer_table, graph, costs = setup.layer_table, setup.graph, setup.costs
+    splits, stage_device, resource, executor = setup.splits, setup.stage_device, setup.resource, setup.executor
+    sizes, distinct, fractions = setup.sizes, setup.distinct, setup.fractions
+    S = len(costs)
+
+    # Seconds, and the share of its device, of every (kind, stage, micro-batch).
+    learnt = executor
+    seconds: dict[tuple[str, float], np.ndarray] = {}
+    demand: dict[tuple[str, float], np.ndarray] = {}
+    extra = setup.extra
+    for kind, (phase, corrected_as) in COSTED.items():
+        if kind == "C" and not setup.stop:
+            continue  # no checkpointed micro-batch
+        scale = corrections.scale(learnt, corrected_as) if corrections is not None else None
+        for rows in distinct:
+            size = setup.layer_rows(rows)
+            seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra[kind]
+            if schedule == "zero-bubble" and kind in ("I", "W"):
+                # The first stage's input is the user's data, which needs no gradient: its I runs the
+                # whole backward (weights too) and its W has nothing left to do, as the executors do.
+                whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
+                whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
+                seconds[(kind, rows)][0] = whole + extra[kind] if kind == "I" else 0.0
+            wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
+            demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
+    last_layers = costs["last_layer"].to_numpy()
+    out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
+    edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
+
+    # The copy over each stage boundary, per micro-batch.
+    edge_copy = (np.array([setup.copy_rates[b] * edge_bytes[b] for b in range(S - 1)]).reshape(S - 1, 1)
+                 * np.asarray(fractions).reshape(1, len(sizes)))
+    size_index = np.searchsorted(distinct, sizes)
+    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop)
+    gap = setup.gap
+    times = None
+    # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
+    # stages, is timed as fast by the loop, which a crowded host needs anyway; and where the
+    # workers of several stages could ask for more of a device than all of it, the compiled loop
+    # is faster than timing the graph to find out: both give the same timeline where both apply.)
+    most_levels = max(2000, len(graph) // 4)
+    crowding, stages_crowd = _may_oversubscribe(graph, action_costs.share, resource)
+    if (not stages_crowd or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
+        times = _longest_path(graph, action_costs, resource, gap, crowding)
+    if times is not None:
+        frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
+    else:
+        frame, kinds = _shared_frame(graph, _processor_sharing(graph, action_costs, gap, resource), stage_device, run)
+    frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), setup.stop)
+    frame.attrs["peak_memory"] = {}
+    return frame
+
+
+class Setup(NamedTuple):
+    """What a step's prediction needs that a moved split does not change (the stage count
+    stays): the graph, micro-batch sizes, devices and what corrections and the executor add."""
+
+    layer_table: pd.DataFrame
+    splits: list[int]
+    costs: pd.DataFrame  # stage_costs of these splits
+    graph: ActionGraph
+    executor: str
+    sizes: list[float]  # rows of each micro-batch
+    distinct: list[float]  # the distinct sizes, ascending
+    fractions: list[float]  # each micro-batch's fraction of the table's bytes
+    stop: int  # micro-batches 0 … stop-1 are checkpointed
+    stage_device: list[str]
+    resource: list[str]
+    share_cap: np.ndarray  # per stage: the most of its device an action may ask for
+    extra: dict[str, float]  # per kind letter (and "C"): seconds an action's span holds beyond its layers
+    gap: float  # seconds a worker spends between actions
+    handoff: float  # seconds from an action's end to the start of the one on another stage it feeds
+    copy_rates: list[float]  # seconds per byte over each stage boundary
+    fit: bool
+    batch: Optional[int]
+
+    def layer_rows(self, rows: float) -> float:
+        """The size a layer table's costs are read at for a micro-batch of ``rows`` rows (a table
+        without a fit or a batch of its own holds whole-batch seconds: the fraction)."""
+        return rows if self.fit or self.layer_table.attrs.get("batch") or not self.batch else rows / self.batch
+
+
+def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, schedule: str = "gpipe",
+                 checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
+                 copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
+                 cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
+                 batch: Optional[int] = None, corrections: Optional[Corrections] = None) -> Setup:
+    """:func:`simulate`'s arguments checked, and what they fix for every split of the same stage
+    count (what :mod:`pipexplore.retime` hands a page to re-time a drag with)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks!r}")
+    if checkpoint not in ("always", "except_last", "never"):
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    executor = executor or ("autograd" if schedule == "gpipe" else "threads")
+    if executor not in ("autograd", "threads", "processes"):
+        raise ValueError(f"unknown executor {executor!r}: 'autograd', 'threads' or 'processes'")
+    if executor == "autograd" and schedule != "gpipe":
+        raise ValueError(f"the autograd executor (GPipe) runs only the gpipe schedule, not {schedule!r}")
+    if action_overhead < 0:
+        raise ValueError(f"action_overhead must be non-negative, got {action_overhead}")
+
+    if set(layer_table.attrs) - {"batch"}:
+        # pandas deep-copies a frame's attrs into every column it hands out, and the costs below
+        # read columns some hundred times: keep only what they use (the profiled batch).
+        layer_table = layer_table.copy(deep=False)
+        layer_table.attrs = {k: v for k, v in layer_table.attrs.items() if k == "batch"}
+    costs = stage_costs(layer_table, splits)
+    splits = [int(b) for b in costs["first_layer"].iloc[1:]]
+    S = len(costs)
+    fit = has_fit(layer_table)
+    batch = batch if batch is not None else layer_table.attrs.get("batch")
+    if fit or batch is not None:
+        sizes = [float(r) for r in microbatch_rows(int(batch), chunks)] if batch else [1.0] * chunks
+    else:
+        sizes = [1.0 if per_microbatch else 1.0 / chunks] * chunks
+    m = len(sizes)
+    # Bytes of the table are for its whole batch (fractions), unless given per micro-batch.
+    fractions = [1.0 if per_microbatch else (r / batch if batch else r) for r in sizes]
+    stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
+
+    if schedule == "interleaved":
+        if virtual_stages < 1 or S % virtual_stages:
+            raise ValueError(f"interleaved needs the stage count ({S}) to be a multiple of virtual_stages "
+                             f"({virtual_stages})")
+        p = S // virtual_stages
+        device_names = list(devices) if devices is not None else ["cpu"] * p
+        if len(device_names) != p:
+            raise ValueError(f"interleaved with {S} stages and virtual_stages={virtual_stages} needs {p} devices, "
+                             f"got {len(device_names)}")
+        stage_device = interleaved_devices(S, device_names, m)
+    else:
+        stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
+        if len(stage_device) != S:
+            raise ValueError(f"{S} stages need {S} devices, got {len(stage_device)}")
+    resource = [_resource(d) for d in stage_device]
+    graph = schedule_graph(schedule, S, m, executor=executor, checkpointed=stop, virtual_stages=virtual_stages,
+                           resources=tuple(resource) if executor == "autograd" else None)
+
+    host = np.array([_is_host(d) for d in stage_device])
+    cores = host_cores()
+    rank_share = max(1, cores // S) / cores
+    share_cap = np.ones(S)
+    if executor == "processes":
+        # A process per stage: no GIL between them, and each keeps at most its own intra-op
+        # threads busy (the host's cores shared among the ranks, as the workers set them).
+        share_cap = np.where(host, rank_share, share_cap)
+    if cpu_stages_overlap:
+        share_cap = np.where(host, 0.0, share_cap)
+    # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed per
+    # phase; "C", a checkpointed forward, as a forward).
+    extra = {kind: action_overhead + (corrections.overhead(executor, corrected_as) if corrections is not None
+                                      else 0.0) for kind, (_, corrected_as) in COSTED.items()}
+    return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
+                 resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
+                 corrections.transfer(executor) if corrections is not None else 0.0,
+                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) for b in range(S - 1)], fit, batch)
+
+
+class ActionCosts(NamedTuple):
+    """Per action of a graph: its ``seconds``, the ``share`` of its device it asks for, the ``copy``
+    of its input from the stage before (forwards), and the time from the end of its first (second)
+    input to when it may start (the copy and the hand-off)."""
+
+    seconds: np.ndarray
+    share: np.ndarray
+    copy: np.ndarray
+    first_wait: np.ndarray
+    second_wait: np.ndarray
+
+
+def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
+                  handoff: float, stop: int = 0) -> ActionCosts:
+    """``seconds``/``demand`` per (kind letter, rows) and stage; ``("C", rows)``: the forward of a
+    checkpointed micro-batch (``micro < stop``)."""
+    by_size = sorted({rows for _, rows in seconds})
+    stage, micro, kind = graph.stage, graph.micro, graph.kind
+    size = size_index[micro]
+    took = np.array([[seconds[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
+    asked = np.array([[demand[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
+    if stop and ("C", by_size[0]) in seconds:
+        checkpointed = (kind == FORWARD) & (micro < stop)
+        at = (size[checkpointed], stage[checkpointed])
+        took[checkpointed] = np.array([seconds[("C", rows)] for rows in by_size])[at]
+        asked[checkpointed] = np.array([demand[("C", rows)] for rows in by_size])[at]
+    n = len(graph)
+    copy = np.zeros(n)
+    received = (kind == FORWARD) & (stage > 0)
+    copy[received] = edge_copy[stage[received] - 1, micro[received]]
+    first_wait = np.where(received, copy + handoff, 0.0)
+    second_wait = np.zeros(n)
+    gradient = graph.second < n
+    second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
+    return ActionCosts(took, asked, copy, first_wait, second_wait)
+
+
+class Records(NamedTuple):
+    """What the processor-sharing loop emits, row by row in the order it emits them: the action,
+    its start and end, and whether the row is the copy before that action (a forward's input)."""
+
+    action: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    copy: np.ndarray
+
+
+def _processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str],
+                       compiled: Optional[bool] = None) -> Records:
+    """The step as an event loop: what :func:`simulate` runs when stages that share a device ask
+    for more than all of it at once. ``compiled``: the C loop (default where it was built), or the
+    Python one (``False``); both give the same records bit for bit."""
+    if compiled is None:
+        compiled = _sharing is not None
+    if not compiled:
+        return _sharing_loop(graph, costs, gap, resource)
+    if _sharing is None:
+        raise RuntimeError("pipexplore._sharing (the compiled event loop) was not built with this install")
+    n = len(graph)
+    device, devices, lanes_at, lane_list = loop_layout(graph, resource)
+    out_action = np.empty(2 * n, dtype=np.int64)
+    out_start, out_end = np.empty(2 * n), np.empty(2 * n)
+    out_copy = np.empty(2 * n, dtype=np.int8)
+
+    def f64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float64)
+
+    def i64(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.int64)
+
+    rows = _sharing.run(
+        f64(costs.seconds), f64(costs.share), f64(costs.first_wait), f64(costs.second_wait), f64(costs.copy),
+        i64(graph.first), i64(graph.second), i64(graph.stage), i64(graph.kind),
+        np.array([len(q) for q in graph.queues], dtype=np.int64), device, devices, lanes_at, lane_list,
+        float(gap), FORWARD, BACKWARD, INPUT_GRAD, out_action, out_start, out_end, out_copy)
+    return Records(out_action[:rows], out_start[:rows], out_end[:rows], out_copy[:rows].astype(bool))
+
+
+def loop_layout(graph: ActionGraph, resource: list[str]) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """How the event loop numbers what it shares: each stage's device (by first appearance in
+    ``resource``), how many devices, and the workers of each stage as bounds (``lanes_at``, S + 1)
+    into one list (``lanes``, ascending per stage). The C loop and the page's port take these."""
+    S = len(resource)
+    names = list(dict.fromkeys(resource))
+    device = np.array([names.index(r) for r in resource], dtype=np.int64)
+    lanes = graph.stage_lanes + [set()] * (S - len(graph.stage_lanes))
+    lanes_at = np.cumsum([0, *map(len, lanes)]).astype(np.int64)
+    lane_list = np.array([q for queue in lanes for q in sorted(queue)], dtype=np.int64)
+    return device, len(names), lanes_at, lane_list
+
+
+def _shared_frame(graph: ActionGraph, records: Records, stage_device: list[str],
+                  run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """The timeline of the processor-sharing loop's records (rows that tie keep the order the loop
+    emitted them), and each row's phase number."""
+    action = records.action
+    kind = np.where(records.copy, len(PHASE_NAMES) - 1, graph.kind[action])
+    return _timeline_frame(graph.stage[action], graph.micro[action], kind, records.start, records.end,
+                           graph.lane[action], stage_device, run)
+
+
+def _sharing_loop(graph: ActionGraph, costs: ActionCosts, gap: float, resource: list[str]) -> Records:
+    """The processor-sharing event loop in Python: the reference for the compiled one
+    (``_sharing.c``, the same steps), and what runs where that was not built."""
+    # Per action as plain lists: the loop reads a few per action, and numpy scalars would cost it
+    # more than its own work.
+    took, asked, copy_of, first_wait, second_wait = (c.tolist() for c in costs)
+    stage, kind = graph.stage.tolist(), graph.kind.tolist()
+    first, second = graph.first.tolist(), graph.second.tolist()
+    none = len(graph)
+    end = [-1.0] * none + [0.0]  # -1: not yet done; the sentinel "no input" ended at 0
+    rows_action: list[int] = []
+    rows_start: list[float] = []
+    rows_end: list[float] = []
+    rows_copy: list[bool] = []
+
+    lane_queues = graph.queues
+    Q = len(lane_queues)
+    S = len(resource)
+    base = [0] * Q  # each queue's first action number (actions are numbered queue after queue)
+    for q in range(1, Q):
+        base[q] = base[q - 1] + len(lane_queues[q - 1])
+    length = [len(queue) for queue in lane_queues]
+    heads = [0] * Q
+    free_at = [0.0] * Q
+    # When an action of stage s ends, only the queues of stage s and of the stage it hands its
+    # output to can have a next action become ready.
+    stage_queues = graph.stage_lanes
+    # Processor sharing with a virtual clock per device: while the actions on one device ask for
+    # more than all of it (``asked`` > 1), each runs slower in proportion, so all of them advance
+    # at the same rate, 1 / asked, and an action ends when its device's clock has advanced by its
+    # seconds. Actions that ask for none of their device (sleeps, a GPU's host side) run at full
+    # speed on a clock of their own (FREE).
+    FREE = "\0free"
+    clock: dict[str, float] = {}
+    demand: dict[str, float] = {}
+    finishing: dict[str, list] = {}  # resource -> heap of (clock at the end, order, queue)
+    running: dict[int, tuple] = {}  # queue -> (resource, share, start, action)
+    # Queues to look at now; queues waiting for a time: when (``timed``), and those times as a
+    # heap (an entry whose queue has since been given another time, or none, is skipped).
+    dirty, timed, wakes = set(range(Q)), {}, []
+    order = 0
+    remaining = none
+    now = 0.0
+    eps = 1e-12
+    push, pop = heapq.heappush, heapq.heappop  # looked up once, called per action
+
+    def emit(n: int, start: float, end: float, copied: bool) -> None:
+        rows_action.append(n)
+        rows_start.append(start)
+        rows_end.append(end)
+        rows_copy.append(copied)
+
+    while remaining:
+        while wakes and wakes[0][0] <= now + eps:
+            t, q = pop(wakes)
+            if timed.get(q) == t:
+                del timed[q]
+                dirty.add(q)
+        for q in sorted(dirty):
+            if q in running or heads[q] >= length[q]:
+                continue
+            n = base[q] + heads[q]
+            # When its inputs are there (the worker's previous action is: it is the queue's head).
+            t = end[first[n]]
+            if t < 0:
+                continue
+            t += first_wait[n]
+            later = end[second[n]]
+            if later < 0:
+                continue
+            later += second_wait[n]
+            if later > t:
+                t = later
+            start = free_at[q] if free_at[q] > t else t
+            if start > now + eps:
+                if timed.get(q) != start:
+                    timed[q] = start
+                    push(wakes, (start, q))
+                continue
+            share = asked[n]
+            r = resource[stage[n]] if share > 0 else FREE
+            heap = finishing.get(r)
+            if not heap:
+                clock[r], demand[r], finishing[r] = 0.0, 0.0, []
+                heap = finishing[r]
+            push(heap, (clock[r] + took[n], order, q))
+            order += 1
+            demand[r] += share
+            running[q] = (r, share, now, n)
+            copy = copy_of[n]
+            if copy > 0:
+                done = end[first[n]]
+                emit(n, done, done + copy, True)
+        dirty.clear()
+        while wakes and timed.get(wakes[0][1]) != wakes[0][0]:
+            pop(wakes)  # stale
+        wake = wakes[0][0] if wakes else math.inf
+        # The next event: a wake-up, or the first end on a device's clock at its current rate.
+        step = wake - now
+        advancing = []
+        for r, heap in finishing.items():
+            if not heap:
+                continue
+            d = demand[r]
+            rate = 1.0 / d if r != FREE and d > 1.0 else 1.0
+            left = (heap[0][0] - clock[r]) / rate
+            if left < step:
+                step = left
+            advancing.append((r, heap, rate))
+        if not advancing:
+            if wake == math.inf:
+                raise RuntimeError("the schedule deadlocked: no stage can run its next action")
+            now = wake
+            continue
+        now += step
+        tolerance = eps * max(1.0, now)
+        for r, heap, rate in advancing:
+            at = clock[r] + step * rate
+            clock[r] = at
+            while heap and heap[0][0] - at <= tolerance:
+                _, _, q = pop(heap)
+                _, share, start, n = running.pop(q)
+                demand[r] -= share
+                heads[q] += 1
+                remaining -= 1
+                end[n] = now
+                free_at[q] = now + gap
+                emit(n, start, now, False)
+                s, k = stage[n], kind[n]
+                # What this action's end can make ready: its stage's actions (the next in its
+                # queue, which is one of them; a backward waiting for its forward or recompute),
+                # and the forward of the next stage after a forward, the backward of the previous
+                # after a backward (or input-grad).
+                dirty |= stage_queues[s]
+                if k == FORWARD:
+                    if s + 1 < S:
+                        dirty |= stage_queues[s + 1]
+                elif (k == BACKWARD or k == INPUT_GRAD) and s > 0:
+                    dirty |= stage_queues[s - 1]
+    return Records(np.array(rows_action, dtype=np.int64), np.array(rows_start), np.array(rows_end),
+                   np.array(rows_copy, dtype=bool))
+
+
+def _may_oversubscribe(graph: ActionGraph, share: np.ndarray, resource: list[str]) -> tuple[bool, bool]:
+    """Whether some device's workers, each at the most it ever asks for, add up to more than all
+    of it (then they may, depending on timing; otherwise they never do); and whether such a
+    device runs several stages (then they usually do: a crowded host, where the loop is the
+    faster way; one stage's forward and backward workers, e.g. autograd's on a GPU, seldom do)."""
+    device = np.unique(np.asarray(resource), return_inverse=True)[1]
+    most = np.zeros((int(device.max()) + 1 if len(device) else 0, len(graph.queues)))
+    np.maximum.at(most, (device[graph.stage], graph.lane), share)
+    crowded = most.sum(axis=1) > 1.0
+    stages_per_device = np.bincount(device, minlength=len(crowded))
+    return bool(crowded.any()), bool((crowded & (stages_per_device > 1)).any())
+
+
+def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], gap: float,
+                  crowding: bool = True) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Start and end of every action of ``graph`` when no device is ever asked for more than all
+    of it, else ``None`` (the processor-sharing loop must run). ``crowding=False``: the caller
+    knows no device can be (:func:`_may_oversubscribe`), so the timed graph is not checked."""
+    start, end = graph.times(costs.seconds, costs.first_wait, costs.second_wait, gap)
+    resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
+    if crowding and oversubscribed(graph, resource_id, costs.share, start, end):
+        return None
+    return start, end
+
+
+def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,
+           stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """The timeline of a timed graph, with a copy row before every forward that receives over a
+    copy; and each row's phase number (:data:`PHASE_NAMES`)."""
+    start, end = times
+    copied = np.flatnonzero(copy > 0)
+    sent = end[graph.first[copied]]
+    return _timeline_frame(np.concatenate([graph.stage, graph.stage[copied]]),
+                           np.concatenate([graph.micro, graph.micro[copied]]),
+                           np.concatenate([graph.kind, np.full(len(copied), len(PHASE_NAMES) - 1)]),
+                           np.concatenate([start, sent]), np.concatenate([end, sent + copy[copied]]),
+                           np.concatenate([graph.lane, graph.lane[copied]]), stage_device, run)
+
+
+def _timeline_frame(stage: np.ndarray, micro: np.ndarray, kind: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    lane: np.ndarray, stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """A predicted timeline from one array per column (``kind``: phase numbers), its rows sorted by
+    start then stage, built array by array (at 65k actions a row-wise build would cost more than
+    the timing itself); and each row's phase number in that order."""
+    order = lexsort((stage, start))
+    kind = kind[order]
+    stage = stage[order]
+    # Strings taken from an index of the few distinct ones (pandas checks each of an object array's).
+    frame = pd.DataFrame({
+        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage), "microbatch": micro[order],
+        "phase": _PHASE_INDEX.take(kind), "start": start[order], "end": end[order], "source": "predicted",
+        "lane": lane[order],
+    }, copy=False)  # the arrays are this frame's own
+    return frame, kind
+
+
+def _activation_memory(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFrame, fractions: np.ndarray,
+                       stop: int) -> np.ndarray:
+    """Activation bytes each stage holds after each event (``kind``: each row's phase number): a
+    forward keeps its activations (only its input when checkpointed), a recompute brings them back,
+    the backward (input-grad) frees them. Copies and weight-grads change nothing."""
+    act = costs["activation_bytes"].to_numpy()
+    inp = costs["input_bytes"].to_numpy()
+    stage = frame["stage"].to_numpy()
+    micro = frame["microbatch"].to_numpy()
+    share = fractions[micro]
+    checkpointed = micro < stop
+    kept = np.where(checkpointed, inp[stage], act[stage])  # what a forward keeps
+    freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees
+    delta = np.select([kind == FORWARD, kind == RECOMPUTE, (kind == BACKWARD) | (kind == INPUT_GRAD)],
+                      [kept, act[stage], -freed], 0.0) * share
+    # Per stage, in the order events end: a running sum that starts again at each stage.
+    order = lexsort((frame["end"].to_numpy(), stage))  # by stage, then end (then row)
+    running = np.cumsum(delta[order])
+    ordered = stage[order]
+    first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    running -= np.repeat(np.r_[0.0, running[first[1:] - 1]], np.diff(np.r_[first, len(order)]))
+    held = np.empty(len(frame))
+    held[order] = np.clip(running, 0.0, None)
+    return held
