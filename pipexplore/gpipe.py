@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipexplore import microbatch, validate
+from pipexplore.devices import as_device
 from pipexplore.batchnorm import DeferredBatchNorm
 from pipexplore.checkpoint import rng_locks
 from pipexplore.microbatch import TensorOrTensors
@@ -34,8 +35,7 @@ class BalanceError(ValueError):
     """A ``balance`` that does not describe the module (wrong sum, empty partitions)."""
 
 
-def _as_device(device: Device) -> torch.device:
-    return validate.device(device, "devices")
+_as_device = as_device  # the name torchgpipe's layout uses here
 
 
 def default_devices(num_partitions: int) -> list[torch.device]:

@@ -41,11 +41,12 @@ from pipexplore.host import use_stage_threads
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import (enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks,
                                    save_rng_states)
-from pipexplore.gpipe import _as_device, split_module, verify_balance, verify_module
+from pipexplore.devices import as_device
+from pipexplore.gpipe import split_module, verify_balance, verify_module
 from pipexplore.saved import SavedBytes, tensor_bytes
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
 from pipexplore.executors.base import synthetic_loss
-from pipexplore.predict.simulator import SCHEDULES, _interleaved, stage_orders, worker_devices
+from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.skippable import verify_skippables
@@ -169,13 +170,13 @@ class ScheduleExecutor:
         balance = verify_balance(module, balance)
         verify_skippables(module)
         stages = len(balance)
-        device_list = [_as_device(d) for d in validate.devices(devices)] if devices is not None else (
+        device_list = [as_device(d) for d in validate.devices(devices)] if devices is not None else (
             [torch.device("cpu")] * stages)
         if schedule == "interleaved":
             p = len(device_list)
             self.stage_devices = validate.interleaved_devices(stages, device_list, chunks)
             self.virtual_stages = stages // p
-            self.worker_orders = [list(_interleaved(d, p, self.virtual_stages, chunks)) for d in range(p)]
+            self.worker_orders = [list(interleaved_order(d, p, self.virtual_stages, chunks)) for d in range(p)]
         else:
             validate.enough_devices(len(device_list), stages)
             self.virtual_stages = 1

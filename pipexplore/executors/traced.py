@@ -37,12 +37,12 @@ from pipexplore.host import use_stage_threads
 from pipexplore.checkpoint import restore_rng_states, save_rng_states
 from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, make_optimizer, measure,
                                        result, synthetic_loss)
-from pipexplore.gpipe import _as_device
+from pipexplore.devices import as_device
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.sequential import PHASE, StepResult, _Aborted, _Mailbox
-from pipexplore.predict.simulator import SCHEDULES, _interleaved, stage_orders, worker_devices
+from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.stream import use_device
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
@@ -104,11 +104,11 @@ class TracedExecutor:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction is 'mean' or 'sum', not {loss_reduction!r}")
         stages = int(pipe.num_stages)
-        device_list = [_as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
+        device_list = [as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
         if schedule == "interleaved":
             p = len(device_list)
             self.stage_devices = validate.interleaved_devices(stages, device_list, chunks)
-            self.worker_orders = [list(_interleaved(d, p, stages // p, chunks)) for d in range(p)]
+            self.worker_orders = [list(interleaved_order(d, p, stages // p, chunks)) for d in range(p)]
         else:
             if len(device_list) < stages:
                 raise ValueError(f"{stages} stages need {stages} devices, got {len(device_list)} "

@@ -37,6 +37,7 @@ import pandas as pd
 from pipexplore.host import host_cores
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
+from pipexplore.schedules import PHASES, SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.splits import check_splits
 from pipexplore.timeline import lexsort
 from pipexplore.validate import interleaved_devices
@@ -49,9 +50,6 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Setup", "loop_layout",
            "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-Action = tuple[str, int]  # (kind, micro-batch)
-PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
 #: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.costs.layer_seconds`)
 #: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
 #: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
@@ -61,86 +59,6 @@ _PHASE_INDEX = pd.Index(PHASE_NAMES)
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
 DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
-
-
-def _gpipe(stage: int, stages: int, m: int) -> list[Action]:
-    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-
-
-def _one_f_one_b(stage: int, stages: int, m: int) -> list[Action]:
-    warmup = min(stages - stage - 1, m)
-    order: list[Action] = [("F", i) for i in range(warmup)]
-    for k in range(m - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    order += [("B", k) for k in range(m - warmup, m)]
-    return order
-
-
-def _zero_bubble_h1(stage: int, stages: int, m: int) -> list[Action]:
-    """ZB-H1: 1F1B with backward split in input-grad (I) and weight-grad (W).
-
-    Stage ``s`` keeps up to ``s`` weight-grads pending: the last stages, which finish first,
-    push their W's back so that the chain of I's towards stage 0 starts early, and the W's
-    fill the drain's bubbles. Bubble per stage: (stages-1)·(F + I − W), against 1F1B's
-    (stages-1)·(F + I + W).
-    """
-    warmup = min(stages - stage - 1, m)
-    order: list[Action] = [("F", i) for i in range(warmup)]
-    pending: list[int] = []
-    for k in range(m):
-        if warmup + k < m:
-            order.append(("F", warmup + k))
-        order.append(("I", k))
-        pending.append(k)
-        if len(pending) > stage:
-            order.append(("W", pending.pop(0)))
-    order += [("W", k) for k in pending]
-    return order
-
-
-def _interleaved(device: int, devices: int, v: int, m: int) -> list[tuple[int, str, int]]:
-    """Megatron's interleaved 1F1B for one device: ``(stage, kind, micro-batch)`` in order.
-
-    The device holds stages ``device, device + devices, …`` (``v`` of them).
-    """
-    total = m * v
-
-    def step(t: int, forward: bool) -> tuple[int, int]:
-        group, within = divmod(t, devices * v)
-        chunk = within // devices
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk * devices + device, group * devices + t % devices
-
-    warmup = min((devices - device - 1) * 2 + (v - 1) * devices, total)
-    order = []
-    for t in range(warmup):
-        s, i = step(t, True)
-        order.append((s, "F", i))
-    for k in range(total - warmup):
-        s, i = step(warmup + k, True)
-        order.append((s, "F", i))
-        s, i = step(k, False)
-        order.append((s, "B", i))
-    for k in range(total - warmup, total):
-        s, i = step(k, False)
-        order.append((s, "B", i))
-    return order
-
-
-def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
-    """Each stage's actions in the order its worker runs them (``interleaved``: see :func:`simulate`)."""
-    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zero-bubble": _zero_bubble_h1}.get(schedule)
-    if build is None:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    return [build(s, stages, m) for s in range(stages)]
-
-
-def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stage_devices: Sequence[Any]) -> list[Any]:
-    """The device each worker runs on, from its ``(stage, kind, micro-batch)`` order: the device of
-    its first stage (an interleaved worker's stages all share one). Workers with nothing to do are
-    left out."""
-    return [stage_devices[order[0][0]] for order in worker_orders if order]
 
 
 @functools.lru_cache(maxsize=16)
@@ -156,7 +74,7 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
     S = stages
     if schedule == "interleaved":
         p = S // virtual_stages
-        lane_queues = [_interleaved(d, p, virtual_stages, m) for d in range(p)]
+        lane_queues = [interleaved_order(d, p, virtual_stages, m) for d in range(p)]
     else:
         lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
                        for s, order in enumerate(stage_orders(schedule, S, m))]

@@ -509,7 +509,7 @@ class Explorer:
         ``get_batch()`` and ``loss_fn()`` from the ``hooks`` module.
         """
         if kind == "torchrun":
-            from pipexplore.models.trace import torchrun_script
+            from pipexplore.export.torchrun import torchrun_script
 
             schedule = self._plan.schedule if self._plan.schedule != "async-backends" else "gpipe"
             return torchrun_script(self.layer_table, list(self._plan.splits), hooks=hooks, chunks=self._plan.chunks,
@@ -522,7 +522,7 @@ class Explorer:
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:
         """The current split as torchtitan's ``module_fqns_per_model_part``."""
-        from pipexplore.models.trace import module_fqns_per_model_part
+        from pipexplore.export.torchrun import module_fqns_per_model_part
 
         return module_fqns_per_model_part(self.layer_table, list(self._plan.splits))
 

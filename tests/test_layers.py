@@ -1,0 +1,150 @@
+"""The package's layers: each module imports only its own layer and the layers above it, no import
+closes a circle, and no module grows past 500 lines.
+
+The layers, top to bottom (see README.md, "The package's layers")::
+
+    vocabulary  splits validate cancel background host timeline saved schedules devices
+    engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/
+    predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
+    plan        plan sweep
+    models      models/ (tracing)
+    execute     executors/ backend/
+    export      export/
+    page        widgets/ magics examples, the package itself
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
+
+LAYERS = {
+    "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices",
+                   "_sharing"],
+    "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
+               "phony", "skip"],
+    "predict": ["predict", "balance"],
+    "plan": ["plan", "sweep"],
+    "models": ["models"],
+    "execute": ["executors", "backend"],
+    "export": ["export"],
+    "page": ["widgets", "magics", "examples", ""],
+}
+ORDER = list(LAYERS)
+LAYER_OF = {top: layer for layer, tops in LAYERS.items() for top in tops}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    found["pipexplore._sharing"] = PACKAGE / "_sharing.c"  # the compiled simulator loop
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_alias(path: pathlib.Path) -> bool:
+    """An old path kept for one release (it only points at the moved module)."""
+    return path.suffix == ".py" and ( "this path is an alias of it for one release" in path.read_text() or \
+        "This path re-exports both for one release" in path.read_text())
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    if top not in LAYER_OF:
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in tests/test_layers.py and README.md")
+    return LAYER_OF[top]
+
+
+def _imports(module: str, path: pathlib.Path, *, top_level_only: bool) -> set[str]:
+    """The pipexplore modules ``module`` imports (``from pipexplore import x`` counts as ``pipexplore.x``
+    where x is a module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name.startswith("pipexplore") and name != module:
+                found.add(name)
+    return found
+
+
+REAL = {m: p for m, p in MODULES.items() if not _is_alias(p) and p.suffix == ".py"}
+
+
+@pytest.mark.parametrize("module", sorted(REAL))
+def test_imports_point_up_the_layers(module):
+    layer = ORDER.index(_layer(module))
+    wrong = sorted(f"{name} ({_layer(name)})" for name in _imports(module, REAL[module], top_level_only=False)
+                   if not _is_alias(MODULES[name]) and ORDER.index(_layer(name)) > layer)
+    assert not wrong, f"{module} ({_layer(module)}) imports from layers below it: {', '.join(wrong)}"
+
+
+def test_no_module_imports_an_old_path():
+    used = sorted(f"{module} imports {name}" for module, path in REAL.items()
+                  for name in _imports(module, path, top_level_only=False)
+                  if _is_alias(MODULES[name]) and module != "pipexplore")
+    assert not used, "; ".join(used)
+
+
+def test_no_import_closes_a_circle():
+    graph = {m: {n for n in _imports(m, p, top_level_only=True) if n in REAL and not n == "pipexplore"}
+             for m, p in REAL.items() if m != "pipexplore"}
+    # a package's __init__ importing its own modules is how packages export; a module importing its
+    # package's __init__ back would close the circle, and is counted.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == node.rpartition(".")[0] and MODULES[nxt].name == "__init__.py" and node in graph.get(nxt, ()):
+                raise AssertionError(f"circle: {nxt} -> {node} -> {nxt}")
+            if state.get(nxt) == 1:
+                circle = stack[stack.index(nxt):] + [nxt]
+                if not all(MODULES[a].name == "__init__.py" and b.startswith(a + ".") for a, b in zip(circle, circle[1:])):
+                    raise AssertionError("circle: " + " -> ".join(circle))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_checks_see_a_wrong_import(tmp_path):
+    """The layer check is not vacuous: an engine module importing the explorer is caught."""
+    path = tmp_path / "gpipe.py"
+    path.write_text("from pipexplore.widgets import explorer\n")
+    assert _imports("pipexplore.gpipe", path, top_level_only=False) == {"pipexplore.widgets.explorer"}
+    assert ORDER.index(_layer("pipexplore.widgets.explorer")) > ORDER.index(_layer("pipexplore.gpipe"))
+
+
+def test_no_module_is_over_500_lines():
+    long = sorted(f"{p.relative_to(PACKAGE.parent)} ({n} lines)" for p in PACKAGE.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > 500)
+    assert not long, "split these modules: " + ", ".join(long)
