@@ -12,6 +12,7 @@ from pipexplore.dataflow import ActionGraph, oversubscribed
 from pipexplore.simulate import schedule_graph, simulate
 
 simulate_module = importlib.import_module("pipexplore.simulate")
+sharing_module = importlib.import_module("pipexplore.predict.sharing")  # the processor-sharing loops
 
 KEYS = ["stage", "phase", "microbatch", "lane", "device"]
 
@@ -76,8 +77,8 @@ def test_a_device_whose_workers_cannot_crowd_it_is_not_checked_and_one_that_coul
     real = simulate_module.oversubscribed
     monkeypatch.setattr(simulate_module, "oversubscribed", lambda *a: checked.append(1) or real(*a))
     loops = []
-    sharing = simulate_module._processor_sharing
-    monkeypatch.setattr(simulate_module, "_processor_sharing", lambda *a, **k: loops.append(1) or sharing(*a, **k))
+    sharing = simulate_module.processor_sharing
+    monkeypatch.setattr(simulate_module, "processor_sharing", lambda *a, **k: loops.append(1) or sharing(*a, **k))
     simulate(table(share=0.2), [3, 6, 9], chunks=4, schedule="1f1b", devices=["cpu"] * 4)  # 4 × 0.2 of the host
     assert not checked and not loops
     simulate(table(share=0.3), [3, 6, 9], chunks=4, schedule="1f1b", devices=["cpu"] * 4)  # 4 × 0.3: could be
@@ -141,6 +142,7 @@ def test_stages_that_leave_the_host_free_are_timed_as_a_graph(monkeypatch):
 def test_the_compiled_loop_is_built():
     # setup.py builds it (optional, so an install without a compiler still works, more slowly)
     assert simulate_module._sharing is not None, "pipexplore._sharing was not built: pip install -e . with a C compiler"
+    assert sharing_module._sharing is simulate_module._sharing
 
 
 @pytest.mark.parametrize("schedule, executor, checkpoint, devices", CONFIGS[::2])
@@ -149,13 +151,13 @@ def test_the_compiled_loop_emits_what_the_python_loop_does_bit_for_bit(monkeypat
                                                                          devices, gap):
     monkeypatch.setattr(simulate_module, "_longest_path", lambda *a, **k: None)
     captured = {}
-    real = simulate_module._processor_sharing
+    real = simulate_module.processor_sharing
 
     def spy(graph, costs, gap_, resource, compiled=None):
         captured.update(graph=graph, costs=costs, resource=resource)
         return real(graph, costs, gap_, resource, compiled)
 
-    monkeypatch.setattr(simulate_module, "_processor_sharing", spy)
+    monkeypatch.setattr(simulate_module, "processor_sharing", spy)
     simulate(table(share=0.7), [3, 6, 9], chunks=6, schedule=schedule, checkpoint=checkpoint, executor=executor,
              devices=devices_for(schedule, devices), copy_cost=1e-9, batch=24)
     args = captured["graph"], captured["costs"], gap, captured["resource"]
@@ -167,16 +169,16 @@ def test_the_compiled_loop_emits_what_the_python_loop_does_bit_for_bit(monkeypat
 
 def test_the_compiled_loop_refuses_inputs_that_do_not_fit_and_a_deadlock():
     graph = ActionGraph.build([[(0, "F", 0)], [(1, "F", 0)]], stages=2)
-    costs = simulate_module.ActionCosts(*(np.ones(2) for _ in range(5)))
+    costs = sharing_module.ActionCosts(*(np.ones(2) for _ in range(5)))
     short = costs._replace(seconds=np.ones(1))
     with pytest.raises(ValueError, match="took: expected 16 bytes, got 8"):
-        simulate_module._processor_sharing(graph, short, 0.0, ["host", "host"], compiled=True)
+        sharing_module.processor_sharing(graph, short, 0.0, ["host", "host"], compiled=True)
     # each worker waits for the other's action: neither loop can start anything
     stuck = ActionGraph.build([[(0, "B", 0), (0, "F", 0)], [(1, "B", 0), (1, "F", 0)]], stages=2)
-    costs = simulate_module.ActionCosts(*(np.ones(4) for _ in range(5)))
+    costs = sharing_module.ActionCosts(*(np.ones(4) for _ in range(5)))
     for compiled in (True, False):
         with pytest.raises(RuntimeError, match="deadlocked"):
-            simulate_module._processor_sharing(stuck, costs, 0.0, ["host", "host"], compiled=compiled)
+            sharing_module.processor_sharing(stuck, costs, 0.0, ["host", "host"], compiled=compiled)
 
 
 @pytest.mark.parametrize("schedule, executor, checkpoint, devices", CONFIGS[1::3])
