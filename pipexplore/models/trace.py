@@ -1,7 +1,9 @@
-"""Models that are not ``nn.Sequential``: candidate split points at any depth, their costs, and
-splits through ``torch.distributed.pipelining.pipeline`` (PyTorch's tracer; pipexplore does not trace itself).
+"""Models that are not ``nn.Sequential``: candidate split points, their costs, and splits.
 
-::
+Candidate split points at any depth (:func:`candidate_modules`), each profiled where it runs in
+the model (:func:`candidates`), and splits through ``torch.distributed.pipelining.pipeline``
+(PyTorch's tracer; pipexplore does not trace itself, and rewrites only what torch's splitter
+cannot split: :mod:`pipexplore.models.fx_workarounds`)::
 
     table = trace.candidates(model, {"input_ids": ids})   # one row per block, in execution order
     pipe = trace.split(model, {"input_ids": ids[:2]}, ["transformer.h.2"])
@@ -12,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import operator
 import time
 import warnings
 from typing import Any, Optional, Sequence
@@ -22,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from pipexplore.microbatch import tensors_in
+from pipexplore.models.fx_workarounds import inline_constant_no_grad_regions
 from pipexplore.models.inputs import call_inputs
 
 #: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
@@ -282,83 +284,6 @@ def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
     return marked
 
 
-def _inline_constant_no_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Inline the ``torch.no_grad()`` regions (``wrap_with_set_grad_enabled``) whose inputs need no
-    gradient — buffers and integer inputs, like a rotary embedding's ``inv_freq`` and positions.
-
-    torch's splitter files such a region's body under its module twice, apart, and builds a stage
-    that cannot run (pytorch/pytorch#184361, every Hugging Face model with RoPE). Without the
-    wrapper the graph is the same computation: no gradient could flow through it anyway.
-    """
-    try:
-        from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
-    except ImportError:  # an older torch without the wrapper has nothing to inline
-        return gm
-    graph = gm.graph
-    needs_grad: set[fx.Node] = set()
-    changed = False
-    for node in list(graph.nodes):
-        if node.op == "get_attr":
-            try:
-                value = operator.attrgetter(str(node.target))(gm)
-            except AttributeError:
-                value = None
-            if isinstance(value, nn.Parameter) and value.requires_grad:
-                needs_grad.add(node)
-            continue
-        if node.op == "placeholder":
-            value = node.meta.get("val")
-            if value is None or torch.is_tensor(value) and (value.is_floating_point() or value.is_complex()):
-                needs_grad.add(node)  # an input of unknown type counts as one that may need a gradient
-            continue
-        inputs_need_grad = any(n in needs_grad for n in node.all_input_nodes)
-        if not (node.op == "call_function" and node.target is wrap_with_set_grad_enabled):
-            if inputs_need_grad:
-                needs_grad.add(node)
-            continue
-        enable, body_node, *args = node.args
-        if inputs_need_grad and enable is not False:
-            needs_grad.add(node)
-        body = operator.attrgetter(str(body_node.target))(gm)
-        own_weights = [p for p in body.parameters() if p.requires_grad]
-        if inputs_need_grad or own_weights:
-            continue  # gradients could flow through it: torch's own handling stays
-        stack = node.meta.get("nn_module_stack", {})
-        env: dict[fx.Node, Any] = {}
-        outputs: Any = None
-        with graph.inserting_before(node):
-            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-            env.update(zip(placeholders, args))
-            for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    outputs = fx.map_arg(inner.args[0], lambda n: env[n])
-                    continue
-                if inner.op == "get_attr":
-                    name = f"{body_node.target}_{inner.target}".replace(".", "_")
-                    setattr(gm, name, operator.attrgetter(str(inner.target))(body))
-                    copied = graph.get_attr(name)
-                else:
-                    copied = graph.node_copy(inner, lambda n: env[n])
-                copied.meta = {**inner.meta, "nn_module_stack": stack}
-                env[inner] = copied
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outputs[user.args[1]])
-                graph.erase_node(user)
-        if node.users:
-            node.replace_all_uses_with(outputs)
-        graph.erase_node(node)
-        if not body_node.users:
-            graph.erase_node(body_node)
-        changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
-
-
 def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None,
                        **options: Any) -> pd.DataFrame:
     """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
@@ -455,7 +380,7 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     def policy(gm: fx.GraphModule) -> fx.GraphModule:
         codegen = getattr(gm.graph, "_codegen", None)
         captured["output_spec"] = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
-        return _inline_constant_no_grad_regions(gm)
+        return inline_constant_no_grad_regions(gm)
 
     noise = io.StringIO()
     logger = logging.getLogger("torch")
