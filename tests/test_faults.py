@@ -210,9 +210,9 @@ def test_cancel_stops_a_background_run_and_keeps_plan_and_runs(table4, started):
 # ---- a session's memory ------------------------------------------------------------------
 
 def test_summary_rows_for_every_run_timelines_for_the_last_few(table4, monkeypatch):
-    import pipexplore.widgets.explorer as explorer_module
+    import pipexplore.widgets.panels.runs as runs_panel
 
-    monkeypatch.setattr(explorer_module, "RUNS_SHOWN", 2)
+    monkeypatch.setattr(runs_panel, "RUNS_SHOWN", 2)
     ex = explore(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), torch.randn(8, 6), devices=["cpu", "cpu"],
                  splits=[2], chunks=2, layer_table=table4, calibrate=False, keep_timelines=2)
     for _ in range(3):

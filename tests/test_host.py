@@ -96,18 +96,18 @@ def test_a_plan_whose_stages_get_other_threads_says_so_and_reprofile_times_them_
     monkeypatch.setattr("pipexplore.host.host_cores", lambda: 4)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     ex = explore(model, torch.randn(8, 4), devices=["cpu", "cpu"], chunks=2, splits=[2])
-    assert ex.layer_table.attrs["threads"] == 2 and ex._thread_note() == ""
+    assert ex.layer_table.attrs["threads"] == 2 and ex.state.all_notes() == ex.notes
     ex.run()
     assert ex.plan.corrections.runs == 1
     ex.update(devices=["cpu"] * 4, splits=[1, 2, 3])  # 4 CPU stages on 4 cores: 1 thread each
-    note = ex._thread_note()
+    note = ex.state.all_notes()[-1]
     assert "timed with 2 intra-op thread(s)" in note and "run with 1" in note and "ex.reprofile()" in note
-    assert note in html.unescape(ex._notes_html())  # shown with the page's notes
+    assert note in html.unescape(ex.w_status.value)  # shown with the page's notes
     old = ex.layer_table
     table = ex.reprofile()
     assert table is ex.layer_table and table is not old and table.attrs["threads"] == 1
     assert ex.plan.layer_table is table and ex.plan.corrections.runs == 0  # learnt on the old table: dropped
-    assert list(ex.plan.splits) == [1, 2, 3] and ex._thread_note() == ""
+    assert list(ex.plan.splits) == [1, 2, 3] and ex.state.all_notes() == ex.notes
     assert ex.run()["finite"]
 
 

@@ -171,7 +171,7 @@ def test_explorer_stays_usable_when_tracing_fails():
     tokens, target = get_batch()
     ex = explore(Branchy(), tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4, splits=[2])
     ex.w_run.click()
-    ex._thread.join(timeout=120)
+    ex.state.thread.join(timeout=120)
     assert "TraceError: could not trace BranchyTransformer" in ex.w_status.value
     assert ex.splits == [2] and ex.runs.empty
     ex.splits = [3]  # still usable

@@ -8,6 +8,7 @@ import json
 import pathlib
 from typing import TYPE_CHECKING, Any, Union
 
+from pipexplore.microbatch import batch_size
 from pipexplore.widgets.header import plan_text, short_plan_text
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas, residual_state
@@ -17,7 +18,7 @@ from pipexplore.widgets.style import style_tag
 from pipexplore.widgets.timeline_canvas import TimelineCanvas
 
 if TYPE_CHECKING:
-    from pipexplore.widgets.explorer import Explorer
+    from pipexplore.widgets.state import ExplorerState
 
 __all__ = ["report_html", "write_report"]
 
@@ -108,25 +109,28 @@ def _code_block(title: str, code: str, key: str) -> str:
             f"Copy</button><pre id='{key}'>{html.escape(code)}</pre></div>")
 
 
-def report_html(explorer: "Explorer") -> str:
-    """The explorer's report as one HTML page: header, strip (SVG), stage view, predicted and
+def report_html(state: "ExplorerState", strip_view: str = "time") -> str:
+    """The explorer's report as one HTML page (from its state; the strip's cells sized by ``strip_view``): header, strip (SVG), stage view, predicted and
     measured timelines with the memory panel and the residuals of the shown run (drawn by the
     notebook's own canvas widgets, their JavaScript embedded), the runs table and the exported code.
 
     Example::
 
-        pathlib.Path("report.html").write_text(report_html(explorer))
+        pathlib.Path("report.html").write_text(report_html(explorer.state))
     """
     from pipexplore.predict.residuals import residuals
 
-    plan = explorer.plan
-    result = explorer._shown_result()
+    from pipexplore.widgets.panels.stages import layer_cells, skip_arcs, stage_totals, stages_html
+    from pipexplore.widgets.panels.status import header_of
+
+    plan = state.plan
+    result = state.shown_result()
     view = TimelineView(plan.predicted, result.timeline if result is not None else None,
-                        explorer.timelines.samples, widget=False, memory_cap=explorer.memory_cap)
+                        batch_size(state.sample), widget=False, memory_cap=state.memory_cap)
     view.show(splits=plan.splits, predicted_title=short_plan_text(plan),
-              measured_title=(f"run {explorer._run_number(result)} · {short_plan_text(result.plan)}"
+              measured_title=(f"run {state.run_number(result)} · {short_plan_text(result.plan)}"
                               if result is not None else ""),
-              measured_warning=explorer._plan_difference(result.plan) if result is not None else "")
+              measured_warning=state.plan_difference(result.plan) if result is not None else "")
     splits = ",".join(map(str, plan.splits))
     scripts = "".join(_module_script(name, widget) for name, widget in _WIDGETS.items())
     widget_css = "".join(dict.fromkeys(str(widget._css) for widget in _WIDGETS.values()))  # shared once
@@ -135,28 +139,28 @@ def report_html(explorer: "Explorer") -> str:
         f"<title>pipexplore report · {html.escape(plan_text(plan))}</title>",
         style_tag(), f"<style>{_REPORT_CSS}{widget_css}</style>", scripts,
         "</head><body>",
-        "<div class='pipexplore-report'>", explorer.w_header.value,
+        "<div class='pipexplore-report'>", header_of(state),
         f"<div class='pipexplore-note'>written {datetime.datetime.now().isoformat(timespec='seconds')}</div>",
         "<h2>split</h2>",
-        strip_svg(explorer.bar.layers, list(plan.splits), explorer.bar.skips, explorer.bar.view,
-                  explorer.bar.stage_totals),
-        explorer.w_stages.value,
+        strip_svg(layer_cells(state.layer_table), list(plan.splits), skip_arcs(plan), strip_view,
+                  stage_totals(plan, strip_view)),
+        stages_html(state),
         "<h2>timelines</h2>",
         _widget_html("timeline", "pipexplore-timeline-figure", {"scene": view.figure.scene, "highlight": -1},
                      f" class='pipexplore-timeline' data-splits='{splits}'"),
     ]
     if result is not None:
-        grid = residual_state(residuals(result.predicted, result.timeline), f"run {explorer._run_number(result)}")
+        grid = residual_state(residuals(result.predicted, result.timeline), f"run {state.run_number(result)}")
         parts += ["<h2>residuals</h2>", _widget_html("residuals", "pipexplore-residuals-figure", {"grid": grid})]
-    runs = explorer.runs
-    parts += ["<h2>runs</h2>", runs_html(runs, shown_run=explorer._run_number(result), uuid="pipexplore-report-runs")]
+    runs = state.runs
+    parts += ["<h2>runs</h2>", runs_html(runs, shown_run=state.run_number(result), uuid="pipexplore-report-runs")]
     kinds = [("pipelining", "torch.distributed.pipelining"),
              ("torchrun", f"torchrun --standalone --nproc-per-node {plan.num_devices}")]
-    if not explorer.traced:
+    if not state.traced:
         kinds.insert(0, ("gpipe", "GPipe"))
     for kind, title in kinds:
         try:
-            code = explorer.export(kind)
+            code = state.export(kind)
         except Exception as exc:  # a kind this model cannot export: say why instead
             code = f"# {type(exc).__name__}: {exc}"
         parts.append(_code_block(f"export: {title}", code, f"pipexplore-code-{kind}"))
@@ -164,16 +168,16 @@ def report_html(explorer: "Explorer") -> str:
     return "".join(parts)
 
 
-def write_report(explorer: "Explorer", path: Union[str, pathlib.Path]) -> pathlib.Path:
+def write_report(state: "ExplorerState", path: Union[str, pathlib.Path], strip_view: str = "time") -> pathlib.Path:
     """Write :func:`report_html` to ``path`` (its folder must exist); returns the path.
 
     Example::
 
-        write_report(explorer, "report.html")
+        write_report(explorer.state, "report.html")
     """
     target = pathlib.Path(path)
     if not target.parent.is_dir():
         raise FileNotFoundError(f"to_html path {str(path)!r}: its folder {str(target.parent)!r} does not exist; "
                                 "create it first or choose another path")
-    target.write_text(report_html(explorer), encoding="utf-8")
+    target.write_text(report_html(state, strip_view), encoding="utf-8")
     return target

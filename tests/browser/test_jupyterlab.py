@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 
+import playwright.sync_api as playwright_sync  # the test extra
 import pytest
 from lab import CHROMIUM, CHROMIUM_ARGS, LabError, accept_kernel_dialog, dismiss_news, jupyterlab, run_cell
 
@@ -19,8 +20,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "test-output"
 
 pytestmark = pytest.mark.browser
-
-playwright_sync = pytest.importorskip("playwright.sync_api")
 
 NOTEBOOK_CELLS = [
     "%load_ext pipexplore\n"
@@ -33,12 +32,12 @@ NOTEBOOK_CELLS = [
     "ex",
     "print('SPLITS', ex.splits, 'RUNS', len(ex.runs))",
     # The kernel refuses one plan (as it refuses a split it cannot run): the page must give it up.
-    "_change = ex._change_plan\n"
+    "_change = ex.state.change_plan\n"
     "def _refusing(change):\n"
     "    if list(change(ex.plan).splits) == [6]:\n"
     "        raise ValueError('split [6] refused for this test')\n"
     "    return _change(change)\n"
-    "ex._change_plan = _refusing",
+    "ex.state.change_plan = _refusing",
 ]
 
 

@@ -1,0 +1,131 @@
+"""The plan's fields in one row (stages, chunks, checkpoint, schedule, executor, devices), the
+Run step / Cancel button, and the messages shown beside fields."""
+from __future__ import annotations
+
+import html
+from typing import Any, Callable
+
+import ipywidgets as W
+
+from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
+from pipexplore.widgets.state import ExplorerState
+
+__all__ = ["FieldMessages", "ControlsPanel", "COMPACT"]
+
+COMPACT = {"description_width": "initial"}
+RUN_TOOLTIP = "train 1 warm-up + 3 measured steps of this plan"
+
+
+class FieldMessages:
+    """A message beside each field (hidden while empty): what was refused, or what followed."""
+
+    NAMES = ("stages", "chunks", "checkpoint", "schedule", "executor", "devices", "memory_cap", "export")
+
+    def __init__(self) -> None:
+        self.boxes = {name: W.HTML("", layout=W.Layout(display="none")).add_class("pipexplore-field-error")
+                      for name in self.NAMES}
+
+    def __getitem__(self, name: str) -> W.HTML:
+        return self.boxes[name]
+
+    def set(self, name: str, text: str, *, error: bool = True) -> None:
+        box = self.boxes[name]
+        box.value = html.escape(text) if error else f"<span class='pipexplore-field-note'>{html.escape(text)}</span>"
+        box.layout.display = "" if text else "none"
+
+    def field_handler(self, state: ExplorerState, name: str,
+                      apply: Callable[[Any], str]) -> Callable[[dict[str, Any]], None]:
+        """An observer of field ``name`` that applies its value (``apply`` returns a note to show
+        beside it); a refusal is shown beside the field, and what was typed stays there."""
+        def handler(change: dict[str, Any]) -> None:
+            try:
+                note = apply(change["new"])
+                state.last_error = ""
+                self.set(name, note, error=False)
+            except Exception as exc:
+                state.last_error = f"{type(exc).__name__}: {exc}"
+                self.set(name, str(exc))
+        return handler
+
+
+class ControlsPanel:
+    """The plan's fields and the Run step button; typed values are applied to the state."""
+
+    def __init__(self, state: ExplorerState, fields: FieldMessages) -> None:
+        self.state, self.fields = state, fields
+        plan = state.plan
+        self.w_stage_count = W.IntText(value=plan.num_stages, description="stages", style=COMPACT,
+                                       layout=W.Layout(width="92px"))
+        self.w_chunks = W.IntText(value=plan.chunks, description="chunks", style=COMPACT, layout=W.Layout(width="92px"))
+        self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
+                                       description="checkpoint", style=COMPACT, layout=W.Layout(width="190px"))
+        self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
+                                     style=COMPACT, layout=W.Layout(width="180px"))
+        self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
+                                     style=COMPACT, layout=W.Layout(width="150px"))
+        self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
+                                style=COMPACT, layout=W.Layout(width="210px"))
+        self.w_run = W.Button(description="Run step", button_style="primary", icon="play", tooltip=RUN_TOOLTIP,
+                              layout=W.Layout(width="110px"))
+        for control, name in self._fields():
+            control.observe(fields.field_handler(state, name, self._applier(name)), names="value")
+        self.w_run.on_click(self._on_run_clicked)
+        self.box = W.HBox([self.w_stage_count, fields["stages"], self.w_chunks, fields["chunks"], self.w_checkpoint,
+                           fields["checkpoint"], self.w_schedule, fields["schedule"], self.w_executor,
+                           fields["executor"], self.w_devices, fields["devices"], self.w_run])
+        self.box.add_class("pipexplore-controls")
+
+    def _fields(self) -> list[tuple[W.ValueWidget, str]]:
+        return [(self.w_stage_count, "stages"), (self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
+                (self.w_schedule, "schedule"), (self.w_executor, "executor"), (self.w_devices, "devices")]
+
+    def _current(self, name: str) -> Any:
+        plan = self.state.plan
+        return {"chunks": plan.chunks, "checkpoint": plan.checkpoint, "schedule": plan.schedule,
+                "executor": plan.executor, "devices": ",".join(plan.devices), "stages": plan.num_stages}[name]
+
+    def _applier(self, name: str) -> Callable[[Any], str]:
+        state = self.state
+
+        def apply(value: Any) -> str:
+            current = self._current(name)
+            if value == current or (name == "devices" and str(value).replace(" ", "") == current):
+                return ""  # the plan's own value, written back: nothing to do
+            if name == "stages":
+                self.fields.set("devices", state.set_stage_count(value), error=False)
+                return ""
+            state.update(**{name: value})
+            plan = state.plan
+            if name == "devices" and len(plan.devices) > plan.num_devices:
+                return f"{', '.join(plan.devices[plan.num_devices:])} not used: {plan.num_stages} stages"
+            return ""
+        return apply
+
+    def refresh(self, change: str) -> None:
+        if change == "plan":
+            for control, name in self._fields():
+                value = self._current(name)
+                if control.value != value:
+                    control.value = value
+                    self.fields.set(name, "")
+        elif change == "status":
+            running = self.state.running
+            if running and self.w_run.description != "Cancel":
+                self.w_run.description, self.w_run.icon, self.w_run.button_style = "Cancel", "stop", "danger"
+                self.w_run.tooltip = ("stop the run: its workers stop after their current action; "
+                                      "the plan and runs stay")
+            elif not running and self.w_run.description == "Cancel":
+                self.w_run.description, self.w_run.icon, self.w_run.button_style = "Run step", "play", "primary"
+                self.w_run.tooltip = RUN_TOOLTIP
+            self.w_run.disabled = False
+
+    def _on_run_clicked(self, _: Any) -> None:
+        state = self.state
+        if state.running:
+            state.say("cancelling: the workers stop after their current action…", busy=True)
+            state.cancel(timeout=0)
+            return
+        try:
+            state.run_async()
+        except Exception as exc:
+            state.show_error(exc)

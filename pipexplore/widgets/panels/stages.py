@@ -1,0 +1,151 @@
+"""The split strip (drag, add and remove splits; balance) and the stage view under it."""
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Callable, Optional
+
+import ipywidgets as W
+import pandas as pd
+
+from pipexplore.plan import Plan
+from pipexplore.widgets.header import format_bytes
+from pipexplore.widgets.panels.controls import FieldMessages
+from pipexplore.widgets.plots import STAGE_COLORS
+from pipexplore.widgets.splitbar import SplitBar
+from pipexplore.widgets.state import ExplorerState
+
+__all__ = ["StagesPanel", "layer_cells", "skip_arcs", "stage_totals", "stages_html"]
+
+HINT = ("drag a handle (or focus it and use ←/→) · double-click a layer boundary to add a split · "
+        "Delete (or drag it off the strip) removes one")
+
+
+def layer_cells(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """The strip's cells: a layer's name, type, time, parameter and activation bytes, and its label."""
+    rows = []
+    for row in table.itertuples(index=False):
+        seconds = float(row.forward + row.backward)
+        rows.append({"name": str(row.name), "type": str(row.type), "time": seconds,
+                     "params": float(row.param_bytes), "memory": float(row.output_bytes),
+                     "label": f"{seconds * 1e3:.3f} ms · params {format_bytes(row.param_bytes)} · "
+                              f"activations {format_bytes(row.output_bytes)}"})
+    return rows
+
+
+def skip_arcs(plan: Plan) -> list[dict[str, Any]]:
+    """The strip's arcs: each skip route from its stash layer to its pop layer."""
+    return [{"name": r.name, "from": r.stash_layer, "to": r.pop_layer} for r in plan.skip_routes]
+
+
+def stage_totals(plan: Plan, view: str) -> list[str]:
+    """Each stage's total under the strip, for the cell widths ``view`` (time, params, memory)."""
+    stages = plan.stages
+    if view == "params":
+        return [f"{format_bytes(v)} params" for v in stages["param_bytes"]]
+    if view == "memory":
+        return [f"{format_bytes(v)} act." for v in stages["activation_bytes"]]
+    return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
+
+
+def stages_html(state: ExplorerState) -> str:
+    """The stage view: a row per stage (over-the-cap peaks flagged), skip routes that cross stages,
+    and parameters several stages share."""
+    table = state.stage_table()
+    plan = state.plan
+    crossing = [r for r in plan.skip_routes if r.crosses]
+    cap = state.memory_cap
+    measured_known = table["peak memory (measured)"].notna().any()
+
+    def size(v: float) -> str:
+        return "–" if math.isnan(v) else format_bytes(v)
+
+    rows = []
+    for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None):
+        over = cap is not None and peak > cap
+        swatch = ("<span class='pipexplore-stage-swatch' "
+                  f"style='background:{STAGE_COLORS[stage % len(STAGE_COLORS)]}'></span>")
+        rows.append(f"<tr><td>{swatch}{stage}</td><td>{html.escape(str(device))}</td><td>{layers}</td>"
+                    f"<td>{seconds * 1e3:.2f} ms</td><td>{size(params)}</td><td>{size(act)}</td>"
+                    f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(peak)}</td>"
+                    + (f"<td>{size(measured)}</td>" if measured_known else "") + "</tr>")
+    skips = (f"{len(crossing)} of {len(plan.skip_routes)} skip routes cross stages (copied)"
+             if plan.skip_routes else "no skip routes")
+    shared = state.shared_parameters()
+    if shared:
+        skips += "<br>⚠ parameters used by several stages: " + ", ".join(
+            f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
+    return ("<div class='pipexplore-stages-view'><table class='pipexplore-stages'><thead><tr><th>stage</th>"
+            "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>activations</th>"
+            "<th>peak act. (predicted)</th>" + ("<th>peak memory (measured)</th>" if measured_known else "")
+            + "</tr></thead><tbody>" + "".join(rows)
+            + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
+
+
+class StagesPanel:
+    """The strip with its tools (cell widths, balance) and the stage view.
+
+    A moved, added or removed split is applied to the state; a refused one puts the plan's splits
+    back and the strip says why (``bar.error``). ``on_hover(stage)`` hears the hovered layer's stage.
+    """
+
+    def __init__(self, state: ExplorerState, fields: FieldMessages, group: str,
+                 on_hover: Callable[[Optional[int]], None]) -> None:
+        self.state, self.fields = state, fields
+        plan = state.plan
+        self.strip_error = ""
+        self.bar = SplitBar(layers=layer_cells(state.layer_table), splits=list(plan.splits), skips=skip_arcs(plan),
+                            view="time", stage_totals=stage_totals(plan, "time"), group=group)
+        self.bar.observe(self._on_splits, names="splits")
+        self.bar.observe(lambda change: on_hover(None if change["new"] is None or change["new"] < 0
+                                                 else int(change["new"])), names="hovered")
+        self.w_view = W.ToggleButtons(options=[("time", "time"), ("params", "params"), ("act.", "memory")],
+                                      value="time", tooltips=["cell widths: forward + backward time",
+                                                              "cell widths: parameter bytes",
+                                                              "cell widths: activation bytes"],
+                                      style={"button_width": "74px"})
+        self.w_balance_time = W.Button(description="Balance by time", layout=W.Layout(width="130px"),
+                                       tooltip="splits that minimise the slowest stage")
+        self.w_balance_size = W.Button(description="Balance by size", layout=W.Layout(width="130px"),
+                                       tooltip="splits that minimise the largest stage (parameters and activations)")
+        self.w_view.observe(lambda change: self.refresh_bar(), names="value")
+        self.w_balance_time.on_click(lambda _: self._balance("time"))
+        self.w_balance_size.on_click(lambda _: self._balance("size"))
+        self.tools = W.HBox([self.w_view, self.w_balance_time, self.w_balance_size,
+                             W.HTML(f"<span class='pipexplore-note'>{HINT}</span>")])
+        self.tools.add_class("pipexplore-controls")
+        self.w_stages = W.HTML(stages_html(state))
+
+    def _balance(self, by: str) -> None:
+        if self.state.attempt(lambda: self.state.balance(by)):
+            self.strip_error = ""
+        self.refresh_bar()
+
+    def _on_splits(self, change: dict[str, Any]) -> None:
+        proposed = list(change["new"])
+        if proposed == list(self.state.plan.splits):
+            return
+        stages_change = len(proposed) != len(self.state.plan.splits)
+        try:
+            note = self.state.set_splits(proposed)
+            if stages_change:
+                self.fields.set("devices", note, error=False)
+            self.strip_error = ""
+        except Exception as exc:  # refused: the strip shows the plan's splits and says why
+            self.strip_error = f"{type(exc).__name__}: {exc}"
+            self.state.last_error = self.strip_error
+        self.refresh_bar()
+
+    def refresh_bar(self) -> None:
+        plan = self.state.plan
+        with self.bar.hold_sync():
+            self.bar.splits = list(plan.splits)
+            self.bar.view = self.w_view.value
+            self.bar.stage_totals = stage_totals(plan, self.w_view.value)
+            self.bar.error = self.strip_error
+
+    def refresh(self, change: str) -> None:
+        if change == "plan":
+            self.refresh_bar()
+        if change in ("plan", "runs", "shown"):
+            self.w_stages.value = stages_html(self.state)

@@ -1,0 +1,289 @@
+"""The explorer's runs: run a step (blocking or in the background), cancel it, keep its row and
+timeline, and the tables, timelines and comparisons read from them.
+
+:class:`RunLog` is the runs half of :class:`pipexplore.widgets.state.ExplorerState`, which holds
+the plan, the lock and the subscribers it uses.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import pandas as pd
+
+from pipexplore import timeline as tl
+from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
+from pipexplore.executors.base import RunResult
+from pipexplore.executors.step import run_step
+from pipexplore.plan import EXECUTORS, Plan
+from pipexplore.widgets.header import plan_text, splits_text
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipexplore.widgets.state import ExplorerState
+
+__all__ = ["RunLog", "RUN_COLUMNS", "run_summary"]
+
+RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
+               "startup_seconds", "bubble", "throughput", "peak_memory", "predicted_step_time", "prediction_error",
+               "loss", "finite"]
+
+
+def run_summary(row: dict[str, Any]) -> str:
+    """The status line after a run; a run whose loss or gradients are not finite says so."""
+    text = (f"run {row['run']}: step {row['step_time'] * 1e3:.1f} ms, bubble {row['bubble'] * 100:.1f} %, "
+            f"loss {row['loss']:.4f}")
+    if not row.get("finite", True):
+        text += (" ⚠ the loss or a gradient is not finite (NaN or inf): this run does not calibrate predictions; "
+                 "check the model, the learning rate and the data")
+    return text
+
+
+class RunLog:
+    """Runs of the current plan, and what is read from them (a part of ``ExplorerState``)."""
+
+    # ---- running ----------------------------------------------------------------------------
+    def run(self: ExplorerState, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
+        """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
+
+        ``executor``: ``'threads'`` (the schedule executor, in this process), ``'autograd'`` (the
+        ``GPipe`` module) or ``'processes'`` (one process per stage); it becomes the plan's.
+        ``timeout`` (seconds, ``'processes'`` only) bounds the step in the worker processes.
+
+        Raises:
+            Exception: what the step raised (a bad device, out of memory, a layer, a crashed
+                worker); the plan and earlier runs are kept.
+            pipexplore.cancel.Cancelled: the run was cancelled; nothing of it is recorded.
+        """
+        if executor is not None and executor != self._plan.executor:
+            self.update(executor=executor)
+        with self._lock:
+            with self._plan_lock:
+                plan, number = self._plan, self._next_run
+            result = run_step(self.model, self.sample, plan, target=self.target, loss_fn=self.loss_fn,
+                              optimizer=self.optimizer, run=number, timeout=timeout)
+            row = {"run": number, **result.row()}
+            if plan.schedule == "async-backends":
+                row["executor"] = "backends"
+            loss = row.get("loss", math.nan)
+            row["finite"] = bool(row.get("finite", True)) and isinstance(loss, float) and math.isfinite(loss)
+            with self._plan_lock:  # atomic with update(): a plan changed meanwhile is never replaced
+                self._next_run = number + 1
+                self._runs.append(row)
+                self._results.append(result)
+                if row["finite"] and self.calibrate and plan.schedule != "async-backends" and self._plan == plan:
+                    # Later predictions include the executor's own cost per action, as this run measured it.
+                    self._plan = plan.calibrated(result.timeline)
+                    self._emit("plan")
+                self._emit("runs")
+                self.say(run_summary(row), error=not row["finite"])
+        return pd.Series(row)
+
+    def run_async(self: ExplorerState) -> threading.Thread:
+        """Start :meth:`run` in a background thread (what the button does); returns the thread.
+
+        Raises:
+            RuntimeError: a run is already in progress.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("a run is already in progress")
+        self._cancel_token = token = CancelToken()
+        self._thread = threading.Thread(target=self._run_in_background, args=(token,), name="pipexplore-run",
+                                        daemon=True)
+        self.running = True
+        self.say("running a training step…", busy=True)
+        self._thread.start()
+        return self._thread
+
+    def cancel(self: ExplorerState, timeout: float = 60.0) -> bool:
+        """Stop the background run: its workers stop after their current action and are joined;
+        nothing of it is recorded, the plan and earlier runs are kept. Returns whether a run was
+        in progress (and has ended within ``timeout`` seconds)."""
+        thread, token = self._thread, self._cancel_token
+        if thread is None or token is None or not thread.is_alive():
+            return False
+        token.cancel()
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run_in_background(self: ExplorerState, token: CancelToken) -> None:
+        try:
+            with cancel_scope(token), tl.counting_actions() as counter:
+                self.counter = counter
+                self.run()
+        except Cancelled:
+            self.say("run cancelled: the plan and earlier runs are kept")
+        except BaseException as exc:  # shown; the plan and the runs stay
+            self.show_error(exc)
+        finally:
+            with self._plan_lock:
+                self.counter = None
+                self.running = False
+                self._emit("status")
+
+    # ---- the runs ---------------------------------------------------------------------------
+    @property
+    def runs(self: ExplorerState) -> pd.DataFrame:
+        """One row per run: the plan, what was measured, the prediction's error, and whether the
+        loss and gradients were ``finite``."""
+        return pd.DataFrame(self._runs, columns=RUN_COLUMNS)
+
+    def run_rows(self: ExplorerState) -> list[dict[str, Any]]:
+        """The runs' rows (a copy), oldest first."""
+        return list(self._runs)
+
+    def clear_runs(self: ExplorerState) -> None:
+        """Forget every run (rows and timelines); the plan and what calibration taught it stay."""
+        with self._plan_lock:
+            self._runs.clear()
+            self._results.clear()
+            self._emit("runs")
+
+    def timeline(self: ExplorerState, kind: str = "predicted", run: Optional[int] = None) -> pd.DataFrame:
+        """``'predicted'``: the current plan's; ``'measured'``: the latest run's, or run ``run``'s
+        while it is among the last ``keep_timelines`` runs.
+
+        Raises:
+            ValueError: another ``kind``.
+            LookupError: no run yet, or that run's timeline is no longer kept.
+        """
+        if kind == "predicted":
+            return self._plan.predicted
+        if kind != "measured":
+            raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+        results = list(self._results)
+        if run is None:
+            if results:
+                return results[-1].timeline
+            if not self._runs:
+                raise LookupError("no run yet: call explorer.run() or press 'Run step'")
+            raise LookupError(f"no timeline is kept (keep_timelines={self.keep_timelines}); explorer.runs has the "
+                              "summary rows")
+        for result in results:
+            if result.timeline["run"].eq(run).any():
+                return result.timeline
+        kept = sorted({str(r.timeline["run"].iloc[0]) for r in results if len(r.timeline)})
+        raise LookupError(f"run {run!r}'s timeline is not kept: the explorer keeps the last {self.keep_timelines} "
+                          f"(keep_timelines), now runs {', '.join(map(str, kept)) or 'none'}")
+
+    @staticmethod
+    def run_number(result: Optional[RunResult]) -> Optional[int]:
+        """The number of the run ``result`` measured (None for none)."""
+        if result is None or result.timeline.empty:
+            return None
+        return int(result.timeline["run"].iloc[0])
+
+    def result_of(self: ExplorerState, run: Optional[int]) -> Optional[RunResult]:
+        """Run ``run``'s kept result, or None."""
+        for result in reversed(self._results):
+            if self.run_number(result) == run:
+                return result
+        return None
+
+    def kept_runs(self: ExplorerState) -> list[int]:
+        """The numbers of the runs whose timelines are kept, oldest first."""
+        return [n for n in (self.run_number(r) for r in self._results) if n is not None]
+
+    def shown_result(self: ExplorerState) -> Optional[RunResult]:
+        """The result the page shows: the chosen run's, else the latest (None before any run)."""
+        if not self._results:
+            return None
+        if self.shown_run is None:
+            return self._results[-1]
+        return self.result_of(self.shown_run) or self._results[-1]
+
+    def show(self: ExplorerState, run: Optional[int] = None, compare: Optional[int] = -1) -> None:
+        """Show run ``run`` (None: the latest) and compare it with run ``compare`` (None: with none;
+        -1: keep the comparison)."""
+        with self._plan_lock:
+            self.shown_run = run
+            if compare != -1:
+                self.compare_run = compare
+            self._emit("shown")
+
+    def plan_difference(self: ExplorerState, other: Plan) -> str:
+        """'' when ``other`` is the current plan, else what differs (for the measured panel's title)."""
+        plan = self._plan
+        changes = [f"{name} {theirs} → {ours}" for name, theirs, ours in (
+            ("splits", splits_text(other.splits), splits_text(plan.splits)), ("chunks", other.chunks, plan.chunks),
+            ("schedule", other.schedule, plan.schedule), ("checkpoint", other.checkpoint, plan.checkpoint),
+            ("executor", other.executor, plan.executor),
+            ("devices", ",".join(other.devices[: other.num_devices]), ",".join(plan.devices[: plan.num_devices])))
+            if theirs != ours]
+        return ("not the current plan: " + ", ".join(changes)) if changes else ""
+
+    def restore(self: ExplorerState, run: Optional[int]) -> Plan:
+        """Make the plan of run ``run`` (its number in :attr:`runs`) the current plan again; what
+        calibration learnt since is kept.
+
+        Raises:
+            LookupError: no such run.
+        """
+        rows = [row for row in self._runs if row["run"] == run]
+        if not rows:
+            known = ", ".join(str(row["run"]) for row in self._runs[-10:]) or "none yet"
+            raise LookupError(f"run {run!r} is not in explorer.runs (latest runs: {known}): pass a number from the "
+                              "'run' column")
+        row = rows[0]
+        result = self.result_of(run)
+        if result is not None:
+            old = result.plan
+            options = dict(splits=old.splits, devices=old.devices, chunks=old.chunks, checkpoint=old.checkpoint,
+                           schedule=old.schedule, executor=old.executor, virtual_stages=old.virtual_stages)
+        else:
+            executor = row["executor"] if row["executor"] in EXECUTORS else self._plan.executor
+            options = dict(splits=tuple(row["splits"]), devices=tuple(str(row["devices"]).split(",")),
+                           chunks=int(row["chunks"]), checkpoint=str(row["checkpoint"]), schedule=str(row["schedule"]),
+                           executor=executor)
+        plan = self.change_plan(lambda plan: plan.with_options(**options))
+        self.say(f"restored the plan of run {run}: {plan_text(plan)}")
+        return plan
+
+    def residuals(self: ExplorerState, run: int = -1) -> pd.DataFrame:
+        """Each action of a run (default: the latest) against its prediction (see
+        :func:`pipexplore.predict.residuals.residuals`).
+
+        Raises:
+            LookupError: no run yet.
+        """
+        from pipexplore.predict.residuals import residuals
+
+        if not self._results:
+            raise LookupError("no run yet: call explorer.run() or press 'Run step'")
+        result = self._results[run]
+        return residuals(result.predicted, result.timeline)
+
+    # ---- what if ------------------------------------------------------------------------------
+    def sweep(self: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
+              schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
+        """Predict every combination (each with its balanced split), ranked by predicted step time;
+        with ``measure=k`` the top ``k`` rows are also run (see :func:`pipexplore.sweep.sweep`)."""
+        from pipexplore.sweep import sweep
+
+        if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
+            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
+        table = sweep(self._plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint)
+        if measure > 0 and not table.empty:
+            previous = self._plan
+            measured = []
+            try:
+                for _, row in table.head(measure).iterrows():
+                    self.apply(row)
+                    measured.append(float(self.run()["step_time"]))
+            finally:
+                self.change_plan(lambda plan: previous.with_options(corrections=plan.corrections))
+            table["measured_step_time"] = measured + [math.nan] * (len(table) - len(measured))
+            order = pd.Series(measured).rank(method="first").astype(int).tolist()
+            table["measured_rank"] = order + [pd.NA] * (len(table) - len(measured))
+        return table
+
+    def apply(self: ExplorerState, row: Any) -> Plan:
+        """Make a row of :meth:`sweep` (or any mapping with its columns) the current plan."""
+        devices = str(row["devices"]).split(",") if isinstance(row["devices"], str) else list(row["devices"])
+        plan = self._plan.with_options(splits=tuple(int(s) for s in row["splits"]), chunks=int(row["chunks"]),
+                                       schedule=str(row["schedule"]), checkpoint=str(row["checkpoint"]),
+                                       devices=tuple(devices))
+        if plan.executor == "autograd" and plan.schedule != "gpipe":
+            plan = plan.with_options(executor="threads")
+        return self.change_plan(lambda _: plan)

@@ -1,0 +1,160 @@
+"""The explorer's behaviour on its state alone: no widget library, changes told to subscribers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipexplore.cancel import Cancelled
+from pipexplore.widgets.state import ExplorerState
+
+
+class Slow(nn.Module):
+    """A layer that takes its time (so a step can be cancelled while it runs)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def _state(**options) -> ExplorerState:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)])
+    options = {"devices": ["cpu", "cpu"], "chunks": 2, "splits": [3], "calibrate": False, **options}
+    return ExplorerState(model, torch.randn(8, 6), **options)
+
+
+@pytest.fixture
+def state():
+    return _state()
+
+
+def _heard(state: ExplorerState) -> list[str]:
+    changes: list[str] = []
+    state.subscribe(changes.append)
+    return changes
+
+
+def test_the_state_imports_no_widget_library():
+    code = ("import sys, pipexplore.widgets.state, pipexplore.widgets.run_log, pipexplore.widgets.layer_table\n"
+            "print(sorted(m for m in ('ipywidgets', 'anywidget') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_change_of_plan_is_told_and_a_refused_one_keeps_the_plan(state):
+    heard = _heard(state)
+    plan = state.update(chunks=4, splits=[2])
+    assert heard == ["plan"] and state.plan is plan and list(plan.splits) == [2] and plan.chunks == 4
+    with pytest.raises(ValueError, match="split"):
+        state.update(splits=[9])
+    assert heard == ["plan"] and state.plan is plan
+    with pytest.raises(TypeError, match="update\\(\\) cannot change 'colour'"):
+        state.update(colour="red")
+
+
+def test_moving_splits_to_more_stages_repeats_the_last_device_and_says_so(state):
+    note = state.set_splits([2, 4])
+    assert list(state.plan.splits) == [2, 4] and state.plan.devices == ("cpu", "cpu", "cpu")
+    assert note == "3 stages: cpu repeated for 1 more device"
+    assert state.set_splits([3]) == "2 stages: cpu dropped" and state.plan.devices == ("cpu", "cpu")
+    assert state.set_splits([4]) == "" and list(state.plan.splits) == [4]
+
+
+def test_the_stage_count_balances_by_time_and_refuses_what_cannot_be(state):
+    state.set_stage_count(3)
+    assert state.plan.num_stages == 3 and len(state.plan.devices) == 3
+    with pytest.raises(ValueError, match="stages must be a whole number from 1 to 6"):
+        state.set_stage_count(7)
+    assert state.plan.num_stages == 3
+
+
+def test_an_attempt_that_fails_shows_the_error_and_keeps_the_plan(state):
+    plan = state.plan
+    heard = _heard(state)
+    assert not state.attempt(lambda: state.update(chunks=9))
+    assert state.plan is plan and state.status.error and "chunks" in state.status.text
+    assert state.last_error == state.status.text and "Traceback" in state.status.traceback
+    assert heard == ["status"]
+    assert state.attempt(lambda: state.balance("size"))
+    assert state.last_error == "" and state.status.text == "" and not state.status.error
+
+
+def test_a_run_is_a_row_and_a_timeline_and_is_told(state):
+    heard = _heard(state)
+    row = state.run()
+    assert heard == ["runs", "status"] and row["run"] == 0 and row["finite"]
+    assert state.status.text.startswith("run 0: step") and not state.status.busy
+    assert state.runs["run"].tolist() == [0] and state.kept_runs() == [0]
+    assert state.shown_result() is state.result_of(0)
+    assert set(state.timeline("measured")["run"]) == {0}
+    assert state.plan_difference(state.result_of(0).plan) == ""
+    state.update(chunks=4)
+    assert state.plan_difference(state.result_of(0).plan) == "not the current plan: chunks 2 → 4"
+    state.restore(0)
+    assert state.plan.chunks == 2 and state.status.text.startswith("restored the plan of run 0")
+    with pytest.raises(LookupError, match="run 5 is not in explorer.runs"):
+        state.restore(5)
+    state.clear_runs()
+    assert state.runs.empty and state.shown_result() is None
+
+
+def test_showing_and_comparing_runs_and_the_memory_cap_are_told(state):
+    state.run()
+    state.run()
+    heard = _heard(state)
+    state.show(0, compare=1)
+    assert (state.shown_run, state.compare_run) == (0, 1) and state.run_number(state.shown_result()) == 0
+    state.memory_cap = "1 KiB"
+    assert state.memory_cap == 1024.0
+    assert heard == ["shown", "shown"]
+    with pytest.raises(ValueError, match="memory_cap"):
+        state.memory_cap = "lots"
+    assert state.memory_cap == 1024.0
+
+
+def test_the_stage_table_peaks_are_the_prediction(state):
+    table = state.stage_table()
+    assert table["stage"].tolist() == [0, 1] and table["layers"].tolist() == ["0–2", "3–5"]
+    assert table["peak activations (predicted)"].tolist() == state.figures()["peak_memory_per_stage"]
+
+
+def test_a_background_run_is_running_until_its_last_word_and_cancel_records_nothing():
+    torch.manual_seed(0)
+    state = ExplorerState(nn.Sequential(Slow(0.05), Slow(0.05), Slow(0.05), Slow(0.05)), torch.randn(8, 6),
+                          devices=["cpu", "cpu"], chunks=2, splits=[2], calibrate=False)
+    running: list[bool] = []
+    state.subscribe(lambda change: change == "status" and running.append(state.running))
+    thread = state.run_async()
+    assert state.running and state.status.busy and state.thread is thread
+    with pytest.raises(RuntimeError, match="already in progress"):
+        state.run_async()
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert state.cancel(timeout=10)
+    assert time.monotonic() - started < 5
+    assert not state.running and state.runs.empty and state.status.text.startswith("run cancelled")
+    assert running[0] is True and running[-1] is False
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipexplore-run")]
+    assert not state.cancel()  # nothing to cancel now
+
+
+def test_run_and_cancel_raise_cancelled_in_a_cancel_scope():
+    from pipexplore.cancel import CancelToken, cancel_scope
+
+    state = _state()
+    token = CancelToken()
+    token.cancel()
+    with cancel_scope(token), pytest.raises(Cancelled):
+        state.run()
+    assert state.runs.empty
