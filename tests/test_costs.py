@@ -1,6 +1,9 @@
 """The cost model: costs in the micro-batch size, shared hosts, learning from runs, trustworthy profiles."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,6 +13,7 @@ from torch import nn
 from pipexplore import profile, simulate
 from pipexplore.costs import Corrections, dispatch_gap, handoff_gaps, lanes_of, layer_seconds, microbatch_rows
 from pipexplore.examples import RowCostLayer, SleepLayer
+from pipexplore.plan import Plan
 from pipexplore.timeline import step_time
 from pipexplore.widgets.explorer import explore
 
@@ -153,46 +157,100 @@ def _sleepy_model() -> nn.Sequential:
     return nn.Sequential(*[SleepLayer(c, c / 2, c / 2) for c in costs])
 
 
-def test_two_splits_on_cpu_predict_different_steps_in_the_order_measured():
-    model = _sleepy_model()
-    ex = explore(model, torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[2], calibrate=False)
-    first = ex.run()
+#: The executor's own cost per action, fixed (a probe measures it, differently on every run).
+FIXED_OVERHEADS = {"forward": 1e-4, "backward": 3e-4, "recompute": 1e-4, "input_grad": 2e-4, "weight_grad": 4e-4,
+                   "all": 5e-4}
+
+
+def _sleepy_table() -> pd.DataFrame:
+    """What profiling :func:`_sleepy_model` on 16 rows would say without noise: a cost per call
+    whatever the rows (sleeps), the backward half input-gradient and half weight-gradient, and
+    the host left free."""
+    costs = np.array([0.001, 0.001, 0.001, 0.001, 0.003, 0.003])
+    table = pd.DataFrame({"name": [str(k) for k in range(len(costs))], "forward": costs, "backward": costs,
+                          "forward_a": costs, "forward_b": 0.0, "backward_a": costs, "backward_b": 0.0,
+                          "output_bytes": 0.0, "param_bytes": 8.0, "share_forward": 0.0, "share_backward": 0.0,
+                          "input_grad_ratio": 0.5, "weight_grad_ratio": 0.5})
+    table.attrs["batch"] = 16
+    return table
+
+
+def _sleepy_plan(splits, schedule="gpipe", executor="threads", devices=("cpu", "cpu"), **options) -> Plan:
+    fixed = Corrections().with_executor_costs("autograd" if executor == "autograd" else "threads", FIXED_OVERHEADS,
+                                              0.0)
+    return Plan(_sleepy_table(), splits=tuple(splits), devices=tuple(devices), chunks=4, schedule=schedule,
+                executor=executor, batch=16, corrections=fixed, **options)
+
+
+def _costing(plan: Plan, scales: dict[str, np.ndarray], gap: float = 0.0) -> Corrections:
+    """``plan``'s corrections with its layers costing ``scales[phase]`` times their profiled
+    seconds and its workers idling ``gap`` seconds before each action: what a run can teach."""
+    executor = plan.predict_executor
+    return Corrections({(executor, phase): np.asarray(scale, dtype=float) for phase, scale in scales.items()},
+                       {executor: gap}, 0, plan.corrections.overheads)
+
+
+def test_two_splits_on_cpu_predict_the_better_balanced_one_faster():
+    # Sleeping layers leave the host free, so two CPU stages overlap and the split that balances
+    # them better is predicted faster: costs 2 | 16 ms against 8 | 12 ms a micro-batch, ~0.83 of
+    # the step (~0.82 with 1.5 ms of sleep lateness in every profiled cost). Were the stages
+    # predicted to contend for the host, both splits would take the serial step (ratio 1).
+    # Whether the measured steps keep that order: benchmarks/prediction_accuracy.py.
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[2], calibrate=False)
+    first = step_time(ex.plan.predicted)
     ex.splits = [4]
-    second = ex.run()
-    assert first["predicted_step_time"] != pytest.approx(second["predicted_step_time"], rel=0.05)
-    assert (first["predicted_step_time"] < second["predicted_step_time"]) == (first["step_time"] < second["step_time"])
+    second = step_time(ex.plan.predicted)
+    assert second < 0.9 * first, (first, second)
+
+
+SCALES = {"forward": [1.0, 1.0, 1.5, 1.5, 2.0, 2.0], "backward": [0.8, 0.8, 1.2, 1.2, 1.6, 1.6],
+          "recompute": [1.0, 1.0, 1.5, 1.5, 2.0, 2.0], "input_grad": [0.8, 0.8, 1.2, 1.2, 1.6, 1.6],
+          "weight_grad": [0.8, 0.8, 1.2, 1.2, 1.6, 1.6]}
 
 
 @pytest.mark.parametrize("schedule,splits,executor", [("1f1b", [4], "threads"), ("gpipe", [4], "autograd"),
                                                       ("interleaved", [1, 3, 4], "threads")])
-def test_after_one_run_the_same_plan_is_predicted_within_5_percent(schedule, splits, executor):
+def test_after_one_run_the_same_plan_is_predicted_as_it_ran(schedule, splits, executor):
     # Interleaved: each worker runs two stages; autograd: one engine thread runs every backward.
+    # The run: layers that cost other than profiled, by layer and phase, and a worker that idles
+    # 0.5 ms before each action (the prediction under those costs, so that what was learnt can be
+    # checked exactly; how close real runs get: benchmarks/prediction_accuracy.py).
+    plan = _sleepy_plan(splits, schedule, executor)
+    measured = plan.with_options(corrections=_costing(plan, SCALES, gap=5e-4)).predicted
+    assert step_time(plan.predicted) < 0.7 * step_time(measured)  # the profile alone is far off
+    learnt = plan.calibrated(measured)
+    assert learnt.corrections.runs == 1
+    assert learnt.corrections.gap(plan.predict_executor) == pytest.approx(5e-4)
+    assert step_time(learnt.predicted) == pytest.approx(step_time(measured), rel=0.01)
+
+
+@pytest.mark.parametrize("schedule,splits,executor", [("1f1b", [4], "threads"), ("gpipe", [4], "autograd"),
+                                                      ("interleaved", [1, 3, 4], "threads")])
+def test_a_real_run_of_each_executor_teaches_every_phase_it_ran(schedule, splits, executor):
     ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=splits,
                  schedule=schedule, executor=executor)
-    first = ex.run()
-    again = ex.plan.predicted
-    assert step_time(again) == pytest.approx(first["step_time"], rel=0.05)
-    assert ex.plan.corrections.runs == 1
+    assert ex.plan.corrections.runs == 0 and not ex.plan.corrections.scales
+    ex.run()
+    learnt = ex.plan.corrections
+    assert learnt.runs == 1
+    for phase in ("forward", "backward"):  # every layer's factor, from its stage's measured spans
+        scale = learnt.scale(executor, phase)
+        assert scale is not None and len(scale) == 6 and np.isfinite(scale).all() and (scale > 0).all(), phase
+    assert executor in learnt.gaps and learnt.gap(executor) >= 0
 
 
-def test_a_correction_learnt_on_one_split_improves_another_split():
-    model = _sleepy_model()
-    sample = torch.randn(16, 4)
-    table = profile(model, sample, microbatch_rows=[4, 16])
-    stale = table.copy()  # a profile that is 40 % too low everywhere (e.g. taken on a faster machine)
-    for column in ("forward", "backward", "forward_a", "forward_b", "backward_a", "backward_b"):
-        stale[column] = stale[column] * 0.6
-    stale.attrs.update(table.attrs)
-    uncorrected = explore(model, sample, layer_table=stale, devices=["cpu", "cpu"], chunks=4, splits=[2],
-                          calibrate=False)
-    corrected = explore(model, sample, layer_table=stale, devices=["cpu", "cpu"], chunks=4, splits=[2])
-    corrected.run()  # learns on split [2]
-    for ex in (uncorrected, corrected):
-        ex.splits = [3]
-    baseline = uncorrected.run()
-    improved = corrected.run()
-    assert abs(improved["prediction_error"]) < abs(baseline["prediction_error"])
-    assert abs(improved["prediction_error"]) < 0.15
+def test_a_correction_learnt_on_one_split_carries_to_another_split():
+    # A profile 40 % too low everywhere (e.g. taken on a faster machine): a run on split [2]
+    # teaches it, and split [3] is then predicted as it runs. (Against real runs, a stale profile
+    # corrected by one run: benchmarks/prediction_accuracy.py.)
+    plan = _sleepy_plan([2])
+    slower = {phase: np.full(6, 1 / 0.6) for phase in ("forward", "backward", "recompute")}
+    learnt = plan.calibrated(plan.with_options(corrections=_costing(plan, slower)).predicted)
+    other = plan.with_splits([3])
+    runs_as = step_time(other.with_options(corrections=_costing(other, slower)).predicted)
+    assert step_time(other.predicted) < 0.7 * runs_as
+    assert step_time(learnt.with_splits([3]).predicted) == pytest.approx(runs_as, rel=0.01)
+    assert learnt.corrections.scale("threads", "forward") == pytest.approx(np.full(6, 1 / 0.6), rel=0.01)
 
 
 def test_corrections_rescale_each_stage_and_phase_and_measure_the_dispatch_gap():
@@ -206,11 +264,13 @@ def test_corrections_rescale_each_stage_and_phase_and_measure_the_dispatch_gap()
     learnt = Corrections().learn(table, [2], "threads", predicted, measured)
     assert learnt.scale("threads", "forward").tolist() == pytest.approx([1, 1, 2, 2])
     assert learnt.scale("threads", "backward").tolist() == pytest.approx([1, 1, 1, 1])
+    assert dispatch_gap(predicted) == pytest.approx(0.0, abs=1e-9)
     # A worker that idles 0.1 s before each action whose inputs are there: the executor's own cost.
-    lagging = predicted.copy()
-    lagging.loc[lagging["stage"] == 0, ["start", "end"]] += 0.0
-    shifted = lagging.sort_values("start").copy()
-    assert dispatch_gap(shifted) == pytest.approx(0.0, abs=1e-9)
+    lagging = simulate(table, [2], chunks=2, schedule="gpipe", checkpoint="never", executor="threads",
+                       cpu_stages_overlap=True, corrections=Corrections(gaps={"threads": 0.1}))
+    assert step_time(lagging) > step_time(predicted) + 0.1
+    assert dispatch_gap(lagging) == pytest.approx(0.1)
+    assert Corrections().learn(table, [2], "threads", predicted, lagging).gap("threads") == pytest.approx(0.1)
 
 
 def test_sweep_ranks_every_combination_and_a_row_applies():
@@ -220,7 +280,7 @@ def test_sweep_ranks_every_combination_and_a_row_applies():
     assert len(table) == 3 * 2 * 3 * 2
     assert table["predicted_step_time"].is_monotonic_increasing
     assert table["rank"].tolist() == list(range(1, len(table) + 1))
-    assert all(len(peaks) == n for peaks, n in zip(table["peak_memory_per_stage"], table["stages"]))
+    assert all(len(peaks) == n for peaks, n in zip(table["peak_memory_per_stage"], table["stages"], strict=True))
     # Fixed-cost layers: fewer, larger micro-batches and more stages win.
     best = table.iloc[0]
     assert best["stages"] == 3 and best["chunks"] == 2
@@ -282,20 +342,31 @@ def test_hand_offs_are_read_per_worker_as_the_prediction_runs_them():
 
 
 def test_zero_bubble_first_stage_runs_its_whole_backward_in_i_and_teaches_the_other_schedules():
-    model = _sleepy_model()
-    ex = explore(model, torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[3], schedule="zero-bubble")
-    predicted = ex.plan.predicted
-    spans = predicted.assign(seconds=predicted["end"] - predicted["start"]).groupby(["stage", "phase"])["seconds"]
-    whole = simulate(ex.layer_table, [3], chunks=4, schedule="1f1b", checkpoint=ex.plan.checkpoint,
-                     devices=["cpu", "cpu"], executor="threads", corrections=ex.plan.corrections)
-    whole_spans = whole.assign(seconds=whole["end"] - whole["start"]).groupby(["stage", "phase"])["seconds"]
-    # The user's data needs no gradient: stage 0's I is its whole backward, its W (almost) nothing.
-    assert spans.median()[(0, "input_grad")] == pytest.approx(whole_spans.median()[(0, "backward")], rel=0.05)
-    assert spans.median()[(0, "weight_grad")] < 0.1 * spans.median()[(1, "weight_grad")]
-    ex.run()  # learns I and W (stage 0: B)
-    ex.update(schedule="1f1b")
-    switched = ex.run()
-    assert abs(switched["prediction_error"]) < 0.10
+    # On two GPUs (no contention) with the executor's own costs fixed, each span is its layers'
+    # seconds and its phase's overhead, exactly.
+    plan = _sleepy_plan([3], "zero-bubble", devices=("cuda:0", "cuda:1"), checkpoint="never")
+    spans = plan.predicted.assign(seconds=plan.predicted["end"] - plan.predicted["start"])
+    whole = plan.with_options(schedule="1f1b").predicted
+    whole_spans = whole.assign(seconds=whole["end"] - whole["start"])
+    backward = layer_seconds(plan.layer_table, 4, "backward")
+
+    def of(frame, stage, phase):
+        return frame.loc[(frame["stage"] == stage) & (frame["phase"] == phase), "seconds"].to_numpy()
+
+    # The user's data needs no gradient: stage 0's I is its whole backward, its W nothing.
+    assert of(spans, 0, "input_grad") == pytest.approx([backward[:3].sum() + FIXED_OVERHEADS["input_grad"]] * 4)
+    assert of(whole_spans, 0, "backward") == pytest.approx([backward[:3].sum() + FIXED_OVERHEADS["backward"]] * 4)
+    assert (of(spans, 0, "weight_grad") == 0).all()
+    assert of(spans, 1, "weight_grad") == pytest.approx([0.5 * backward[3:].sum() + FIXED_OVERHEADS["weight_grad"]] * 4)
+    # A run whose backward costs twice the profile on stage 0 and 1.5 times on stage 1: learnt
+    # from its I and W (stage 0's I as its B), the 1F1B schedule is predicted as it would run.
+    slower = {phase: [2.0, 2.0, 2.0, 1.5, 1.5, 1.5] for phase in ("backward", "input_grad", "weight_grad")}
+    learnt = plan.calibrated(plan.with_options(corrections=_costing(plan, slower)).predicted)
+    assert learnt.corrections.scale("threads", "backward") == pytest.approx(slower["backward"], rel=0.01)
+    switched = plan.with_options(schedule="1f1b")
+    runs_as = step_time(switched.with_options(corrections=_costing(switched, slower)).predicted)
+    assert step_time(switched.predicted) < 0.8 * runs_as
+    assert step_time(learnt.with_options(schedule="1f1b").predicted) == pytest.approx(runs_as, rel=0.01)
 
 
 def test_profile_waits_for_the_extensions_background_imports_before_timing():
@@ -312,23 +383,34 @@ def test_profile_waits_for_the_extensions_background_imports_before_timing():
         time.sleep(1.5)  # longer than this profile takes
         finished.set()
 
-    background.start(imports, f"test-imports-{id(finished)}")
+    name = f"test-imports-{id(finished)}"
+    thread = background.start(imports, name)
+    assert thread.name == name and thread in background.running()
     seen = []
     profile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(8, 4),
             progress=lambda done, total: seen.append(finished.is_set()))
     assert seen and all(seen)
-    assert background.start(imports, f"test-imports-{id(finished)}") is not None  # once per name
+    assert not thread.is_alive()
+    assert background.start(imports, name) is thread  # once per name: the finished thread, not a new one
     assert not background.running()
 
 
+#: The C library, called through ``PyDLL``: its calls keep the interpreter (the GIL), as a C
+#: extension that does not release it does (``CDLL`` would release it).
+_LIBC = ctypes.PyDLL(ctypes.util.find_library("c"))
+
+
 class _HoldsTheInterpreter(nn.Module):
-    """A forward of pure Python (~70 ms of work, many times the interpreter's switch interval):
-    two threads running it take turns inside each call (the GIL)."""
+    """A forward that waits 20 ms, 1 ms at a time, without letting go of the interpreter (the
+    GIL): two threads running it take turns, switching every switch interval (5 ms), so each
+    call takes twice as long beside its twin. It waits rather than computes, so how fast the
+    machine computes at the moment leaves its times alone: a pure-Python loop's took turns too,
+    but its ratio followed the machine's speed between the calls alone and the twins' (1.0–5.5
+    on 2 busy cores, below 1.3 in 1 of 7 runs), where this one's stays at 1.9–2.1."""
 
     def forward(self, x):
-        total = 0
-        for k in range(1_500_000):
-            total += k
+        for _ in range(20):
+            _LIBC.usleep(1000)
         return x * 1.0
 
 
@@ -337,10 +419,13 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
 
     profiling = importlib.import_module("pipexplore.profile")
     x = torch.randn(4, 4, requires_grad=True)
-    turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.15)
+    turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.02)
     free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
-    # ~2 (1.4–2.2 seen on 2 cores, also under load): one runs while the other waits; ~1: both sleep at once
-    assert turns > 1.3 and free < 1.2, (turns, free)
+    # Taking turns: ~2, one waits while the other holds the interpreter. Not seen: ~1, as for
+    # sleeps that release it (0.94–1.10 seen, also beside two busy processes). The bound halfway
+    # keeps 0.4 from the turns seen (1.92–2.13 in 30 runs, 15 of them beside two busy processes).
+    assert turns > 1.5, turns
+    assert free < 1.2, free
 
 
 class _CheaperWithoutAutograd(nn.Module):

@@ -27,16 +27,17 @@ def _reference(model, x, target):
     return loss.item(), [p.grad for p in ref.parameters()]
 
 
+#: (schedule, chunks, stages): every combination a schedule can run. Interleaved spreads the
+#: stages over 2 devices, so it needs an even stage count and even chunks.
+STEPS = [(schedule, chunks, stages) for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved")
+         for chunks in (1, 3, 8) for stages in (1, 2, 3, 4)
+         if schedule != "interleaved" or (stages % 2 == 0 and chunks % 2 == 0)]
+
+
 @pytest.mark.parametrize("kind", ["plain", "unet"])
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("chunks", [1, 3, 8])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved"])
+@pytest.mark.parametrize("schedule,chunks,stages", STEPS)
 def test_losses_and_gradients_equal_a_plain_step(schedule, chunks, stages, kind):
-    devices = ["cpu"] * stages
-    if schedule == "interleaved":
-        if stages % 2 or chunks % 2:
-            pytest.skip("interleaved over 2 devices needs an even stage count and even chunks")
-        devices = ["cpu", "cpu"]
+    devices = ["cpu", "cpu"] if schedule == "interleaved" else ["cpu"] * stages
     model = plain_model() if kind == "plain" else unet_model()
     x, target = torch.randn(8, 6), torch.randn(8, 6)
     loss, grads = _reference(model, x, target)
@@ -45,7 +46,7 @@ def test_losses_and_gradients_equal_a_plain_step(schedule, chunks, stages, kind)
     result = executor.step(x, target)
     assert result.loss == pytest.approx(loss, rel=1e-5)
     assert len(result.losses) == chunks
-    for got, expected in zip(executor.parameters(), grads):
+    for got, expected in zip(executor.parameters(), grads, strict=True):
         torch.testing.assert_close(got.grad, expected)
 
 
@@ -58,7 +59,7 @@ def test_checkpoint_modes(schedule, checkpoint):
     executor = ScheduleExecutor(copy.deepcopy(model), [2, 6, 1], devices=["cpu"] * 3, chunks=4, schedule=schedule,
                                 checkpoint=checkpoint, loss_fn=nn.functional.mse_loss)
     assert executor.step(x, target).loss == pytest.approx(loss, rel=1e-5)
-    for got, expected in zip(executor.parameters(), grads):
+    for got, expected in zip(executor.parameters(), grads, strict=True):
         torch.testing.assert_close(got.grad, expected)
 
 
@@ -72,7 +73,7 @@ def test_sum_reduction_adds_micro_batch_losses():
     ref = copy.deepcopy(model)
     nn.functional.mse_loss(ref(x), target, reduction="sum").backward()
     assert result.loss == pytest.approx(sum(result.losses))
-    for got, expected in zip(executor.parameters(), ref.parameters()):
+    for got, expected in zip(executor.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad)
 
 
@@ -98,27 +99,34 @@ THEORY = {"gpipe": lambda p, m, v: (p - 1) / (m + p - 1), "1f1b": lambda p, m, v
           "interleaved": lambda p, m, v: (p - 1) / (v * m + p - 1)}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 3, 6, 1), ("1f1b", 3, 6, 1), ("zero-bubble", 3, 6, 1),
                                             ("interleaved", 2, 4, 2)])
-def test_measured_bubble_equals_theory_and_prediction(schedule, p, m, v):
-    # Layers that sleep 40 ms in forward, on the input-gradient path and on the weight-gradient path.
-    seconds = 0.04
+def test_each_worker_runs_the_predicted_order_and_the_prediction_has_the_theorys_bubble(schedule, p, m, v):
+    # Layers that sleep as long in forward, on the input-gradient path and on the weight-gradient
+    # path. How close the measured bubble and step come to these: benchmarks/prediction_accuracy.py.
+    seconds = 0.002
     stages = p * v
     model = nn.Sequential(*[SleepFIW(seconds, seconds, seconds) for _ in range(stages)])
     executor = ScheduleExecutor(model, [1] * stages, devices=["cpu"] * p, chunks=m, schedule=schedule)
-    executor.step(torch.ones(m, 1))  # warm-up
     with tl.record() as rec:
         executor.step(torch.ones(m, 1))
-    measured = rec.timeline.assign(device=lambda t: [f"worker{s % p}" for s in t["stage"]])
     by = "device" if schedule == "interleaved" else "stage"
-    assert abs(tl.bubble_fraction(measured, by=by) - THEORY[schedule](p, m, v)) <= 0.02
+    measured = rec.timeline.assign(device=lambda t: [f"worker{s % p}" for s in t["stage"]])
     table = pd.DataFrame({"forward": [seconds * m] * stages, "backward": [2 * seconds * m] * stages,
                           "output_bytes": [0] * stages})
     predicted = simulate(table, list(range(1, stages)), chunks=m, schedule=schedule, checkpoint="never",
                          executor="threads", cpu_stages_overlap=True, virtual_stages=max(v, 1),
                          devices=[f"worker{d}" for d in range(p)] if schedule == "interleaved" else None)
-    assert tl.step_time(predicted) == pytest.approx(tl.step_time(measured), rel=0.10)
+    assert tl.bubble_fraction(predicted, by=by) == pytest.approx(THEORY[schedule](p, m, v), abs=1e-9)
+    # Work a worker: its stages' micro-batches, a forward and a backward (I and W) each.
+    assert tl.step_time(predicted) == pytest.approx(v * m * 3 * seconds / (1 - THEORY[schedule](p, m, v)))
+    # Each worker ran its actions one after another in the order the prediction lays out.
+    compute = predicted[predicted["phase"] != "copy"]
+    for worker, ran in measured.sort_values("start").groupby(by):
+        planned = compute[compute[by] == worker].sort_values("start")
+        assert list(zip(ran["stage"], ran["phase"], ran["microbatch"], strict=True)) == list(
+            zip(planned["stage"], planned["phase"], planned["microbatch"], strict=True)), worker
+        assert (ran["start"].to_numpy()[1:] >= ran["end"].to_numpy()[:-1]).all(), worker
 
 
 def test_a_failing_stage_raises_and_leaves_no_thread():
@@ -213,5 +221,5 @@ def test_out_of_memory_in_one_cuda_stage_is_named_released_and_the_next_step_run
     loss = nn.functional.mse_loss(reference(x), target)
     loss.backward()
     assert executor.step(x, target).loss == pytest.approx(loss.item(), rel=1e-5)  # the next step works
-    for got, expected in zip(executor.parameters(), reference.parameters()):
+    for got, expected in zip(executor.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad)
