@@ -15,14 +15,15 @@ from pipexplore.timeline import (COLUMNS, active_recorder, bubble_fraction, busy
                                  step_time, throughput, to_chrome_trace)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("checkpoint,recomputed", [("always", 4), ("except_last", 3), ("never", 0)])
-def test_record_gpipe_step_has_every_event(checkpoint, recomputed):
-    pipe = GPipe(unet_model(), balance=[2, 6, 1], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+def test_record_gpipe_step_has_every_event(checkpoint, recomputed, device):
+    pipe = GPipe(unet_model(), balance=[2, 6, 1], devices=[device] * 3, chunks=4, checkpoint=checkpoint)
     with record(run="r1") as rec:
-        pipe(torch.randn(8, 6)).sum().backward()
+        pipe(torch.randn(8, 6, device=device)).sum().backward()
     t = rec.timeline
     assert list(t.columns) == COLUMNS
-    assert set(t["run"]) == {"r1"} and set(t["source"]) == {"measured"} and set(t["device"]) == {"cpu"}
+    assert set(t["run"]) == {"r1"} and set(t["source"]) == {"measured"} and set(t["device"]) == {device}
     counts = t.groupby("phase").size().to_dict()
     assert counts["forward"] == 12 and counts["backward"] == 12
     assert counts.get("recompute", 0) == 3 * recomputed
@@ -37,7 +38,11 @@ def test_record_gpipe_step_has_every_event(checkpoint, recomputed):
         r = t[t.phase == "recompute"].set_index(["stage", "microbatch"])
         for key, row in r.iterrows():
             assert b.loc[key, "start"] >= row["end"]  # backward starts after its recomputation
-    assert t.attrs["peak_memory"] == {} or all(v > 0 for v in t.attrs["peak_memory"].values())
+    # Peak memory is what CUDA devices report, every one of them (the host's memory is not read).
+    peak = t.attrs["peak_memory"]
+    assert set(peak) == {f"cuda:{k}" for k in range(torch.cuda.device_count())}
+    if device.startswith("cuda"):  # at least the step's parameters, held throughout
+        assert peak[device] >= sum(p.numel() * p.element_size() for p in pipe.parameters()) > 0
 
 
 def test_nothing_recorded_outside_the_block():

@@ -194,11 +194,23 @@ def test_checkpoint_mode_invalid():
 
 def test_checkpoint_mode_when_chunks_1():
     model = nn.Sequential(nn.Linear(1, 1))
+    input = torch.rand(2, 1)
+    expected = model(input)
 
-    # All checkpoint modes are fine.
-    GPipe(model, balance=[1], devices=["cpu"], chunks=1, checkpoint="except_last")
-    GPipe(model, balance=[1], devices=["cpu"], chunks=1, checkpoint="always")
-    GPipe(model, balance=[1], devices=["cpu"], chunks=1, checkpoint="never")
+    def checkpoints(grad_fn, seen):
+        if grad_fn is None or grad_fn in seen:
+            return 0
+        seen.add(grad_fn)
+        return int(type(grad_fn).__name__ == "CheckpointBackward") + sum(
+            checkpoints(next_fn, seen) for next_fn, _ in grad_fn.next_functions)
+
+    # All checkpoint modes are fine; the one micro-batch is the last, so only "always" checkpoints it.
+    for mode, checkpointed in (("except_last", 0), ("always", 1), ("never", 0)):
+        gpipe = GPipe(model, balance=[1], devices=["cpu"], chunks=1, checkpoint=mode)
+        assert gpipe.checkpoint == mode
+        output = gpipe(input)
+        assert torch.equal(output, expected), mode
+        assert checkpoints(output.grad_fn, set()) == checkpointed, mode
 
 
 def test_checkpoint_eval():
@@ -718,8 +730,11 @@ def test_sandbox_during_profiling(device):
 
 
 def test_not_training():
+    calls = []
+
     class AssertTraining(nn.Module):
         def forward(self, x):
+            calls.append(self.training)
             assert self.training
             return x
     model = nn.Sequential(AssertTraining())
@@ -728,8 +743,9 @@ def test_not_training():
     assert not model.training
 
     sample = torch.rand(1)
-    balance_by_time(1, model, sample, device="cpu")
+    assert balance_by_time(1, model, sample, device="cpu") == [1]
 
+    assert calls and all(calls)  # profiled, in training mode
     assert not model.training
 
 
@@ -745,7 +761,8 @@ def test_balance_by_time_tuple():
 
     model = nn.Sequential(Twin(), Add())
     sample = torch.rand(1, requires_grad=True)
-    balance_by_time(1, model, sample, device="cpu")
+    assert balance_by_time(1, model, sample, device="cpu") == [2]
+    assert balance_by_time(2, model, sample, device="cpu") == [1, 1]
 
 
 def test_balance_by_size_tuple():
@@ -761,7 +778,8 @@ def test_balance_by_size_tuple():
 
     model = nn.Sequential(Twin(), Add())
     sample = torch.rand(1, requires_grad=True)
-    balance_by_size(1, model, sample)
+    assert balance_by_size(1, model, sample) == [2]
+    assert balance_by_size(2, model, sample) == [1, 1]
 
 
 def test_already_has_grad():

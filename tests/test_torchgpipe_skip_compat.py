@@ -368,11 +368,21 @@ def test_declare_but_not_use(skip_tracker):
     l1 = Stash()
     l2 = Pop()
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"Stash must stash \['foo'\] but did not"):
         l1(torch.tensor(42))
 
-    with pytest.raises(RuntimeError):
-        l2(torch.tensor(42))
+    # torchgpipe runs l2 alone here, which fails because nothing was stashed: stash 'foo' first
+    # (as the layer that declares it would), so that l2 fails for not popping it.
+    @skippable(stash=["foo"])
+    class Stashing(nn.Module):
+        def forward(self, input):
+            yield stash("foo", input)
+            return input
+
+    latent = Stashing()(torch.tensor(42))
+    assert [name for _, name in skip_tracker.tensors] == ["foo"]
+    with pytest.raises(RuntimeError, match=r"Pop must pop \['foo'\] but did not"):
+        l2(latent)
 
 
 def test_stash_not_declared(skip_tracker):
@@ -384,7 +394,7 @@ def test_stash_not_declared(skip_tracker):
 
     l1 = Stash()
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="'foo' has not been declared as stashable by Stash"):
         l1(torch.tensor(42))
 
 
@@ -406,7 +416,7 @@ def test_pop_not_declared(skip_tracker):
 
     latent = l1(torch.tensor(42))
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="'foo' has not been declared as poppable by Pop"):
         l2(latent)
 
 
@@ -418,7 +428,7 @@ def test_pop_not_stashed(skip_tracker):
 
     l1 = Pop()
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="'foo' has not been stashed before Pop pops it"):
         l1(torch.tensor(42))
 
 
@@ -430,7 +440,8 @@ def test_stash_none(skip_tracker):
             return input * 2
 
     l1 = Stash()
-    l1(torch.tensor(42))
+    assert l1(torch.tensor(42)).item() == 84
+    assert list(skip_tracker.tensors.values()) == [None]  # None is stashed as it is
 
 
 # ---- skip/test_inspect_skip_layout.py ----
@@ -719,7 +730,7 @@ def test_use_grad():
     assert portal.use_grad() is tensor
 
     # Gradient in a portal is ephemeral.
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the gradient in this portal has been used or was never set"):
         portal.use_grad()
 
 
@@ -737,7 +748,7 @@ class TestTensorLife:
         yield new_portal
 
         # A test using this fixture must exhaust the tensor in the portal.
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="the tensor in this portal has been freed after its last use"):
             portal.check_tensor_life()
         assert portal.tensor is None
 
