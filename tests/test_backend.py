@@ -54,7 +54,7 @@ def test_forward_and_backward_equal_the_module():
     reference(xr).backward(grad)
     torch.testing.assert_close(gx, xr.grad)
     # The optimizer stepped: w ← w − lr·∂w, exactly.
-    for p, r in zip(backend.expert.parameters(), reference.parameters()):
+    for p, r in zip(backend.expert.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r - 0.1 * r.grad)
 
 
@@ -94,7 +94,7 @@ def test_pending_tasks_merge_into_batches_and_each_caller_gets_its_rows():
     runtime = Runtime({"ffn": backend})
     with runtime:
         results = [f.result(timeout=10)[0] for f in futures]
-    for x, y in zip(inputs, results):
+    for x, y in zip(inputs, results, strict=True):
         torch.testing.assert_close(y, reference(x))
     batches = runtime.timeline
     assert batches["batch_size"].tolist() == [8, 8, 4] and batches["tasks"].tolist() == [4, 4, 2]
@@ -187,22 +187,22 @@ def test_a_request_that_makes_the_layer_fail_fails_only_itself():
     grads = [torch.randn(3, 4) for _ in good]
     # Queued before the runtime starts: the first batch holds every request, the bad one among them.
     forwards = [backend.forward_pool.submit_task(x) for x in (good[0], bad, good[1], good[2])]
-    backwards = [backend.backward_pool.submit_task(x, g) for x, g in zip(good[:1] + [bad] + good[1:],
-                                                                         grads[:1] + [torch.randn(2, 4)] + grads[1:])]
+    backwards = [backend.backward_pool.submit_task(x, g) for x, g in zip(
+        good[:1] + [bad] + good[1:], grads[:1] + [torch.randn(2, 4)] + grads[1:], strict=True)]
     with Runtime({"picky": backend}):
         results = [f.exception(timeout=10) or f.result() for f in forwards]
         back = [f.exception(timeout=10) or f.result() for f in backwards]
     assert isinstance(results[1], ArithmeticError) and isinstance(back[1], ArithmeticError)
     assert "this layer takes no negative input" in str(results[1])
-    for x, (y,) in zip(good, results[:1] + results[2:]):
+    for x, (y,) in zip(good, results[:1] + results[2:], strict=True):
         torch.testing.assert_close(y, reference(x))
     # Input gradients of the good requests equal the layer's; the parameters hold exactly their
     # gradients (no optimizer), nothing of the failed batch.
-    for x, g, (gx,) in zip(good, grads, back[:1] + back[2:]):
+    for x, g, (gx,) in zip(good, grads, back[:1] + back[2:], strict=True):
         xr = x.clone().requires_grad_()
         reference(xr).backward(g)
         torch.testing.assert_close(gx, xr.grad)
-    for p, r in zip(expert.parameters(), reference.parameters()):
+    for p, r in zip(expert.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad)
 
 
@@ -250,7 +250,7 @@ def test_pipeline_of_backends_with_one_chunk_equals_a_plain_step():
     loss.backward()
     optimizer.step()
     assert losses == [pytest.approx(loss.item())]
-    for p, r in zip(nn.Sequential(*layers).parameters(), reference.parameters()):
+    for p, r in zip(nn.Sequential(*layers).parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r)
     assert runtime.timeline.groupby("phase").size().to_dict() == {"backward": 3, "forward": 3}
 
@@ -266,7 +266,7 @@ def test_pipeline_of_backends_batches_micro_batches_and_learns():
         for _ in range(20):
             last = sum(pipeline.step(x, target, nn.functional.mse_loss, chunks=8))
     assert last < first
-    assert any(not torch.equal(a, b) for a, b in zip(before, nn.Sequential(*layers).parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, nn.Sequential(*layers).parameters(), strict=True))
     batches = runtime.timeline
     assert (batches["wait"] >= 0).all() and set(batches["stage"]) == {0, 1, 2}
     # 21 steps × 8 micro-batches × 3 stages × 2 directions tasks, fewer batches.

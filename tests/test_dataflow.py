@@ -190,7 +190,7 @@ def test_the_compiled_longest_path_times_the_graph_as_the_array_passes_do_bit_fo
     seconds, first_wait, second_wait = (rng.random(len(graph)) for _ in range(3))
     compiled = graph.times(seconds, first_wait, second_wait, 0.01)
     passes = graph.times(seconds, first_wait, second_wait, 0.01, compiled=False)
-    for a, b in zip(compiled, passes):
+    for a, b in zip(compiled, passes, strict=True):
         np.testing.assert_array_equal(a, b)
     assert (compiled[1] > compiled[0]).all()
 

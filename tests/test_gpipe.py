@@ -50,7 +50,7 @@ def test_outputs_and_gradients_equal_sequential(kind, balance, chunks, checkpoin
                                   chunks=chunks, checkpoint=checkpoint)
     torch.testing.assert_close(out, expected)
     assert len(grads) == len(expected_grads)
-    for g, e in zip(grads, expected_grads):
+    for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e)
     torch.testing.assert_close(x.grad, expected_input_grad)
 
@@ -63,7 +63,7 @@ def test_every_chunk_count_1_to_8_plain(chunks):
         expected, expected_grads = _reference_step(model, x)
         _, out, grads = _pipe_step(model, x, balance=[2, 2, 2, 2], devices=["cpu"] * 4, chunks=c)
         torch.testing.assert_close(out, expected)
-        for g, e in zip(grads, expected_grads):
+        for g, e in zip(grads, expected_grads, strict=True):
             torch.testing.assert_close(g, e)
 
 
@@ -81,7 +81,7 @@ def test_tuple_inputs_and_outputs(checkpoint):
     torch.testing.assert_close(ps, s)
     torch.testing.assert_close(pp, p)
     assert torch.equal(pl, labels + 3) and pl.dtype == torch.int64
-    for g, e in zip(pipe.parameters(), ref.parameters()):
+    for g, e in zip(pipe.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(g.grad, e.grad)
 
 
@@ -429,7 +429,7 @@ def test_parameter_shared_by_distinct_layers_is_refused_as_torchgpipe_does():
     expected, expected_grads = _reference_step(model, x)
     pipe, out, grads = _pipe_step(model, x, balance=[1, 1], devices=["cpu"] * 2, chunks=2)
     torch.testing.assert_close(out, expected)
-    for g, e in zip(grads, expected_grads):
+    for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e)
 
 
@@ -489,7 +489,7 @@ def test_cuda_outputs_and_gradients_equal_sequential(checkpoint):
     out = pipe(x.to(pipe.devices[0]))
     out.pow(2).sum().backward()
     torch.testing.assert_close(out.cpu(), expected)
-    for g, e in zip(pipe.parameters(), expected_grads):
+    for g, e in zip(pipe.parameters(), expected_grads, strict=True):
         torch.testing.assert_close(g.grad.cpu(), e)
 
 
@@ -502,7 +502,7 @@ def test_cpu_and_cuda_partitions_mixed():
     out = pipe(x)
     out.pow(2).sum().backward()
     torch.testing.assert_close(out, expected)
-    for g, e in zip(pipe.parameters(), expected_grads):
+    for g, e in zip(pipe.parameters(), expected_grads, strict=True):
         torch.testing.assert_close(g.grad.cpu(), e)
 
 
@@ -527,7 +527,7 @@ def test_a_partition_runs_its_next_micro_batch_without_waiting_for_a_slower_part
     x2 = x.detach().clone().requires_grad_()
     reference(x2).sum().backward()
     assert torch.allclose(x.grad, x2.grad)
-    for a, b in zip(pipe.parameters(), reference.parameters()):
+    for a, b in zip(pipe.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad)
 
 
@@ -553,7 +553,7 @@ def test_each_partitions_worker_starts_its_own_tasks_after_the_first():
     assert starters == {key: f"pipexplore-partition{key[1]}" for key in starters} and len(starters) == 8
     expected_out, expected = _reference_step(model, x)
     torch.testing.assert_close(out, expected_out)
-    for a, b in zip(grads, expected):
+    for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -7,12 +7,11 @@ import logging
 
 import pytest
 import torch
+import transformers  # the test extra
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need `transformers` (the test extra)")
-
-from pipexplore import trace  # noqa: E402
-from pipexplore.plan import Plan  # noqa: E402
-from pipexplore.traced_executor import run_traced_step  # noqa: E402
+from pipexplore import trace
+from pipexplore.plan import Plan
+from pipexplore.traced_executor import run_traced_step
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
