@@ -40,7 +40,7 @@ from pipexplore.predict.sharing import ActionCosts, Records, loop_layout, may_ov
 from pipexplore.schedules import PHASES, SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.splits import check_splits
 from pipexplore.timeline import lexsort
-from pipexplore.validate import interleaved_devices
+from pipexplore.validate import interleaved_devices, valid_chunks
 
 try:  # the compiled loops; where they were not built (or ``_sharing`` is set to None), the Python ones run
     from pipexplore import _sharing
@@ -146,7 +146,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             A table of whole-batch seconds only (``forward``, ``backward``) is taken as
             proportional to the rows.
         splits: layers that begin a stage.
-        chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it.
+        chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it (refused
+            where it makes fewer: more chunks than rows, or chunks that do not split them exactly).
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
             stage ``s`` on device ``s % (stages / virtual_stages)``) or ``zero-bubble`` (ZB-H1).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
@@ -161,7 +162,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         corrections: what earlier runs taught (:class:`pipexplore.costs.Corrections`): a factor
             per layer and phase, and the executor's time between actions.
         action_overhead: seconds added to every compute action (a what-if).
-        per_microbatch: the table's seconds are already per micro-batch (a table without a fit).
+        per_microbatch: the table's seconds are already per micro-batch (a table without rows: no
+            fit, no ``batch``; refused for the others, whose seconds follow from the rows).
         cpu_stages_overlap: CPU stages never slow each other (layers that leave the CPU free:
             sleeps, I/O, waits on other machines), whatever the table says of their shares.
 
@@ -288,14 +290,20 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     splits = [int(b) for b in costs["first_layer"].iloc[1:]]
     S = len(costs)
     fit = has_fit(layer_table)
-    batch = batch if batch is not None else layer_table.attrs.get("batch")
+    own_batch = layer_table.attrs.get("batch")
+    if per_microbatch and (fit or batch is not None or own_batch is not None):
+        raise ValueError(_per_microbatch_refusal(fit, batch, own_batch))
+    given, batch = batch is not None, batch if batch is not None else own_batch
     if fit or batch is not None:
         sizes = [float(r) for r in microbatch_rows(int(batch), chunks)] if batch else [1.0] * chunks
+        if len(sizes) != chunks:
+            raise ValueError(_chunks_refusal(chunks, int(batch), len(sizes), int(sizes[0]), given))
     else:
         sizes = [1.0 if per_microbatch else 1.0 / chunks] * chunks
     m = len(sizes)
-    # Bytes of the table are for its whole batch (fractions), unless given per micro-batch.
-    fractions = [1.0 if per_microbatch else (r / batch if batch else r) for r in sizes]
+    # Bytes of the table are for its own batch (fractions: the profiled sample's rows, else the
+    # batch given), unless given per micro-batch.
+    fractions = [1.0 if per_microbatch else (r / (own_batch or batch) if batch else r) for r in sizes]
     stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
 
     if schedule == "interleaved":
@@ -334,6 +342,38 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
                  resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
                  [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) for b in range(S - 1)], fit, batch)
+
+
+def _chunks_refusal(chunks: int, batch: int, made: int, rows: int, given: bool) -> str:
+    """Why ``chunks`` micro-batches cannot be predicted from ``batch`` rows (``torch.chunk`` makes
+    ``made`` of up to ``rows`` rows), and what to do; ``given``: the batch is simulate's argument."""
+    where = f"batch={batch}" if given else f"the profile's batch of {batch} rows (the sample it was profiled on)"
+    choose = f"choose chunks among {', '.join(map(str, valid_chunks(batch, chunks)))}"
+    if chunks > batch:
+        remedy = (f"or a batch of at least {chunks} rows" if given else
+                  f"or profile a sample of at least {chunks} rows (more rows, or fewer chunks)")
+        return (f"chunks={chunks} asks for more micro-batches than {where} has rows: every micro-batch needs "
+                f"a row, so torch.chunk makes {made} micro-batches and the prediction would time {made}, not "
+                f"{chunks}; {choose}, {remedy}")
+    remedy = (f"or a batch that splits into {chunks}" if given else
+              f"or profile a sample whose rows split into {chunks} (e.g. {chunks * rows} rows)")
+    return (f"chunks={chunks} cannot split {where} into {chunks} micro-batches: torch.chunk makes {made} "
+            f"micro-batches of up to {rows} rows; {choose}, {remedy}")
+
+
+def _per_microbatch_refusal(fit: bool, batch: Optional[int], own_batch: Optional[int]) -> str:
+    """Why ``per_microbatch=True`` would be ignored: the table's seconds follow from the rows."""
+    if fit:
+        return (f"per_microbatch=True is for a table of seconds without rows, but this table's costs are a line "
+                f"in the rows (forward_a + forward_b·rows, as profile gives them), read at each micro-batch's "
+                f"rows: leave per_microbatch out, and give batch= the mini-batch's rows where it is not the "
+                f"profiled sample's ({own_batch})")
+    if own_batch is not None:
+        return (f"per_microbatch=True contradicts the table: its seconds are for its batch of {own_batch} rows "
+                f"(table.attrs['batch']) and each micro-batch's follow from its rows; leave per_microbatch out, "
+                f"or drop attrs['batch'] if the seconds are each micro-batch's")
+    return (f"per_microbatch=True contradicts batch={batch}: with a batch the table's seconds are the batch's, "
+            f"and each micro-batch's follow from its rows; leave one of them out")
 
 
 def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,

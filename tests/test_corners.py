@@ -1,0 +1,88 @@
+"""Corners: options and sizes the predictor and the plan would get silently wrong, refused or fixed."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from pipexplore.plan import Plan
+from pipexplore.predict.profiler import profile
+from pipexplore.predict.simulator import simulate
+
+
+def fitted(n: int = 4, batch: int = 2) -> pd.DataFrame:
+    """A layer table whose costs are a line in the rows (as ``profile(microbatch_rows=[1, 2])``)."""
+    table = pd.DataFrame({"name": [str(k) for k in range(n)], "forward_a": 1e-3, "forward_b": 1e-3,
+                          "backward_a": 2e-3, "backward_b": 2e-3, "output_bytes": 1000.0, "param_bytes": 10.0},
+                         index=range(n))
+    table["forward"] = table["forward_a"] + table["forward_b"] * batch
+    table["backward"] = table["backward_a"] + table["backward_b"] * batch
+    table.attrs.update(rows=(1, batch), batch=batch)
+    return table
+
+
+# ---- chunks beyond what the profile's rows make ----------------------------------------------
+
+def test_chunks_beyond_the_profiled_rows_are_refused_naming_both_numbers():
+    table = profile(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)), torch.randn(2, 3), repeats=1)
+    assert table.attrs["batch"] == 2
+    with pytest.raises(ValueError, match=r"chunks=4 .* 2 rows.*(profile a sample of at least 4 rows|fewer chunks)"):
+        simulate(table, [1], chunks=4)
+    assert simulate(table, [1], chunks=2)["microbatch"].nunique() == 2  # what the rows make: predicted
+
+
+def test_chunks_that_torch_chunk_cannot_make_exactly_are_refused_with_the_counts_that_it_can():
+    # torch.chunk splits 5 rows into chunks of 2: 3 micro-batches, not 4
+    with pytest.raises(ValueError, match=r"chunks=4 .* 5 rows.* 3 micro-batches.*choose chunks among 1, 2, 3, 5"):
+        simulate(fitted(batch=5), [1], chunks=4)
+    # a batch given to simulate is checked as the profile's own
+    with pytest.raises(ValueError, match=r"chunks=8 .*batch=6.*choose chunks among .*6.*or a batch"):
+        simulate(fitted(batch=2), [1], chunks=8, batch=6)
+    assert simulate(fitted(batch=2), [1], chunks=8, batch=16)["microbatch"].nunique() == 8
+
+
+def test_a_plan_of_more_chunks_than_the_profiled_rows_cannot_be_predicted():
+    plan = Plan(fitted(batch=2), splits=(1,), chunks=4)
+    with pytest.raises(ValueError, match=r"chunks=4"):
+        plan.predicted
+
+
+def test_a_table_without_rows_takes_any_chunks():
+    whole = fitted().drop(columns=["forward_a", "forward_b", "backward_a", "backward_b"])
+    whole.attrs = {}
+    assert simulate(whole, [1], chunks=7)["microbatch"].nunique() == 7
+
+
+# ---- options a fitted table ignores ------------------------------------------------------------
+
+def test_per_microbatch_is_refused_for_a_table_whose_costs_follow_from_the_rows():
+    with pytest.raises(ValueError, match=r"per_microbatch=True .*line in the rows.*batch="):
+        simulate(fitted(), [1], chunks=2, per_microbatch=True)
+    whole = fitted().drop(columns=["forward_a", "forward_b", "backward_a", "backward_b"])
+    with pytest.raises(ValueError, match=r"per_microbatch=True .*batch of 2 rows"):
+        simulate(whole, [1], chunks=2, per_microbatch=True)  # seconds for its batch: read by the rows too
+    whole.attrs = {}
+    with pytest.raises(ValueError, match=r"per_microbatch=True .*batch=4"):
+        simulate(whole, [1], chunks=2, per_microbatch=True, batch=4)
+
+
+def test_per_microbatch_takes_a_table_of_seconds_without_rows_as_each_micro_batchs():
+    whole = fitted().drop(columns=["forward_a", "forward_b", "backward_a", "backward_b"])
+    whole.attrs = {}
+    each = simulate(whole, [1], chunks=2, per_microbatch=True, checkpoint="never")
+    split = simulate(whole, [1], chunks=2, checkpoint="never")
+    forward = lambda t: (t[t.phase == "forward"].end - t[t.phase == "forward"].start).to_numpy()  # noqa: E731
+    assert forward(each) == pytest.approx(2 * forward(split))
+
+
+def test_a_micro_batchs_bytes_are_its_share_of_the_profiled_rows_whatever_batch_is_given():
+    from pipexplore.predict.simulator import prepare_step
+
+    # The table's bytes are for its 2 profiled rows: a micro-batch of 2 rows holds all of them,
+    # one of 1 row half, however large the mini-batch.
+    assert prepare_step(fitted(batch=2), [1], chunks=8, batch=16).fractions == [1.0] * 8
+    assert prepare_step(fitted(batch=2), [1], chunks=2).fractions == [0.5, 0.5]
+    whole = fitted().drop(columns=["forward_a", "forward_b", "backward_a", "backward_b"])
+    whole.attrs = {}
+    assert prepare_step(whole, [1], chunks=4, batch=8).fractions == [0.25] * 4  # bytes of the batch given
