@@ -109,6 +109,28 @@ def _counting_calls(monkeypatch) -> dict:
     return calls
 
 
+def test_a_timeout_bounds_the_profile_and_balance_by_time():
+    import time
+
+    from pipexplore.balance import balance_by_time
+
+    def model():  # 20, 22, 24 and 60 ms a call (forward and backward), each a kind of its own
+        return nn.Sequential(*[SleepLayer(c, c / 2, c / 2) for c in (0.010, 0.011, 0.012, 0.030)])
+
+    profile(nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), timeout=0.0)  # torch's lazy imports (~0.6 s), once
+    # Past the timeout nothing more is measured than one untimed and one timed call of each layer
+    # (~0.25 s here). Without the bound, the rounds went on (3 at least) and the twin-thread
+    # test, the input/weight-gradient split and the calibration ran for every kind: 4–7 s.
+    started = time.perf_counter()
+    table = profile(model(), torch.randn(8, 4), timeout=0.1)
+    assert time.perf_counter() - started < 1.0
+    assert (table["forward"].to_numpy() >= 0.95 * np.array([0.010, 0.011, 0.012, 0.030])).all()  # each timed
+    assert table["input_grad_ratio"].isna().all()  # no time was left to measure it
+    started = time.perf_counter()
+    assert balance_by_time(2, model(), torch.randn(8, 4), timeout=0.1, device="cpu") == [3, 1]  # 66 | 60 ms
+    assert time.perf_counter() - started < 1.0
+
+
 def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
     import importlib
 

@@ -82,7 +82,9 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
     check_partitions(len(module), partitions)
     _no_gradients(module, "balance_by_time")
     target = _resolve(device)
-    table = profile(sandbox(module, target), sample, device=target, timeout=timeout)
+    # Only forward + backward count here: the input/weight-gradient split (which imports
+    # torch.distributed.pipelining, ~1.5 s) would spend the timeout on nothing.
+    table = profile(sandbox(module, target), sample, device=target, timeout=timeout, split_backward=False)
     return balance_cost((table["forward"] + table["backward"]).tolist(), partitions)
 
 

@@ -66,6 +66,11 @@ def _rows(value: TensorOrTensors, rows: int) -> TensorOrTensors:
     return tuple(t[:rows] for t in value)  # type: ignore[union-attr]
 
 
+def _spent(deadline: Optional[float]) -> bool:
+    """Whether a profile's ``timeout`` (as a ``time.perf_counter`` deadline) has run out."""
+    return deadline is not None and time.perf_counter() > deadline
+
+
 def _spread(times: list[float]) -> float:
     """Interquartile range over the median (0 when there are too few samples to tell)."""
     if len(times) < 3:
@@ -378,7 +383,9 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     until each layer's spread is small: a disturbance of the machine lands on one round of every
     layer rather than on all the samples of one layer. Layers that do the same work pool their
     calls (``same_work_once``): a kind of layer whose pooled median is settled after ``repeats``
-    rounds sits the later rounds out.
+    rounds sits the later rounds out. Past ``deadline`` no more calls are timed once the first
+    round is done (every layer timed once), and a kind's ratios are measured only while time is
+    left (else NaN, as at the other sizes).
     """
     layers: list[_LayerRun] = []
     kinds: dict[Any, _Kind] = {}
@@ -393,15 +400,17 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         for index, run in enumerate(layers):
             if id(kind_of[index]) in settled:
                 continue  # this kind of layer's times already agree: rounds go on for the others
+            if k > 1 and _spent(deadline):
+                break  # the timeout is spent, and every layer has been timed once
             run.call(timed=True)
             if k == 1 and progress is not None:
                 progress(done_before + index + 1, total)
+        if _spent(deadline):
+            break
         if k >= repeats:
             settled = {id(kind) for kind in kinds.values() if kind.settled}
             if len(settled) == len(kinds):
                 break
-        if deadline is not None and time.perf_counter() > deadline:
-            break
     rows = []
     # Each kind's pooled times, once; its ratios (slowdown beside a twin, input- and weight-gradient
     # over backward) measured on its first layer.
@@ -414,6 +423,8 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
         slow_forward = slow_backward = input_ratio = weight_ratio = checkpointed = math.nan
         if contend:
             known = ratios.get(id(kind))
+            if known is None and _spent(deadline):
+                known = ratios[id(kind)] = (math.nan,) * 5  # no time left to measure them
             if known is None:
                 slow_forward, slow_backward = _contended_slowdown(layer, run.value, run.skips, target, repeats,
                                                                   forward + backward)
@@ -501,7 +512,10 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     in rounds that call every layer once (so that a disturbance of the machine lands on one round
     of every layer, not on one layer), ``repeats`` rounds or more; after ``repeats`` a layer whose
     interquartile range is within 5 % of its median sits out the later rounds, which go on until
-    every layer's is (at most ``max_repeats``; ``timeout`` seconds bound the whole profile).
+    every layer's is (at most ``max_repeats``). ``timeout`` (seconds) bounds the profile, as
+    torchgpipe's ``balance_by_time`` does: once it is spent, nothing more is measured beyond one
+    untimed and one timed call of every layer at each size — no further rounds, no ratios of the
+    kinds not yet measured (NaN), no calibration (the layers' own times stand).
     ``progress(done, total)`` is called as layers are timed.
 
     Layers that do the same work — the same type, settings, parameter shapes and input: a
@@ -650,7 +664,7 @@ def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[in
         table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
                                            progress, k * len(module), total, contend=k == 0,
                                            same_work_once=same_work_once, split_backward=split_backward))
-        if calibrate:
+        if calibrate and not _spent(deadline):  # past the timeout, the layers' own times stand
             whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
             for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
                 layers_total = float(table[column].sum())
