@@ -186,7 +186,7 @@ class Plan:
         Each action measured is matched with the predicted one (stage, micro-batch, phase); per
         stage and phase their ratio rescales the layers of that stage, for this plan's executor,
         and the executor's own time between actions is measured (see
-        :class:`pipexplore.costs.Corrections`). The corrected layer costs carry over to other
+        :class:`pipexplore.predict.costs.Corrections`). The corrected layer costs carry over to other
         splits, chunks and schedules of the same executor.
         """
         executor = self.predict_executor
@@ -226,7 +226,8 @@ class Plan:
         """Code that reproduces this plan, given ``model`` (the ``nn.Sequential``) and ``sample``.
 
         ``gpipe``: a ``pipexplore.GPipe``; ``pipelining``: a ``torch.distributed.pipelining``
-        split of the same layers with the matching schedule class, for one process per stage.
+        split of the same layers with the matching schedule class, for one process per device
+        (one per stage; the interleaved schedules give each rank its stages ``rank, rank + ranks, …``).
         """
         if kind == "gpipe":
             devices = ", ".join(repr(d) for d in self.devices[: self.num_stages])
@@ -242,16 +243,20 @@ class Plan:
                               "zero-bubble": "ScheduleInterleavedZeroBubble",
                               "async-backends": "ScheduleGPipe"}[self.schedule]
             spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
+            if schedule_class.startswith("ScheduleInterleaved"):  # a list of stages per rank
+                build = ("#   stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world_size)]\n"
+                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
+            else:
+                build = ("#   stage = pipe.build_stage(rank, device)\n"
+                         f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n")
             return (
                 "import torch\n"
                 f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n\n"
                 f"# model: the nn.Sequential of {self.num_layers} layers; sample: one mini-batch\n"
-                f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}\n"
-            ) + (
-                f"chunks = {self.chunks}\n"
+                + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
+                + f"chunks = {self.chunks}\n"
                 "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
-                f"# Under torchrun, rank r builds its stage and runs the schedule:\n"
-                f"#   stage = pipe.build_stage(rank, device)\n"
-                f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n"
+                "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
+                + build
             )
         raise ValueError(f"unknown export kind {kind!r}: 'gpipe' or 'pipelining'")

@@ -86,3 +86,22 @@ def test_a_micro_batchs_bytes_are_its_share_of_the_profiled_rows_whatever_batch_
     whole = fitted().drop(columns=["forward_a", "forward_b", "backward_a", "backward_b"])
     whole.attrs = {}
     assert prepare_step(whole, [1], chunks=4, batch=8).fractions == [0.25] * 4  # bytes of the batch given
+
+
+# ---- the code a plan exports ------------------------------------------------------------------
+
+def test_the_pipelining_code_of_a_one_stage_plan_runs_as_is():
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    table = pd.DataFrame({"name": ["0", "1", "2"], "forward": 1.0, "backward": 2.0})
+    code = Plan(table, chunks=2).to_code("pipelining")
+    assert code.startswith("import torch\nfrom torch.distributed.pipelining import SplitPoint, pipeline, ScheduleGPipe")
+    namespace = {"model": model, "sample": torch.randn(4, 3)}
+    exec(code, namespace)
+    assert namespace["pipe"].num_stages == 1 and namespace["split_spec"] == {}
+
+
+def test_the_pipelining_code_of_an_interleaved_plan_gives_each_rank_its_stages():
+    table = pd.DataFrame({"name": ["0", "1", "2", "3"], "forward": 1.0, "backward": 2.0})
+    code = Plan(table, splits=(1, 2, 3), devices=("cpu", "cpu"), chunks=2, schedule="interleaved").to_code("pipelining")
+    assert "stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world_size)]" in code
+    assert "ScheduleInterleaved1F1B(stages, n_microbatches=chunks" in code
