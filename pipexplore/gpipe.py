@@ -23,8 +23,6 @@ __all__ = ["GPipe", "BalanceError", "Device", "Devices"]
 Device = Union[torch.device, int, str]
 Devices = Union[Iterable[Device], list[Device]]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
 MOVING_DENIED = TypeError(
     "denied to move parameters and buffers, because GPipe should manage device placement; "
     "choose the devices with GPipe(module, balance, devices=[...]) instead"

@@ -6,17 +6,12 @@ from typing import Any, Optional
 from torch import nn
 
 from pipexplore.executors import autograd, backends, processes, threads
-from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, measure, result,
-                                       synthetic_loss)
+from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult, StepJob, synthetic_loss
 from pipexplore import background, validate
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["RunResult", "run_step", "synthetic_loss", "executor_for"]
-
-# Names kept for code that imported them from here.
-_result = result
-_measure = measure
 
 
 def executor_for(model: nn.Module, plan: Plan) -> Any:
@@ -62,15 +57,4 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     if timeout is not None and executor is not processes:
         raise ValueError(f"timeout={timeout!r} bounds runs in worker processes (executor='processes'); executor "
                          f"{plan.executor!r} runs in this process: leave timeout out, or choose executor='processes'")
-    if executor is traced_module():
-        return executor.run_traced_step(model, sample, plan, target=target, loss_fn=loss_fn,  # type: ignore[no-any-return]
-                                        optimizer=optimizer, warmup=warmup, run=run)
     return executor.run(job)  # type: ignore[no-any-return]
-
-
-def traced_module() -> Any:
-    try:
-        from pipexplore.executors import traced as traced_executor
-    except ImportError:
-        return None
-    return traced_executor

@@ -10,7 +10,7 @@ from pipexplore import timeline as tl
 from pipexplore.widgets import timeline_canvas as canvas
 
 __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "TimelineView", "Scene", "timeline_figure",
-           "update_timeline_figure", "summary", "lanes", "memory_scale"]
+           "summary", "lanes", "memory_scale"]
 
 PHASE_COLORS = {
     "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
@@ -115,7 +115,6 @@ class TimelineView:
         self._panels: dict[int, dict[str, Any]] = {}  # the block panels, kept until their rows change
         self._retime_key = ""  # the plan shape the page may re-time (see :meth:`retime`)
         self.figure: Any = canvas.TimelineCanvas() if widget else Scene()
-        self.figure._pipexplore_view = self  # update_timeline_figure finds the view of a figure
         if widget:
             self.figure.add_class("pipexplore-timeline")
         self.show(predicted=predicted, measured=measured)
@@ -377,20 +376,3 @@ def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = 
         timeline_figure(plan.predicted, run.timeline, samples=64)
     """
     return TimelineView(predicted, measured, samples).figure
-
-
-def update_timeline_figure(figure: Any, predicted: Optional[pd.DataFrame] = None,
-                           measured: Optional[pd.DataFrame] = None, samples: Optional[int] = None,
-                           *, rows: tuple[int, ...] = (1, 2)) -> None:
-    """Redraw a figure of :func:`timeline_figure` with new timelines (``rows``: 1 predicted, 2 measured).
-
-    Example::
-
-        update_timeline_figure(figure, predicted=plan.predicted, rows=(1,))
-    """
-    view = getattr(figure, "_pipexplore_view", None)
-    if view is None:
-        raise ValueError("update_timeline_figure takes a figure made by timeline_figure (or TimelineView.figure)")
-    view.samples = samples if samples is not None else view.samples
-    view.show(predicted=predicted if 1 in rows else None, measured=measured if 2 in rows else None,
-              clear_measured=2 in rows and measured is None)
