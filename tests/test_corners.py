@@ -105,3 +105,16 @@ def test_the_pipelining_code_of_an_interleaved_plan_gives_each_rank_its_stages()
     code = Plan(table, splits=(1, 2, 3), devices=("cpu", "cpu"), chunks=2, schedule="interleaved").to_code("pipelining")
     assert "stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world_size)]" in code
     assert "ScheduleInterleaved1F1B(stages, n_microbatches=chunks" in code
+
+
+# ---- names nothing used ------------------------------------------------------------------------
+
+def test_dead_names_are_gone():
+    import importlib
+
+    gone = {"pipexplore.executors.step": ["_result", "_measure", "traced_module"], "pipexplore.gpipe": ["CHECKPOINT_MODES"],
+            "pipexplore.widgets.plots": ["update_timeline_figure"]}
+    for module, names in gone.items():
+        loaded = importlib.import_module(module)
+        assert not [name for name in names if hasattr(loaded, name)], module
+        assert not set(names) & set(getattr(loaded, "__all__", ())), module
