@@ -244,7 +244,8 @@ class Plan:
                               "async-backends": "ScheduleGPipe"}[self.schedule]
             spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
             if schedule_class.startswith("ScheduleInterleaved"):  # a list of stages per rank
-                build = ("#   stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world_size)]\n"
+                build = ("#   stages = [pipe.build_stage(s, device)\n"
+                         "#             for s in range(rank, pipe.num_stages, world_size)]\n"
                          f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
             else:
                 build = ("#   stage = pipe.build_stage(rank, device)\n"

@@ -103,7 +103,7 @@ def test_the_pipelining_code_of_a_one_stage_plan_runs_as_is():
 def test_the_pipelining_code_of_an_interleaved_plan_gives_each_rank_its_stages():
     table = pd.DataFrame({"name": ["0", "1", "2", "3"], "forward": 1.0, "backward": 2.0})
     code = Plan(table, splits=(1, 2, 3), devices=("cpu", "cpu"), chunks=2, schedule="interleaved").to_code("pipelining")
-    assert "stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world_size)]" in code
+    assert "for s in range(rank, pipe.num_stages, world_size)]" in code
     assert "ScheduleInterleaved1F1B(stages, n_microbatches=chunks" in code
 
 
@@ -112,8 +112,8 @@ def test_the_pipelining_code_of_an_interleaved_plan_gives_each_rank_its_stages()
 def test_dead_names_are_gone():
     import importlib
 
-    gone = {"pipexplore.executors.step": ["_result", "_measure", "traced_module"], "pipexplore.gpipe": ["CHECKPOINT_MODES"],
-            "pipexplore.widgets.plots": ["update_timeline_figure"]}
+    gone = {"pipexplore.executors.step": ["_result", "_measure", "traced_module"],
+            "pipexplore.gpipe": ["CHECKPOINT_MODES"], "pipexplore.widgets.plots": ["update_timeline_figure"]}
     for module, names in gone.items():
         loaded = importlib.import_module(module)
         assert not [name for name in names if hasattr(loaded, name)], module

@@ -34,12 +34,12 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.host import host_cores
-from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph, oversubscribed
+from pipexplore.predict.dataflow import FORWARD, KINDS, ActionGraph, oversubscribed
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
-from pipexplore.predict.sharing import ActionCosts, Records, loop_layout, may_oversubscribe, processor_sharing
+from pipexplore.predict.frames import PHASE_NAMES, graph_frame, held_activations, records_frame
+from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import PHASES, SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.splits import check_splits
-from pipexplore.timeline import lexsort
 from pipexplore.validate import interleaved_devices, valid_chunks
 
 try:  # the compiled loops; where they were not built (or ``_sharing`` is set to None), the Python ones run
@@ -54,8 +54,6 @@ __all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Se
 #: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
 #: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
 COSTED = {**{kind: (phase, phase) for kind, phase in PHASES.items()}, "C": ("checkpointed", "forward")}
-PHASE_NAMES = np.array([*(PHASES[k] for k in KINDS), "copy"], dtype=object)  # by the graph's kind numbers, then copies
-_PHASE_INDEX = pd.Index(PHASE_NAMES)
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
 DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
@@ -222,11 +220,11 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     if (not stages_crowd or _sharing is None) and graph.longest_queue <= most_levels and graph.depth <= most_levels:
         times = _longest_path(graph, action_costs, resource, gap, crowding)
     if times is not None:
-        frame, kinds = _frame(graph, times, action_costs.copy, stage_device, run)
+        frame, kinds = graph_frame(graph, times, action_costs.copy, stage_device, run)
     else:
         records = processor_sharing(graph, action_costs, gap, resource, compiled=_sharing is not None)
-        frame, kinds = _shared_frame(graph, records, stage_device, run)
-    frame["memory"] = _activation_memory(frame, kinds, costs, np.asarray(fractions), setup.stop)
+        frame, kinds = records_frame(graph, records, stage_device, run)
+    frame["memory"] = held_activations(frame, kinds, costs, np.asarray(fractions), setup.stop)
     frame.attrs["peak_memory"] = {}
     return frame
 
@@ -401,80 +399,14 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
     return ActionCosts(took, asked, copy, first_wait, second_wait)
 
 
-def _shared_frame(graph: ActionGraph, records: Records, stage_device: list[str],
-                  run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
-    """The timeline of the processor-sharing loop's records (rows that tie keep the order the loop
-    emitted them), and each row's phase number."""
-    action = records.action
-    kind = np.where(records.copy, len(PHASE_NAMES) - 1, graph.kind[action])
-    return _timeline_frame(graph.stage[action], graph.micro[action], kind, records.start, records.end,
-                           graph.lane[action], stage_device, run)
-
-
 def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], gap: float,
                   crowding: bool = True) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Start and end of every action of ``graph`` when no device is ever asked for more than all
     of it, else ``None`` (the processor-sharing loop must run). ``crowding=False``: the caller
-    knows no device can be (:func:`~pipexplore.predict.sharing.may_oversubscribe`), so the timed graph is not checked."""
+    knows no device can be (:func:`~pipexplore.predict.sharing.may_oversubscribe`), so the timed
+    graph is not checked."""
     start, end = graph.times(costs.seconds, costs.first_wait, costs.second_wait, gap)
     resource_id = np.unique(np.asarray(resource), return_inverse=True)[1]
     if crowding and oversubscribed(graph, resource_id, costs.share, start, end):
         return None
     return start, end
-
-
-def _frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,
-           stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
-    """The timeline of a timed graph, with a copy row before every forward that receives over a
-    copy; and each row's phase number (:data:`PHASE_NAMES`)."""
-    start, end = times
-    copied = np.flatnonzero(copy > 0)
-    sent = end[graph.first[copied]]
-    return _timeline_frame(np.concatenate([graph.stage, graph.stage[copied]]),
-                           np.concatenate([graph.micro, graph.micro[copied]]),
-                           np.concatenate([graph.kind, np.full(len(copied), len(PHASE_NAMES) - 1)]),
-                           np.concatenate([start, sent]), np.concatenate([end, sent + copy[copied]]),
-                           np.concatenate([graph.lane, graph.lane[copied]]), stage_device, run)
-
-
-def _timeline_frame(stage: np.ndarray, micro: np.ndarray, kind: np.ndarray, start: np.ndarray, end: np.ndarray,
-                    lane: np.ndarray, stage_device: list[str], run: Union[int, str]) -> tuple[pd.DataFrame, np.ndarray]:
-    """A predicted timeline from one array per column (``kind``: phase numbers), its rows sorted by
-    start then stage, built array by array (at 65k actions a row-wise build would cost more than
-    the timing itself); and each row's phase number in that order."""
-    order = lexsort((stage, start))
-    kind = kind[order]
-    stage = stage[order]
-    # Strings taken from an index of the few distinct ones (pandas checks each of an object array's).
-    frame = pd.DataFrame({
-        "run": run, "stage": stage, "device": pd.Index(stage_device).take(stage), "microbatch": micro[order],
-        "phase": _PHASE_INDEX.take(kind), "start": start[order], "end": end[order], "source": "predicted",
-        "lane": lane[order],
-    }, copy=False)  # the arrays are this frame's own
-    return frame, kind
-
-
-def _activation_memory(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFrame, fractions: np.ndarray,
-                       stop: int) -> np.ndarray:
-    """Activation bytes each stage holds after each event (``kind``: each row's phase number): a
-    forward keeps its activations (only its input when checkpointed), a recompute brings them back,
-    the backward (input-grad) frees them. Copies and weight-grads change nothing."""
-    act = costs["activation_bytes"].to_numpy()
-    inp = costs["input_bytes"].to_numpy()
-    stage = frame["stage"].to_numpy()
-    micro = frame["microbatch"].to_numpy()
-    share = fractions[micro]
-    checkpointed = micro < stop
-    kept = np.where(checkpointed, inp[stage], act[stage])  # what a forward keeps
-    freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees
-    delta = np.select([kind == FORWARD, kind == RECOMPUTE, (kind == BACKWARD) | (kind == INPUT_GRAD)],
-                      [kept, act[stage], -freed], 0.0) * share
-    # Per stage, in the order events end: a running sum that starts again at each stage.
-    order = lexsort((frame["end"].to_numpy(), stage))  # by stage, then end (then row)
-    running = np.cumsum(delta[order])
-    ordered = stage[order]
-    first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    running -= np.repeat(np.r_[0.0, running[first[1:] - 1]], np.diff(np.r_[first, len(order)]))
-    held = np.empty(len(frame))
-    held[order] = np.clip(running, 0.0, None)
-    return held
