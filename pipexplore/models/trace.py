@@ -296,7 +296,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
         table = candidates_in_rows(model, {"input_ids": ids}, chunks=4)
     """
     from pipexplore.models.inputs import first_microbatch, sample_rows
-    from pipexplore.predict.profiler import fit_columns
+    from pipexplore.predict.timing import fit_columns
 
     whole = candidates(model, sample, target=target, **options)
     batch = sample_rows(sample)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -17,6 +16,14 @@ from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_wo
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
+from pipexplore.predict.ratios import checkpointed_ratio as _checkpointed_ratio
+from pipexplore.predict.ratios import contended_slowdown as _contended_slowdown
+from pipexplore.predict.ratios import split_backward as _split_backward
+from pipexplore.predict.timing import Timer as _Timer
+from pipexplore.predict.timing import detach as _detach
+from pipexplore.predict.timing import nbytes as _bytes
+from pipexplore.predict.timing import first_rows as _rows
+from pipexplore.predict.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["profile", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
@@ -39,220 +46,6 @@ TARGET_SPREAD = 0.05
 def _keys(pairs: Any) -> str:
     """Skip names qualified by namespace (``name@id``), so that isolated names pair up right."""
     return ",".join(f"{name}@{'' if ns is None else ns.id.hex[:12]}" for ns, name in pairs)
-
-
-def _detach(value: TensorOrTensors) -> TensorOrTensors:
-    def one(t: Tensor) -> Tensor:
-        t = t.detach()
-        return t.requires_grad_() if t.is_floating_point() else t
-
-    if torch.is_tensor(value):
-        return one(value)  # type: ignore[arg-type]
-    return tuple(one(t) for t in value)  # type: ignore[union-attr]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _bytes(tensors: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _rows(value: TensorOrTensors, rows: int) -> TensorOrTensors:
-    if torch.is_tensor(value):
-        return value[:rows]  # type: ignore[index]
-    return tuple(t[:rows] for t in value)  # type: ignore[union-attr]
-
-
-def _spent(deadline: Optional[float]) -> bool:
-    """Whether a profile's ``timeout`` (as a ``time.perf_counter`` deadline) has run out."""
-    return deadline is not None and time.perf_counter() > deadline
-
-
-def _spread(times: list[float]) -> float:
-    """Interquartile range over the median (0 when there are too few samples to tell)."""
-    if len(times) < 3:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(times, n=4)
-    median = statistics.median(times)
-    return (q3 - q1) / median if median > 0 else 0.0
-
-
-class _Timer:
-    """Wall and process-CPU seconds of repeated calls: the CPU time over the wall time is the
-    number of cores the work keeps busy (≈0 for a sleep, ≈ the intra-op threads for a GEMM)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.wall: list[float] = []
-        self.cpu = 0.0
-
-    def __call__(self, work: Callable[[], Any]) -> Any:
-        _sync(self.device)
-        c0, t0 = time.process_time(), time.perf_counter()
-        result = work()
-        _sync(self.device)
-        self.wall.append(time.perf_counter() - t0)
-        self.cpu += time.process_time() - c0
-        return result
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.wall) if self.wall else 0.0
-
-    @property
-    def cores(self) -> float:
-        total = sum(self.wall)
-        return self.cpu / total if total > 0 else 0.0
-
-
-def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """``t(n) = a + b·n`` by least squares, with ``a, b ≥ 0``; one size: proportional (a = 0)."""
-    n = np.asarray(rows, dtype=float)
-    t = np.asarray(seconds, dtype=float)
-    if len(set(rows)) < 2:
-        return 0.0, float(t.mean() / max(n.mean(), 1.0))
-    b, a = np.polyfit(n, t, 1)
-    if b < 0:
-        return float(t.mean()), 0.0
-    if a < 0:
-        return 0.0, float((n * t).sum() / (n * n).sum())
-    return float(a), float(b)
-
-
-def fit_columns(table: pd.DataFrame, tables: Sequence[pd.DataFrame], rows: Sequence[int]) -> None:
-    """Write ``forward_a``/``forward_b``/``backward_a``/``backward_b`` into ``table``: per layer, the
-    line ``t(n) = a + b·n`` through its seconds in ``tables``, one table profiled per size in ``rows``.
-
-    Example::
-
-        fit_columns(table, [at_16_rows, at_64_rows], [16, 64])
-    """
-    for phase in ("forward", "backward"):
-        fits = [_fit(rows, [float(t[phase].iloc[k]) for t in tables]) for k in range(len(table))]
-        table[f"{phase}_a"] = [a for a, _ in fits]
-        table[f"{phase}_b"] = [b for _, b in fits]
-
-
-def _popping(skips: dict[Any, Tensor]) -> SkipTracker:
-    """A skip tracker holding fresh leaves of ``skips``: what a layer that pops them reads, as if
-    the layers before it had just stashed them."""
-    tracker = SkipTracker()
-    tracker.tensors.update({key: _detach(t) for key, t in skips.items()})  # type: ignore[misc]
-    return tracker
-
-
-def _contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
-                        repeats: int, seconds: float = 0.0) -> tuple[float, float]:
-    """How much slower a layer's forward and backward run while a second thread runs the same
-    work at the same time: 1 when they overlap freely (sleeps, a host left free), 2 when they
-    share the cores fully. Catches what CPU time cannot: intra-op threads that spin while they
-    wait, the GIL, memory bandwidth.
-
-    Measured in rounds that alternate two calls alone (in this thread) with three calls in each
-    of two threads at once (the middle ones compared: the threads start and end a little apart),
-    the first round dropped: how fast a shared machine runs drifts from one
-    moment to the next, and a ratio of times taken far apart carries that drift (the shares of the
-    same layer went 0.51 → 0.90 between two profiles when the twins ran once, apart from the
-    calls alone). ``seconds``: one forward and backward's time, to bound the rounds to ~0.15 s
-    (at least ``repeats + 1``, at most 12)."""
-    rounds = max(repeats + 1, min(12, int(0.15 / (8 * seconds)) if seconds > 0 else repeats + 1))
-    alone = (_Timer(target), _Timer(target))
-    twins = [(_Timer(target), _Timer(target)) for _ in range(2)]
-    errors: list[BaseException] = []
-
-    def call(forward: _Timer, backward: _Timer) -> None:
-        tracker = _popping(skips)
-        with use_skip_tracker(tracker), torch.enable_grad():
-            output = forward(lambda: layer(_detach(value)))
-        outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
-        backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
-
-    def twin(barrier: threading.Barrier, timers: tuple[_Timer, _Timer]) -> None:
-        try:
-            barrier.wait()
-            for _ in range(3):  # the middle call is the one both threads run through at once
-                call(*timers)
-        except BaseException as exc:  # a layer that cannot run in two threads: no contention measured
-            errors.append(exc)
-            barrier.abort()
-
-    threads_count = torch.get_num_threads()
-    for _ in range(rounds):
-        for _ in range(2):
-            call(*alone)
-        barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=lambda pair=pair: (torch.set_num_threads(threads_count),
-                                                               twin(barrier, pair)), daemon=True)
-                   for pair in twins]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            break
-    layer.zero_grad(set_to_none=True)
-    if errors:
-        return 1.0, 1.0
-
-    def ratio(k: int) -> float:  # the first round of each side dropped (warm-up)
-        together = statistics.median([w for pair in twins for w in pair[k].wall[4::3]])
-        by_itself = statistics.median(alone[k].wall[2:])
-        return together / by_itself if by_itself > 0 else 1.0
-
-    return ratio(0), ratio(1)
-
-
-def _checkpointed_ratio(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
-                        repeats: int) -> float:
-    """What a checkpointed micro-batch's forward costs (without autograd: nothing kept for
-    backward, as the executors run it) over the forward with autograd, timed in alternation."""
-    timers = (_Timer(target), _Timer(target))
-    for _ in range(repeats + 1):
-        for grad, timer in zip((False, True), timers):
-            with use_skip_tracker(_popping(skips)), torch.set_grad_enabled(grad):
-                timer(lambda: layer(_detach(value)))
-    without, with_grad = (statistics.median(t.wall[1:]) for t in timers)
-    return without / with_grad if with_grad > 0 else 1.0
-
-
-def _split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
-                    repeats: int, backward: float) -> tuple[float, float]:
-    """The input-gradient (I) and weight-gradient (W) passes of zero-bubble schedules, as the
-    executors run them (``torch.distributed.pipelining``'s ``stage_backward_input`` then
-    ``stage_backward_weight``), each over the plain ``backward`` seconds: ``(1, 0)`` for a layer
-    without weights, ``(nan, nan)`` where they cannot be timed (no output or input that needs a
-    gradient, or torch refuses the layer)."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    params = [p for p in layer.parameters() if p.requires_grad]
-    if not params:  # no weights: I is the whole backward, W nothing
-        return 1.0, 0.0
-    if backward <= 0:
-        return math.nan, math.nan
-    timers = (_Timer(target), _Timer(target))
-    try:
-        for _ in range(repeats + 1):
-            tracker = _popping(skips)
-            popped = [tracker.tensors[key] for key in skips]  # type: ignore[index]
-            leaf = _detach(value)
-            with use_skip_tracker(tracker), torch.enable_grad():
-                output = layer(leaf)
-            outs = [t for t in tensors_in(output) + [t for k, t in tracker.tensors.items() if k not in skips]
-                    if t.requires_grad]
-            inputs = [t for t in tensors_in(leaf) + popped if t.requires_grad]
-            if not outs or not inputs:
-                return math.nan, math.nan
-            _, groups = timers[0](lambda: stage_backward_input(outs, [torch.ones_like(t) for t in outs], inputs,
-                                                               iter(params)))
-            timers[1](lambda: stage_backward_weight(iter(params), groups))
-        layer.zero_grad(set_to_none=True)
-    except (RuntimeError, TypeError, ValueError, AttributeError):
-        layer.zero_grad(set_to_none=True)
-        return math.nan, math.nan
-    return (statistics.median(timers[0].wall[1:]) / backward, statistics.median(timers[1].wall[1:]) / backward)
 
 
 _PLAIN = (int, float, str, bool, type(None))
