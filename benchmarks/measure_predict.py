@@ -151,7 +151,7 @@ def prediction_error(devices: list[str], repeats: int) -> None:
             steps.append(tl.step_time(rec.timeline))
         measured = statistics.median(steps)
         predicted = tl.step_time(simulate(table, balance_to_splits(balance), chunks=4, checkpoint=checkpoint,
-                                          devices=[str(d) for d in pipe.devices], per_microbatch=True))
+                                          devices=[str(d) for d in pipe.devices], batch=len(sample)))
         print(f"4. MLP 8×1024, {len(devices)} stages, 4 chunks, checkpoint={checkpoint}: predicted "
               f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, "
               f"error {(predicted / measured - 1) * 100:+.1f} %")

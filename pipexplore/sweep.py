@@ -33,6 +33,11 @@ def balanced_splits(plan: Plan, stages: int) -> list[int]:
     return optimal_splits(total.tolist(), stages)
 
 
+def exact_chunks(batch: int, chunks: int) -> bool:
+    """Whether ``torch.chunk`` splits ``batch`` rows into exactly ``chunks`` micro-batches."""
+    return 1 <= chunks <= batch and -(-batch // -(-batch // chunks)) == chunks
+
+
 def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
           checkpoint: Sequence[str] = (), devices_for: Optional[Callable[[int], Sequence[str]]] = None) -> pd.DataFrame:
     """Predict every combination, each with its balanced split, ranked by predicted step time.
@@ -40,8 +45,9 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     Empty choices keep the plan's own value. ``devices_for(n)`` gives the devices for ``n``
     devices (default: the plan's devices, repeated round-robin). ``interleaved`` puts two
     stages on each device, so it needs an even stage count and chunks that are a multiple of
-    the devices; combinations a schedule cannot run, or with more stages than layers or more
-    chunks than rows, are left out.
+    the devices; combinations a schedule cannot run, or with more stages than layers or chunks
+    the batch's rows do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are
+    left out.
 
     Columns: :data:`SWEEP_COLUMNS` (seconds, bytes, samples per second); ``peak_memory`` is the
     largest stage's predicted activation memory, ``peak_memory_per_stage`` each stage's.
@@ -61,7 +67,7 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     rows = []
     for n, m, schedule, mode in itertools.product(stages or [plan.num_stages], chunks or [plan.chunks],
                                                    schedules or [plan.schedule], checkpoint or [plan.checkpoint]):
-        if n < 1 or n > plan.num_layers or (batch and m > batch) or schedule == "async-backends":
+        if n < 1 or n > plan.num_layers or (batch and not exact_chunks(batch, m)) or schedule == "async-backends":
             continue
         devices_needed = n // plan.virtual_stages if schedule == "interleaved" else n
         if schedule == "interleaved" and (n % plan.virtual_stages or devices_needed < 1 or m % devices_needed):
