@@ -53,7 +53,7 @@ def verify_module(module: nn.Sequential) -> None:
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}; "
-                        "wrap your layers in nn.Sequential, or trace the model with pipexplore.trace")
+                        "wrap your layers in nn.Sequential, or let the explorer trace the model (pipexplore.models.trace)")
     seen: dict[int, int] = {}
     for index, layer in enumerate(module):
         if id(layer) in seen:

@@ -8,7 +8,7 @@ from torch import fx, nn
 __all__ = ["FlattenError", "flatten"]
 
 _TRACING_HINT = ("pipexplore.explore(model, sample) splits models that are not chains by tracing them "
-                 "(pipexplore.trace), with no flattening needed")
+                 "(pipexplore.models.trace), with no flattening needed")
 
 
 class FlattenError(ValueError):

@@ -7,7 +7,7 @@ into plain data with binary buffers, once per plan shape; the explorer's timelin
 (``widgets/retime.js``, the processor-sharing loop of ``_sharing.c`` step for step) sums the
 layers of the new split, times the graph and draws it the moment a handle is released, while the
 kernel predicts the same plan. Tests run the page's code on these models and compare its timeline
-with :func:`~pipexplore.simulate.simulate`'s.
+with :func:`~pipexplore.predict.simulator.simulate`'s.
 
 Example::
 
@@ -60,7 +60,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     ``out_bytes``; per kind ``extra``, the seconds an action holds beyond its layers. The graph:
     per action ``first``, ``second`` (input action numbers, ``n`` = none), ``stage``, ``kind``,
     ``micro``; per worker ``queue_len``; per stage the workers that run it (``lanes_at``,
-    ``lanes``: :func:`~pipexplore.simulate.loop_layout`); ``kind_names``: the phase of each kind
+    ``lanes``: :func:`~pipexplore.predict.sharing.loop_layout`); ``kind_names``: the phase of each kind
     number, then a copy's. ``samples``: the batch's rows (throughput); ``bubble_by``: the bubble
     per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
     :func:`pipexplore.timeline.bubble_fraction` takes it.

@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Setup", "loop_layout",
            "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
-#: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.costs.layer_seconds`)
+#: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.predict.costs.layer_seconds`)
 #: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
 #: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
 COSTED = {**{kind: (phase, phase) for kind, phase in PHASES.items()}, "C": ("checkpointed", "forward")}
@@ -157,7 +157,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             schedule executor: a worker per stage) or ``processes`` (a process per stage).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
         batch: rows of the mini-batch (default: the profiled sample's, ``table.attrs['batch']``).
-        corrections: what earlier runs taught (:class:`pipexplore.costs.Corrections`): a factor
+        corrections: what earlier runs taught (:class:`pipexplore.predict.costs.Corrections`): a factor
             per layer and phase, and the executor's time between actions.
         action_overhead: seconds added to every compute action (a what-if).
         per_microbatch: the table's seconds are already per micro-batch (a table without rows: no
@@ -264,7 +264,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
                  cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
                  batch: Optional[int] = None, corrections: Optional[Corrections] = None) -> Setup:
     """:func:`simulate`'s arguments checked, and what they fix for every split of the same stage
-    count (what :mod:`pipexplore.retime` hands a page to re-time a drag with)."""
+    count (what :mod:`pipexplore.predict.retime` hands a page to re-time a drag with)."""
     if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks!r}")
     if checkpoint not in ("always", "except_last", "never"):

@@ -232,8 +232,8 @@ class TimelineView:
 
     def retime(self, key: str, model: Optional[dict[str, Any]] = None, lane_stage: Sequence[int] = ()) -> None:
         """Let the page re-time a moved split of the predicted plan itself. ``key`` names the
-        predicted plan's shape (:func:`pipexplore.retime.retime_key`; scenes drawn from now on
-        carry it; ``''``: none); ``model``: :func:`pipexplore.retime.retime_model` of that plan
+        predicted plan's shape (:func:`pipexplore.predict.retime.retime_key`; scenes drawn from now on
+        carry it; ``''``: none); ``model``: :func:`pipexplore.predict.retime.retime_model` of that plan
         with the same ``key``, ``lane_stage`` the stage of each of its lanes (may come later: the
         page re-times only with a model whose key is its scene's)."""
         self._retime_key = key

@@ -16,7 +16,7 @@ __all__ = ["residual_grid", "residual_state", "ResidualCanvas"]
 
 
 def residual_grid(table: pd.DataFrame) -> pd.DataFrame:
-    """Residuals (from :func:`pipexplore.residuals.residuals`) as a grid: one row per stage and
+    """Residuals (from :func:`pipexplore.predict.residuals.residuals`) as a grid: one row per stage and
     phase, one column per micro-batch, the error (predicted ÷ measured − 1) in each cell.
 
     Example::
@@ -64,7 +64,7 @@ class ResidualCanvas(anywidget.AnyWidget):
     grid = traitlets.Dict().tag(sync=True)
 
     def show(self, table: Optional[pd.DataFrame], title: str = "") -> None:
-        """Draw ``table`` (per-action residuals, :func:`pipexplore.residuals.residuals`; ``None``: no run yet)."""
+        """Draw ``table`` (per-action residuals, :func:`pipexplore.predict.residuals.residuals`; ``None``: no run yet)."""
         self.grid = residual_state(table, title)
 
     def cells(self) -> np.ndarray:

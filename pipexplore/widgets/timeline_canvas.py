@@ -76,7 +76,7 @@ class TimelineCanvas(anywidget.AnyWidget):
     scene = traitlets.Dict().tag(sync=True)
     highlight = traitlets.Int(-1).tag(sync=True)
     #: What the page needs to re-time the predicted plan for a moved split itself
-    #: (:func:`pipexplore.retime.retime_model` with ``panel``: :func:`retime_panel`), used while its
+    #: (:func:`pipexplore.predict.retime.retime_model` with ``panel``: :func:`retime_panel`), used while its
     #: ``key`` is the scene's ``retime_key``; empty: the page waits for the kernel's scene.
     retime = traitlets.Dict().tag(sync=True)
     #: The split strip whose moves this canvas re-times (the same ``group`` on a
@@ -160,7 +160,7 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
 
 
 def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> dict[str, Any]:
-    """How the page lays out a re-timed step (:mod:`pipexplore.retime`) as :func:`block_panel` lays
+    """How the page lays out a re-timed step (:mod:`pipexplore.predict.retime`) as :func:`block_panel` lays
     out the plan's (``lane_stage``: each lane's stage, as :func:`lane_of` pairs them): each stage's
     lane, how many lanes, the phase code of each of the graph's kinds and of a copy, the
     micro-batch bytes, and each stage's bubble key."""
