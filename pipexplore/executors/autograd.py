@@ -31,5 +31,6 @@ def run(job: StepJob) -> RunResult:
         optimizer.step()
         return float(loss.detach())
 
-    timeline, loss = measure(step, job.warmup, job.run, job.repeats, pipe.devices)
-    return result(plan, timeline, loss, job.sample, {str(d) for d in pipe.devices}, list(pipe.parameters()))
+    timeline, loss, measured_losses = measure(step, job.warmup, job.run, job.repeats, pipe.devices)
+    return result(plan, timeline, loss, job.sample, {str(d) for d in pipe.devices}, list(pipe.parameters()),
+                  measured_losses)

@@ -6,6 +6,7 @@ import copy
 import torch
 from torch import nn
 
+from pipexplore.cancel import check_cancelled
 from pipexplore.executors.base import RunResult, StepJob, make_optimizer, result
 
 __all__ = ["NAME", "run"]
@@ -17,7 +18,9 @@ def run(job: StepJob) -> RunResult:
     """Serve each stage as an :class:`ExpertBackend` and train through a :class:`BackendPipeline`.
 
     Each backend steps its own optimizer on each backward task (hivemind-style asynchronous
-    updates); the timeline holds one row per batch the pools formed, with its size and wait.
+    updates); the timeline holds one row per batch the pools formed, with its size and wait. The
+    loss is the first step's (its later micro-batches already see the first updates); a cancelled
+    run stops between steps (:class:`~pipexplore.cancel.Cancelled`).
     """
     from pipexplore.backend import BackendPipeline, BatchTensorProto, ExpertBackend, Runtime
 
@@ -46,14 +49,22 @@ def run(job: StepJob) -> RunResult:
     pipeline = BackendPipeline(backends)
     y = target.to(devices[-1]) if torch.is_tensor(target) else target
     runtime = Runtime({b.name: b for b in backends}, stages={b.name: k for k, b in enumerate(backends)})
+    steps = []
     with runtime:
         for _ in range(warmup):
-            pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+            check_cancelled()
+            steps.append(_mean(pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)))
+        check_cancelled()
         warm_batches = len(runtime.timeline)
-        losses = pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)
+        steps.append(_mean(pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)))
+    check_cancelled()
     measured = runtime.timeline.iloc[warm_batches:].reset_index(drop=True).assign(run=job.run)
     origin = measured["start"].min() if len(measured) else 0.0
     measured["start"] -= origin
     measured["end"] -= origin
     parameters = [p for backend in backends for p in backend.expert.parameters()]
-    return result(plan, measured, float(sum(losses) / len(losses)), sample, set(devices), parameters)
+    return result(plan, measured, steps[0], sample, set(devices), parameters, measured_losses=steps[-1:])
+
+
+def _mean(losses: list[float]) -> float:
+    return float(sum(losses) / len(losses))

@@ -3,19 +3,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import pandas as pd
 import torch
 from torch import nn
 
 from pipexplore import timeline as tl
+from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
-__all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "result", "measure", "synthetic_loss",
-           "make_optimizer", "all_finite"]
+__all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
+           "synthetic_loss", "make_optimizer", "all_finite"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -51,13 +52,19 @@ class StepJob:
 
 @dataclass
 class RunResult:
-    """A measured step: its timeline, loss and metrics (one row of the runs table)."""
+    """A measured step: its timeline, loss and metrics (one row of the runs table).
+
+    ``loss`` is the first step's (the first warm-up step's: at the plan's weights, before any
+    optimizer step, so it equals the unsplit model's loss on the same batch); ``measured_losses``
+    are the losses of the measured steps, each after as many optimizer steps as came before it.
+    """
 
     plan: Plan
     timeline: pd.DataFrame
     loss: float
     predicted: pd.DataFrame
     metrics: dict[str, Any] = field(default_factory=dict)
+    measured_losses: list[float] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -68,25 +75,67 @@ class RunResult:
         }
 
 
+class Measured(NamedTuple):
+    """What :func:`measure` gives: the median step's timeline, the first step's loss, the measured steps' losses."""
+
+    timeline: pd.DataFrame
+    loss: float
+    measured_losses: list[float]
+
+
 def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
-            devices: Sequence[Any] = ()) -> tuple[pd.DataFrame, float]:
+            devices: Sequence[Any] = ()) -> Measured:
     """Run ``warmup`` steps, then ``repeats`` more under :func:`pipexplore.record`, with the CPU
-    stages on ``devices`` (one worker each) sharing the host's cores (:mod:`pipexplore.host`): the timeline of
-    the step whose time is the median (one step alone is at the mercy of the machine's noise), and
-    the loss of the first recorded step (so that two runs of the same plan report the same loss,
-    whichever step was the median). A non-finite loss in any recorded step is the loss reported."""
+    stages on ``devices`` (one worker each) sharing the host's cores (:mod:`pipexplore.host`).
+
+    Gives the timeline of the measured step whose time is the median (one step alone is at the
+    mercy of the machine's noise), the loss of the first step (warm-up or not: at the weights the
+    run started from, so that it equals the unsplit model's loss, and two runs of the same plan
+    report the same loss) and the measured steps' losses. A cancelled run
+    (:func:`pipexplore.cancel.check_cancelled`) stops between steps with
+    :class:`~pipexplore.cancel.Cancelled`, and is never returned."""
     measured, losses = [], []
     with sharing_cores(stage_threads(devices)):
         for _ in range(warmup):
-            step()
+            check_cancelled()
+            losses.append(step())
         for _ in range(max(1, repeats)):
+            check_cancelled()
             with tl.record(run=run) as rec:
                 losses.append(step())
             measured.append((tl.step_time(rec.timeline), rec.timeline))
+        check_cancelled()
+    measured_losses = losses[len(losses) - len(measured):]
     measured.sort(key=lambda item: item[0])
     _, timeline = measured[len(measured) // 2]
-    bad = [loss for loss in losses if not math.isfinite(loss)]
-    return timeline, bad[0] if bad else losses[0]
+    return Measured(timeline, losses[0], measured_losses)
+
+
+def train_and_measure(executor: Any, plan: Plan, sample: Any, target: Any = None,
+                      optimizer: Optional[OptimizerFactory] = None, *, warmup: int = 1, run: Any = 0,
+                      repeats: int = 3, after_backward: Optional[Callable[[], None]] = None) -> RunResult:
+    """Train an in-process executor's stages (its ``step``, ``parameters``, ``stage_devices`` and
+    ``worker_devices``) on ``sample``: ``warmup`` steps, then ``repeats`` measured ones
+    (:func:`measure`: the median step's timeline, the first step's loss), each with an optimizer
+    step (``optimizer(parameters)``, default SGD); ``after_backward()`` runs before it.
+
+    Example::
+
+        result = train_and_measure(ScheduleExecutor(model, [2, 2], chunks=4), plan, x, warmup=1, repeats=3)
+    """
+    opt = make_optimizer(optimizer, executor.parameters())
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = float(executor.step(sample, target).loss)
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        return loss
+
+    timeline, loss, measured_losses = measure(step, warmup, run, repeats, executor.worker_devices)
+    return result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices}, executor.parameters(),
+                  measured_losses)
 
 
 def all_finite(parameters: Any) -> bool:
@@ -102,9 +151,11 @@ def all_finite(parameters: Any) -> bool:
 
 
 def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str],
-           parameters: Any = None) -> RunResult:
-    """A measured step with its metrics and the plan's prediction beside it; ``finite`` says whether
-    the loss (and, given ``parameters``, their values and gradients) are finite."""
+           parameters: Any = None, measured_losses: Sequence[float] = ()) -> RunResult:
+    """A measured step with its metrics and the plan's prediction beside it: ``loss`` the first
+    step's, ``measured_losses`` the measured steps' (``metrics['measured_losses']`` too); ``finite``
+    says whether every loss (and, given ``parameters``, their values and gradients) is finite."""
+    measured_losses = [float(x) for x in measured_losses]
     predicted = plan.predicted
     step_seconds = tl.step_time(measured)
     predicted_seconds = tl.step_time(predicted)
@@ -117,6 +168,7 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTens
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
         "loss": loss,
-        "finite": math.isfinite(loss) and (parameters is None or all_finite(parameters)),
+        "measured_losses": measured_losses,
+        "finite": all(map(math.isfinite, [loss, *measured_losses])) and (parameters is None or all_finite(parameters)),
     }
-    return RunResult(plan, measured, loss, predicted, metrics)
+    return RunResult(plan, measured, loss, predicted, metrics, measured_losses)

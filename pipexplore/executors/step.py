@@ -43,6 +43,12 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     the steps in the worker processes; by default :func:`pipexplore.distributed.default_timeout`
     derives it from the predicted step.
 
+    ``result.loss`` is the first step's (at the model's weights, before any optimizer step: the
+    unsplit model's loss on this batch), ``result.measured_losses`` the measured steps'. Under
+    :func:`pipexplore.cancel.cancel_scope`, a cancelled token stops the run (worker threads after
+    their current action, worker processes terminated) and raises
+    :class:`~pipexplore.cancel.Cancelled`; a KeyboardInterrupt gets the same cleanup before it propagates.
+
     Example::
 
         result = run_step(model, sample, Plan(table, splits=(4,), chunks=4, executor="threads"))

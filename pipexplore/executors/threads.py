@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-from pipexplore.executors.base import RunResult, StepJob, make_optimizer, measure, result, synthetic_loss
+from pipexplore.executors.base import RunResult, StepJob, synthetic_loss, train_and_measure
 
 __all__ = ["NAME", "run"]
 
@@ -18,13 +18,5 @@ def run(job: StepJob) -> RunResult:
     executor = ScheduleExecutor(copy.deepcopy(job.model), plan.balance, devices=list(plan.devices[: plan.num_devices]),
                                 chunks=plan.chunks, schedule=plan.schedule, checkpoint=plan.checkpoint,
                                 loss_fn=job.loss_fn or synthetic_loss)
-    optimizer = make_optimizer(job.optimizer, executor.parameters())
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = executor.step(job.sample, job.target).loss
-        optimizer.step()
-        return loss
-
-    timeline, loss = measure(step, job.warmup, job.run, job.repeats, executor.worker_devices)
-    return result(plan, timeline, loss, job.sample, {str(d) for d in executor.stage_devices}, executor.parameters())
+    return train_and_measure(executor, plan, job.sample, job.target, job.optimizer, warmup=job.warmup, run=job.run,
+                             repeats=job.repeats)

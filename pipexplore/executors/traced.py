@@ -5,9 +5,9 @@
 positions) from several earlier stages and the model's inputs; the last stage also builds the
 model's output as the model returns it (a Hugging Face ``ModelOutput`` too) and computes the loss.
 Each value crosses between workers through a mailbox, detached at the boundary, and its gradient
-comes back the same way (summed over its consumers). The actions and their order are those of the
-schedule executor (:mod:`pipexplore.schedule`): ``F``, ``B``, ``R`` (recompute under
-checkpointing), and ``I``/``W`` for zero-bubble; the timeline has the same schema.
+comes back the same way (summed over its consumers). The workers, their actions (``F``, ``B``,
+``R`` under checkpointing, ``I``/``W`` for zero-bubble), the timeline's spans, abort and cancel are
+those of the schedule executor: the core both share, :mod:`pipexplore.executors._actions`.
 
 Parameters the tracer replicates into several stages (tied weights such as GPT-2's ``wte`` and
 ``lm_head``) get the sum of their copies' gradients after each step, so the copies train as one.
@@ -18,32 +18,29 @@ Example::
     executor = TracedExecutor(pipe, devices=["cpu", "cpu"], chunks=4, schedule="1f1b",
                               loss_fn=lambda out, _: out.loss)
     executor.step(batch).loss
+
+``executor.abort()``, a cancelled :class:`~pipexplore.cancel.CancelToken` or a KeyboardInterrupt
+stops every worker after its current action; ``step`` joins them all and raises
+:class:`~pipexplore.cancel.Cancelled` (or the interrupt).
 """
 from __future__ import annotations
 
 import copy
 import operator
-import sys
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, fx, nn
 
-from pipexplore import timeline as tl
-from pipexplore import validate
-from pipexplore.host import use_stage_threads
-from pipexplore.checkpoint import restore_rng_states, save_rng_states
-from pipexplore.executors.base import (LossFn, OptimizerFactory, RunResult, StepJob, make_optimizer, measure,
-                                       result, synthetic_loss)
+from pipexplore.cancel import check_cancelled
+from pipexplore.executors._actions import ActionExecutor, StageState, StepResult, check_options, plan_workers
+from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult, StepJob, synthetic_loss, train_and_measure
 from pipexplore.devices import as_device
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
-from pipexplore.executors.sequential import PHASE, StepResult, _Aborted, _Mailbox
-from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
-from pipexplore.stream import use_device
+from pipexplore.saved import tensor_bytes
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
 
@@ -51,15 +48,13 @@ NAME = "threads"
 
 
 @dataclass
-class _State:
+class _State(StageState):
     """What one stage keeps for one micro-batch between its forward and its backward."""
 
     leaves: dict[fx.Node, Any] = field(default_factory=dict)
     produced: dict[fx.Node, Any] = field(default_factory=dict)
     needs_grad: dict[fx.Node, bool] = field(default_factory=dict)
     loss: Optional[Tensor] = None
-    rng: Any = None
-    param_groups: Any = None
 
 
 def _stage_index(node: fx.Node) -> Optional[int]:
@@ -71,7 +66,7 @@ def _stage_index(node: fx.Node) -> Optional[int]:
     return None
 
 
-class TracedExecutor:
+class TracedExecutor(ActionExecutor):
     """Runs training steps of a traced model's stages with an explicit pipeline schedule, in this process.
 
     Args:
@@ -92,50 +87,35 @@ class TracedExecutor:
         result = executor.step({"input_ids": ids, "labels": ids})   # parameter .grad as one plain step
     """
 
+    worker_name = "pipexplore-traced"
+
     def __init__(self, pipe: Any, *, devices: Optional[Sequence[Any]] = None, chunks: int = 1,
                  schedule: str = "1f1b", checkpoint: str = "never", loss_fn: Optional[LossFn] = None,
                  loss_reduction: str = "mean") -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if checkpoint not in ("always", "except_last", "never"):
-            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
-        if isinstance(chunks, bool) or int(chunks) != chunks or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction is 'mean' or 'sum', not {loss_reduction!r}")
+        chunks = check_options(schedule, checkpoint, chunks, loss_reduction)
         stages = int(pipe.num_stages)
         device_list = [as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
-        if schedule == "interleaved":
-            p = len(device_list)
-            self.stage_devices = validate.interleaved_devices(stages, device_list, chunks)
-            self.worker_orders = [list(interleaved_order(d, p, stages // p, chunks)) for d in range(p)]
-        else:
-            if len(device_list) < stages:
-                raise ValueError(f"{stages} stages need {stages} devices, got {len(device_list)} "
-                                 f"({', '.join(map(str, device_list))}): give one device per stage")
-            self.stage_devices = device_list[:stages]
-            self.worker_orders = [[(s, kind, i) for kind, i in order]
-                                  for s, order in enumerate(stage_orders(schedule, stages, chunks))]
-        self.chunks, self.schedule, self.checkpoint = int(chunks), schedule, checkpoint
+        if schedule != "interleaved" and len(device_list) < stages:
+            raise ValueError(f"{stages} stages need {stages} devices, got {len(device_list)} "
+                             f"({', '.join(map(str, device_list))}): give one device per stage")
+        self.stage_devices, self.worker_orders, self.virtual_stages = plan_workers(schedule, stages, device_list,
+                                                                                   chunks)
+        self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
         self.loss_fn = loss_fn or synthetic_loss
         self.loss_reduction = loss_reduction
         self.output_spec = getattr(pipe, "output_spec", None)
-        self.stage_modules: list[nn.Module] = []
+        modules = []
         for s in range(stages):
             module = pipe.get_stage_module(s).to(self.stage_devices[s])
             if isinstance(module, fx.GraphModule):
                 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
                 _modify_graph_op_device(module, self.stage_devices[s])  # devices burned into the graph by tracing
-            self.stage_modules.append(module)
+            modules.append(module)
+        self._place(modules)
         self._read_graph(pipe.split_gm.graph, stages)
         self.replicated = [[(int(name.rsplit("_", 1)[1]), qualname) for name, qualname in mapping.items()]
                            for mapping in getattr(pipe, "replicated_params", [])]
-        shared = {d for d in self.stage_devices if self.stage_devices.count(d) > 1}
-        locks: dict[torch.device, threading.Lock] = {}
-        # Stages sharing a device share its random generator: checkpointed forwards and their
-        # recomputations hold the device's lock so that they draw the same numbers.
-        self.rng_locks = [locks.setdefault(d, threading.Lock()) if d in shared else None for d in self.stage_devices]
 
     def _read_graph(self, graph: fx.Graph, stages: int) -> None:
         """Which values each stage takes, produces, sends and receives, from the split's root graph."""
@@ -173,11 +153,6 @@ class TracedExecutor:
                     self.produced[s].append(node)
 
     # ---- parameters -------------------------------------------------------------------
-    @property
-    def worker_devices(self) -> list[torch.device]:
-        """The device of each worker thread (one per stage; one per device for ``interleaved``)."""
-        return worker_devices(self.worker_orders, self.stage_devices)
-
     def parameters(self) -> list[nn.Parameter]:
         """Every stage's parameters (a tied weight once per stage that holds a copy)."""
         return [p for module in self.stage_modules for p in module.parameters()]
@@ -206,42 +181,11 @@ class TracedExecutor:
         self._targets = list(target.chunk(m)) if torch.is_tensor(target) and target.dim() > 0 and \
             target.size(0) == rows else [target] * m
         self._weights = [1.0 / m if self.loss_reduction == "mean" else 1.0] * m
-        self._stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        self._abort = threading.Event()
-        self._boxes: dict[Any, _Mailbox] = {}
-        self._boxes_lock = threading.Lock()
-        self._states: dict[tuple[int, int], _State] = {}
-        self._losses: list[float] = [0.0] * m
-        self._recorder = tl.active_recorder()
         replicated = self._replicated_params()
         before = [[None if p.grad is None else p.grad.clone() for p in group] for group in replicated]
-        errors: list[Any] = []
-
-        def work(order: list[tuple[int, str, int]], device: torch.device) -> None:
-            use_stage_threads()  # the host's cores shared among the stages (pipexplore.host)
-            try:
-                with use_device(device):
-                    for stage, kind, i in order:
-                        self._act(stage, kind, i)
-            except _Aborted:
-                pass
-            except BaseException:
-                errors.append(sys.exc_info())
-                self._abort.set()
-
-        threads = [tl.thread_in_this_context(work, (order, self.stage_devices[order[0][0]]),
-                                             name=f"pipexplore-traced{w}")
-                   for w, order in enumerate(self.worker_orders) if order]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        self._boxes.clear()
-        self._states.clear()
-        if errors:
-            raise errors[0][1].with_traceback(errors[0][2])
+        outcome = self._run_workers(m)
         self._sum_replicated_grads(replicated, before)
-        return StepResult(list(self._losses), sum(loss * w for loss, w in zip(self._losses, self._weights)))
+        return outcome
 
     def _bind(self, part: Any) -> dict[str, Any]:
         """The model's inputs of one micro-batch, by the split's placeholder names."""
@@ -275,61 +219,14 @@ class TracedExecutor:
                 total = sum(d.to(p.device) for d in deltas if d is not None)
                 p.grad = total if o is None else o + total
 
-    # ---- mailboxes --------------------------------------------------------------------
-    def _box(self, key: Any) -> _Mailbox:
-        with self._boxes_lock:
-            box = self._boxes.get(key)
-            if box is None:
-                box = self._boxes[key] = _Mailbox(self._abort)
-            return box
-
-    def _moved(self, value: Any, from_stage: int, to_stage: int, i: int) -> Any:
-        """``value`` detached and on ``to_stage``'s device (a ``copy`` span when the device changes)."""
-        if not torch.is_tensor(value):
-            return value
-        value = value.detach()
-        source, target = self.stage_devices[from_stage], self.stage_devices[to_stage]
-        if source == target:
-            return value
-        done = self._span(to_stage, "copy", i)
-        value = value.to(target)
-        if done is not None:
-            done()
-        return value
-
-    def _span(self, stage: int, phase: str, i: int) -> Optional[Callable[[], None]]:
-        recorder = self._recorder
-        if recorder is None:
-            return None
-        device = self.stage_devices[stage]
-        start = recorder.mark(device)
-        return lambda: recorder.add(stage, device, i, phase, start, recorder.mark(device))
-
-    def _timed(self, stage: int, kind: str, i: int, action: Callable[[], None]) -> None:
-        done = self._span(stage, PHASE[kind], i)
-        action()
-        if done is not None:
-            done()
-
     # ---- actions ------------------------------------------------------------------------
-    def _act(self, stage: int, kind: str, i: int) -> None:
-        if kind == "F":
-            self._forward(stage, i)
-        elif kind == "W":
-            self._timed(stage, "W", i, lambda: self._weight_grad(stage, i))
-        else:
-            received = self._receive_grads(stage, i)  # waiting is not work: before the spans
-            if i < self._stop:
-                self._timed(stage, "R", i, lambda: self._run(stage, i, recomputing=True))
-            self._timed(stage, kind, i, lambda: self._backward(stage, i, received, split=kind == "I"))
-
     def _forward(self, stage: int, i: int) -> None:
         device = self.stage_devices[stage]
         state = self._states.setdefault((stage, i), _State())
         for node in self.received[stage]:
             value, needs_grad = self._box(("act", node, stage, i)).get(device)
             state.leaves[node] = value.requires_grad_(needs_grad) if torch.is_tensor(value) else value
-        self._timed(stage, "F", i, lambda: self._run(stage, i, recomputing=False))
+        self._timed(stage, "F", i, lambda: self._run(stage, i, state, recomputing=False))
         checkpointed = i < self._stop
         for node, consumers in self.sent[stage].items():
             value = state.produced[node]
@@ -338,7 +235,8 @@ class TracedExecutor:
             needs_grad = torch.is_tensor(value) and (value.is_floating_point() if checkpointed else value.requires_grad)
             state.needs_grad[node] = needs_grad
             for consumer in consumers:
-                self._box(("act", node, consumer, i)).put((self._moved(value, stage, consumer, i), needs_grad))
+                self._send(self._box(("act", node, consumer, i)), value, stage, consumer, i,
+                           lambda copy, needs_grad=needs_grad: (copy, needs_grad))
         if checkpointed:
             state.produced, state.loss = {}, None  # recomputed before backward
 
@@ -354,28 +252,8 @@ class TracedExecutor:
 
         return fx.node.map_arg(arg, resolve)
 
-    def _run(self, stage: int, i: int, *, recomputing: bool) -> None:
-        """The stage's forward (and, on the last stage, the model's output and the loss)."""
-        state = self._states[(stage, i)]
-        checkpointed = i < self._stop
-        device = self.stage_devices[stage]
-        lock = self.rng_locks[stage] if checkpointed else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            if not checkpointed:
-                self._call(stage, i, state)
-            elif not recomputing:
-                state.rng = []
-                save_rng_states(device, state.rng)  # type: ignore[arg-type]
-                with torch.no_grad():
-                    self._call(stage, i, state)
-            else:
-                with restore_rng_states(device, state.rng), torch.enable_grad():  # type: ignore[arg-type]
-                    self._call(stage, i, state)
-        finally:
-            if lock is not None:
-                lock.release()
+    def _kept_bytes(self, stage: int, state: _State) -> int:
+        return tensor_bytes([v for v in state.leaves.values() if torch.is_tensor(v)])
 
     def _call(self, stage: int, i: int, state: _State) -> None:
         args = self._value(stage, i, state, self.stage_args[stage])
@@ -388,12 +266,7 @@ class TracedExecutor:
             return
         flat = self._value(stage, i, state, self.output_arg, produced)
         model_output = self._model_output(flat)
-        loss = self.loss_fn(model_output, to_device(self._targets[i], self.stage_devices[stage]))
-        if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
-        self._losses[i] = float(loss.detach())
-        state.loss = loss * self._weights[i]
+        state.loss = self._loss(stage, i, model_output)
 
     def _model_output(self, flat: Any) -> Any:
         """The output as the model returns it, rebuilt from the split's flat outputs."""
@@ -424,36 +297,13 @@ class TracedExecutor:
             if grad is not None and torch.is_tensor(value) and value.requires_grad:
                 pairs.append((value, grad))
         inputs = [leaf for leaf in state.leaves.values() if torch.is_tensor(leaf) and leaf.requires_grad]
-        if not split or not inputs:  # with no input that needs a gradient, I does all the work, W none
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            input_grads = [leaf.grad for leaf in inputs]
-        else:
-            from torch.distributed.pipelining._backward import stage_backward_input
-
-            if pairs:
-                grads, state.param_groups = stage_backward_input(
-                    [t for t, _ in pairs], [g if g is not None else torch.ones_like(t) for t, g in pairs],
-                    inputs, self.stage_modules[stage].parameters())
-                input_grads = list(grads)
-            else:
-                input_grads = [None] * len(inputs)
+        input_grads = self._backward_pass(stage, i, state, pairs, inputs, split=split)
         by_leaf = {id(leaf): g for leaf, g in zip(inputs, input_grads)}
         for node, leaf in state.leaves.items():
             if torch.is_tensor(leaf) and leaf.requires_grad:
                 source: int = _stage_index(node)  # type: ignore[assignment]
-                self._box(("grad", node, stage, i)).put(self._moved(by_leaf.get(id(leaf)), stage, source, i))
-        if split and inputs and pairs:
-            state.leaves, state.produced, state.loss = {}, {}, None  # W needs only the parameter groups
-        else:
-            del self._states[(stage, i)]
-
-    def _weight_grad(self, stage: int, i: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
-        state = self._states.pop((stage, i), None)
-        if state is not None and state.param_groups is not None:
-            stage_backward_weight(self.stage_modules[stage].parameters(), state.param_groups)
+                self._send(self._box(("grad", node, stage, i)), by_leaf.get(id(leaf)), stage, source, i)
+        self._backward_done(stage, i, state)
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
@@ -492,23 +342,18 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
                          f"{type(model).__name__}: choose gpipe, 1f1b, interleaved or zero-bubble")
     names = [str(n) for n in plan.layer_table["name"]]
     pipe = split(copy.deepcopy(model), first_microbatch(sample, plan.chunks), [names[s] for s in plan.splits])
+    check_cancelled()  # tracing takes a while: a run cancelled meanwhile starts no step
     executor = TracedExecutor(pipe, devices=list(plan.devices[: plan.num_devices]), chunks=plan.chunks,
                               schedule=plan.schedule, checkpoint=plan.checkpoint, loss_fn=loss_fn or synthetic_loss)
-    opt = make_optimizer(optimizer, executor.parameters())
     grads: dict[str, Tensor] = {}
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = executor.step(sample, target).loss
-        if return_grads:
-            grads.clear()
-            grads.update({name: p.grad.detach().cpu().clone() for name, p in executor.named_parameters()
-                          if p.grad is not None})
-        opt.step()
-        return loss
+    def keep_grads() -> None:
+        grads.clear()
+        grads.update({name: p.grad.detach().cpu().clone() for name, p in executor.named_parameters()
+                      if p.grad is not None})
 
-    timeline, loss = measure(step, warmup, run, repeats, executor.worker_devices)
-    measured = result(plan, timeline, loss, sample, {str(d) for d in executor.stage_devices}, executor.parameters())
+    measured = train_and_measure(executor, plan, sample, target, optimizer, warmup=warmup, run=run, repeats=repeats,
+                                 after_backward=keep_grads if return_grads else None)
     if return_grads:
         measured.metrics["grads"] = dict(grads)
     return measured
