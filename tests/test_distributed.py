@@ -182,10 +182,13 @@ def test_a_rerun_reuses_the_warm_pool_with_the_users_loss_and_optimizer():
 
     reference = copy.deepcopy(model)
     adam = make_adam(reference.parameters())
-    weighted_loss(reference(x), target).backward()
+    initial = weighted_loss(reference(x), target)  # the loss reported: the first step's, at the model's weights
+    initial.backward()
     adam.step()
-    expected = weighted_loss(reference(x), target).item()  # the loss of the step after one Adam step
-    assert first.loss == pytest.approx(expected, rel=1e-5) and second.loss == pytest.approx(expected, rel=1e-5)
+    expected = weighted_loss(reference(x), target).item()  # the measured step's, after one Adam step
+    assert first.loss == pytest.approx(initial.item(), rel=1e-5) and second.loss == pytest.approx(initial.item(),
+                                                                                                  rel=1e-5)
+    assert first.measured_losses == second.measured_losses == [pytest.approx(expected, rel=1e-5)]
     assert model[0].weight.grad is None  # the user's model is untouched
 
 
@@ -261,8 +264,8 @@ reference = copy.deepcopy(model)
 sgd = make_sgd(reference.parameters())
 loss_fn(reference(x), y).backward()
 sgd.step()
-print(json.dumps({"processes": result.loss, "reference": loss_fn(reference(x), y).item(),
-                  "unchanged": loss_fn(model(x), y).item()}))
+print(json.dumps({"processes": result.measured_losses[0], "reference": loss_fn(reference(x), y).item(),
+                  "first": result.loss, "unchanged": loss_fn(model(x), y).item()}))
 """
 
 
@@ -282,6 +285,7 @@ def test_a_script_of_main_classes_and_lambdas_trains_in_processes(tmp_path, how)
     losses = json.loads(done.stdout.strip().splitlines()[-1])
     assert losses["processes"] == pytest.approx(losses["reference"], rel=1e-5)
     assert losses["processes"] != pytest.approx(losses["unchanged"], rel=1e-3)  # the optimizer stepped
+    assert losses["first"] == pytest.approx(losses["unchanged"], rel=1e-5)  # the loss reported: the first step's
 
 
 def test_explorer_runs_the_processes_executor_beside_threads():

@@ -9,7 +9,10 @@ lambdas and closures included). Each rank builds its stage(s) with ``PipelineSta
 the torch schedule for the plan; it times each stage's ``forward_one_chunk``,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the host clock, which all processes
 on one machine share, and sends its events back. A rank that raises, dies or hangs fails the run
-with a :class:`DistributedRunError` naming it; every process is reaped and the pool rebuilt.
+with a :class:`DistributedRunError` naming it; every process is reaped and the pool rebuilt. So
+does a cancelled run (:class:`~pipexplore.cancel.Cancelled`, within a poll of the ranks) and a
+KeyboardInterrupt. The loss reported is the first step's (at the model's weights), as in every
+executor; the measured step's is in ``measured_losses``.
 
 Example::
 
@@ -28,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pipexplore.cancel import check_cancelled, current_token
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
@@ -144,6 +148,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     inputs = {k: to_device(v, device) for k, v in job["kwargs"].items()} if has_first else {}
     target = job["target"].to(device) if torch.is_tensor(job["target"]) else job["target"]
     losses: list = []
+    first_losses: list[float] = []
     grads = None
     for step in range(job["warmup"] + 1):
         optimizer.zero_grad(set_to_none=True)
@@ -154,6 +159,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         if has_last:
             kwargs.update(target=target, losses=losses)
         schedule.step(*args, **inputs, **kwargs)
+        if step == 0:  # at the model's weights, before any optimizer step: the loss the run reports
+            first_losses = [float(loss.detach()) for loss in losses]
         if job["return_grads"] and step == job["warmup"]:
             grads = {f"{s}.{n}": p.grad.detach().cpu() for s, st in zip(indices, stages)
                      for n, p in st.submod.named_parameters() if p.grad is not None}
@@ -161,7 +168,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     dist.barrier()  # every rank done before the next run may start sending
     # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
     buffer = io.BytesIO()
-    torch.save({"spans": spans, "losses": [float(loss.detach()) for loss in losses], "grads": grads}, buffer)
+    torch.save({"spans": spans, "losses": [float(loss.detach()) for loss in losses], "first_losses": first_losses,
+                "grads": grads}, buffer)
     return buffer.getvalue()
 
 
@@ -179,6 +187,11 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
         raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "
                          f"read {listed}: run in this process (executor='threads'), or leave such inputs out of the "
                          f"sample (e.g. compute the loss in loss_fn from the logits, with the labels as its target)")
+
+
+def _mean(losses: list[float]) -> float:
+    """The step's loss from its micro-batches' (equal sizes: torch's schedules split evenly)."""
+    return sum(losses) / len(losses) if losses else float("nan")
 
 
 def _cpu(value: Any) -> Any:
@@ -201,9 +214,10 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     """Run ``warmup`` + 1 steps of ``plan`` in one process per device; measure the last.
 
     Returns a :class:`pipexplore.run.RunResult` whose timeline holds every rank's events
-    (``device`` is the rank's device, ``stage`` the pipeline stage). ``metrics['startup_seconds']``
-    is the process start-up this run paid (0 when the warm pool was reused) and
-    ``metrics['worker_pids']`` the ranks' process ids. With ``return_grads`` the parameter
+    (``device`` is the rank's device, ``stage`` the pipeline stage), whose ``loss`` is the first
+    step's and ``measured_losses`` the measured step's (``metrics['losses']``: per micro-batch).
+    ``metrics['startup_seconds']`` is the process start-up this run paid (0 when the warm pool was
+    reused) and ``metrics['worker_pids']`` the ranks' process ids. With ``return_grads`` the parameter
     gradients of the measured step are in ``metrics['grads']`` (by ``'stage.param'``).
 
     ``sample`` is one tensor for an ``nn.Sequential``; a traced model takes it as it takes its
@@ -215,7 +229,8 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     something that cannot be pickled is named in a TypeError before any process starts.
     ``timeout`` bounds the steps in seconds (default :func:`default_timeout`); start-up is bounded
     apart. A rank that raises, dies or hangs raises :class:`DistributedRunError` naming it, and
-    every process is reaped (so are they on KeyboardInterrupt).
+    every process is reaped (so are they on KeyboardInterrupt, and when the run is cancelled:
+    :class:`~pipexplore.cancel.Cancelled`, see :func:`pipexplore.cancel.cancel_scope`).
 
     Example::
 
@@ -276,9 +291,12 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
                     for rank in range(world)]
     if timeout is None:
         timeout = default_timeout(plan, warmup)
+    token = current_token()
+    check_cancelled()  # tracing and pickling take a while: a run cancelled meanwhile starts no rank
     with warm_pool(world, devices) as (pool, startup_seconds):
-        replies = pool.run(payloads, timeout)
+        replies = pool.run(payloads, timeout, cancel=token)
         pids = list(pool.pids)
+        check_cancelled()  # cancelled as the replies came: not recorded, and no rank is left running
     outputs = [torch.load(io.BytesIO(reply), weights_only=False) for reply in replies]
 
     rows = [(run, stage, device, chunk, phase, start, end, "measured")
@@ -292,7 +310,8 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     frame.attrs["peak_memory"] = {}
     frame.attrs["startup_seconds"] = startup_seconds
     losses = [loss for payload in outputs for loss in payload["losses"]]
-    result = _result(plan, frame, sum(losses) / len(losses) if losses else float("nan"), sample, set(devices))
+    first = [loss for payload in outputs for loss in payload["first_losses"]]
+    result = _result(plan, frame, _mean(first), sample, set(devices), measured_losses=[_mean(losses)])
     if return_grads:
         result.metrics["grads"] = {k: v for payload in outputs for k, v in (payload["grads"] or {}).items()}
     result.metrics["losses"] = losses

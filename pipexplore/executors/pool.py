@@ -4,8 +4,10 @@ Workers start with a clean main module (``python -m pipexplore.executors._worker
 notebook is never re-run in them; jobs travel by value with ``cloudpickle``, so classes, lambdas
 and closures defined in ``__main__`` or a notebook cell reach them. The pool stays up between
 runs on the same world size and devices (a rerun pays no process start-up), is discarded after
-any failure, timeout or interrupt (every process killed and reaped), and is shut down at exit
-or by :func:`shutdown_pool`.
+any failure, timeout, interrupt or cancel (every process terminated, killed if it lingers, and
+reaped), and is shut down at exit or by :func:`shutdown_pool`. While it waits for the ranks it
+watches the run's :class:`~pipexplore.cancel.CancelToken` (:func:`pipexplore.cancel.cancel_scope`):
+a cancelled run raises :class:`~pipexplore.cancel.Cancelled` within a poll (0.05 s) and stops them.
 
 Example::
 
@@ -34,6 +36,8 @@ import types
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from pipexplore.cancel import Cancelled, CancelToken, current_token
+
 __all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "pack_job", "ensure_picklable",
            "STARTUP_TIMEOUT"]
 
@@ -44,6 +48,10 @@ STARTUP_TIMEOUT = 120.0
 FAILURE_GRACE = 0.5
 #: Lines of a dead rank's stderr quoted in the error.
 STDERR_LINES = 20
+#: Seconds a terminated worker may take to exit before it is killed.
+TERMINATE_GRACE = 1.0
+#: Seconds between looks at the run's cancel token while waiting for the ranks.
+CANCEL_POLL = 0.05
 
 
 class DistributedRunError(RuntimeError):
@@ -99,7 +107,7 @@ class WorkerPool:
         pool.close()
     """
 
-    def __init__(self, world: int, devices: Sequence[str]) -> None:
+    def __init__(self, world: int, devices: Sequence[str], cancel: Optional[CancelToken] = None) -> None:
         self.world, self.devices = world, tuple(str(d) for d in devices)
         self.port = _free_port()
         self._processes: list[subprocess.Popen[bytes]] = []
@@ -121,7 +129,7 @@ class WorkerPool:
                 self._connections.append(parent_end)
             ready = self._collect(range(world), started + STARTUP_TIMEOUT, lambda waiting: (
                 f"the worker processes did not start within {STARTUP_TIMEOUT:g} s: rank(s) {waiting} never "
-                "joined the process group; every rank was stopped"), during="start-up")
+                "joined the process group; every rank was stopped"), during="start-up", cancel=cancel)
         except BaseException:
             self.close(kill=True)
             raise
@@ -132,11 +140,12 @@ class WorkerPool:
         """Whether every worker is still running (a pool with a dead worker is not reused)."""
         return bool(self._processes) and all(p.poll() is None for p in self._processes)
 
-    def run(self, payloads: Sequence[bytes], timeout: float) -> list[Any]:
+    def run(self, payloads: Sequence[bytes], timeout: float, cancel: Optional[CancelToken] = None) -> list[Any]:
         """Send ``payloads[rank]`` (from :func:`pack_job`) to each rank; their replies, by rank.
 
         Raises :class:`DistributedRunError` naming the first rank that failed or died, or the
-        ranks still busy after ``timeout`` seconds. The caller discards the pool after any error.
+        ranks still busy after ``timeout`` seconds, and :class:`~pipexplore.cancel.Cancelled` once
+        ``cancel`` is cancelled. The caller discards the pool after any error.
         """
         deadline = time.monotonic() + timeout
         sys_path = [p for p in sys.path if isinstance(p, str)]
@@ -148,22 +157,26 @@ class WorkerPool:
                 pass
         replies = self._collect(range(self.world), deadline, lambda waiting: (
             f"the run timed out after {timeout:g} s (timeout={timeout:g}): rank(s) {waiting} did not finish; every "
-            "rank was stopped. If the step is just slow, pass a larger timeout="), during="the run")
+            "rank was stopped. If the step is just slow, pass a larger timeout="), during="the run", cancel=cancel)
         return [replies[rank] for rank in range(self.world)]
 
     def _collect(self, ranks: Iterator[int] | range, deadline: float, on_timeout: Callable[[list[int]], str],
-                 during: str) -> dict[int, Any]:
+                 during: str, cancel: Optional[CancelToken] = None) -> dict[int, Any]:
         replies: dict[int, Any] = {}
         failures: list[tuple[str, int, Any]] = []
         pending = {self._connections[rank]: rank for rank in ranks}
         grace_end: Optional[float] = None
         while pending:
+            if cancel is not None and cancel.cancelled:
+                raise Cancelled(f"the run was cancelled during {during}: every rank is stopped; the plan and earlier "
+                                "runs are kept")
             now = time.monotonic()
             if grace_end is None and now >= deadline:
                 raise DistributedRunError(on_timeout(sorted(pending.values())))
             if grace_end is not None and now >= grace_end:
                 break
-            for connection in wait(list(pending), timeout=(grace_end or deadline) - now):
+            end = grace_end or deadline
+            for connection in wait(list(pending), timeout=min(end - now, CANCEL_POLL) if cancel else end - now):
                 rank = pending.pop(connection)  # type: ignore[call-overload]
                 try:
                     status, payload = connection.recv()  # type: ignore[union-attr]
@@ -215,15 +228,20 @@ class WorkerPool:
         return "\n".join(lines[-STDERR_LINES:])
 
     def close(self, *, kill: bool = False) -> None:
-        """Stop every worker and reap it: ask them to exit (or kill them with ``kill``), kill stragglers."""
+        """Stop every worker and reap it: ask them to exit (or, with ``kill``, terminate them: a rank
+        busy in a step or a collective cannot listen), then kill stragglers."""
         if not kill:
             for connection in self._connections:
                 with contextlib.suppress(OSError):
                     connection.send_bytes(pickle.dumps(([], None)))
-            deadline = time.monotonic() + 5.0
+        else:
             for process in self._processes:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                if process.poll() is None:
+                    process.terminate()
+        deadline = time.monotonic() + (TERMINATE_GRACE if kill else 5.0)
+        for process in self._processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
         for process in self._processes:
             if process.poll() is None:
                 process.kill()
@@ -245,8 +263,9 @@ def warm_pool(world: int, devices: Sequence[str]) -> Iterator[tuple[WorkerPool, 
     """The pool for ``world`` ranks on ``devices`` and its start-up seconds (0 when it was warm).
 
     A pool for other ranks or devices, or with a dead worker, is replaced; the pool is
-    discarded (every process killed and reaped) when the block raises, KeyboardInterrupt
-    included. One run uses the pool at a time.
+    discarded (every process terminated, killed and reaped) when the block raises,
+    KeyboardInterrupt and :class:`~pipexplore.cancel.Cancelled` included; the start-up of a
+    new pool stops when this thread's run is cancelled. One run uses the pool at a time.
 
     Example::
 
@@ -261,7 +280,7 @@ def warm_pool(world: int, devices: Sequence[str]) -> Iterator[tuple[WorkerPool, 
             _pool = None
         startup_seconds = 0.0
         if _pool is None:
-            _pool = WorkerPool(world, devices)
+            _pool = WorkerPool(world, devices, cancel=current_token())
             startup_seconds = _pool.startup_seconds
         try:
             yield _pool, startup_seconds
