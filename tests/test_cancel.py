@@ -229,7 +229,8 @@ def _reference_losses(model: nn.Module, x: Tensor, target: Tensor, steps: int) -
 
 
 @pytest.mark.parametrize("executor,schedule,chunks", [("threads", "1f1b", 4), ("threads", "zero-bubble", 4),
-                                                      ("autograd", "gpipe", 4), ("processes", "1f1b", 4),
+                                                      ("autograd", "gpipe", 4),
+                                                      pytest.param("processes", "1f1b", 4, marks=pytest.mark.slow),
                                                       ("threads", "async-backends", 1)])
 def test_the_loss_is_the_first_steps_the_unsplit_models_at_the_same_weights(executor, schedule, chunks,
                                                                               sequential_table):

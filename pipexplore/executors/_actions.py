@@ -148,6 +148,9 @@ class ActionExecutor:
     stage_modules: list[nn.Module]
     checkpoint: str
     loss_fn: Optional[Callable[[Any, Any], Tensor]]
+    #: Set by ``step`` for each micro-batch: its loss's weight, its target.
+    _weights: list[float]
+    _targets: list[Any]
 
     def _place(self, stage_modules: Sequence[nn.Module]) -> None:
         """Keep the stages (on their devices): copy streams, random-generator locks, no step running."""
