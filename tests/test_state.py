@@ -158,3 +158,22 @@ def test_run_and_cancel_raise_cancelled_in_a_cancel_scope():
     with cancel_scope(token), pytest.raises(Cancelled):
         state.run()
     assert state.runs.empty
+
+
+def test_a_cancel_that_comes_as_the_step_ends_records_nothing(monkeypatch):
+    from pipexplore.cancel import CancelToken, cancel_scope
+    from pipexplore.widgets import run_log
+
+    state = _state()
+    token = CancelToken()
+    real = run_log.run_step
+
+    def step_then_cancel(*args, **kwargs):  # the step has finished when the Cancel comes
+        result = real(*args, **kwargs)
+        token.cancel()
+        return result
+
+    monkeypatch.setattr(run_log, "run_step", step_then_cancel)
+    with cancel_scope(token), pytest.raises(Cancelled):
+        state.run()
+    assert state.runs.empty and state.kept_runs() == []

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import pandas as pd
 
 from pipexplore import timeline as tl
-from pipexplore.cancel import CancelToken, Cancelled, cancel_scope
+from pipexplore.cancel import CancelToken, Cancelled, cancel_scope, check_cancelled
 from pipexplore.executors.base import RunResult
 from pipexplore.executors.step import run_step
 from pipexplore.plan import EXECUTORS, Plan
@@ -69,6 +69,7 @@ class RunLog:
             loss = row.get("loss", math.nan)
             row["finite"] = bool(row.get("finite", True)) and isinstance(loss, float) and math.isfinite(loss)
             with self._plan_lock:  # atomic with update(): a plan changed meanwhile is never replaced
+                check_cancelled()  # a Cancel that came as the step ended: nothing of it is recorded
                 self._next_run = number + 1
                 self._runs.append(row)
                 self._results.append(result)
