@@ -443,11 +443,12 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
     x = torch.randn(4, 4, requires_grad=True)
     turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.02)
     free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
-    # Taking turns: ~2, one waits while the other holds the interpreter. Not seen: ~1, as for
-    # sleeps that release it (0.94–1.10 seen, also beside two busy processes). The bound halfway
-    # keeps 0.4 from the turns seen (1.92–2.13 in 30 runs, 15 of them beside two busy processes).
+    # Taking turns: ~2, one waits while the other holds the interpreter; free: ~1, both sleep at
+    # once. One bound halfway for both: 0.4 from the turns seen (1.92–2.13 in 30 runs, 15 of them
+    # beside two busy processes) and 0.2 from the sleeps' (0.94–1.10, and 1.30 once for 10 ms
+    # sleeps beside two busy processes: a late wake-up in the twins' middle calls).
     assert turns > 1.5, turns
-    assert free < 1.2, free
+    assert free < 1.5, free
 
 
 class _CheaperWithoutAutograd(nn.Module):
