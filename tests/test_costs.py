@@ -214,9 +214,10 @@ def _costing(plan: Plan, scales: dict[str, np.ndarray], gap: float = 0.0) -> Cor
 
 def test_two_splits_on_cpu_predict_the_better_balanced_one_faster():
     # Sleeping layers leave the host free, so two CPU stages overlap and the split that balances
-    # them better is predicted faster: costs 2 | 16 ms against 8 | 12 ms a micro-batch, ~0.83 of
-    # the step (~0.82 with 1.5 ms of sleep lateness in every profiled cost). Were the stages
-    # predicted to contend for the host, both splits would take the serial step (ratio 1).
+    # them better is predicted faster: 4 | 16 ms against 8 | 12 ms a micro-batch (forward and
+    # backward), 0.83 of the step from the sleeps, 0.82 with 1.5 ms of lateness in every profiled
+    # cost, 0.80–0.81 from 15 real profiles. Were the stages predicted to contend for the host,
+    # both splits would take the serial step (ratio 1).
     # Whether the measured steps keep that order: benchmarks/prediction_accuracy.py.
     ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, splits=[2], calibrate=False)
     first = step_time(ex.plan.predicted)
