@@ -14,7 +14,7 @@ console-demo: setup
 
 test: setup
 	@bash scripts/browser.sh
-	.venv/bin/python -m pytest -q tests notebooks --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
+	@bash scripts/test.sh
 
 bench: setup
 	bash benchmarks/run_all.sh

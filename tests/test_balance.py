@@ -177,6 +177,7 @@ def test_balance_errors(costs, partitions, message):
         optimal_splits(costs, partitions)
 
 
+@pytest.mark.timing
 def test_balance_by_time_follows_layer_times():
     model = nn.Sequential(Sleep(0.03), Sleep(0.003), Sleep(0.003), Sleep(0.003), Sleep(0.01))
     # [1, 4] costs 30 | 19 ms; the next best, [2, 3], 33 | 16 ms.
@@ -237,6 +238,7 @@ def test_profile_table():
     assert (table["forward"] > 0).all() and (table["backward"] > 0).all()
 
 
+@pytest.mark.timing
 def test_profile_times_follow_the_layers():
     model = nn.Sequential(Sleep(0.001), Sleep(0.02))
     table = profile(model, torch.ones(2, 1), repeats=3)

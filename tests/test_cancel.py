@@ -26,6 +26,9 @@ from pipexplore.executors.step import run_step
 from pipexplore.plan import Plan
 from pipexplore.widgets import explore
 
+# The cancel tests measure time (bounds in seconds): they run alone, not beside other tests (scripts/test.sh).
+timing = pytest.mark.timing
+
 #: Seconds each slow layer sleeps per call: a stage of two is busy 0.3 s per action, so a step of
 #: 4 micro-batches on 2 stages takes 1.5 s or more, and a run (1 warm-up + 3 measured steps) seconds.
 LAYER_SECONDS = 0.15
@@ -139,12 +142,14 @@ def _cancel_through_the_explorer(ex, started, bound: float) -> float:
 
 # ---- cancel ------------------------------------------------------------------------------
 
+@timing
 def test_cancel_stops_the_threads_executor_within_a_second(sequential_table):
     ex = explore(slow_sequential(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[2], chunks=4,
                  schedule="1f1b", layer_table=sequential_table, calibrate=False)
     _cancel_through_the_explorer(ex, STARTED.is_set, THREADS_BOUND)
 
 
+@timing
 def test_cancel_stops_the_traced_executor_within_a_second(traced_table):
     ex = explore(SlowNet(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[2], chunks=4, schedule="1f1b",
                  layer_table=traced_table, calibrate=False)
@@ -152,6 +157,7 @@ def test_cancel_stops_the_traced_executor_within_a_second(traced_table):
     _cancel_through_the_explorer(ex, STARTED.is_set, THREADS_BOUND)
 
 
+@timing
 @pytest.mark.slow
 def test_cancel_stops_the_processes_executor_within_three_seconds(sequential_table, tmp_path):
     shutdown_pool()
@@ -177,6 +183,7 @@ def test_a_cancelled_token_raises_cancelled_from_run_step(executor, sequential_t
 
 # ---- Ctrl+C --------------------------------------------------------------------------------
 
+@timing
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 @pytest.mark.parametrize("executor", ["threads", "traced"])
 def test_keyboard_interrupt_stops_run_step_and_joins_every_worker(executor, sequential_table, traced_table):

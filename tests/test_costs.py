@@ -17,6 +17,9 @@ from pipexplore.plan import Plan
 from pipexplore.timeline import step_time
 from pipexplore.widgets.explorer import explore
 
+# Measures time (sleeps, spans, bounds in seconds): run alone, not beside other tests (scripts/test.sh).
+pytestmark = pytest.mark.timing
+
 #: How late a sleep can wake on a busy machine (it never wakes early): what sleep-timed costs may
 #: carry beyond the slept time.
 SLEEP_LATENESS = 1.5e-3

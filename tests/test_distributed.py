@@ -5,32 +5,28 @@ import copy
 import functools
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import types
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
 import pipexplore
 from models import plain_model
-from pipexplore import pool
 from pipexplore.distributed import DistributedRunError, run_processes, shutdown_pool
-from pipexplore.plan import Plan
 from pipexplore.run import run_step
+
+from ranks import no_pool_left_behind  # noqa: F401  (every pool gone after the module)
+from ranks import plan_for as _plan
+from ranks import worker_children as _children
 
 pytestmark = pytest.mark.slow
 
 
-def _plan(model, x, splits, devices, schedule, chunks=4):
-    table = pipexplore.profile(copy.deepcopy(model), x, repeats=1, calibrate=False)
-    return Plan(table, tuple(splits), tuple(devices), chunks=chunks, schedule=schedule, executor="processes")
+
 
 
 @pytest.mark.parametrize("schedule,splits,devices", [
@@ -61,105 +57,7 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
     assert timeline["start"].min() == 0.0
 
 
-def _children():
-    """This process's pool workers that are still running."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore.executors._worker" in " ".join(p.cmdline())]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_pool_left_behind():
-    yield
-    shutdown_pool()
-    assert _children() == []
-
-
-@pytest.fixture
-def port_spy(monkeypatch):
-    """The rendezvous ports of the pools started in the test (it starts with none warm)."""
-    shutdown_pool()
-    ports = []
-    original = pool._free_port
-
-    def spy():
-        ports.append(original())
-        return ports[-1]
-
-    monkeypatch.setattr(pool, "_free_port", spy)
-    return ports
-
-
-def _port_is_free(port):
-    """Nothing listens on it any more: a new server can bind and listen (with SO_REUSEADDR, as
-    servers do, since connections of the killed rendezvous may linger in TIME_WAIT)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
-        s.listen()
-    return True
-
-
-class FailInWorker(nn.Module):
-    """The identity in the test's own process (so that profiling works); in a worker, fails as told."""
-
-    def __init__(self, how):
-        super().__init__()
-        self.how, self.home = how, os.getpid()
-
-    def forward(self, x):
-        if os.getpid() != self.home:
-            if self.how == "SIGKILL":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.how == "exit code 1":
-                sys.stderr.write("the layer gives up on purpose\n")
-                sys.stderr.flush()
-                os._exit(1)
-            if self.how == "exit code 0":
-                os._exit(0)
-            if self.how == "raise":
-                raise RuntimeError("the layer failed on purpose")
-            if self.how == "hang":
-                time.sleep(3600)
-        return x
-
-
-def _failing_model(how):
-    model = plain_model()
-    model.insert(5, FailInWorker(how))  # in stage 1 (splits [4]): rank 1
-    return model
-
-
-def test_a_raising_rank_fails_the_run_with_its_traceback(port_spy):
-    model, x = _failing_model("raise"), torch.randn(8, 6)
-    with pytest.raises(DistributedRunError, match=r"(?s)rank 1 failed:\n.*RuntimeError: the layer failed on purpose"):
-        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=60)
-    assert _children() == []
-    assert _port_is_free(port_spy[-1])
-
-
-@pytest.mark.parametrize("how,said", [
-    ("SIGKILL", r"was killed by SIGKILL \(signal 9\)"),
-    ("exit code 1", r"exited with code 1 .*the layer gives up on purpose"),
-    ("exit code 0", r"exited with code 0 "),
-])
-def test_a_dead_rank_is_named_with_its_exit_code_at_once(port_spy, how, said):
-    model, x = _failing_model(how), torch.randn(8, 6)
-    plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
-    started = time.monotonic()
-    with pytest.raises(DistributedRunError, match=rf"(?s)^rank 1 \(cpu, pid \d+\) {said}"):
-        run_processes(model, x, plan, timeout=120)
-    assert time.monotonic() - started < 60  # named when it dies, not when the timeout runs out
-    assert _children() == []
-    assert _port_is_free(port_spy[-1])
-
-
-def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
-    model, x = _failing_model("hang"), torch.randn(8, 6)
-    with pytest.raises(DistributedRunError,
-                       match=r"timed out after 4 s \(timeout=4\): rank\(s\) \[0, 1\] did not finish"):
-        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), timeout=4)
-    assert _children() == []
-    assert _port_is_free(port_spy[-1])
 
 
 def test_a_rerun_reuses_the_warm_pool_with_the_users_loss_and_optimizer():
@@ -237,8 +135,8 @@ import copy, json, sys
 import torch
 from torch import nn
 import pipexplore
-from pipexplore.plan import Plan
 from pipexplore.distributed import run_processes
+from pipexplore.plan import Plan
 
 print("script body ran", file=sys.stderr)
 
@@ -312,34 +210,3 @@ def test_bad_plans_are_refused_before_any_process_starts():
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe", chunks=3))
 
 
-def test_an_interrupt_stops_and_reaps_every_rank():
-    model, x = _failing_model("hang"), torch.randn(8, 6)
-    plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
-    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the ranks run (or start)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run_processes(model, x, plan, timeout=120)
-    finally:
-        timer.cancel()
-    assert _children() == []
-
-
-@pytest.mark.gpu
-def test_a_rank_on_cuda_equals_one_process_and_its_death_is_named():
-    torch.manual_seed(0)
-    model, x, target = plain_model(), torch.randn(8, 6), torch.randn(8, 6)
-    plan = _plan(model, x, [4], ["cuda:0"], "interleaved")  # two stages on one rank (NCCL)
-    result = run_processes(model, x, plan, target=target, loss_fn=nn.functional.mse_loss, return_grads=True,
-                           warmup=0, timeout=120)
-    reference = copy.deepcopy(model).cuda()
-    loss = nn.functional.mse_loss(reference(x.cuda()), target.cuda())
-    loss.backward()
-    assert result.loss == pytest.approx(loss.item(), rel=1e-4)
-    named = dict(reference.named_parameters())
-    for key, grad in result.metrics["grads"].items():
-        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad.cpu(), rtol=1e-4, atol=1e-5)
-    failing = _failing_model("exit code 1")
-    with pytest.raises(DistributedRunError, match=r"(?s)^rank 0 \(cuda:0, pid \d+\) exited with code 1 .*on purpose"):
-        run_processes(failing, x, _plan(failing, x, [4], ["cuda:0"], "interleaved"), timeout=120)
-    assert _children() == []

@@ -11,6 +11,9 @@ import pipexplore
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.widgets.explorer import explore
 
+# Measures time (sleeps, spans, bounds in seconds): run alone, not beside other tests (scripts/test.sh).
+pytestmark = pytest.mark.timing
+
 
 def test_each_cpu_stage_gets_its_share_of_the_cores():
     assert stage_threads(["cpu", "cpu"], cores=2) == 1

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipexplore.cancel import Cancelled
+from pipexplore.predict.profiler import profile
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -97,6 +98,12 @@ def test_a_run_is_a_row_and_a_timeline_and_is_told(state):
     assert state.status.text.startswith("run 0: step") and not state.status.busy
     assert state.runs["run"].tolist() == [0] and state.kept_runs() == [0]
     assert state.shown_result() is state.result_of(0)
+    # the loss at the plan's weights (the unsplit model's), the measured steps' losses beside it
+    with torch.no_grad():
+        unsplit = float(state.model(state.sample).pow(2).mean())
+    assert state.runs.loc[0, "loss"] == pytest.approx(unsplit, rel=1e-5)
+    measured = state.runs.loc[0, "measured_losses"]
+    assert len(measured) == 3 and all(loss < unsplit for loss in measured)
     assert set(state.timeline("measured")["run"]) == {0}
     assert state.plan_difference(state.result_of(0).plan) == ""
     state.update(chunks=4)
@@ -131,8 +138,10 @@ def test_the_stage_table_peaks_are_the_prediction(state):
 
 def test_a_background_run_is_running_until_its_last_word_and_cancel_records_nothing():
     torch.manual_seed(0)
+    # costs of fast layers (timing the slow ones would take seconds): the run itself is slow
+    table = profile(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), torch.randn(8, 6), repeats=1)
     state = ExplorerState(nn.Sequential(Slow(0.05), Slow(0.05), Slow(0.05), Slow(0.05)), torch.randn(8, 6),
-                          devices=["cpu", "cpu"], chunks=2, splits=[2], calibrate=False)
+                          devices=["cpu", "cpu"], chunks=2, splits=[2], calibrate=False, layer_table=table)
     running: list[bool] = []
     state.subscribe(lambda change: change == "status" and running.append(state.running))
     thread = state.run_async()

@@ -2,23 +2,15 @@
 from __future__ import annotations
 
 import copy
-import os
-import pathlib
-import re
-import socket
-import subprocess
-import sys
+
 
 import pytest
 import torch
 from torch import nn
 
 from pipexplore import trace
-from pipexplore.distributed import run_processes
 from pipexplore.plan import Plan
 from tiny_transformer import Branchy, TinyTransformer, build_model, get_batch, loss_fn
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_candidates_in_execution_order_with_costs_and_tied_weights():
@@ -86,49 +78,6 @@ def test_data_dependent_control_flow_fails_with_a_clear_message():
     message = str(info.value)
     assert message.startswith("could not trace BranchyTransformer into one graph to split it")
     assert "data-dependent control flow" in message and "pipe_split()" in message and "PipelineStage" in message
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("splits,ranks,schedule,chunks", [((3,), 2, "gpipe", 4), ((2, 4), 3, "1f1b", 4),
-                                                          ((1, 2, 3, 4), 5, "1f1b", 8)])
-def test_traced_transformer_in_processes_equals_the_unsplit_model(splits, ranks, schedule, chunks):
-    model = build_model()
-    tokens, target = get_batch()
-    table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
-    plan = Plan(table, splits, ("cpu",) * ranks, chunks=chunks, schedule=schedule, executor="processes")
-    result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
-    reference = copy.deepcopy(model)
-    loss = loss_fn(reference(tokens), target)
-    loss.backward()
-    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-    named = dict(reference.named_parameters())
-    assert len(result.metrics["grads"]) == len(named)
-    for key, grad in result.metrics["grads"].items():
-        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_exported_torchrun_script_trains_one_step_like_a_single_process(tmp_path):
-    tokens, target = get_batch()
-    table = trace.candidates(build_model(), (tokens,), repeats=1)
-    script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b")
-    assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
-            in script)
-    path = tmp_path / "train_pipeline.py"
-    path.write_text(script)
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    # A rendezvous port of this test's own (``--standalone`` shares one with every parallel test run).
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node", "2",
-                           str(path)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
-    assert match, done.stdout
-    assert float(match.group(1)) == pytest.approx(loss_fn(build_model()(tokens), target).item(), rel=1e-5)
 
 
 def test_torchrun_export_checks_its_arguments():

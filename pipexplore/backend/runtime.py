@@ -120,6 +120,10 @@ class Runtime:
                                   start - batch[0].submitted))
             batches += 1
 
+    def clock(self) -> float:
+        """Seconds since this runtime's origin, on the clock its :attr:`timeline` is measured with."""
+        return time.perf_counter() - self._origin
+
     @property
     def timeline(self) -> pd.DataFrame:
         """One row per batch processed, in the common schema plus ``pool, batch_size, tasks, wait``."""

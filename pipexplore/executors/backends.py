@@ -55,10 +55,13 @@ def run(job: StepJob) -> RunResult:
             check_cancelled()
             steps.append(_mean(pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)))
         check_cancelled()
-        warm_batches = len(runtime.timeline)
+        # The measured step's batches are those that start after it does: a warm-up batch may be
+        # recorded only after its futures were answered (and the warm-up step has returned).
+        measured_from = runtime.clock()
         steps.append(_mean(pipeline.step(sample.to(devices[0]), y, loss_fn, chunks=plan.chunks)))
     check_cancelled()
-    measured = runtime.timeline.iloc[warm_batches:].reset_index(drop=True).assign(run=job.run)
+    batches = runtime.timeline
+    measured = batches[batches["start"] >= measured_from].reset_index(drop=True).assign(run=job.run)
     origin = measured["start"].min() if len(measured) else 0.0
     measured["start"] -= origin
     measured["end"] -= origin

@@ -27,7 +27,7 @@ __all__ = ["RunLog", "RUN_COLUMNS", "run_summary"]
 
 RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
                "startup_seconds", "bubble", "throughput", "peak_memory", "predicted_step_time", "prediction_error",
-               "loss", "finite"]
+               "loss", "measured_losses", "finite"]
 
 
 def run_summary(row: dict[str, Any]) -> str:

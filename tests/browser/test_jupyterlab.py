@@ -52,9 +52,16 @@ def _serving(tmp_path, notebooks: dict):
         pytest.fail(str(error))
 
 
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory):
+    """One JupyterLab for the module's tests, serving each test's notebook (a kernel each)."""
+    yield from _serving(tmp_path_factory.mktemp("lab"), {"explorer.ipynb": NOTEBOOK_CELLS,
+                                                         "many.ipynb": MANY_LAYERS_CELLS})
+
+
 @pytest.fixture
-def lab(tmp_path):
-    yield from _serving(tmp_path, {"explorer.ipynb": NOTEBOOK_CELLS})
+def lab(lab_server):
+    return lab_server
 
 
 def _output_text(page, index: int) -> str:
@@ -297,8 +304,8 @@ MANY_LAYERS_CELLS = [
 
 
 @pytest.fixture
-def many_layers_lab(tmp_path):
-    yield from _serving(tmp_path, {"many.ipynb": MANY_LAYERS_CELLS})
+def many_layers_lab(lab_server):
+    return lab_server
 
 
 def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):

@@ -1,0 +1,57 @@
+"""What the worker-process tests share: plans for processes, the pool's workers still running,
+the rendezvous ports a test's pools used, and a check that every pool is gone after a module."""
+from __future__ import annotations
+
+import copy
+import socket
+
+import psutil
+import pytest
+
+import pipexplore
+from pipexplore import pool
+from pipexplore.distributed import shutdown_pool
+from pipexplore.plan import Plan
+
+
+def plan_for(model, x, splits, devices, schedule, chunks=4):
+    table = pipexplore.profile(copy.deepcopy(model), x, repeats=1, calibrate=False)
+    return Plan(table, tuple(splits), tuple(devices), chunks=chunks, schedule=schedule, executor="processes")
+
+
+def worker_children():
+    """This process's pool workers that are still running."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore.executors._worker" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_pool_left_behind():
+    yield
+    shutdown_pool()
+    assert worker_children() == []
+
+
+@pytest.fixture
+def port_spy(monkeypatch):
+    """The rendezvous ports of the pools started in the test (it starts with none warm)."""
+    shutdown_pool()
+    ports = []
+    original = pool._free_port
+
+    def spy():
+        ports.append(original())
+        return ports[-1]
+
+    monkeypatch.setattr(pool, "_free_port", spy)
+    return ports
+
+
+def port_is_free(port):
+    """Nothing listens on it any more: a new server can bind and listen (with SO_REUSEADDR, as
+    servers do, since connections of the killed rendezvous may linger in TIME_WAIT)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    return True
