@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The whole suite: tests/ and notebooks/ (under nbval) in two workers (how they share them: conftest.py);
-# then the tests that measure time (marked `timing`) alone, so that nothing runs beside them.
+# The whole suite: tests/ and notebooks/ (under nbval) in three workers on the machine's cores (how
+# they share them: conftest.py; much of a worker's time is spent waiting on the processes, kernels
+# and browser it starts); then the tests that measure time (marked `timing`) alone, so that nothing
+# runs beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
-WORKERS=${PIPEXPLORE_TEST_WORKERS:-2}
+WORKERS=${PIPEXPLORE_TEST_WORKERS:-3}
+# the files that hold timing tests (the mark is named where it is used)
+TIMING_FILES=$(grep -lE "mark\.timing|^@timing" tests/test_*.py)
 status=0
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not timing" tests notebooks --nbval-lax \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$@" || status=$?
-"${PYTEST[@]}" -m timing tests "$@" || status=$?
+# shellcheck disable=SC2086
+"${PYTEST[@]}" -m timing $TIMING_FILES "$@" || status=$?
 exit $status

@@ -54,6 +54,7 @@ def pool_workers() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def nothing_left_running():
     STARTED.clear()
+    shutdown_pool()  # a warm pool an earlier test file left (its workers would count as left by this test)
     before = run_threads()
     yield
     assert run_threads() <= before, f"threads left running: {run_threads() - before}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,13 @@ def test_the_test_command_runs_every_notebook_under_nbval():
     script = (ROOT / "scripts" / "test.sh").read_text()
     runs = [line for line in script.splitlines() if '"${PYTEST[@]}"' in line]
     # every test runs: the parallel part takes tests/ and notebooks/ but the timing tests, which run after it
-    assert len(runs) == 2 and '-m "not timing" tests notebooks --nbval-lax' in runs[0] and "-m timing tests" in runs[1]
+    assert len(runs) == 2 and '-m "not timing" tests notebooks --nbval-lax' in runs[0] and "-m timing" in runs[1]
+    # ... from every file that marks one
+    marked = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
+                    if re.search(r"mark\.timing|^@timing", p.read_text(), re.M))
+    files = subprocess.run(["bash", "-c", 'grep -lE "mark\\.timing|^@timing" tests/test_*.py'], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(pathlib.Path(f).name for f in files) == marked and "test_costs.py" in marked
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
 
 
