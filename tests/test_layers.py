@@ -148,3 +148,27 @@ def test_no_module_is_over_500_lines():
     long = sorted(f"{p.relative_to(PACKAGE.parent)} ({n} lines)" for p in PACKAGE.rglob("*.py")
                   if (n := len(p.read_text().splitlines())) > 500)
     assert not long, "split these modules: " + ", ".join(long)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("simulate", "predict.simulator"), ("profile", "predict.profiler"), ("costs", "predict.costs"),
+    ("dataflow", "predict.dataflow"), ("retime", "predict.retime"), ("residuals", "predict.residuals"),
+    ("flatten", "models.flatten"), ("model_inputs", "models.inputs"), ("schedule", "executors.sequential"),
+    ("traced_executor", "executors.traced"), ("distributed", "executors.distributed"), ("pool", "executors.pool"),
+    ("run", "executors.step"),
+])
+def test_an_old_path_is_the_moved_module(old, new):
+    """For one release, code that imported a moved module by its old path gets the module itself:
+    the same object, so private names and monkeypatching reach it."""
+    import importlib
+
+    assert importlib.import_module(f"pipexplore.{old}") is importlib.import_module(f"pipexplore.{new}")
+
+
+def test_the_old_trace_path_has_tracing_and_the_torchrun_export():
+    from pipexplore import trace
+    from pipexplore.export.torchrun import torchrun_script
+    from pipexplore.models import trace as moved
+
+    assert trace.torchrun_script is torchrun_script and trace.split is moved.split
+    assert trace.candidates is moved.candidates and trace._is_block_list is moved._is_block_list  # private too
