@@ -85,17 +85,26 @@ def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
     assert _port_is_free(port_spy[-1])
 
 
-def test_an_interrupt_stops_and_reaps_every_rank():
+@pytest.mark.timing  # a bound in seconds: runs alone (scripts/test.sh)
+def test_an_interrupt_stops_and_reaps_every_rank_within_three_seconds():
     model, x = _failing_model("hang"), torch.randn(8, 6)
     plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
-    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the ranks run (or start)
+    interrupted: list[float] = []
+
+    def ctrl_c() -> None:  # Ctrl-C while the ranks run (or start)
+        interrupted.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(4.0, ctrl_c)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             run_processes(model, x, plan, timeout=120)
     finally:
         timer.cancel()
-    assert _children() == []
+    took = time.monotonic() - interrupted[0]
+    assert _children() == []  # terminated, killed where they lingered, and reaped
+    assert took < 3.0, f"the ranks took {took:.2f} s to stop after Ctrl-C (bound 3 s)"
 
 
 @pytest.mark.gpu
