@@ -177,7 +177,9 @@ def test_tied_copies_stay_equal_over_optimizer_steps():
     torch.testing.assert_close(first, reference.transformer.wte.weight, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+# GPT-2 only: what processes add (keyword inputs sent to the first rank, a tied weight copied per
+# stage) is the same for every model; Llama's graph runs split in this process above.
+@pytest.mark.parametrize("name", ["gpt2"])
 def test_keyword_inputs_run_in_processes_like_the_unsplit_model(name):
     from pipexplore.distributed import run_processes
 
