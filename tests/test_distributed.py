@@ -84,10 +84,17 @@ def test_a_rerun_reuses_the_warm_pool_with_the_users_loss_and_optimizer():
     initial = weighted_loss(reference(x), target)  # the loss reported: the first step's, at the model's weights
     initial.backward()
     adam.step()
-    expected = weighted_loss(reference(x), target).item()  # the measured step's, after one Adam step
+    expected = []  # the measured steps' (run_step's default: 3), after one, two and three Adam steps
+    for _ in range(3):
+        expected.append(weighted_loss(reference(x), target).item())
+        adam.zero_grad()
+        weighted_loss(reference(x), target).backward()
+        adam.step()
     assert first.loss == pytest.approx(initial.item(), rel=1e-5) and second.loss == pytest.approx(initial.item(),
                                                                                                   rel=1e-5)
-    assert first.measured_losses == second.measured_losses == [pytest.approx(expected, rel=1e-5)]
+    assert first.measured_losses == second.measured_losses == pytest.approx(expected, rel=1e-5)
+    # the timeline kept is one measured step's: each micro-batch's forward and backward once per stage
+    assert len(first.timeline.query("phase == 'forward'")) == 4 * 2
     assert model[0].weight.grad is None  # the user's model is untouched
 
 
@@ -209,5 +216,7 @@ def test_bad_plans_are_refused_before_any_process_starts():
         run_processes(model, x, _plan(model, x, [2, 4, 6], ["cpu"] * 4, "1f1b", chunks=2))
     with pytest.raises(ValueError, match="8 rows do not divide into 3 chunks"):
         run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe", chunks=3))
+    with pytest.raises(ValueError, match="repeats is the number of measured steps, a whole number from 1, got 0"):
+        run_processes(model, x, _plan(model, x, [4], ["cpu"] * 2, "gpipe"), repeats=0)
 
 

@@ -97,7 +97,8 @@ def _timed(stage: Any, spans: list, name: str, phase_of: Callable[..., str]) -> 
 
 
 def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
-    """One rank of a run (in a pool worker): build its stages, run ``warmup`` + 1 steps, return the last's events."""
+    """One rank of a run (in a pool worker): build its stages, run ``warmup`` + ``repeats`` steps,
+    return the measured steps' events and losses."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -149,8 +150,11 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     target = job["target"].to(device) if torch.is_tensor(job["target"]) else job["target"]
     losses: list = []
     first_losses: list[float] = []
+    measured_spans: list[list] = []
+    measured_losses: list[list[float]] = []
     grads = None
-    for step in range(job["warmup"] + 1):
+    last = job["warmup"] + job.get("repeats", 1) - 1
+    for step in range(last + 1):
         optimizer.zero_grad(set_to_none=True)
         spans.clear()
         losses = []
@@ -161,15 +165,18 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         schedule.step(*args, **inputs, **kwargs)
         if step == 0:  # at the model's weights, before any optimizer step: the loss the run reports
             first_losses = [float(loss.detach()) for loss in losses]
-        if job["return_grads"] and step == job["warmup"]:
+        if step >= job["warmup"]:  # a measured step: its events and its micro-batches' losses
+            measured_spans.append(list(spans))
+            measured_losses.append([float(loss.detach()) for loss in losses])
+        if job["return_grads"] and step == last:
             grads = {f"{s}.{n}": p.grad.detach().cpu() for s, st in zip(indices, stages)
                      for n, p in st.submod.named_parameters() if p.grad is not None}
         optimizer.step()
     dist.barrier()  # every rank done before the next run may start sending
     # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
     buffer = io.BytesIO()
-    torch.save({"spans": spans, "losses": [float(loss.detach()) for loss in losses], "first_losses": first_losses,
-                "grads": grads}, buffer)
+    torch.save({"steps": measured_spans, "losses": measured_losses, "first_losses": first_losses, "grads": grads},
+               buffer)
     return buffer.getvalue()
 
 
@@ -210,15 +217,18 @@ def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
 def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = None,
                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                   optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
-                  warmup: int = 1, timeout: Optional[float] = None, return_grads: bool = False) -> Any:
-    """Run ``warmup`` + 1 steps of ``plan`` in one process per device; measure the last.
+                  warmup: int = 1, repeats: int = 1, timeout: Optional[float] = None,
+                  return_grads: bool = False) -> Any:
+    """Run ``warmup`` + ``repeats`` steps of ``plan`` in one process per device; keep the measured
+    step of median time (as the in-process executors do).
 
     Returns a :class:`pipexplore.run.RunResult` whose timeline holds every rank's events
     (``device`` is the rank's device, ``stage`` the pipeline stage), whose ``loss`` is the first
-    step's and ``measured_losses`` the measured step's (``metrics['losses']``: per micro-batch).
+    step's and ``measured_losses`` the measured steps' (``metrics['losses']``: the kept step's, per
+    micro-batch).
     ``metrics['startup_seconds']`` is the process start-up this run paid (0 when the warm pool was
     reused) and ``metrics['worker_pids']`` the ranks' process ids. With ``return_grads`` the parameter
-    gradients of the measured step are in ``metrics['grads']`` (by ``'stage.param'``).
+    gradients of the last step are in ``metrics['grads']`` (by ``'stage.param'``).
 
     ``sample`` is one tensor for an ``nn.Sequential``; a traced model takes it as it takes its
     inputs (a tensor, a tuple of positional inputs or a dict of keyword inputs such as
@@ -243,6 +253,8 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     from pipexplore.executors.base import result as _result, synthetic_loss
 
     timeout = check_timeout(timeout)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats is the number of measured steps, a whole number from 1, got {repeats!r}")
     if plan.schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the processes executor runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
     traced = not isinstance(model, nn.Sequential)
@@ -272,7 +284,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         "loss_fn": loss_fn, "optimizer": optimizer,
         "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
-        "return_grads": return_grads, "traced": None,
+        "repeats": repeats, "return_grads": return_grads, "traced": None,
     }
     if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
         names = [str(n) for n in plan.layer_table["name"]]
@@ -290,7 +302,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         payloads = [_pack({**job, "stages": {s: stages[s] for s in range(rank, len(stages), world)}}, model)
                     for rank in range(world)]
     if timeout is None:
-        timeout = default_timeout(plan, warmup)
+        timeout = default_timeout(plan, warmup + repeats - 1)
     token = current_token()
     check_cancelled()  # tracing and pickling take a while: a run cancelled meanwhile starts no rank
     with warm_pool(world, devices) as (pool, startup_seconds):
@@ -299,19 +311,24 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         check_cancelled()  # cancelled as the replies came: not recorded, and no rank is left running
     outputs = [torch.load(io.BytesIO(reply), weights_only=False) for reply in replies]
 
-    rows = [(run, stage, device, chunk, phase, start, end, "measured")
-            for payload in outputs for stage, device, chunk, phase, start, end in payload["spans"]]
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    if len(frame):
-        origin = frame["start"].min()
-        frame["start"] -= origin
-        frame["end"] -= origin
-    frame = frame.sort_values(["start", "stage"]).reset_index(drop=True)
+    steps = []  # each measured step: (its time, its timeline, its micro-batches' losses)
+    for k in range(repeats):
+        rows = [(run, stage, device, chunk, phase, start, end, "measured")
+                for payload in outputs for stage, device, chunk, phase, start, end in payload["steps"][k]]
+        frame = pd.DataFrame(rows, columns=COLUMNS)
+        if len(frame):  # every rank's clock is the host's (one machine): one origin for the step
+            origin = frame["start"].min()
+            frame["start"] -= origin
+            frame["end"] -= origin
+        frame = frame.sort_values(["start", "stage"]).reset_index(drop=True)
+        step_losses = [loss for payload in outputs for loss in payload["losses"][k]]
+        steps.append((float(frame["end"].max()) if len(frame) else 0.0, frame, step_losses))
+    _, frame, losses = sorted(steps, key=lambda step: step[0])[len(steps) // 2]
     frame.attrs["peak_memory"] = {}
     frame.attrs["startup_seconds"] = startup_seconds
-    losses = [loss for payload in outputs for loss in payload["losses"]]
     first = [loss for payload in outputs for loss in payload["first_losses"]]
-    result = _result(plan, frame, _mean(first), sample, set(devices), measured_losses=[_mean(losses)])
+    result = _result(plan, frame, _mean(first), sample, set(devices),
+                     measured_losses=[_mean(step_losses) for _, _, step_losses in steps])
     if return_grads:
         result.metrics["grads"] = {k: v for payload in outputs for k, v in (payload["grads"] or {}).items()}
     result.metrics["losses"] = losses

@@ -14,4 +14,5 @@ def run(job: StepJob) -> RunResult:
 
     plan = job.plan
     return run_processes(job.model, job.sample, plan, target=job.target, loss_fn=job.loss_fn,
-                         optimizer=job.optimizer, run=job.run, warmup=job.warmup, timeout=job.timeout)
+                         optimizer=job.optimizer, run=job.run, warmup=job.warmup, repeats=job.repeats,
+                         timeout=job.timeout)
