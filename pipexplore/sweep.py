@@ -10,8 +10,9 @@ import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
-from pipexplore.predict.costs import layer_seconds, microbatch_rows
 from pipexplore.plan import Plan
+from pipexplore.predict.costs import layer_seconds, microbatch_rows
+from pipexplore.validate import splits_exactly
 
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
 
@@ -31,11 +32,6 @@ def balanced_splits(plan: Plan, stages: int) -> list[int]:
         seconds = layer_seconds(plan.layer_table, rows, phase)
         total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
     return optimal_splits(total.tolist(), stages)
-
-
-def exact_chunks(batch: int, chunks: int) -> bool:
-    """Whether ``torch.chunk`` splits ``batch`` rows into exactly ``chunks`` micro-batches."""
-    return 1 <= chunks <= batch and -(-batch // -(-batch // chunks)) == chunks
 
 
 def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
@@ -67,7 +63,7 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     rows = []
     for n, m, schedule, mode in itertools.product(stages or [plan.num_stages], chunks or [plan.chunks],
                                                    schedules or [plan.schedule], checkpoint or [plan.checkpoint]):
-        if n < 1 or n > plan.num_layers or (batch and not exact_chunks(batch, m)) or schedule == "async-backends":
+        if n < 1 or n > plan.num_layers or (batch and not splits_exactly(batch, m)) or schedule == "async-backends":
             continue
         devices_needed = n // plan.virtual_stages if schedule == "interleaved" else n
         if schedule == "interleaved" and (n % plan.virtual_stages or devices_needed < 1 or m % devices_needed):

@@ -9,6 +9,7 @@ where a value enters, so that the same mistake gets the same words everywhere::
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -20,7 +21,8 @@ from torch import nn
 from pipexplore.splits import SplitError, check_splits
 
 __all__ = [
-    "TooFewDevicesError", "integer", "boolean", "chunks", "chunks_for_batch", "valid_chunks", "device", "devices",
+    "TooFewDevicesError", "integer", "boolean", "chunks", "chunks_for_batch", "splits_exactly", "valid_chunks",
+    "device", "devices",
     "enough_devices", "splits", "virtual_stages", "checkpoint", "schedule", "executor", "sample", "target",
     "loss_value", "optional_callable", "naming_failing_layer", "interleaved_devices",
 ]
@@ -74,6 +76,22 @@ def boolean(value: Any, name: str) -> bool:
     return value
 
 
+def splits_exactly(batch: int, chunks: int) -> bool:
+    """Whether ``torch.chunk`` splits ``batch`` rows into exactly ``chunks`` micro-batches (equal
+    parts, a smaller last one: 5 rows in 4 chunks make 3).
+
+    Example::
+
+        splits_exactly(10, 4), splits_exactly(5, 4)    # True (3, 3, 3, 1 rows), False (2, 2, 1: three)
+    """
+    return 1 <= chunks <= batch and _made(batch, chunks) == chunks
+
+
+def _made(batch: int, chunks: int) -> int:
+    """How many micro-batches ``torch.chunk`` makes of ``batch`` rows asked for ``chunks``."""
+    return -(-batch // -(-batch // chunks))
+
+
 def valid_chunks(batch: int, around: int, count: int = 8) -> list[int]:
     """The chunk counts nearest ``around`` that split ``batch`` rows into exactly that many
     micro-batches (as ``torch.chunk`` splits: equal parts, a smaller last one).
@@ -82,9 +100,7 @@ def valid_chunks(batch: int, around: int, count: int = 8) -> list[int]:
 
         valid_chunks(10, 8)    # [3, 4, 5, 10, ...]: 6..9 give 5 micro-batches of 2 rows
     """
-    def exact(c: int) -> bool:
-        return -(-batch // -(-batch // c)) == c
-
+    exact = functools.partial(splits_exactly, batch)
     below, above = [], []
     c = min(around, batch)
     while c >= 1 and len(below) < count // 2 + 1:
@@ -113,8 +129,7 @@ def chunks_for_batch(chunks: int, batch: int, name: str = "chunks") -> None:
         raise ValueError(f"{name}={chunks} is more than the batch's {batch} rows: every micro-batch needs at least one "
                          f"row; choose {name} between 1 and {batch} (that split it exactly: "
                          f"{', '.join(map(str, valid_chunks(batch, batch)))})")
-    rows = -(-batch // chunks)
-    made = -(-batch // rows)
+    rows, made = -(-batch // chunks), _made(batch, chunks)
     if made != chunks:
         raise ValueError(f"{name}={chunks} cannot split a batch of {batch} rows into {chunks} micro-batches: "
                          f"torch.chunk makes {made} micro-batches of up to {rows} rows; choose {name} among "

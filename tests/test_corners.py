@@ -121,10 +121,11 @@ def test_dead_names_are_gone():
 
 
 def test_a_sweep_leaves_out_chunks_the_batch_does_not_split_into_exactly():
-    from pipexplore.sweep import exact_chunks, sweep
+    from pipexplore.sweep import sweep
+    from pipexplore.validate import splits_exactly
 
     plan = Plan(fitted(batch=5), (2,), ("cpu", "cpu"), chunks=1, batch=5)
     table = sweep(plan, chunks=[1, 2, 3, 4, 5, 6])
     # 5 rows: 2 chunks of 3+2, 3 of 2+2+1, 5 of 1; 4 would make 3 micro-batches and 6 more than rows
     assert sorted(table["chunks"]) == [1, 2, 3, 5]
-    assert [c for c in range(1, 8) if exact_chunks(5, c)] == [1, 2, 3, 5]
+    assert [c for c in range(1, 8) if splits_exactly(5, c)] == [1, 2, 3, 5]

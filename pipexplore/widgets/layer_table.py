@@ -5,7 +5,7 @@ Functions of a model and its sample; the explorer's state calls them and keeps t
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 import torch
@@ -86,11 +86,11 @@ def balanced_splits(table: pd.DataFrame, stages: int, by: str) -> list[int]:
     return optimal_splits(costs, stages)
 
 
-def thread_note(table: pd.DataFrame, plan: Optional[Plan]) -> str:
+def thread_note(table: pd.DataFrame, plan: Plan) -> str:
     """What to say when the costs were timed with other intra-op threads than the plan's CPU
     stages run with (``''`` when they agree)."""
     profiled = table.attrs.get("threads")
-    if profiled is None or plan is None:
+    if profiled is None:
         return ""
     runs_with = stage_threads(plan.devices[: plan.num_devices]) or torch.get_num_threads()
     if runs_with == profiled:

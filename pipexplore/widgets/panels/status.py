@@ -59,12 +59,13 @@ class StatusPanel:
             elif not self.state.running:
                 self.w_progress.layout.display = "none"
 
-    def _show_status(self) -> None:
+    def _show_status(self, progress: str = "") -> None:
+        """The notes and the status line; ``progress`` follows a busy status's text (a run's time and actions)."""
         status = self.state.status
         spinner = ("<span class='pipexplore-spinner' role='progressbar' aria-label='working'></span>"
                    if status.busy else "")
         css = "pipexplore-status" + (" pipexplore-error-text" if status.error else "")
-        text = notes_html(self.state) + f"<div class='{css}'>{spinner}{html.escape(status.text)}</div>"
+        text = notes_html(self.state) + f"<div class='{css}'>{spinner}{html.escape(status.text + progress)}</div>"
         if status.traceback:
             text += f"<details><summary>traceback</summary><pre>{html.escape(status.traceback)}</pre></details>"
         self.w_status.value = text
@@ -100,11 +101,8 @@ class StatusPanel:
                 self.w_progress.value = min(0.95, elapsed / (expected + 0.5))
                 detail = f"1 warm-up + 3 measured steps, predicted {expected:.2f} s"
             with state.lock:
-                status = state.status
-                if status.busy:  # not once the run has said its last word
-                    self.w_status.value = notes_html(state) + (
-                        "<div class='pipexplore-status'><span class='pipexplore-spinner'></span>"
-                        f"{html.escape(status.text)} {elapsed:.1f} s ({html.escape(detail)})</div>")
+                if state.status.busy:  # not once the run has said its last word
+                    self._show_status(f" {elapsed:.1f} s ({detail})")
             loop.call_later(TICK_SECONDS, tick)
 
         loop.call_later(TICK_SECONDS, tick)
