@@ -1,0 +1,135 @@
+"""Training memory per stage: what decides whether a plan fits its devices.
+
+A stage holds its parameters, their gradients, the optimizer's state and, at its peak, the
+activations the schedule keeps in flight (the predicted timeline's ``memory`` column: in-flight
+micro-batches, checkpointed ones holding only their input)::
+
+    stage bytes = params + grads + optimizer state + peak activations
+
+Optimizer state is read from the user's optimizer, as ``torch.optim`` allocates it: a step on a
+probe parameter counts the state tensors the size of the parameter (SGD 0, SGD with momentum 1×,
+Adam/AdamW 2×, Adagrad 1× the parameters, in their dtype). Known classes are read without a step.
+
+``mixed_precision=True`` counts as Megatron-LM does for 16-bit training with fp32 master
+weights: 16-bit parameters (2 bytes each), fp32 gradients (4), an fp32 master copy (4) and the
+optimizer's state in fp32 (Adam: 8): 18 bytes a parameter (Korthikanti et al. 2022; Megatron-LM's
+``theoretical_memory_usage``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["optimizer_state_ratio", "stage_memory", "MEMORY_COLUMNS"]
+
+#: The columns :func:`stage_memory` adds, in bytes (``fits``: whether ``peak_bytes`` is within the capacity).
+MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes", "capacity",
+                  "fits"]
+
+#: State tensors per parameter of the ``torch.optim`` classes whose state is known without a step.
+_KNOWN_STATES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "RMSprop": 1,
+                 "Adadelta": 2, "Rprop": 2}
+
+
+def _known_ratio(optimizer: Any) -> Optional[float]:
+    """State per parameter byte of a ``torch.optim`` class (or a ``functools.partial`` of one)
+    read from its name and keywords; None where it cannot be read without a step."""
+    keywords: dict[str, Any] = {}
+    if isinstance(optimizer, functools.partial):
+        keywords, optimizer = dict(optimizer.keywords or {}), optimizer.func
+    if not isinstance(optimizer, type) or optimizer.__module__.split(".")[:2] != ["torch", "optim"]:
+        return None
+    name = optimizer.__name__
+    if name == "SGD":
+        return 1.0 if keywords.get("momentum", 0) else 0.0
+    if name in ("Adam", "AdamW") and keywords.get("amsgrad"):
+        return 3.0
+    if name == "RMSprop":
+        return 1.0 + bool(keywords.get("momentum", 0)) + bool(keywords.get("centered", False))
+    return float(_KNOWN_STATES[name]) if name in _KNOWN_STATES else None
+
+
+def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> float:
+    """Bytes of optimizer state per byte of parameter: 0 for the default (SGD without momentum).
+
+    ``optimizer`` is what the explorer takes (``optimizer(parameters)`` returning a
+    ``torch.optim.Optimizer``). Where it is not a known ``torch.optim`` class, one step on a probe
+    parameter of 4,096 float32 elements counts the state tensors of the parameter's size (scalars
+    such as Adam's ``step`` are left out).
+
+    Example::
+
+        optimizer_state_ratio(torch.optim.AdamW)                          # 2.0
+        optimizer_state_ratio(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))   # 1.0
+
+    Raises:
+        TypeError: ``optimizer(parameters)`` does not give an optimizer.
+    """
+    if optimizer is None:
+        return 0.0
+    known = _known_ratio(optimizer)
+    if known is not None:
+        return known
+    import torch
+
+    probe = torch.nn.Parameter(torch.zeros(4096))
+    probe.grad = torch.full_like(probe, 1e-3)
+    opt = optimizer([probe])
+    if not hasattr(opt, "step") or not hasattr(opt, "state"):
+        raise TypeError(f"optimizer(parameters) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    opt.step()
+    states = opt.state.get(probe, {})
+    sized = sum(v.numel() * v.element_size() for v in states.values()
+                if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
+    return sized / (probe.numel() * probe.element_size())
+
+
+def stage_memory(table: pd.DataFrame, splits: Sequence[int], *, peak_activations: Sequence[float],
+                 optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
+                 capacity: Sequence[float] = ()) -> pd.DataFrame:
+    """Per stage of ``table`` split at ``splits``: parameter, gradient, optimizer and peak
+    activation bytes, their sum ``peak_bytes``, the ``capacity`` of the stage's device (NaN:
+    unknown) and whether the stage ``fits`` it (True where the capacity is unknown).
+
+    ``peak_activations``: what the schedule holds at its peak per stage (the predicted
+    timeline's ``memory``). Gradients are the table's ``grad_bytes`` where it has them (parameters
+    that train), else its ``param_bytes``. ``mixed_precision``: 2 bytes a parameter, 4 of fp32
+    gradient, 4 of fp32 master weight and the state in fp32 (the table's ``params`` counts, else
+    parameter bytes / 2).
+
+    Example::
+
+        stage_memory(table, [40], peak_activations=[3e9, 1e9], optimizer=torch.optim.AdamW,
+                     capacity=[80e9, 80e9])
+    """
+    from pipexplore.predict.costs import stage_sums  # the same sums the stage costs use
+
+    n = len(table)
+    points = [0, *splits, n]
+    params = stage_sums(_column(table, "param_bytes", n), points)
+    grads = stage_sums(_column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n),
+                       points)
+    ratio = optimizer_state_ratio(optimizer)
+    if mixed_precision:
+        counts = (stage_sums(_column(table, "params", n), points) if "params" in table
+                  else stage_sums(_column(table, "param_bytes", n), points) / 2.0)
+        trained = counts * (grads / np.where(params > 0, params, 1.0))  # the share of them that trains
+        params, grads, states = 2.0 * counts, 4.0 * trained, 4.0 * trained * (1.0 + ratio)
+    else:
+        states = grads * ratio
+    activations = np.asarray(list(peak_activations), dtype=float)
+    if len(activations) != len(params):
+        raise ValueError(f"peak_activations has {len(activations)} values for {len(params)} stages")
+    peak = params + grads + states + activations
+    caps = np.asarray(list(capacity) if len(capacity) else [math.nan] * len(params), dtype=float)
+    return pd.DataFrame({"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
+                         "activation_bytes": activations, "peak_bytes": peak, "capacity": caps,
+                         "fits": np.isnan(caps) | (peak <= caps)})
+
+
+def _column(table: pd.DataFrame, name: str, n: int) -> np.ndarray:
+    return table[name].to_numpy(dtype=float) if name in table else np.zeros(n)
