@@ -1,0 +1,407 @@
+"""Planned layer costs: what each layer would cost on a device the user does not have, by roofline.
+
+Each operator of a layer (counted once per kind of layer, on the meta device or by a dispatch
+mode: the *ops* frame) costs a kernel launch plus the longer of its arithmetic at the device's
+reachable FLOP/s and its memory traffic at the device's reachable bandwidth::
+
+    seconds = kernel_overhead + max(flops / (peak[dtype] · eff_flops), bytes / (bandwidth · eff_bw))
+
+The ops frame, one row per operator of each kind and phase:
+
+=============  ==================================================================================
+``kind``       the layer kind (what the layer table's ``kind`` column names)
+``phase``      ``"forward"`` or ``"backward"``
+``op``         the operator (``"aten.mm"``): for reading only
+``dtype``      its compute dtype (``"bfloat16"``, ``"float32"``, ``"tf32"``, …)
+``flops``      FLOPs at the counted rows; NaN where uncountable (the cost is then unknown: NaN)
+``fixed_bytes`` bytes that do not grow with the rows: parameter reads, gradient writes
+``row_bytes``  bytes read and written that grow with the rows, at the counted rows
+``grad``       optional: ``"input"`` or ``"weight"`` for backward ops (zero-bubble's I and W)
+``kernels``    optional: launches per op (default 1; 0 for an op that moves nothing and computes
+               nothing: a view)
+=============  ==================================================================================
+
+``ops.attrs["rows"]``: the rows of the micro-batch it was counted at; flops and row bytes scale
+linearly with the rows from there.
+
+:func:`planned_layer_costs` turns a layer table (one row per layer, a ``kind`` column) into one
+the simulator reads exactly as a profiled one (the fit columns, ``t(n) = a + b·n``)::
+
+    spec = device_spec("H100")
+    planned = planned_layer_costs(table, ops, spec, batch=256, microbatch_rows=32)
+    simulate(planned, splits=[6, 12, 18], chunks=8, schedule="1f1b")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipexplore.devices import DeviceSpec, device_spec, dtype_name
+
+__all__ = ["OPS_COLUMNS", "Efficiency", "op_seconds", "kind_seconds", "planned_layer_costs", "fit_efficiency",
+           "optimizer_bytes", "optimizer_seconds"]
+
+#: The columns every ops frame holds (``grad`` and ``kernels`` are optional).
+OPS_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes"]
+PHASES = ("forward", "backward")
+
+SpecLike = Union[str, DeviceSpec]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fraction of a device's peak FLOP/s and of its memory bandwidth that operators reach.
+
+    ``flops``: one fraction, or one per dtype name (``{"bfloat16": 0.7, "float32": 0.9}``; the
+    dtypes it does not name take the spec's). ``bandwidth``: one fraction. ``None``: the spec's
+    defaults (``DeviceSpec.flops_efficiency``, ``bandwidth_efficiency``).
+    """
+
+    flops: Union[None, float, Mapping[str, float]] = None
+    bandwidth: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
+        if isinstance(self.flops, Mapping):
+            object.__setattr__(self, "flops", MappingProxyType({dtype_name(k): float(v) for k, v in values.items()}))
+        for key, value in {**values, "bandwidth": self.bandwidth}.items():
+            if value is not None and not 0 < float(value) <= 2:
+                raise ValueError(f"efficiency {key} is a fraction of peak (0 < … ≤ 2), got {value}")
+
+    def __hash__(self) -> int:
+        flops = tuple(sorted(self.flops.items())) if isinstance(self.flops, Mapping) else self.flops
+        return hash((flops, self.bandwidth))
+
+    def flops_for(self, dtype: str, spec: DeviceSpec) -> float:
+        if isinstance(self.flops, Mapping):
+            return float(self.flops.get(dtype_name(dtype), spec.flops_efficiency))
+        return float(self.flops) if self.flops is not None else spec.flops_efficiency
+
+    def bandwidth_for(self, spec: DeviceSpec) -> float:
+        return float(self.bandwidth) if self.bandwidth is not None else spec.bandwidth_efficiency
+
+
+def _checked(ops: pd.DataFrame) -> float:
+    """The rows ``ops`` was counted at, after checking its columns."""
+    if not isinstance(ops, pd.DataFrame):
+        raise TypeError(f"ops must be a DataFrame of operators, got {type(ops).__name__}")
+    missing = [c for c in OPS_COLUMNS if c not in ops]
+    if missing:
+        raise ValueError(f"the ops frame lacks columns {missing}: it needs {OPS_COLUMNS}")
+    rows = ops.attrs.get("rows")
+    if rows is None or isinstance(rows, bool) or not np.isfinite(float(rows)) or float(rows) <= 0:
+        raise ValueError(f"ops.attrs['rows'] must be the rows the ops were counted at (> 0), got {rows!r}")
+    wrong = sorted(set(ops["phase"]) - set(PHASES))
+    if wrong:
+        raise ValueError(f"ops phases must be 'forward' or 'backward', got {wrong}")
+    return float(rows)
+
+
+def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
+           efficiency: Optional[Efficiency]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per op at ``rows`` rows: launch seconds, arithmetic seconds and memory seconds, at the
+    efficiency given (``Efficiency(1, 1)``: at peak)."""
+    r0 = _checked(ops)
+    eff = efficiency if efficiency is not None else Efficiency()
+    scale = float(rows) / r0
+    flops = ops["flops"].to_numpy(dtype=float)
+    fixed = ops["fixed_bytes"].to_numpy(dtype=float)
+    per_row = ops["row_bytes"].to_numpy(dtype=float)
+    dtypes = [dtype_name(d) for d in ops["dtype"]]
+    rates = {d: spec.peak(d) * eff.flops_for(d, spec) for d in dict.fromkeys(
+        d for d, f in zip(dtypes, flops) if not f == 0)}  # an op that computes nothing needs no peak
+    rate = np.array([rates.get(d, np.inf) for d in dtypes])
+    compute = np.where(flops == 0, 0.0, flops * scale / rate)
+    memory = (fixed + per_row * scale) / (spec.memory_bandwidth * eff.bandwidth_for(spec))
+    if "kernels" in ops:
+        kernels = ops["kernels"].to_numpy(dtype=float)
+    else:
+        kernels = np.where((flops == 0) & (fixed == 0) & (per_row == 0), 0.0, 1.0)
+    return kernels * spec.kernel_overhead, compute, memory
+
+
+def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
+               efficiency: Optional[Efficiency] = None) -> pd.Series:
+    """Each operator's seconds on ``spec`` at a micro-batch of ``rows`` rows (index of ``ops``):
+    ``kernel_overhead + max(flops·(rows/r0) / (peak[dtype]·eff_flops), (fixed_bytes + row_bytes·(rows/r0)) /
+    (bandwidth·eff_bw))``, with ``r0 = ops.attrs["rows"]``. NaN where the flops (or bytes) are NaN.
+
+    Raises:
+        ValueError: the frame lacks a column or ``attrs["rows"]``, or an op's dtype has no peak
+            on the device (float8 on an A100).
+    """
+    spec = device_spec(spec)
+    launch, compute, memory = _terms(ops, spec, rows, efficiency)
+    return pd.Series(launch + np.maximum(compute, memory), index=ops.index, name="seconds")
+
+
+def _sum_by_kind(ops: pd.DataFrame, seconds: np.ndarray) -> pd.DataFrame:
+    """Per kind (in order of appearance) and phase, the sum of ``seconds`` (NaN if any is NaN; 0
+    for a phase without ops)."""
+    frame = pd.DataFrame({"kind": ops["kind"].to_numpy(), "phase": ops["phase"].to_numpy(), "s": seconds})
+    grouped = frame.groupby(["kind", "phase"], sort=False)["s"]
+    total = grouped.sum().where(~grouped.apply(lambda s: s.isna().any()))
+    out = total.unstack("phase").reindex(columns=list(PHASES))
+    present = frame.groupby(["kind", "phase"], sort=False).size().unstack("phase").reindex(columns=list(PHASES))
+    out = out.where(present.notna(), 0.0)
+    out = out.reindex(list(dict.fromkeys(ops["kind"])))
+    out.index.name, out.columns.name = "kind", None
+    return out.astype(float)
+
+
+def kind_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
+                 efficiency: Optional[Efficiency] = None) -> pd.DataFrame:
+    """Per layer kind (index ``kind``): ``forward`` and ``backward`` seconds at ``rows`` rows, the
+    sums of :func:`op_seconds` (NaN where any op is; 0 for a phase with no ops)."""
+    return _sum_by_kind(ops, op_seconds(ops, spec, rows, efficiency=efficiency).to_numpy())
+
+
+def _sizes(microbatch_rows: Union[int, Sequence[int]], batch: int) -> list[int]:
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch must be a positive number of rows, got {batch!r}")
+    given = [microbatch_rows] if isinstance(microbatch_rows, (int, np.integer)) else list(microbatch_rows)
+    if not given or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= batch
+                        for n in given):
+        raise ValueError(f"microbatch_rows must lie in 1…{batch} (the batch's rows), got {microbatch_rows!r}")
+    return sorted({int(n) for n in given} | {int(batch)})
+
+
+def _grad_ratios(ops: pd.DataFrame, seconds: np.ndarray, kinds: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per kind: the shares of its backward seconds that produce input and weight gradients (ops
+    marked ``grad == "weight"`` are the weight pass, the others the input pass); 0.5 each where the
+    frame does not say (no ``grad`` column) or the kind has no backward."""
+    half = np.full(len(kinds), 0.5)
+    if "grad" not in ops:
+        return half, half.copy()
+    backward = (ops["phase"] == "backward").to_numpy()
+    weight = (ops["grad"].astype(str).str.lower() == "weight").to_numpy()
+    frame = pd.DataFrame({"kind": ops["kind"].to_numpy(), "all": np.where(backward, seconds, 0.0),
+                          "weight": np.where(backward & weight, seconds, 0.0)})
+    sums = frame.groupby("kind", sort=False)[["all", "weight"]].sum().reindex(list(kinds))
+    total, w = sums["all"].to_numpy(dtype=float), sums["weight"].to_numpy(dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        w_ratio = np.where(total > 0, w / total, 0.5)
+    i_ratio = np.where(total > 0, 1.0 - w_ratio, 0.5)
+    return i_ratio, w_ratio
+
+
+def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, *, batch: int,
+                        microbatch_rows: Union[int, Sequence[int]],
+                        efficiency: Optional[Efficiency] = None) -> pd.DataFrame:
+    """``table`` (one row per layer, a ``kind`` column naming kinds of ``ops``) with the cost
+    columns the simulator reads, from the roofline on ``spec``: planned layers predict exactly
+    like profiled ones (:func:`pipexplore.predict.costs.layer_seconds`).
+
+    ``forward_a``/``forward_b``/``backward_a``/``backward_b``: per layer the line ``t(n) = a + b·n``
+    through its kind's roofline seconds at the sizes ``microbatch_rows`` and ``batch`` — exactly
+    through both points with two sizes, by least squares with more; with one (``microbatch_rows
+    == batch``) through it and the roofline at zero rows (launches and fixed bytes). The roofline is
+    piecewise linear in the rows (an op turns compute-bound as it grows), so between and beyond the
+    fitted sizes the line approximates it; ``a`` may come out negative where small sizes are
+    bandwidth-bound and large ones compute-bound. ``forward``/``backward``: seconds at the whole
+    ``batch``. ``share_forward = share_backward = 1`` (a GPU kernel holds its device),
+    ``input_grad_ratio``/``weight_grad_ratio`` from the ops' ``grad`` marks at the first size
+    (0.5 each where unmarked), ``checkpointed_ratio`` 1, ``spread`` 0. The table's byte columns
+    (``output_bytes``, ``saved_bytes``, ``param_bytes``, …) are kept as given.
+
+    ``attrs``: ``batch``, ``rows`` (the sizes), ``device_spec`` (the spec's name), ``source = "planned"``.
+
+    Raises:
+        ValueError: the table lacks a ``kind`` column or names kinds the ops frame does not have.
+    """
+    spec = device_spec(spec)
+    if "kind" not in table:
+        raise ValueError("the layer table needs a 'kind' column naming each layer's kind in the ops frame")
+    _checked(ops)
+    known = set(ops["kind"])
+    unknown = [k for k in dict.fromkeys(table["kind"]) if k not in known]
+    if unknown:
+        raise ValueError(f"layer kinds {unknown} are not in the ops frame (it has {sorted(map(str, known))})")
+    sizes = _sizes(microbatch_rows, batch)
+    points = sizes if len(sizes) > 1 else [0, sizes[0]]
+    per_size = [kind_seconds(ops, spec, n, efficiency=efficiency) for n in points]
+    kinds = list(per_size[0].index)
+    x = np.asarray(points, dtype=float)
+    out = table.copy()
+    layer_kind = out["kind"].to_numpy()
+    for phase in PHASES:
+        t = np.stack([frame[phase].to_numpy(dtype=float) for frame in per_size], axis=1)  # kinds × sizes
+        if len(points) == 2:
+            b = (t[:, 1] - t[:, 0]) / (x[1] - x[0])
+            a = t[:, 0] - b * x[0]
+        else:
+            design = np.stack([np.ones_like(x), x], axis=1)
+            a, b = np.full(len(kinds), np.nan), np.full(len(kinds), np.nan)
+            finite = np.isfinite(t).all(axis=1)
+            if finite.any():
+                coef, *_ = np.linalg.lstsq(design, t[finite].T, rcond=None)
+                a[finite], b[finite] = coef[0], coef[1]
+        fit_a, fit_b = pd.Series(a, index=kinds), pd.Series(b, index=kinds)
+        out[f"{phase}_a"] = fit_a.reindex(layer_kind).to_numpy()
+        out[f"{phase}_b"] = fit_b.reindex(layer_kind).to_numpy()
+        out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
+    out["share_forward"] = 1.0
+    out["share_backward"] = 1.0
+    first = op_seconds(ops, spec, sizes[0], efficiency=efficiency).to_numpy()
+    i_ratio, w_ratio = _grad_ratios(ops, first, kinds)
+    out["input_grad_ratio"] = pd.Series(i_ratio, index=kinds).reindex(layer_kind).to_numpy()
+    out["weight_grad_ratio"] = pd.Series(w_ratio, index=kinds).reindex(layer_kind).to_numpy()
+    out["checkpointed_ratio"] = 1.0
+    out["spread"] = 0.0
+    out.attrs = {**table.attrs, "batch": int(batch), "rows": tuple(sizes), "device_spec": spec.name,
+                 "source": "planned"}
+    return out
+
+
+def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: pd.DataFrame, spec: SpecLike, rows: float, *,
+                   per_dtype: bool = False, iterations: int = 25) -> Efficiency:
+    """The efficiency that makes the roofline reproduce measured kinds: what a device of the same
+    kind present here teaches the catalogue.
+
+    ``measured_kind_seconds``: indexed by kind, ``forward`` and/or ``backward`` seconds measured
+    at a micro-batch of ``rows`` rows (NaN: not measured). Each measured (kind, phase) says
+    ``measured − launches = Σ flops/peak · (1/eff_flops) + Σ bytes/bandwidth · (1/eff_bw)`` (the first
+    sum over its compute-bound ops, the second over its bandwidth-bound ones), linear in the two
+    reciprocals once each op is classified: least squares over the relative errors (each row
+    divided by its measured seconds), then the ops reclassified with the new fractions, until the
+    classification holds. A fraction no measured op depends on keeps the
+    spec's default. ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use.
+
+    Example::
+
+        table = pipexplore.profile(model, sample)      # a sample of `rows` rows, on an H100 here
+        measured = table.assign(kind=kinds).groupby("kind")[["forward", "backward"]].median()
+        learnt = fit_efficiency(ops, measured, "H100", rows)     # ops: the same kinds, counted
+        planned_layer_costs(table, ops, "H100", batch=…, microbatch_rows=…, efficiency=learnt)
+    """
+    spec = device_spec(spec)
+    peak_launch, peak_compute, peak_memory = _terms(ops, spec, rows, Efficiency(1.0, 1.0))
+    kinds = ops["kind"].to_numpy()
+    phases = ops["phase"].to_numpy()
+    dtypes = np.array([dtype_name(d) for d in ops["dtype"]])
+    groups = sorted(set(dtypes[peak_compute > 0])) if per_dtype else ["all"]
+    group_of = dtypes if per_dtype else np.full(len(dtypes), "all")
+    measured = measured_kind_seconds if isinstance(measured_kind_seconds, pd.DataFrame) else pd.DataFrame(
+        measured_kind_seconds)
+    rows_of: list[tuple[np.ndarray, float]] = []  # (mask of ops, measured seconds)
+    for kind in measured.index:
+        for phase in PHASES:
+            if phase not in measured:
+                continue
+            value = float(measured.at[kind, phase])
+            mask = (kinds == kind) & (phases == phase)
+            if not np.isfinite(value) or value <= 0 or not mask.any():
+                continue
+            if not (np.isfinite(peak_compute[mask]).all() and np.isfinite(peak_memory[mask]).all()):
+                continue
+            rows_of.append((mask, value))
+    x = {g: 1.0 / spec.flops_efficiency for g in groups}  # the reciprocals of the fractions, from the defaults
+    y = 1.0 / spec.bandwidth_efficiency
+    if not rows_of:
+        raise ValueError("no measured kind to learn from: measured_kind_seconds names no kind of the ops frame "
+                         "with a finite, positive forward or backward")
+    previous, learnt = None, set()
+    for _ in range(iterations):
+        factor = np.array([x.get(g, 1.0) for g in group_of])
+        bound = peak_compute * factor >= peak_memory * y  # compute-bound ops
+        if previous is not None and np.array_equal(bound, previous):
+            break
+        previous = bound
+        columns = [*groups, "bandwidth"]
+        design, target = [], []
+        for mask, value in rows_of:
+            row = [float(peak_compute[mask & bound & (group_of == g)].sum()) for g in groups]
+            row.append(float(peak_memory[mask & ~bound].sum()))
+            design.append(np.array(row) / value)
+            target.append((value - float(peak_launch[mask].sum())) / value)
+        A, t = np.array(design), np.array(target)
+        used = [k for k in range(len(columns)) if A[:, k].any()]
+        fixed = [k for k in range(len(columns)) if k not in used]
+        current = np.array([*(x[g] for g in groups), y])
+        while used:
+            rhs = t - A[:, fixed] @ current[fixed] if fixed else t
+            solution, *_ = np.linalg.lstsq(A[:, used], rhs, rcond=None)
+            bad = [k for k, s in zip(used, solution) if not s > 0.5]  # above 2× peak: not physical
+            if not bad:
+                current[used] = solution
+                break
+            used = [k for k in used if k not in bad]
+            fixed = sorted(fixed + bad)
+        for k, g in enumerate(groups):
+            x[g] = float(current[k])
+        y = float(current[-1])
+        learnt |= set(used)
+    # A fraction nothing measured depends on keeps the spec's default (exactly).
+    flops = {g: 1.0 / v for k, (g, v) in enumerate(x.items()) if k in learnt}
+    return Efficiency(flops=flops if per_dtype else flops.get("all", spec.flops_efficiency),
+                      bandwidth=1.0 / y if len(groups) in learnt else spec.bandwidth_efficiency)
+
+
+#: Per optimizer: how many times a step reads or writes each parameter-sized tensor:
+#: ``(parameter, gradient, state)`` — SGD reads p and g and writes p; momentum also reads and
+#: writes its buffer; Adam and AdamW read p, g, m, v and write p, m, v.
+OPTIMIZER_PASSES = {"sgd": (2, 1, 0), "momentum": (2, 1, 2), "adam": (2, 1, 4), "adamw": (2, 1, 4)}
+
+
+def _itemsize(dtype: Union[str, torch.dtype]) -> int:
+    name = dtype_name(dtype)
+    if name == "float8":
+        return 1
+    if name == "tf32":
+        return 4
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return found.itemsize
+
+
+def _optimizer(name: Any) -> str:
+    if isinstance(name, torch.optim.Optimizer):
+        key = type(name).__name__.lower()
+        if key == "sgd" and any(g.get("momentum", 0) for g in name.param_groups):
+            key = "momentum"
+    elif isinstance(name, type):
+        key = name.__name__.lower()
+    else:
+        key = str(name).lower().replace("_", "-")
+    key = {"sgd-momentum": "momentum", "sgd+momentum": "momentum"}.get(key, key)
+    if key not in OPTIMIZER_PASSES:
+        raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZER_PASSES)}")
+    return key
+
+
+def optimizer_bytes(param_count: int, dtype: Union[str, torch.dtype], optimizer_name: Any, *,
+                    grad_dtype: Union[None, str, torch.dtype] = None,
+                    state_dtype: Union[None, str, torch.dtype] = None) -> int:
+    """Bytes one optimizer step moves: ``param_count ×`` (parameter passes × its size + gradient
+    passes × the gradient's + state passes × the states') per :data:`OPTIMIZER_PASSES`. For
+    Adam in bf16: ``P × (2·2 + 1·2 + 4·2) = 14·P`` bytes; with fp32 states (mixed precision):
+    ``P × (2·2 + 2 + 4·4) = 22·P``."""
+    p, g, s = OPTIMIZER_PASSES[_optimizer(optimizer_name)]
+    size = _itemsize(dtype)
+    return int(param_count) * (p * size + g * _itemsize(grad_dtype or dtype) + s * _itemsize(state_dtype or dtype))
+
+
+def optimizer_seconds(param_count: int, dtype: Union[str, torch.dtype], optimizer_name: Any, spec: SpecLike, *,
+                      grad_dtype: Union[None, str, torch.dtype] = None,
+                      state_dtype: Union[None, str, torch.dtype] = None,
+                      efficiency: Optional[Efficiency] = None) -> float:
+    """Seconds an optimizer step takes over ``param_count`` parameters on ``spec``: a pass over
+    parameters, gradients and states is bandwidth-bound, so
+    ``optimizer_bytes(…) / (memory_bandwidth · bandwidth efficiency)`` (the spec's efficiency
+    unless ``efficiency`` says). Launches are left out (a fused or foreach step launches a few
+    kernels for all parameters), as is the arithmetic (a few FLOPs per byte moved).
+
+    ``optimizer_name``: ``"sgd"``, ``"momentum"`` (SGD with momentum), ``"adam"``, ``"adamw"``,
+    or a ``torch.optim`` optimizer (class or instance). States are in ``state_dtype`` (default: the
+    parameters'), gradients in ``grad_dtype`` (default: the parameters').
+    """
+    spec = device_spec(spec)
+    eff = efficiency if efficiency is not None else Efficiency()
+    moved = optimizer_bytes(param_count, dtype, optimizer_name, grad_dtype=grad_dtype, state_dtype=state_dtype)
+    return moved / (spec.memory_bandwidth * eff.bandwidth_for(spec))

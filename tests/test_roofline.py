@@ -1,0 +1,209 @@
+"""The roofline: planned layer costs from counted operators and a device spec."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipexplore.devices import DeviceSpec, GiB, device_spec
+from pipexplore.predict.costs import has_fit, layer_seconds
+from pipexplore.predict.roofline import (Efficiency, fit_efficiency, kind_seconds, op_seconds, optimizer_bytes,
+                                         optimizer_seconds, planned_layer_costs)
+
+H100 = device_spec("H100")
+N = 8192  # a large square matmul: compute-bound by far
+
+
+def _ops(rows=N) -> pd.DataFrame:
+    """A linear kind (matmul, input and weight gradients), an elementwise GELU, and a layer whose
+    arithmetic nobody could count."""
+    mm = dict(op="aten.mm", dtype="bfloat16", flops=2.0 * rows * N * N, fixed_bytes=2.0 * N * N,
+              row_bytes=2.0 * 2 * rows * N)
+    frame = pd.DataFrame([
+        dict(kind="linear", phase="forward", **mm),
+        dict(kind="linear", phase="backward", grad="input", **mm),
+        dict(kind="linear", phase="backward", grad="weight", **mm),
+        dict(kind="gelu", phase="forward", op="aten.gelu", dtype="bfloat16", flops=8.0 * rows * N, fixed_bytes=0.0,
+             row_bytes=2.0 * 2 * rows * N),
+        dict(kind="gelu", phase="backward", op="aten.gelu_backward", dtype="bfloat16", flops=8.0 * rows * N,
+             fixed_bytes=0.0, row_bytes=3.0 * 2 * rows * N),
+        dict(kind="view", phase="forward", op="aten.view", dtype="bfloat16", flops=0.0, fixed_bytes=0.0,
+             row_bytes=0.0),
+        dict(kind="custom", phase="forward", op="my.op", dtype="bfloat16", flops=math.nan, fixed_bytes=0.0,
+             row_bytes=1e6),
+    ])
+    frame.attrs["rows"] = rows
+    return frame
+
+
+def test_a_large_matmul_is_compute_bound():
+    ops = _ops()
+    seconds = op_seconds(ops, H100, N)
+    flops = 2.0 * N ** 3
+    assert seconds[0] == pytest.approx(H100.kernel_overhead + flops / (989.5e12 * H100.flops_efficiency))
+    bytes_moved = 2.0 * N * N + 4.0 * N * N
+    assert bytes_moved / (H100.memory_bandwidth * H100.bandwidth_efficiency) < 0.1 * seconds[0]
+    # At half the rows, the arithmetic halves.
+    assert op_seconds(ops, "H100", N // 2)[0] - H100.kernel_overhead == pytest.approx(
+        (seconds[0] - H100.kernel_overhead) / 2)
+
+
+def test_an_elementwise_op_is_bandwidth_bound():
+    seconds = op_seconds(_ops(), H100, N)
+    bytes_moved = 4.0 * N * N
+    assert seconds[3] == pytest.approx(H100.kernel_overhead + bytes_moved / (3.35e12 * H100.bandwidth_efficiency))
+    assert seconds[5] == 0.0  # a view launches nothing
+
+
+def test_efficiency_given_overrides_the_spec_per_dtype():
+    ops = _ops()
+    eff = Efficiency(flops={"bf16": 0.5}, bandwidth=0.5)
+    seconds = op_seconds(ops, H100, N, efficiency=eff)
+    assert seconds[0] == pytest.approx(H100.kernel_overhead + 2.0 * N ** 3 / (989.5e12 * 0.5))
+    assert seconds[3] == pytest.approx(H100.kernel_overhead + 4.0 * N * N / (3.35e12 * 0.5))
+    assert eff.flops_for("float32", H100) == H100.flops_efficiency
+    with pytest.raises(ValueError, match="fraction of peak"):
+        Efficiency(flops=1.5, bandwidth=0.0)
+
+
+def test_uncountable_flops_cost_nan_not_zero():
+    ops = _ops()
+    assert math.isnan(op_seconds(ops, H100, N)[6])
+    kinds = kind_seconds(ops, H100, N)
+    assert math.isnan(kinds.at["custom", "forward"]) and kinds.at["custom", "backward"] == 0.0
+    assert list(kinds.index) == ["linear", "gelu", "view", "custom"]
+    assert kinds.at["linear", "backward"] == pytest.approx(2 * kinds.at["linear", "forward"])
+
+
+def test_the_ops_frame_is_checked():
+    ops = _ops()
+    ops.attrs = {}
+    with pytest.raises(ValueError, match=r"attrs\['rows'\]"):
+        op_seconds(ops, H100, N)
+    with pytest.raises(ValueError, match="lacks columns"):
+        op_seconds(_ops().drop(columns="row_bytes"), H100, N)
+    fp8 = _ops()
+    fp8["dtype"] = "float8_e4m3fn"
+    with pytest.raises(ValueError, match="A100-80GB has no float8 peak"):
+        op_seconds(fp8, "A100", N)
+
+
+def _table() -> pd.DataFrame:
+    return pd.DataFrame({"name": ["0", "1", "2", "3"], "kind": ["linear", "gelu", "linear", "gelu"],
+                         "output_bytes": [1.0, 2.0, 3.0, 4.0]})
+
+
+@pytest.mark.parametrize("sizes", [512, [512, 2048]])
+def test_the_fit_reproduces_the_roofline_at_both_sizes(sizes):
+    ops = _ops(rows=1024)
+    batch = 4096
+    planned = planned_layer_costs(_table(), ops, H100, batch=batch, microbatch_rows=sizes)
+    assert has_fit(planned) and planned.attrs["batch"] == batch and planned.attrs["source"] == "planned"
+    assert planned.attrs["device_spec"] == "H100" and list(planned["output_bytes"]) == [1.0, 2.0, 3.0, 4.0]
+    for rows in [*np.atleast_1d(sizes), batch]:
+        roofline = kind_seconds(ops, H100, rows)
+        for phase in ("forward", "backward"):
+            want = roofline[phase].reindex(planned["kind"]).to_numpy()
+            np.testing.assert_allclose(layer_seconds(planned, rows, phase), want, rtol=1e-12)
+    np.testing.assert_allclose(planned["forward"], kind_seconds(ops, H100, batch)["forward"].reindex(planned["kind"]))
+    assert (planned[["share_forward", "share_backward", "checkpointed_ratio"]] == 1.0).all().all()
+    assert (planned["spread"] == 0.0).all()
+    # The linear kind's input and weight gradients are one matmul each; GELU's backward is all input gradient.
+    assert list(planned["input_grad_ratio"]) == pytest.approx([0.5, 1.0, 0.5, 1.0])
+    assert list(planned["weight_grad_ratio"]) == pytest.approx([0.5, 0.0, 0.5, 0.0])
+
+
+def test_one_size_fits_through_zero_rows_and_unmarked_backward_splits_half():
+    ops = _ops(rows=1024).drop(columns="grad")
+    planned = planned_layer_costs(_table(), ops, H100, batch=1024, microbatch_rows=[1024])
+    np.testing.assert_allclose(layer_seconds(planned, 1024, "forward"),
+                               kind_seconds(ops, H100, 1024)["forward"].reindex(planned["kind"]))
+    np.testing.assert_allclose(planned["forward_a"], kind_seconds(ops, H100, 0)["forward"].reindex(planned["kind"]))
+    assert (planned["input_grad_ratio"] == 0.5).all() and (planned["weight_grad_ratio"] == 0.5).all()
+
+
+def test_planned_costs_refuse_unknown_kinds_and_carry_nan():
+    with pytest.raises(ValueError, match=r"layer kinds \['conv'\] are not in the ops frame"):
+        planned_layer_costs(pd.DataFrame({"kind": ["linear", "conv"]}), _ops(), H100, batch=64, microbatch_rows=8)
+    planned = planned_layer_costs(pd.DataFrame({"kind": ["linear", "custom"]}), _ops(), H100, batch=64,
+                                  microbatch_rows=8)
+    assert np.isnan(planned["forward"].iloc[1]) and np.isfinite(planned["forward"].iloc[0])
+    with pytest.raises(ValueError, match="microbatch_rows must lie in 1…64"):
+        planned_layer_costs(pd.DataFrame({"kind": ["linear"]}), _ops(), H100, batch=64, microbatch_rows=128)
+
+
+def test_planned_tables_simulate_like_profiled_ones():
+    from pipexplore.predict.simulator import simulate
+
+    planned = planned_layer_costs(pd.DataFrame({"kind": ["linear", "gelu"] * 4}), _ops(rows=64), H100, batch=64,
+                                  microbatch_rows=16)
+    predicted = simulate(planned, [], chunks=4, schedule="1f1b")  # one stage: nothing shares its device
+    for phase in ("forward", "backward"):
+        spans = predicted[predicted["phase"] == phase]
+        assert len(spans) == 4
+        np.testing.assert_allclose((spans["end"] - spans["start"]).to_numpy(),
+                                   layer_seconds(planned, 16, phase).sum(), rtol=1e-9)
+
+
+def _mixed_ops() -> pd.DataFrame:
+    """Kinds of several shapes: some compute-bound, some bandwidth-bound, some mixed."""
+    rows, out = 256, []
+    for k, (n, elementwise) in enumerate([(4096, 0), (1024, 0), (256, 0), (64, 0), (4096, 1), (512, 1)]):
+        kind = f"k{k}"
+        for phase, times in (("forward", 1), ("backward", 2)):
+            for _ in range(times):
+                out.append(dict(kind=kind, phase=phase, op="aten.mm", dtype="float32", flops=2.0 * rows * n * n,
+                                fixed_bytes=4.0 * n * n, row_bytes=4.0 * 2 * rows * n))
+            if elementwise:
+                out.append(dict(kind=kind, phase=phase, op="aten.add", dtype="float32", flops=1.0 * rows * n * 16,
+                                fixed_bytes=0.0, row_bytes=4.0 * 3 * rows * n * 16))
+    frame = pd.DataFrame(out)
+    frame.attrs["rows"] = rows
+    return frame
+
+
+@pytest.mark.parametrize("truth", [(0.5, 0.6), (0.9, 0.3), (0.25, 0.95)])
+def test_fit_efficiency_recovers_known_fractions(truth):
+    spec = DeviceSpec("Toy", 16 * GiB, 100e9, {"float32": 2e12}, kernel_overhead=5e-6, flops_efficiency=0.7,
+                      bandwidth_efficiency=0.8)
+    ops = _mixed_ops()
+    measured = kind_seconds(ops, spec, 128, efficiency=Efficiency(*truth))
+    learnt = fit_efficiency(ops, measured.iloc[::2], spec, 128)  # learn from half the kinds
+    assert learnt.flops == pytest.approx(truth[0], rel=1e-6)
+    assert learnt.bandwidth == pytest.approx(truth[1], rel=1e-6)
+    # and the other half is then predicted as measured
+    np.testing.assert_allclose(kind_seconds(ops, spec, 128, efficiency=learnt).iloc[1::2], measured.iloc[1::2],
+                               rtol=1e-6)
+
+
+def test_fit_efficiency_keeps_the_default_it_cannot_learn():
+    spec = device_spec("A100")
+    ops = _mixed_ops().query("kind == 'k0'")
+    ops.attrs["rows"] = 256
+    measured = kind_seconds(ops, spec, 256, efficiency=Efficiency(0.6, 0.5))
+    learnt = fit_efficiency(ops, measured, spec, 256)
+    assert learnt.flops == pytest.approx(0.6) and learnt.bandwidth == spec.bandwidth_efficiency
+    with pytest.raises(ValueError, match="no measured kind"):
+        fit_efficiency(ops, measured.rename(index={"k0": "other"}), spec, 256)
+
+
+def test_optimizer_seconds_are_the_documented_bytes_over_bandwidth():
+    params = 1_000_000_000
+    # Adam in bf16: read p, g, m, v and write p, m, v: 7 tensors of 2 bytes.
+    assert optimizer_bytes(params, torch.bfloat16, "adam") == 14 * params
+    assert optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
+        14 * params / (3.35e12 * H100.bandwidth_efficiency))
+    # fp32 master states: p and g in bf16, m and v in fp32.
+    assert optimizer_bytes(params, "bf16", "adamw", state_dtype="float32") == (2 * 2 + 2 + 4 * 4) * params
+    assert optimizer_bytes(10, "float32", "sgd") == 3 * 4 * 10
+    assert optimizer_bytes(10, "float32", "momentum") == 5 * 4 * 10
+    layer = torch.nn.Linear(2, 2)
+    assert optimizer_bytes(10, "float32", torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)) == 200
+    assert optimizer_bytes(10, "float32", torch.optim.AdamW) == 280
+    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
+        12 * params / 3.35e12)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        optimizer_seconds(10, "float32", "lion", H100)
