@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from pipexplore import validate
+from pipexplore.devices import is_planned, node_of
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.splits import SplitError, splits_to_balance
@@ -87,6 +88,8 @@ class Plan:
     batch: Optional[int] = None
     #: What measured runs taught the cost model (see :meth:`calibrated`); not part of the plan's identity.
     corrections: Corrections = field(default_factory=Corrections, compare=False, repr=False)
+    #: Planned devices per node (``'H100:0'`` … ``'H100:7'`` on node 0): which copies cross nodes.
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -104,6 +107,7 @@ class Plan:
         validate.schedule(self.schedule, PLAN_SCHEDULES)
         validate.executor(self.executor, EXECUTORS)
         object.__setattr__(self, "virtual_stages", validate.virtual_stages(self.virtual_stages))
+        object.__setattr__(self, "gpus_per_node", validate.integer(self.gpus_per_node, "gpus_per_node", minimum=1))
         if isinstance(self.action_overhead, bool) or not isinstance(self.action_overhead, (int, float)) or not (
                 0 <= self.action_overhead < float("inf")):
             raise ValueError(f"action_overhead must be a finite number of seconds ≥ 0, got {self.action_overhead!r}")
@@ -131,6 +135,19 @@ class Plan:
         if self.schedule == "interleaved":
             return max(1, self.num_stages // self.virtual_stages)
         return self.num_stages
+
+    @property
+    def planned(self) -> bool:
+        """Whether the plan is for catalogue devices (``'H100:0'``, …) rather than devices here:
+        its costs are predicted, never measured here."""
+        return any(is_planned(d) for d in self.devices)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the plan's devices span (``gpus_per_node`` planned devices a node; 1 otherwise)."""
+        if not self.planned:
+            return 1
+        return len({node_of(d, self.gpus_per_node) for d in self.devices[: self.num_devices]})
 
     @property
     def stage_devices(self) -> list[str]:
@@ -176,6 +193,8 @@ class Plan:
         options["executor"] = self.predict_executor
         options["action_overhead"] = self.action_overhead
         options["corrections"] = self.corrections
+        if self.planned:
+            options["gpus_per_node"] = self.gpus_per_node
         if self.batch is not None:
             options["batch"] = self.batch
         return options

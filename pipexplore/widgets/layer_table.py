@@ -5,6 +5,7 @@ Functions of a model and its sample; the explorer's state calls them and keeps t
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
@@ -21,7 +22,76 @@ from pipexplore.predict.profiler import backward_split, profile
 from pipexplore.widgets.progress import profile_progress
 
 __all__ = ["profile_layers", "profile_device", "with_backward_split", "balanced_splits",
-           "thread_note"]
+           "thread_note", "on_meta", "planned_layers", "planned_note"]
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` (any of its parameters or buffers) is on the meta device: built without weights."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _rows(batch: int, chunks: int) -> list[int]:
+    """The micro-batch sizes a table is costed at: a micro-batch of ``chunks`` and the whole batch."""
+    return sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
+
+
+def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], *, chunks: int,
+                   devices: Sequence[str], loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+    """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
+    layer's FLOPs, bytes and kernels counted on the meta device (no weights materialised, each
+    kind of identical layer once) and costed as the catalogue's roofline of the device.
+
+    Raises:
+        ValueError: the devices are of several kinds (a plan costs one kind at a time).
+    """
+    from pipexplore.devices import device_spec
+    from pipexplore.models.meta import count_layers
+    from pipexplore.predict.roofline import planned_layer_costs
+
+    kinds = list(dict.fromkeys(device_spec(d).name for d in devices))
+    if len(kinds) > 1:
+        raise ValueError(f"devices: a plan is costed for one kind of device, got {', '.join(kinds)}: plan each kind "
+                         "in an explorer of its own")
+    batch = batch_size(sample)
+    rows = _rows(batch, chunks)
+    counted = count_layers(model, sample, granularity=options["granularity"], microbatch_rows=rows[0],
+                           loss_fn=loss_fn, target=target)
+    table = planned_layer_costs(counted, counted.attrs["ops"], kinds[0], batch=batch, microbatch_rows=rows[0])
+    table.attrs["notes"] = list(counted.attrs.get("notes", []))
+    return table
+
+
+def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...]:
+    """The devices a user names: all of this machine (checked to exist) or all planned from the
+    catalogue (``["H100"] * 16`` → ``"H100:0"`` … ``"H100:15"``, ``gpus_per_node`` a node).
+
+    Raises:
+        ValueError: a device that is neither here nor in the catalogue (the catalogue listed), or
+            a mix of both.
+    """
+    from pipexplore.devices import CATALOGUE, is_planned, planned_devices
+
+    names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else devices
+    if isinstance(names, Sequence) and any(is_planned(d) for d in names):
+        return planned_devices(names, gpus_per_node)
+    try:
+        return validate.devices(devices)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or plan devices you do not have by name from the catalogue: "
+                         f"{', '.join(CATALOGUE)} (e.g. devices=['H100'] * 16, gpus_per_node=8)") from None
+
+
+def planned_note(devices: Sequence[str], gpus_per_node: int) -> str:
+    """What the page says of a plan on catalogue devices."""
+    from pipexplore.devices import device_spec, node_of
+
+    spec = device_spec(devices[0])
+    nodes = len({node_of(d, gpus_per_node) for d in devices})
+    where = f"{nodes} node{'s' if nodes > 1 else ''} of {gpus_per_node}" if nodes > 1 else "one node"
+    return (f"Planned: {len(set(devices))} × {spec.name} ({where}). Times are the catalogue's roofline of counted "
+            f"FLOPs and bytes ({spec.flops_efficiency:.0%} of peak FLOP/s, {spec.bandwidth_efficiency:.0%} of memory "
+            "bandwidth, links between stages by node), not measurements: export the plan (ex.export('torchrun')) and "
+            "run it there.")
 
 
 def profile_device(options: Mapping[str, Any]) -> torch.device:
@@ -31,15 +101,25 @@ def profile_device(options: Mapping[str, Any]) -> torch.device:
 
 def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], *, chunks: int,
                    devices: Sequence[Any], split_backward: bool = True, loss_fn: Any = None,
-                   target: Any = None) -> pd.DataFrame:
+                   target: Any = None, optimizer: Any = None) -> pd.DataFrame:
     """Time every layer (or traced candidate) of a copy of ``model`` on ``sample``, at the
     micro-batch of ``chunks`` and at the whole batch, with the intra-op threads each CPU stage on
     ``devices`` runs with (the host's cores shared among the stages that run at once), so that
-    what is predicted is what runs.
+    what is predicted is what runs; and ``optimizer`` (the runs' factory, default SGD) stepping
+    each layer's parameters (the table's ``optimizer`` column).
 
     Raises:
         ValueError: the sample does not fit the model (naming the layer that refused it).
     """
+    from pipexplore.devices import is_planned
+
+    if any(is_planned(d) for d in devices):
+        return planned_layers(model, sample, options, chunks=chunks, devices=devices, loss_fn=loss_fn, target=target)
+    if on_meta(model):
+        from pipexplore.models.blockwise import profile_blockwise
+
+        return profile_blockwise(model, sample, device=profile_device(options), microbatch_rows=_rows(
+            batch_size(sample), chunks), repeats=options["repeats"], granularity=options["granularity"])
     threads = stage_threads(devices)
     if not isinstance(model, nn.Sequential):
         from pipexplore.models.trace import candidates_in_rows
@@ -47,17 +127,16 @@ def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
         with sharing_cores(threads):
             table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1,
                                        granularity=options["granularity"], loss_fn=loss_fn, target=target,
-                                       repeats=options["repeats"])
+                                       repeats=options["repeats"], optimizer=optimizer)
         table.attrs["threads"] = threads or torch.get_num_threads()
         return table
-    batch = batch_size(sample)
-    rows = sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
+    rows = _rows(batch_size(sample), chunks)
     profiled = copy.deepcopy(model)
     with validate.naming_failing_layer(profiled, sample), profile_progress() as progress:
         # a sample that does not fit: which layer says so; in a notebook, a bar counts the layers
         return profile(profiled, sample, repeats=options["repeats"], microbatch_rows=rows,
                        device=profile_device(options), progress=progress, threads=threads,
-                       split_backward=split_backward)
+                       split_backward=split_backward, optimizer=optimizer)
 
 
 def with_backward_split(model: nn.Module, sample: TensorOrTensors, table: pd.DataFrame,

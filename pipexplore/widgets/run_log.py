@@ -40,6 +40,19 @@ def run_summary(row: dict[str, Any]) -> str:
     return text
 
 
+
+def refuse_planned(plan: Plan) -> None:
+    """Refuse to run a plan for planned devices, saying why and what to do instead.
+
+    Raises:
+        RuntimeError: the plan's devices are catalogue devices, not devices of this machine.
+    """
+    if plan.planned:
+        devices = plan.devices[: plan.num_devices]
+        raise RuntimeError(f"this plan is for planned devices ({devices[0]} … {devices[-1]}, {len(set(devices))} "
+                           f"on {plan.nodes} node{'s' if plan.nodes > 1 else ''}), which are not on this machine: "
+                           "export it (ex.export('torchrun')) and run it there under torchrun")
+
 class RunLog:
     """Runs of the current plan, and what is read from them (a part of ``ExplorerState``)."""
 
@@ -52,10 +65,12 @@ class RunLog:
         ``timeout`` (seconds, ``'processes'`` only) bounds the step in the worker processes.
 
         Raises:
+            RuntimeError: the plan is for planned devices (catalogue names), which are not here.
             Exception: what the step raised (a bad device, out of memory, a layer, a crashed
                 worker); the plan and earlier runs are kept.
             pipexplore.cancel.Cancelled: the run was cancelled; nothing of it is recorded.
         """
+        refuse_planned(self._plan)
         if executor is not None and executor != self._plan.executor:
             self.update(executor=executor)
         with self._lock:
@@ -85,8 +100,9 @@ class RunLog:
         """Start :meth:`run` in a background thread (what the button does); returns the thread.
 
         Raises:
-            RuntimeError: a run is already in progress.
+            RuntimeError: a run is already in progress, or the plan is for planned devices.
         """
+        refuse_planned(self._plan)
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run is already in progress")
         self._cancel_token = token = CancelToken()

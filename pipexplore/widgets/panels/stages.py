@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import ipywidgets as W
 import pandas as pd
 
+from pipexplore.devices import node_of
 from pipexplore.plan import Plan
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.panels.controls import FieldMessages
@@ -49,35 +50,50 @@ def stage_totals(plan: Plan, view: str) -> list[str]:
 
 
 def stages_html(state: ExplorerState) -> str:
-    """The stage view: a row per stage (over-the-cap peaks flagged), skip routes that cross stages,
-    and parameters several stages share."""
+    """The stage view: a row per stage with its training memory (parameters, gradients, optimizer
+    state, peak activations, their sum against the device's memory: stages that do not fit
+    flagged), skip routes that cross stages, and parameters several stages share. Figures a run
+    would measure say "planned" on catalogue devices."""
     table = state.stage_table()
     plan = state.plan
     crossing = [r for r in plan.skip_routes if r.crosses]
-    cap = state.memory_cap
     measured_known = table["peak memory (measured)"].notna().any()
+    nodes = plan.gpus_per_node if plan.planned else None
 
     def size(v: float) -> str:
         return "–" if math.isnan(v) else format_bytes(v)
 
     rows = []
-    for stage, device, layers, seconds, params, act, peak, measured in table.itertuples(index=False, name=None):
-        over = cap is not None and peak > cap
+    for row in table.itertuples(index=False):
+        stage, device = int(row.stage), str(row.device)
+        over = not row.fits
         swatch = ("<span class='pipexplore-stage-swatch' "
                   f"style='background:{STAGE_COLORS[stage % len(STAGE_COLORS)]}'></span>")
-        rows.append(f"<tr><td>{swatch}{stage}</td><td>{html.escape(str(device))}</td><td>{layers}</td>"
-                    f"<td>{seconds * 1e3:.2f} ms</td><td>{size(params)}</td><td>{size(act)}</td>"
-                    f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(peak)}</td>"
-                    + (f"<td>{size(measured)}</td>" if measured_known else "") + "</tr>")
+        node = (f" <span class='pipexplore-note'>node {node_of(device, nodes)}</span>" if nodes else "")
+        of = "" if math.isnan(row.capacity) else f" / {format_bytes(row.capacity)}"
+        rows.append(f"<tr class='{'pipexplore-over' if over else ''}'><td>{swatch}{stage}</td>"
+                    f"<td>{html.escape(device)}{node}</td><td>{row.layers}</td>"
+                    f"<td>{row[3] * 1e3:.2f} ms{' (planned)' if nodes else ''}</td><td>{size(row.param_bytes)}</td>"
+                    f"<td>{size(row.grad_bytes)}</td><td>{size(row.optimizer_bytes)}</td>"
+                    f"<td>{size(row.activation_bytes)}</td>"
+                    f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(row.peak_bytes)}{of}"
+                    f"{' does not fit' if over else ''}</td>"
+                    + (f"<td>{size(row[7])}</td>" if measured_known else "") + "</tr>")
     skips = (f"{len(crossing)} of {len(plan.skip_routes)} skip routes cross stages (copied)"
              if plan.skip_routes else "no skip routes")
     shared = state.shared_parameters()
     if shared:
         skips += "<br>⚠ parameters used by several stages: " + ", ".join(
             f"{html.escape(name)} (stages {', '.join(map(str, stages_))})" for name, stages_ in shared.items())
+    misfits = int((~table["fits"]).sum())
+    if misfits:
+        skips = (f"⚠ {misfits} stage{'s' if misfits > 1 else ''} do{'' if misfits > 1 else 'es'} not fit "
+                 "(parameters + gradients + optimizer state + peak activations): more stages, checkpointing or "
+                 "fewer micro-batches in flight<br>" + skips)
     return ("<div class='pipexplore-stages-view'><table class='pipexplore-stages'><thead><tr><th>stage</th>"
-            "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>activations</th>"
-            "<th>peak act. (predicted)</th>" + ("<th>peak memory (measured)</th>" if measured_known else "")
+            "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>grads</th><th>optimizer</th>"
+            "<th>peak act. (predicted)</th><th>peak memory (predicted)</th>"
+            + ("<th>peak memory (measured)</th>" if measured_known else "")
             + "</tr></thead><tbody>" + "".join(rows)
             + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
 
