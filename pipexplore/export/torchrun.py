@@ -6,6 +6,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
 
 __all__ = ["torchrun_script", "module_fqns_per_model_part"]
@@ -40,6 +41,8 @@ STEPS = {steps}
 MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 
+{cache_off}
+
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hooks = importlib.import_module(HOOKS)
@@ -49,7 +52,7 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    model = hooks.build_model()
+    model = without_kv_cache(hooks.build_model())
     inputs, target = hooks.get_batch()
     pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
@@ -80,7 +83,8 @@ if __name__ == "__main__":
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
                     devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
-    schedule and trains with the model, data and loss of the ``hooks`` module."""
+    schedule and trains with the model, data and loss of the ``hooks`` module (a Hugging Face
+    model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`)."""
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)}; not {schedule!r}")
     if not hooks or not all(part.isidentifier() for part in hooks.split(".")):
@@ -92,5 +96,5 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps,
-        fqns=module_fqns_per_model_part(table, splits),
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]")

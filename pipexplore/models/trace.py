@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from pipexplore.microbatch import tensors_in
 from pipexplore.models.fx_workarounds import inline_constant_no_grad_regions
+from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
 
 #: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
@@ -132,7 +133,8 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     keyword inputs. Hooks time every candidate inside real forward and backward passes of the
     whole model, ``warmup`` passes first (untimed: allocation, dispatch caches), then ``repeats``
     timed ones; ``loss_fn(output, target)`` receives the output as the model returns it
-    (default: the mean of the squared floating outputs).
+    (default: the mean of the squared floating outputs). The passes run with a Hugging Face
+    config's ``use_cache`` off, as training does (:func:`pipexplore.models.hf.cache_off`).
 
     Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
     gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
@@ -210,7 +212,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     for pid, ks in owners.items():
         if params[pid].requires_grad:
             handles.append(params[pid].register_post_accumulate_grad_hook(accumulated(tuple(ks))))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), cache_off(model):  # training never uses a KV cache: hf.cache_off
         try:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             for timed in [False] * warmup + [True] * repeats:
@@ -349,6 +351,8 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     or a dict of keyword inputs; ``mb_kwargs`` adds keyword inputs. The model is changed while
     tracing: give a copy. The returned ``Pipe`` has ``output_spec``: the pytree structure of the
     model's output (e.g. a Hugging Face ``ModelOutput``), to rebuild it from the flat outputs.
+    A config's ``use_cache=True`` is off while tracing: the stages never build a KV cache
+    (:func:`pipexplore.models.hf.cache_off`; the model's config is put back after).
 
     Raises :class:`TraceError` with what failed and what to do when the model cannot be traced,
     when a split point names no submodule, or when a split point does not begin exactly one
@@ -388,7 +392,8 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     marked = _mark_beginnings(model, split_points, calls)
     try:
         logger.setLevel(logging.ERROR)
-        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings():
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings(), \
+                cache_off(model):  # a Hugging Face config's use_cache=True would return a cache: hf.cache_off
             warnings.simplefilter("ignore")
             pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=kwargs or None, split_policy=policy)
     except Exception as exc:

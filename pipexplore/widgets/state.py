@@ -31,6 +31,7 @@ from pipexplore.cancel import CancelToken
 from pipexplore.devices import stage_devices
 from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.models.hf import cache_note
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.costs import Corrections
 from pipexplore.skip.skippable import verify_skippables
@@ -135,6 +136,7 @@ class ExplorerState(RunLog):
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
                               "the traced stages in this process (threads) or one process per stage (processes).")
+            self.notes += [note for note in [cache_note(model)] if note]  # a config's use_cache=True, off
         #: One row per layer (or traced candidate): names, costs, sizes (see :func:`pipexplore.profile`).
         self.layer_table = layer_table
         n = len(layer_table)
