@@ -94,9 +94,10 @@ def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
 
 
 def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mapping[str, Any]] = None,
-                memory_cap: Optional[float] = None) -> str:
+                memory_cap: Optional[float] = None, planned: str = "") -> str:
     """The header: a title line and one card per figure (predicted step, bubble, throughput, peak
-    activation memory per stage; last measured step and the prediction's error).
+    activation memory per stage; last measured step and the prediction's error). ``planned``:
+    the planned devices ('' for devices here), said where a measured step would stand.
 
     Example::
 
@@ -115,7 +116,7 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
                 f"the cap of {format_bytes(memory_cap)}</span>"
                 if over else f"under the cap of {format_bytes(memory_cap)}")
     cards = [
-        _card("predicted step", f"{figures['step_time'] * 1e3:.2f} ms"),
+        _card("predicted step" + (" (planned)" if planned else ""), f"{figures['step_time'] * 1e3:.2f} ms"),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
         _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
         _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),
@@ -128,6 +129,9 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
                            f"predicted {last_run['predicted_step_time'] * 1e3:.2f} ms then ({error * 100:+.0f} %)"
                            if known else "prediction error –",
                            "pipexplore-bad" if bad else ""))
+    elif planned:
+        cards.append(_card("measured", "planned", f"{html.escape(planned)} are not here: export the plan and run it "
+                           "there"))
     else:
         cards.append(_card("measured", "no run yet", "press Run step"))
     return ("<div class='pipexplore-header'>"

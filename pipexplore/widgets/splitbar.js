@@ -298,6 +298,14 @@ function render({ model, el: host }) {
       }, svg);
       el("rect", { x: x - grip / 2, y: BAR_Y - 8, width: grip, height: BAR_H + 16, class: "grip" }, handle);
       el("line", { x1: x, x2: x, y1: BAR_Y - 8, y2: BAR_Y + BAR_H + 8, class: "bar" }, handle);
+      // A split where the next stage's device is on another node (planned devices): marked and named.
+      const nodes = model.get("nodes") || [];
+      if (nodes.length > k + 1 && nodes[k + 1] !== nodes[k]) {
+        handle.classList.add("node");
+        const t = el("text", { x: x + 3, y: BAR_Y - 10, class: "node-label" }, handle);
+        t.textContent = `node ${nodes[k + 1]}`;
+        handle.setAttribute("aria-label", handle.getAttribute("aria-label") + `; node ${nodes[k + 1]} begins here`);
+      }
       handle.addEventListener("pointerdown", (event) => {
         event.preventDefault();
         clearTimeout(hoverTimer);
@@ -381,7 +389,7 @@ function render({ model, el: host }) {
   });
   svg.addEventListener("pointerleave", () => hover(-1));
 
-  for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error"]) model.on(`change:${name}`, () => {
+  for (const name of ["layers", "splits", "skips", "view", "stage_totals", "error", "nodes"]) model.on(`change:${name}`, () => {
     if (!committing) draw();
   });
   model.on("change:splits", () => { if (!committing) announce(); });

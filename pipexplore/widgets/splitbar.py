@@ -26,6 +26,8 @@ _CSS = """
 .pipexplore-splitbar .handle:focus .bar { stroke: var(--jp-brand-color1, #1976d2); }
 .pipexplore-splitbar .handle.removing .bar { stroke: #d62728; stroke-dasharray: 4 3; }
 .pipexplore-splitbar .handle .grip { fill: rgba(128, 128, 128, 0.18); }
+.pipexplore-splitbar .handle.node .bar { stroke: var(--jp-brand-color1, #1976d2); stroke-width: 4; }
+.pipexplore-splitbar .node-label { font-size: 10px; fill: var(--jp-brand-color1, #1976d2); pointer-events: none; }
 .pipexplore-splitbar .group.closed { stroke-width: 2.5; }
 .pipexplore-splitbar .group-hit { fill: transparent; cursor: pointer; }
 .pipexplore-splitbar .cell.block { stroke: var(--jp-ui-font-color1, #333); stroke-width: 1; }
@@ -45,7 +47,9 @@ class SplitBar(anywidget.AnyWidget):
     ``layers``: one dict per layer (``name``, ``type``, ``time``, ``params``, ``memory``, ``label``);
     ``skips``: ``{'name', 'from', 'to'}`` per route; ``view``: which cost sets the widths;
     ``stage_totals``: one label per stage; ``error``: a message shown under the strip;
-    ``hovered``: the stage of the layer under the pointer (-1: none), set by the front end.
+    ``hovered``: the stage of the layer under the pointer (-1: none), set by the front end;
+    ``nodes``: the node of each stage's device for planned devices (empty: one machine): a split
+    where the node changes is drawn as a node boundary.
     """
 
     _esm = _HERE / "splitbar.js"
@@ -57,6 +61,7 @@ class SplitBar(anywidget.AnyWidget):
     view = traitlets.Unicode("time").tag(sync=True)
     stage_totals = traitlets.List(traitlets.Unicode()).tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
+    nodes = traitlets.List(traitlets.Int()).tag(sync=True)
     #: The stage of the layer under the pointer (-1: none), set by the front end.
     hovered = traitlets.Int(-1).tag(sync=True)
     #: A name shared with the timeline that re-times this strip's moves in the page (a

@@ -28,12 +28,13 @@ from torch import nn
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.cancel import CancelToken
-from pipexplore.devices import stage_devices
+from pipexplore.devices import device_memory, is_planned, planned_devices, stage_devices
 from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.models.hf import cache_note
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.costs import Corrections
+from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets import layer_table as layers
 from pipexplore.widgets.header import parse_bytes, plan_figures
@@ -79,7 +80,7 @@ class ExplorerState(RunLog):
                  checkpoint: str = "except_last", schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3, executor: str = "threads",
                  calibrate: bool = True, granularity: str = "blocks", keep_timelines: int = 20,
-                 memory_cap: Any = None) -> None:
+                 memory_cap: Any = None, gpus_per_node: int = 8, mixed_precision: bool = False) -> None:
         #: Bytes of activation memory a stage may hold (drawn on the memory panel), or None.
         self._memory_cap = parse_bytes(memory_cap, "memory_cap")
         # An nn.Sequential is split by layers and runs in any executor; any other model is split at
@@ -96,14 +97,27 @@ class ExplorerState(RunLog):
         validate.target(target, batch_size(sample))
         validate.optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
         validate.optional_callable(optimizer, "optimizer", "optimizer(parameters) returning a torch.optim.Optimizer")
+        #: Whether memory is counted for 16-bit training with fp32 master weights and gradients
+        #: (Megatron-LM's 18 bytes a parameter with Adam), not in the parameters' own dtype.
+        self.mixed_precision = validate.boolean(mixed_precision, "mixed_precision")
+        #: Planned devices a node (which copies cross nodes), for plans on catalogue devices.
+        self.gpus_per_node = validate.integer(gpus_per_node, "gpus_per_node")
         if devices is not None:
-            devices = list(validate.devices(devices))
+            devices = list(layers.chosen_devices(devices, self.gpus_per_node))
+        #: Whether the plan is for catalogue devices, costed but never run here.
+        self.planned = bool(devices) and is_planned(devices[0])
+        if layers.on_meta(model) and devices is None:
+            raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan it "
+                             "for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here to "
+                             "time its blocks one at a time")
         if chunks is None:  # 4, or the most a small batch splits into exactly
             chunks = max(c for c in validate.valid_chunks(batch_size(sample), 4) if c <= 4)
         chunks = validate.chunks(chunks, batch=batch_size(sample))
         validate.checkpoint(checkpoint)
         validate.schedule(schedule, PLAN_SCHEDULES)
         validate.executor(executor, EXECUTORS)
+        if self.planned and executor == "threads":
+            executor = "processes"  # planned GPUs run a process each (torchrun), not threads of this one
         if splits is not None and not self.traced:
             splits = validate.splits(splits, len(model))
         if layer_table is not None and not isinstance(layer_table, pd.DataFrame):
@@ -132,11 +146,14 @@ class ExplorerState(RunLog):
             layer_table = layers.profile_layers(model, sample, self.profile_options, chunks=chunks, devices=planned,
                                                 split_backward=schedule == "zero-bubble", loss_fn=loss_fn,
                                                 target=target)
-        if self.traced:
+        if self.traced and not self.planned:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
                               "the traced stages in this process (threads) or one process per stage (processes).")
             self.notes += [note for note in [cache_note(model)] if note]  # a config's use_cache=True, off
+        if self.planned:
+            self.notes.append(layers.planned_note(devices, self.gpus_per_node))
+        self.notes += list(layer_table.attrs.get("notes", []))  # e.g. layers whose FLOPs could not be counted
         #: One row per layer (or traced candidate): names, costs, sizes (see :func:`pipexplore.profile`).
         self.layer_table = layer_table
         n = len(layer_table)
@@ -154,7 +171,8 @@ class ExplorerState(RunLog):
         self._subscribers: list[Callable[[str], None]] = []
         self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
         self._plan = self._with_executor_costs(Plan(layer_table, tuple(splits), tuple(devices), chunks, checkpoint,
-                                                    schedule, executor=executor, batch=batch_size(sample)))
+                                                    schedule, executor=executor, batch=batch_size(sample),
+                                                    gpus_per_node=self.gpus_per_node))
         self._runs: list[dict[str, Any]] = []  # a summary row for every run
         #: How many runs keep their full timelines (the latest ones).
         self.keep_timelines = keep_timelines
@@ -216,7 +234,13 @@ class ExplorerState(RunLog):
             raise TypeError(f"update() cannot change {', '.join(map(repr, unknown))}: it changes "
                             f"{', '.join(UPDATABLE)}")
         if "devices" in changes:
-            changes["devices"] = validate.devices(changes["devices"])
+            changes["devices"] = layers.chosen_devices(changes["devices"], self.gpus_per_node)
+            if is_planned(changes["devices"][0]) != self.planned:
+                raise ValueError(f"devices: this explorer plans {'catalogue' if self.planned else 'this machine'}'s "
+                                 f"devices ({', '.join(self._plan.devices[:3])}…), not "
+                                 f"{', '.join(changes['devices'][:3])}: its costs are "
+                                 f"{'the roofline of' if self.planned else 'measured on'} them; explore() again for "
+                                 "the others")
         return self.change_plan(lambda plan: plan.with_options(**changes))
 
     def change_plan(self, change: Callable[[Plan], Plan]) -> Plan:
@@ -237,7 +261,7 @@ class ExplorerState(RunLog):
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it."""
         executor = plan.predict_executor
         if not self.calibrate or executor in plan.corrections.overheads or plan.executor == "processes" \
-                or plan.schedule == "async-backends":
+                or plan.schedule == "async-backends" or plan.planned:
             return plan
         from pipexplore.executors import probe
 
@@ -264,6 +288,10 @@ class ExplorerState(RunLog):
         plan = self._plan
         needed = max(1, stages // plan.virtual_stages) if plan.schedule == "interleaved" else stages
         pool = list(plan.devices)
+        if plan.planned and len(pool) < needed:  # more GPUs of the kind, numbered on
+            added = needed - len(pool)
+            devices = planned_devices(pool + [pool[-1].split(":")[0]] * added, self.gpus_per_node)
+            return devices, f"{stages} stages: {added} more {pool[-1].split(':')[0]} planned"
         if len(pool) >= needed:
             dropped = pool[needed:]
             return tuple(pool[:needed]), (f"{stages} stages: {', '.join(dropped)} dropped" if dropped else "")
@@ -374,11 +402,20 @@ class ExplorerState(RunLog):
     # ---- per stage ----------------------------------------------------------------------------
     def stage_table(self) -> pd.DataFrame:
         """Per stage: device, layers, time, parameters, activations, predicted peak activation
-        memory, and the measured peak of its device in the shown run (where the device reports it)."""
+        memory, the measured peak of its device in the shown run (where the device reports it),
+        and the training memory that decides whether it fits (:func:`pipexplore.predict.memory.stage_memory`):
+        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (the user's optimizer), peak
+        ``activation_bytes`` as the schedule holds them, ``peak_bytes``, the device's ``capacity``
+        and ``fits`` (within it, and activations within ``memory_cap`` where one is set)."""
         stages = self._plan.stages
         peaks = self.figures()["peak_memory_per_stage"]
         result = self.shown_result()
         measured = result.timeline.attrs.get("peak_memory", {}) if result is not None else {}
+        memory = stage_memory(self.layer_table, self._plan.splits, peak_activations=peaks, optimizer=self.optimizer,
+                              mixed_precision=self.mixed_precision,
+                              capacity=[device_memory(d) for d in stages["device"]])
+        if self._memory_cap is not None:
+            memory["fits"] &= memory["activation_bytes"] <= self._memory_cap
         return pd.DataFrame({
             "stage": stages["stage"], "device": stages["device"],
             "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
@@ -386,6 +423,7 @@ class ExplorerState(RunLog):
             "activations": stages["activation_bytes"],
             "peak activations (predicted)": peaks,
             "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
+            **{column: memory[column].to_numpy() for column in MEMORY_COLUMNS},
         })
 
     def shared_parameters(self) -> dict[str, list[int]]:

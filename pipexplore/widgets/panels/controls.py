@@ -70,6 +70,10 @@ class ControlsPanel:
         for control, name in self._fields():
             control.observe(fields.field_handler(state, name, self._applier(name)), names="value")
         self.w_run.on_click(self._on_run_clicked)
+        if plan.planned:  # catalogue devices are not here: nothing to run
+            self.w_run.disabled = True
+            self.w_run.tooltip = ("the plan is for planned devices, not this machine's: export it "
+                                  "(ex.export('torchrun')) and run it there")
         self.box = W.HBox([self.w_stage_count, fields["stages"], self.w_chunks, fields["chunks"], self.w_checkpoint,
                            fields["checkpoint"], self.w_schedule, fields["schedule"], self.w_executor,
                            fields["executor"], self.w_devices, fields["devices"], self.w_run])
@@ -117,7 +121,7 @@ class ControlsPanel:
             elif not running and self.w_run.description == "Cancel":
                 self.w_run.description, self.w_run.icon, self.w_run.button_style = "Run step", "play", "primary"
                 self.w_run.tooltip = RUN_TOOLTIP
-            self.w_run.disabled = False
+            self.w_run.disabled = self.state.plan.planned
 
     def _on_run_clicked(self, _: Any) -> None:
         state = self.state

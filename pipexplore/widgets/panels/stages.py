@@ -16,7 +16,7 @@ from pipexplore.widgets.plots import STAGE_COLORS
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.state import ExplorerState
 
-__all__ = ["StagesPanel", "layer_cells", "skip_arcs", "stage_totals", "stages_html"]
+__all__ = ["StagesPanel", "layer_cells", "skip_arcs", "stage_nodes", "stage_totals", "stages_html"]
 
 HINT = ("drag a handle (or focus it and use ←/→) · double-click a layer boundary to add a split · "
         "Delete (or drag it off the strip) removes one")
@@ -37,6 +37,11 @@ def layer_cells(table: pd.DataFrame) -> list[dict[str, Any]]:
 def skip_arcs(plan: Plan) -> list[dict[str, Any]]:
     """The strip's arcs: each skip route from its stash layer to its pop layer."""
     return [{"name": r.name, "from": r.stash_layer, "to": r.pop_layer} for r in plan.skip_routes]
+
+
+def stage_nodes(plan: Plan) -> list[int]:
+    """The node of each stage's device where the plan is for planned devices (else none)."""
+    return [node_of(d, plan.gpus_per_node) for d in plan.stage_devices] if plan.planned else []
 
 
 def stage_totals(plan: Plan, view: str) -> list[str]:
@@ -111,7 +116,8 @@ class StagesPanel:
         plan = state.plan
         self.strip_error = ""
         self.bar = SplitBar(layers=layer_cells(state.layer_table), splits=list(plan.splits), skips=skip_arcs(plan),
-                            view="time", stage_totals=stage_totals(plan, "time"), group=group)
+                            view="time", stage_totals=stage_totals(plan, "time"), group=group,
+                            nodes=stage_nodes(plan))
         self.bar.observe(self._on_splits, names="splits")
         self.bar.observe(lambda change: on_hover(None if change["new"] is None or change["new"] < 0
                                                  else int(change["new"])), names="hovered")
@@ -158,6 +164,7 @@ class StagesPanel:
             self.bar.splits = list(plan.splits)
             self.bar.view = self.w_view.value
             self.bar.stage_totals = stage_totals(plan, self.w_view.value)
+            self.bar.nodes = stage_nodes(plan)
             self.bar.error = self.strip_error
 
     def refresh(self, change: str) -> None:

@@ -23,7 +23,10 @@ def header_of(state: ExplorerState) -> str:
     """The header's HTML: the model and plan, predicted figures, and the last run against them."""
     title = f"{len(state.layer_table)} layers · batch {batch_size(state.sample)} · {plan_text(state.plan)}"
     rows = state.run_rows()
-    return header_html(title, state.figures(), rows[-1] if rows else None, state.memory_cap)
+    plan = state.plan
+    planned = (f"{len(set(plan.devices))} × {plan.devices[0].split(':')[0]} on {plan.nodes} node"
+               f"{'s' if plan.nodes > 1 else ''}") if plan.planned else ""
+    return header_html(title, state.figures(), rows[-1] if rows else None, state.memory_cap, planned)
 
 
 def notes_html(state: ExplorerState) -> str:

@@ -30,8 +30,11 @@ class TimelinesPanel:
 
     def __init__(self, state: ExplorerState, fields: FieldMessages, group: str) -> None:
         self.state = state
+        # Planned devices: nothing is measured here, the devices are the catalogue's.
+        empty = ("planned devices: nothing measured here; export the plan and run it there (ex.export('torchrun'))"
+                 if state.plan.planned else "no run yet: press Run step to measure this plan")
         self.timelines = TimelineView(state.plan.predicted, None, batch_size(state.sample),
-                                      memory_cap=state.memory_cap)
+                                      memory_cap=state.memory_cap, measured_empty=empty)
         self.figure = self.timelines.figure
         self.figure.group = group
         self.drawn = False  # the page has drawn the first timeline

@@ -1,0 +1,140 @@
+"""Plans on devices that are not here: a model on the meta device, planned on catalogue GPUs.
+
+What a user does before asking for cluster time: build the model on meta, plan it on
+``["H100"] * 4`` in nodes of two, read memory per stage, move a split, export. Nothing is
+materialised, nothing runs here, and every figure that a run would measure says "planned".
+"""
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from pipexplore.devices import device_spec, link_seconds_per_byte
+from pipexplore.predict.simulator import simulate
+from pipexplore.widgets.state import ExplorerState
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN, FFN, VOCAB, SEQ, BATCH = 64, 128, 256, 16, 8
+
+
+def _llama_on_meta(layers: int = 4):
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return model, ids
+
+
+@pytest.fixture(scope="module")
+def state():
+    model, ids = _llama_on_meta()
+    return ExplorerState(model, ids, devices=["H100"] * 4, gpus_per_node=2, chunks=4, schedule="1f1b",
+                         optimizer=torch.optim.AdamW)
+
+
+def test_a_meta_model_is_planned_on_catalogue_devices_without_weights(state):
+    assert all(p.is_meta for p in state.model.parameters())  # nothing materialised
+    plan = state.plan
+    assert plan.planned and plan.devices == ("H100:0", "H100:1", "H100:2", "H100:3") and plan.nodes == 2
+    assert plan.executor == "processes"  # one process per planned GPU, as torchrun runs it
+    table = state.layer_table
+    assert table.attrs["source"] == "planned"
+    blocks = table[table["name"].str.startswith("model.layers.")]
+    assert len(blocks) == 4 and blocks["forward"].nunique() == 1 and (blocks["forward"] > 0).all()
+    predicted = plan.predicted
+    assert set(predicted["device"]) == set(plan.devices) and predicted["end"].max() > 0
+    assert sum("Planned: 4 × H100 (2 nodes of 2)" in n for n in state.all_notes()) == 1
+
+
+def test_copies_cost_the_link_between_the_stages_nodes():
+    table = pd.DataFrame({"name": ["a", "b", "c"], "forward": [1e-3] * 3, "backward": [2e-3] * 3,
+                          "output_bytes": [1e9] * 3, "param_bytes": [0.0] * 3})
+    devices = ["H100:0", "H100:1", "H100:2"]
+    predicted = simulate(table, [1, 2], chunks=1, devices=devices, gpus_per_node=2, executor="threads",
+                         checkpoint="never")
+    copies = predicted[predicted["phase"] == "copy"].sort_values("start")
+    spans = (copies["end"] - copies["start"]).tolist()
+    inside, across = link_seconds_per_byte("H100:0", "H100:1", 2), link_seconds_per_byte("H100:1", "H100:2", 2)
+    assert across > inside  # InfiniBand is slower than NVLink
+    forward_copies = copies[copies["microbatch"] == 0].head(2)
+    assert (forward_copies["end"] - forward_copies["start"]).tolist() == pytest.approx([1e9 * inside, 1e9 * across])
+    assert len(spans) == 2 and predicted.attrs["gpus_per_node"] == 2
+
+
+def test_memory_per_stage_says_what_fits_the_device(state):
+    stages = state.stage_table()
+    capacity = device_spec("H100").memory_bytes
+    assert (stages["capacity"] == capacity).all() and stages["fits"].all()
+    assert (stages["optimizer_bytes"] == 2 * stages["grad_bytes"]).all()  # AdamW: two states a parameter
+    assert (stages["peak_bytes"] == stages[["param_bytes", "grad_bytes", "optimizer_bytes",
+                                            "activation_bytes"]].sum(axis=1)).all()
+    assert stages["param_bytes"].sum() == sum(p.numel() * p.element_size() for p in state.model.parameters())
+    # a device too small for the largest stage: flagged, and the page says so
+    from pipexplore.devices import DeviceSpec, register_device
+    register_device(DeviceSpec("Tiny", memory_bytes=int(stages["peak_bytes"].min()), memory_bandwidth=1e11,
+                               peak_flops={"float32": 1e13}), replace=True)
+    model, ids = _llama_on_meta()
+    tiny = ExplorerState(model, ids, devices=["Tiny"] * 4, chunks=4, schedule="1f1b", optimizer=torch.optim.AdamW)
+    assert not tiny.stage_table()["fits"].all()
+
+
+def test_moving_a_split_re_predicts_and_more_stages_plan_more_gpus(state):
+    before = state.plan.splits
+    moved = [*before[:-1], before[-1] + 1]  # the last stage gives a layer to the one before it
+    assert moved[-1] < len(state.layer_table)
+    state.update(splits=moved)
+    assert state.plan.splits == tuple(moved) and state.plan.planned
+    note = state.set_stage_count(6)
+    assert state.plan.devices == tuple(f"H100:{k}" for k in range(6)) and "2 more H100 planned" in note
+    assert state.plan.nodes == 3
+    state.set_stage_count(4)
+
+
+def test_running_a_planned_plan_is_refused_and_keeps_the_plan(state):
+    plan = state.plan
+    with pytest.raises(RuntimeError, match=r"planned devices \(H100:0 … H100:3, 4 on 2 nodes\).*export it"):
+        state.run()
+    with pytest.raises(RuntimeError, match="planned devices"):
+        state.run_async()
+    assert state.plan is plan and state.runs.empty and state.thread is None
+
+
+def test_devices_cannot_switch_between_planned_and_here(state):
+    plan = state.plan
+    with pytest.raises(ValueError, match="this explorer plans catalogue's devices"):
+        state.update(devices=["cpu"] * 4)
+    assert state.plan is plan
+
+
+def test_the_export_runs_on_the_cluster_gpus(state):
+    code = state.export("torchrun")
+    assert "H100" not in code and 'torch.device("cuda", int(os.environ.get("LOCAL_RANK"' in code
+
+
+def test_bad_devices_are_refused_with_the_catalogue_listed():
+    model, ids = _llama_on_meta(2)
+    with pytest.raises(ValueError, match=r"'H1000'.*catalogue: H100, H200, .*MI300X"):
+        ExplorerState(model, ids, devices=["H1000"] * 2)
+    with pytest.raises(ValueError, match="cannot mix planned devices"):
+        ExplorerState(model, ids, devices=["H100", "cpu"])
+    with pytest.raises(ValueError, match=r"on the meta device \(no weights\): name the devices"):
+        ExplorerState(model, ids)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        ExplorerState(model, ids, devices=["H100"] * 2, gpus_per_node=0)
+
+
+def test_a_meta_sequential_is_planned_too():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+        sample = torch.randn(32, 256)
+    state = ExplorerState(model, sample, devices=["A100"] * 3, chunks=4)
+    table = state.layer_table
+    # a Linear's forward: 2·rows·in·out FLOPs, at 70 % of the A100's peak... or its bytes and launch
+    assert (table["forward_flops"] == 2 * 32 * 256 * 256).all()
+    assert state.plan.devices == ("A100-80GB:0", "A100-80GB:1", "A100-80GB:2") or \
+        state.plan.devices == ("A100:0", "A100:1", "A100:2")
+    assert math.isfinite(state.figures()["step_time"])
