@@ -1,0 +1,366 @@
+"""Counting what one call of a module does, operator by operator, without running it for real.
+
+On meta tensors a call costs no memory and little time, yet every aten operator is dispatched
+with its shapes: :class:`OpRecorder` (a ``TorchDispatchMode``) records each one — its FLOPs as
+``torch.utils.flop_counter.FlopCounterMode`` counts them, the bytes it reads and writes, whether it
+launches a kernel — and :class:`SavedBytes` counts what autograd keeps for backward, each storage
+once. :func:`count_call` runs one module's forward and backward so and returns a :class:`Count`::
+
+    count = count_call(block, (hidden,), {"attention_mask": mask}, fixed=storage_keys(block))
+    count.flops("forward"), count.saved_bytes, count.frame("forward")
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+
+__all__ = ["AsOnGPU", "OpRecorder", "SavedBytes", "Count", "count_call", "storage_key", "storage_keys", "fresh_inputs",
+           "flop_counter", "classify", "tensor_bytes", "is_uncounted", "EXTRA_FORMULAS",
+           "OP_COLUMNS"]
+
+aten = torch.ops.aten
+OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad"]
+
+#: Operators that ask about a tensor rather than compute: never a kernel, not recorded.
+_METADATA = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
+             aten.is_contiguous.default, aten.is_contiguous.memory_format, aten.dim.default, aten.size.default,
+             aten.stride.default, aten.numel.default, aten.storage_offset.default, torch.ops.prim.device.default,
+             torch.ops.prim.layout.default, aten.is_strides_like_format.default,
+             aten.is_non_overlapping_and_dense.default, aten.sym_is_contiguous.default}
+#: Operators that allocate or relabel memory without a kernel of their own.
+_NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
+              "aten.empty_permuted", "aten.detach", "aten.lift_fresh", "aten._unsafe_view", "aten._reshape_alias",
+              "aten.alias", "aten.set_", "aten.resize_", "aten._local_scalar_dense"}
+#: Names of operators that do matmul-like work: without a FLOP formula their cost is unknown, not 0.
+_HEAVY = re.compile(r"mm|mv|matmul|conv|attention|einsum|linear|dot|bilinear|lstm|gru|rnn|fft|linalg|cholesky|"
+                    r"solve|cdist|gemm|_scaled_|tensordot")
+_LIGHT = re.compile(r"upsample|interp|grid_sampler|_conv_indices|convert|norm")
+
+
+def _raw(formula: Any) -> Any:
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return formula(*args, out_val=out_val, **kwargs)
+
+    counted._get_raw = True  # type: ignore[attr-defined]
+    return counted
+
+
+#: FLOP formulas FlopCounterMode lacks: PyTorch's CPU flash attention, counted as its CUDA kin.
+EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _raw(sdpa_flop),
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(sdpa_backward_flop)}
+
+
+class _Global:
+    """FlopCounterMode's module tracker, left out: we attribute operators to modules ourselves, and its
+    backward hooks refuse ``torch.autograd.grad`` (\"A leaf node was passed to _will_engine_execute_node\")."""
+    parents = ("Global",)
+
+    def __enter__(self) -> "_Global":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` with :data:`EXTRA_FORMULAS`, counting globally (no module tracker)."""
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
+    counter.mod_tracker = _Global()  # type: ignore[assignment]
+    return counter
+
+
+def storage_key(t: Tensor) -> int:
+    """What tells storages apart, on meta too (where every ``data_ptr`` is 0): the storage's own address."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except Exception:  # a tensor without a plain storage (a subclass, a sparse tensor)
+        return id(t)
+
+
+def storage_keys(module: nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters and buffers."""
+    return {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
+
+
+def _extent(t: Tensor) -> int:
+    """Bytes a kernel touches reading ``t``: broadcast (stride-0) dims once."""
+    if t.numel() == 0:
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def is_uncounted(func: Any) -> bool:
+    """Whether ``func`` does matmul-like work that no FLOP formula covers (an unknown cost, not 0)."""
+    if func.namespace not in ("aten", "prims", "prim"):
+        return True
+    name = func._opname
+    return bool(_HEAVY.search(name)) and not _LIGHT.search(name)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records each operator dispatched under it: ``phase``, ``op``, ``dtype``, ``flops`` (the
+    delta of ``counter``, a ``FlopCounterMode`` entered before it; NaN for an uncounted matmul-like
+    operator), the storages read and written with their bytes, and ``segment`` (what
+    ``where()`` says, for attributing calls). While ``active`` is false operators pass unrecorded.
+
+    A scalar read from a meta tensor (``.item()``, a Python ``if`` on a tensor) cannot be known:
+    it is answered ``True`` (or 1) and counted in ``meta_reads``.
+    """
+
+    def __init__(self, counter: Optional[FlopCounterMode], phase: str = "forward", where: Any = None) -> None:
+        super().__init__()
+        self.counter, self.phase, self.where = counter, phase, where
+        self.records: list[dict[str, Any]] = []
+        self.active = True
+        self.meta_reads = 0
+
+    def _flops(self) -> int:
+        return sum(self.counter.flop_counts["Global"].values()) if self.counter is not None else 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and args[0].device.type == "meta":
+            self.meta_reads += 1
+            return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
+        if not self.active or func in _METADATA:
+            return func(*args, **kwargs)
+        before = self._flops()
+        out = func(*args, **kwargs)
+        op = str(func.overloadpacket)
+        returns = func._schema.returns
+        view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        kernel = not view and op not in _NO_KERNEL and bool(outs or any(r.alias_info for r in returns))
+        flops = float(self._flops() - before)
+        uncounted = kernel and flops == 0 and func.overloadpacket not in (self.counter.flop_registry
+                                                                          if self.counter else {}) \
+            and is_uncounted(func)
+        seen: set[int] = set()
+        reads = []
+        for t in ins:
+            if id(t) not in seen:
+                seen.add(id(t))
+                reads.append((storage_key(t), _extent(t)))
+        typed = ins or outs
+        self.records.append({
+            "phase": self.phase, "op": op, "dtype": str(typed[0].dtype).replace("torch.", "") if typed else "",
+            "flops": math.nan if uncounted else flops, "uncounted": uncounted, "kernel": kernel,
+            "reads": reads if kernel else [], "writes": [(storage_key(t), _extent(t)) for t in outs] if kernel else [],
+            "segment": self.where() if self.where is not None else None, "keep": outs,
+        })
+        return out
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward while :meth:`hooks` is active: each storage once, whole
+    (a saved view keeps its storage alive), leaving out the storages in ``fixed`` (parameters and
+    buffers). ``where()``, if given, says whose the saved bytes are: ``by`` sums them per answer."""
+
+    def __init__(self, fixed: set[int], where: Any = None) -> None:
+        self.fixed, self.where = fixed, where
+        self.total = 0
+        self.by: dict[Any, int] = {}
+        self.seen: set[int] = set()
+        self.active = True
+
+    def pack(self, t: Tensor) -> Tensor:
+        if not self.active or isinstance(t, nn.Parameter):
+            return t
+        key = storage_key(t)
+        if key in self.fixed or key in self.seen:
+            return t
+        self.seen.add(key)
+        size = t.untyped_storage().nbytes() if key != id(t) else t.numel() * t.element_size()
+        self.total += size
+        if self.where is not None:
+            owner = self.where()
+            self.by[owner] = self.by.get(owner, 0) + size
+        return t
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def classify(records: list[dict[str, Any]], fixed: set[int], weight_grads: Iterable[int] = (),
+             input_grads: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """Each kernel's ``fixed_bytes`` (reads of ``fixed`` storages — parameters, buffers and what
+    is computed from them alone — and writes of parameter gradients, ``weight_grads``) and
+    ``row_bytes`` (the rest: they scale with the rows), and for backward operators ``grad``:
+    ``input`` when an input's gradient (``input_grads``) depends on it, else ``weight`` when a
+    parameter's does, else ``""``. Returns the kernels' records, in order."""
+    fixed = set(fixed)
+    weight_grads, input_grads = set(weight_grads), set(input_grads)
+    producer: dict[int, int] = {}
+    needs: list[set[int]] = []
+    for i, rec in enumerate(records):
+        read_keys = [k for k, _ in rec["reads"]]
+        needs.append({producer[k] for k in read_keys if k in producer})
+        from_fixed = bool(read_keys) and all(k in fixed for k in read_keys)
+        rec["fixed_bytes"] = sum(b for k, b in rec["reads"] if k in fixed)
+        rec["row_bytes"] = sum(b for k, b in rec["reads"] if k not in fixed)
+        for k, b in rec["writes"]:
+            if from_fixed or k in weight_grads:
+                fixed.add(k)
+                rec["fixed_bytes"] += b
+            else:
+                rec["row_bytes"] += b
+            producer[k] = i
+    label = [""] * len(records)
+    for name, finals in (("weight", weight_grads), ("input", input_grads)):  # input last: it wins
+        todo = [producer[k] for k in finals if k in producer]
+        reached: set[int] = set()
+        while todo:
+            i = todo.pop()
+            if i not in reached:
+                reached.add(i)
+                todo.extend(needs[i])
+        for i in reached:
+            label[i] = name
+    kernels = []
+    for rec, name in zip(records, label):
+        rec["grad"] = name if rec["phase"] == "backward" else ""
+        if rec["kernel"]:
+            kernels.append(rec)
+    return kernels
+
+
+class AsOnGPU(TorchFunctionMode):
+    """On meta tensors, the kernels a GPU runs where PyTorch's composite functions would take their
+    CPU path (a meta tensor is no device's): dropout as ``native_dropout`` (it saves a one-byte
+    mask, not noise of the input's dtype) and ``scaled_dot_product_attention`` as the
+    memory-efficient attention kernel (it saves the output and log-sum-exp, not the s×s scores;
+    a boolean mask becomes an additive one, as PyTorch converts it; grouped key/value heads are
+    repeated). Real tensors run as they are."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (F.dropout, torch.dropout) and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            names = ("p", "training") if func is F.dropout else ("p", "train")
+            given = dict(zip(("input",) + names, args), **kwargs)
+            p, train = given.get("p", 0.5), given.get(names[1], True)
+            if train and 0 < p < 1 and not given.get("inplace", False):
+                return torch.native_dropout(args[0], p, True)[0]
+        if func is F.scaled_dot_product_attention and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            return _efficient_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _efficient_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                         enable_gqa: bool = False) -> Tensor:
+    if query.dim() != 4 or key.dim() != 4:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    heads = query.size(1)
+    if key.size(1) != heads:
+        key = key.repeat_interleave(heads // key.size(1), dim=1)
+        value = value.repeat_interleave(heads // value.size(1), dim=1)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+        attn_mask = attn_mask.expand(query.size(0), heads, query.size(2), key.size(2))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, grad, dropout_p, is_causal and attn_mask is None, scale=scale)[0]
+
+
+def fresh_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], list[Tensor]]:
+    """Copies of a call's inputs, each a leaf (one copy per tensor object): on meta new empty
+    tensors of the same shape and strides, else clones; floating ones require grad where the
+    originals did. Returns ``(args, kwargs, leaves that require grad)``."""
+    leaves, spec = tree_flatten((args, kwargs))
+    copies: dict[int, Tensor] = {}
+    wrt: list[Tensor] = []
+
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if id(t) not in copies:
+            copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if t.is_meta \
+                else t.detach().clone()
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                copy.requires_grad_(True)
+                wrt.append(copy)
+            copies[id(t)] = copy
+        return copies[id(t)]
+
+    new_args, new_kwargs = tree_unflatten([fresh(t) for t in leaves], spec)
+    return new_args, new_kwargs, wrt
+
+
+@dataclass
+class Count:
+    """One call counted: its kernels' records (forward then backward), saved and output bytes."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    saved_bytes: int = 0
+    output_bytes: int = 0
+    meta_reads: int = 0
+
+    def flops(self, phase: str) -> float:
+        return float(sum(r["flops"] for r in self.records if r["phase"] == phase))
+
+    def kernels(self, phase: str) -> int:
+        return sum(1 for r in self.records if r["phase"] == phase)
+
+    @property
+    def uncounted(self) -> list[str]:
+        return sorted({r["op"] for r in self.records if r["uncounted"]})
+
+    def frame_rows(self, kind: str) -> list[dict[str, Any]]:
+        return [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}} for r in self.records]
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (any pytree), each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, Tensor) and storage_key(t) not in seen:
+            seen.add(storage_key(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def count_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], fixed: Optional[set[int]] = None) -> Count:
+    """Count one call ``module(*args, **kwargs)`` (on fresh copies of the inputs) and its backward
+    (``torch.autograd.grad`` of every output that requires grad, with ones, with respect to the
+    inputs that require grad and the parameters that do): every kernel's FLOPs and bytes, and the
+    bytes saved for backward (``fixed``: the storages not to count, by default ``module``'s
+    parameters and buffers). Gradients are returned by autograd, never accumulated into ``.grad``."""
+    fixed = storage_keys(module) if fixed is None else fixed
+    args, kwargs, wrt = fresh_inputs(args, kwargs)
+    params = [p for p in module.parameters() if p.requires_grad]
+    counter = flop_counter()
+    recorder = OpRecorder(counter, "forward")
+    saved = SavedBytes(fixed)
+    with counter, recorder:
+        with saved.hooks(), torch.enable_grad(), AsOnGPU():
+            output = module(*args, **kwargs)
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        grads: tuple = ()
+        if outs and wrt + params:
+            recorder.active = False  # the gradient arriving from the next layer is not this layer's work
+            ones = [torch.ones_like(t) for t in outs]
+            recorder.active, recorder.phase = True, "backward"
+            grads = torch.autograd.grad(outs, wrt + params, ones, allow_unused=True)
+    input_grads = {storage_key(g) for g in grads[:len(wrt)] if g is not None}
+    weight_grads = {storage_key(g) for g in grads[len(wrt):] if g is not None}
+    kernels = classify(recorder.records, fixed, weight_grads, input_grads)
+    for rec in kernels:
+        rec.pop("keep", None)
+    return Count(kernels, saved.total, tensor_bytes(output), recorder.meta_reads)
