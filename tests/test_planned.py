@@ -138,3 +138,16 @@ def test_a_meta_sequential_is_planned_too():
     assert state.plan.devices == ("A100-80GB:0", "A100-80GB:1", "A100-80GB:2") or \
         state.plan.devices == ("A100:0", "A100:1", "A100:2")
     assert math.isfinite(state.figures()["step_time"])
+
+
+def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
+    plan = state.plan
+    table = state.sweep(stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
+    assert len(table) == 8 and table["predicted_step_time"].is_monotonic_increasing and (table["predicted_step_time"] > 0).all()
+    assert all(str(d).startswith("H100:") for devices in table["devices"] for d in
+               (devices.split(",") if isinstance(devices, str) else devices))
+    with pytest.raises(RuntimeError, match="planned devices"):
+        state.sweep(stages=[2], measure=1)
+    assert state.plan == plan and state.runs.empty
+    eight = state.sweep(stages=[8], chunks=[8], schedules=["1f1b"])
+    assert eight["devices"].iloc[0] == ",".join(f"H100:{k}" for k in range(8))  # more stages, more GPUs

@@ -280,7 +280,15 @@ class RunLog:
 
         if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
             self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
-        table = sweep(self._plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint)
+        plan = self._plan
+        more_gpus = None
+        if plan.planned:  # more stages plan more GPUs of the kind, never two stages on one
+            from pipexplore.devices import planned_devices
+
+            kind = plan.devices[0].split(":")[0]
+            more_gpus = lambda n: planned_devices([kind] * n, plan.gpus_per_node)  # noqa: E731
+        table = sweep(plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
+                      devices_for=more_gpus)
         if measure > 0 and not table.empty:
             previous = self._plan
             measured = []
