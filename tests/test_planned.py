@@ -151,3 +151,28 @@ def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
     assert state.plan == plan and state.runs.empty
     eight = state.sweep(stages=[8], chunks=[8], schedules=["1f1b"])
     assert eight["devices"].iloc[0] == ",".join(f"H100:{k}" for k in range(8))  # more stages, more GPUs
+
+
+def test_memory_per_stage_is_megatrons_theoretical_memory_where_its_assumptions_hold():
+    """Megatron-LM's theoretical memory (Korthikanti et al. 2022; Megatron-LM's
+    ``theoretical_memory_usage``): 18 bytes a parameter with mixed-precision Adam, and per layer
+    and micro-batch s·b·h·(34 + 5·a·s/h) bytes of activations without recomputation (16-bit, dropout
+    on, eager attention, GELU), held for as many micro-batches as 1F1B keeps in flight at the stage
+    (p - stage). What the count holds beyond it: the layernorms' fp32 statistics (16·s·b a layer)."""
+    s, micro, h, a, p = 32, 2, 64, 4, 3
+    cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=6, vocab_size=128, n_positions=s,
+                                  activation_function="gelu", attn_implementation="eager")
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+        ids = torch.randint(0, 128, (4 * micro, s))
+    state = ExplorerState(model, ids, devices=["H100"] * p, chunks=4, schedule="1f1b", checkpoint="never",
+                          optimizer=torch.optim.AdamW, mixed_precision=True)
+    names = list(state.layer_table["name"])
+    state.update(splits=[names.index("transformer.h.2"), names.index("transformer.h.4")])
+    middle = state.stage_table().iloc[1]  # transformer.h.2 and h.3: blocks only
+    block_params = sum(q.numel() for q in model.transformer.h[2].parameters())
+    per_layer = s * micro * h * (34 + 5 * a * s / h)
+    megatron = 18 * 2 * block_params + (p - 1) * 2 * per_layer
+    assert middle["param_bytes"] + middle["grad_bytes"] + middle["optimizer_bytes"] == 18 * 2 * block_params
+    assert middle["activation_bytes"] - (p - 1) * 2 * per_layer == (p - 1) * 2 * 16 * s * micro
+    assert abs(middle["peak_bytes"] - megatron) / megatron < 0.01

@@ -24,7 +24,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from pipexplore.host import host_cores
 from pipexplore.models.inputs import sample_rows
-from pipexplore.models.meta import Call, capture, layout, rows_of
+from pipexplore.models.meta import Call, capture, layout, rows_of, without_kv_cache
 from pipexplore.models.opcount import count_call
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.timing import Timer, fit_line, spread
@@ -178,6 +178,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
+@without_kv_cache
 def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch.device] = "cpu",
                       microbatch_rows: Optional[Sequence[int]] = None, repeats: int = 3, warmup: int = 1,
                       granularity: str = "blocks", loss_fn: Any = None, target: Any = None) -> pd.DataFrame:

@@ -20,6 +20,7 @@ once (:func:`pipexplore.models.opcount.count_call`), its counts shared by the id
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from pipexplore.microbatch import tensors_in
+from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
                                        flop_counter, storage_key, storage_keys, tensor_bytes)
@@ -126,6 +128,16 @@ def _cut(output: Any) -> Any:
 def _default_loss(output: Any, target: Any) -> Tensor:
     """As :func:`pipexplore.models.trace.candidates`: the mean square of the floating outputs."""
     return sum(t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())  # type: ignore
+
+
+def without_kv_cache(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function(model, ...)`` with the model's KV cache off (a Hugging Face config's ``use_cache``:
+    training never reads it; see :mod:`pipexplore.models.hf`), put back after."""
+    @functools.wraps(function)
+    def without(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with cache_off(model):
+            return function(model, *args, **kwargs)
+    return without
 
 
 def capture(model: nn.Module, sample: Any, *, granularity: str = "blocks", loss_fn: Any = None, target: Any = None,
@@ -263,6 +275,7 @@ def _params(module: nn.Module) -> tuple[int, int, int]:
             sum(p.numel() * p.element_size() for p in params if p.requires_grad))
 
 
+@without_kv_cache
 def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", microbatch_rows: Optional[int] = None,
                  loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
     """Count what each layer of ``model`` does on ``sample`` (one mini-batch as the model takes it:
