@@ -176,3 +176,16 @@ def test_memory_per_stage_is_megatrons_theoretical_memory_where_its_assumptions_
     assert middle["param_bytes"] + middle["grad_bytes"] + middle["optimizer_bytes"] == 18 * 2 * block_params
     assert middle["activation_bytes"] - (p - 1) * 2 * per_layer == (p - 1) * 2 * 16 * s * micro
     assert abs(middle["peak_bytes"] - megatron) / megatron < 0.01
+
+
+def test_a_layer_whose_flops_cannot_be_counted_is_named_and_timed_as_a_lower_bound():
+    from test_meta import Mystery  # an operator without a FLOP formula
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), Mystery(), nn.ReLU(), nn.Linear(16, 16))
+        sample = torch.empty(4, 16)
+    state = ExplorerState(model, sample, devices=["H100"] * 2, chunks=2)
+    table = state.layer_table
+    assert math.isnan(table["forward_flops"][1]) and table["uncounted"][1] == "pipexplore_test.mystery_mm"
+    assert table["forward"][1] > 0 and math.isfinite(state.figures()["step_time"])  # bytes and launches
+    assert any("Layer 1 (1): FLOPs unknown" in note and "lower bound" in note for note in state.all_notes())

@@ -56,8 +56,17 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
     rows = _rows(batch, chunks)
     counted = count_layers(model, sample, granularity=options["granularity"], microbatch_rows=rows[0],
                            loss_fn=loss_fn, target=target)
-    table = planned_layer_costs(counted, counted.attrs["ops"], kinds[0], batch=batch, microbatch_rows=rows[0])
-    table.attrs["notes"] = list(counted.attrs.get("notes", []))
+    ops = counted.attrs["ops"]
+    unknown = ops["flops"].isna()
+    if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
+        ops = ops.assign(flops=ops["flops"].fillna(0.0))
+    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0])
+    notes = list(counted.attrs.get("notes", []))
+    lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
+    if lower:
+        notes.append(f"Layer{'s' if len(lower) > 1 else ''} {', '.join(lower)}: FLOPs unknown (an operator without a "
+                     "FLOP formula); their planned time counts bytes and kernel launches only, a lower bound.")
+    table.attrs["notes"] = notes
     return table
 
 
