@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from pipexplore import validate
 
 __all__ = ["Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
            "ALIASES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
-           "link_seconds_per_byte", "link_latency", "dtype_name"]
+           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device"]
 
 Device = Union[torch.device, int, str]
 
@@ -440,3 +440,18 @@ def device_memory(device: Device) -> float:
     if resolved.type == "cuda" and torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(resolved.index or 0).total_memory)
     return math.nan
+
+
+def present_device(spec: Union[str, DeviceSpec]) -> Optional[torch.device]:
+    """A device of this machine of the same kind as catalogue ``spec`` (a CUDA device whose name
+    holds every part of the spec's: ``'A100-80GB'`` matches ``'NVIDIA A100-SXM4-80GB'``), or None:
+    where one is here, the explorer times the model's blocks on it and learns the catalogue's
+    efficiency (:func:`pipexplore.predict.roofline.fit_efficiency`)."""
+    parts = [p.lower() for p in device_spec(spec).name.split("-") if p]
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        name = torch.cuda.get_device_name(index).lower()
+        if all(part in name for part in parts):
+            return torch.device("cuda", index)
+    return None

@@ -189,3 +189,29 @@ def test_a_layer_whose_flops_cannot_be_counted_is_named_and_timed_as_a_lower_bou
     assert math.isnan(table["forward_flops"][1]) and table["uncounted"][1] == "pipexplore_test.mystery_mm"
     assert table["forward"][1] > 0 and math.isfinite(state.figures()["step_time"])  # bytes and launches
     assert any("Layer 1 (1): FLOPs unknown" in note and "lower bound" in note for note in state.all_notes())
+
+
+def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkeypatch):
+    """A planned kind that this machine has (here: a spec of this CPU, found as present) times the
+    model's blocks on it, one at a time, and learns the efficiency the catalogue's defaults guess."""
+    import pipexplore.devices as devices
+    from pipexplore.devices import DeviceSpec, register_device
+    from pipexplore.models.blockwise import profile_blockwise
+
+    register_device(DeviceSpec("ThisCPU", memory_bytes=2**34, memory_bandwidth=2e10, peak_flops={"float32": 1e11},
+                               kernel_overhead=5e-6), replace=True)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
+        sample = torch.empty(64, 256)
+    guessed = ExplorerState(model, sample, devices=["ThisCPU"] * 2, chunks=2).layer_table  # the defaults
+    monkeypatch.setattr(devices, "present_device", lambda spec: torch.device("cpu"))
+    state = ExplorerState(model, sample, devices=["ThisCPU"] * 2, chunks=2)
+    learnt = [note for note in state.all_notes() if "efficiency was learnt on cpu" in note]
+    assert len(learnt) == 1 and all(p.is_meta for p in model.parameters())
+    measured = profile_blockwise(model, sample, device="cpu", microbatch_rows=[32, 64], repeats=3)
+    planned = state.layer_table
+    took = measured["forward"] + measured["backward"]
+    ratio = float(((planned["forward"] + planned["backward"]) / took).median())
+    guess = float(((guessed["forward"] + guessed["backward"]) / took).median())
+    assert 0.5 < ratio < 2.0  # the learnt roofline lands near what the blocks take here
+    assert abs(math.log(ratio)) < abs(math.log(guess))  # and nearer than the catalogue's guess for this spec

@@ -60,14 +60,41 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
     unknown = ops["flops"].isna()
     if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
         ops = ops.assign(flops=ops["flops"].fillna(0.0))
-    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0])
-    notes = list(counted.attrs.get("notes", []))
+    efficiency, learnt = _learnt_efficiency(model, sample, options, counted, ops, kinds[0], rows, loss_fn, target)
+    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency)
+    notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
     lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
     if lower:
         notes.append(f"Layer{'s' if len(lower) > 1 else ''} {', '.join(lower)}: FLOPs unknown (an operator without a "
                      "FLOP formula); their planned time counts bytes and kernel launches only, a lower bound.")
     table.attrs["notes"] = notes
     return table
+
+
+def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], counted: pd.DataFrame,
+                       ops: pd.DataFrame, kind: str, rows: Sequence[int], loss_fn: Any, target: Any) -> tuple[Any, str]:
+    """Where a device of the planned kind is here: the model's blocks timed on it one at a time
+    (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and a
+    note says what it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
+    from pipexplore.devices import device_spec, present_device
+    from pipexplore.models.blockwise import profile_blockwise
+    from pipexplore.predict.roofline import fit_efficiency
+
+    here = present_device(kind)
+    if here is None:
+        return None, ""
+    timed = profile_blockwise(model, sample, device=here, microbatch_rows=list(rows), repeats=options["repeats"],
+                              granularity=options["granularity"], loss_fn=loss_fn, target=target)
+    at = float(ops.attrs["rows"])
+    per_kind = pd.DataFrame({"kind": counted["kind"].to_numpy(),
+                             "forward": (timed["forward_a"] + timed["forward_b"] * at).to_numpy(),
+                             "backward": (timed["backward_a"] + timed["backward_b"] * at).to_numpy()})
+    learnt = fit_efficiency(ops, per_kind.groupby("kind").median(), kind, at)
+    spec = device_spec(kind)
+    return learnt, (f"The roofline's efficiency was learnt on {here} here, a {spec.name}: "
+                    f"{learnt.flops_for('bfloat16', spec):.0%} of peak FLOP/s and {learnt.bandwidth_for(spec):.0%} "
+                    f"of memory bandwidth (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
+                    f"{spec.bandwidth_efficiency:.0%}).")
 
 
 def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...]:
