@@ -7,9 +7,9 @@ processes, the simulator):
 ``run``        a label of the step (``record(run=...)``)
 ``stage``      the partition (pipeline stage) that did the work
 ``device``     where it ran (``'cpu'``, ``'cuda:0'``)
-``microbatch`` the micro-batch index
-``phase``      ``forward``, ``backward``, ``recompute``, ``copy`` (also ``input_grad``,
-               ``weight_grad``, ``send``, ``recv`` from other executors)
+``microbatch`` the micro-batch index (``-1`` for an ``optimizer`` step: it belongs to none)
+``phase``      ``forward``, ``backward``, ``recompute``, ``copy``, ``optimizer`` (each stage's
+               update; also ``input_grad``, ``weight_grad``, ``send``, ``recv``)
 ``start``      seconds from the step's origin
 ``end``        seconds from the step's origin
 ``source``     ``measured`` or ``predicted``
@@ -18,6 +18,9 @@ processes, the simulator):
 =============  ===================================================================
 
 Peak memory per device, where the device reports it, is in ``timeline.attrs['peak_memory']``.
+
+A step is what a training loop times, from the first forward to the last optimizer update. An
+optimizer step is work of its stage (:data:`COMPUTE_PHASES`): the bubble is the time a stage does nothing.
 
 A ``record()`` block binds its recorder to the thread that opens it (a context variable): the
 pipelines that thread runs record into it, with the worker threads they start (they inherit the
@@ -38,13 +41,16 @@ import pandas as pd
 import torch
 
 __all__ = [
-    "COLUMNS", "Recorder", "record", "active_recorder", "empty_timeline", "thread_in_this_context",
+    "COLUMNS", "COMPUTE_PHASES", "OPTIMIZER_MICROBATCH", "Recorder", "record", "active_recorder", "empty_timeline",
+    "thread_in_this_context",
     "step_time", "busy_time", "bubble_fraction", "bubble_by", "throughput", "copy_overlap", "to_chrome_trace",
     "activation_memory", "ActionCounter", "counting_actions",
 ]
 
 COLUMNS = ["run", "stage", "device", "microbatch", "phase", "start", "end", "source"]
-COMPUTE_PHASES = ("forward", "backward", "recompute", "input_grad", "weight_grad")
+#: A stage's work (busy time, the bubble, actions counted); not copies, sends, receives.
+COMPUTE_PHASES = ("forward", "backward", "recompute", "input_grad", "weight_grad", "optimizer")
+OPTIMIZER_MICROBATCH = -1  # an ``optimizer`` event's micro-batch: it belongs to none
 
 Mark = Union[int, "torch.cuda.Event"]
 
@@ -77,7 +83,7 @@ def empty_timeline() -> pd.DataFrame:
 
 class ActionCounter:
     """Compute actions done per stage by every step recorded inside :func:`counting_actions`
-    (forward, backward, recompute, I, W; copies are not counted), readable from any thread while
+    (forward, backward, recompute, I, W, the optimizer step; copies are not counted), readable from any thread while
     the steps run: what a progress display shows."""
 
     def __init__(self) -> None:
@@ -303,7 +309,7 @@ def record(run: Any = 0) -> Generator[Recorder, None, None]:
 # ---- metrics: plain functions of a timeline -----------------------------------------------
 
 def step_time(timeline: pd.DataFrame) -> float:
-    """Seconds from the first event's start to the last event's end."""
+    """Seconds from the first event's start to the last event's end (a recorded step's: its last update)."""
     if timeline.empty:
         return 0.0
     return float(timeline["end"].max() - timeline["start"].min())
@@ -439,7 +445,8 @@ def to_chrome_trace(timeline: pd.DataFrame, path: Optional[str] = None) -> dict[
         lane = f"stage {row.stage}" + (" copy" if row.phase in ("copy", "send", "recv") else "")
         tid = lanes.setdefault((row.device, lane), len(lanes) + 1)
         events.append({
-            "name": f"{row.phase} {row.microbatch}", "cat": row.phase, "ph": "X",
+            "name": f"{row.phase} {row.microbatch}" if row.microbatch >= 0 else str(row.phase), "cat": row.phase,
+            "ph": "X",
             "ts": row.start * 1e6, "dur": max(0.0, row.end - row.start) * 1e6,
             "pid": pids[row.device], "tid": tid,
             "args": {"run": str(row.run), "stage": int(row.stage), "microbatch": int(row.microbatch),

@@ -219,7 +219,8 @@ def test_repeats_are_honoured_for_traced_models(traced_table, monkeypatch):
     plan = Plan(traced_table, (2,), ("cpu", "cpu"), chunks=2, schedule="1f1b", batch=8)
     result = run_step(SlowNet(0.0), torch.randn(8, 6), plan, warmup=1, repeats=5)
     assert len(steps) == 1 + 5 and len(result.measured_losses) == 5
-    assert set(result.timeline["microbatch"]) == {0, 1}  # the timeline of one step (the median's)
+    # the timeline of one step (the median's): its micro-batches, and each stage's optimizer step (-1)
+    assert set(result.timeline["microbatch"]) == {0, 1, -1}
 
 
 def _reference_losses(model: nn.Module, x: Tensor, target: Tensor, steps: int) -> list[float]:

@@ -29,7 +29,8 @@ def test_chunks_beyond_the_profiled_rows_are_refused_naming_both_numbers():
     assert table.attrs["batch"] == 2
     with pytest.raises(ValueError, match=r"chunks=4 .* 2 rows.*(profile a sample of at least 4 rows|fewer chunks)"):
         simulate(table, [1], chunks=4)
-    assert simulate(table, [1], chunks=2)["microbatch"].nunique() == 2  # what the rows make: predicted
+    micro = simulate(table, [1], chunks=2)["microbatch"]
+    assert micro[micro >= 0].nunique() == 2  # what the rows make: predicted (-1: each stage's optimizer step)
 
 
 def test_chunks_that_torch_chunk_cannot_make_exactly_are_refused_with_the_counts_that_it_can():

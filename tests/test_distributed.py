@@ -54,7 +54,11 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
         torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad)
     timeline = result.timeline
     assert set(timeline["stage"]) == set(range(len(splits) + 1)) and set(timeline["source"]) == {"measured"}
-    assert (timeline.groupby("phase").size() == 4 * (len(splits) + 1)).all()  # each micro-batch, each stage
+    compute = timeline[timeline["phase"] != "optimizer"]
+    assert (compute.groupby("phase").size() == 4 * (len(splits) + 1)).all()  # each micro-batch, each stage
+    steps = timeline[timeline["phase"] == "optimizer"]  # and each stage's optimizer step, the step's last work
+    assert sorted(steps["stage"]) == list(range(len(splits) + 1)) and (steps["microbatch"] == -1).all()
+    assert timeline["end"].max() == steps["end"].max()
     assert timeline["start"].min() == 0.0
 
 

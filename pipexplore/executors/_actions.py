@@ -162,6 +162,10 @@ class ActionExecutor:
         self._abort: Optional[threading.Event] = None
         self._aborted = False
 
+    def stage_parameters(self) -> list[list[nn.Parameter]]:
+        """Each stage's parameters, stage by stage (what each stage's optimizer steps)."""
+        return [list(module.parameters()) for module in self.stage_modules]
+
     @property
     def worker_devices(self) -> list[torch.device]:
         """The device of each worker thread (one per stage; one per device for ``interleaved``)."""

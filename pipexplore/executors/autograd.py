@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-from pipexplore.executors.base import RunResult, StepJob, make_optimizer, measure, result, synthetic_loss
+from pipexplore.executors.base import RunResult, StageOptimizers, StepJob, measure, result, synthetic_loss
 from pipexplore import validate
 from pipexplore.gpipe import GPipe
 from pipexplore.microbatch import to_device
@@ -20,7 +20,8 @@ def run(job: StepJob) -> RunResult:
                  chunks=plan.chunks, checkpoint=plan.checkpoint)
     pipe.train()
     loss_fn = job.loss_fn or synthetic_loss
-    optimizer = make_optimizer(job.optimizer, pipe.parameters())
+    # One optimizer per partition, stepped in stage order after backward() (each step recorded).
+    optimizer = StageOptimizers(job.optimizer, [list(p.parameters()) for p in pipe.partitions], pipe.devices)
     x = to_device(job.sample, pipe.devices[0])
     y = to_device(job.target, pipe.devices[-1])
 

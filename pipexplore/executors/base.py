@@ -16,7 +16,7 @@ from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
-           "synthetic_loss", "make_optimizer", "all_finite"]
+           "synthetic_loss", "make_optimizer", "StageOptimizers", "all_finite"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -31,6 +31,55 @@ def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
 def make_optimizer(factory: Optional[OptimizerFactory], parameters: Any) -> torch.optim.Optimizer:
     """The user's optimizer on ``parameters``, or SGD (lr 0.01)."""
     return (factory or (lambda params: torch.optim.SGD(params, lr=0.01)))(parameters)
+
+
+class StageOptimizers:
+    """One optimizer per stage (``factory`` applied to each stage's parameters), stepped in stage
+    order, each step recorded as the stage's ``optimizer`` event (micro-batch -1) on its device
+    with the recorder of the enclosing :func:`pipexplore.record` (CUDA events on a GPU, the host
+    clock on the CPU): the step a training loop times ends at the last update.
+
+    For optimizers that treat each parameter on its own (SGD, momentum, Adam, AdamW, …) this is
+    the same update as one optimizer over all the parameters. An optimizer that couples parameters
+    across stages (a global gradient-norm clip inside it, LAMB-style trust ratios over groups
+    spanning stages) is stepped per stage, as pipeline engines step theirs (each stage, or rank,
+    owns its parameters' optimizer). A stage without parameters gets no optimizer, but its (empty)
+    step is still recorded; a parameter shared by several stages is stepped by the first.
+
+    Example::
+
+        optimizers = StageOptimizers(lambda p: torch.optim.Adam(p), executor.stage_parameters(),
+                                     executor.stage_devices)
+        optimizers.zero_grad(); executor.step(x); optimizers.step()
+    """
+
+    def __init__(self, factory: Optional[OptimizerFactory], stage_parameters: Sequence[Sequence[torch.nn.Parameter]],
+                 devices: Sequence[Any]) -> None:
+        if len(stage_parameters) != len(devices):
+            raise ValueError(f"{len(stage_parameters)} stages' parameters, but {len(devices)} devices")
+        seen: set[int] = set()
+        owned = []
+        for params in stage_parameters:
+            mine = [p for p in params if id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            owned.append(mine)
+        self.devices = [torch.device(d) for d in devices]
+        self.optimizers = [make_optimizer(factory, params) if params else None for params in owned]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """Step every stage's optimizer in stage order, each recorded as its stage's ``optimizer`` event."""
+        recorder = tl.active_recorder()
+        for stage, (optimizer, device) in enumerate(zip(self.optimizers, self.devices)):
+            start = recorder.mark(device) if recorder is not None else None
+            if optimizer is not None:
+                optimizer.step()
+            if recorder is not None:
+                recorder.add(stage, device, tl.OPTIMIZER_MICROBATCH, "optimizer", start, recorder.mark(device))
 
 
 @dataclass
@@ -114,16 +163,18 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
 def train_and_measure(executor: Any, plan: Plan, sample: Any, target: Any = None,
                       optimizer: Optional[OptimizerFactory] = None, *, warmup: int = 1, run: Any = 0,
                       repeats: int = 3, after_backward: Optional[Callable[[], None]] = None) -> RunResult:
-    """Train an in-process executor's stages (its ``step``, ``parameters``, ``stage_devices`` and
-    ``worker_devices``) on ``sample``: ``warmup`` steps, then ``repeats`` measured ones
-    (:func:`measure`: the median step's timeline, the first step's loss), each with an optimizer
-    step (``optimizer(parameters)``, default SGD); ``after_backward()`` runs before it.
+    """Train an in-process executor's stages (its ``step``, ``parameters``, ``stage_parameters``,
+    ``stage_devices`` and ``worker_devices``) on ``sample``: ``warmup`` steps, then ``repeats``
+    measured ones (:func:`measure`: the median step's timeline, the first step's loss), each ending
+    with one optimizer step per stage (``optimizer(stage parameters)``, default SGD: a
+    :class:`StageOptimizers`, stepped in stage order once the workers are done, each recorded as
+    the stage's ``optimizer`` event); ``after_backward()`` runs before them.
 
     Example::
 
         result = train_and_measure(ScheduleExecutor(model, [2, 2], chunks=4), plan, x, warmup=1, repeats=3)
     """
-    opt = make_optimizer(optimizer, executor.parameters())
+    opt = StageOptimizers(optimizer, executor.stage_parameters(), executor.stage_devices)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)

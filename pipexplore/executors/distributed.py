@@ -8,7 +8,8 @@ stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (note
 lambdas and closures included). Each rank builds its stage(s) with ``PipelineStage`` and runs
 the torch schedule for the plan; it times each stage's ``forward_one_chunk``,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the host clock, which all processes
-on one machine share, and sends its events back. A rank that raises, dies or hangs fails the run
+on one machine share, then steps each of its stages' optimizers (one per stage) and times that
+too (phase ``optimizer``, micro-batch -1), and sends its events back. A rank that raises, dies or hangs fails the run
 with a :class:`DistributedRunError` naming it; every process is reaped and the pool rebuilt. So
 does a cancelled run (:class:`~pipexplore.cancel.Cancelled`, within a poll of the ranks) and a
 KeyboardInterrupt. The loss reported is the first step's (at the model's weights), as in every
@@ -105,7 +106,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     device = torch.device(job["devices"][rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    stages, params = [], []
+    stages, params = [], []  # params: each of this rank's stages' parameters, stage by stage
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it.
         from pipexplore.models.trace import split
@@ -116,14 +117,14 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         indices = list(range(rank, num_stages, world))
         for s in indices:
             stage = pipe.build_stage(s, device)
-            params += list(stage.submod.parameters())
+            params.append(list(stage.submod.parameters()))
             stages.append(stage)
     else:
         num_stages = job["num_stages"]
         indices = sorted(job["stages"])
         for s in indices:
             module = job["stages"][s].to(device)
-            params += list(module.parameters())
+            params.append(list(module.parameters()))
             stages.append(PipelineStage(module, s, num_stages, device))
     spans: list = []
     for stage in stages:
@@ -141,7 +142,9 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         loss_fn = lambda output, target: user_loss(model_output(output, spec), target)  # noqa: E731
     schedule = getattr(schedules, name)(stages if name in MULTI_STAGE else stages[0], n_microbatches=job["chunks"],
                                         loss_fn=loss_fn)
-    optimizer = job["optimizer"](params)
+    # One optimizer per stage (as the in-process executors have them): this rank steps its own once
+    # its schedule is done, each timed as the stage's "optimizer" event.
+    optimizers = [job["optimizer"](stage_params) if stage_params else None for stage_params in params]
     has_first, has_last = 0 in indices, num_stages - 1 in indices
     # The model's inputs as it takes them (positional and keyword); torch's schedule cuts each into
     # micro-batches and feeds the first stage.
@@ -155,7 +158,9 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     grads = None
     last = job["warmup"] + job.get("repeats", 1) - 1
     for step in range(last + 1):
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
         spans.clear()
         losses = []
         dist.barrier()
@@ -165,13 +170,19 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         schedule.step(*args, **inputs, **kwargs)
         if step == 0:  # at the model's weights, before any optimizer step: the loss the run reports
             first_losses = [float(loss.detach()) for loss in losses]
-        if step >= job["warmup"]:  # a measured step: its events and its micro-batches' losses
-            measured_spans.append(list(spans))
-            measured_losses.append([float(loss.detach()) for loss in losses])
         if job["return_grads"] and step == last:
             grads = {f"{s}.{n}": p.grad.detach().cpu() for s, st in zip(indices, stages)
                      for n, p in st.submod.named_parameters() if p.grad is not None}
-        optimizer.step()
+        for s, optimizer in zip(indices, optimizers):  # the step ends at the last update
+            start = time.perf_counter()
+            if optimizer is not None:
+                optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spans.append((s, str(device), -1, "optimizer", start, time.perf_counter()))
+        if step >= job["warmup"]:  # a measured step: its events and its micro-batches' losses
+            measured_spans.append(list(spans))
+            measured_losses.append([float(loss.detach()) for loss in losses])
     dist.barrier()  # every rank done before the next run may start sending
     # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
     buffer = io.BytesIO()

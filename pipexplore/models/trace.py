@@ -125,7 +125,7 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, Any]] = None,
                granularity: str = "blocks", loss_fn: Any = None, target: Any = None, repeats: int = 3,
-               warmup: int = 1) -> pd.DataFrame:
+               warmup: int = 1, optimizer: Any = None, time_optimizer: bool = True) -> pd.DataFrame:
     """Profile each candidate split point (:func:`candidate_modules`) as it runs in the model.
 
     ``sample`` is one mini-batch as the model takes it: a tensor, a tuple of positional inputs or
@@ -140,6 +140,11 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
     candidates (an output consumed by a later, non-adjacent candidate), and ``shared`` naming
     parameters used by several candidates (tied weights). Times are medians over ``repeats``.
+    ``optimizer``: seconds of one step of ``optimizer(parameters)`` (the factory a run uses;
+    default SGD, lr 0.01) over the candidate's parameters, timed on copies of them
+    (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`; a tied weight counts in every
+    candidate that holds it, as each stage steps its own copy); ``time_optimizer=False`` leaves it
+    out (a caller that has it already).
 
     Example::
 
@@ -261,7 +266,12 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
             "stash": ",".join(stash), "pop": ",".join(pop), "stash_keys": ",".join(stash), "pop_keys": ",".join(pop),
             "shared": ",".join(sorted(set(shared[k]))), "order": position[k],
         })
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    if time_optimizer:  # the update at the end of a step, over each candidate's parameters
+        from pipexplore.predict.optimizer_cost import optimizer_seconds
+
+        table["optimizer"] = optimizer_seconds([blocks[k][1] for k in order], optimizer, repeats=repeats)
+    return table
 
 
 def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
@@ -307,8 +317,8 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
         part = first_microbatch(sample, chunks)
         part_rows = sample_rows(part)
         part_target = target[:part_rows] if torch.is_tensor(target) and target.dim() > 0 else target
-        if part_rows < batch:
-            tables.insert(0, candidates(model, part, target=part_target, **options))
+        if part_rows < batch:  # (the optimizer's cost has no rows: the whole sample's table has it)
+            tables.insert(0, candidates(model, part, target=part_target, **{**options, "time_optimizer": False}))
             rows.insert(0, part_rows)
     table = whole.copy()
     fit_columns(table, tables, rows)

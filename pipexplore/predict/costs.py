@@ -19,16 +19,22 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-__all__ = ["PHASE_SOURCE", "COST_SOURCE", "Corrections", "microbatch_rows", "layer_seconds", "stage_seconds",
-           "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap", "lanes_of"]
+__all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "Corrections", "microbatch_rows", "layer_seconds",
+           "stage_seconds", "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap",
+           "lanes_of"]
 
 #: Which profiled phase each simulated phase costs as, and the share of it.
 PHASE_SOURCE = {"forward": ("forward", 1.0), "recompute": ("forward", 1.0), "backward": ("backward", 1.0),
                 "input_grad": ("backward", 0.5), "weight_grad": ("backward", 0.5)}
-#: What :func:`layer_seconds` costs: the phases, and a checkpointed micro-batch's forward, which
+#: What :func:`layer_seconds` costs: the phases, a checkpointed micro-batch's forward, which
 #: keeps nothing for backward (it runs without autograd): the forward times the profiled
-#: ``checkpointed_ratio`` (1 where the table does not say).
-COST_SOURCE = {**PHASE_SOURCE, "checkpointed": ("forward", 1.0)}
+#: ``checkpointed_ratio`` (1 where the table does not say), and the optimizer step over the
+#: layer's parameters (the table's ``optimizer`` column: the same at any micro-batch size; 0 where
+#: the table has none).
+COST_SOURCE = {**PHASE_SOURCE, "checkpointed": ("forward", 1.0), "optimizer": ("optimizer", 1.0)}
+#: The phases a run teaches (:meth:`Corrections.learn`): the profiled compute phases and the
+#: optimizer step.
+LEARNT_PHASES = (*PHASE_SOURCE, "optimizer")
 
 
 #: The most one run may scale a layer's cost, either way.
@@ -63,8 +69,14 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     ``rows`` is then the micro-batch's fraction of the profiled batch when the table says no batch.
     Zero-bubble's ``input_grad`` and ``weight_grad`` are the backward times the profiled
     ``input_grad_ratio``/``weight_grad_ratio`` (half each where the table does not say), and a
-    ``checkpointed`` forward (without autograd) the forward times ``checkpointed_ratio``.
+    ``checkpointed`` forward (without autograd) the forward times ``checkpointed_ratio``. The
+    ``optimizer`` step is the table's ``optimizer`` column whatever the rows (it works on the
+    parameters, not the batch; 0 where the table has no such column, or NaN).
     """
+    if phase == "optimizer":
+        if "optimizer" not in table:
+            return np.zeros(len(table))
+        return np.nan_to_num(table["optimizer"].to_numpy(dtype=float), nan=0.0)
     source = COST_SOURCE[phase][0]
     share = _source_share(table, phase)
     if has_fit(table):
@@ -181,7 +193,8 @@ class Corrections:
 
         Per stage and phase, the measured seconds over the predicted seconds (both with the
         contention of that run) rescale the factor of every layer in the stage (a run of
-        zero-bubble's I and W also rescales the whole backward B, and a run of B rescales I and W);
+        zero-bubble's I and W also rescales the whole backward B, and a run of B rescales I and W;
+        the optimizer step, one per stage, rescales the layers' ``optimizer`` seconds);
         the executor's gap is the median time a worker spent between actions beyond waiting for
         inputs.
         """
@@ -194,8 +207,8 @@ class Corrections:
             both = both[~(first & (both["phase"] == "weight_grad"))]
             both.loc[first & (both["phase"] == "input_grad"), "phase"] = "backward"
         scales = {k: v.copy() for k, v in self.scales.items()}
-        taught = {phase: np.zeros(len(table), dtype=bool) for phase in PHASE_SOURCE}
-        for phase in PHASE_SOURCE:
+        taught = {phase: np.zeros(len(table), dtype=bool) for phase in LEARNT_PHASES}
+        for phase in LEARNT_PHASES:
             rows = both[both["phase"] == phase]
             if rows.empty:
                 continue
@@ -254,7 +267,7 @@ def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:
-    compute = frame[frame["phase"].isin(list(PHASE_SOURCE))]
+    compute = frame[frame["phase"].isin(list(LEARNT_PHASES))]
     return compute.assign(seconds=compute["end"] - compute["start"])[["stage", "microbatch", "phase", "seconds"]]
 
 

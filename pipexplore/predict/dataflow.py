@@ -16,7 +16,9 @@ and the event loop of :func:`pipexplore.simulate` models the slowdown instead.
 
 An action's inputs, as :func:`pipexplore.simulate` runs them: a forward's is the previous stage's
 forward of its micro-batch; a backward's (input-grad's, recompute's) are its own forward and the
-next stage's backward (input-grad) of the micro-batch; a weight-grad's is its own input-grad.
+next stage's backward (input-grad) of the micro-batch; a weight-grad's is its own input-grad; an
+optimizer step's (``O``, one per stage, micro-batch ``-1``) is its stage's last backward-side
+action (B, I or W) in its worker's order.
 """
 from __future__ import annotations
 
@@ -32,12 +34,16 @@ try:  # the compiled longest path (built by setup.py); the array passes below wh
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 
-__all__ = ["ActionGraph", "oversubscribed", "KINDS", "FORWARD", "BACKWARD", "RECOMPUTE", "INPUT_GRAD", "WEIGHT_GRAD"]
+__all__ = ["ActionGraph", "oversubscribed", "KINDS", "FORWARD", "BACKWARD", "RECOMPUTE", "INPUT_GRAD", "WEIGHT_GRAD",
+           "OPTIMIZER", "OPTIMIZER_MICRO"]
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
-KINDS = ("F", "B", "R", "I", "W")
+#: Forward, backward, recompute, input- and weight-gradient, and the stage's optimizer step.
+KINDS = ("F", "B", "R", "I", "W", "O")
 #: The kind numbers of the graph's arrays.
-FORWARD, BACKWARD, RECOMPUTE, INPUT_GRAD, WEIGHT_GRAD = range(len(KINDS))
+FORWARD, BACKWARD, RECOMPUTE, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER = range(len(KINDS))
+#: The micro-batch number of an optimizer step (it belongs to none), in the graph and in timelines.
+OPTIMIZER_MICRO = -1
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,8 +94,17 @@ class ActionGraph:
                 raise ValueError(f"{waiting} waits for {action}, which no worker runs")
             return number[action]
 
+        # Each stage's last backward-side action (B, I or W) in its worker's order: what its optimizer
+        # step waits for (a stage's backward-side actions all run on one worker).
+        last_backward: dict[int, int] = {}
+        for n, (s, kind, _) in enumerate(actions):
+            if kind in ("B", "I", "W"):
+                last_backward[s] = n
         for n, (s, kind, i) in enumerate(actions):
-            if kind == "F":
+            if kind == "O":
+                if s in last_backward:
+                    first[n] = last_backward[s]
+            elif kind == "F":
                 if s > 0:
                     first[n] = numbered((s - 1, "F", i), actions[n])
             elif kind == "W":

@@ -18,10 +18,12 @@ from pipexplore.predict.sharing import Records
 from pipexplore.schedules import PHASES
 from pipexplore.timeline import lexsort
 
-__all__ = ["PHASE_NAMES", "graph_frame", "records_frame", "timeline_frame", "held_activations"]
+__all__ = ["PHASE_NAMES", "KIND_PHASES", "graph_frame", "records_frame", "timeline_frame", "held_activations"]
 
+#: The timeline phase of each of the graph's kind letters: the schedule's, and ``optimizer``.
+KIND_PHASES = {**PHASES, "O": "optimizer"}
 #: Phase names by the graph's kind numbers, then ``copy``.
-PHASE_NAMES = np.array([*(PHASES[k] for k in KINDS), "copy"], dtype=object)
+PHASE_NAMES = np.array([*(KIND_PHASES[k] for k in KINDS), "copy"], dtype=object)
 _PHASE_INDEX = pd.Index(PHASE_NAMES)
 
 
@@ -70,12 +72,12 @@ def held_activations(frame: pd.DataFrame, kind: np.ndarray, costs: pd.DataFrame,
                      stop: int) -> np.ndarray:
     """Activation bytes each stage holds after each event (``kind``: each row's phase number): a
     forward keeps its activations (only its input when checkpointed), a recompute brings them back,
-    the backward (input-grad) frees them. Copies and weight-grads change nothing."""
+    the backward (input-grad) frees them. Copies, weight-grads and optimizer steps change nothing."""
     act = costs["activation_bytes"].to_numpy()
     inp = costs["input_bytes"].to_numpy()
     stage = frame["stage"].to_numpy()
     micro = frame["microbatch"].to_numpy()
-    share = fractions[micro]
+    share = fractions[np.maximum(micro, 0)]  # (an optimizer step's micro-batch, -1, holds nothing)
     checkpointed = micro < stop
     kept = np.where(checkpointed, inp[stage], act[stage])  # what a forward keeps
     freed = act[stage] + np.where(checkpointed, inp[stage], 0.0)  # what a backward (I) frees

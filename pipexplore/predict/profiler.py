@@ -16,6 +16,7 @@ from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_wo
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
+from pipexplore.predict.optimizer_cost import optimizer_seconds
 from pipexplore.predict.ratios import checkpointed_ratio as _checkpointed_ratio
 from pipexplore.predict.ratios import contended_slowdown as _contended_slowdown
 from pipexplore.predict.ratios import split_backward as _split_backward
@@ -298,7 +299,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
             progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
-            same_work_once: bool = True, split_backward: bool = True) -> pd.DataFrame:
+            same_work_once: bool = True, split_backward: bool = True,
+            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
@@ -336,8 +338,11 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     its device a phase keeps busy when it runs alone, measured beside a twin thread doing the same
     work, and on the host capped by CPU time over wall time; ``spread`` is the worst
     interquartile range over the median); ``stash`` and ``pop`` (skip names) and
-    ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``). ``table.attrs['rows']``
-    lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
+    ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``); ``optimizer``: seconds of
+    one step of ``optimizer(parameters)`` (the factory a run uses; default SGD, lr 0.01) over the
+    layer's parameters, timed on copies of them (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`:
+    the model is not changed), what each stage's update at the end of a step costs.
+    ``table.attrs['rows']`` lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
 
     ``threads``: the intra-op threads each layer runs with (``torch.set_num_threads`` for the
     profile only; default: torch's current setting), as a CPU stage will run it when several share
@@ -384,6 +389,10 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         # timed (see pipexplore.host.as_stage_worker: in the main thread they would run faster).
         in_worker = stage_worker_matters(target)
         per_size = as_stage_worker(timed) if in_worker else timed()
+        # The update at the end of a step: stepped by the caller's thread (in-process executors)
+        # or each rank's, with the threads the stages run with.
+        updates = optimizer_seconds(list(module.children()), optimizer,
+                                    repeats=1 if _spent(deadline) else repeats, same_work_once=same_work_once)
     module.train(training)
 
     table = per_size[-1].copy()
@@ -399,7 +408,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     table["saved_bytes_per_row"] = table["saved_bytes"] / last
     table["output_bytes"] = table["output_bytes_per_row"] * batch
     table["saved_bytes"] = table["saved_bytes_per_row"] * batch
-    table = table[LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS]
+    table["optimizer"] = updates
+    table = table[LAYER_COLUMNS + ["saved_bytes", "optimizer"] + FIT_COLUMNS]
     table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target), threads=used_threads,
                        backward_split=split_backward, timed_in="a worker thread" if in_worker else "this thread")
     return table

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.predict.costs import COST_SOURCE, layer_seconds
-from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD
+from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, OPTIMIZER
 from pipexplore.predict.simulator import COSTED, PHASE_NAMES, loop_layout, prepare_step
 
 __all__ = ["retime_model", "retime_key"]
@@ -51,15 +51,17 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
                  bubble_by: str = "stage", **options: Any) -> dict[str, Any]:
     """The split-independent part of ``simulate(layer_table, splits, **options)`` as plain data.
 
-    Per layer, kind (``F B R I W``, then ``C``: a checkpointed micro-batch's forward, for
-    micro-batches ``0 … stop-1``) and distinct micro-batch size: ``seconds`` (the layer's cost,
+    Per layer, kind (``F B R I W O``, then ``C``: a checkpointed micro-batch's forward, for
+    micro-batches ``0 … stop-1``; ``O``, the optimizer step, is the same at every size, and its
+    actions' micro-batch is -1) and distinct micro-batch size: ``seconds`` (the layer's cost,
     corrections applied, float64, kind-major then size then layer), and where the table has shares,
     ``raw`` (uncorrected seconds) and ``weighted`` (``raw`` × the layer's share of its device): a
     stage asks for ``Σ weighted / Σ raw`` of its layers. Per stage: ``resource`` (its device's
     number), ``share_cap``; per boundary ``copy_rates`` (seconds per byte) and per layer
     ``out_bytes``; per kind ``extra``, the seconds an action holds beyond its layers. The graph:
     per action ``first``, ``second`` (input action numbers, ``n`` = none), ``stage``, ``kind``,
-    ``micro``; per worker ``queue_len``; per stage the workers that run it (``lanes_at``,
+    ``micro``; ``optimizer``: whether the graph ends with optimizer steps (micro-batch -1); per
+    worker ``queue_len``; per stage the workers that run it (``lanes_at``,
     ``lanes``: :func:`~pipexplore.predict.sharing.loop_layout`); ``kind_names``: the phase of each kind
     number, then a copy's. ``samples``: the batch's rows (throughput); ``bubble_by``: the bubble
     per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
@@ -96,6 +98,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "resource": _i32(resource), "free": devices,
         "first": _i32(graph.first), "second": _i32(graph.second), "stage": _i32(graph.stage),
         "kind": np.ascontiguousarray(graph.kind, dtype=np.uint8).tobytes(), "micro": _i32(graph.micro),
+        "optimizer": bool((graph.kind == OPTIMIZER).any()),
         "queue_len": _i32([len(q) for q in graph.queues]),
         "lanes_at": _i32(lanes_at), "lanes": _i32(lanes),
         "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD, "kind_names": list(PHASE_NAMES),

@@ -1,7 +1,8 @@
 """Predicted timelines: replay a schedule over per-layer costs, with stages sharing devices.
 
 Each stage gets an ordered list of actions — ``F`` forward, ``B`` backward, ``R`` recompute
-(checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch, run by
+(checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble) — per micro-batch, then
+``O``, its optimizer step (where the table costs one), run by
 a *worker* as the executor has them: one per stage (one per device for interleaved), and for the
 autograd-driven ``GPipe`` the backward of each device on one more (autograd's engine thread). An
 action starts when its worker is free and its inputs have arrived (plus the copy between
@@ -34,11 +35,11 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.host import host_cores
-from pipexplore.predict.dataflow import FORWARD, KINDS, ActionGraph, oversubscribed
+from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionGraph, oversubscribed
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
-from pipexplore.predict.frames import PHASE_NAMES, graph_frame, held_activations, records_frame
+from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
-from pipexplore.schedules import PHASES, SCHEDULES, interleaved_order, stage_orders, worker_devices
+from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
 from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
@@ -51,9 +52,10 @@ __all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Se
            "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]
 
 #: What a prediction costs per stage, by kind letter: the cost phase (:func:`pipexplore.predict.costs.layer_seconds`)
-#: and the phase whose learnt corrections apply. The graph's kinds, then ``C``: the forward of a
+#: and the phase whose learnt corrections apply. The graph's kinds (``O``: the stage's optimizer
+#: step, the table's ``optimizer`` column summed over its layers), then ``C``: the forward of a
 #: checkpointed micro-batch (no autograd), corrected as the forward (runs teach the forward from both).
-COSTED = {**{kind: (phase, phase) for kind, phase in PHASES.items()}, "C": ("checkpointed", "forward")}
+COSTED = {**{kind: (KIND_PHASES[kind], KIND_PHASES[kind]) for kind in KINDS}, "C": ("checkpointed", "forward")}
 
 # Seconds per byte between devices when the caller gives none (~20 GB/s GPU↔GPU, ~10 GB/s host↔GPU).
 DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
@@ -61,13 +63,17 @@ DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
 
 @functools.lru_cache(maxsize=16)
 def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpointed: int, virtual_stages: int = 2,
-                   resources: Optional[tuple[str, ...]] = None) -> ActionGraph:
+                   resources: Optional[tuple[str, ...]] = None, optimizer: bool = False) -> ActionGraph:
     """The actions of one step, per worker in the order it runs them, and what each waits for.
 
     ``checkpointed``: micro-batches ``0 … checkpointed-1`` recompute their forward right before their
     backward. ``resources``: what each stage's device shares (the autograd executor runs the
-    backward of each on one worker). Depends on the schedule's shape only, so it is cached: moving
-    a split re-times the same graph.
+    backward of each on one worker). ``optimizer``: the step ends with one optimizer step per stage
+    (``O``, after the stage's last backward-side action), as the executors run them: in
+    ``processes`` each rank steps its own stages' at the end of its worker's queue; the in-process
+    executors (``threads``, ``autograd``) step them one after another, in stage order, on one more
+    worker (the caller's thread, once the workers are done). Depends on the schedule's shape only,
+    so it is cached: moving a split re-times the same graph.
     """
     S = stages
     if schedule == "interleaved":
@@ -87,6 +93,13 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
     lane_queues = [[a for s, kind, i in queue
                     for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
                    for queue in lane_queues]
+    if optimizer:
+        steps = [(s, "O", OPTIMIZER_MICRO) for s in range(S)]
+        if executor == "processes":  # each rank steps its stages' optimizers once its schedule is done
+            for queue in lane_queues:
+                queue += [step for step in steps if step[0] in {s for s, _, _ in queue}]
+        else:  # the caller's thread, once the workers are done: stage after stage
+            lane_queues.append(steps)
     return ActionGraph.build(lane_queues, S, "I" if schedule == "zero-bubble" else "B")
 
 
@@ -142,7 +155,12 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             phase in the rows ``n`` of a micro-batch, and the share of its device each phase
             keeps busy (``share_forward``, ``share_backward``; 1 where the table does not say).
             A table of whole-batch seconds only (``forward``, ``backward``) is taken as
-            proportional to the rows.
+            proportional to the rows. Where it has an ``optimizer`` column (seconds of the
+            optimizer's step over each layer's parameters, as ``profile`` times it), the step
+            ends with each stage's update (phase ``optimizer``, micro-batch -1) after its last
+            backward-side action: on the caller's thread in stage order for the in-process
+            executors, on each rank for ``processes``; without one, no update is predicted.
+            An update is its stage's work in the bubble (:mod:`pipexplore.timeline`).
         splits: layers that begin a stage.
         chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it (refused
             where it makes fewer: more chunks than rows, or chunks that do not split them exactly).
@@ -319,8 +337,11 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
         if len(stage_device) != S:
             raise ValueError(f"{S} stages need {S} devices, got {len(stage_device)}")
     resource = [_resource(d) for d in stage_device]
+    # A table that says what each layer's optimizer step costs (``optimizer``) ends the step with one
+    # per stage; one that does not (older tables, tables written by hand) predicts none, as before.
     graph = schedule_graph(schedule, S, m, executor=executor, checkpointed=stop, virtual_stages=virtual_stages,
-                           resources=tuple(resource) if executor == "autograd" else None)
+                           resources=tuple(resource) if executor == "autograd" else None,
+                           optimizer="optimizer" in layer_table)
 
     host = np.array([_is_host(d) for d in stage_device])
     cores = host_cores()
@@ -333,9 +354,11 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     if cpu_stages_overlap:
         share_cap = np.where(host, 0.0, share_cap)
     # Every action's span also holds the executor's own bookkeeping (a what-if, and as probed per
-    # phase; "C", a checkpointed forward, as a forward).
-    extra = {kind: action_overhead + (corrections.overhead(executor, corrected_as) if corrections is not None
-                                      else 0.0) for kind, (_, corrected_as) in COSTED.items()}
+    # phase; "C", a checkpointed forward, as a forward). Not an optimizer step: the executors time
+    # optimizer.step() alone, outside their actions.
+    extra = {kind: 0.0 if kind == "O" else action_overhead + (
+        corrections.overhead(executor, corrected_as) if corrections is not None else 0.0)
+        for kind, (_, corrected_as) in COSTED.items()}
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
                  resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
@@ -380,7 +403,7 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
     checkpointed micro-batch (``micro < stop``)."""
     by_size = sorted({rows for _, rows in seconds})
     stage, micro, kind = graph.stage, graph.micro, graph.kind
-    size = size_index[micro]
+    size = size_index[np.maximum(micro, 0)]  # (an optimizer step's micro-batch is -1: its cost has no rows)
     took = np.array([[seconds[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
     asked = np.array([[demand[(k, rows)] for rows in by_size] for k in KINDS])[kind, size, stage]
     if stop and ("C", by_size[0]) in seconds:

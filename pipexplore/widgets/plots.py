@@ -15,10 +15,13 @@ __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "TimelineV
 PHASE_COLORS = {
     "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
     "input_grad": "#ff9d9a", "weight_grad": "#b07aa1", "send": "#76b7b2", "recv": "#59a14f",
+    "optimizer": "#edc948",
 }
 PHASES = list(PHASE_COLORS)
-#: The letter on a block (with its micro-batch), where it fits: F3, B3, I3, W3, R3.
-PHASE_LETTERS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W", "recompute": "R"}
+#: The letter on a block (with its micro-batch), where it fits: F3, B3, I3, W3, R3; U for a stage's
+#: optimizer step (the update: it belongs to no micro-batch).
+PHASE_LETTERS = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W", "recompute": "R",
+                 "optimizer": "U"}
 #: One colour per stage, as in the split strip.
 STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"]
 

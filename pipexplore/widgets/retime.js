@@ -79,7 +79,8 @@ class Heap {
 // Per action: seconds, share of its device, copy of its input, and the waits after its first and
 // second input, for the stage boundaries `points` ([0, ...splits, layers]), as simulate() has them.
 function actionCosts(m, points) {
-  const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = 6;  // F B R I W, then C (checkpointed F)
+  // The graph's kinds (F B R I W O), then C (a checkpointed F): as many as the model has extras.
+  const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = m.extra.length, C = K - 1;
   const sums = (values, offset) => {  // per stage, the sum of a layer array (running totals, as numpy's)
     const total = new Float64Array(L + 1);
     for (let l = 0; l < L; l++) total[l + 1] = total[l] + values[offset + l];
@@ -111,8 +112,9 @@ function actionCosts(m, points) {
   const seconds = new Float64Array(n), share = new Float64Array(n);
   const edge = (b, i) => m.copy_rates[b] * m.out_bytes[points[b + 1] - 1] * m.fractions[i];
   for (let a = 0; a < n; a++) {
-    const s = m.stage[a], i = m.micro[a], z = m.size_of_micro[i];
-    const k = m.kind[a] === m.forward && i < m.stop ? 5 : m.kind[a];
+    // (an optimizer step's micro-batch is -1: its cost has no rows)
+    const s = m.stage[a], i = m.micro[a], z = i < 0 ? 0 : m.size_of_micro[i];
+    const k = m.kind[a] === m.forward && i < m.stop ? C : m.kind[a];
     seconds[a] = took[k * Z + z][s];
     share[a] = asked[k * Z + z][s];
     if (m.kind[a] === m.forward && s > 0) {
@@ -272,7 +274,7 @@ function bubbleOf(rows, m, order, offsets, laneKey, total) {
 
 // The plan with `splits` re-timed: the predicted panel's blocks (as block_panel lays them out:
 // by lane, then start), its step (ms) and bubble. `panel` supplies each stage's lane (`lane_of`)
-// and the phase code of each kind and of a copy (`codes`: F B R I W, then copy).
+// and the phase code of each kind and of a copy (`codes`: F B R I W O, then copy).
 function retime(m, splits, panel) {
   const S = m.stages, L = m.layers;
   if (splits.length !== S - 1) throw new Error(`${S} stages need ${S - 1} splits, got ${splits.length}`);
@@ -306,12 +308,12 @@ function retime(m, splits, panel) {
   const start = new Float32Array(n), stop = new Float32Array(n), phase = new Uint8Array(n);
   const micro = panel.micro_bytes === 4 ? new Int32Array(n) : new Uint16Array(n);
   const codes = Uint8Array.from(panel.codes), kinds = m.kind, micros = m.micro, action = rows.action;
-  const ends = rows.end, copied = rows.copy;
+  const ends = rows.end, copied = rows.copy, copyCode = codes[codes.length - 1];
   for (let i = 0; i < n; i++) {
     const r = order[i], a = action[r];
     start[i] = (starts[r] - origin) * 1e3;
     stop[i] = (ends[r] - origin) * 1e3;
-    phase[i] = codes[copied[r] ? 5 : kinds[a]];
+    phase[i] = copied[r] ? copyCode : codes[kinds[a]];
     micro[i] = micros[a];
   }
   const keyOf = panel.bubble_key || Array.from({ length: S }, (_, s) => s);

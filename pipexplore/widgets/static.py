@@ -136,9 +136,10 @@ def _block_paths(frame: pd.DataFrame, lane_of: Mapping[str, int], origin: float,
             x0 = left + (row.start - origin) * 1e3 * scale
             w = max(0.3, (row.end - row.start) * 1e3 * scale)
             path.append(f"M{x0:.1f} {y}h{w:.1f}v{lane_h - 4}h{-w:.1f}z")
-            if letter and w > 7 * (1 + len(str(row.microbatch))):
+            text = f"{letter}{row.microbatch}" if row.microbatch >= 0 else letter  # an optimizer step: no micro-batch
+            if letter and w > 7 * len(text):
                 labels.append(f"<text x='{x0 + w / 2:.1f}' y='{y + lane_h - 8}' font-size='9' fill='white' "
-                              f"text-anchor='middle'>{letter}{row.microbatch}</text>")
+                              f"text-anchor='middle'>{text}</text>")
         parts.append(f"<path class='phase-{html.escape(str(phase))}' d='{''.join(path)}' fill='{color}'>"
                      f"<title>{html.escape(str(phase))}</title></path>")
     return parts + labels

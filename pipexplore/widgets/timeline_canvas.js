@@ -274,7 +274,7 @@ function render({ model, el: host }) {
     ctx.textAlign = "center";
     for (let k = 0; k < labels.length; k += 4) {
       const a = labels[k], b = labels[k + 1], i = labels[k + 3];
-      const text = phases[phase[i]].letter + micro[i];
+      const text = phases[phase[i]].letter + (micro[i] >= 0 ? micro[i] : "");  // an optimizer step: no micro-batch
       if (b - a - 4 < text.length * 6.2) continue;
       ctx.fillText(text, (Math.max(a, lo) + Math.min(b, hi)) / 2, labels[k + 2] + barH / 2);
     }
@@ -432,7 +432,7 @@ function render({ model, el: host }) {
     const name = (phases[p.phase[i]] || {}).name || "?";
     const lane = laneOf(p, i);
     const stage = p.lane_stage[lane];
-    let text = `${name} · micro-batch ${p.micro[i]} · stage ${stage}`;
+    let text = p.micro[i] >= 0 ? `${name} · micro-batch ${p.micro[i]} · stage ${stage}` : `${name} · stage ${stage}`;
     const layers = p.stage_layers && p.stage_layers[stage];
     if (layers) text += ` · layers ${layers[0]}–${layers[1]}`;
     const a = p.start[i], b = p.end[i];

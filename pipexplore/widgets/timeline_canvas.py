@@ -170,7 +170,9 @@ def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mappin
     index = {name: k for k, name in enumerate(phases)}
     return {"stage_lane": stage_lane, "lanes": len(lane_stage),
             "codes": [index.get(name, len(phases)) for name in model["kind_names"]],
-            "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 else 2, "bubble_key": model["bubble_key"]}
+            # (4 bytes, signed, where micro-batch numbers pass 2 bytes or an optimizer step's -1 is among them)
+            "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 or model.get("optimizer") else 2,
+            "bubble_key": model["bubble_key"]}
 
 
 def _memory_series(memory: pd.DataFrame, colors: Sequence[str], scale: float) -> list[dict[str, Any]]:
