@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore import background
+from pipexplore.devices import as_device, is_planned
 from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_worker_matters
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
@@ -27,7 +28,7 @@ from pipexplore.predict.timing import first_rows as _rows
 from pipexplore.predict.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ["profile", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
+__all__ = ["profile", "profiling_device", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
 LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "backward", "stash", "pop",
                  "stash_keys", "pop_keys"]
@@ -295,6 +296,21 @@ def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: 
     return forward.median, backward.median
 
 
+def profiling_device(device: Union[torch.device, str, int]) -> torch.device:
+    """``device`` where it is on this machine.
+
+    Raises:
+        ValueError: a planned device (from the catalogue: nothing to time it on here; the
+            explorer plans it by the catalogue's roofline) or a device this machine does not have.
+    """
+    if is_planned(device):
+        raise ValueError(f"{device!r} is a planned device from the catalogue, not one of this machine: layers are "
+                         f"timed on a device here; plan it with explore(model, sample, devices=[{device!r}] * N), "
+                         "which costs them by the catalogue's roofline, and run the plan there "
+                         "(ex.export('torchrun'))")
+    return as_device(device)
+
+
 def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[Union[torch.device, str]] = None,
             repeats: int = 3, max_repeats: int = 15, timeout: Optional[float] = None, calibrate: bool = True,
             microbatch_rows: Optional[Sequence[int]] = None,
@@ -370,6 +386,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), "
                          f"got {list(microbatch_rows or [])}")
     if device is not None:
+        device = profiling_device(device)
         module.to(device)
     first_param = next(module.parameters(), None)
     target = torch.device(device) if device is not None else (first_param.device if first_param is not None

@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from pipexplore.devices import is_planned, link_seconds_per_byte
 from pipexplore.host import host_cores
 from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionGraph, oversubscribed
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
@@ -123,22 +124,27 @@ def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFram
     })
 
 
-def _copy_rate(copy_cost: Optional[float], a: str, b: str) -> float:
-    """Seconds per byte from device ``a`` to ``b`` (none on the same device)."""
+def _copy_rate(copy_cost: Optional[float], a: str, b: str, gpus_per_node: int = 8) -> float:
+    """Seconds per byte from device ``a`` to ``b`` (none on the same device): ``copy_cost`` where
+    given, else the catalogue's link between two planned devices (inside a node of
+    ``gpus_per_node`` or across nodes), else a default by device kinds."""
     if a == b:
         return 0.0
     if copy_cost is not None:
         return copy_cost
+    if is_planned(a) and is_planned(b):
+        return link_seconds_per_byte(a, b, gpus_per_node)
     kinds = "-".join(sorted(d.split(":")[0] for d in (a, b)))
     return DEFAULT_COPY_COST.get(kinds, 0.0)
 
 
 def _is_host(device: str) -> bool:
-    return not device.startswith("cuda")
+    return not device.startswith("cuda") and not is_planned(device)
 
 
 def _resource(device: str) -> str:
-    """What a stage's work shares: the host's cores for every CPU device, else the GPU itself."""
+    """What a stage's work shares: the host's cores for every CPU device, else the GPU (or the
+    planned device) itself."""
     return "host" if _is_host(device) else device
 
 
@@ -147,7 +153,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
              batch: Optional[int] = None, corrections: Optional[Corrections] = None,
-             run: Union[int, str] = "predicted") -> pd.DataFrame:
+             run: Union[int, str] = "predicted", gpus_per_node: int = 8) -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
@@ -170,7 +176,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             recompute their forward right before their backward.
         devices: one per stage (``interleaved``: one per device); default ``'cpu'`` for each.
             Every CPU device is the same host: its stages share its cores.
-        copy_cost: seconds per byte between different devices (default by device kinds).
+        copy_cost: seconds per byte between different devices (default by device kinds; between
+            planned devices, the catalogue's links: see :func:`pipexplore.devices.link_seconds_per_byte`).
+        gpus_per_node: planned devices per node (``'H100:0'`` … ``'H100:7'`` share node 0's links).
         executor: ``autograd`` (the ``GPipe`` module: one ``backward()`` call), ``threads`` (the
             schedule executor: a worker per stage) or ``processes`` (a process per stage).
             Default: ``autograd`` for ``gpipe``, ``threads`` for the others.
@@ -192,7 +200,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     setup = prepare_step(layer_table, splits, chunks=chunks, schedule=schedule, checkpoint=checkpoint, devices=devices,
                    copy_cost=copy_cost, virtual_stages=virtual_stages, executor=executor,
                    cpu_stages_overlap=cpu_stages_overlap, per_microbatch=per_microbatch,
-                   action_overhead=action_overhead, batch=batch, corrections=corrections)
+                   action_overhead=action_overhead, batch=batch, corrections=corrections,
+                   gpus_per_node=gpus_per_node)
     layer_table, graph, costs = setup.layer_table, setup.graph, setup.costs
     splits, stage_device, resource, executor = setup.splits, setup.stage_device, setup.resource, setup.executor
     sizes, distinct, fractions = setup.sizes, setup.distinct, setup.fractions
@@ -244,6 +253,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         frame, kinds = records_frame(graph, records, stage_device, run)
     frame["memory"] = held_activations(frame, kinds, costs, np.asarray(fractions), setup.stop)
     frame.attrs["peak_memory"] = {}
+    if any(is_planned(d) for d in stage_device):
+        frame.attrs["gpus_per_node"] = gpus_per_node  # which planned devices share a node (the page draws it)
     return frame
 
 
@@ -280,7 +291,8 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
                  checkpoint: str = "except_last", devices: Optional[Sequence[str]] = None,
                  copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
                  cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
-                 batch: Optional[int] = None, corrections: Optional[Corrections] = None) -> Setup:
+                 batch: Optional[int] = None, corrections: Optional[Corrections] = None,
+                 gpus_per_node: int = 8) -> Setup:
     """:func:`simulate`'s arguments checked, and what they fix for every split of the same stage
     count (what :mod:`pipexplore.predict.retime` hands a page to re-time a drag with)."""
     if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
@@ -362,7 +374,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
                  resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
-                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1]) for b in range(S - 1)], fit, batch)
+                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1], gpus_per_node) for b in range(S - 1)], fit, batch)
 
 
 def _chunks_refusal(chunks: int, batch: int, made: int, rows: int, given: bool) -> str:

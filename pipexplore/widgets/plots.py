@@ -97,7 +97,8 @@ class TimelineView:
     def __init__(self, predicted: Optional[pd.DataFrame] = None, measured: Optional[pd.DataFrame] = None,
                  samples: Optional[int] = None, *, widget: bool = True,
                  names: Sequence[str] = ("predicted", "measured"),
-                 memory: bool = True, memory_cap: Optional[float] = None) -> None:
+                 memory: bool = True, memory_cap: Optional[float] = None,
+                 measured_empty: str = "no run yet: press Run step to measure this plan") -> None:
         self.samples = samples
         self.names = tuple(names)
         self.memory = memory
@@ -106,6 +107,8 @@ class TimelineView:
         self.predicted_title = ""
         self.measured_title = ""
         self.measured_warning = ""
+        #: What the measured panel says before a run.
+        self.measured_empty = measured_empty
         self.memory_cap: Optional[float] = memory_cap
         self.splits: Sequence[int] = ()
         #: Each stage's (first, last) layer, for the hover of a block: the current plan's and the
@@ -255,7 +258,7 @@ class TimelineView:
             self._panels[1] = canvas.block_panel(self.predicted, PHASES, stage_layers=self.stage_layers)
         if 2 in rows or 2 not in self._panels:
             self._panels[2] = canvas.block_panel(
-                self.measured, PHASES, empty="no run yet: press Run step to measure this plan",
+                self.measured, PHASES, empty=self.measured_empty,
                 stage_layers=self.measured_stage_layers, other=self.measured_prediction,
                 other_name="predicted for this run")
         panels = [self._panels[1] | {"title": self._predicted_text(), "role": "predicted",

@@ -226,7 +226,8 @@ function render({ model, el: host }) {
         ctx.globalAlpha = 1;
       }
       ctx.fillStyle = palette.text;
-      if (laneH >= 9) ctx.fillText(p.lanes[lane], left - 6, (lane + 0.5) * laneH);
+      // Lanes thinner than a label: every k-th one named, so 128 stages still read.
+      if (lane % Math.ceil(9 / laneH) === 0) ctx.fillText(p.lanes[lane], left - 6, (lane + 0.5) * laneH);
     }
     // The blocks go into a buffer of pixels, a column of colours per lane (each block fills its
     // columns; one narrower than a pixel still takes one, the last drawn there wins), drawn onto
@@ -277,6 +278,29 @@ function render({ model, el: host }) {
       const text = phases[phase[i]].letter + (micro[i] >= 0 ? micro[i] : "");  // an optimizer step: no micro-batch
       if (b - a - 4 < text.length * 6.2) continue;
       ctx.fillText(text, (Math.max(a, lo) + Math.min(b, hi)) / 2, labels[k + 2] + barH / 2);
+    }
+    ctx.restore();
+    // Planned devices: a dashed line where a node ends, each node named at its first lane.
+    const nodes = p.lane_node || [];
+    if (nodes.length !== n) return;
+    ctx.save();
+    ctx.strokeStyle = palette.text;
+    ctx.fillStyle = palette.text;
+    ctx.lineWidth = 1.5;
+    ctx.setLineDash([4, 3]);
+    ctx.font = SMALL;
+    ctx.textAlign = "left";
+    ctx.textBaseline = "top";
+    for (let lane = 0; lane < n; lane++) {
+      if (lane > 0 && nodes[lane] === nodes[lane - 1]) continue;
+      const y = Math.round(lane * laneH) + 0.5;
+      if (lane > 0) {
+        ctx.beginPath();
+        ctx.moveTo(left, y);
+        ctx.lineTo(width - RIGHT, y);
+        ctx.stroke();
+      }
+      ctx.fillText(`node ${nodes[lane]}`, left + 3, y + 1);
     }
     ctx.restore();
   }

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import traitlets
 
+from pipexplore.devices import is_planned, node_of
 from pipexplore.timeline import lexsort
 
 __all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
@@ -115,6 +116,8 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
                 other: Optional[pd.DataFrame] = None, other_name: str = "") -> dict[str, Any]:
     """A panel of blocks: one lane per (stage, device), stage 0 first, times in ms from the step's start.
 
+    Lanes of planned devices (a prediction whose ``attrs['gpus_per_node']`` says how many a node
+    holds) carry their node (``lane_node``): the page draws a line where a node ends.
     ``phases``: the phase names in code order (a block of another phase gets the code after them);
     ``stage_layers``: each stage's first and last layer (the hover names them); ``other``: another
     timeline of the same plan, whose span of the same (stage, micro-batch, phase) each block's
@@ -141,6 +144,9 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     # The lanes travel as their bounds (``offsets``), micro-batch numbers in 2 bytes where they fit:
     # 11 bytes a block (0.7 MB at 1,000 × 64 × 256).
     wide = len(micro) and (micro.max() >= 2**16 or micro.min() < 0)
+    per_node = frame.attrs.get("gpus_per_node")
+    if per_node and all(is_planned(d) for _, d in pairs):  # planned devices: which node each lane is on
+        panel["lane_node"] = [node_of(d, per_node) for _, d in pairs]
     panel.update(
         lanes=lane_labels(pairs), lane_stage=[int(s) for s, _ in pairs],
         offsets=np.searchsorted(lane, np.arange(len(pairs) + 1)).tolist(), count=len(frame),
