@@ -207,3 +207,16 @@ def test_optimizer_seconds_are_the_documented_bytes_over_bandwidth():
         12 * params / 3.35e12)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         optimizer_seconds(10, "float32", "lion", H100)
+
+
+def test_fit_efficiency_learns_from_several_sizes_and_per_dtype():
+    spec = DeviceSpec("Toy", 16 * GiB, 100e9, {"float32": 2e12, "bfloat16": 8e12}, kernel_overhead=5e-6)
+    ops = _mixed_ops()
+    ops.loc[ops["kind"].isin(["k0", "k2"]), "dtype"] = "bfloat16"
+    truth = Efficiency(flops={"float32": 0.8, "bfloat16": 0.4}, bandwidth=0.7)
+    measured = {n: kind_seconds(ops, spec, n, efficiency=truth) for n in (32, 256)}
+    learnt = fit_efficiency(ops, measured, spec, per_dtype=True)
+    assert dict(learnt.flops) == pytest.approx({"float32": 0.8, "bfloat16": 0.4}, rel=1e-6)
+    assert learnt.bandwidth == pytest.approx(0.7, rel=1e-6)
+    with pytest.raises(ValueError, match="needs the rows"):
+        fit_efficiency(ops, measured[32], spec)

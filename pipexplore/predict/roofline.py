@@ -33,6 +33,7 @@ the simulator reads exactly as a profiled one (the fit columns, ``t(n) = a + b·
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -258,19 +259,21 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
     return out
 
 
-def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: pd.DataFrame, spec: SpecLike, rows: float, *,
-                   per_dtype: bool = False, iterations: int = 25) -> Efficiency:
+def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame, Mapping[float, pd.DataFrame]],
+                   spec: SpecLike, rows: Optional[float] = None, *, per_dtype: bool = False,
+                   iterations: int = 25) -> Efficiency:
     """The efficiency that makes the roofline reproduce measured kinds: what a device of the same
     kind present here teaches the catalogue.
 
     ``measured_kind_seconds``: indexed by kind, ``forward`` and/or ``backward`` seconds measured
-    at a micro-batch of ``rows`` rows (NaN: not measured). Each measured (kind, phase) says
+    at a micro-batch of ``rows`` rows (NaN: not measured); or, for several sizes, a mapping
+    ``{rows: frame}`` (``rows`` then left out). Each measured (kind, phase, size) says
     ``measured − launches = Σ flops/peak · (1/eff_flops) + Σ bytes/bandwidth · (1/eff_bw)`` (the first
     sum over its compute-bound ops, the second over its bandwidth-bound ones), linear in the two
     reciprocals once each op is classified: least squares over the relative errors (each row
     divided by its measured seconds), then the ops reclassified with the new fractions, until the
-    classification holds. A fraction no measured op depends on keeps the
-    spec's default. ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use.
+    classification holds. A fraction no measured op depends on keeps the spec's default.
+    ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use.
 
     Example::
 
@@ -280,53 +283,57 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: pd.DataFrame, spec:
         planned_layer_costs(table, ops, "H100", batch=…, microbatch_rows=…, efficiency=learnt)
     """
     spec = device_spec(spec)
-    peak_launch, peak_compute, peak_memory = _terms(ops, spec, rows, Efficiency(1.0, 1.0))
+    if isinstance(measured_kind_seconds, Mapping):
+        sizes = {float(n): frame for n, frame in measured_kind_seconds.items()}
+    elif rows is None:
+        raise ValueError("fit_efficiency needs the rows the kinds were measured at (or a mapping {rows: frame})")
+    else:
+        sizes = {float(rows): measured_kind_seconds}
     kinds = ops["kind"].to_numpy()
     phases = ops["phase"].to_numpy()
     dtypes = np.array([dtype_name(d) for d in ops["dtype"]])
-    groups = sorted(set(dtypes[peak_compute > 0])) if per_dtype else ["all"]
-    group_of = dtypes if per_dtype else np.full(len(dtypes), "all")
-    measured = measured_kind_seconds if isinstance(measured_kind_seconds, pd.DataFrame) else pd.DataFrame(
-        measured_kind_seconds)
-    rows_of: list[tuple[np.ndarray, float]] = []  # (mask of ops, measured seconds)
-    for kind in measured.index:
-        for phase in PHASES:
-            if phase not in measured:
-                continue
-            value = float(measured.at[kind, phase])
-            mask = (kinds == kind) & (phases == phase)
-            if not np.isfinite(value) or value <= 0 or not mask.any():
-                continue
-            if not (np.isfinite(peak_compute[mask]).all() and np.isfinite(peak_memory[mask]).all()):
-                continue
-            rows_of.append((mask, value))
-    x = {g: 1.0 / spec.flops_efficiency for g in groups}  # the reciprocals of the fractions, from the defaults
-    y = 1.0 / spec.bandwidth_efficiency
-    if not rows_of:
+    # One entry per measured (kind, phase, size): its ops' launch, arithmetic and memory seconds
+    # at peak, their FLOP/s groups, and the measured seconds.
+    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
+    for n, frame in sizes.items():
+        launch, compute, memory = _terms(ops, spec, n, Efficiency(1.0, 1.0))
+        for kind in frame.index:
+            for phase in PHASES:
+                value = float(frame.at[kind, phase]) if phase in frame else math.nan
+                mask = (kinds == kind) & (phases == phase)
+                if not (np.isfinite(value) and value > 0 and mask.any()):
+                    continue
+                if np.isfinite(compute[mask]).all() and np.isfinite(memory[mask]).all():
+                    entries.append((launch[mask], compute[mask], memory[mask], dtypes[mask], value))
+    if not entries:
         raise ValueError("no measured kind to learn from: measured_kind_seconds names no kind of the ops frame "
                          "with a finite, positive forward or backward")
+    groups = sorted({d for _, c, _, g, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
+    x = {g: 1.0 / spec.flops_efficiency for g in groups}  # the reciprocals of the fractions, from the defaults
+    y = 1.0 / spec.bandwidth_efficiency
     previous, learnt = None, set()
     for _ in range(iterations):
-        factor = np.array([x.get(g, 1.0) for g in group_of])
-        bound = peak_compute * factor >= peak_memory * y  # compute-bound ops
-        if previous is not None and np.array_equal(bound, previous):
-            break
-        previous = bound
-        columns = [*groups, "bandwidth"]
-        design, target = [], []
-        for mask, value in rows_of:
-            row = [float(peak_compute[mask & bound & (group_of == g)].sum()) for g in groups]
-            row.append(float(peak_memory[mask & ~bound].sum()))
+        design, target, bounds = [], [], []
+        for launch, compute, memory, group, value in entries:
+            of = group if per_dtype else np.full(len(group), "all")
+            factor = np.array([x.get(g, 1.0) for g in of])
+            bound = compute * factor >= memory * y  # the compute-bound ops
+            bounds.append(bound)
+            row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[~bound].sum())]
             design.append(np.array(row) / value)
-            target.append((value - float(peak_launch[mask].sum())) / value)
+            target.append((value - float(launch.sum())) / value)
+        classified = np.concatenate(bounds)
+        if previous is not None and np.array_equal(classified, previous):
+            break
+        previous = classified
         A, t = np.array(design), np.array(target)
-        used = [k for k in range(len(columns)) if A[:, k].any()]
-        fixed = [k for k in range(len(columns)) if k not in used]
+        used = [k for k in range(len(groups) + 1) if A[:, k].any()]
+        fixed = [k for k in range(len(groups) + 1) if k not in used]
         current = np.array([*(x[g] for g in groups), y])
         while used:
             rhs = t - A[:, fixed] @ current[fixed] if fixed else t
             solution, *_ = np.linalg.lstsq(A[:, used], rhs, rcond=None)
-            bad = [k for k, s in zip(used, solution) if not s > 0.5]  # above 2× peak: not physical
+            bad = [k for k, v in zip(used, solution) if not v > 0.5]  # above 2× peak: not physical
             if not bad:
                 current[used] = solution
                 break
