@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["optimizer_state_ratio", "stage_memory", "MEMORY_COLUMNS"]
+__all__ = ["optimizer_state_ratio", "optimizer_traffic", "stage_memory", "MEMORY_COLUMNS"]
 
 #: The columns :func:`stage_memory` adds, in bytes (``fits``: whether ``peak_bytes`` is within the capacity).
 MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes", "capacity",
@@ -133,3 +133,23 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *, peak_activations
 
 def _column(table: pd.DataFrame, name: str, n: int) -> np.ndarray:
     return table[name].to_numpy(dtype=float) if name in table else np.zeros(n)
+
+
+def optimizer_traffic(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]] = None,
+                      mixed_precision: bool = False) -> np.ndarray:
+    """Bytes an optimizer step moves per layer of ``table``: it reads each trained parameter, its
+    gradient and states, and writes the parameter and states (``k`` states a parameter, as
+    :func:`optimizer_state_ratio` reads them): ``(3 + 2k)`` times the gradients' bytes. Mixed
+    precision: the fp32 gradient read (4), the fp32 master weight read and written (8), the
+    states read and written in fp32 (8k) and the 16-bit weight written (2): ``14 + 8k`` bytes a
+    trained parameter. An optimizer step is bound by memory bandwidth: seconds are these bytes
+    over it (:func:`pipexplore.predict.roofline.optimizer_seconds` for one layer)."""
+    n = len(table)
+    k = optimizer_state_ratio(optimizer)
+    grads = _column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n)
+    if not mixed_precision:
+        return grads * (3.0 + 2.0 * k)
+    params = _column(table, "param_bytes", n)
+    counts = _column(table, "params", n) if "params" in table else params / 2.0
+    trained = counts * (grads / np.where(params > 0, params, 1.0))
+    return trained * (14.0 + 8.0 * k)

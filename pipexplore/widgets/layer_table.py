@@ -36,17 +36,21 @@ def _rows(batch: int, chunks: int) -> list[int]:
 
 
 def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], *, chunks: int,
-                   devices: Sequence[str], loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+                   devices: Sequence[str], loss_fn: Any = None, target: Any = None, optimizer: Any = None,
+                   mixed_precision: bool = False) -> pd.DataFrame:
     """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
     layer's FLOPs, bytes and kernels counted on the meta device (no weights materialised, each
-    kind of identical layer once) and costed as the catalogue's roofline of the device.
+    kind of identical layer once) and costed as the catalogue's roofline of the device; the
+    ``optimizer`` column is the step's bytes (:func:`pipexplore.predict.memory.optimizer_traffic`)
+    over the device's memory bandwidth.
 
     Raises:
         ValueError: the devices are of several kinds (a plan costs one kind at a time).
     """
     from pipexplore.devices import device_spec
     from pipexplore.models.meta import count_layers
-    from pipexplore.predict.roofline import planned_layer_costs
+    from pipexplore.predict.memory import optimizer_traffic
+    from pipexplore.predict.roofline import Efficiency, planned_layer_costs
 
     kinds = list(dict.fromkeys(device_spec(d).name for d in devices))
     if len(kinds) > 1:
@@ -62,6 +66,9 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
         ops = ops.assign(flops=ops["flops"].fillna(0.0))
     efficiency, learnt = _learnt_efficiency(model, sample, options, counted, ops, kinds[0], rows, loss_fn, target)
     table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency)
+    spec = device_spec(kinds[0])
+    bandwidth = spec.memory_bandwidth * (efficiency or Efficiency()).bandwidth_for(spec)
+    table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / bandwidth
     notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
     lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
     if lower:
@@ -150,7 +157,8 @@ def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
     from pipexplore.devices import is_planned
 
     if any(is_planned(d) for d in devices):
-        return planned_layers(model, sample, options, chunks=chunks, devices=devices, loss_fn=loss_fn, target=target)
+        return planned_layers(model, sample, options, chunks=chunks, devices=devices, loss_fn=loss_fn, target=target,
+                              optimizer=optimizer, mixed_precision=options.get("mixed_precision", False))
     if on_meta(model):
         from pipexplore.models.blockwise import profile_blockwise
 

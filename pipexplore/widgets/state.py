@@ -137,7 +137,7 @@ class ExplorerState(RunLog):
         if loss_fn is None:
             self.notes.append("No loss_fn given: runs time a synthetic loss (the mean of the squared outputs).")
         self.profile_options = dict(granularity=granularity, repeats=profile_repeats,
-                                    device=devices[0] if devices else None)
+                                    device=devices[0] if devices else None, mixed_precision=self.mixed_precision)
         if layer_table is None:
             if self.traced and isinstance(sample, Mapping):  # keyword inputs (a BatchEncoding too) as a dict
                 self.sample = sample = dict(sample)
@@ -145,7 +145,7 @@ class ExplorerState(RunLog):
             # The input/weight-gradient split is measured when a zero-bubble plan first needs it.
             layer_table = layers.profile_layers(model, sample, self.profile_options, chunks=chunks, devices=planned,
                                                 split_backward=schedule == "zero-bubble", loss_fn=loss_fn,
-                                                target=target)
+                                                target=target, optimizer=optimizer)
         if self.traced and not self.planned:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
@@ -335,7 +335,7 @@ class ExplorerState(RunLog):
         table = layers.profile_layers(self.model, self.sample, self.profile_options, chunks=plan.chunks,
                                       devices=plan.devices[: plan.num_devices],
                                       split_backward=plan.schedule == "zero-bubble", loss_fn=self.loss_fn,
-                                      target=self.target)
+                                      target=self.target, optimizer=self.optimizer)
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
                                "start a new explorer for it")
