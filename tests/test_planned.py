@@ -246,3 +246,24 @@ def test_mixed_precision_moves_megatrons_bytes_in_an_update():
     # fp32 gradient read, master weight read and written, two fp32 states read and written, bf16 weight written
     expected = mixed["params"] * (4 + 8 + 16 + 2) / (spec.memory_bandwidth * spec.bandwidth_efficiency)
     assert mixed["optimizer"].tolist() == pytest.approx(expected.tolist())
+
+
+def test_the_page_says_planned_and_draws_the_node_boundaries(state):
+    from pipexplore.widgets import Explorer
+
+    ex = Explorer(state.model, state.sample, devices=["H100"] * 4, gpus_per_node=2, chunks=4, schedule="1f1b",
+                  layer_table=state.layer_table)
+    assert ex.bar.nodes == [0, 0, 1, 1]  # the split where stage 2 begins is a node boundary
+    panel = ex.timelines._panels[1]
+    assert panel["lane_node"] == [0, 0, 1, 1]
+    assert ex.w_run.disabled and "export it" in ex.w_run.tooltip
+    assert "predicted step (planned)" in ex.w_header.value and "4 × H100 on 2 nodes are not here" in ex.w_header.value
+    assert ex.timelines._panels[2]["empty"].startswith("planned devices: nothing measured here")
+    assert "(planned)" in ex.w_stages.value and "node 1" in ex.w_stages.value
+
+
+def test_profiling_on_a_planned_device_is_refused_with_what_to_do():
+    from pipexplore import profile
+
+    with pytest.raises(ValueError, match=r"'H100' is a planned device .* explore\(model, sample, devices=\['H100'\] \* N\)"):
+        profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), device="H100")

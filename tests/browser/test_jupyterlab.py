@@ -56,7 +56,8 @@ def _serving(tmp_path, notebooks: dict):
 def lab_server(tmp_path_factory):
     """One JupyterLab for the module's tests, serving each test's notebook (a kernel each)."""
     yield from _serving(tmp_path_factory.mktemp("lab"), {"explorer.ipynb": NOTEBOOK_CELLS,
-                                                         "many.ipynb": MANY_LAYERS_CELLS})
+                                                         "many.ipynb": MANY_LAYERS_CELLS,
+                                                         "planned.ipynb": PLANNED_CELLS})
 
 
 @pytest.fixture
@@ -356,6 +357,51 @@ def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_l
             assert page.locator(".pipexplore-splitbar .handle").count() == 3  # no split was added
         except BaseException:
             page.screenshot(path=str(OUTPUT / "failure-zoom.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+PLANNED_CELLS = [
+    "import torch\n"
+    "from torch import nn\n"
+    "from pipexplore import explore\n"
+    "with torch.device('meta'):\n"
+    "    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(32)])\n"
+    "    sample = torch.empty(64, 1024)\n"
+    "ex = explore(model, sample, devices=['H100'] * 16, gpus_per_node=8, chunks=16, schedule='1f1b')\n"
+    "ex",
+]
+
+
+def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab_server):
+    """Sixteen stages on two planned nodes of eight H100s: one split is the node boundary (marked
+    and named in the strip), Run step is off, the header and the measured timeline say planned,
+    and no text overlaps."""
+    url, token = lab_server
+    OUTPUT.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1400})
+        try:
+            page.goto(f"{url}/lab/workspaces/pipexplore-planned/tree/planned.ipynb?reset&token={token}")
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+            _run_all(page)
+            page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
+            dismiss_news(page)
+            assert page.locator(".pipexplore-splitbar .handle").count() == 15
+            boundary = page.locator(".pipexplore-splitbar .handle.node")
+            assert boundary.count() == 1 and boundary.locator(".node-label").text_content() == "node 1"
+            assert "stage 8 begins" in boundary.get_attribute("aria-label")
+            run = page.locator(".jupyter-widgets button", has_text="Run step")
+            assert run.is_disabled()
+            header = page.locator(".pipexplore-header").inner_text()
+            assert "predicted step (planned)" in header and "16 × H100 on 2 nodes are not here" in header
+            explorer = page.locator(".pipexplore-explorer").first
+            assert explorer.evaluate(_OVERLAPS) == []
+            page.screenshot(path=str(OUTPUT / "planned.png"), full_page=True)
+        except BaseException:
+            page.screenshot(path=str(OUTPUT / "failure-planned.png"), full_page=True)
             raise
         finally:
             browser.close()
