@@ -3,7 +3,7 @@ closes a circle, and no module grows past 500 lines.
 
 The layers, top to bottom (see README.md, "The package's layers")::
 
-    vocabulary  splits validate cancel background host timeline saved schedules devices
+    vocabulary  splits validate cancel background host timeline saved schedules schedule_orders devices
     engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan sweep
@@ -23,14 +23,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
 
 LAYERS = {
     "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices",
-                   "_sharing"],
+                   "schedule_orders", "_sharing"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
                "phony", "skip"],
     "predict": ["predict", "balance"],
     "plan": ["plan", "sweep"],
     "models": ["models"],
     "execute": ["executors", "backend"],
-    "export": ["export"],
+    "export": ["export", "runs"],
     "page": ["widgets", "magics", "examples", ""],
 }
 ORDER = list(LAYERS)
