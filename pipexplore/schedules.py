@@ -9,17 +9,44 @@ micro-batches::
     gpipe   stage 0  F0 F1 F2 F3 B3 B2 B1 B0        1f1b   stage 0  F0 F1 B0 F2 B1 F3 B2 B3
             stage 1  F0 F1 F2 F3 B3 B2 B1 B0               stage 1  F0 B0 F1 B1 F2 B2 F3 B3
 
-This module imports no other part of pipexplore.
+:func:`actions` gives every schedule's order per rank in torch's notation (``"0F0"``, ``"3I1"``:
+stage, kind, micro-batch), as ``torch.distributed.pipelining`` runs it, and refuses what torch
+refuses (:func:`check`). Besides the four above: ``looped-bfs``, ``interleaved-zero-bubble``
+(ZB1P over several stages per rank), ``zbv`` (ZB-V: two stages per rank in a V, rank ``r``
+holding stages ``r`` and ``2p − 1 − r``) and ``dualpipev`` (DeepSeek's DualPipeV, same V; its
+overlapped F;B pairs listed forward then backward, which is how torch runs them without a custom
+overlap function). :func:`worker_orders` is what the simulator and the in-process executors run:
+the same orders, except that our ``gpipe`` runs its backward last micro-batch first (as one
+``backward()`` over all micro-batches does), where torch's ``ScheduleGPipe`` runs micro-batch 0 first.
+
+This module imports no other part of pipexplore but :mod:`pipexplore.schedule_orders` (the
+orders of torch's multi-stage schedules, ported).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-__all__ = ["SCHEDULES", "PHASES", "Action", "stage_orders", "interleaved_order", "worker_devices",
-           "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order"]
+from pipexplore.schedule_orders import MULTI_STAGE_ORDERS, rounds
 
-#: The schedules the simulator and the in-process executors run.
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+__all__ = ["SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action",
+           "actions", "rank_orders", "worker_orders", "check", "stage_ranks", "ranks_of", "stage_orders",
+           "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order"]
+
+#: The schedules the simulator and the executors run.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "looped-bfs", "interleaved-zero-bubble", "zbv",
+             "dualpipev")
+#: Schedules whose ranks (devices) each hold several stages (``virtual_stages`` of them).
+MULTI_STAGE = ("interleaved", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
+#: Schedules laid out in a V: rank ``r`` of ``p`` holds stages ``r`` and ``2p − 1 − r``.
+V_SHAPED = ("zbv", "dualpipev")
+#: Schedules that split backwards into input-gradient (I) and weight-gradient (W) actions.
+SPLIT_BACKWARD = ("zero-bubble", "interleaved-zero-bubble", "zbv", "dualpipev")
+#: ``torch.distributed.pipelining``'s class for each schedule (ZB-H1 is its interleaved
+#: zero-bubble schedule with one stage per rank).
+TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                 "zero-bubble": "ScheduleInterleavedZeroBubble", "looped-bfs": "ScheduleLoopedBFS",
+                 "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                 "dualpipev": "ScheduleDualPipeV"}
 Action = tuple[str, int]  # (kind, micro-batch)
 #: Each action kind's phase name in a timeline.
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
@@ -94,6 +121,8 @@ def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
     """Each stage's actions in the order its worker runs them (``interleaved`` runs per device: :func:`interleaved_order`)."""
     build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zero-bubble": zero_bubble_h1_order}.get(schedule)
     if build is None:
+        if schedule in SCHEDULES:
+            raise ValueError(f"{schedule} runs several stages per rank, not one per stage: see worker_orders")
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     return [build(s, stages, m) for s in range(stages)]
 
@@ -103,3 +132,131 @@ def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stag
     its first stage (an interleaved worker's stages all share one). Workers with nothing to do are
     left out."""
     return [stage_devices[order[0][0]] for order in worker_orders if order]
+
+
+def _name(schedule: str) -> str:
+    return f"{schedule} (torch's {TORCH_CLASSES[schedule]})"
+
+
+def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optional[int] = None) -> int:
+    """Refuse what torch's class for ``schedule`` refuses, with its reason; the stages per rank.
+
+    ``stages_per_rank`` defaults to 1 for the one-stage-per-rank schedules, 2 for the others.
+    1F1B needs micro-batches ≥ stages; ZB-V and DualPipeV exactly two stages per rank, and
+    DualPipeV micro-batches ≥ its stages (2 × ranks); the interleaved schedules (and ZB-H1, torch's
+    interleaved zero-bubble class) micro-batches that their rounds (``max(1, m // ranks)``) divide.
+
+    Example::
+
+        check("dualpipev", 4, 6)   # ValueError: ... needs at least as many micro-batches as stages ...
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    for value, what in ((ranks, "ranks"), (microbatches, "micro-batches")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{schedule} needs a whole number of {what} from 1, got {value!r}")
+    v = stages_per_rank if stages_per_rank is not None else (2 if schedule in MULTI_STAGE else 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"stages per rank (virtual_stages) is a whole number from 1, got {v!r}")
+    if schedule not in MULTI_STAGE and v != 1:
+        raise ValueError(f"{_name(schedule)} runs one stage per rank, not {v}")
+    stages, m = ranks * v, microbatches
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(f"{_name(schedule)} needs exactly two stages per rank (virtual_stages=2), got {v}: torch "
+                         f"lays them out in a V, rank r holding stages r and 2·ranks − 1 − r")
+    if schedule == "1f1b" and m < stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks {m} < "
+                         f"{stages} stages")
+    if schedule == "dualpipev" and m < stages:
+        raise ValueError(f"{_name(schedule)} needs at least as many micro-batches as stages (2 × {ranks} ranks): "
+                         f"chunks {m} < {stages}")
+    if schedule in ("interleaved", "interleaved-zero-bubble", "zero-bubble"):
+        number, _ = rounds(ranks, m)
+        if m % number:
+            raise ValueError(f"{_name(schedule)} needs the micro-batches to be a multiple of its rounds "
+                             f"(max(1, chunks // ranks) = {number} rounds over {ranks} ranks): chunks {m} is not; "
+                             f"choose a multiple of {ranks}, or fewer than {2 * ranks} chunks")
+    return v
+
+
+def stage_ranks(schedule: str, stages: int, ranks: int) -> list[int]:
+    """The rank (device) of each stage: stage ``s`` on rank ``s`` (one stage per rank), on
+    ``s % ranks`` (looped and interleaved schedules), or in a V for ``zbv`` and ``dualpipev``
+    (rank ``r`` holds ``r`` and ``2·ranks − 1 − r``).
+
+    Example::
+
+        stage_ranks("zbv", 4, 2)           # [0, 1, 1, 0]
+        stage_ranks("interleaved", 4, 2)   # [0, 1, 0, 1]
+    """
+    if schedule in V_SHAPED:
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(stages)]
+    return [s % ranks for s in range(stages)]
+
+
+def ranks_of(schedule: str, stages: int, stages_per_rank: int) -> int:
+    """How many ranks (devices) ``stages`` stages take: ``stages / stages_per_rank`` for the
+    multi-stage schedules (refused where it does not divide), else one per stage."""
+    if schedule not in MULTI_STAGE:
+        return stages
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"virtual_stages (stages per device) is a whole number from 1, got {stages_per_rank!r}")
+    if stages % stages_per_rank:
+        raise ValueError(f"{schedule} needs the stage count ({stages}) to be a multiple of virtual_stages "
+                         f"({stages_per_rank}), the stages on each device")
+    return stages // stages_per_rank
+
+
+def rank_orders(schedule: str, ranks: int, microbatches: int,
+                stages_per_rank: Optional[int] = None) -> list[list[tuple[int, str, int]]]:
+    """Each rank's compute actions ``(stage, kind, micro-batch)`` in the order torch's class runs
+    them (refused as torch refuses: :func:`check`). :func:`actions` writes them in torch's notation."""
+    v = check(schedule, ranks, microbatches, stages_per_rank)
+    m = microbatches
+    if schedule == "gpipe":  # torch's ScheduleGPipe: the backwards in micro-batch order
+        return [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(ranks)]
+    if schedule in ("1f1b", "zero-bubble"):
+        return worker_orders(schedule, ranks, m)
+    return [MULTI_STAGE_ORDERS[schedule](r, ranks, v, m) for r in range(ranks)]
+
+
+def actions(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optional[int] = None) -> list[list[str]]:
+    """Per rank, its compute actions in torch's notation (``{stage}{F|B|I|W}{micro-batch}``), in
+    the order ``torch.distributed.pipelining`` runs them (equal, rank by rank, to the compute
+    actions of torch's ``_schedule_visualizer.get_schedule_ops``: tests).
+
+    ``stages_per_rank`` (the plan's ``virtual_stages``): 1 for ``gpipe``, ``1f1b`` and
+    ``zero-bubble``; any for ``interleaved``, ``looped-bfs`` and ``interleaved-zero-bubble``
+    (default 2); exactly 2 for ``zbv`` and ``dualpipev``. DualPipeV's overlapped ``F;B`` pairs are
+    listed as the forward, then the backward: torch runs them one after the other unless a
+    custom function overlaps them (``register_custom_function(OVERLAP_F_B, ...)``). What torch
+    refuses is refused with its reason (:func:`check`); an unknown schedule lists the known ones.
+
+    Example::
+
+        actions("zbv", 2, 2)
+        # [['0F0', '0F1', '3F0', '3I0', '3W0', '3F1', '3I1', '3W1', '0I0', '0W0', '0I1', '0W1'],
+        #  ['1F0', '2F0', '1F1', '2F1', '2I0', '2W0', '1I0', '1W0', '2I1', '2W1', '1I1', '1W1']]
+    """
+    return [[f"{s}{kind}{i}" for s, kind, i in order]
+            for order in rank_orders(schedule, ranks, microbatches, stages_per_rank)]
+
+
+def worker_orders(schedule: str, stages: int, microbatches: int,
+                  stages_per_rank: int = 1) -> list[list[tuple[int, str, int]]]:
+    """What the simulator and the in-process executors run: each worker's ``(stage, kind,
+    micro-batch)`` in order, one worker per rank (per stage for ``gpipe``, ``1f1b`` and
+    ``zero-bubble``; ``stages / stages_per_rank`` ranks for the others).
+
+    Equal to :func:`rank_orders` (torch's), except ``gpipe``'s backward, last micro-batch first as
+    one ``backward()`` over the micro-batches runs it. The one-stage schedules and ``interleaved``
+    keep their own, looser checks (e.g. 1F1B with fewer micro-batches than stages runs here); the
+    others are refused as torch refuses them.
+    """
+    if schedule in ("gpipe", "1f1b", "zero-bubble"):
+        return [[(s, kind, i) for kind, i in order] for s, order in enumerate(stage_orders(schedule, stages,
+                                                                                           microbatches))]
+    ranks = ranks_of(schedule, stages, stages_per_rank)
+    if schedule == "interleaved":
+        return [interleaved_order(d, ranks, stages_per_rank, microbatches) for d in range(ranks)]
+    return rank_orders(schedule, ranks, microbatches, stages_per_rank)
