@@ -18,7 +18,7 @@ from pipexplore.cancel import CancelToken, Cancelled, cancel_scope, check_cancel
 from pipexplore.executors.base import RunResult
 from pipexplore.executors.step import run_step
 from pipexplore.plan import EXECUTORS, Plan
-from pipexplore.widgets.header import plan_text, splits_text
+from pipexplore.widgets.header import parse_bytes, plan_text, splits_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipexplore.widgets.state import ExplorerState
@@ -303,12 +303,44 @@ class RunLog:
             table["measured_rank"] = order + [pd.NA] * (len(table) - len(measured))
         return table
 
+    def search(self: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (),
+               chunks: Sequence[int] = (), schedules: Sequence[str] = (), checkpoint: Sequence[str] = (),
+               virtual_stages: Sequence[int] = (), workers: Optional[int] = None) -> pd.DataFrame:
+        """Every combination with the fastest split whose every device holds the plan within
+        ``memory_cap`` (bytes or text such as ``'80 GiB'``: parameters, gradients, the optimizer's
+        state and the activations the schedule holds; None: each device's memory), predicted;
+        the plans that fit first, by predicted step (see :func:`pipexplore.predict.search.search`).
+        Apply a row with :meth:`apply`. Not the explorer's ``memory_cap``, which caps the
+        activations the memory panel draws.
+
+        Raises:
+            ValueError: a bad ``memory_cap``; nothing fits (the closest plan named, and by how
+                many bytes it is over).
+        """
+        from pipexplore.predict.search import search
+
+        cap = parse_bytes(memory_cap, "memory_cap")
+        if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
+            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
+        plan = self._plan
+        more_gpus = None
+        if plan.planned:  # more stages plan more GPUs of the kind, never two stages on one
+            from pipexplore.devices import planned_devices
+
+            kind = plan.devices[0].split(":")[0]
+            more_gpus = lambda n: planned_devices([kind] * n, plan.gpus_per_node)  # noqa: E731
+        return search(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
+                      virtual_stages=virtual_stages, devices_for=more_gpus, optimizer=self.optimizer,
+                      mixed_precision=self.mixed_precision, workers=workers)
+
     def apply(self: ExplorerState, row: Any) -> Plan:
-        """Make a row of :meth:`sweep` (or any mapping with its columns) the current plan."""
+        """Make a row of :meth:`sweep` or :meth:`search` (or any mapping with their columns) the
+        current plan."""
         devices = str(row["devices"]).split(",") if isinstance(row["devices"], str) else list(row["devices"])
+        more = {"virtual_stages": int(row["virtual_stages"])} if int(row.get("virtual_stages", 1) or 1) > 1 else {}
         plan = self._plan.with_options(splits=tuple(int(s) for s in row["splits"]), chunks=int(row["chunks"]),
                                        schedule=str(row["schedule"]), checkpoint=str(row["checkpoint"]),
-                                       devices=tuple(devices))
+                                       devices=tuple(devices), **more)
         if plan.executor == "autograd" and plan.schedule != "gpipe":
             plan = plan.with_options(executor="threads")
         return self.change_plan(lambda _: plan)
