@@ -12,6 +12,7 @@ from torch import nn
 from pipexplore.plan import Plan
 from pipexplore.predict.dataflow import KINDS
 from pipexplore.predict.search import SEARCH_COLUMNS, layer_bytes, search
+from pipexplore.predict.simulator import SCHEDULES as SIMULATED
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over, stage_bytes
 from pipexplore.sweep import SWEEP_COLUMNS, balanced_splits
@@ -93,13 +94,14 @@ def test_random_shares_and_caps_per_stage_agree_with_brute_force():
             assert max(time[i:j].sum() for i, j in zip(points, points[1:])) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved"])
+@pytest.mark.parametrize("schedule", SIMULATED)
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 def test_the_shares_hold_what_the_predicted_timeline_holds(schedule, checkpoint):
-    """Each stage's peak from its in-flight shares is the simulator's (its ``memory`` column)."""
+    """Each stage's peak from its in-flight shares is the simulator's (its ``memory`` column), for
+    every schedule the simulator knows (four stages; two a device where a schedule puts several)."""
     table = _table(12, seed=3)
-    plan = Plan(table, splits=(2, 5, 9), devices=("cpu",) * (2 if schedule == "interleaved" else 4), chunks=4,
-                schedule=schedule, checkpoint=checkpoint)
+    plan = Plan(table, splits=(2, 5, 9), devices=("cpu",) * 4, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    plan = plan.with_options(devices=plan.devices[: plan.num_devices])
     static, act, inp = layer_bytes(table)
     memory = StageMemory(np.zeros(12), act, inp, _shares(plan), [np.inf] * 4)
     predicted = plan.predicted.groupby("stage")["memory"].max().to_numpy()
