@@ -256,25 +256,6 @@ class Explorer:
         return self.state.search(memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
                                  checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers)
 
-    def search(self, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
-               schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
-               workers: Optional[int] = None) -> pd.DataFrame:
-        """Every combination, each with the fastest split whose every device holds it within
-        ``memory_cap`` (bytes or ``'80 GiB'``: parameters, gradients, optimizer state and the
-        activations its schedule holds; None: each device's memory), predicted; the plans that
-        fit first, by predicted step, with ``step_time``, ``peak_memory``, ``fits`` and
-        ``pareto``. Nothing fits: a ``ValueError`` naming the closest plan and how far over it is.
-        Apply a row with :meth:`apply`.
-
-        Example::
-
-            table = explorer.search(memory_cap="80 GiB", stages=[4, 8], chunks=[8, 16],
-                                    schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
-            explorer.apply(table.iloc[0])
-        """
-        return self.state.search(memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
-                                 checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers)
-
     def apply(self, row: Any) -> Plan:
         """Make a row of :meth:`sweep` or :meth:`search` (or any mapping with their columns) the current plan."""
         return self.state.apply(row)

@@ -318,37 +318,6 @@ class RunLog:
                 many bytes it is over).
         """
         from pipexplore.predict.search import search
-
-        cap = parse_bytes(memory_cap, "memory_cap")
-        if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
-            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
-        plan = self._plan
-        more_gpus = None
-        if plan.planned:  # more stages plan more GPUs of the kind, never two stages on one
-            from pipexplore.devices import planned_devices
-
-            kind = plan.devices[0].split(":")[0]
-            more_gpus = lambda n: planned_devices([kind] * n, plan.gpus_per_node)  # noqa: E731
-        return search(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
-                      virtual_stages=virtual_stages, devices_for=more_gpus, optimizer=self.optimizer,
-                      mixed_precision=self.mixed_precision, workers=workers)
-
-    def search(self: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (),
-               chunks: Sequence[int] = (), schedules: Sequence[str] = (), checkpoint: Sequence[str] = (),
-               virtual_stages: Sequence[int] = (), workers: Optional[int] = None) -> pd.DataFrame:
-        """Every combination with the fastest split whose every device holds the plan within
-        ``memory_cap`` (bytes or text such as ``'80 GiB'``: parameters, gradients, the optimizer's
-        state and the activations the schedule holds; None: each device's memory), predicted;
-        the plans that fit first, by predicted step (see :func:`pipexplore.predict.search.search`).
-        Apply a row with :meth:`apply`. Not the explorer's ``memory_cap``, which caps the
-        activations the memory panel draws.
-
-        Raises:
-            ValueError: a bad ``memory_cap``; nothing fits (the closest plan named, and by how
-                many bytes it is over).
-        """
-        from pipexplore.predict.search import search
-
         from pipexplore.schedules import SPLIT_BACKWARD
 
         cap = parse_bytes(memory_cap, "memory_cap")
