@@ -23,11 +23,18 @@ _SCRIPT = '''"""Pipeline training with torch.distributed.pipelining, exported by
 
 {stages} stages ({schedule}, {chunks} micro-batches per step), split at {split_points}.
 Run on one machine:   torchrun --standalone --nproc-per-node {world} {filename}
-The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target) and
-loss_fn(output, target).
+On N nodes of M ranks (N x M = {world}), on each node:
+  torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+           {filename} --record runs/1
+The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target),
+loss_fn(output, target) and, optionally, build_optimizer(parameters) (default: SGD, lr 0.01).
+--record DIR: every rank writes what it did in the steps after --warmup (pipexplore's recorder;
+load it with explorer.load_run(DIR)).
 """
+import argparse
 import importlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,9 @@ HOOKS = {hooks!r}
 SPLIT_POINTS = {split_points!r}
 CHUNKS = {chunks}
 STEPS = {steps}
+SCHEDULE = {schedule!r}
+# The model's candidate split points, in order (the explorer's layer table):
+LAYERS = {layers!r}
 # The same split for torchtitan's pipeline config:
 MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
@@ -44,6 +54,11 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 {cache_off}
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--record", metavar="DIR", help="record every rank's actions into DIR (needs pipexplore)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps not recorded (default 1 of 2 or more)")
+    options = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hooks = importlib.import_module(HOOKS)
     if torch.cuda.is_available():
@@ -59,19 +74,42 @@ def main() -> None:
     indices = list(range(rank, pipe.num_stages, world))
     stages = [pipe.build_stage(s, device) for s in indices]
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn)
-    optimizer = torch.optim.SGD([p for stage in stages for p in stage.submod.parameters()], lr=0.01)
+    build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
+    # One optimizer per stage, as each stage owns its parameters.
+    optimizers = [build_optimizer(list(stage.submod.parameters())) for stage in stages]
+    recorder = None
+    if options.record:
+        from pipexplore.runs.record import RankRecorder
+
+        warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
+        recorder = RankRecorder(options.record, stages, device, warmup=warmup, plan=dict(
+            split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
+            schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
+            steps=options.steps, optimizer=type(optimizers[0]).__name__))
     last = pipe.num_stages - 1 in indices
-    for step in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
+    for step in range(options.steps):
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         losses = []
         kwargs = dict(target=target.to(device), losses=losses) if last else {{}}
+        if recorder is not None:
+            recorder.begin_step(step)
+        began = time.perf_counter()
         if 0 in indices:
             schedule.step(inputs.to(device), **kwargs)
         else:
             schedule.step(**kwargs)
-        optimizer.step()
+        if recorder is not None:
+            recorder.optimizer_steps(zip(stages, optimizers))
+            recorder.end_step(step, losses)
+        else:
+            for optimizer in optimizers:
+                optimizer.step()
         if last:
-            print(f"step {{step}} loss={{sum(l.item() for l in losses) / len(losses):.6f}}", flush=True)
+            loss = sum(l.item() for l in losses) / len(losses)
+            print(f"step {{step}} loss={{loss:.6f}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
+    if recorder is not None:
+        recorder.finish()
     dist.destroy_process_group()
 
 
@@ -95,6 +133,6 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     world = devices or stages
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
-        filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps,
+        filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]")
