@@ -7,6 +7,8 @@ from typing import Any, Optional
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from pipexplore.schedules import SCHEDULES
+
 __all__ = ["PipexploreMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
@@ -21,7 +23,7 @@ class PipexploreMagics(Magics):
     @argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default 4)")
     @argument("--devices", default=None, help="comma-separated, one per stage, e.g. cuda:0,cuda:1 or cpu,cpu")
     @argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    @argument("--schedule", default="gpipe", choices=["gpipe", "1f1b", "interleaved", "zero-bubble"])
+    @argument("--schedule", default="gpipe", choices=list(SCHEDULES))
     @argument("--splits", default=None, help="comma-separated layer indices that begin a stage, e.g. 4,9")
     @line_magic
     def pipexplore(self, line: str) -> Any:

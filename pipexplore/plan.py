@@ -20,6 +20,7 @@ from pipexplore import validate
 from pipexplore.devices import is_planned, node_of
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
+from pipexplore.schedules import MULTI_STAGE, TORCH_CLASSES, V_SHAPED, stage_ranks
 from pipexplore.splits import SplitError, splits_to_balance
 
 __all__ = ["Plan", "SkipRoute", "skip_routes"]
@@ -131,8 +132,9 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """Devices the plan runs on: one per stage, or stages / virtual_stages for interleaved."""
-        if self.schedule == "interleaved":
+        """Devices the plan runs on: one per stage, or stages / virtual_stages for the multi-stage
+        schedules (interleaved, looped-bfs, interleaved-zero-bubble, zbv, dualpipev)."""
+        if self.schedule in MULTI_STAGE:
             return max(1, self.num_stages // self.virtual_stages)
         return self.num_stages
 
@@ -151,8 +153,11 @@ class Plan:
 
     @property
     def stage_devices(self) -> list[str]:
-        """The device of each stage."""
+        """The device of each stage (in a V for zbv and dualpipev: device ``d`` holds stages ``d``
+        and ``2p − 1 − d``)."""
         p = self.num_devices
+        if self.schedule in V_SHAPED:
+            return [self.devices[r] for r in stage_ranks(self.schedule, self.num_stages, p)]
         return [self.devices[s % p] for s in range(self.num_stages)]
 
     @property
@@ -246,7 +251,8 @@ class Plan:
 
         ``gpipe``: a ``pipexplore.GPipe``; ``pipelining``: a ``torch.distributed.pipelining``
         split of the same layers with the matching schedule class, for one process per device
-        (one per stage; the interleaved schedules give each rank its stages ``rank, rank + ranks, …``).
+        (one per stage; the looped and interleaved schedules give each rank its stages ``rank, rank + ranks,
+        …``, zbv and dualpipev ``rank`` and ``2·ranks − 1 − rank``).
         """
         if kind == "gpipe":
             devices = ", ".join(repr(d) for d in self.devices[: self.num_stages])
@@ -257,12 +263,13 @@ class Plan:
                 f"             chunks={self.chunks}, checkpoint={self.checkpoint!r})\n"
             )
         if kind == "pipelining":
-            schedule_class = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                              "interleaved": "ScheduleInterleaved1F1B",
-                              "zero-bubble": "ScheduleInterleavedZeroBubble",
-                              "async-backends": "ScheduleGPipe"}[self.schedule]
+            schedule_class = {**TORCH_CLASSES, "async-backends": "ScheduleGPipe"}[self.schedule]
             spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
-            if schedule_class.startswith("ScheduleInterleaved"):  # a list of stages per rank
+            if self.schedule in V_SHAPED:  # two stages per rank, in a V
+                build = ("#   stages = [pipe.build_stage(s, device)\n"
+                         "#             for s in (rank, 2 * world_size - 1 - rank)]\n"
+                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
+            elif self.schedule in MULTI_STAGE or self.schedule == "zero-bubble":  # a list of stages per rank
                 build = ("#   stages = [pipe.build_stage(s, device)\n"
                          "#             for s in range(rank, pipe.num_stages, world_size)]\n"
                          f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 from pipexplore.schedule_orders import MULTI_STAGE_ORDERS, rounds
 
 __all__ = ["SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action",
-           "actions", "rank_orders", "worker_orders", "check", "stage_ranks", "ranks_of", "stage_orders",
+           "actions", "rank_orders", "worker_orders", "refusal", "check", "stage_ranks", "ranks_of", "stage_orders",
            "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order"]
 
 #: The schedules the simulator and the executors run.
@@ -260,3 +260,12 @@ def worker_orders(schedule: str, stages: int, microbatches: int,
     if schedule == "interleaved":
         return [interleaved_order(d, ranks, stages_per_rank, microbatches) for d in range(ranks)]
     return rank_orders(schedule, ranks, microbatches, stages_per_rank)
+
+
+def refusal(schedule: str, stages: int, microbatches: int, stages_per_rank: int = 1) -> Optional[str]:
+    """Why :func:`worker_orders` refuses these stages and micro-batches (torch's reason), or None."""
+    try:
+        worker_orders(schedule, stages, microbatches, stages_per_rank)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -12,6 +12,7 @@ from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.plan import Plan
 from pipexplore.predict.costs import layer_seconds, microbatch_rows
+from pipexplore.schedules import MULTI_STAGE, refusal
 from pipexplore.validate import splits_exactly
 
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
@@ -39,9 +40,9 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     """Predict every combination, each with its balanced split, ranked by predicted step time.
 
     Empty choices keep the plan's own value. ``devices_for(n)`` gives the devices for ``n``
-    devices (default: the plan's devices, repeated round-robin). ``interleaved`` puts two
-    stages on each device, so it needs an even stage count and chunks that are a multiple of
-    the devices; combinations a schedule cannot run, or with more stages than layers or chunks
+    devices (default: the plan's devices, repeated round-robin). The multi-stage schedules (``interleaved``, ``zbv``, …) put
+    ``plan.virtual_stages`` stages on each device, so they need a stage count that is a multiple
+    of it (``interleaved`` chunks a multiple of the devices; the others what torch asks); combinations a schedule cannot run, or with more stages than layers or chunks
     the batch's rows do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are
     left out.
 
@@ -65,9 +66,14 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
                                                    schedules or [plan.schedule], checkpoint or [plan.checkpoint]):
         if n < 1 or n > plan.num_layers or (batch and not splits_exactly(batch, m)) or schedule == "async-backends":
             continue
-        devices_needed = n // plan.virtual_stages if schedule == "interleaved" else n
-        if schedule == "interleaved" and (n % plan.virtual_stages or devices_needed < 1 or m % devices_needed):
+        multi = schedule in MULTI_STAGE
+        devices_needed = n // plan.virtual_stages if multi else n
+        if multi and (n % plan.virtual_stages or devices_needed < 1):
             continue
+        if schedule == "interleaved" and m % devices_needed:
+            continue
+        if multi and schedule != "interleaved" and refusal(schedule, n, m, plan.virtual_stages):
+            continue  # e.g. DualPipeV with fewer micro-batches than stages, as torch refuses it
         executor = plan.executor if not (plan.executor == "autograd" and schedule != "gpipe") else "threads"
         candidate = plan.with_options(chunks=m, schedule=schedule, checkpoint=mode, executor=executor, splits=(),
                                       devices=tuple(devices_for(devices_needed)))

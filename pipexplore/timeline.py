@@ -376,9 +376,9 @@ def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = 
 
 
 def bubble_by(schedule: str) -> str:
-    """What a schedule's bubble is counted per (:func:`bubble_fraction`'s ``by``): ``'device'`` for
-    interleaved, whose devices each run several stages, else ``'stage'``."""
-    return "device" if schedule == "interleaved" else "stage"
+    """``by`` for :func:`bubble_fraction`: ``'device'`` where devices run several stages (interleaved, zbv, …)."""
+    from pipexplore.schedules import MULTI_STAGE
+    return "device" if schedule in MULTI_STAGE else "stage"
 
 
 def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,

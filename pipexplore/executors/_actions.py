@@ -9,6 +9,7 @@ stages' actions in the order :mod:`pipexplore.schedules` gives::
     R(i)  recompute (checkpointed micro-batches), right before their backward
     B(i)  backward: torch.autograd.backward on the stage's own graph
     I(i)  input-gradient only (zero-bubble)     W(i)  weight-gradient only (zero-bubble)
+          (DualPipeV runs B for some micro-batches of a stage, I and W for the others)
 
 What a stage takes and gives differs (one tensor and skip routes, or the many values of a traced
 graph): a subclass writes ``_forward``, ``_call``, ``_receive_grads`` and ``_backward``. This
@@ -40,7 +41,7 @@ from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.saved import SavedBytes
-from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
+from pipexplore.schedules import MULTI_STAGE, SCHEDULES, check, stage_ranks, worker_devices, worker_orders
 from pipexplore.stream import new_stream, use_device, use_stream
 
 __all__ = ["PHASE", "Action", "Aborted", "Mailbox", "StageState", "StepResult", "ActionExecutor", "check_options",
@@ -117,7 +118,9 @@ def plan_workers(schedule: str, stages: int, devices: Sequence[torch.device], ch
                  ) -> tuple[list[torch.device], list[list[Action]], int]:
     """Each stage's device, each worker's actions in order, and the stages per worker.
 
-    One worker per stage, or for ``interleaved`` one per device with the stages round-robin.
+    One worker per stage, or for the multi-stage schedules (``interleaved``, ``looped-bfs``,
+    ``interleaved-zero-bubble``: stages round-robin; ``zbv``, ``dualpipev``: two stages a device in
+    a V) one per device, running :func:`pipexplore.schedules.worker_orders`.
 
     Example::
 
@@ -127,10 +130,16 @@ def plan_workers(schedule: str, stages: int, devices: Sequence[torch.device], ch
     if schedule == "interleaved":
         p = len(devices)
         stage_devices = validate.interleaved_devices(stages, list(devices), chunks)
-        return stage_devices, [list(interleaved_order(d, p, stages // p, chunks)) for d in range(p)], stages // p
+        return stage_devices, worker_orders(schedule, stages, chunks, stages // p), stages // p
+    if schedule in MULTI_STAGE:
+        p = len(devices)
+        if stages % p:
+            raise ValueError(f"{schedule} spreads {stages} stages over {p} devices: the stage count must be a "
+                             "multiple of the device count")
+        v = check(schedule, p, chunks, stages // p)
+        return [devices[r] for r in stage_ranks(schedule, stages, p)], worker_orders(schedule, stages, chunks, v), v
     validate.enough_devices(len(devices), stages)
-    orders = [[(s, kind, i) for kind, i in order] for s, order in enumerate(stage_orders(schedule, stages, chunks))]
-    return list(devices[:stages]), orders, 1
+    return list(devices[:stages]), worker_orders(schedule, stages, chunks), 1
 
 
 class ActionExecutor:

@@ -39,6 +39,7 @@ from pipexplore.plan import Plan
 from pipexplore.executors.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
 from pipexplore.timeline import COLUMNS
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+from pipexplore.schedules import check, stage_ranks
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
 
@@ -114,7 +115,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         traced = job["traced"]
         pipe = split(traced["model"], traced["mb_args"], traced["split_points"], mb_kwargs=traced["mb_kwargs"])
         num_stages = pipe.num_stages
-        indices = list(range(rank, num_stages, world))
+        layout = job.get("layout") or [s % world for s in range(num_stages)]
+        indices = [s for s in range(num_stages) if layout[s] == rank]
         for s in indices:
             stage = pipe.build_stage(s, device)
             params.append(list(stage.submod.parameters()))
@@ -278,9 +280,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
                         f"{type(sample).__name__}")
     args, kwargs = call_inputs(sample)
     rows = sample_rows(sample)
-    if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
-        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
-                         f"{plan.chunks} < {plan.num_stages} stages")
+    # What torch's class refuses, refused here with its reason (e.g. 1F1B with fewer micro-batches
+    # than stages, DualPipeV with fewer than its stages, ZB-V with other than two stages a rank).
+    check(plan.schedule, plan.num_devices, plan.chunks, plan.num_stages // plan.num_devices)
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
@@ -290,12 +292,13 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
     world = plan.num_devices
     devices = list(plan.devices[:world])
+    layout = stage_ranks(plan.schedule, plan.num_stages, world)  # the rank of each stage (a V for zbv, dualpipev)
     job = {
         "devices": devices, "chunks": plan.chunks, "schedule_class": SCHEDULE_CLASSES[plan.schedule],
         "loss_fn": loss_fn, "optimizer": optimizer,
         "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
-        "repeats": repeats, "return_grads": return_grads, "traced": None,
+        "repeats": repeats, "return_grads": return_grads, "traced": None, "layout": layout,
     }
     if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
         names = [str(n) for n in plan.layer_table["name"]]
@@ -310,7 +313,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         points = [0, *plan.splits, len(layers)]
         stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
         job["num_stages"] = len(stages)
-        payloads = [_pack({**job, "stages": {s: stages[s] for s in range(rank, len(stages), world)}}, model)
+        payloads = [_pack({**job, "stages": {s: stages[s] for s in range(len(stages)) if layout[s] == rank}}, model)
                     for rank in range(world)]
     if timeout is None:
         timeout = default_timeout(plan, warmup + repeats - 1)

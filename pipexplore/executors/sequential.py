@@ -1,7 +1,7 @@
 """The schedule executor: a training step of an ``nn.Sequential`` with an explicit schedule, in one process.
 
-Each worker thread (one per stage; one per device for ``interleaved``) runs its stages' actions
-in schedule order: ``F``, ``B``, ``R`` (recompute) and ``I``/``W`` for zero-bubble, as
+Each worker thread (one per stage; one per device for the multi-stage schedules) runs its stages'
+actions in schedule order: ``F``, ``B``, ``R`` (recompute) and ``I``/``W`` for the zero-bubble ones, as
 :mod:`pipexplore.executors._actions` (the core it shares with the traced executor) runs them.
 A stage takes one tensor and gives one; activations and gradients pass between workers through
 mailboxes, copied to the receiving device (on a copy stream on CUDA). A skip route that crosses
@@ -86,11 +86,13 @@ class ScheduleExecutor(ActionExecutor):
 
     Args:
         module: the ``nn.Sequential`` (its layers are moved to the stages' devices).
-        balance: layers per stage. For ``interleaved``, ``len(balance)`` stages are spread over
-            ``len(devices)`` devices round-robin (``virtual_stages`` = stages / devices).
-        devices: one per stage (one per device for interleaved); default CPU for each.
+        balance: layers per stage. For the multi-stage schedules, ``len(balance)`` stages are spread
+            over ``len(devices)`` devices (``virtual_stages`` = stages / devices): round-robin, or in
+            a V for ``zbv`` and ``dualpipev`` (device ``d`` holds stages ``d`` and ``2p − 1 − d``).
+        devices: one per stage (one per device for the multi-stage schedules); default CPU for each.
         chunks: micro-batches per step.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zero-bubble`` (ZB-H1).
+        schedule: one of :data:`pipexplore.schedules.SCHEDULES`: ``gpipe``, ``1f1b``, ``interleaved``,
+            ``zero-bubble`` (ZB-H1), ``looped-bfs``, ``interleaved-zero-bubble``, ``zbv``, ``dualpipev``.
         checkpoint: ``always``, ``except_last`` or ``never``.
         loss_fn: ``loss_fn(output, target)``; default: the mean of the squared outputs.
         loss_reduction: ``'mean'`` (micro-batch losses weighted by their rows, so the gradients

@@ -41,6 +41,7 @@ from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.saved import tensor_bytes
+from pipexplore.schedules import MULTI_STAGE, SCHEDULES
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
 
@@ -71,9 +72,10 @@ class TracedExecutor(ActionExecutor):
 
     Args:
         pipe: what :func:`pipexplore.trace.split` returns (a ``torch.distributed.pipelining`` Pipe).
-        devices: one per stage (one per device for ``interleaved``, stages round-robin); default CPU.
+        devices: one per stage (one per device for the multi-stage schedules: see
+            :func:`pipexplore.executors._actions.plan_workers`); default CPU.
         chunks: micro-batches per step; the batch must divide evenly (traced graphs have fixed shapes).
-        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zero-bubble`` (ZB-H1).
+        schedule: one of :data:`pipexplore.schedules.SCHEDULES` (``zero-bubble`` is ZB-H1).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches keep only
             their stage inputs and run forward again (same random numbers) before backward.
         loss_fn: ``loss_fn(output, target)`` on the output as the model returns it; default: the
@@ -95,7 +97,7 @@ class TracedExecutor(ActionExecutor):
         chunks = check_options(schedule, checkpoint, chunks, loss_reduction)
         stages = int(pipe.num_stages)
         device_list = [as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
-        if schedule != "interleaved" and len(device_list) < stages:
+        if schedule not in MULTI_STAGE and len(device_list) < stages:
             raise ValueError(f"{stages} stages need {stages} devices, got {len(device_list)} "
                              f"({', '.join(map(str, device_list))}): give one device per stage")
         self.stage_devices, self.worker_orders, self.virtual_stages = plan_workers(schedule, stages, device_list,
@@ -339,7 +341,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
                          "'processes'")
     if plan.schedule == "async-backends":
         raise ValueError(f"schedule 'async-backends' serves nn.Sequential stages, not the traced stages of "
-                         f"{type(model).__name__}: choose gpipe, 1f1b, interleaved or zero-bubble")
+                         f"{type(model).__name__}: choose one of {', '.join(SCHEDULES)}")
     names = [str(n) for n in plan.layer_table["name"]]
     pipe = split(copy.deepcopy(model), first_microbatch(sample, plan.chunks), [names[s] for s in plan.splits])
     check_cancelled()  # tracing takes a while: a run cancelled meanwhile starts no step

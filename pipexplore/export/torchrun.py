@@ -8,6 +8,7 @@ import pandas as pd
 
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+from pipexplore.schedules import V_SHAPED
 
 __all__ = ["torchrun_script", "module_fqns_per_model_part"]
 
@@ -71,7 +72,7 @@ def main() -> None:
     inputs, target = hooks.get_batch()
     pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
-    indices = list(range(rank, pipe.num_stages, world))
+    indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn)
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
@@ -130,9 +131,11 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     names = [str(n) for n in table["name"]]
     schedule_class = SCHEDULE_CLASSES[schedule]
     stages = len(splits) + 1
-    world = devices or stages
+    world = devices or (stages // 2 if schedule in V_SHAPED else stages)
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
-        stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]")
+        stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
+        stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if schedule in V_SHAPED
+        else "list(range(rank, pipe.num_stages, world))")

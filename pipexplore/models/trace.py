@@ -26,12 +26,13 @@ from pipexplore.microbatch import tensors_in
 from pipexplore.models.fx_workarounds import inline_constant_no_grad_regions
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
+from pipexplore.schedules import TORCH_CLASSES
 
 #: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
 #: take a list of stages per rank (several stages on one rank).
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
-MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+SCHEDULE_CLASSES = dict(TORCH_CLASSES)
+MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+               "ScheduleLoopedBFS", "ScheduleDualPipeV"}
 
 __all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
            "inputs_past_first_stage", "split", "skip_routes_of",

@@ -73,7 +73,7 @@ class ActionGraph:
     @classmethod
     def build(cls, queues: Sequence[Sequence[Action]], stages: int, grad_kind: str = "B") -> "ActionGraph":
         """The graph of ``queues`` (one per worker). ``grad_kind``: what carries the gradient to the
-        stage before (``I`` for zero-bubble)."""
+        stage before (``I`` for zero-bubble), or else, for a micro-batch that stage runs whole, ``B``."""
         queues = tuple(tuple(q) for q in queues)
         actions = [a for q in queues for a in q]
         number = {a: n for n, a in enumerate(actions)}
@@ -112,7 +112,9 @@ class ActionGraph:
             else:
                 first[n] = numbered((s, "F", i), actions[n])
                 if s < stages - 1:
-                    second[n] = numbered((s + 1, grad_kind, i), actions[n])
+                    # The next stage's gradient: its I, or its whole B (DualPipeV runs both kinds).
+                    other = (s + 1, "B" if grad_kind == "I" else "I", i)
+                    second[n] = number[other] if other in number else numbered((s + 1, grad_kind, i), actions[n])
         return cls(
             queues=queues,
             stage=np.array([a[0] for a in actions], dtype=np.int64),

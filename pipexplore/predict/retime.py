@@ -25,6 +25,7 @@ import pandas as pd
 from pipexplore.predict.costs import COST_SOURCE, layer_seconds
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, OPTIMIZER
 from pipexplore.predict.simulator import COSTED, PHASE_NAMES, loop_layout, prepare_step
+from pipexplore.schedules import SPLIT_BACKWARD
 
 __all__ = ["retime_model", "retime_key"]
 
@@ -92,7 +93,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
         "extra": [float(setup.extra[k]) for k in COSTED], "gap": float(setup.gap),
         "handoff": float(setup.handoff), "stop": setup.stop,
-        "zero_bubble": options.get("schedule") == "zero-bubble",
+        "zero_bubble": options.get("schedule") in SPLIT_BACKWARD,  # the first stage's I is its whole backward
         "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
         "fractions": _f64(setup.fractions),
         "resource": _i32(resource), "free": devices,

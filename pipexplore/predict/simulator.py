@@ -40,7 +40,8 @@ from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionG
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
-from pipexplore.schedules import SCHEDULES, interleaved_order, stage_orders, worker_devices
+from pipexplore.schedules import (MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD, check, stage_orders, stage_ranks,
+                                  worker_devices, worker_orders)
 from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
@@ -77,19 +78,16 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
     so it is cached: moving a split re-times the same graph.
     """
     S = stages
-    if schedule == "interleaved":
-        p = S // virtual_stages
-        lane_queues = [interleaved_order(d, p, virtual_stages, m) for d in range(p)]
-    else:
-        lane_queues = [[(s, k, i) for k, i in order if executor != "autograd" or k == "F"]
-                       for s, order in enumerate(stage_orders(schedule, S, m))]
-        if executor == "autograd":
-            # One backward() call: autograd's engine runs the backward of each device on one thread
-            # (the caller's for the CPU), micro-batch-major, last first.
-            resources = resources or ("host",) * S
-            for device in dict.fromkeys(resources):
-                lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
-                                    if resources[s] == device])
+    # A worker per rank, its (stage, kind, micro-batch) in order (pipexplore.schedules).
+    lane_queues = [[(s, k, i) for s, k, i in order if executor != "autograd" or k == "F"]
+                   for order in worker_orders(schedule, S, m, virtual_stages if schedule in MULTI_STAGE else 1)]
+    if executor == "autograd":
+        # One backward() call: autograd's engine runs the backward of each device on one thread
+        # (the caller's for the CPU), micro-batch-major, last first.
+        resources = resources or ("host",) * S
+        for device in dict.fromkeys(resources):
+            lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
+                                if resources[s] == device])
     # Recompute right before the backward (or I) of checkpointed micro-batches.
     lane_queues = [[a for s, kind, i in queue
                     for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
@@ -101,7 +99,7 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
                 queue += [step for step in steps if step[0] in {s for s, _, _ in queue}]
         else:  # the caller's thread, once the workers are done: stage after stage
             lane_queues.append(steps)
-    return ActionGraph.build(lane_queues, S, "I" if schedule == "zero-bubble" else "B")
+    return ActionGraph.build(lane_queues, S, "I" if schedule in SPLIT_BACKWARD else "B")
 
 
 def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
@@ -219,7 +217,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         for rows in distinct:
             size = setup.layer_rows(rows)
             seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra[kind]
-            if schedule == "zero-bubble" and kind in ("I", "W"):
+            if schedule in SPLIT_BACKWARD and kind in ("I", "W"):
                 # The first stage's input is the user's data, which needs no gradient: its I runs the
                 # whole backward (weights too) and its W has nothing left to do, as the executors do.
                 whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
@@ -334,16 +332,20 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     fractions = [1.0 if per_microbatch else (r / (own_batch or batch) if batch else r) for r in sizes]
     stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
 
-    if schedule == "interleaved":
+    if schedule in MULTI_STAGE:
         if virtual_stages < 1 or S % virtual_stages:
-            raise ValueError(f"interleaved needs the stage count ({S}) to be a multiple of virtual_stages "
+            raise ValueError(f"{schedule} needs the stage count ({S}) to be a multiple of virtual_stages "
                              f"({virtual_stages})")
         p = S // virtual_stages
         device_names = list(devices) if devices is not None else ["cpu"] * p
         if len(device_names) != p:
-            raise ValueError(f"interleaved with {S} stages and virtual_stages={virtual_stages} needs {p} devices, "
+            raise ValueError(f"{schedule} with {S} stages and virtual_stages={virtual_stages} needs {p} devices, "
                              f"got {len(device_names)}")
-        stage_device = interleaved_devices(S, device_names, m)
+        if schedule == "interleaved":
+            stage_device = interleaved_devices(S, device_names, m)
+        else:  # torch's constraints (two stages a rank for the V schedules, …), then its layout
+            check(schedule, p, m, virtual_stages)
+            stage_device = [str(device_names[r]) for r in stage_ranks(schedule, S, p)]
     else:
         stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S
         if len(stage_device) != S:

@@ -33,6 +33,7 @@ from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.models.hf import cache_note
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
+from pipexplore.schedules import MULTI_STAGE, SPLIT_BACKWARD
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
 from pipexplore.skip.skippable import verify_skippables
@@ -142,9 +143,9 @@ class ExplorerState(RunLog):
             if self.traced and isinstance(sample, Mapping):  # keyword inputs (a BatchEncoding too) as a dict
                 self.sample = sample = dict(sample)
             planned = devices or stage_devices(max(2, torch.cuda.device_count()))[0]
-            # The input/weight-gradient split is measured when a zero-bubble plan first needs it.
+            # The input/weight-gradient split is measured when a plan that splits backwards first needs it.
             layer_table = layers.profile_layers(model, sample, self.profile_options, chunks=chunks, devices=planned,
-                                                split_backward=schedule == "zero-bubble", loss_fn=loss_fn,
+                                                split_backward=schedule in SPLIT_BACKWARD, loss_fn=loss_fn,
                                                 target=target, optimizer=optimizer)
         if self.traced and not self.planned:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
@@ -248,7 +249,7 @@ class ExplorerState(RunLog):
         that cannot be predicted is refused (its error raised) before it replaces the old one."""
         with self._plan_lock:
             plan = change(self._plan)
-            if plan.schedule == "zero-bubble" and self._with_backward_split() is not plan.layer_table:
+            if plan.schedule in SPLIT_BACKWARD and self._with_backward_split() is not plan.layer_table:
                 plan = replace(plan, layer_table=self.layer_table)
             plan = self._with_executor_costs(plan)
             _ = plan.predicted
@@ -286,7 +287,7 @@ class ExplorerState(RunLog):
         """The devices for ``stages`` stages: extra ones dropped, missing ones repeated from the
         last; and a note saying which ('' when none)."""
         plan = self._plan
-        needed = max(1, stages // plan.virtual_stages) if plan.schedule == "interleaved" else stages
+        needed = max(1, stages // plan.virtual_stages) if plan.schedule in MULTI_STAGE else stages
         pool = list(plan.devices)
         if plan.planned and len(pool) < needed:  # more GPUs of the kind, numbered on
             added = needed - len(pool)
@@ -334,7 +335,7 @@ class ExplorerState(RunLog):
         plan = self._plan
         table = layers.profile_layers(self.model, self.sample, self.profile_options, chunks=plan.chunks,
                                       devices=plan.devices[: plan.num_devices],
-                                      split_backward=plan.schedule == "zero-bubble", loss_fn=self.loss_fn,
+                                      split_backward=plan.schedule in SPLIT_BACKWARD, loss_fn=self.loss_fn,
                                       target=self.target, optimizer=self.optimizer)
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
