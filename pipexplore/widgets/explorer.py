@@ -174,16 +174,21 @@ class Explorer:
         return self.state.shared_parameters()
 
     # ---- runs -----------------------------------------------------------------------------
-    def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
+    def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None, nodes: int = 1) -> pd.Series:
         """Run a real training step of the current plan (blocking) and add it to :attr:`runs`;
         returns its row. ``executor``: ``'threads'``, ``'autograd'`` or ``'processes'`` (it becomes
-        the plan's); ``timeout`` bounds a ``'processes'`` step. Errors propagate; the plan and
-        earlier runs are kept."""
-        return self.state.run(executor, timeout=timeout)
+        the plan's), or ``'torchrun'``: the exported script under ``nodes`` torchrun node agents
+        here, its recording loaded back (as :meth:`load_run`); ``timeout`` bounds a ``'processes'``
+        or ``'torchrun'`` run. Errors propagate; the plan and earlier runs are kept."""
+        return self.state.run(executor, timeout=timeout, nodes=nodes)
 
-    def run_async(self) -> threading.Thread:
+    def load_run(self, directory: Any) -> pd.Series:
+        """Add a run the exported script recorded (``--record DIR``, on any cluster) to :attr:`runs`."""
+        return self.state.load_run(directory)
+
+    def run_async(self, executor: Optional[str] = None, **options: Any) -> threading.Thread:
         """Start :meth:`run` in a background thread (what the button does); returns the thread."""
-        return self.state.run_async()
+        return self.state.run_async(executor, **options)
 
     def cancel(self, timeout: float = 60.0) -> bool:
         """Stop the background run: nothing of it is recorded, the plan and earlier runs are kept.

@@ -27,7 +27,7 @@ __all__ = ["RunLog", "RUN_COLUMNS", "run_summary"]
 
 RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
                "startup_seconds", "bubble", "throughput", "peak_memory", "predicted_step_time", "prediction_error",
-               "loss", "measured_losses", "finite"]
+               "loss", "measured_losses", "finite", "nodes", "ranks", "hosts"]
 
 
 def run_summary(row: dict[str, Any]) -> str:
@@ -57,12 +57,15 @@ class RunLog:
     """Runs of the current plan, and what is read from them (a part of ``ExplorerState``)."""
 
     # ---- running ----------------------------------------------------------------------------
-    def run(self: ExplorerState, executor: Optional[str] = None, *, timeout: Optional[float] = None) -> pd.Series:
+    def run(self: ExplorerState, executor: Optional[str] = None, *, timeout: Optional[float] = None,
+            nodes: int = 1) -> pd.Series:
         """Run a real training step of the current plan (blocking) and add it to :attr:`runs`.
 
         ``executor``: ``'threads'`` (the schedule executor, in this process), ``'autograd'`` (the
         ``GPipe`` module) or ``'processes'`` (one process per stage); it becomes the plan's.
-        ``timeout`` (seconds, ``'processes'`` only) bounds the step in the worker processes.
+        ``'torchrun'``: the exported script under ``nodes`` torchrun node agents here (see
+        :meth:`run_torchrun`; the plan's executor stays).
+        ``timeout`` (seconds, ``'processes'`` and ``'torchrun'``) bounds the step in the worker processes.
 
         Raises:
             RuntimeError: the plan is for planned devices (catalogue names), which are not here.
@@ -71,6 +74,8 @@ class RunLog:
             pipexplore.cancel.Cancelled: the run was cancelled; nothing of it is recorded.
         """
         refuse_planned(self._plan)
+        if executor == "torchrun":
+            return self.run_torchrun(nodes=nodes, timeout=timeout)
         if executor is not None and executor != self._plan.executor:
             self.update(executor=executor)
         with self._lock:
@@ -96,8 +101,9 @@ class RunLog:
                 self.say(run_summary(row), error=not row["finite"])
         return pd.Series(row)
 
-    def run_async(self: ExplorerState) -> threading.Thread:
+    def run_async(self: ExplorerState, executor: Optional[str] = None, **options: Any) -> threading.Thread:
         """Start :meth:`run` in a background thread (what the button does); returns the thread.
+        ``executor`` and ``options`` (``nodes``, ``timeout``) go to :meth:`run`.
 
         Raises:
             RuntimeError: a run is already in progress, or the plan is for planned devices.
@@ -106,8 +112,8 @@ class RunLog:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a run is already in progress")
         self._cancel_token = token = CancelToken()
-        self._thread = threading.Thread(target=self._run_in_background, args=(token,), name="pipexplore-run",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_in_background, args=(token, executor, options),
+                                        name="pipexplore-run", daemon=True)
         self.running = True
         self.say("running a training step…", busy=True)
         self._thread.start()
@@ -124,11 +130,12 @@ class RunLog:
         thread.join(timeout)
         return not thread.is_alive()
 
-    def _run_in_background(self: ExplorerState, token: CancelToken) -> None:
+    def _run_in_background(self: ExplorerState, token: CancelToken, executor: Optional[str] = None,
+                           options: Optional[dict[str, Any]] = None) -> None:
         try:
             with cancel_scope(token), tl.counting_actions() as counter:
                 self.counter = counter
-                self.run()
+                self.run(executor, **(options or {}))
         except Cancelled:
             self.say("run cancelled: the plan and earlier runs are kept")
         except BaseException as exc:  # shown; the plan and the runs stay
@@ -138,6 +145,62 @@ class RunLog:
                 self.counter = None
                 self.running = False
                 self._emit("status")
+
+    def run_torchrun(self: ExplorerState, nodes: int = 2, *, timeout: Optional[float] = None) -> pd.Series:
+        """Export the current plan, run it under ``nodes`` torchrun node agents on this machine
+        (c10d rendezvous on loopback, gloo), wait with progress on the status line (Cancel stops
+        every agent and rank), and load the run as :meth:`load_run` does. Returns its row.
+
+        Raises:
+            pipexplore.runs.launch.TorchrunError: a rank failed (its rank, host and exit code), or a timeout.
+            pipexplore.cancel.Cancelled: cancelled; nothing is recorded.
+        """
+        from pipexplore.runs.roundtrip import torchrun_result
+
+        refuse_planned(self._plan)
+        with self._lock:
+            with self._plan_lock:
+                plan, number = self._plan, self._next_run
+            self.say(f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
+            result = torchrun_result(self.model, self.sample, plan, nodes=nodes, target=self.target,
+                                     loss_fn=self.loss_fn, optimizer=self.optimizer, run=number, timeout=timeout,
+                                     progress=lambda text: self.say(text, busy=True))
+            return self._keep_loaded(result, number)
+
+    def load_run(self: ExplorerState, directory: Any) -> pd.Series:
+        """Add a run recorded elsewhere (the exported script's ``--record DIR``) as a row of
+        :attr:`runs` (executor ``torchrun``, its nodes, ranks and hosts), its timeline on rank 0's
+        clock, predicted again for the plan it ran (rebuilt on this layer table from the one it
+        recorded) and teaching the cost model as a local run does. Refused whole (nothing kept)
+        when a rank's file is missing, truncated or of another run or plan, or the run is of
+        another model (:class:`pipexplore.runs.load.RunDirectoryError`)."""
+        from pipexplore.microbatch import batch_size
+        from pipexplore.runs.roundtrip import load_result
+
+        with self._lock:
+            with self._plan_lock:
+                plan, number = self._plan, self._next_run
+            _, result = load_result(directory, self.layer_table, plan, samples=batch_size(self.sample), run=number)
+            return self._keep_loaded(result, number)
+
+    def _keep_loaded(self: ExplorerState, result: RunResult, number: int) -> pd.Series:
+        """Keep a run made under torchrun (loaded or launched) as any run; learn from it."""
+        row = {"run": number, **{k: v for k, v in result.row().items() if k != "rank_table"}}
+        loss = row.get("loss", math.nan)
+        row["finite"] = bool(row.get("finite", True)) and isinstance(loss, float) and math.isfinite(loss)
+        with self._plan_lock:
+            check_cancelled()
+            self._next_run = number + 1
+            self._runs.append(row)
+            self._results.append(result)
+            if row["finite"] and self.calibrate:  # what it teaches carries to this explorer's plan
+                learnt = result.plan.calibrated(result.timeline).corrections
+                self._plan = replace(self._plan, corrections=learnt)
+                self._emit("plan")
+            self._emit("runs")
+            self.say(f"{run_summary(row)} · torchrun, {row['nodes']} nodes, {row['ranks']} ranks "
+                     f"({row['hosts']}), prediction error {row['prediction_error'] * 100:+.1f} %")
+        return pd.Series(row)
 
     # ---- the runs ---------------------------------------------------------------------------
     @property

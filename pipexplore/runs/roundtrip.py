@@ -1,0 +1,128 @@
+"""The explorer's two ways in for a run made under ``torchrun``: load a directory (:func:`load_result`)
+or export, launch node agents here and load what they recorded (:func:`torchrun_result`) — the
+same path a cluster takes.
+
+Example::
+
+    result = torchrun_result(model, sample, plan, nodes=2, run=4)       # 2 agents × 2 ranks here
+    result = load_result("runs/7", layer_table, plan, samples=64, run=5)
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import tempfile
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+
+from pipexplore.cancel import check_cancelled
+from pipexplore.executors.base import RunResult, result, synthetic_loss
+from pipexplore.executors.distributed import default_timeout
+from pipexplore.models.trace import SCHEDULE_CLASSES
+from pipexplore.plan import Plan
+from pipexplore.runs.launch import HOOKS_MODULE, launch, printed_losses, write_hooks
+from pipexplore.runs.load import RunDirectoryError, plan_of, read_run, run_result
+from pipexplore.runs.record import PLAN_FILE
+
+__all__ = ["load_result", "torchrun_result", "STARTUP_SECONDS", "holds_traces"]
+
+#: Seconds the node agents may take to start, meet and trace the model, beside the steps' own timeout.
+STARTUP_SECONDS = 180.0
+
+
+def holds_traces(directory: pathlib.Path) -> bool:
+    """Whether ``directory`` holds profiler traces (``*.json``, ``*.json.gz``) and no recorded run."""
+    if (directory / PLAN_FILE).exists() or any(directory.glob("rank-*.json")):
+        return False
+    return any(directory.glob("*.json")) or any(directory.glob("*.json.gz"))
+
+
+def load_result(directory: Any, layer_table: pd.DataFrame, plan: Plan, *, samples: int,
+                run: Any = 0) -> tuple[Plan, RunResult]:
+    """Read ``directory`` whole (:func:`~pipexplore.runs.load.read_run`) and give the plan it ran
+    (rebuilt on ``layer_table`` from ``plan``) and its result. A directory of ``torch.profiler``
+    traces (and no recorded run) is read by :mod:`pipexplore.runs.kineto` where it is installed,
+    against ``plan``.
+
+    Raises:
+        FileNotFoundError: no such directory.
+        RunDirectoryError: what :func:`~pipexplore.runs.load.read_run` refuses, or traces with no reader.
+    """
+    path = pathlib.Path(directory)
+    if path.is_dir() and holds_traces(path):
+        try:
+            from pipexplore.runs import kineto  # type: ignore[attr-defined]
+        except ImportError:
+            raise RunDirectoryError(f"{path} holds profiler traces (*.json) but no recorded run ({PLAN_FILE}, "
+                                    "rank-*.json); this pipexplore has no reader of profiler traces "
+                                    "(pipexplore.runs.kineto)") from None
+        timeline = kineto.read_traces(path, run=run)
+        out = result(plan, timeline, float("nan"), torch.empty((samples, 0)), set())
+        out.metrics.update(executor="torchrun", directory=str(path), source="profiler traces")
+        return plan, out
+    recorded = read_run(path)
+    ran = plan_of(recorded, layer_table, plan)
+    return ran, run_result(recorded, ran, samples=samples, run=run)
+
+
+def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: int, target: Any = None,
+                    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, optimizer: Any = None,
+                    run: Any = 0, warmup: int = 1, repeats: int = 3, timeout: Optional[float] = None,
+                    progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None) -> RunResult:
+    """Export ``plan`` as the ``torchrun`` script, run it under ``nodes`` node agents on this
+    machine (``plan.num_devices / nodes`` ranks each, gloo on CPUs) with ``--record``, and load the
+    run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does).
+
+    The model, batch, ``loss_fn`` (default: the synthetic loss) and ``optimizer`` factory travel
+    by value (cloudpickle) in a hooks module written to a temporary directory, removed afterwards
+    (``keep``: a directory to record into and keep instead). ``timeout``: seconds for the whole
+    run (default: :data:`STARTUP_SECONDS` plus the processes executor's default for the steps).
+    ``metrics['printed_losses']`` holds each step's loss as the script printed it.
+
+    Raises:
+        ValueError: a plan or sample the exported script cannot run, or ``nodes`` not dividing its ranks.
+        pipexplore.runs.launch.TorchrunError: a rank failed (named: rank, host, exit code) or the run timed out.
+        pipexplore.cancel.Cancelled: cancelled; every agent and rank is stopped, nothing is loaded.
+    """
+    world = plan.num_devices
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world % nodes:
+        raise ValueError(f"nodes must be a whole number that divides the plan's {world} ranks, got {nodes!r}")
+    if plan.schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"the torchrun script runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
+    if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
+                         f"{plan.chunks} < {plan.num_stages} stages")
+    if not torch.is_tensor(sample):
+        raise ValueError(f"the exported torchrun script takes one tensor as the model's input (it cuts it with "
+                         f"tensor.chunk), not a {type(sample).__name__}: run with executor='processes'")
+    if sample.size(0) % plan.chunks:
+        raise ValueError(f"torch pipelining splits the batch evenly: {sample.size(0)} rows do not divide into "
+                         f"{plan.chunks} chunks")
+    from pipexplore.export.torchrun import torchrun_script
+
+    if timeout is None:
+        timeout = STARTUP_SECONDS + default_timeout(plan, warmup + repeats - 1)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="pipexplore-torchrun-"))
+    record = pathlib.Path(keep) if keep is not None else folder / "run"
+    try:
+        target = target if target is not None else torch.zeros(sample.size(0), 1)
+        hooks = write_hooks(folder, model, sample, target, loss_fn or synthetic_loss, optimizer)
+        assert hooks == HOOKS_MODULE
+        script = folder / "train_pipeline.py"
+        script.write_text(torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
+                                          schedule=plan.schedule, devices=world, steps=warmup + repeats))
+        check_cancelled()
+        outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
+                         args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,
+                         progress=progress)
+        check_cancelled()
+        recorded = read_run(record)
+        ran = plan_of(recorded, plan.layer_table, plan)
+        out = run_result(recorded, ran, samples=int(sample.size(0)), run=run)
+        out.metrics["printed_losses"] = printed_losses(outcome.stdout)
+        out.metrics["wall_seconds"] = outcome.seconds
+        return out
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

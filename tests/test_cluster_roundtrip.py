@@ -1,0 +1,317 @@
+"""A run under torchrun, brought back (issue 24, items 1, 2, 4 and 6): the exported script records
+with ``--record DIR`` under two torchrun node agents on this machine (c10d rendezvous on
+loopback, gloo, 2 ranks each), ``explorer.load_run`` reads it whole and ``explorer.run(
+executor='torchrun', nodes=2)`` does both; a rank that dies is named, a directory missing a
+rank, of another plan or truncated is refused and nothing of it is kept."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+
+import pipexplore
+from pipexplore.runs.launch import TorchrunError, launch, printed_losses, torchrun_failures
+from pipexplore.runs.load import RunDirectoryError, read_run
+from pipexplore.runs.record import CLOCK_SHIFT_ENV
+
+HOOKS = '''
+import os
+
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(64, 64), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def get_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(32, 64, generator=generator), torch.randn(32, 64, generator=generator)
+
+
+def loss_fn(output, target):
+    if os.environ.get("RANK", "none") == os.environ.get("ROUNDTRIP_DIE_RANK"):
+        os._exit(3)  # a rank that dies
+    return ((output - target) ** 2).mean()
+
+
+def build_optimizer(parameters):
+    return torch.optim.Adam(parameters, lr=1e-3)
+'''
+INTERLEAVED = [2, 4, 6, 8, 10, 12, 14]
+
+
+@pytest.fixture(scope="module")
+def hooks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hooks")
+    (folder / "roundtrip_hooks.py").write_text(HOOKS)
+    sys.path.insert(0, str(folder))
+    try:
+        yield importlib.import_module("roundtrip_hooks"), folder
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("roundtrip_hooks", None)
+
+
+def _explorer(module, schedule="1f1b", **options):
+    inputs, target = module.get_batch()
+    return pipexplore.explore(module.build_model(), inputs, target=target, loss_fn=module.loss_fn,
+                              optimizer=module.build_optimizer, chunks=4, schedule=schedule,
+                              devices="cpu,cpu,cpu,cpu", executor="processes", profile_repeats=1, **options)
+
+
+def _unsplit_loss(module) -> float:
+    inputs, target = module.get_batch()
+    with torch.no_grad():
+        return float(module.loss_fn(module.build_model()(inputs), target))
+
+
+@pytest.fixture(scope="module")
+def recorded(hooks, tmp_path_factory):
+    """A 1F1B run of the exported script under two node agents, as a cluster user makes it."""
+    module, folder = hooks
+    explorer = _explorer(module)
+    work = tmp_path_factory.mktemp("cluster")
+    script = work / "train_pipeline.py"
+    script.write_text(explorer.export("torchrun", hooks="roundtrip_hooks", steps=4))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    outcome = launch(script, nodes=2, nproc_per_node=2, args=["--record", str(work / "run")], env=env,
+                     timeout=300)
+    return explorer, work / "run", outcome
+
+
+def _every_action(timeline, stages, chunks):
+    compute = timeline[timeline["phase"].isin(["forward", "backward"])]
+    found = set(zip(compute["stage"], compute["microbatch"], compute["phase"]))
+    return {(s, m, p) for s in range(stages) for m in range(chunks) for p in ("forward", "backward")} - found
+
+
+def _in_place(timeline):
+    """Every forward starts after the previous stage's forward of its micro-batch ended, and every
+    backward after the next stage's backward (a clock off by more than that would break it)."""
+    spans = {(s, m, p): (a, b) for s, m, p, a, b in
+             timeline[["stage", "microbatch", "phase", "start", "end"]].itertuples(index=False)}
+    slack = 2e-3  # the clock alignment's residual on a busy 2-core machine
+    late = [(s, m, p) for (s, m, p), (a, _) in spans.items() if p == "forward" and (s - 1, m, p) in spans
+            and a < spans[(s - 1, m, p)][1] - slack]
+    late += [(s, m, p) for (s, m, p), (a, _) in spans.items() if p == "backward" and (s + 1, m, p) in spans
+             and a < spans[(s + 1, m, p)][1] - slack]
+    return late
+
+
+@pytest.mark.slow
+def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
+    explorer, directory, outcome = recorded
+    row = explorer.load_run(directory)
+    assert row["executor"] == "torchrun" and row["nodes"] == 2 and row["ranks"] == 4 and row["hosts"]
+    assert explorer.runs.iloc[-1]["executor"] == "torchrun"
+    timeline = explorer.timeline("measured")
+    assert not _every_action(timeline, 4, 4)
+    assert {"send", "recv", "optimizer"} <= set(timeline["phase"])
+    assert not _in_place(timeline)
+    printed = printed_losses(outcome.stdout)
+    assert row["loss"] == pytest.approx(printed[0], abs=1e-6)  # what the script printed (6 decimals)
+    assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
+    assert row["measured_losses"] == pytest.approx([printed[k] for k in (1, 2, 3)], abs=1e-6)
+    assert math.isfinite(row["prediction_error"]) and row["predicted_step_time"] > 0
+    assert len(explorer.residuals()) >= 32
+    assert explorer.plan.corrections.runs == 1  # the cost model learnt from it
+    plan = json.loads((directory / "plan.json").read_text())
+    assert plan["optimizer"] == "Adam" and plan["nodes"] == 2 and plan["world"] == 4  # the hooks' optimizer
+
+
+@pytest.mark.slow
+def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, monkeypatch):
+    """ex.run(executor='torchrun', nodes=2): rank 3's clock runs 5 s ahead (injected); its offset is
+    measured and its events land in place."""
+    explorer = _explorer(hooks[0], "interleaved", splits=INTERLEAVED)
+    monkeypatch.setenv(CLOCK_SHIFT_ENV, "3=5.0")
+    before = explorer.plan
+    row = explorer.run(executor="torchrun", nodes=2)
+    assert row["executor"] == "torchrun" and row["schedule"] == "interleaved" and row["ranks"] == 4
+    result = explorer.state.result_of(row["run"])
+    ranks = result.metrics["rank_table"]
+    assert ranks.loc[3, "offset_start"] == pytest.approx(5.0, abs=5e-3)
+    assert ranks.loc[3, "offset_end"] == pytest.approx(5.0, abs=5e-3)
+    timeline = result.timeline
+    assert not _every_action(timeline, 8, 4)
+    assert timeline["end"].max() < 2.0 and not _in_place(timeline)
+    assert set(timeline.loc[timeline["rank"] == 3, "stage"]) >= {3, 7}
+    assert row["loss"] == pytest.approx(result.metrics["printed_losses"][0], abs=1e-6)
+    assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
+    assert math.isfinite(row["prediction_error"])
+    assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays
+
+
+def _copy(directory, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(directory, target)
+    return target
+
+
+def _edit(path, change):
+    payload = json.loads(path.read_text())
+    change(payload)
+    path.write_text(json.dumps(payload))
+
+
+@pytest.mark.slow
+def test_a_known_shift_in_a_rank_file_lands_in_place(recorded, tmp_path):
+    explorer, directory, _ = recorded
+    original = read_run(directory)
+    copy = _copy(directory, tmp_path)
+
+    def shift(payload, measured=True):
+        # A clock 3 s ahead reads 3 s more at every event (its events are kept from its origin) ...
+        payload["clock"]["origin_ns"] += 3_000_000_000
+        if measured:  # ... and its offset to rank 0, measured at the start and the end, is 3 s more
+            payload["clock"]["offset_start"] += 3.0
+            payload["clock"]["offset_end"] += 3.0
+
+    _edit(copy / "rank-2.json", shift)
+    moved = read_run(copy)
+    for a, b in zip(original.steps, moved.steps):
+        assert (a["start"] - b["start"]).abs().max() < 1e-9
+    _edit(copy / "rank-2.json", lambda payload: shift(payload, measured=False))  # offsets not applied: off
+    off = read_run(copy).steps[0]
+    assert off.loc[off["rank"] == 2, "start"].min() > 2.9
+
+
+def _drop_a_backward(payload):
+    events = payload["steps"][0]["events"]
+    events.remove(next(e for e in events if e[1:3] == [2, "backward"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: (d / "rank-3.json").unlink(), "lacks rank-3.json"),
+    (lambda d: (d / "plan.json").unlink(), "no plan.json"),
+    (lambda d: (d / "rank-1.json").write_text((d / "rank-1.json").read_text()[:500]), "rank-1.json .* truncated"),
+    (lambda d: _edit(d / "rank-2.json", lambda p: p["plan"].update(schedule="gpipe")),
+     "rank-2.json is from another plan.*schedule 'gpipe' there, '1f1b' in plan.json"),
+    (lambda d: _edit(d / "rank-0.json", lambda p: p.update(run_id="0123456789ab")), "another run of the same plan"),
+    (lambda d: _edit(d / "rank-1.json", _drop_a_backward), "rank-1.json lacks stage 1's backward of micro-batch 2"),
+    (lambda d: _edit(d / "rank-1.json", lambda p: p.update(version=99)), "version 99"),
+])
+def test_a_damaged_run_directory_is_refused_whole(recorded, tmp_path, damage, words):
+    explorer, directory, _ = recorded
+    copy = _copy(directory, tmp_path)
+    damage(copy)
+    rows, plan, corrections = len(explorer.runs), explorer.plan, explorer.plan.corrections
+    with pytest.raises(RunDirectoryError, match=words):
+        explorer.load_run(copy)
+    assert len(explorer.runs) == rows and explorer.plan == plan and explorer.plan.corrections is corrections
+
+
+@pytest.mark.slow
+def test_a_run_of_another_model_is_refused(recorded, tmp_path):
+    _, directory, _ = recorded
+    other = pipexplore.explore(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]),
+                               torch.randn(32, 64), chunks=4, profile_repeats=1)
+    with pytest.raises(RunDirectoryError, match="another model"):
+        other.load_run(directory)
+    assert other.runs.empty
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_is_named_with_its_host_and_exit_code(hooks, tmp_path):
+    module, folder = hooks
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(_explorer(module).export("torchrun", hooks="roundtrip_hooks", steps=2))
+    env = dict(os.environ, ROUNDTRIP_DIE_RANK="3",
+               PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(TorchrunError, match=r"rank 3 on host \S+ exited with code 3") as caught:
+        launch(script, nodes=2, nproc_per_node=2, args=["--record", str(tmp_path / "run")], env=env, timeout=300)
+    assert (caught.value.rank, caught.value.exitcode) == (3, 3) and caught.value.host
+    assert not _ours_running(tmp_path)
+
+
+def _ours_running(marker) -> list[int]:
+    """Processes whose command line names ``marker`` (none of ours may outlive a run)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(marker) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.slow
+def test_cancel_stops_every_agent_and_rank(hooks):
+    explorer = _explorer(hooks[0])
+    thread = explorer.run_async("torchrun", nodes=2)
+    deadline = time.monotonic() + 60
+    while "torchrun:" not in explorer.state.status.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(3)  # the agents and ranks are up
+    assert _ours_running("pipexplore-torchrun-")
+    assert explorer.cancel(timeout=60)
+    assert not thread.is_alive() and explorer.runs.empty
+    assert "cancelled" in explorer.state.status.text
+    assert not _ours_running("pipexplore-torchrun-")
+
+
+def test_torchrun_failure_report_is_read():
+    report = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train_pipeline.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-25_21:01:00
+  host      : node-b
+  rank      : 2 (local_rank: 0)
+  exitcode  : -15 (pid: 17913)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 17913
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_21:01:00
+  host      : node-b
+  rank      : 3 (local_rank: 1)
+  exitcode  : 3 (pid: 17916)
+  error_file: <N/A>
+============================================================"""
+    assert [(f["rank"], f["host"], f["exitcode"]) for f in torchrun_failures(report)] == [
+        (2, "node-b", -15), (3, "node-b", 3)]
+
+
+def test_run_on_torchrun_checks_its_arguments(hooks):
+    explorer = _explorer(hooks[0])
+    with pytest.raises(ValueError, match="divides the plan's 4 ranks"):
+        explorer.run(executor="torchrun", nodes=3)
+    assert explorer.runs.empty
+
+
+def test_the_exported_script_records_on_request(hooks):
+    script = _explorer(hooks[0]).export("torchrun", hooks="roundtrip_hooks", steps=3)
+    assert "--record" in script and "from pipexplore.runs.record import RankRecorder" in script
+    assert 'getattr(hooks, "build_optimizer", None)' in script
+    compile(script, "train_pipeline.py", "exec")
+
+
+def test_loading_a_missing_directory_says_so(hooks, tmp_path):
+    explorer = _explorer(hooks[0])
+    with pytest.raises(FileNotFoundError, match="no run directory"):
+        explorer.load_run(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RunDirectoryError, match="no plan.json"):
+        explorer.load_run(empty)
