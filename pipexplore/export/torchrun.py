@@ -93,9 +93,9 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
         losses = []
         kwargs = dict(target=target.to(device), losses=losses) if last else {{}}
-        if recorder is not None:
-            recorder.begin_step(step)
         began = time.perf_counter()
+        if recorder is not None:
+            recorder.begin_step(step)  # a barrier: every rank starts the step together
         if 0 in indices:
             schedule.step(inputs.to(device), **kwargs)
         else:
