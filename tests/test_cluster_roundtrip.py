@@ -315,3 +315,19 @@ def test_loading_a_missing_directory_says_so(hooks, tmp_path):
     empty.mkdir()
     with pytest.raises(RunDirectoryError, match="no plan.json"):
         explorer.load_run(empty)
+
+
+def test_a_directory_of_profiler_traces_goes_to_the_trace_reader(hooks, tmp_path):
+    """No recorded run, torch.profiler traces instead: pipexplore.runs.kineto reads them."""
+    for rank in range(2):
+        events = [{"ph": "X", "cat": "user_annotation", "name": f"{name} {mb}", "pid": 100 + rank, "tid": 1,
+                   "ts": 1_000 + 100 * k + 10 * rank, "dur": 40, "args": {}}
+                  for k, (name, mb) in enumerate([("Forward", 0), ("Forward", 1), ("Backward", 0), ("Backward", 1)])]
+        (tmp_path / f"trace_rank{rank}.json").write_text(json.dumps(
+            {"schemaVersion": 1, "traceEvents": events,
+             "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": 2}}))
+    explorer = _explorer(hooks[0])
+    row = explorer.load_run(tmp_path)
+    assert row["executor"] == "torchrun" and len(explorer.runs) == 1
+    timeline = explorer.timeline("measured")
+    assert set(zip(timeline["stage"], timeline["phase"])) >= {(0, "forward"), (1, "backward")}

@@ -198,8 +198,8 @@ class RunLog:
                 self._plan = replace(self._plan, corrections=learnt)
                 self._emit("plan")
             self._emit("runs")
-            self.say(f"{run_summary(row)} · torchrun, {row['nodes']} nodes, {row['ranks']} ranks "
-                     f"({row['hosts']}), prediction error {row['prediction_error'] * 100:+.1f} %")
+            self.say(f"{run_summary(row)} · torchrun, {row.get('nodes', '?')} nodes, {row.get('ranks', '?')} ranks "
+                     f"({row.get('hosts', '?')}), prediction error {row['prediction_error'] * 100:+.1f} %")
         return pd.Series(row)
 
     # ---- the runs ---------------------------------------------------------------------------
