@@ -232,3 +232,24 @@ def test_the_search_works_on_a_planned_plan():
     capped = state.search(memory_cap=cap, stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"],
                           checkpoint=["never", "always"])
     assert capped["fits"].any() and (capped.loc[capped["fits"], "peak_memory"] <= cap).all()
+
+
+def test_the_front_is_drawn_and_its_panel_applies_a_plan():
+    from pipexplore.widgets.front import front_panel, front_svg
+
+    state = _state()
+    plan = _gpu_plan()
+    options = dict(stages=[2, 4], chunks=[2, 4, 8], schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
+    cap = float(search(plan, **options)["peak_memory"].median())
+    table = search(plan, memory_cap=cap, **options)
+    svg = front_svg(table)
+    assert svg.count("class='plan") == len(table) and svg.count("class='plan pareto'") == int(table["pareto"].sum())
+    assert "class='cap'" in svg and ("class='front'" in svg) == (table["pareto"].sum() > 1)
+    assert svg.count("does not fit") == int((~table["fits"]).sum())
+    panel = front_panel(state, state.search(stages=[2, 4], chunks=[4], schedules=["gpipe", "1f1b"]))
+    rank = panel.picker.options[-1][1]
+    panel.apply()
+    assert panel.picker.value == panel.picker.options[0][1] and state.plan.num_stages in (2, 4)
+    panel.picker.value = rank
+    panel.apply()
+    assert "applied #" in panel.children[2].value

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore import timeline as tl
+from pipexplore.balance import optimal_splits
 from pipexplore.devices import device_memory
 from pipexplore.host import host_cores
 from pipexplore.predict.costs import layer_seconds, microbatch_rows
@@ -221,8 +222,7 @@ class _Context(NamedTuple):
     batch: Any
 
 
-def _row(job: tuple[str, Any, dict[str, float]], context: _Context,
-         times: dict[tuple, np.ndarray]) -> Union[str, dict[str, Any]]:
+def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict) -> Union[str, dict[str, Any]]:
     """One combination: its split under the cap, its prediction and its memory (or why the
     simulator refuses it)."""
     _, candidate, device_cap = job
@@ -240,9 +240,11 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context,
     key = (candidate.chunks, candidate.checkpoint != "never", candidate.predict_executor)
     if key not in times:
         times[key] = _layer_time(candidate)
-    splits = capped_splits(times[key], memory)
+    if (key, n) not in times:  # the time-balanced split, shared by the schedules
+        times[(key, n)] = optimal_splits(times[key], n) if n > 1 else []
+    splits = capped_splits(times[key], memory, times[(key, n)])
     if splits is None:
-        splits, _ = least_over(times[key], memory)
+        splits, _ = least_over(times[key], memory, balanced=times[(key, n)])
     planned = candidate.with_splits(splits)
     predicted = planned.predict()
     step = tl.step_time(predicted)
@@ -293,7 +295,7 @@ def _run(jobs: list, context: _Context, workers: Optional[int]) -> list[Union[st
     workers = max(1, min(int(workers), len(jobs)))
     if workers == 1 or "fork" not in multiprocessing.get_all_start_methods() \
             or threading.current_thread() is not threading.main_thread():
-        times: dict[tuple, np.ndarray] = {}
+        times: dict = {}  # layer times per (chunks, recompute, executor), and their balanced splits
         return [_row(job, context, times) for job in jobs]
     global _JOBS
     _JOBS = [(job, context) for job in jobs]
@@ -312,7 +314,7 @@ def _job(index: int) -> tuple[int, Union[str, dict[str, Any]]]:
     return index, _row(job, context, _TIMES)
 
 
-_TIMES: dict[tuple, np.ndarray] = {}  # a worker's layer times, per (chunks, recompute, executor)
+_TIMES: dict = {}  # a worker's layer times and balanced splits
 
 
 def _capacity(device: str) -> float:

@@ -200,9 +200,11 @@ def _bottleneck(prefix: np.ndarray, splits: Sequence[int]) -> float:
     return float(np.max(prefix[points[1:]] - prefix[points[:-1]]))
 
 
-def capped_splits(time: Sequence[float], memory: StageMemory) -> Optional[list[int]]:
+def capped_splits(time: Sequence[float], memory: StageMemory,
+                  balanced: Optional[Sequence[int]] = None) -> Optional[list[int]]:
     """The split into ``len(memory.caps)`` stages whose slowest stage (the sum of ``time`` over its
     layers) is smallest, among those whose every stage fits its cap; None where none does.
+    ``balanced``: ``optimal_splits(time, stages)`` where the caller has it.
 
     Example::
 
@@ -216,7 +218,7 @@ def capped_splits(time: Sequence[float], memory: StageMemory) -> Optional[list[i
         raise ValueError(f"more stages ({stages}) than layers ({n})")
     if stages == 1:
         return [] if stage_bytes(memory, [])[0] <= memory.caps[0] else None
-    balanced = optimal_splits(values, stages)
+    balanced = list(balanced) if balanced is not None else optimal_splits(values, stages)
     if np.all(stage_bytes(memory, balanced) <= memory.caps):
         return balanced
     prefix = np.concatenate([[0.0], np.cumsum(values)])
@@ -263,7 +265,8 @@ def _threshold(prefix: np.ndarray, memory: StageMemory, stages: int, lower: floa
             lower = float(bad.max())
 
 
-def least_over(time: Sequence[float], memory: StageMemory, rounds: int = 5) -> tuple[list[int], float]:
+def least_over(time: Sequence[float], memory: StageMemory, rounds: int = 5,
+               balanced: Optional[Sequence[int]] = None) -> tuple[list[int], float]:
     """Where no split fits: the split whose largest excess over its stage's cap is least (to
     about a millionth of it), and that excess in bytes. Among those, the fastest is not sought."""
     stages = len(memory.caps)
@@ -271,7 +274,8 @@ def least_over(time: Sequence[float], memory: StageMemory, rounds: int = 5) -> t
     prefix = np.concatenate([[0.0], np.cumsum(values)])
     n = len(values)
     ends = np.full((1, n + 1), n, dtype=np.int64)
-    balanced = optimal_splits(values, stages) if stages > 1 else []
+    if balanced is None:
+        balanced = optimal_splits(values, stages) if stages > 1 else []
     over = stage_bytes(memory, balanced) - memory.caps
     finite = memory.caps[np.isfinite(memory.caps)]
     high = float(np.max(over)) * (1 + 1e-9) + 1e-9 * float(np.max(np.abs(finite), initial=1.0))  # (rounding)
