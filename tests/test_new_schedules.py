@@ -257,3 +257,49 @@ def test_processes_run_the_v_schedules_with_the_gradients_of_one_process(schedul
     measured = result.timeline
     assert set(measured["stage"]) == {0, 1, 2, 3} and {"input_grad", "weight_grad"} <= set(measured["phase"])
     assert set(measured.loc[measured["stage"].isin([0, 3]), "device"]) == {"cpu"}
+
+
+@pytest.mark.slow
+def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp_path):
+    import os
+    import pathlib
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    from pipexplore.executors.distributed import run_processes
+    from pipexplore.export.torchrun import torchrun_script
+    from pipexplore.models import trace
+    from tiny_transformer import build_model, get_batch, loss_fn
+
+    model = build_model()
+    tokens, target = get_batch()
+    table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
+    names = [str(n) for n in table["name"]]
+    splits = [names.index(n) for n in ("layers.1", "layers.2", "layers.3")]
+    plan = Plan(table, splits, ("cpu",) * 2, chunks=4, schedule="zbv", executor="processes")
+    result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
+    reference = copy.deepcopy(model)
+    loss = loss_fn(reference(tokens), target)
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+    named = dict(reference.named_parameters())
+    assert len(result.metrics["grads"]) == len(named)
+    for key, grad in result.metrics["grads"].items():
+        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+
+    path = tmp_path / "train_pipeline.py"
+    path.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule="dualpipev"))
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parent))
+    with socket.socket() as probe:  # a rendezvous port of this test's own
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node", "2",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
+    assert match, done.stdout
+    assert float(match.group(1)) == pytest.approx(loss.item(), rel=1e-5)

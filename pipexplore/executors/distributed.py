@@ -98,6 +98,14 @@ def _timed(stage: Any, spans: list, name: str, phase_of: Callable[..., str]) -> 
     setattr(stage, name, timed)
 
 
+def _no_self_warmup(stage: Any, rank: int) -> None:
+    """torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own
+    too where the neighbour shares it (a V schedule's middle stages): gloo cannot send to itself.
+    The warm-up leaves those out (torch passes such values within the rank anyway)."""
+    original = stage._get_init_p2p_neighbors_ops
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if op.peer != rank]
+
+
 def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     """One rank of a run (in a pool worker): build its stages, run ``warmup`` + ``repeats`` steps,
     return the measured steps' events and losses."""
@@ -119,6 +127,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         indices = [s for s in range(num_stages) if layout[s] == rank]
         for s in indices:
             stage = pipe.build_stage(s, device)
+            if {s - 1, s + 1} & set(indices):
+                _no_self_warmup(stage, rank)
             params.append(list(stage.submod.parameters()))
             stages.append(stage)
     else:

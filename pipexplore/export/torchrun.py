@@ -73,7 +73,7 @@ def main() -> None:
     pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
     indices = {stage_indices}
-    stages = [pipe.build_stage(s, device) for s in indices]
+    stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn)
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
@@ -119,6 +119,14 @@ if __name__ == "__main__":
 '''
 
 
+# torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
+# they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
+_V_WARMUP = """
+    for stage in stages:  # no warm-up send to this rank itself (torch 2.13, traced stages in a V)
+        warmup = stage._get_init_p2p_neighbors_ops
+        stage._get_init_p2p_neighbors_ops = lambda warmup=warmup: [op for op in warmup() if op.peer != rank]"""
+
+
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
                     devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
@@ -138,4 +146,4 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
         stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if schedule in V_SHAPED
-        else "list(range(rank, pipe.num_stages, world))")
+        else "list(range(rank, pipe.num_stages, world))", v_warmup=_V_WARMUP if schedule in V_SHAPED else "")
