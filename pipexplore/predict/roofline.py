@@ -119,10 +119,10 @@ def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
     rate = np.array([rates.get(d, np.inf) for d in dtypes])
     compute = np.where(flops == 0, 0.0, flops * scale / rate)
     memory = (fixed + per_row * scale) / (spec.memory_bandwidth * eff.bandwidth_for(spec))
-    if "kernels" in ops:
-        kernels = ops["kernels"].to_numpy(dtype=float)
-    else:
-        kernels = np.where((flops == 0) & (fixed == 0) & (per_row == 0), 0.0, 1.0)
+    kernels = np.where((flops == 0) & (fixed == 0) & (per_row == 0), 0.0, 1.0)  # a view launches nothing
+    if "kernels" in ops:  # where the frame says
+        given = ops["kernels"].to_numpy(dtype=float)
+        kernels = np.where(np.isnan(given), kernels, given)
     return kernels * spec.kernel_overhead, compute, memory
 
 
