@@ -168,11 +168,12 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         splits: layers that begin a stage.
         chunks: micro-batches. Their rows are the batch's split as ``torch.chunk`` makes it (refused
             where it makes fewer: more chunks than rows, or chunks that do not split them exactly).
-        schedule: ``gpipe``, ``1f1b``, ``interleaved`` (``virtual_stages`` stages per device:
-            stage ``s`` on device ``s % (stages / virtual_stages)``) or ``zero-bubble`` (ZB-H1).
+        schedule: ``gpipe``, ``1f1b``, ``zero-bubble`` (ZB-H1), or with ``virtual_stages`` stages
+            per device ``interleaved``, ``looped-bfs``, ``interleaved-zero-bubble`` (stage ``s`` on
+            device ``s % (stages / virtual_stages)``), ``zbv``, ``dualpipev`` (two a device, in a V).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
             recompute their forward right before their backward.
-        devices: one per stage (``interleaved``: one per device); default ``'cpu'`` for each.
+        devices: one per stage (multi-stage schedules: one per device); default ``'cpu'`` for each.
             Every CPU device is the same host: its stages share its cores.
         copy_cost: seconds per byte between different devices (default by device kinds; between
             planned devices, the catalogue's links: see :func:`pipexplore.devices.link_seconds_per_byte`).
