@@ -13,7 +13,8 @@ memory-aware split gains over sweep's balanced one, and whether its ranking hold
    ``run()``; then ``ex.search`` over stages {2, 3, 4} × chunks {2, 4, 8} × gpipe/1f1b predicts every
    plan once, and every plan is run (``ex.apply(row)``, ``ex.run()``) three times, in alternating
    orders (the measured step: the fastest of them, as other work on the machine only slows a step;
-   the slowest over the fastest is the machine's noise). Reported:
+   the slowest over the fastest is the machine's noise; each run waits, up to a minute, until
+   others use under a fifth of the CPUs). Reported:
    the Spearman correlation of predicted and measured steps (goal ≥ 0.8 on a CPU, ≥ 0.9 on a GPU),
    where the fastest measured plan sits in the predicted order (goal: top 2), the median
    |error| of the plans never run before the prediction (all but the calibrating one; goal ≤ 10 %),
@@ -40,6 +41,9 @@ from common import machine
 GIB = 2 ** 30
 #: Times every plan of the ranking runs (in alternating orders); the fastest is kept.
 PASSES = 3
+#: Before each run, wait up to this many seconds until others use less than this share of the CPUs
+#: (the machine is shared: other work slows a step several times over).
+QUIET_WAIT, QUIET_SHARE = 60.0, 0.2
 
 
 # ---- 1. scale ---------------------------------------------------------------------------------
@@ -174,6 +178,29 @@ def mlp() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(12)]), torch.randn(128, 512)
 
 
+def busy_share(seconds: float = 0.5) -> float:
+    """The share of the host's CPU time others used over ``seconds`` (this process waits meanwhile)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    total, idle = read()
+    time.sleep(seconds)
+    total2, idle2 = read()
+    return 1.0 - (idle2 - idle) / max(1, total2 - total)
+
+
+def wait_for_quiet(most: float = QUIET_WAIT) -> float:
+    """Wait (up to ``most`` seconds) until other work leaves the CPUs nearly idle; the seconds
+    waited (infinity: it never did)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < most:
+        if busy_share() < QUIET_SHARE:
+            return time.perf_counter() - start
+    return math.inf
+
+
 def spearman(a, b) -> float:
     ra, rb = pd.Series(a).rank(), pd.Series(b).rank()
     return float(np.corrcoef(ra, rb)[0, 1])
@@ -185,6 +212,7 @@ def ranking(name: str, build) -> dict[str, float]:
     torch.manual_seed(0)
     model, sample = build()
     ex = pipexplore.explore(model, sample, devices=["cpu", "cpu"], chunks=4, schedule="1f1b")
+    quiet = [wait_for_quiet()]
     calibrating = ex.run()  # the one calibrating run
     first = (len(ex.plan.splits) + 1, ex.plan.chunks, ex.plan.schedule, tuple(ex.plan.splits))
     table = ex.search(stages=[2, 3, 4], chunks=[2, 4, 8], schedules=["gpipe", "1f1b"])
@@ -195,6 +223,7 @@ def ranking(name: str, build) -> dict[str, float]:
     for p in range(PASSES):
         for k in (range(len(table)) if p % 2 == 0 else reversed(range(len(table)))):
             ex.apply(table.iloc[k])
+            quiet.append(wait_for_quiet())
             row = ex.run()
             measured[p, k], at_run[p, k] = row["step_time"], row["predicted_step_time"]
     # Other work on the machine only slows a step: each plan's fastest pass is the nearest its own time.
@@ -211,7 +240,9 @@ def ranking(name: str, build) -> dict[str, float]:
     rho = spearman(predicted, step)
     print(f"  {name}: calibrating run {calibrating['step_time'] * 1e3:.1f} ms; {len(table)} plans, each run "
           f"{PASSES} times, the fastest kept (the slowest pass over the fastest: median +{noise * 100:.1f} %; load "
-          f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
+          f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after; of {len(quiet)} runs "
+          f"{sum(w < 1.0 for w in quiet)} found the machine quiet, {sum(1.0 <= w < math.inf for w in quiet)} waited "
+          f"for it, {sum(w == math.inf for w in quiet)} gave up after {QUIET_WAIT:.0f} s)")
     print(f"    Spearman(predicted, measured) {rho:.2f} (goal ≥ 0.8); the fastest measured plan "
           f"({table['stages'].iloc[fastest]} stages, {table['chunks'].iloc[fastest]} chunks, "
           f"{table['schedule'].iloc[fastest]}, {step[fastest] * 1e3:.1f} ms) is predicted {place} of {len(table)} "
