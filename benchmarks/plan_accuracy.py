@@ -14,13 +14,16 @@ on this machine's CPU treated as a device from a catalogue.
    the profiler's hooks, autograd's engine), in launches. The ops frame
    :mod:`pipexplore.predict.roofline` reads.
 3. Each kind profiled (``pipexplore.profile(nn.Sequential(layer), sample, microbatch_rows=[32, 128])``).
-4. The efficiency (fraction of peak FLOP/s and of bandwidth) learnt from half the kinds at both
-   sizes (``fit_efficiency``), the other half predicted: per kind, phase and size, the planned seconds
-   against the profiled ones. Goal: median |error| ≤ 25 %.
+4. The efficiency (fraction of peak FLOP/s and of bandwidth, and the small-kernel seconds every
+   compute-bound kernel pays beyond its FLOPs) learnt from half the kinds at both sizes
+   (``fit_efficiency``), the other half predicted: per kind, phase and size, the planned seconds
+   against the profiled ones. Goal: median |error| ≤ 25 %. Beside it, in the same round, the two
+   fractions alone (``small_kernel=False``: the roofline before the small-kernel cost).
 5. A small pipeline of the predicted kinds (3 × [Linear 512→2048, GELU, Linear 2048→512,
    LayerNorm], 2 stages, 1F1B, 4 micro-batches): the step simulated from the planned table
    against the step simulated from the profiled table, and both against a measured run
-   (``run_step``, threads executor). Goal: step within 20 %.
+   (``run_step``, threads executor). Goal: step within 20 %. The step is planned with both
+   efficiencies of step 4.
 
     python benchmarks/plan_accuracy.py
 """
@@ -265,20 +268,25 @@ def errors(ops: pd.DataFrame, spec: DeviceSpec, measured: pd.DataFrame, names: l
 
 # --- 5. a small pipeline ---------------------------------------------------------------------------
 
-def pipeline_step(ops: pd.DataFrame, spec: DeviceSpec, efficiency: Efficiency, repeats: int) -> dict[str, float]:
+def pipeline_step(ops: pd.DataFrame, spec: DeviceSpec, efficiencies: dict[str, Efficiency],
+                  repeats: int) -> dict[str, float]:
+    """The step simulated from the profiled table and from one planned table per efficiency
+    (``planned`` + its key), and measured."""
     torch.manual_seed(0)
     blocks = [[nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.LayerNorm(512)] for _ in range(3)]
     model = nn.Sequential(*[layer for block in blocks for layer in block])
     names = ["linear 512→2048", "GELU 2048", "linear 2048→512", "LayerNorm 512"] * 3
     sample = torch.randn(BATCH, 512)
     table = pipexplore.profile(model, sample, microbatch_rows=SIZES, split_backward=False)
-    planned = planned_layer_costs(table.assign(kind=names), ops, spec, batch=BATCH, microbatch_rows=SIZES[0],
-                                  efficiency=efficiency)
-    # How much of the host's cores a phase keeps busy is a property of the CPU the roofline does not
-    # model (a GPU kernel holds its device: 1): both predictions take the profile's.
-    planned["share_forward"], planned["share_backward"] = table["share_forward"], table["share_backward"]
     options = dict(splits=[6], chunks=4, schedule="1f1b", executor="threads", devices=["cpu", "cpu"])
-    result = {"planned": step_time(simulate(planned, **options)), "profiled": step_time(simulate(table, **options))}
+    result = {"profiled": step_time(simulate(table, **options))}
+    for key, efficiency in efficiencies.items():
+        planned = planned_layer_costs(table.assign(kind=names), ops, spec, batch=BATCH, microbatch_rows=SIZES[0],
+                                      efficiency=efficiency)
+        # How much of the host's cores a phase keeps busy is a property of the CPU the roofline does not
+        # model (a GPU kernel holds its device: 1): both predictions take the profile's.
+        planned["share_forward"], planned["share_backward"] = table["share_forward"], table["share_backward"]
+        result["planned" + key] = step_time(simulate(planned, **options))
     steps = []
     for _ in range(repeats):
         run = run_step(model, sample, Plan(table, splits=(6,), chunks=4, schedule="1f1b", executor="threads",
@@ -299,37 +307,45 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
     measured = profiled(all_kinds)
     predict = [k for k in all_kinds if k not in CALIBRATE]
 
-    def learnt_from(names: list[str]) -> Efficiency:  # from both profiled sizes of these kinds
+    def learnt_from(names: list[str], small_kernel: bool = True) -> Efficiency:  # from both sizes of these kinds
         tables = {n: pd.DataFrame({phase: [measured.at[k, (phase, n)] for k in names]
                                    for phase in ("forward", "backward")}, index=names) for n in SIZES}
-        return fit_efficiency(ops[ops["kind"].isin(names)], tables, spec)
+        return fit_efficiency(ops[ops["kind"].isin(names)], tables, spec, small_kernel=small_kernel)
 
-    learnt = learnt_from(CALIBRATE)
+    learnt, fractions = learnt_from(CALIBRATE), learnt_from(CALIBRATE, small_kernel=False)
     result = errors(ops, spec, measured, predict, learnt)
+    alone = errors(ops, spec, measured, predict, fractions)["error"].abs()
     at_peak = errors(ops, spec, measured, predict, Efficiency(1.0, 1.0))["error"].abs()
     swapped = errors(ops, spec, measured, CALIBRATE, learnt_from(predict))["error"].abs()
-    step = pipeline_step(ops, spec, learnt, repeats)
+    step = pipeline_step(ops, spec, {"": learnt, "_fractions": fractions}, repeats)
     err = result["error"].abs()
     worst = result.loc[err.idxmax()]
     out = {"peak": spec.peak("float32"), "bandwidth": spec.memory_bandwidth, "op": spec.kernel_overhead,
            "eff_flops": float(learnt.flops), "eff_bw": float(learnt.bandwidth),  # type: ignore[arg-type]
-           "median": err.median(), "max": err.max(), "at_peak": at_peak.median(), "swapped": swapped.median(),
-           "swapped_max": swapped.max(), "planned": step["planned"], "profiled": step["profiled"],
-           "measured": step["measured"]}
+           "small_kernel": learnt.small_kernel_for(spec),
+           "median": err.median(), "max": err.max(), "fractions": alone.median(), "fractions_max": alone.max(),
+           "at_peak": at_peak.median(), "swapped": swapped.median(),
+           "swapped_max": swapped.max(), "planned": step["planned"], "planned_fractions": step["planned_fractions"],
+           "profiled": step["profiled"], "measured": step["measured"]}
     if show:
         pd.set_option("display.width", 160)
         print(result.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"  CPU: peak {out['peak'] / 1e9:.0f} GFLOP/s, bandwidth {out['bandwidth'] / 1e9:.1f} GB/s, "
           f"{out['op'] * 1e6:.1f} µs per op (a view {view_kernels:.2f} of it), a layer call "
           f"{layer_call['forward'] * out['op'] * 1e6:.0f} / {layer_call['backward'] * out['op'] * 1e6:.0f} µs; "
-          f"learnt FLOP/s {out['eff_flops']:.2f}, bandwidth {out['eff_bw']:.2f}")
+          f"learnt FLOP/s {out['eff_flops']:.2f}, bandwidth {out['eff_bw']:.2f}, small kernel "
+          f"{out['small_kernel'] * 1e6:.0f} µs (the fractions alone: {float(fractions.flops):.2f}, "  # type: ignore[arg-type]
+          f"{float(fractions.bandwidth):.2f})")
     print(f"  per layer: median |error| {out['median'] * 100:.1f} %, max {out['max'] * 100:.1f} % ({worst['kind']} "
-          f"{worst['phase']} at {worst['rows']} rows); at the measured peaks {out['at_peak'] * 100:.1f} %; learnt "
+          f"{worst['phase']} at {worst['rows']} rows); the fractions alone {out['fractions'] * 100:.1f} % (max "
+          f"{out['fractions_max'] * 100:.1f} %); at the measured peaks {out['at_peak'] * 100:.1f} %; learnt "
           f"the other way round {out['swapped'] * 100:.1f} % (max {out['swapped_max'] * 100:.1f} %)")
     print(f"  step: planned {out['planned'] * 1e3:.1f} ms, profiled {out['profiled'] * 1e3:.1f} ms "
           f"({(out['planned'] / out['profiled'] - 1) * 100:+.1f} %), measured {out['measured'] * 1e3:.1f} ms "
           f"(planned {(out['planned'] / out['measured'] - 1) * 100:+.1f} %, "
-          f"profiled {(out['profiled'] / out['measured'] - 1) * 100:+.1f} %)")
+          f"profiled {(out['profiled'] / out['measured'] - 1) * 100:+.1f} %); the fractions alone planned "
+          f"{out['planned_fractions'] * 1e3:.1f} ms ({(out['planned_fractions'] / out['profiled'] - 1) * 100:+.1f} % "
+          f"vs profiled)")
     return out
 
 
@@ -354,12 +370,16 @@ def main() -> None:
     median = frame.median()
     print(f"over {args.rounds} rounds (median of the rounds' numbers; each round's own range in brackets):")
     print(f"  per layer: median |error| {median['median'] * 100:.1f} % [{frame['median'].min() * 100:.1f}–"
-          f"{frame['median'].max() * 100:.1f}], max {median['max'] * 100:.1f} %; at the measured peaks "
+          f"{frame['median'].max() * 100:.1f}], max {median['max'] * 100:.1f} %; the fractions alone "
+          f"{median['fractions'] * 100:.1f} % [{frame['fractions'].min() * 100:.1f}–{frame['fractions'].max() * 100:.1f}]"
+          f"; small kernel {median['small_kernel'] * 1e6:.0f} µs; at the measured peaks "
           f"{median['at_peak'] * 100:.1f} %; learnt the other way round {median['swapped'] * 100:.1f} %")
     planned_vs_profiled = frame["planned"] / frame["profiled"] - 1
     planned_vs_measured = frame["planned"] / frame["measured"] - 1
     profiled_vs_measured = frame["profiled"] / frame["measured"] - 1
-    print(f"  step, planned vs profiled: {' / '.join(f'{v * 100:+.1f} %' for v in planned_vs_profiled)}; "
+    fractions_vs_profiled = frame["planned_fractions"] / frame["profiled"] - 1
+    print(f"  step, planned vs profiled: {' / '.join(f'{v * 100:+.1f} %' for v in planned_vs_profiled)} (the "
+          f"fractions alone {' / '.join(f'{v * 100:+.1f} %' for v in fractions_vs_profiled)}); "
           f"planned vs measured: {' / '.join(f'{v * 100:+.1f} %' for v in planned_vs_measured)}; "
           f"profiled vs measured: {' / '.join(f'{v * 100:+.1f} %' for v in profiled_vs_measured)}")
 

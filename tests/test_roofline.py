@@ -220,3 +220,68 @@ def test_fit_efficiency_learns_from_several_sizes_and_per_dtype():
     assert learnt.bandwidth == pytest.approx(0.7, rel=1e-6)
     with pytest.raises(ValueError, match="needs the rows"):
         fit_efficiency(ops, measured[32], spec)
+
+
+def test_the_default_small_kernel_cost_is_zero_and_changes_nothing():
+    ops = _ops()
+    plain = op_seconds(ops, H100, 512)
+    for eff in (Efficiency(), Efficiency(small_kernel=None), Efficiency(small_kernel=0.0)):
+        pd.testing.assert_series_equal(op_seconds(ops, H100, 512, efficiency=eff), plain)
+        assert eff.small_kernel_for(H100) == 0.0
+    # the catalogue H100 as before: launch + max(arithmetic, traffic), nothing more
+    assert plain[0] == pytest.approx(H100.kernel_overhead + max(
+        2.0 * 512 * N * N / (989.5e12 * H100.flops_efficiency),
+        (2.0 * N * N + 4.0 * 512 * N) / (3.35e12 * H100.bandwidth_efficiency)))
+    assert hash(Efficiency(0.5, 0.5)) != hash(Efficiency(0.5, 0.5, 1e-6))
+    with pytest.raises(ValueError, match="small_kernel is seconds"):
+        Efficiency(small_kernel=-1e-6)
+
+
+def test_the_small_kernel_cost_is_paid_by_computing_ops_where_compute_bound():
+    ops = _ops()
+    cost = 20e-6
+    eff = Efficiency(small_kernel=cost)
+    plain, slowed = op_seconds(ops, H100, N), op_seconds(ops, H100, N, efficiency=eff)
+    assert slowed[0] == pytest.approx(plain[0] + cost)  # the compute-bound matmul
+    assert slowed[3] == plain[3] and slowed[5] == 0.0  # GELU stays bandwidth-bound; a view costs nothing
+    # equivalently a FLOP/s fraction rising with the kernel's FLOPs f: eff · f / (f + f½), f½ = cost · peak · eff
+    f = 2.0 * N ** 3
+    rate = 989.5e12 * H100.flops_efficiency
+    f_half = cost * rate
+    assert slowed[0] - H100.kernel_overhead == pytest.approx(f / (rate * f / (f + f_half)))
+    # An op that turns compute-bound only with the cost pays the max of the two.
+    bound = _ops(rows=64).iloc[[3]]
+    memory = op_seconds(bound, H100, 64)[3] - H100.kernel_overhead
+    assert op_seconds(bound, H100, 64, efficiency=Efficiency(small_kernel=2 * memory))[3] == pytest.approx(
+        H100.kernel_overhead + 8.0 * 64 * N / (989.5e12 * H100.flops_efficiency) + 2 * memory)
+
+
+@pytest.mark.parametrize("truth", [(0.5, 0.6, 30e-6), (0.9, 0.5, 5e-6), (0.25, 0.95, 200e-6)])
+def test_fit_efficiency_recovers_a_known_small_kernel_cost_from_two_sizes(truth):
+    spec = DeviceSpec("Toy", 16 * GiB, 100e9, {"float32": 2e12}, kernel_overhead=5e-6, flops_efficiency=0.7,
+                      bandwidth_efficiency=0.8)
+    ops = _mixed_ops()
+    eff = Efficiency(*truth)
+    measured = {n: kind_seconds(ops, spec, n, efficiency=eff) for n in (32, 256)}
+    # half the kinds (some of them compute-bound at both sizes: a single size cannot tell the cost from the fraction)
+    learnt = fit_efficiency(ops, {n: m.iloc[::2] for n, m in measured.items()}, spec)
+    assert (learnt.flops, learnt.bandwidth, learnt.small_kernel) == pytest.approx(truth, rel=1e-6)
+    for n, m in measured.items():  # the other half predicted as measured
+        np.testing.assert_allclose(kind_seconds(ops, spec, n, efficiency=learnt).iloc[1::2], m.iloc[1::2], rtol=1e-6)
+    # Without the cost the fractions cannot reproduce both sizes; asked not to, it learns none.
+    alone = fit_efficiency(ops, measured, spec, small_kernel=False)
+    assert alone.small_kernel is None
+    assert not np.allclose(kind_seconds(ops, spec, 32, efficiency=alone), measured[32], rtol=1e-3)
+
+
+def test_fit_efficiency_learns_no_small_kernel_cost_it_cannot_see():
+    spec = device_spec("A100")
+    ops = _mixed_ops().query("kind == 'k0'")  # one kernel shape at one size: FLOPs ∝ kernels
+    ops.attrs["rows"] = 256
+    measured = kind_seconds(ops, spec, 256, efficiency=Efficiency(0.6, 0.5, 40e-6))
+    learnt = fit_efficiency(ops, measured, spec, 256)
+    assert learnt.small_kernel is None  # absorbed into the FLOP/s fraction, as a roofline without it would
+    np.testing.assert_allclose(kind_seconds(ops, spec, 256, efficiency=learnt), measured, rtol=1e-9)
+    # Measured without one, at two sizes, none is learnt either.
+    exact = {n: kind_seconds(_mixed_ops(), spec, n, efficiency=Efficiency(0.6, 0.5)) for n in (32, 256)}
+    assert fit_efficiency(_mixed_ops(), exact, spec).small_kernel is None

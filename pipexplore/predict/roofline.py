@@ -4,7 +4,16 @@ Each operator of a layer (counted once per kind of layer, on the meta device or 
 mode: the *ops* frame) costs a kernel launch plus the longer of its arithmetic at the device's
 reachable FLOP/s and its memory traffic at the device's reachable bandwidth::
 
-    seconds = kernel_overhead + max(flops / (peak[dtype] · eff_flops), bytes / (bandwidth · eff_bw))
+    seconds = kernel_overhead + max(flops / (peak[dtype] · eff_flops) + small_kernel,
+                                    bytes / (bandwidth · eff_bw))
+
+``small_kernel`` (seconds, :attr:`Efficiency.small_kernel`; 0 unless learnt) is what a kernel that
+computes pays beyond its FLOPs at the large-kernel rate: the work a small kernel cannot hide (a
+GEMM's tile and wave quantisation, its prologue and epilogue, a CPU GEMM packing its operands).
+Equivalently, a kernel of ``f`` FLOPs reaches the FLOP/s fraction ``eff(f) = eff_flops · f / (f + f½)``
+with ``f½ = small_kernel · peak · eff_flops``: half the large-kernel fraction at ``f½`` FLOPs, rising
+to it for large kernels. Ops that compute nothing (flops 0) never pay it; an op pays it only where it is
+compute-bound (the ``max``).
 
 The ops frame, one row per operator of each kind and phase:
 
@@ -56,15 +65,21 @@ SpecLike = Union[str, DeviceSpec]
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The fraction of a device's peak FLOP/s and of its memory bandwidth that operators reach.
+    """The fraction of a device's peak FLOP/s and of its memory bandwidth that operators reach,
+    and the fixed seconds a kernel that computes pays beyond its FLOPs.
 
     ``flops``: one fraction, or one per dtype name (``{"bfloat16": 0.7, "float32": 0.9}``; the
     dtypes it does not name take the spec's). ``bandwidth``: one fraction. ``None``: the spec's
     defaults (``DeviceSpec.flops_efficiency``, ``bandwidth_efficiency``).
+    ``small_kernel``: seconds (≥ 0) added to the arithmetic time of every op that computes
+    (``flops > 0``): ``flops / (peak · eff) + small_kernel``, so that small kernels reach less of
+    the peak than large ones (the module's docstring). ``None``: 0 — the catalogue's fractions are
+    those of large kernels, and no spec says more; :func:`fit_efficiency` learns it.
     """
 
     flops: Union[None, float, Mapping[str, float]] = None
     bandwidth: Optional[float] = None
+    small_kernel: Optional[float] = None
 
     def __post_init__(self) -> None:
         values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
@@ -73,10 +88,13 @@ class Efficiency:
         for key, value in {**values, "bandwidth": self.bandwidth}.items():
             if value is not None and not 0 < float(value) <= 2:
                 raise ValueError(f"efficiency {key} is a fraction of peak (0 < … ≤ 2), got {value}")
+        if self.small_kernel is not None and not (math.isfinite(float(self.small_kernel))
+                                                  and float(self.small_kernel) >= 0):
+            raise ValueError(f"small_kernel is seconds per kernel (finite, ≥ 0), got {self.small_kernel}")
 
     def __hash__(self) -> int:
         flops = tuple(sorted(self.flops.items())) if isinstance(self.flops, Mapping) else self.flops
-        return hash((flops, self.bandwidth))
+        return hash((flops, self.bandwidth, self.small_kernel))
 
     def flops_for(self, dtype: str, spec: DeviceSpec) -> float:
         if isinstance(self.flops, Mapping):
@@ -85,6 +103,10 @@ class Efficiency:
 
     def bandwidth_for(self, spec: DeviceSpec) -> float:
         return float(self.bandwidth) if self.bandwidth is not None else spec.bandwidth_efficiency
+
+    def small_kernel_for(self, spec: DeviceSpec) -> float:
+        """Seconds per computing kernel beyond its FLOPs: as given, else 0 (no spec says more)."""
+        return float(self.small_kernel) if self.small_kernel is not None else 0.0
 
 
 def _checked(ops: pd.DataFrame) -> float:
@@ -105,8 +127,9 @@ def _checked(ops: pd.DataFrame) -> float:
 
 def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
            efficiency: Optional[Efficiency]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per op at ``rows`` rows: launch seconds, arithmetic seconds and memory seconds, at the
-    efficiency given (``Efficiency(1, 1)``: at peak)."""
+    """Per op at ``rows`` rows: launch seconds, arithmetic seconds (with the small-kernel seconds
+    for an op that computes) and memory seconds, at the efficiency given (``Efficiency(1, 1)``: at
+    peak, no small-kernel cost)."""
     r0 = _checked(ops)
     eff = efficiency if efficiency is not None else Efficiency()
     scale = float(rows) / r0
@@ -117,7 +140,7 @@ def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
     rates = {d: spec.peak(d) * eff.flops_for(d, spec) for d in dict.fromkeys(
         d for d, f in zip(dtypes, flops) if not f == 0)}  # an op that computes nothing needs no peak
     rate = np.array([rates.get(d, np.inf) for d in dtypes])
-    compute = np.where(flops == 0, 0.0, flops * scale / rate)
+    compute = np.where(flops == 0, 0.0, flops * scale / rate + eff.small_kernel_for(spec))
     memory = (fixed + per_row * scale) / (spec.memory_bandwidth * eff.bandwidth_for(spec))
     kernels = np.where((flops == 0) & (fixed == 0) & (per_row == 0), 0.0, 1.0)  # a view launches nothing
     if "kernels" in ops:  # where the frame says
@@ -129,8 +152,9 @@ def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
 def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
                efficiency: Optional[Efficiency] = None) -> pd.Series:
     """Each operator's seconds on ``spec`` at a micro-batch of ``rows`` rows (index of ``ops``):
-    ``kernel_overhead + max(flops·(rows/r0) / (peak[dtype]·eff_flops), (fixed_bytes + row_bytes·(rows/r0)) /
-    (bandwidth·eff_bw))``, with ``r0 = ops.attrs["rows"]``. NaN where the flops (or bytes) are NaN.
+    ``kernel_overhead + max(flops·(rows/r0) / (peak[dtype]·eff_flops) + small_kernel, (fixed_bytes +
+    row_bytes·(rows/r0)) / (bandwidth·eff_bw))``, with ``r0 = ops.attrs["rows"]`` (``small_kernel`` only
+    where ``flops > 0``; 0 by default). NaN where the flops (or bytes) are NaN.
 
     Raises:
         ValueError: the frame lacks a column or ``attrs["rows"]``, or an op's dtype has no peak
@@ -261,19 +285,27 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
 
 def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame, Mapping[float, pd.DataFrame]],
                    spec: SpecLike, rows: Optional[float] = None, *, per_dtype: bool = False,
-                   iterations: int = 25) -> Efficiency:
+                   small_kernel: bool = True, iterations: int = 25) -> Efficiency:
     """The efficiency that makes the roofline reproduce measured kinds: what a device of the same
     kind present here teaches the catalogue.
 
     ``measured_kind_seconds``: indexed by kind, ``forward`` and/or ``backward`` seconds measured
     at a micro-batch of ``rows`` rows (NaN: not measured); or, for several sizes, a mapping
     ``{rows: frame}`` (``rows`` then left out). Each measured (kind, phase, size) says
-    ``measured − launches = Σ flops/peak · (1/eff_flops) + Σ bytes/bandwidth · (1/eff_bw)`` (the first
-    sum over its compute-bound ops, the second over its bandwidth-bound ones), linear in the two
-    reciprocals once each op is classified: least squares over the relative errors (each row
-    divided by its measured seconds), then the ops reclassified with the new fractions, until the
-    classification holds. A fraction no measured op depends on keeps the spec's default.
-    ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use.
+    ``measured − launches = Σ flops/peak · (1/eff_flops) + k · small_kernel + Σ bytes/bandwidth · (1/eff_bw)``
+    (the first sum over its ``k`` compute-bound ops, the last over its bandwidth-bound ones), linear
+    in the two reciprocals and the small-kernel seconds once each op is classified: least squares
+    over the relative errors (each row divided by its measured seconds), then the ops reclassified
+    with the new values, until the classification holds. A fraction no measured op depends on
+    keeps the spec's default. The two fractions are learnt first alone, then with the small-kernel
+    seconds from there; these are kept only where they lower the fit's error (the sum of squared
+    relative errors of the roofline itself), so they stay 0 (``None``) where no measured op
+    computes, where they come out negative, where the measurements cannot tell them from the
+    FLOP/s fraction (every measured kind's FLOPs in proportion to its compute-bound kernels: one
+    size of one kernel shape — measure kinds of several sizes, two micro-batch sizes at least),
+    or where they do not fit better.
+    ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use. ``small_kernel=False``:
+    learn the fractions only (the small-kernel seconds 0, as before they were modelled).
 
     Example::
 
@@ -292,9 +324,10 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     kinds = ops["kind"].to_numpy()
     phases = ops["phase"].to_numpy()
     dtypes = np.array([dtype_name(d) for d in ops["dtype"]])
+    computes = (ops["flops"].to_numpy(dtype=float) != 0)  # the ops that can pay the small-kernel seconds
     # One entry per measured (kind, phase, size): its ops' launch, arithmetic and memory seconds
-    # at peak, their FLOP/s groups, and the measured seconds.
-    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
+    # at peak, their FLOP/s groups, which compute, and the measured seconds.
+    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
     for n, frame in sizes.items():
         launch, compute, memory = _terms(ops, spec, n, Efficiency(1.0, 1.0))
         for kind in frame.index:
@@ -304,22 +337,50 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
                 if not (np.isfinite(value) and value > 0 and mask.any()):
                     continue
                 if np.isfinite(compute[mask]).all() and np.isfinite(memory[mask]).all():
-                    entries.append((launch[mask], compute[mask], memory[mask], dtypes[mask], value))
+                    entries.append((launch[mask], compute[mask], memory[mask], dtypes[mask], computes[mask], value))
     if not entries:
         raise ValueError("no measured kind to learn from: measured_kind_seconds names no kind of the ops frame "
                          "with a finite, positive forward or backward")
-    groups = sorted({d for _, c, _, g, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
-    x = {g: 1.0 / spec.flops_efficiency for g in groups}  # the reciprocals of the fractions, from the defaults
-    y = 1.0 / spec.bandwidth_efficiency
+    groups = sorted({d for _, c, _, g, _, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
+    # The reciprocals of the fractions, from the defaults, and no small-kernel seconds.
+    start = np.array([*(1.0 / spec.flops_efficiency for _ in groups), 1.0 / spec.bandwidth_efficiency, 0.0])
+    values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations)
+    if small_kernel:  # from the fractions alone, then the small-kernel seconds with them: kept where they fit better
+        joint = _solve(entries, groups, per_dtype, values, True, iterations)
+        if joint[2] < residual and joint[0][-1] > 0:
+            values, learnt = joint[0], learnt | joint[1]
+    ky, ks = len(groups), len(groups) + 1
+    # A fraction nothing measured depends on keeps the spec's default (exactly).
+    flops = {g: 1.0 / values[k] for k, g in enumerate(groups) if k in learnt}
+    return Efficiency(flops=flops if per_dtype else flops.get("all", spec.flops_efficiency),
+                      bandwidth=1.0 / values[ky] if ky in learnt else spec.bandwidth_efficiency,
+                      small_kernel=float(values[ks]) if ks in learnt and values[ks] > 0 else None)
+
+
+def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray, small_kernel: bool,
+           iterations: int) -> tuple[np.ndarray, set[int], float]:
+    """:func:`fit_efficiency`'s alternation from ``start`` (the FLOP/s reciprocals per group, the
+    bandwidth's, the small-kernel seconds): classify the ops, solve the linear least squares,
+    until the classification holds. The values, the columns learnt, and the sum of the squared
+    relative errors of the roofline (the ``max``, not its linearisation) at the values."""
+    ky, ks = len(groups), len(groups) + 1  # the columns of the bandwidth reciprocal and the small-kernel seconds
+    current = np.array(start, dtype=float)
     previous, learnt = None, set()
+
+    def times(launch, compute, memory, group, does, value):  # type: ignore[no-untyped-def]
+        of = group if per_dtype else np.full(len(group), "all")
+        factor = np.array([current[groups.index(g)] if g in groups else 1.0 for g in of])
+        arithmetic = compute * factor + np.where(does, current[ks], 0.0)
+        return of, arithmetic, memory * current[ky]
+
     for _ in range(iterations):
         design, target, bounds = [], [], []
-        for launch, compute, memory, group, value in entries:
-            of = group if per_dtype else np.full(len(group), "all")
-            factor = np.array([x.get(g, 1.0) for g in of])
-            bound = compute * factor >= memory * y  # the compute-bound ops
+        for launch, compute, memory, group, does, value in entries:
+            of, arithmetic, traffic = times(launch, compute, memory, group, does, value)
+            bound = arithmetic >= traffic  # the compute-bound ops
             bounds.append(bound)
-            row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[~bound].sum())]
+            row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[~bound].sum()),
+                                                                              float((bound & does).sum())]
             design.append(np.array(row) / value)
             target.append((value - float(launch.sum())) / value)
         classified = np.concatenate(bounds)
@@ -327,26 +388,39 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
             break
         previous = classified
         A, t = np.array(design), np.array(target)
-        used = [k for k in range(len(groups) + 1) if A[:, k].any()]
-        fixed = [k for k in range(len(groups) + 1) if k not in used]
-        current = np.array([*(x[g] for g in groups), y])
+        used = [k for k in range(ks + 1) if A[:, k].any() and (small_kernel or k != ks)]
+        if ks in used and _rank_deficient(A[:, used]):
+            used.remove(ks)  # the data cannot tell the small-kernel seconds from the FLOP/s fraction
+        fixed = [k for k in range(ks + 1) if k not in used]
         while used:
             rhs = t - A[:, fixed] @ current[fixed] if fixed else t
             solution, *_ = np.linalg.lstsq(A[:, used], rhs, rcond=None)
-            bad = [k for k, v in zip(used, solution) if not v > 0.5]  # above 2× peak: not physical
+            # A reciprocal below 0.5 is above 2× peak, negative seconds are no cost: not physical.
+            bad = [k for k, v in zip(used, solution) if not (v >= 0 if k == ks else v > 0.5)]
             if not bad:
                 current[used] = solution
                 break
+            if ks in bad:
+                current[ks] = 0.0
             used = [k for k in used if k not in bad]
             fixed = sorted(fixed + bad)
-        for k, g in enumerate(groups):
-            x[g] = float(current[k])
-        y = float(current[-1])
         learnt |= set(used)
-    # A fraction nothing measured depends on keeps the spec's default (exactly).
-    flops = {g: 1.0 / v for k, (g, v) in enumerate(x.items()) if k in learnt}
-    return Efficiency(flops=flops if per_dtype else flops.get("all", spec.flops_efficiency),
-                      bandwidth=1.0 / y if len(groups) in learnt else spec.bandwidth_efficiency)
+    residual = 0.0
+    for entry in entries:
+        _, arithmetic, traffic = times(*entry)
+        value = entry[-1]
+        residual += ((float(entry[0].sum()) + float(np.maximum(arithmetic, traffic).sum())) / value - 1.0) ** 2
+    return current, learnt, residual
+
+
+def _rank_deficient(design: np.ndarray) -> bool:
+    """Whether some column of ``design`` is (numerically) a combination of the others: its columns
+    scaled to unit length, the smallest singular value below 1e-9 of the largest."""
+    if design.shape[0] < design.shape[1]:
+        return True
+    scaled = design / np.linalg.norm(design, axis=0)
+    singular = np.linalg.svd(scaled, compute_uv=False)
+    return not singular[-1] > 1e-9 * singular[0]
 
 
 #: Per optimizer: how many times a step reads or writes each parameter-sized tensor:
