@@ -127,6 +127,7 @@ def scale() -> None:
     for label, schedules in (("4 schedules", original), (f"{len(SCHEDULES)} schedules", list(SCHEDULES))):
         for workers in (1, 2):
             spent["simulator"] = 0.0
+            waited = wait_for_quiet(120.0)
             searching.prepare_step, Plan.predict = timing(timed_prepare), timing(timed_predict)
             try:
                 start, cpu = time.perf_counter(), time.process_time()
@@ -140,7 +141,9 @@ def scale() -> None:
                       f"({spent['simulator'] / cpu * 100:.0f} %)") if workers == 1 else ""
             print(f"  {label} ({', '.join(schedules)}), cap 70 GiB: {len(table)} plans "
                   f"({len(table.attrs['left_out'])} left out), {int(table['fits'].sum())} fit; whole search "
-                  f"{seconds:.1f} s in {workers} process{'es' if workers > 1 else ''}{within} (goal ≤ 10 s)")
+                  f"{seconds:.1f} s in {workers} process{'es' if workers > 1 else ''}{within} (goal ≤ 10 s; "
+                  f"{'started on a quiet machine' if waited < math.inf else 'the machine was busy'}, others used "
+                  f"{busy_share():.0%} of the CPUs just after)")
     start = time.perf_counter()
     swept = sweep(plan, schedules=list(SCHEDULES), devices_for=devices_for, **space)
     print(f"  sweep of the same {len(swept)} plans (balanced splits, memory ignored): {time.perf_counter() - start:.1f} s")
