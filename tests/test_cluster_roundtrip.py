@@ -331,3 +331,13 @@ def test_a_directory_of_profiler_traces_goes_to_the_trace_reader(hooks, tmp_path
     assert row["executor"] == "torchrun" and len(explorer.runs) == 1
     timeline = explorer.timeline("measured")
     assert set(zip(timeline["stage"], timeline["phase"])) >= {(0, "forward"), (1, "backward")}
+
+
+def test_the_clock_offset_follows_a_drift_and_keeps_the_better_estimate():
+    from pipexplore.runs.load import offset_model
+
+    drifting = {"at_start": 0.0, "at_end": 10.0, "offset_start": 1.0, "offset_end": 1.01, "rtt_start": 1e-4,
+                "rtt_end": 2e-4}
+    assert offset_model(drifting) == pytest.approx((1.0, 1e-3, 0.0, 1e-4))  # 10 ms over 10 s: followed
+    noisy = dict(drifting, offset_end=1.0 + 4e-4, rtt_start=2e-3)  # within the start's round trip: the end's
+    assert offset_model(noisy) == pytest.approx((1.0 + 4e-4, 0.0, 10.0, 1e-4))

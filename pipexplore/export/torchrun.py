@@ -95,7 +95,7 @@ def main() -> None:
         kwargs = dict(target=target.to(device), losses=losses) if last else {{}}
         began = time.perf_counter()
         if recorder is not None:
-            recorder.begin_step(step)  # a barrier: every rank starts the step together
+            recorder.begin_step(step)
         if 0 in indices:
             schedule.step(inputs.to(device), **kwargs)
         else:

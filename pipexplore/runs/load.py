@@ -6,8 +6,9 @@ of one run and one plan, each rank's measured steps holding every (stage, micro-
 and backward. Anything else is refused with a :class:`RunDirectoryError` that names the file and
 what is missing or different. Every rank's events are put on rank 0's clock: its offset,
 measured at the start and at the end of the run (NTP-style round trips), is interpolated over the
-run, so a clock that drifts is followed too; what remains is at most half the round trip of the
-estimate (``clock_residual``).
+run where the two differ by more than their round trips allow, so a clock that drifts is
+followed (else the better estimate stands); what remains is at most half the round trip of the
+estimate used (``clock_residual``).
 
 :func:`plan_of` rebuilds the :class:`~pipexplore.plan.Plan` the run ran on the explorer's layer
 table, and :func:`run_result` makes the :class:`~pipexplore.executors.base.RunResult` any executor
@@ -33,9 +34,9 @@ import torch
 from pipexplore.executors.base import RunResult, result
 from pipexplore.plan import Plan
 from pipexplore.runs.record import FORMAT, PLAN_FILE, PLAN_KEYS, VERSION, plan_id, rank_file
-from pipexplore.timeline import COLUMNS
+from pipexplore.timeline import COLUMNS, COMPUTE_PHASES
 
-__all__ = ["RunDirectoryError", "RecordedRun", "read_run", "plan_of", "run_result", "RANK_COLUMNS"]
+__all__ = ["RunDirectoryError", "RecordedRun", "read_run", "plan_of", "run_result", "offset_model", "RANK_COLUMNS"]
 
 #: Columns of :meth:`RecordedRun.rank_table`.
 RANK_COLUMNS = ["rank", "node", "host", "device", "device_name", "stages", "offset_start", "offset_end", "drift",
@@ -85,8 +86,8 @@ class RecordedRun:
 
     @property
     def clock_residual(self) -> float:
-        """Seconds the alignment of clocks may be off at most: half the largest round trip of the estimates."""
-        return max((max(r["clock"]["rtt_start"], r["clock"]["rtt_end"]) / 2 for r in self.ranks), default=0.0)
+        """Seconds the alignment of clocks may be off at most: half the round trip of the estimates used."""
+        return max((offset_model(r["clock"])[3] for r in self.ranks), default=0.0)
 
     def rank_table(self) -> pd.DataFrame:
         """One row per rank: node, host, device, stages, its clock's offset to rank 0's at the
@@ -152,13 +153,25 @@ def _check_rank(rank: int, payload: dict[str, Any], plan: dict[str, Any]) -> Non
                                                 f"step {step['step']}: the rank's recording is incomplete")
 
 
-def _aligned(payload: dict[str, Any], origin0_ns: int) -> list[tuple[int, int, int, str, float, float]]:
-    """The rank's events (step, stage, micro-batch, phase, start, end) on rank 0's clock, in seconds
-    from rank 0's origin: its offset interpolated between the start and the end estimates."""
-    clock = payload["clock"]
+def offset_model(clock: dict[str, Any]) -> tuple[float, float, float, float]:
+    """``(offset, slope, at, residual)``: the rank's clock minus rank 0's is ``offset + slope × (t -
+    at)`` at its time ``t``. The two estimates are interpolated (a clock that drifts) where they
+    differ by more than their round trips allow; otherwise the one of least round trip stands
+    alone (an estimate taken while the machine was busy does not tilt the line). ``residual``:
+    half the round trip of what was used, the most the alignment can be off."""
     a0, a1 = float(clock["at_start"]), float(clock["at_end"])
     o0, o1 = float(clock["offset_start"]), float(clock["offset_end"])
-    slope = (o1 - o0) / (a1 - a0) if a1 > a0 else 0.0
+    r0, r1 = float(clock["rtt_start"]), float(clock["rtt_end"])
+    if abs(o1 - o0) <= (r0 + r1) / 2 or a1 <= a0:
+        return (o0, 0.0, a0, r0 / 2) if r0 <= r1 else (o1, 0.0, a1, r1 / 2)
+    return o0, (o1 - o0) / (a1 - a0), a0, max(r0, r1) / 2
+
+
+def _aligned(payload: dict[str, Any], origin0_ns: int) -> list[tuple[int, int, int, str, float, float]]:
+    """The rank's events (step, stage, micro-batch, phase, start, end) on rank 0's clock, in seconds
+    from rank 0's origin (:func:`offset_model`)."""
+    clock = payload["clock"]
+    o0, slope, a0, _ = offset_model(clock)
     base = (int(clock["origin_ns"]) - origin0_ns) / 1e9
 
     def moved(t: float) -> float:
@@ -218,10 +231,13 @@ def read_run(directory: Any) -> RecordedRun:
     events = pd.DataFrame(rows, columns=["rank", "host", "step", "stage", "microbatch", "phase", "start", "end"])
     steps = []
     for step, frame in events.groupby("step", sort=True):
+        # The step begins with its first computation (stage 0's first forward); a rank that came to
+        # the step earlier and waited for its input waited from then (its wait is cut there).
         frame = frame.copy()
-        origin = frame["start"].min()
-        frame["start"] -= origin
-        frame["end"] -= origin
+        compute = frame["phase"].isin(list(COMPUTE_PHASES))
+        origin = frame.loc[compute, "start"].min() if compute.any() else frame["start"].min()
+        frame["start"] = (frame["start"] - origin).clip(lower=0.0)
+        frame["end"] = (frame["end"] - origin).clip(lower=0.0)
         steps.append(frame.sort_values(["start", "stage"]).reset_index(drop=True))
     losses = {int(k): [float(x) for x in v] for rank in ranks for k, v in rank.get("losses", {}).items()}
     return RecordedRun(path, plan, ranks, steps, losses)

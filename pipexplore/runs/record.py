@@ -268,14 +268,19 @@ class RankRecorder:
         self._patch(schedules, "_wait_batch_p2p", wait_p2p)
 
     # -- the steps ----------------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        """Before ``step``: every rank starts it together (a barrier); from ``warmup`` on it is recorded."""
+    def begin_step(self, step: int, record: Optional[bool] = None) -> None:
+        """Before ``step``; from ``warmup`` on it is recorded (``record`` says otherwise: every rank
+        the same). The ranks meet (a barrier) before the first recorded step only: a barrier every
+        step would cost a step on a busy CPU more than the recording does, and the loader tells
+        the steps apart by their numbers."""
         import torch.distributed as dist
 
-        dist.barrier(group=self._group)
+        record = step >= self.warmup if record is None else record
+        if record and not self._steps:
+            dist.barrier(group=self._group)
         self._tags.clear()
         self._works.clear()
-        if step >= self.warmup:
+        if record:
             self._step = step
             self._steps.append({"step": step, "begin": self.mark()})
 

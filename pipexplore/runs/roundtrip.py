@@ -69,11 +69,12 @@ def load_result(directory: Any, layer_table: pd.DataFrame, plan: Plan, *, sample
 
 def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: int, target: Any = None,
                     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, optimizer: Any = None,
-                    run: Any = 0, warmup: int = 1, repeats: int = 3, timeout: Optional[float] = None,
+                    run: Any = 0, warmup: int = 2, repeats: int = 10, timeout: Optional[float] = None,
                     progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None) -> RunResult:
     """Export ``plan`` as the ``torchrun`` script, run it under ``nodes`` node agents on this
     machine (``plan.num_devices / nodes`` ranks each, gloo on CPUs) with ``--record``, and load the
-    run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does).
+    run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does; the
+    agents' start-up costs seconds and a step milliseconds, so it measures more steps than a local run).
 
     The model, batch, ``loss_fn`` (default: the synthetic loss) and ``optimizer`` factory travel
     by value (cloudpickle) in a hooks module written to a temporary directory, removed afterwards
