@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import pandas as pd
 
@@ -335,21 +335,29 @@ class RunLog:
         return residuals(result.predicted, result.timeline)
 
     # ---- what if ------------------------------------------------------------------------------
+    def _what_if(self: ExplorerState, schedules: Sequence[str]) -> tuple[Plan, Optional[Callable[[int], Any]]]:
+        """The plan a sweep or search starts from (its table with the input/weight-gradient split
+        measured where a schedule asked for splits the backward), and the devices for ``n`` stages
+        where they are planned: more GPUs of the kind, never two stages on one (None: the sweep's own)."""
+        from pipexplore.schedules import SPLIT_BACKWARD
+
+        if set(schedules) & set(SPLIT_BACKWARD) and self._with_backward_split() is not self._plan.layer_table:
+            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
+        plan = self._plan
+        if not plan.planned:
+            return plan, None
+        from pipexplore.devices import planned_devices
+
+        kind = plan.devices[0].split(":")[0]
+        return plan, lambda n: planned_devices([kind] * n, plan.gpus_per_node)
+
     def sweep(self: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
               schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
         """Predict every combination (each with its balanced split), ranked by predicted step time;
         with ``measure=k`` the top ``k`` rows are also run (see :func:`pipexplore.sweep.sweep`)."""
         from pipexplore.sweep import sweep
 
-        if "zero-bubble" in schedules and self._with_backward_split() is not self._plan.layer_table:
-            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
-        plan = self._plan
-        more_gpus = None
-        if plan.planned:  # more stages plan more GPUs of the kind, never two stages on one
-            from pipexplore.devices import planned_devices
-
-            kind = plan.devices[0].split(":")[0]
-            more_gpus = lambda n: planned_devices([kind] * n, plan.gpus_per_node)  # noqa: E731
+        plan, more_gpus = self._what_if(schedules)
         table = sweep(plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
                       devices_for=more_gpus)
         if measure > 0 and not table.empty:
@@ -381,18 +389,9 @@ class RunLog:
                 many bytes it is over).
         """
         from pipexplore.predict.search import search
-        from pipexplore.schedules import SPLIT_BACKWARD
 
         cap = parse_bytes(memory_cap, "memory_cap")
-        if set(schedules) & set(SPLIT_BACKWARD) and self._with_backward_split() is not self._plan.layer_table:
-            self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
-        plan = self._plan
-        more_gpus = None
-        if plan.planned:  # more stages plan more GPUs of the kind, never two stages on one
-            from pipexplore.devices import planned_devices
-
-            kind = plan.devices[0].split(":")[0]
-            more_gpus = lambda n: planned_devices([kind] * n, plan.gpus_per_node)  # noqa: E731
+        plan, more_gpus = self._what_if(schedules)
         return search(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
                       virtual_stages=virtual_stages, devices_for=more_gpus, optimizer=self.optimizer,
                       mixed_precision=self.mixed_precision, workers=workers)
