@@ -131,6 +131,7 @@ def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
     assert explorer.plan.corrections.runs == 1  # the cost model learnt from it
     plan = json.loads((directory / "plan.json").read_text())
     assert plan["optimizer"] == "Adam" and plan["nodes"] == 2 and plan["world"] == 4  # the hooks' optimizer
+    assert plan["splits"] == list(explorer.plan.splits) and plan["schedule"] == "1f1b" and plan["chunks"] == 4
 
 
 @pytest.mark.slow

@@ -345,9 +345,11 @@ class RankRecorder:
         path = self.directory / rank_file(self.rank)
         write_json(path, payload)
         if self.rank == 0:
+            layers, points = self.plan.get("layers") or [], self.plan.get("split_points") or []
             write_json(self.directory / PLAN_FILE, {
                 "format": FORMAT, "version": VERSION, "kind": "plan", "run_id": self.run_id, "plan_id": self.plan_id,
-                **self.plan, "nodes": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                **self.plan, "splits": [layers.index(p) for p in points] if set(points) <= set(layers) else None,
+                "nodes": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
                 "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), "warmup": self.warmup,
                 "backend": dist.get_backend(), "torch": torch.__version__})
         dist.barrier(group=self._group)
