@@ -31,7 +31,7 @@ from pipexplore.schedules import MULTI_STAGE, stage_ranks
 from pipexplore.executors.sequential import ScheduleExecutor
 
 from ranks import no_pool_left_behind  # noqa: F401  (every pool of rank processes gone after the module)
-from ranks import plan_for
+from ranks import assert_equals_unsplit, plan_for
 
 NEW = ("looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
 
@@ -280,14 +280,7 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
     splits = [names.index(n) for n in ("layers.1", "layers.2", "layers.3")]
     plan = Plan(table, splits, ("cpu",) * 2, chunks=4, schedule="zbv", executor="processes")
     result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
-    reference = copy.deepcopy(model)
-    loss = loss_fn(reference(tokens), target)
-    loss.backward()
-    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-    named = dict(reference.named_parameters())
-    assert len(result.metrics["grads"]) == len(named)
-    for key, grad in result.metrics["grads"].items():
-        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+    unsplit = assert_equals_unsplit(result, model, tokens, target, loss_fn)
 
     path = tmp_path / "train_pipeline.py"
     path.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule="dualpipev"))
@@ -302,4 +295,4 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
     assert match, done.stdout
-    assert float(match.group(1)) == pytest.approx(loss.item(), rel=1e-5)
+    assert float(match.group(1)) == pytest.approx(unsplit, rel=1e-5)

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from pipexplore import trace
 from pipexplore.distributed import run_processes
 from pipexplore.plan import Plan
+from ranks import assert_equals_unsplit
 from tiny_transformer import build_model, get_batch, loss_fn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,14 +29,7 @@ def test_traced_transformer_in_processes_equals_the_unsplit_model(splits, ranks,
     table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
     plan = Plan(table, splits, ("cpu",) * ranks, chunks=chunks, schedule=schedule, executor="processes")
     result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
-    reference = copy.deepcopy(model)
-    loss = loss_fn(reference(tokens), target)
-    loss.backward()
-    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-    named = dict(reference.named_parameters())
-    assert len(result.metrics["grads"]) == len(named)
-    for key, grad in result.metrics["grads"].items():
-        torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+    assert_equals_unsplit(result, model, tokens, target, loss_fn)
 
 
 @pytest.mark.slow
