@@ -36,10 +36,35 @@ def assert_equals_unsplit(result, model, inputs, target, loss_fn) -> float:
     return loss.item()
 
 
+def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
+    """Run ``script`` under ``torchrun`` with ``ranks`` processes on one node (a rendezvous port of
+    the test's own: ``--standalone`` would share one with every parallel test run), check it exits
+    cleanly and return the loss it printed for step 0."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node",
+                           str(ranks), str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
+    assert match, done.stdout
+    return float(match.group(1))
+
+
 def worker_children():
     """This process's pool workers that are still running."""
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "pipexplore.executors._worker" in " ".join(p.cmdline())]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "pipexplore.executors._worker" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(autouse=True, scope="module")

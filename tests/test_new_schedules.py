@@ -31,7 +31,7 @@ from pipexplore.schedules import MULTI_STAGE, stage_ranks
 from pipexplore.executors.sequential import ScheduleExecutor
 
 from ranks import no_pool_left_behind  # noqa: F401  (every pool of rank processes gone after the module)
-from ranks import assert_equals_unsplit, plan_for
+from ranks import assert_equals_unsplit, plan_for, torchrun_first_loss
 
 NEW = ("looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
 
@@ -261,12 +261,7 @@ def test_processes_run_the_v_schedules_with_the_gradients_of_one_process(schedul
 
 @pytest.mark.slow
 def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp_path):
-    import os
     import pathlib
-    import re
-    import socket
-    import subprocess
-    import sys
 
     from pipexplore.executors.distributed import run_processes
     from pipexplore.export.torchrun import torchrun_script
@@ -284,15 +279,4 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
 
     path = tmp_path / "train_pipeline.py"
     path.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule="dualpipev"))
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parent))
-    with socket.socket() as probe:  # a rendezvous port of this test's own
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node", "2",
-                           str(path)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
-    assert match, done.stdout
-    assert float(match.group(1)) == pytest.approx(unsplit, rel=1e-5)
+    assert torchrun_first_loss(path, str(pathlib.Path(__file__).parent)) == pytest.approx(unsplit, rel=1e-5)
