@@ -98,6 +98,21 @@ def test_per_stage_optimizers_train_as_one_optimizer_over_the_model(name):
     assert (rec.timeline["phase"] == "optimizer").sum() == 2 * 2  # a stage's step per training step
 
 
+def one_optimizer_losses(model: nn.Module, x: torch.Tensor, target: torch.Tensor, optimizer, steps: int = 3) -> list:
+    """The losses of ``steps`` plain steps of a copy of ``model`` with one optimizer over all its
+    parameters (each loss before its update)."""
+    reference = copy.deepcopy(model)
+    one = optimizer(reference.parameters())
+    losses = []
+    for _ in range(steps):
+        one.zero_grad()
+        loss = nn.functional.mse_loss(reference(x), target)
+        losses.append(loss.item())
+        loss.backward()
+        one.step()
+    return losses
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("executor,schedule", [("threads", "1f1b"), ("autograd", "gpipe")])
 def test_measured_losses_after_two_updates_equal_a_plain_model_with_one_optimizer(name, executor, schedule):
@@ -106,15 +121,7 @@ def test_measured_losses_after_two_updates_equal_a_plain_model_with_one_optimize
     plan = Plan(hand_table(), (4,), ("cpu", "cpu"), chunks=4, schedule=schedule, executor=executor)
     result = run_step(model, x, plan, target=target, loss_fn=nn.functional.mse_loss, optimizer=OPTIMIZERS[name],
                       warmup=1, repeats=2)
-    reference = copy.deepcopy(model)
-    one = OPTIMIZERS[name](reference.parameters())
-    losses = []
-    for _ in range(3):
-        one.zero_grad()
-        loss = nn.functional.mse_loss(reference(x), target)
-        losses.append(loss.item())
-        loss.backward()
-        one.step()
+    losses = one_optimizer_losses(model, x, target, OPTIMIZERS[name])
     assert result.loss == pytest.approx(losses[0], rel=1e-5)
     assert result.measured_losses == pytest.approx(losses[1:], rel=1e-5)  # after one and after two updates
 
@@ -146,15 +153,7 @@ def test_a_processes_run_records_each_ranks_optimizer_step_and_trains_as_one_opt
     timeline = result.timeline
     optimizer_events_follow_the_backward(timeline, 2)
     assert (timeline[timeline["phase"] != "optimizer"].groupby("phase").size() == 4 * 2).all()
-    reference = copy.deepcopy(model)
-    one = OPTIMIZERS["sgd-momentum"](reference.parameters())
-    losses = []
-    for _ in range(3):
-        one.zero_grad()
-        loss = nn.functional.mse_loss(reference(x), target)
-        losses.append(loss.item())
-        loss.backward()
-        one.step()
+    losses = one_optimizer_losses(model, x, target, OPTIMIZERS["sgd-momentum"])
     assert result.loss == pytest.approx(losses[0], rel=1e-5)
     assert result.measured_losses == pytest.approx(losses[1:], rel=1e-5)
 
