@@ -8,6 +8,7 @@ checks the page fits and no text overlaps. Saves a screenshot in ``test-output/`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -309,57 +310,66 @@ def many_layers_lab(lab_server):
     return lab_server
 
 
-def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):
-    url, token = many_layers_lab
+@contextlib.contextmanager
+def _notebook_ran(lab_server, notebook: str, workspace: str, ready: str, failure: str):
+    """A 1,280-px Chromium page with ``notebook`` open in JupyterLab and every cell run, once
+    ``ready`` (a selector) is drawn; a screenshot ``failure`` in test-output/ if the test fails."""
+    url, token = lab_server
     OUTPUT.mkdir(exist_ok=True)
     with playwright_sync.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 1400})
         try:
-            page.goto(f"{url}/lab/workspaces/pipexplore-zoom/tree/many.ipynb?reset&token={token}")
+            page.goto(f"{url}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={token}")
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
             _run_all(page)
-            page.wait_for_selector(".pipexplore-splitbar .overview .brush", timeout=90_000)
+            page.wait_for_selector(ready, timeout=90_000)
             dismiss_news(page)
-            cells = ".pipexplore-splitbar .cell"
-            assert page.locator(cells).count() == 120  # the whole strip
-            # The model's blocks (blocks.N: 4 layers each) are bracketed; a click closes one into a cell.
-            page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
-            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 117", timeout=10_000)
-            assert page.locator(".pipexplore-splitbar .cell.block[data-block='blocks.5']").count() == 1
-            page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
-            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
-            assert page.locator(".pipexplore-splitbar .handle").count() == 3  # clicks add no split
-            # Drag across the overview from layer 20 to layer 50: the strip shows those in detail.
-            overview = page.locator(".pipexplore-splitbar .overview-stage").first.bounding_box()
-            last = page.locator(".pipexplore-splitbar .overview-stage").last.bounding_box()
-            left, width = overview["x"], last["x"] + last["width"] - overview["x"]
-            y = overview["y"] + overview["height"] / 2
-            page.mouse.move(left + width * 20 / 120, y)
-            page.mouse.down()
-            page.mouse.move(left + width * 50 / 120, y, steps=8)
-            page.mouse.up()
-            page.wait_for_function(f"document.querySelectorAll('{cells}').length <= 32", timeout=10_000)
-            brush = page.locator(".pipexplore-splitbar .brush")
-            assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("20", "50")
-            # Only the split inside the detail has a handle, and it can be grabbed.
-            assert [h.get_attribute("aria-valuenow") for h in page.locator(".pipexplore-splitbar .handle").all()] \
-                == ["30"]
-            # Drag the brush to pan by 10 layers, then double-click the overview: every layer again.
-            box = brush.bounding_box()
-            page.mouse.move(box["x"] + box["width"] / 2, y)
-            page.mouse.down()
-            page.mouse.move(box["x"] + box["width"] / 2 + width * 10 / 120, y, steps=6)
-            page.mouse.up()
-            assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("30", "60")
-            page.mouse.dblclick(left + width * 0.9, y)
-            page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
-            assert page.locator(".pipexplore-splitbar .handle").count() == 3  # no split was added
+            yield page
         except BaseException:
-            page.screenshot(path=str(OUTPUT / "failure-zoom.png"), full_page=True)
+            page.screenshot(path=str(OUTPUT / failure), full_page=True)
             raise
         finally:
             browser.close()
+
+
+def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):
+    with _notebook_ran(many_layers_lab, "many.ipynb", "pipexplore-zoom", ".pipexplore-splitbar .overview .brush",
+                       "failure-zoom.png") as page:
+        cells = ".pipexplore-splitbar .cell"
+        assert page.locator(cells).count() == 120  # the whole strip
+        # The model's blocks (blocks.N: 4 layers each) are bracketed; a click closes one into a cell.
+        page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
+        page.wait_for_function(f"document.querySelectorAll('{cells}').length === 117", timeout=10_000)
+        assert page.locator(".pipexplore-splitbar .cell.block[data-block='blocks.5']").count() == 1
+        page.locator(".pipexplore-splitbar .group-hit[data-block='blocks.5']").click()
+        page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
+        assert page.locator(".pipexplore-splitbar .handle").count() == 3  # clicks add no split
+        # Drag across the overview from layer 20 to layer 50: the strip shows those in detail.
+        overview = page.locator(".pipexplore-splitbar .overview-stage").first.bounding_box()
+        last = page.locator(".pipexplore-splitbar .overview-stage").last.bounding_box()
+        left, width = overview["x"], last["x"] + last["width"] - overview["x"]
+        y = overview["y"] + overview["height"] / 2
+        page.mouse.move(left + width * 20 / 120, y)
+        page.mouse.down()
+        page.mouse.move(left + width * 50 / 120, y, steps=8)
+        page.mouse.up()
+        page.wait_for_function(f"document.querySelectorAll('{cells}').length <= 32", timeout=10_000)
+        brush = page.locator(".pipexplore-splitbar .brush")
+        assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("20", "50")
+        # Only the split inside the detail has a handle, and it can be grabbed.
+        assert [h.get_attribute("aria-valuenow") for h in page.locator(".pipexplore-splitbar .handle").all()] \
+            == ["30"]
+        # Drag the brush to pan by 10 layers, then double-click the overview: every layer again.
+        box = brush.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, y)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] / 2 + width * 10 / 120, y, steps=6)
+        page.mouse.up()
+        assert (brush.get_attribute("data-first"), brush.get_attribute("data-end")) == ("30", "60")
+        page.mouse.dblclick(left + width * 0.9, y)
+        page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
+        assert page.locator(".pipexplore-splitbar .handle").count() == 3  # no split was added
 
 
 PLANNED_CELLS = [
@@ -378,33 +388,19 @@ def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab
     """Sixteen stages on two planned nodes of eight H100s: one split is the node boundary (marked
     and named in the strip), Run step is off, the header and the measured timeline say planned,
     and no text overlaps."""
-    url, token = lab_server
-    OUTPUT.mkdir(exist_ok=True)
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 1400})
-        try:
-            page.goto(f"{url}/lab/workspaces/pipexplore-planned/tree/planned.ipynb?reset&token={token}")
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-            _run_all(page)
-            page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
-            dismiss_news(page)
-            assert page.locator(".pipexplore-splitbar .handle").count() == 15
-            boundary = page.locator(".pipexplore-splitbar .handle.node")
-            assert boundary.count() == 1 and boundary.locator(".node-label").text_content() == "node 1"
-            assert "stage 8 begins" in boundary.get_attribute("aria-label")
-            run = page.locator(".jupyter-widgets button", has_text="Run step")
-            assert run.is_disabled()
-            header = page.locator(".pipexplore-header").inner_text()
-            assert "predicted step (planned)" in header and "16 × H100 on 2 nodes are not here" in header
-            explorer = page.locator(".pipexplore-explorer").first
-            assert explorer.evaluate(_OVERLAPS) == []
-            page.screenshot(path=str(OUTPUT / "planned.png"), full_page=True)
-        except BaseException:
-            page.screenshot(path=str(OUTPUT / "failure-planned.png"), full_page=True)
-            raise
-        finally:
-            browser.close()
+    with _notebook_ran(lab_server, "planned.ipynb", "pipexplore-planned", ".pipexplore-splitbar .handle",
+                       "failure-planned.png") as page:
+        assert page.locator(".pipexplore-splitbar .handle").count() == 15
+        boundary = page.locator(".pipexplore-splitbar .handle.node")
+        assert boundary.count() == 1 and boundary.locator(".node-label").text_content() == "node 1"
+        assert "stage 8 begins" in boundary.get_attribute("aria-label")
+        run = page.locator(".jupyter-widgets button", has_text="Run step")
+        assert run.is_disabled()
+        header = page.locator(".pipexplore-header").inner_text()
+        assert "predicted step (planned)" in header and "16 × H100 on 2 nodes are not here" in header
+        explorer = page.locator(".pipexplore-explorer").first
+        assert explorer.evaluate(_OVERLAPS) == []
+        page.screenshot(path=str(OUTPUT / "planned.png"), full_page=True)
 
 
 def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
