@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from pipexplore import validate
 
 __all__ = ["Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
            "ALIASES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
-           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device"]
+           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices"]
 
 Device = Union[torch.device, int, str]
 
@@ -455,3 +455,21 @@ def present_device(spec: Union[str, DeviceSpec]) -> Optional[torch.device]:
         if all(part in name for part in parts):
             return torch.device("cuda", index)
     return None
+
+
+def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...]:
+    """The devices a user names: all of this machine (checked to exist) or all planned from the
+    catalogue (``["H100"] * 16`` → ``"H100:0"`` … ``"H100:15"``, ``gpus_per_node`` a node).
+
+    Raises:
+        ValueError: a device that is neither here nor in the catalogue (the catalogue listed), or
+            a mix of both.
+    """
+    names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else devices
+    if isinstance(names, Sequence) and any(is_planned(d) for d in names):
+        return planned_devices(names, gpus_per_node)
+    try:
+        return validate.devices(devices)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or plan devices you do not have by name from the catalogue: "
+                         f"{', '.join(CATALOGUE)} (e.g. devices=['H100'] * 16, gpus_per_node=8)") from None

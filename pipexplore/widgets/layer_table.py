@@ -104,26 +104,6 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
                     f"{spec.bandwidth_efficiency:.0%}).")
 
 
-def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...]:
-    """The devices a user names: all of this machine (checked to exist) or all planned from the
-    catalogue (``["H100"] * 16`` → ``"H100:0"`` … ``"H100:15"``, ``gpus_per_node`` a node).
-
-    Raises:
-        ValueError: a device that is neither here nor in the catalogue (the catalogue listed), or
-            a mix of both.
-    """
-    from pipexplore.devices import CATALOGUE, is_planned, planned_devices
-
-    names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else devices
-    if isinstance(names, Sequence) and any(is_planned(d) for d in names):
-        return planned_devices(names, gpus_per_node)
-    try:
-        return validate.devices(devices)
-    except ValueError as exc:
-        raise ValueError(f"{exc}; or plan devices you do not have by name from the catalogue: "
-                         f"{', '.join(CATALOGUE)} (e.g. devices=['H100'] * 16, gpus_per_node=8)") from None
-
-
 def planned_note(devices: Sequence[str], gpus_per_node: int) -> str:
     """What the page says of a plan on catalogue devices."""
     from pipexplore.devices import device_spec, node_of

@@ -28,7 +28,7 @@ from torch import nn
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.cancel import CancelToken
-from pipexplore.devices import device_memory, is_planned, planned_devices, stage_devices
+from pipexplore.devices import chosen_devices, device_memory, is_planned, planned_devices, stage_devices
 from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.models.hf import cache_note
@@ -104,7 +104,7 @@ class ExplorerState(RunLog):
         #: Planned devices a node (which copies cross nodes), for plans on catalogue devices.
         self.gpus_per_node = validate.integer(gpus_per_node, "gpus_per_node")
         if devices is not None:
-            devices = list(layers.chosen_devices(devices, self.gpus_per_node))
+            devices = list(chosen_devices(devices, self.gpus_per_node))
         #: Whether the plan is for catalogue devices, costed but never run here.
         self.planned = bool(devices) and is_planned(devices[0])
         if layers.on_meta(model) and devices is None:
@@ -235,7 +235,7 @@ class ExplorerState(RunLog):
             raise TypeError(f"update() cannot change {', '.join(map(repr, unknown))}: it changes "
                             f"{', '.join(UPDATABLE)}")
         if "devices" in changes:
-            changes["devices"] = layers.chosen_devices(changes["devices"], self.gpus_per_node)
+            changes["devices"] = chosen_devices(changes["devices"], self.gpus_per_node)
             if is_planned(changes["devices"][0]) != self.planned:
                 raise ValueError(f"devices: this explorer plans {'catalogue' if self.planned else 'this machine'}'s "
                                  f"devices ({', '.join(self._plan.devices[:3])}…), not "
