@@ -377,9 +377,85 @@ release:
     return result;
 }
 
+/* levels(after, first, second, level) -> placed: each action's level, one more than the highest of
+ * its inputs' (Kahn's order), as pipexplore.predict.dataflow._levels computes it in Python. Inputs
+ * are action numbers, n = none. Returns how many actions were placed: fewer than n when the graph
+ * has a cycle (some worker waits for an action that waits for it). */
+static PyObject *levels(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b[4];
+    memset(b, 0, sizeof(b));
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &b[0], &b[1], &b[2], &b[3])) return NULL;
+    PyObject *result = NULL;
+    int64_t *users_at = NULL, *users = NULL, *waiting = NULL, *ready = NULL;
+    const Py_ssize_t n = b[0].len / 8;
+    const char *names[] = {"after", "first", "second", "level"};
+    for (int i = 0; i < 4; i++)
+        if (check(&b[i], n, 8, names[i])) goto release;
+    const int64_t *inputs[3] = {b[0].buf, b[1].buf, b[2].buf};
+    int64_t *level = b[3].buf;
+    users_at = calloc((size_t)n + 1, sizeof(int64_t));
+    users = malloc(((size_t)3 * n + 1) * sizeof(int64_t));
+    waiting = calloc((size_t)n + 1, sizeof(int64_t));
+    ready = malloc(((size_t)n + 1) * sizeof(int64_t));
+    if (!users_at || !users || !waiting || !ready) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    for (int k = 0; k < 3; k++)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t m = inputs[k][i];
+            if (m < 0 || m > n) {
+                PyErr_SetString(PyExc_ValueError, "an input is not an action number");
+                goto release;
+            }
+            if (m < n) {
+                users_at[m + 1]++;
+                waiting[i]++;
+            }
+        }
+    for (Py_ssize_t i = 0; i < n; i++) users_at[i + 1] += users_at[i];
+    {
+        int64_t *fill = malloc(((size_t)n + 1) * sizeof(int64_t));
+        if (!fill) {
+            PyErr_NoMemory();
+            goto release;
+        }
+        memcpy(fill, users_at, ((size_t)n + 1) * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < n; i++)  /* users in action order, as the Python loop lists them */
+            for (int k = 0; k < 3; k++)
+                if (inputs[k][i] < n) users[fill[inputs[k][i]]++] = i;
+        free(fill);
+    }
+    Py_ssize_t top = 0, placed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        level[i] = 0;
+        if (!waiting[i]) ready[top++] = i;
+    }
+    while (top) {
+        int64_t v = ready[--top];
+        placed++;
+        for (int64_t j = users_at[v]; j < users_at[v + 1]; j++) {
+            int64_t u = users[j];
+            if (level[u] <= level[v]) level[u] = level[v] + 1;
+            if (!--waiting[u]) ready[top++] = u;
+        }
+    }
+    result = PyLong_FromSsize_t(placed);
+release:
+    free(users_at);
+    free(users);
+    free(waiting);
+    free(ready);
+    for (int i = 0; i < 4; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "The processor-sharing event loop (see pipexplore.simulate)."},
     {"times", times, METH_VARARGS, "The longest path of a graph in level order (see pipexplore.dataflow)."},
+    {"levels", levels, METH_VARARGS, "Each action's level in its graph (see pipexplore.dataflow._levels)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -257,8 +258,16 @@ def _catalogued(base: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _indexed(device: str) -> bool:
+    """Whether ``device`` reads as a name with an optional ``:index``."""
+    return _INDEXED.match(device.strip()) is not None
+
+
+@functools.lru_cache(maxsize=4096)
 def _split(device: str) -> tuple[str, int | None]:
-    """``"H100:3"`` → ``("H100", 3)``; ``"H100"`` → ``("H100", None)``."""
+    """``"H100:3"`` → ``("H100", 3)``; ``"H100"`` → ``("H100", None)`` (cached: a plan's simulation
+    asks for every stage boundary's devices)."""
     match = _INDEXED.match(device.strip())
     if match is None:
         return device.strip(), None
@@ -317,7 +326,7 @@ def is_planned(name: object) -> bool:
     if not isinstance(name, str):
         return False
     base, _ = _split(name)
-    return _INDEXED.match(name.strip()) is not None and _catalogued(base) is not None
+    return _indexed(name) and _catalogued(base) is not None
 
 
 def _gpus_per_node(value: object) -> int:

@@ -195,6 +195,40 @@ def test_the_compiled_longest_path_times_the_graph_as_the_array_passes_do_bit_fo
     assert (compiled[1] > compiled[0]).all()
 
 
+@pytest.mark.parametrize("schedule, stages, m, checkpointed", [
+    ("1f1b", 4, 8, 3), ("zero-bubble", 4, 8, 0), ("interleaved", 4, 8, 8), ("zbv", 4, 8, 0),
+    ("dualpipev", 4, 8, 2), ("gpipe", 3, 5, 5)])
+def test_the_compiled_level_sort_gives_the_python_levels_and_a_graph_built_by_arrays_its_inputs(
+        schedule, stages, m, checkpointed):
+    from pipexplore.predict import dataflow
+
+    graph = schedule_graph(schedule, stages, m, executor="threads", checkpointed=checkpointed, optimizer=True)
+    compiled = dataflow._levels(graph.after, graph.first, graph.second)
+    np.testing.assert_array_equal(compiled, dataflow._levels(graph.after, graph.first, graph.second, compiled=False))
+    # the inputs, as the rules of the module's docstring name them, action by action
+    actions = [a for queue in graph.queues for a in queue]
+    number = {a: n for n, a in enumerate(actions)}
+    split = schedule in ("zero-bubble", "zbv", "dualpipev")
+    for n, (s, kind, i) in enumerate(actions):
+        first, second = len(actions), len(actions)
+        if kind == "F" and s > 0:
+            first = number[(s - 1, "F", i)]
+        elif kind == "W":
+            first = number[(s, "I", i)]
+        elif kind in ("B", "R", "I"):
+            first = number[(s, "F", i)]
+            if s < graph.stage.max():
+                other = (s + 1, "B" if split else "I", i)
+                second = number[other] if other in number else number[(s + 1, "I" if split else "B", i)]
+        elif kind == "O":
+            first = max(k for k, a in enumerate(actions) if a[0] == s and a[1] in "BIW")
+        assert (graph.first[n], graph.second[n]) == (first, second), (s, kind, i)
+    stuck = ActionGraph.build([[(0, "F", 1), (0, "B", 0), (0, "F", 0), (0, "B", 1)]], stages=1)
+    for flag in (True, False):
+        with pytest.raises(ValueError, match="deadlocks"):
+            dataflow._levels(stuck.after, stuck.first, stuck.second, compiled=flag)
+
+
 def test_the_compiled_longest_path_refuses_a_graph_out_of_level_order():
     n = 2
     one = np.zeros(n)

@@ -42,6 +42,7 @@ Action = tuple[int, str, int]  # (stage, kind, micro-batch)
 KINDS = ("F", "B", "R", "I", "W", "O")
 #: The kind numbers of the graph's arrays.
 FORWARD, BACKWARD, RECOMPUTE, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER = range(len(KINDS))
+KIND_NUMBER = {kind: n for n, kind in enumerate(KINDS)}
 #: The micro-batch number of an optimizer step (it belongs to none), in the graph and in timelines.
 OPTIMIZER_MICRO = -1
 
@@ -76,9 +77,6 @@ class ActionGraph:
         stage before (``I`` for zero-bubble), or else, for a micro-batch that stage runs whole, ``B``."""
         queues = tuple(tuple(q) for q in queues)
         actions = [a for q in queues for a in q]
-        number = {a: n for n, a in enumerate(actions)}
-        if len(number) != len(actions):
-            raise ValueError("a schedule lists an action twice")
         none = len(actions)
         lane = np.repeat(np.arange(len(queues), dtype=np.int64), [len(q) for q in queues])
         # Actions are numbered queue after queue: the worker's previous action is the number before.
@@ -86,43 +84,55 @@ class ActionGraph:
         ends = np.cumsum([0, *map(len, queues)])
         busy = np.array([len(q) > 0 for q in queues], dtype=bool)
         after[ends[:-1][busy]] = none
+        stage_of, kind_of, micro_of = (list(column) for column in zip(*actions)) if actions else ([], [], [])
+        stage = np.array(stage_of, dtype=np.int64)
+        kind = np.array([KIND_NUMBER[k] for k in kind_of], dtype=np.int64)
+        micro = np.array(micro_of, dtype=np.int64)
+        # Every action as one integer, and a table from it to the action's number (``none``: no worker runs it).
+        reach = max(stages, int(stage.max()) + 1 if none else 0) + 1
+        micros = (int(micro.max()) if none else 0) + 2  # micro-batch -1 (an optimizer step) and the last
+        key = lambda s, k, i: (s * len(KINDS) + k) * micros + i + 1  # noqa: E731
+        number = np.full(reach * len(KINDS) * micros, none, dtype=np.int64)
+        mine = key(stage, kind, micro)
+        number[mine] = np.arange(none)
+        if none and np.unique(mine).size != none:
+            raise ValueError("a schedule lists an action twice")
         first = np.full(none, none, dtype=np.int64)
         second = np.full(none, none, dtype=np.int64)
 
-        def numbered(action: Action, waiting: Action) -> int:
-            if action not in number:
-                raise ValueError(f"{waiting} waits for {action}, which no worker runs")
-            return number[action]
+        def wire(into: np.ndarray, where: np.ndarray, s: np.ndarray, k, fallback=None) -> None:
+            """``into[where]`` = the number of action (s, k, the same micro-batch); where no worker runs
+            it, the ``fallback`` kind's, else a ValueError naming the first action left waiting."""
+            found = number[key(s, k, micro[where])]
+            if fallback is not None:
+                found = np.where(found < none, found, number[key(s, fallback, micro[where])])
+            missing = np.flatnonzero(found == none)
+            if missing.size:
+                n, wanted = int(where[missing[0]]), KINDS[fallback if fallback is not None else k]
+                raise ValueError(f"{actions[n]} waits for {(int(s[missing[0]]), wanted, int(micro[n]))}, "
+                                 f"which no worker runs")
+            into[where] = found
 
+        forwards = np.flatnonzero((kind == FORWARD) & (stage > 0))
+        wire(first, forwards, stage[forwards] - 1, FORWARD)
+        weights = np.flatnonzero(kind == WEIGHT_GRAD)
+        wire(first, weights, stage[weights], INPUT_GRAD)
+        grads = np.flatnonzero(np.isin(kind, (BACKWARD, RECOMPUTE, INPUT_GRAD)))
+        wire(first, grads, stage[grads], FORWARD)
+        # The next stage's gradient: its I, or its whole B (DualPipeV runs both kinds).
+        grads = grads[stage[grads] < stages - 1]
+        carried = KINDS.index(grad_kind)
+        wire(second, grads, stage[grads] + 1, BACKWARD if grad_kind == "I" else INPUT_GRAD, carried)
         # Each stage's last backward-side action (B, I or W) in its worker's order: what its optimizer
         # step waits for (a stage's backward-side actions all run on one worker).
-        last_backward: dict[int, int] = {}
-        for n, (s, kind, _) in enumerate(actions):
-            if kind in ("B", "I", "W"):
-                last_backward[s] = n
-        for n, (s, kind, i) in enumerate(actions):
-            if kind == "O":
-                if s in last_backward:
-                    first[n] = last_backward[s]
-            elif kind == "F":
-                if s > 0:
-                    first[n] = numbered((s - 1, "F", i), actions[n])
-            elif kind == "W":
-                first[n] = numbered((s, "I", i), actions[n])
-            else:
-                first[n] = numbered((s, "F", i), actions[n])
-                if s < stages - 1:
-                    # The next stage's gradient: its I, or its whole B (DualPipeV runs both kinds).
-                    other = (s + 1, "B" if grad_kind == "I" else "I", i)
-                    second[n] = number[other] if other in number else numbered((s + 1, grad_kind, i), actions[n])
-        return cls(
-            queues=queues,
-            stage=np.array([a[0] for a in actions], dtype=np.int64),
-            kind=np.array([KINDS.index(a[1]) for a in actions], dtype=np.int64),
-            micro=np.array([a[2] for a in actions], dtype=np.int64),
-            lane=lane, after=after, first=first, second=second,
-            heads=ends[:-1][busy], tails=ends[1:][busy] - 1,
-        )
+        backward_side = np.flatnonzero(np.isin(kind, (BACKWARD, INPUT_GRAD, WEIGHT_GRAD)))
+        last_backward = np.full(reach, -1, dtype=np.int64)
+        np.maximum.at(last_backward, stage[backward_side], backward_side)
+        steps = np.flatnonzero(kind == OPTIMIZER)
+        stepped = last_backward[stage[steps]]
+        first[steps[stepped >= 0]] = stepped[stepped >= 0]
+        return cls(queues=queues, stage=stage, kind=kind, micro=micro, lane=lane, after=after, first=first,
+                   second=second, heads=ends[:-1][busy], tails=ends[1:][busy] - 1)
 
     def __len__(self) -> int:
         return len(self.stage)
@@ -198,8 +208,21 @@ class ActionGraph:
         return in_order_start, in_order_end
 
 
-def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """Each action's level: one more than the highest of its inputs' (Kahn's order)."""
+def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray, compiled: bool = True) -> np.ndarray:
+    """Each action's level: one more than the highest of its inputs' (Kahn's order), in C where
+    ``pipexplore._sharing`` was built and ``compiled``, else in Python (the same levels: tests)."""
+    none = len(after)
+    if _sharing is not None and compiled:
+        level = np.empty(none, dtype=np.int64)
+        placed = _sharing.levels(*(np.ascontiguousarray(a, dtype=np.int64) for a in (after, first, second)), level)
+    else:
+        level, placed = _python_levels(after, first, second)
+    if placed != none:
+        raise ValueError("the schedule deadlocks: some worker waits for an action that waits for it")
+    return level
+
+
+def _python_levels(after: np.ndarray, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, int]:
     none = len(after)
     inputs = np.stack([after, first, second], axis=1)
     waiting = (inputs < none).sum(axis=1)
@@ -221,9 +244,7 @@ def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndar
             waiting[u] -= 1
             if not waiting[u]:
                 ready.append(u)
-    if placed != none:
-        raise ValueError("the schedule deadlocks: some worker waits for an action that waits for it")
-    return np.asarray(level, dtype=np.int64)
+    return np.asarray(level, dtype=np.int64), placed
 
 
 def oversubscribed(graph: ActionGraph, resource: np.ndarray, share: np.ndarray, start: np.ndarray,
