@@ -175,6 +175,34 @@ def test_the_table_has_sweeps_columns_fits_and_the_pareto_front():
     assert always["peak_memory"].min() < never["peak_memory"].min()
 
 
+def test_the_collector_is_paused_while_plans_are_predicted_and_put_back_after(monkeypatch):
+    import gc
+
+    from pipexplore.predict import search as searching
+
+    seen = []
+    row = searching._row
+    monkeypatch.setattr(searching, "_row", lambda *args: seen.append(gc.isenabled()) or row(*args))
+    plan = _gpu_plan()
+    options = dict(stages=[2, 4], chunks=[4], schedules=["1f1b"], workers=1)
+    assert gc.isenabled()
+    table = search(plan, **options)
+    assert seen == [False, False] and gc.isenabled() and len(table) == 2
+    gc.disable()  # a caller that runs without it keeps it off
+    try:
+        search(plan, **options)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    def fails(*args):
+        raise RuntimeError("a prediction failed")
+
+    monkeypatch.setattr(searching, "_row", fails)
+    with pytest.raises(RuntimeError, match="a prediction failed"):  # and after an error, it is back
+        search(plan, **options)
+    assert gc.isenabled()
+
+
 def test_nothing_that_fits_is_refused_with_the_closest_plan_and_how_far_over():
     plan = _gpu_plan()
     options = dict(stages=[2, 4], chunks=[4], schedules=["gpipe", "1f1b"], checkpoint=["always"])
