@@ -7,6 +7,10 @@ skip routes that cross stages, its predicted timeline, and the code that reprodu
     plan.balance                   # [4, n - 4]
     plan.with_splits([5]).stages   # per-stage forward/backward/bytes
     print(plan.to_code())          # GPipe(model, balance=[...], ...)
+
+``schedule`` is a name (:data:`PLAN_SCHEDULES`) or the path of a CSV file in torch's format
+(``schedule="my.csv"``: :mod:`pipexplore.schedule_csv`), which must schedule the plan's stages and
+chunks; its ranks are the plan's devices.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from pipexplore import validate
 from pipexplore.devices import is_planned, node_of
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
-from pipexplore.schedules import MULTI_STAGE, TORCH_CLASSES, V_SHAPED, stage_ranks
+from pipexplore.schedules import (TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped,
+                                  schedule_csv_text, stage_ranks)
 from pipexplore.splits import SplitError, splits_to_balance
 
 __all__ = ["Plan", "SkipRoute", "skip_routes"]
@@ -105,7 +110,9 @@ class Plan:
             object.__setattr__(self, "batch", validate.integer(self.batch, "batch", minimum=1))
         object.__setattr__(self, "chunks", validate.chunks(self.chunks, batch=self.batch))
         validate.checkpoint(self.checkpoint)
-        validate.schedule(self.schedule, PLAN_SCHEDULES)
+        object.__setattr__(self, "schedule", validate.schedule(self.schedule, PLAN_SCHEDULES, csv=True))
+        if is_csv(self.schedule):  # read and checked (once per change of the file), then against the plan
+            csv_schedule(self.schedule).check_fits(stages=self.num_stages, microbatches=self.chunks)
         validate.executor(self.executor, EXECUTORS)
         object.__setattr__(self, "virtual_stages", validate.virtual_stages(self.virtual_stages))
         object.__setattr__(self, "gpus_per_node", validate.integer(self.gpus_per_node, "gpus_per_node", minimum=1))
@@ -132,9 +139,12 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """Devices the plan runs on: one per stage, or stages / virtual_stages for the multi-stage
-        schedules (interleaved, looped-bfs, interleaved-zero-bubble, zbv, dualpipev)."""
-        if self.schedule in MULTI_STAGE:
+        """Devices the plan runs on: one per stage, stages / virtual_stages for the multi-stage
+        schedules (interleaved, looped-bfs, interleaved-zero-bubble, zbv, dualpipev), or a CSV
+        schedule's ranks."""
+        if is_csv(self.schedule):
+            return csv_schedule(self.schedule).ranks
+        if is_multi_stage(self.schedule):
             return max(1, self.num_stages // self.virtual_stages)
         return self.num_stages
 
@@ -153,10 +163,10 @@ class Plan:
 
     @property
     def stage_devices(self) -> list[str]:
-        """The device of each stage (in a V for zbv and dualpipev: device ``d`` holds stages ``d``
-        and ``2p − 1 − d``)."""
+        """The device of each stage: round-robin, in a V for zbv and dualpipev (device ``d`` holds
+        stages ``d`` and ``2p − 1 − d``), or on the rank a CSV schedule puts it."""
         p = self.num_devices
-        if self.schedule in V_SHAPED:
+        if is_csv(self.schedule) or is_v_shaped(self.schedule):
             return [self.devices[r] for r in stage_ranks(self.schedule, self.num_stages, p)]
         return [self.devices[s % p] for s in range(self.num_stages)]
 
@@ -252,8 +262,19 @@ class Plan:
         ``gpipe``: a ``pipexplore.GPipe``; ``pipelining``: a ``torch.distributed.pipelining``
         split of the same layers with the matching schedule class, for one process per device
         (one per stage; the looped and interleaved schedules give each rank its stages ``rank, rank + ranks,
-        …``, zbv and dualpipev ``rank`` and ``2·ranks − 1 − rank``).
+        …``, zbv and dualpipev ``rank`` and ``2·ranks − 1 − rank``; a CSV schedule the stages its file
+        gives the rank, run by torch's ``_PipelineScheduleRuntime`` loading the file).
+        ``schedule-csv``: the plan's schedule in torch's CSV format, each rank's actions in the
+        order the prediction has them (a CSV schedule: its file as written); torch's
+        ``_PipelineScheduleRuntime._load_csv`` reads it, and ``schedule="that.csv"`` predicts the same.
         """
+        if kind == "schedule-csv":
+            if self.schedule == "async-backends":
+                raise ValueError("async-backends serves the stages as expert backends, in no fixed order of actions: "
+                                 "there is no schedule to write; choose a schedule such as gpipe or 1f1b")
+            if is_csv(self.schedule):
+                return csv_schedule(self.schedule).text
+            return schedule_csv_text(self.schedule, self.num_stages, self.chunks, self.virtual_stages)
         if kind == "gpipe":
             devices = ", ".join(repr(d) for d in self.devices[: self.num_stages])
             return (
@@ -263,22 +284,31 @@ class Plan:
                 f"             chunks={self.chunks}, checkpoint={self.checkpoint!r})\n"
             )
         if kind == "pipelining":
-            schedule_class = {**TORCH_CLASSES, "async-backends": "ScheduleGPipe"}[self.schedule]
+            csv_file = csv_schedule(self.schedule) if is_csv(self.schedule) else None
+            schedule_class = "_PipelineScheduleRuntime" if csv_file else {
+                **TORCH_CLASSES, "async-backends": "ScheduleGPipe"}[self.schedule]
             spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
-            if self.schedule in V_SHAPED:  # two stages per rank, in a V
+            if csv_file is not None:  # the stages the file gives each rank, its order loaded by torch
+                build = (f"#   stages = [pipe.build_stage(s, device) for s in {csv_file.rank_stages}[rank]]\n"
+                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n"
+                         f"#   schedule._load_csv({self.schedule!r}, format={csv_file.format!r})\n")
+            elif is_v_shaped(self.schedule):  # two stages per rank, in a V
                 build = ("#   stages = [pipe.build_stage(s, device)\n"
                          "#             for s in (rank, 2 * world_size - 1 - rank)]\n"
                          f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
-            elif self.schedule in MULTI_STAGE or self.schedule == "zero-bubble":  # a list of stages per rank
+            elif is_multi_stage(self.schedule) or self.schedule == "zero-bubble":  # a list of stages per rank
                 build = ("#   stages = [pipe.build_stage(s, device)\n"
                          "#             for s in range(rank, pipe.num_stages, world_size)]\n"
                          f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
             else:
                 build = ("#   stage = pipe.build_stage(rank, device)\n"
                          f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n")
+            imports = ("from torch.distributed.pipelining import SplitPoint, pipeline\n"
+                       f"from torch.distributed.pipelining.schedules import {schedule_class}\n" if csv_file else
+                       f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n")
             return (
                 "import torch\n"
-                f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n\n"
+                + imports + "\n"
                 f"# model: the nn.Sequential of {self.num_layers} layers; sample: one mini-batch\n"
                 + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
                 + f"chunks = {self.chunks}\n"
@@ -286,4 +316,4 @@ class Plan:
                 "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
                 + build
             )
-        raise ValueError(f"unknown export kind {kind!r}: 'gpipe' or 'pipelining'")
+        raise ValueError(f"unknown export kind {kind!r}: 'gpipe', 'pipelining' or 'schedule-csv'")

@@ -19,18 +19,29 @@ overlap function). :func:`worker_orders` is what the simulator and the in-proces
 the same orders, except that our ``gpipe`` runs its backward last micro-batch first (as one
 ``backward()`` over all micro-batches does), where torch's ``ScheduleGPipe`` runs micro-batch 0 first.
 
+A schedule may also be the path of a CSV file in torch's format (``"my.csv"``: one row per rank,
+one cell per step, ``{stage}{F|I|B|W}{micro-batch}``; :mod:`pipexplore.schedule_csv`), wherever a
+name is taken: the file says each rank's order and which stages it holds, read and checked once
+per modification (:func:`csv_schedule`). Ask :func:`is_multi_stage`, :func:`splits_backward` and
+:func:`is_csv` rather than ``schedule in MULTI_STAGE``: they answer for files too.
+:func:`schedule_csv_text` writes any schedule's orders in that format.
+
 This module imports no other part of pipexplore but :mod:`pipexplore.schedule_orders` (the
-orders of torch's multi-stage schedules, ported).
+orders of torch's multi-stage schedules, ported) and :mod:`pipexplore.schedule_csv` (files).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
+from pipexplore.schedule_csv import CsvSchedule, is_csv_path, load_csv, to_csv_text, write_csv
 from pipexplore.schedule_orders import MULTI_STAGE_ORDERS, rounds
 
 __all__ = ["SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action",
            "actions", "rank_orders", "worker_orders", "refusal", "check", "stage_ranks", "ranks_of", "stage_orders",
-           "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order"]
+           "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order",
+           "is_csv", "csv_schedule", "load_csv", "schedule_version", "known_schedule", "is_multi_stage",
+           "splits_backward", "is_v_shaped", "schedule_csv_text", "CsvSchedule", "to_csv_text", "write_csv"]
 
 #: The schedules the simulator and the executors run.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "looped-bfs", "interleaved-zero-bubble", "zbv",
@@ -50,6 +61,78 @@ TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved"
 Action = tuple[str, int]  # (kind, micro-batch)
 #: Each action kind's phase name in a timeline.
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
+_LOADED: dict[str, tuple[tuple[int, int], CsvSchedule]] = {}  # CSV files read: by path, with their (mtime, size)
+
+
+def is_csv(schedule: Any) -> bool:
+    """Whether ``schedule`` is the path of a CSV file (ends in ``.csv``) rather than a name."""
+    return is_csv_path(schedule)
+
+
+def _stat(schedule: Any) -> tuple[int, int]:
+    try:
+        stat = os.stat(os.fspath(schedule))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"schedule file {os.fspath(schedule)!r} not found (a schedule is one of "
+                                f"{', '.join(SCHEDULES)}, or the path of a CSV file in torch's format)") from None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def csv_schedule(schedule: Any) -> CsvSchedule:
+    """The schedule a CSV file holds, read and checked (:func:`pipexplore.schedule_csv.load_csv`,
+    ``format='auto'``) once per path and modification: an edited file is read again.
+
+    Example::
+
+        csv_schedule("my.csv").stage_ranks    # (0, 1, 1, 0)
+    """
+    key = os.path.abspath(os.fspath(schedule))
+    version = _stat(schedule)
+    cached = _LOADED.get(key)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    loaded = load_csv(schedule, format="auto")
+    _LOADED[key] = (version, loaded)
+    return loaded
+
+
+def schedule_version(schedule: Any) -> Optional[tuple[int, int]]:
+    """What changes when a schedule's orders may have: a CSV file's (modification time, size); None for a name."""
+    return _stat(schedule) if is_csv(schedule) else None
+
+
+def _unknown(schedule: Any) -> str:
+    return (f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}, or give the path of a .csv file "
+            "(a schedule in torch's CSV format)")
+
+
+def known_schedule(schedule: Any) -> str:
+    """``schedule`` as a name or a CSV path (a string); an unknown one refused, listing the known ones."""
+    if is_csv(schedule):
+        return os.fspath(schedule)
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(_unknown(schedule))
+    return schedule
+
+
+def is_multi_stage(schedule: Any) -> bool:
+    """Whether ranks hold several stages each (:data:`MULTI_STAGE`, or a CSV file where some rank does):
+    the workers are the ranks, not the stages."""
+    if is_csv(schedule):
+        return any(len(stages) > 1 for stages in csv_schedule(schedule).rank_stages)
+    return schedule in MULTI_STAGE
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether backwards are split into I and W (:data:`SPLIT_BACKWARD`, or a CSV file with an ``I``)."""
+    if is_csv(schedule):
+        return csv_schedule(schedule).split_backward
+    return schedule in SPLIT_BACKWARD
+
+
+def is_v_shaped(schedule: Any) -> bool:
+    """Whether the stages lie in a V (:data:`V_SHAPED`; a CSV file says its own layout: False)."""
+    return not is_csv(schedule) and schedule in V_SHAPED
 
 
 def gpipe_order(stage: int, stages: int, m: int) -> list[Action]:
@@ -121,9 +204,9 @@ def stage_orders(schedule: str, stages: int, m: int) -> list[list[Action]]:
     """Each stage's actions in the order its worker runs them (``interleaved`` runs per device: :func:`interleaved_order`)."""
     build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zero-bubble": zero_bubble_h1_order}.get(schedule)
     if build is None:
-        if schedule in SCHEDULES:
-            raise ValueError(f"{schedule} runs several stages per rank, not one per stage: see worker_orders")
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if is_csv(schedule) or schedule in SCHEDULES:
+            raise ValueError(f"{schedule} is ordered per rank, not per stage: see worker_orders")
+        raise ValueError(_unknown(schedule))
     return [build(s, stages, m) for s in range(stages)]
 
 
@@ -141,6 +224,9 @@ def _name(schedule: str) -> str:
 def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optional[int] = None) -> int:
     """Refuse what torch's class for ``schedule`` refuses, with its reason; the stages per rank.
 
+    A CSV file is refused where its ranks or micro-batches are not these (``stages_per_rank`` is
+    the file's: the most stages a rank holds is returned).
+
     ``stages_per_rank`` defaults to 1 for the one-stage-per-rank schedules, 2 for the others.
     1F1B needs micro-batches ≥ stages; ZB-V and DualPipeV exactly two stages per rank, and
     DualPipeV micro-batches ≥ its stages (2 × ranks); the interleaved schedules (and ZB-H1, torch's
@@ -150,8 +236,10 @@ def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optiona
 
         check("dualpipev", 4, 6)   # ValueError: ... needs at least as many micro-batches as stages ...
     """
+    if is_csv(schedule):
+        return max(map(len, csv_schedule(schedule).check_fits(ranks=ranks, microbatches=microbatches).rank_stages))
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise ValueError(_unknown(schedule))
     for value, what in ((ranks, "ranks"), (microbatches, "micro-batches")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{schedule} needs a whole number of {what} from 1, got {value!r}")
@@ -181,14 +269,17 @@ def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optiona
 
 def stage_ranks(schedule: str, stages: int, ranks: int) -> list[int]:
     """The rank (device) of each stage: stage ``s`` on rank ``s`` (one stage per rank), on
-    ``s % ranks`` (looped and interleaved schedules), or in a V for ``zbv`` and ``dualpipev``
-    (rank ``r`` holds ``r`` and ``2·ranks − 1 − r``).
+    ``s % ranks`` (looped and interleaved schedules), in a V for ``zbv`` and ``dualpipev``
+    (rank ``r`` holds ``r`` and ``2·ranks − 1 − r``), or where a CSV file puts it (refused where
+    the file has other stages or ranks).
 
     Example::
 
         stage_ranks("zbv", 4, 2)           # [0, 1, 1, 0]
         stage_ranks("interleaved", 4, 2)   # [0, 1, 0, 1]
     """
+    if is_csv(schedule):
+        return list(csv_schedule(schedule).check_fits(stages=stages, ranks=ranks).stage_ranks)
     if schedule in V_SHAPED:
         return [s if s < ranks else 2 * ranks - 1 - s for s in range(stages)]
     return [s % ranks for s in range(stages)]
@@ -196,7 +287,9 @@ def stage_ranks(schedule: str, stages: int, ranks: int) -> list[int]:
 
 def ranks_of(schedule: str, stages: int, stages_per_rank: int) -> int:
     """How many ranks (devices) ``stages`` stages take: ``stages / stages_per_rank`` for the
-    multi-stage schedules (refused where it does not divide), else one per stage."""
+    multi-stage schedules (refused where it does not divide), a CSV file's ranks, else one per stage."""
+    if is_csv(schedule):
+        return csv_schedule(schedule).check_fits(stages=stages).ranks
     if schedule not in MULTI_STAGE:
         return stages
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
@@ -210,9 +303,12 @@ def ranks_of(schedule: str, stages: int, stages_per_rank: int) -> int:
 def rank_orders(schedule: str, ranks: int, microbatches: int,
                 stages_per_rank: Optional[int] = None) -> list[list[tuple[int, str, int]]]:
     """Each rank's compute actions ``(stage, kind, micro-batch)`` in the order torch's class runs
-    them (refused as torch refuses: :func:`check`). :func:`actions` writes them in torch's notation."""
+    them (refused as torch refuses: :func:`check`); a CSV file's, as written. :func:`actions` writes
+    them in torch's notation."""
     v = check(schedule, ranks, microbatches, stages_per_rank)
     m = microbatches
+    if is_csv(schedule):
+        return csv_schedule(schedule).orders()
     if schedule == "gpipe":  # torch's ScheduleGPipe: the backwards in micro-batch order
         return [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(ranks)]
     if schedule in ("1f1b", "zero-bubble"):
@@ -251,8 +347,11 @@ def worker_orders(schedule: str, stages: int, microbatches: int,
     Equal to :func:`rank_orders` (torch's), except ``gpipe``'s backward, last micro-batch first as
     one ``backward()`` over the micro-batches runs it. The one-stage schedules and ``interleaved``
     keep their own, looser checks (e.g. 1F1B with fewer micro-batches than stages runs here); the
-    others are refused as torch refuses them.
+    others are refused as torch refuses them. A CSV file: its ranks' orders, refused where its
+    stages or micro-batches are not these (``stages_per_rank`` is the file's to say).
     """
+    if is_csv(schedule):
+        return csv_schedule(schedule).check_fits(stages=stages, microbatches=microbatches).orders()
     if schedule in ("gpipe", "1f1b", "zero-bubble"):
         return [[(s, kind, i) for kind, i in order] for s, order in enumerate(stage_orders(schedule, stages,
                                                                                            microbatches))]
@@ -266,6 +365,19 @@ def refusal(schedule: str, stages: int, microbatches: int, stages_per_rank: int 
     """Why :func:`worker_orders` refuses these stages and micro-batches (torch's reason), or None."""
     try:
         worker_orders(schedule, stages, microbatches, stages_per_rank)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
+
+
+def schedule_csv_text(schedule: str, stages: int, microbatches: int, stages_per_rank: int = 1) -> str:
+    """The schedule's orders in torch's CSV format (:func:`pipexplore.schedule_csv.to_csv_text`): one
+    row per rank, what :func:`worker_orders` gives (what the simulator times and the threads run;
+    torch's own order for every schedule but ``gpipe``, whose backwards run last micro-batch first).
+    Read back (``schedule="file.csv"``), it predicts the same timeline.
+
+    Example::
+
+        schedule_csv_text("1f1b", 2, 2)    # '0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n'
+    """
+    return to_csv_text(worker_orders(schedule, stages, microbatches, stages_per_rank))

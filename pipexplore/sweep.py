@@ -12,7 +12,7 @@ from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.plan import Plan
 from pipexplore.predict.costs import layer_seconds, microbatch_rows
-from pipexplore.schedules import MULTI_STAGE, refusal
+from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
 from pipexplore.validate import splits_exactly
 
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
@@ -42,7 +42,8 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     Empty choices keep the plan's own value. ``devices_for(n)`` gives the devices for ``n``
     devices (default: the plan's devices, repeated round-robin). The multi-stage schedules (``interleaved``, ``zbv``, …) put
     ``plan.virtual_stages`` stages on each device, so they need a stage count that is a multiple
-    of it (``interleaved`` chunks a multiple of the devices; the others what torch asks); combinations a schedule cannot run, or with more stages than layers or chunks
+    of it (``interleaved`` chunks a multiple of the devices; the others what torch asks); a CSV
+    schedule file runs only its own stages and chunks, on its ranks; combinations a schedule cannot run, or with more stages than layers or chunks
     the batch's rows do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are
     left out.
 
@@ -66,18 +67,23 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
                                                    schedules or [plan.schedule], checkpoint or [plan.checkpoint]):
         if n < 1 or n > plan.num_layers or (batch and not splits_exactly(batch, m)) or schedule == "async-backends":
             continue
-        multi = schedule in MULTI_STAGE
+        csv_file = is_csv(schedule)
+        multi = is_multi_stage(schedule) and not csv_file
         devices_needed = n // plan.virtual_stages if multi else n
         if multi and (n % plan.virtual_stages or devices_needed < 1):
             continue
         if schedule == "interleaved" and m % devices_needed:
             continue
-        if multi and schedule != "interleaved" and refusal(schedule, n, m, plan.virtual_stages):
-            continue  # e.g. DualPipeV with fewer micro-batches than stages, as torch refuses it
+        if (multi or csv_file) and schedule != "interleaved" and refusal(schedule, n, m, plan.virtual_stages):
+            continue  # e.g. DualPipeV with fewer micro-batches than stages, as torch refuses it; a file's other shape
+        if csv_file:
+            devices_needed = ranks_of(schedule, n, plan.virtual_stages)
         executor = plan.executor if not (plan.executor == "autograd" and schedule != "gpipe") else "threads"
-        candidate = plan.with_options(chunks=m, schedule=schedule, checkpoint=mode, executor=executor, splits=(),
-                                      devices=tuple(devices_for(devices_needed)))
-        candidate = candidate.with_splits(balanced_splits(candidate, n)) if n > 1 else candidate
+        # (A CSV schedule fits only its own stage count: the balanced split is found on a one-stage plan first.)
+        candidate = plan.with_options(chunks=m, schedule="gpipe" if csv_file else schedule, checkpoint=mode,
+                                      executor=executor, splits=(), devices=tuple(devices_for(devices_needed)))
+        splits = tuple(balanced_splits(candidate, n)) if n > 1 else ()
+        candidate = candidate.with_options(schedule=schedule, splits=splits)
         predicted = candidate.predicted
         step = tl.step_time(predicted)
         peaks = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)

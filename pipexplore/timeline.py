@@ -376,9 +376,9 @@ def busy_time(timeline: pd.DataFrame, stage: Optional[Any] = None, *, by: str = 
 
 
 def bubble_by(schedule: str) -> str:
-    """``by`` for :func:`bubble_fraction`: ``'device'`` where devices run several stages (interleaved, zbv, …)."""
-    from pipexplore.schedules import MULTI_STAGE
-    return "device" if schedule in MULTI_STAGE else "stage"
+    """``by`` for :func:`bubble_fraction`: ``'device'`` where devices run several stages (interleaved, zbv, a CSV…)."""
+    from pipexplore.schedules import is_multi_stage
+    return "device" if is_multi_stage(schedule) else "stage"
 
 
 def bubble_fraction(timeline: pd.DataFrame, *, per_stage: bool = False,

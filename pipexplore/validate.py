@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any, Generator, Optional, Sequence
@@ -277,15 +278,20 @@ def checkpoint(value: Any) -> str:
     return value
 
 
-def schedule(value: Any, allowed: Sequence[str]) -> str:
-    """A schedule name among ``allowed``.
+def schedule(value: Any, allowed: Sequence[str], *, csv: bool = False) -> str:
+    """A schedule name among ``allowed``; with ``csv``, also the path of a CSV file (a string or
+    path ending in ``.csv``, torch's schedule format; read where it is used), as a string.
 
     Example::
 
-        schedule("1f1b", ("gpipe", "1f1b"))    # '1f1b'
+        schedule("1f1b", ("gpipe", "1f1b"))                # '1f1b'
+        schedule(Path("my.csv"), ("gpipe",), csv=True)     # 'my.csv'
     """
+    if csv and isinstance(value, (str, os.PathLike)) and os.fspath(value).lower().endswith(".csv"):
+        return os.fspath(value)
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"unknown schedule {_shown(value)}: choose one of {', '.join(allowed)}")
+        files = ", or give the path of a .csv file (a schedule in torch's CSV format)" if csv else ""
+        raise ValueError(f"unknown schedule {_shown(value)}: choose one of {', '.join(allowed)}{files}")
     return value
 
 

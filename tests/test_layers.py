@@ -3,7 +3,8 @@ closes a circle, and no module grows past 500 lines.
 
 The layers, top to bottom (see README.md, "The package's layers")::
 
-    vocabulary  splits validate cancel background host timeline saved schedules schedule_orders devices
+    vocabulary  splits validate cancel background host timeline saved schedules schedule_orders schedule_csv
+                devices
     engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan sweep
@@ -23,7 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
 
 LAYERS = {
     "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices",
-                   "schedule_orders", "_sharing"],
+                   "schedule_orders", "schedule_csv", "_sharing"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
                "phony", "skip"],
     "predict": ["predict", "balance"],

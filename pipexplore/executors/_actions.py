@@ -41,7 +41,8 @@ from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.saved import SavedBytes
-from pipexplore.schedules import MULTI_STAGE, SCHEDULES, check, stage_ranks, worker_devices, worker_orders
+from pipexplore.schedules import (SCHEDULES, check, csv_schedule, is_csv, is_multi_stage, stage_ranks, worker_devices,
+                                  worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream
 
 __all__ = ["PHASE", "Action", "Aborted", "Mailbox", "StageState", "StepResult", "ActionExecutor", "check_options",
@@ -105,8 +106,9 @@ class StageState:
 
 
 def check_options(schedule: str, checkpoint: str, chunks: Any, loss_reduction: str) -> int:
-    """Refuse an unknown schedule, checkpoint mode or loss reduction, or bad ``chunks``; the chunks."""
-    validate.schedule(schedule, SCHEDULES)
+    """Refuse an unknown schedule (a name, or the path of a CSV file), checkpoint mode or loss
+    reduction, or bad ``chunks``; the chunks."""
+    validate.schedule(schedule, SCHEDULES, csv=True)
     validate.checkpoint(checkpoint)
     chunks = validate.chunks(chunks)
     if loss_reduction not in ("mean", "sum"):
@@ -120,18 +122,26 @@ def plan_workers(schedule: str, stages: int, devices: Sequence[torch.device], ch
 
     One worker per stage, or for the multi-stage schedules (``interleaved``, ``looped-bfs``,
     ``interleaved-zero-bubble``: stages round-robin; ``zbv``, ``dualpipev``: two stages a device in
-    a V) one per device, running :func:`pipexplore.schedules.worker_orders`.
+    a V) one per device, running :func:`pipexplore.schedules.worker_orders`. A CSV schedule: one
+    worker per rank (``devices[r]`` for rank ``r``), its stages where the file puts them.
 
     Example::
 
         plan_workers("1f1b", 2, [cpu, cpu], 2)
         # ([cpu, cpu], [[(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)], [(1, 'F', 0), ...]], 1)
     """
+    if is_csv(schedule):
+        file = csv_schedule(schedule).check_fits(stages=stages, microbatches=chunks)
+        if len(devices) < file.ranks:
+            raise ValueError(f"schedule {schedule} runs on {file.ranks} ranks: give a device for each, got "
+                             f"{len(devices)}")
+        return ([devices[r] for r in file.stage_ranks], file.orders(),
+                check(schedule, file.ranks, chunks))
     if schedule == "interleaved":
         p = len(devices)
         stage_devices = validate.interleaved_devices(stages, list(devices), chunks)
         return stage_devices, worker_orders(schedule, stages, chunks, stages // p), stages // p
-    if schedule in MULTI_STAGE:
+    if is_multi_stage(schedule):
         p = len(devices)
         if stages % p:
             raise ValueError(f"{schedule} spreads {stages} stages over {p} devices: the stage count must be a "

@@ -6,7 +6,8 @@ on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun 
 start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
 stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
 lambdas and closures included). Each rank builds its stage(s) with ``PipelineStage`` and runs
-the torch schedule for the plan; it times each stage's ``forward_one_chunk``,
+the torch schedule for the plan (a CSV schedule: torch's ``_PipelineScheduleRuntime`` loading
+the file, ``_load_csv``, which adds the sends and receives); it times each stage's ``forward_one_chunk``,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the host clock, which all processes
 on one machine share, then steps each of its stages' optimizers (one per stage) and times that
 too (phase ``optimizer``, micro-batch -1), and sends its events back. A rank that raises, dies or hangs fails the run
@@ -39,7 +40,7 @@ from pipexplore.plan import Plan
 from pipexplore.executors.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
 from pipexplore.timeline import COLUMNS
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
-from pipexplore.schedules import check, stage_ranks
+from pipexplore.schedules import check, csv_schedule, is_csv, stage_ranks
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
 
@@ -154,6 +155,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         loss_fn = lambda output, target: user_loss(model_output(output, spec), target)  # noqa: E731
     schedule = getattr(schedules, name)(stages if name in MULTI_STAGE else stages[0], n_microbatches=job["chunks"],
                                         loss_fn=loss_fn)
+    if job.get("schedule_csv") is not None:  # a _PipelineScheduleRuntime: every rank's order from the file
+        _load_schedule_csv(schedule, **job["schedule_csv"])
     # One optimizer per stage (as the in-process executors have them): this rank steps its own once
     # its schedule is done, each timed as the stage's "optimizer" event.
     optimizers = [job["optimizer"](stage_params) if stage_params else None for stage_params in params]
@@ -201,6 +204,21 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     torch.save({"steps": measured_spans, "losses": measured_losses, "first_losses": first_losses, "grads": grads},
                buffer)
     return buffer.getvalue()
+
+
+def _load_schedule_csv(schedule: Any, text: str, format: str) -> None:
+    """Have torch's runtime load a CSV schedule (its ``_load_csv`` reads a file: the text is written
+    to a temporary one), which checks it and lowers it to sends and receives."""
+    import os
+    import tempfile
+
+    handle, path = tempfile.mkstemp(suffix=".csv", prefix="pipexplore-schedule-")
+    try:
+        with os.fdopen(handle, "w", newline="") as file:
+            file.write(text)
+        schedule._load_csv(path, format=format)
+    finally:
+        os.unlink(path)
 
 
 def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
@@ -278,8 +296,10 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     timeout = check_timeout(timeout)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats is the number of measured steps, a whole number from 1, got {repeats!r}")
-    if plan.schedule not in SCHEDULE_CLASSES:
-        raise ValueError(f"the processes executor runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
+    csv_file = csv_schedule(plan.schedule) if is_csv(plan.schedule) else None
+    if csv_file is None and plan.schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"the processes executor runs {', '.join(SCHEDULE_CLASSES)} or a CSV schedule file; not "
+                         f"{plan.schedule!r}")
     traced = not isinstance(model, nn.Sequential)
     crossing = [r for r in plan.skip_routes if r.crosses]
     if crossing and not traced:
@@ -291,7 +311,8 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     args, kwargs = call_inputs(sample)
     rows = sample_rows(sample)
     # What torch's class refuses, refused here with its reason (e.g. 1F1B with fewer micro-batches
-    # than stages, DualPipeV with fewer than its stages, ZB-V with other than two stages a rank).
+    # than stages, DualPipeV with fewer than its stages, ZB-V with other than two stages a rank); a CSV
+    # file that does not schedule the plan's ranks and micro-batches.
     check(plan.schedule, plan.num_devices, plan.chunks, plan.num_stages // plan.num_devices)
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
@@ -302,9 +323,11 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
     world = plan.num_devices
     devices = list(plan.devices[:world])
-    layout = stage_ranks(plan.schedule, plan.num_stages, world)  # the rank of each stage (a V for zbv, dualpipev)
+    layout = stage_ranks(plan.schedule, plan.num_stages, world)  # each stage's rank (a V for zbv, dualpipev; a file's)
     job = {
-        "devices": devices, "chunks": plan.chunks, "schedule_class": SCHEDULE_CLASSES[plan.schedule],
+        "devices": devices, "chunks": plan.chunks,
+        "schedule_class": "_PipelineScheduleRuntime" if csv_file else SCHEDULE_CLASSES[plan.schedule],
+        "schedule_csv": {"text": csv_file.text, "format": csv_file.format} if csv_file else None,
         "loss_fn": loss_fn, "optimizer": optimizer,
         "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,

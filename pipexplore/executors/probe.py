@@ -11,7 +11,7 @@ from pipexplore import background
 from pipexplore.predict.costs import PHASE_SOURCE, handoff_gaps
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
-from pipexplore.schedules import SPLIT_BACKWARD
+from pipexplore.schedules import is_csv, splits_backward
 
 __all__ = ["probe", "PROBE_DEVICES", "PROBE_CHUNKS"]
 
@@ -70,6 +70,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
         chunks -= chunks % len(devices)
     if plan.schedule == "dualpipev":  # at least as many micro-batches as stages
         chunks = max(chunks, stages)
+    if is_csv(plan.schedule):  # a schedule file runs only the stages, ranks and micro-batches it names
+        devices, stages, chunks = plan.devices[:plan.num_devices], plan.num_stages, plan.chunks
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": 0.0, "backward": 0.0,
                           "output_bytes": 0.0, "param_bytes": 8.0})
@@ -80,7 +82,7 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
                                   optimizer=_NoUpdate)).timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = compute.assign(span=compute["end"] - compute["start"])
-    if plan.schedule in SPLIT_BACKWARD:
+    if splits_backward(plan.schedule):
         # The first stage's W does nothing (its I ran the whole backward): not an action's cost.
         spans = spans[~((spans["stage"] == 0) & (spans["phase"] == "weight_grad"))]
     overhead = {str(phase): float(group.median()) for phase, group in spans.groupby("phase")["span"]}

@@ -92,7 +92,9 @@ class ScheduleExecutor(ActionExecutor):
         devices: one per stage (one per device for the multi-stage schedules); default CPU for each.
         chunks: micro-batches per step.
         schedule: one of :data:`pipexplore.schedules.SCHEDULES`: ``gpipe``, ``1f1b``, ``interleaved``,
-            ``zero-bubble`` (ZB-H1), ``looped-bfs``, ``interleaved-zero-bubble``, ``zbv``, ``dualpipev``.
+            ``zero-bubble`` (ZB-H1), ``looped-bfs``, ``interleaved-zero-bubble``, ``zbv``, ``dualpipev``;
+            or the path of a CSV file in torch's format (one worker a rank, ``devices[r]`` for rank
+            ``r``; its stages and micro-batches must be ``len(balance)`` and ``chunks``).
         checkpoint: ``always``, ``except_last`` or ``never``.
         loss_fn: ``loss_fn(output, target)``; default: the mean of the squared outputs.
         loss_reduction: ``'mean'`` (micro-batch losses weighted by their rows, so the gradients

@@ -41,7 +41,7 @@ from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.saved import tensor_bytes
-from pipexplore.schedules import MULTI_STAGE, SCHEDULES
+from pipexplore.schedules import SCHEDULES, is_multi_stage
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
 
@@ -75,7 +75,8 @@ class TracedExecutor(ActionExecutor):
         devices: one per stage (one per device for the multi-stage schedules: see
             :func:`pipexplore.executors._actions.plan_workers`); default CPU.
         chunks: micro-batches per step; the batch must divide evenly (traced graphs have fixed shapes).
-        schedule: one of :data:`pipexplore.schedules.SCHEDULES` (``zero-bubble`` is ZB-H1).
+        schedule: one of :data:`pipexplore.schedules.SCHEDULES` (``zero-bubble`` is ZB-H1), or the
+            path of a CSV file in torch's format (its ranks' orders; ``devices``: one a rank).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches keep only
             their stage inputs and run forward again (same random numbers) before backward.
         loss_fn: ``loss_fn(output, target)`` on the output as the model returns it; default: the
@@ -97,7 +98,7 @@ class TracedExecutor(ActionExecutor):
         chunks = check_options(schedule, checkpoint, chunks, loss_reduction)
         stages = int(pipe.num_stages)
         device_list = [as_device(d) for d in devices] if devices else [torch.device("cpu")] * stages
-        if schedule not in MULTI_STAGE and len(device_list) < stages:
+        if not is_multi_stage(schedule) and len(device_list) < stages:
             raise ValueError(f"{stages} stages need {stages} devices, got {len(device_list)} "
                              f"({', '.join(map(str, device_list))}): give one device per stage")
         self.stage_devices, self.worker_orders, self.virtual_stages = plan_workers(schedule, stages, device_list,

@@ -8,7 +8,7 @@ import pandas as pd
 
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
-from pipexplore.schedules import V_SHAPED
+from pipexplore.schedules import csv_schedule, is_csv, is_v_shaped
 
 __all__ = ["torchrun_script", "module_fqns_per_model_part"]
 
@@ -39,7 +39,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}
+{schedule_import}
 
 HOOKS = {hooks!r}
 SPLIT_POINTS = {split_points!r}
@@ -53,7 +53,7 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 
 {cache_off}
-
+{csv_block}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -74,7 +74,7 @@ def main() -> None:
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
     indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
-    schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn)
+    schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
     optimizers = [build_optimizer(list(stage.submod.parameters())) for stage in stages]
@@ -127,23 +127,74 @@ _V_WARMUP = """
         stage._get_init_p2p_neighbors_ops = lambda warmup=warmup: [op for op in warmup() if op.peer != rank]"""
 
 
+# A CSV schedule: the file's text, which torch's runtime loads from a temporary file on each rank.
+_CSV_BLOCK = """
+SCHEDULE_CSV = {text!r}  # each rank's actions, one row a rank (torch's CSV schedule format)
+SCHEDULE_CSV_FORMAT = {format!r}
+STAGES_OF_RANK = {rank_stages!r}
+
+
+def load_schedule_csv(schedule) -> None:
+    \"\"\"torch's _PipelineScheduleRuntime reads its order from a file: SCHEDULE_CSV, written to a temporary one.\"\"\"
+    import tempfile
+
+    handle, path = tempfile.mkstemp(suffix=".csv")
+    try:
+        with os.fdopen(handle, "w", newline="") as file:
+            file.write(SCHEDULE_CSV)
+        schedule._load_csv(path, format=SCHEDULE_CSV_FORMAT)
+    finally:
+        os.unlink(path)
+
+"""
+
+
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
                     devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
     schedule and trains with the model, data and loss of the ``hooks`` module (a Hugging Face
-    model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`)."""
+    model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`).
+
+    ``schedule`` may be the path of a CSV file (torch's format): the script holds its text and each
+    rank runs torch's ``_PipelineScheduleRuntime`` loading it (``_load_csv``), one rank per row,
+    each with the stages the file gives it."""
+    if is_csv(schedule):
+        return _csv_script(table, splits, hooks=hooks, chunks=chunks, schedule=schedule, devices=devices,
+                           steps=steps, filename=filename)
     if schedule not in SCHEDULE_CLASSES:
-        raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)}; not {schedule!r}")
+        raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)} and CSV schedule files; not "
+                         f"{schedule!r}")
     if not hooks or not all(part.isidentifier() for part in hooks.split(".")):
         raise ValueError(f"hooks must name an importable module (e.g. 'mypackage.train_hooks'), got {hooks!r}")
     names = [str(n) for n in table["name"]]
     schedule_class = SCHEDULE_CLASSES[schedule]
     stages = len(splits) + 1
-    world = devices or (stages // 2 if schedule in V_SHAPED else stages)
+    world = devices or (stages // 2 if is_v_shaped(schedule) else stages)
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
-        stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if schedule in V_SHAPED
-        else "list(range(rank, pipe.num_stages, world))", v_warmup=_V_WARMUP if schedule in V_SHAPED else "")
+        stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
+        else "list(range(rank, pipe.num_stages, world))", v_warmup=_V_WARMUP if is_v_shaped(schedule) else "")
+
+
+def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str, devices: int,
+                steps: int, filename: str) -> str:
+    """:func:`torchrun_script` for a CSV schedule file (checked against the split and chunks first)."""
+    names = [str(n) for n in table["name"]]
+    file = csv_schedule(schedule).check_fits(stages=len(splits) + 1, microbatches=chunks,
+                                             ranks=devices or None)
+    ranks = file.rank_stages
+    adjacent = any(s + 1 in stages for stages in ranks for s in stages)  # passed within a rank: no self warm-up
+    return _SCRIPT.format(
+        stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
+        world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
+        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
+        csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
+        csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
+        schedule_import=("from torch.distributed.pipelining import SplitPoint, pipeline\n"
+                         "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"),
+        stage_arg="stages", stage_indices="STAGES_OF_RANK[rank]  # the stages the schedule file gives this rank",
+        v_warmup=_V_WARMUP if adjacent else "")

@@ -29,10 +29,11 @@ from pipexplore.models.inputs import call_inputs
 from pipexplore.schedules import TORCH_CLASSES
 
 #: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
-#: take a list of stages per rank (several stages on one rank).
+#: take a list of stages per rank (several stages on one rank; ``_PipelineScheduleRuntime`` runs a
+#: CSV schedule file).
 SCHEDULE_CLASSES = dict(TORCH_CLASSES)
 MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-               "ScheduleLoopedBFS", "ScheduleDualPipeV"}
+               "ScheduleLoopedBFS", "ScheduleDualPipeV", "_PipelineScheduleRuntime"}
 
 __all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
            "inputs_past_first_stage", "split", "skip_routes_of",

@@ -25,7 +25,7 @@ import pandas as pd
 from pipexplore.predict.costs import COST_SOURCE, layer_seconds
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, OPTIMIZER
 from pipexplore.predict.simulator import COSTED, PHASE_NAMES, loop_layout, prepare_step
-from pipexplore.schedules import SPLIT_BACKWARD
+from pipexplore.schedules import schedule_version, splits_backward
 
 __all__ = ["retime_model", "retime_key"]
 
@@ -33,10 +33,11 @@ __all__ = ["retime_model", "retime_key"]
 def retime_key(layer_table: pd.DataFrame, splits: Sequence[int], options: dict[str, Any]) -> str:
     """What a retime model depends on, as a short string: a new model is needed when it changes
     (the splits count only by their number; the table and corrections by identity, so the caller
-    keeps them alive while it holds the key)."""
+    keeps them alive while it holds the key; a CSV schedule by its file's version too)."""
     named = sorted((k, v if isinstance(v, (int, float, str, type(None))) else repr(v))
                    for k, v in options.items() if k != "corrections")
-    text = repr((id(layer_table), len(splits), named, id(options.get("corrections"))))
+    version = schedule_version(options.get("schedule", "gpipe"))
+    text = repr((id(layer_table), len(splits), named, id(options.get("corrections")), version))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -93,7 +94,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "weighted": _f64(np.concatenate(weighted)), "has_share": has_share,
         "extra": [float(setup.extra[k]) for k in COSTED], "gap": float(setup.gap),
         "handoff": float(setup.handoff), "stop": setup.stop,
-        "zero_bubble": options.get("schedule") in SPLIT_BACKWARD,  # the first stage's I is its whole backward
+        "zero_bubble": splits_backward(options.get("schedule", "gpipe")),  # the first stage's I is its whole backward
         "share_cap": _f64(setup.share_cap), "copy_rates": _f64(setup.copy_rates), "out_bytes": _f64(out_bytes),
         "fractions": _f64(setup.fractions),
         "resource": _i32(resource), "free": devices,

@@ -40,8 +40,9 @@ from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionG
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
-from pipexplore.schedules import (MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD, check, stage_orders, stage_ranks,
-                                  worker_devices, worker_orders)
+from pipexplore.schedules import (SCHEDULES, check, csv_schedule, is_csv, is_multi_stage, known_schedule,
+                                  schedule_version, splits_backward, stage_orders, stage_ranks, worker_devices,
+                                  worker_orders)
 from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
@@ -65,7 +66,8 @@ DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
 
 @functools.lru_cache(maxsize=16)
 def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpointed: int, virtual_stages: int = 2,
-                   resources: Optional[tuple[str, ...]] = None, optimizer: bool = False) -> ActionGraph:
+                   resources: Optional[tuple[str, ...]] = None, optimizer: bool = False,
+                   version: Optional[tuple[int, int]] = None) -> ActionGraph:
     """The actions of one step, per worker in the order it runs them, and what each waits for.
 
     ``checkpointed``: micro-batches ``0 … checkpointed-1`` recompute their forward right before their
@@ -75,23 +77,16 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
     ``processes`` each rank steps its own stages' at the end of its worker's queue; the in-process
     executors (``threads``, ``autograd``) step them one after another, in stage order, on one more
     worker (the caller's thread, once the workers are done). Depends on the schedule's shape only,
-    so it is cached: moving a split re-times the same graph.
+    so it is cached: moving a split re-times the same graph. ``version``: a CSV schedule's
+    :func:`~pipexplore.schedules.schedule_version`, so that an edited file is graphed anew.
     """
     S = stages
-    # A worker per rank, its (stage, kind, micro-batch) in order (pipexplore.schedules).
-    lane_queues = [[(s, k, i) for s, k, i in order if executor != "autograd" or k == "F"]
-                   for order in worker_orders(schedule, S, m, virtual_stages if schedule in MULTI_STAGE else 1)]
-    if executor == "autograd":
-        # One backward() call: autograd's engine runs the backward of each device on one thread
-        # (the caller's for the CPU), micro-batch-major, last first.
-        resources = resources or ("host",) * S
-        for device in dict.fromkeys(resources):
-            lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
-                                if resources[s] == device])
-    # Recompute right before the backward (or I) of checkpointed micro-batches.
-    lane_queues = [[a for s, kind, i in queue
-                    for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
-                   for queue in lane_queues]
+    lane_queues = [list(queue) for queue in _worker_queues(schedule, S, m, executor, virtual_stages, resources,
+                                                                 version)]
+    if checkpointed:  # recompute right before the backward (or I) of checkpointed micro-batches
+        lane_queues = [[a for s, kind, i in queue
+                        for a in ([(s, "R", i)] if kind in ("B", "I") and i < checkpointed else []) + [(s, kind, i)]]
+                       for queue in lane_queues]
     if optimizer:
         steps = [(s, "O", OPTIMIZER_MICRO) for s in range(S)]
         if executor == "processes":  # each rank steps its stages' optimizers once its schedule is done
@@ -99,7 +94,27 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
                 queue += [step for step in steps if step[0] in {s for s, _, _ in queue}]
         else:  # the caller's thread, once the workers are done: stage after stage
             lane_queues.append(steps)
-    return ActionGraph.build(lane_queues, S, "I" if schedule in SPLIT_BACKWARD else "B")
+    return ActionGraph.build(lane_queues, S, "I" if splits_backward(schedule) else "B")
+
+
+@functools.lru_cache(maxsize=64)
+def _worker_queues(schedule: str, S: int, m: int, executor: str, virtual_stages: int,
+                   resources: Optional[tuple[str, ...]],
+                   version: Optional[tuple[int, int]] = None) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Each worker's (stage, kind, micro-batch) before recompute and optimizer steps: a worker per
+    rank (:mod:`pipexplore.schedules`), and for ``autograd`` the backward of each device on one
+    more. Cached apart from :func:`schedule_graph` (its checkpointed variants share it), by the
+    same ``version``."""
+    lane_queues = [[(s, k, i) for s, k, i in order if executor != "autograd" or k == "F"]
+                   for order in worker_orders(schedule, S, m, virtual_stages if is_multi_stage(schedule) else 1)]
+    if executor == "autograd":
+        # One backward() call: autograd's engine runs the backward of each device on one thread
+        # (the caller's for the CPU), micro-batch-major, last first.
+        resources = resources or ("host",) * S
+        for device in dict.fromkeys(resources):
+            lane_queues.append([(s, "B", i) for i in reversed(range(m)) for s in reversed(range(S))
+                                if resources[s] == device])
+    return tuple(tuple(queue) for queue in lane_queues)
 
 
 def stage_costs(layer_table: pd.DataFrame, splits: Sequence[int]) -> pd.DataFrame:
@@ -170,10 +185,13 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             where it makes fewer: more chunks than rows, or chunks that do not split them exactly).
         schedule: ``gpipe``, ``1f1b``, ``zero-bubble`` (ZB-H1), or with ``virtual_stages`` stages
             per device ``interleaved``, ``looped-bfs``, ``interleaved-zero-bubble`` (stage ``s`` on
-            device ``s % (stages / virtual_stages)``), ``zbv``, ``dualpipev`` (two a device, in a V).
+            device ``s % (stages / virtual_stages)``), ``zbv``, ``dualpipev`` (two a device, in a V);
+            or the path of a CSV file in torch's format (its ranks' orders and stages, one device
+            a rank; refused where it schedules other stages or micro-batches).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches
             recompute their forward right before their backward.
-        devices: one per stage (multi-stage schedules: one per device); default ``'cpu'`` for each.
+        devices: one per stage (multi-stage schedules and CSV files: one per device, i.e. rank);
+            default ``'cpu'`` for each.
             Every CPU device is the same host: its stages share its cores.
         copy_cost: seconds per byte between different devices (default by device kinds; between
             planned devices, the catalogue's links: see :func:`pipexplore.devices.link_seconds_per_byte`).
@@ -205,6 +223,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     splits, stage_device, resource, executor = setup.splits, setup.stage_device, setup.resource, setup.executor
     sizes, distinct, fractions = setup.sizes, setup.distinct, setup.fractions
     S = len(costs)
+    split_backward = splits_backward(schedule)
 
     # Seconds, and the share of its device, of every (kind, stage, micro-batch).
     learnt = executor
@@ -218,7 +237,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         for rows in distinct:
             size = setup.layer_rows(rows)
             seconds[(kind, rows)] = stage_seconds(layer_table, splits, size, phase, scale) + extra[kind]
-            if schedule in SPLIT_BACKWARD and kind in ("I", "W"):
+            if split_backward and kind in ("I", "W"):
                 # The first stage's input is the user's data, which needs no gradient: its I runs the
                 # whole backward (weights too) and its W has nothing left to do, as the executors do.
                 whole_scale = corrections.scale(learnt, "backward") if corrections is not None else None
@@ -298,8 +317,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
         raise ValueError(f"chunks must be at least 1, got {chunks!r}")
     if checkpoint not in ("always", "except_last", "never"):
         raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never', got {checkpoint!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    schedule = known_schedule(schedule)
     executor = executor or ("autograd" if schedule == "gpipe" else "threads")
     if executor not in ("autograd", "threads", "processes"):
         raise ValueError(f"unknown executor {executor!r}: 'autograd', 'threads' or 'processes'")
@@ -333,7 +351,14 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     fractions = [1.0 if per_microbatch else (r / (own_batch or batch) if batch else r) for r in sizes]
     stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
 
-    if schedule in MULTI_STAGE:
+    if is_csv(schedule):  # the file's ranks, each stage on the rank that runs it
+        file = csv_schedule(schedule).check_fits(stages=S, microbatches=m)
+        device_names = list(devices) if devices is not None else ["cpu"] * file.ranks
+        if len(device_names) != file.ranks:
+            raise ValueError(f"schedule {schedule} runs on {file.ranks} ranks: give {file.ranks} devices, one a "
+                             f"rank, got {len(device_names)}")
+        stage_device = [str(device_names[r]) for r in file.stage_ranks]
+    elif is_multi_stage(schedule):
         if virtual_stages < 1 or S % virtual_stages:
             raise ValueError(f"{schedule} needs the stage count ({S}) to be a multiple of virtual_stages "
                              f"({virtual_stages})")
@@ -356,7 +381,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     # per stage; one that does not (older tables, tables written by hand) predicts none, as before.
     graph = schedule_graph(schedule, S, m, executor=executor, checkpointed=stop, virtual_stages=virtual_stages,
                            resources=tuple(resource) if executor == "autograd" else None,
-                           optimizer="optimizer" in layer_table)
+                           optimizer="optimizer" in layer_table, version=schedule_version(schedule))
 
     host = np.array([_is_host(d) for d in stage_device])
     cores = host_cores()

@@ -339,9 +339,9 @@ class RunLog:
         """The plan a sweep or search starts from (its table with the input/weight-gradient split
         measured where a schedule asked for splits the backward), and the devices for ``n`` stages
         where they are planned: more GPUs of the kind, never two stages on one (None: the sweep's own)."""
-        from pipexplore.schedules import SPLIT_BACKWARD
+        from pipexplore.schedules import splits_backward
 
-        if set(schedules) & set(SPLIT_BACKWARD) and self._with_backward_split() is not self._plan.layer_table:
+        if any(map(splits_backward, schedules)) and self._with_backward_split() is not self._plan.layer_table:
             self.change_plan(lambda plan: replace(plan, layer_table=self.layer_table))
         plan = self._plan
         if not plan.planned:

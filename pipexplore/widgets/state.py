@@ -33,7 +33,7 @@ from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.models.hf import cache_note
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
-from pipexplore.schedules import MULTI_STAGE, SPLIT_BACKWARD
+from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
 from pipexplore.skip.skippable import verify_skippables
@@ -111,11 +111,14 @@ class ExplorerState(RunLog):
             raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan it "
                              "for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here to "
                              "time its blocks one at a time")
-        if chunks is None:  # 4, or the most a small batch splits into exactly
-            chunks = max(c for c in validate.valid_chunks(batch_size(sample), 4) if c <= 4)
+        schedule = validate.schedule(schedule, PLAN_SCHEDULES, csv=True)
+        # A CSV schedule file says the stages, ranks (devices) and micro-batches (chunks) it runs.
+        file = csv_schedule(schedule) if is_csv(schedule) else None
+        if chunks is None:  # the file's, else 4, or the most a small batch splits into exactly
+            chunks = file.microbatches if file else max(c for c in validate.valid_chunks(batch_size(sample), 4)
+                                                        if c <= 4)
         chunks = validate.chunks(chunks, batch=batch_size(sample))
         validate.checkpoint(checkpoint)
-        validate.schedule(schedule, PLAN_SCHEDULES)
         validate.executor(executor, EXECUTORS)
         if self.planned and executor == "threads":
             executor = "processes"  # planned GPUs run a process each (torchrun), not threads of this one
@@ -145,7 +148,7 @@ class ExplorerState(RunLog):
             planned = devices or stage_devices(max(2, torch.cuda.device_count()))[0]
             # The input/weight-gradient split is measured when a plan that splits backwards first needs it.
             layer_table = layers.profile_layers(model, sample, self.profile_options, chunks=chunks, devices=planned,
-                                                split_backward=schedule in SPLIT_BACKWARD, loss_fn=loss_fn,
+                                                split_backward=splits_backward(schedule), loss_fn=loss_fn,
                                                 target=target, optimizer=optimizer)
         if self.traced and not self.planned:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
@@ -161,10 +164,10 @@ class ExplorerState(RunLog):
         if splits is not None:
             splits = validate.splits(splits, n)
         if splits is None:
-            stages = min(n, len(devices) if devices else (max(2, torch.cuda.device_count())))
+            stages = min(n, file.stages if file else len(devices) if devices else (max(2, torch.cuda.device_count())))
             splits = layers.balanced_splits(layer_table, stages, "time")
         if devices is None:
-            devices, note = stage_devices(len(splits) + 1)
+            devices, note = stage_devices(file.ranks if file else len(splits) + 1)
             if note:
                 self.notes.append(note)
         self._lock = threading.Lock()  # one run at a time
@@ -249,7 +252,7 @@ class ExplorerState(RunLog):
         that cannot be predicted is refused (its error raised) before it replaces the old one."""
         with self._plan_lock:
             plan = change(self._plan)
-            if plan.schedule in SPLIT_BACKWARD and self._with_backward_split() is not plan.layer_table:
+            if splits_backward(plan.schedule) and self._with_backward_split() is not plan.layer_table:
                 plan = replace(plan, layer_table=self.layer_table)
             plan = self._with_executor_costs(plan)
             _ = plan.predicted
@@ -285,9 +288,10 @@ class ExplorerState(RunLog):
 
     def devices_for(self, stages: int) -> tuple[tuple[str, ...], str]:
         """The devices for ``stages`` stages: extra ones dropped, missing ones repeated from the
-        last; and a note saying which ('' when none)."""
+        last; and a note saying which ('' when none). A CSV schedule keeps its ranks."""
         plan = self._plan
-        needed = max(1, stages // plan.virtual_stages) if plan.schedule in MULTI_STAGE else stages
+        needed = plan.num_devices if is_csv(plan.schedule) else (
+            max(1, stages // plan.virtual_stages) if is_multi_stage(plan.schedule) else stages)
         pool = list(plan.devices)
         if plan.planned and len(pool) < needed:  # more GPUs of the kind, numbered on
             added = needed - len(pool)
@@ -335,7 +339,7 @@ class ExplorerState(RunLog):
         plan = self._plan
         table = layers.profile_layers(self.model, self.sample, self.profile_options, chunks=plan.chunks,
                                       devices=plan.devices[: plan.num_devices],
-                                      split_backward=plan.schedule in SPLIT_BACKWARD, loss_fn=self.loss_fn,
+                                      split_backward=splits_backward(plan.schedule), loss_fn=self.loss_fn,
                                       target=self.target, optimizer=self.optimizer)
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
@@ -441,9 +445,10 @@ class ExplorerState(RunLog):
     # ---- export -------------------------------------------------------------------------------
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
         """Code that reproduces the current split: ``'gpipe'`` (a ``GPipe(...)``, ``nn.Sequential``
-        models), ``'pipelining'`` (a ``torch.distributed.pipelining`` split spec and schedule) or
+        models), ``'pipelining'`` (a ``torch.distributed.pipelining`` split spec and schedule),
         ``'torchrun'`` (a standalone script importing ``build_model()``, ``get_batch()`` and
-        ``loss_fn()`` from the ``hooks`` module).
+        ``loss_fn()`` from the ``hooks`` module) or ``'schedule-csv'`` (the plan's schedule in
+        torch's CSV format, the text of a file for ``schedule="my.csv"`` or torch's ``_load_csv``).
 
         Raises:
             ValueError: a kind this model cannot export, or an unknown kind.

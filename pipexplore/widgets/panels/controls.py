@@ -8,12 +8,18 @@ from typing import Any, Callable
 import ipywidgets as W
 
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
+from pipexplore.schedules import is_csv
 from pipexplore.widgets.state import ExplorerState
 
 __all__ = ["FieldMessages", "ControlsPanel", "COMPACT"]
 
 COMPACT = {"description_width": "initial"}
 RUN_TOOLTIP = "train 1 warm-up + 3 measured steps of this plan"
+
+
+def _schedules(current: str) -> list[str]:
+    """The schedule menu: every named schedule, and the plan's CSV schedule file where it has one."""
+    return list(PLAN_SCHEDULES) + ([current] if is_csv(current) else [])
 
 
 class FieldMessages:
@@ -59,7 +65,7 @@ class ControlsPanel:
         self.w_chunks = W.IntText(value=plan.chunks, description="chunks", style=COMPACT, layout=W.Layout(width="92px"))
         self.w_checkpoint = W.Dropdown(options=["always", "except_last", "never"], value=plan.checkpoint,
                                        description="checkpoint", style=COMPACT, layout=W.Layout(width="190px"))
-        self.w_schedule = W.Dropdown(options=list(PLAN_SCHEDULES), value=plan.schedule, description="schedule",
+        self.w_schedule = W.Dropdown(options=_schedules(plan.schedule), value=plan.schedule, description="schedule",
                                      style=COMPACT, layout=W.Layout(width="180px"))
         self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
                                      style=COMPACT, layout=W.Layout(width="150px"))
@@ -109,6 +115,8 @@ class ControlsPanel:
         if change == "plan":
             for control, name in self._fields():
                 value = self._current(name)
+                if name == "schedule" and value not in control.options:  # a CSV schedule file, set in code
+                    control.options = _schedules(value)
                 if control.value != value:
                     control.value = value
                     self.fields.set(name, "")

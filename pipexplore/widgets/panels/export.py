@@ -16,7 +16,7 @@ __all__ = ["ExportPanel", "KINDS"]
 
 #: What the export menu offers: (label, kind).
 KINDS = [("GPipe", "gpipe"), ("torch pipelining", "pipelining"), ("torchrun script", "torchrun"),
-         ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
+         ("schedule CSV (torch)", "schedule-csv"), ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
 
 
 class ExportPanel:
@@ -48,7 +48,8 @@ class ExportPanel:
                 state.say(f"wrote {path}")
             else:
                 titles = {"gpipe": "GPipe", "pipelining": "torch.distributed.pipelining",
-                          "torchrun": f"a script for torchrun --standalone --nproc-per-node {state.plan.num_devices}"}
+                          "torchrun": f"a script for torchrun --standalone --nproc-per-node {state.plan.num_devices}",
+                          "schedule-csv": "the schedule in torch's CSV format: save as .csv, then schedule='that.csv'"}
                 self.show_code(state.export(kind), titles[kind])
             self.fields.set("export", "")
         except Exception as exc:
