@@ -1,6 +1,7 @@
 """How far the explorer's predicted step is from the measured one, through the public path only.
 
-For each config: ``explore(model, sample, chunks=…, schedule=…, devices=…, executor=…)``, then
+For each config (every schedule; the multi-stage ones, two stages a device, on 2 CPU devices for
+three model kinds): ``explore(model, sample, chunks=…, schedule=…, devices=…, executor=…)``, then
 ``run()`` five times, changing the plan between runs as a user would:
 
 1. first run (the profile only), 2. the same plan again (after learning from run 1),
@@ -94,11 +95,16 @@ CONFIGS = [
     # (interleaved: a worker runs two stages; autograd: one engine thread runs every backward).
     ("unbalanced", "1f1b", 4, 2, "threads"), ("unbalanced", "gpipe", 4, 2, "autograd"),
     ("unbalanced", "interleaved", 4, 4, "threads"), ("unbalanced", "zero-bubble", 4, 2, "threads"),
+    # The schedules of torch's multi-stage classes, two stages a device on 2 CPU devices, three model kinds.
+    *((model, schedule, 4, 4, "threads") for schedule in ("looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
+      for model in ("mlp", "conv", "transformer")),
 ]
+#: Schedules whose devices each run several stages (``stages // 2`` devices here).
+MULTI_STAGE = ("interleaved", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
 
 
 def _other_schedule(schedule: str) -> str:
-    return {"gpipe": "1f1b", "1f1b": "gpipe", "zero-bubble": "1f1b", "interleaved": "1f1b"}[schedule]
+    return {"gpipe": "1f1b", "1f1b": "gpipe"}.get(schedule, "1f1b")
 
 
 def run_config(model_name: str, schedule: str, chunks: int, stages: int, executor: str,
@@ -107,7 +113,7 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
     measured)`` relative changes (nan with one stage)."""
     torch.manual_seed(0)
     model, sample = MODELS[model_name](device)
-    devices = [device] * (stages // 2 if schedule == "interleaved" else stages)
+    devices = [device] * (stages // 2 if schedule in MULTI_STAGE else stages)
     ex = pipexplore.explore(model, sample, chunks=chunks, schedule=schedule, devices=devices, executor=executor,
                             loss_fn=None)
     errors, notes, measured, predicted = [], [], [], []
@@ -139,7 +145,7 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
         errors.append(math.nan)  # the GPipe module runs only gpipe
     else:
         other = _other_schedule(schedule)
-        if schedule == "interleaved":
+        if schedule in MULTI_STAGE:
             ex.update(schedule=other, devices=[device] * ex.plan.num_stages)
         else:
             ex.update(schedule=other)
@@ -206,6 +212,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", help="the device every stage runs on (cpu, or cuda:0)")
     parser.add_argument("--only", default="", help="comma-separated model names to run (default: all)")
+    parser.add_argument("--schedules", default="", help="comma-separated schedules to run (default: all)")
     parser.add_argument("--no-processes", action="store_true", help="skip the configs run in processes")
     parser.add_argument("--devices", default="", help="as the other benchmarks take it: the first device is used")
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
@@ -224,6 +231,8 @@ def main() -> None:
         if args.only and model_name not in args.only.split(","):
             continue
         if args.no_processes and executor == "processes":
+            continue
+        if args.schedules and schedule not in args.schedules.split(","):
             continue
         errors, notes, order = run_config(model_name, schedule, chunks, stages, executor, args.device)
         table.append(errors)
