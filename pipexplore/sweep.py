@@ -40,12 +40,12 @@ def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
     """Predict every combination, each with its balanced split, ranked by predicted step time.
 
     Empty choices keep the plan's own value. ``devices_for(n)`` gives the devices for ``n``
-    devices (default: the plan's devices, repeated round-robin). The multi-stage schedules (``interleaved``, ``zbv``, …) put
-    ``plan.virtual_stages`` stages on each device, so they need a stage count that is a multiple
-    of it (``interleaved`` chunks a multiple of the devices; the others what torch asks); a CSV
-    schedule file runs only its own stages and chunks, on its ranks; combinations a schedule cannot run, or with more stages than layers or chunks
-    the batch's rows do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are
-    left out.
+    devices (default: the plan's devices, repeated round-robin). The multi-stage schedules
+    (``interleaved``, ``zbv``, …) put ``plan.virtual_stages`` stages on each device, so they need a
+    stage count that is a multiple of it (``interleaved`` chunks a multiple of the devices; the
+    others what torch asks); a CSV schedule file runs only its own stages and chunks, on its ranks.
+    Combinations a schedule cannot run, or with more stages than layers or chunks the batch's rows
+    do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are left out.
 
     Columns: :data:`SWEEP_COLUMNS` (seconds, bytes, samples per second); ``peak_memory`` is the
     largest stage's predicted activation memory, ``peak_memory_per_stage`` each stage's.
