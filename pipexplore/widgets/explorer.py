@@ -30,7 +30,7 @@ PANEL_OF = {
                     "controls"),
     **dict.fromkeys(("bar", "w_view", "w_balance_time", "w_balance_size", "w_stages"), "stages"),
     **dict.fromkeys(("timelines", "figure", "w_mode", "w_memory_cap", "w_timeline_box", "w_residuals",
-                     "residual_figure"), "timelines"),
+                     "residual_figure", "schedule_grid", "w_schedule_grid"), "timelines"),
     **dict.fromkeys(("w_runs", "w_show_run", "w_restore", "w_compare", "w_sort", "w_compare_box"), "runs"),
     **dict.fromkeys(("w_export_kind", "w_export", "w_code"), "export"),
     "w_errors": "fields",  # the messages beside the fields, by field name

@@ -531,14 +531,34 @@ function render({ model, el: host }) {
       return;
     }
     const [p, px, py] = panelAt(event);
-    let html = "";
+    let html = "", action = "";
     if (p && p.kind === "blocks") {
       const i = blockAt(p, px, py);
-      if (i >= 0) html = describe(p, i);
+      if (i >= 0) {
+        html = describe(p, i);
+        action = actionOf(p, i);
+      }
     } else if (p && p.kind === "memory" && px >= left && p.series.length) html = describeMemory(p, px);
     if (html) showTip(html, event); else tip.style.display = "none";
+    tellHovered(action);
   });
-  stack.addEventListener("pointerleave", () => { if (!drag) tip.style.display = "none"; });
+  stack.addEventListener("pointerleave", () => {
+    if (!drag) tip.style.display = "none";
+    tellHovered("");
+  });
+
+  // The hovered block's action in torch's notation ("3F1"), for a linked schedule grid.
+  function actionOf(p, i) {
+    const letter = ((scene.phases || [])[p.phase[i]] || {}).letter || "";
+    if (!letter) return "";
+    const stage = p.lane_stage[laneOf(p, i)];
+    return p.micro[i] >= 0 ? `${stage}${letter}${p.micro[i]}` : `${stage}${letter}`;
+  }
+  function tellHovered(action) {
+    if (model.get("hovered") === action) return;
+    model.set("hovered", action);
+    model.save_changes();
+  }
   stack.addEventListener("pointerup", () => {
     if (!drag) return;
     const { from, to } = drag;

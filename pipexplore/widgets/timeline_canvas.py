@@ -83,6 +83,10 @@ class TimelineCanvas(anywidget.AnyWidget):
     #: The split strip whose moves this canvas re-times (the same ``group`` on a
     #: :class:`~pipexplore.widgets.splitbar.SplitBar`; empty: none).
     group = traitlets.Unicode("").tag(sync=True)
+    #: The action of the block under the pointer in torch's notation (``"3F1"``; empty: none), set
+    #: by the front end: a :class:`~pipexplore.widgets.schedule_grid.ScheduleGrid` linked to it
+    #: highlights its cell.
+    hovered = traitlets.Unicode("").tag(sync=True)
 
 
 def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[dict[str, str]]:

@@ -47,7 +47,8 @@ class ExplorerView:
         self.widget = W.VBox([
             W.HTML(style_tag(), layout=W.Layout(display="none")), self.status.w_header, self.controls.box,
             self.stages.tools, self.stages.bar, self.stages.w_stages, self.timelines.tools,
-            self.timelines.w_timeline_box, self.timelines.w_residuals, self.status.box,
+            self.timelines.w_timeline_box, self.timelines.w_residuals, self.timelines.w_schedule_grid,
+            self.status.box,
             W.HTML("<div class='pipexplore-section'>runs</div>"), self.runs.tools, self.runs.w_runs,
             self.runs.w_compare_box,
             W.HTML("<div class='pipexplore-section'>export</div>"), self.export.tools, self.export.w_code,

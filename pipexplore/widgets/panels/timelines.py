@@ -1,5 +1,6 @@
 """Predicted and measured timelines on one time axis with the memory panel, or the shown run's
-residuals; the memory cap; and what the page needs to re-time a moved split itself."""
+residuals; the memory cap; what the page needs to re-time a moved split itself; and the plan's
+schedule as a grid of actions per rank (filled when opened), whose cell a hovered block lights."""
 from __future__ import annotations
 
 import math
@@ -15,6 +16,7 @@ from pipexplore.widgets.header import format_bytes, parse_bytes, short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT, FieldMessages
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas
+from pipexplore.widgets.schedule_grid import ScheduleGrid, schedule_rows
 from pipexplore.widgets.state import ExplorerState
 
 __all__ = ["TimelinesPanel", "stage_layers"]
@@ -56,7 +58,25 @@ class TimelinesPanel:
         self.w_mode.observe(lambda change: self.refresh_residuals(), names="value")
         self.tools = W.HBox([self.w_mode, self.w_memory_cap, fields["memory_cap"]])
         self.tools.add_class("pipexplore-controls")
+        # The schedule, a row of actions per rank: drawn when opened (a large plan has ~100k).
+        self.schedule_grid = ScheduleGrid()
+        self._grid_link = W.jsdlink((self.figure, "hovered"), (self.schedule_grid, "hover"))
+        self.w_schedule_grid = W.Accordion(children=[self.schedule_grid], selected_index=None)
+        self.w_schedule_grid.set_title(0, "schedule: the actions each rank runs, in order (hover a block to find it)")
+        self.w_schedule_grid.observe(lambda change: self.refresh_schedule(), names="selected_index")
         self.refresh_timelines()
+
+    def refresh_schedule(self) -> None:
+        """The grid shows the current plan's schedule while it is open (emptied when closed)."""
+        if self.w_schedule_grid.selected_index is None:
+            self.schedule_grid.rows, self.schedule_grid.labels, self.schedule_grid.note = [], [], ""
+            return
+        try:
+            labels, rows, note = schedule_rows(self.state.plan)
+        except ValueError as exc:  # a schedule the plan's shape cannot run (the plan says so elsewhere too)
+            labels, rows, note = [], [], str(exc)
+        with self.schedule_grid.hold_sync():
+            self.schedule_grid.labels, self.schedule_grid.rows, self.schedule_grid.note = labels, rows, note
 
     def _set_cap(self, value: str) -> str:
         self.state.memory_cap = value.strip() or None
@@ -141,6 +161,8 @@ class TimelinesPanel:
     def refresh(self, change: str) -> None:
         if change in ("plan", "runs", "shown"):
             self.refresh_timelines()
+        if change == "plan":
+            self.refresh_schedule()
         if change in ("runs", "shown"):
             self.refresh_residuals()
         if change == "shown":
