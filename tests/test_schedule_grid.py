@@ -21,11 +21,12 @@ def _table(n=8):
 
 
 def test_the_rows_are_what_each_worker_runs_in_torchs_notation():
-    labels, rows, note = schedule_rows(Plan(_table(), splits=(4,), chunks=2, schedule="1f1b", checkpoint="never"))
+    plan = Plan(_table(), splits=(4,), chunks=2, schedule="1f1b", checkpoint="never")
+    labels, rows, note = schedule_rows(plan)
     assert labels == ["rank 0: stage 0", "rank 1: stage 1"] and note == ""
     assert rows == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
-    labels, rows, _ = schedule_rows(Plan(_table(), splits=(2, 4, 6), chunks=2, schedule="zbv", virtual_stages=2, checkpoint="never",
-                                         devices=("cpu", "cpu")))
+    labels, rows, _ = schedule_rows(Plan(_table(), splits=(2, 4, 6), chunks=2, schedule="zbv", virtual_stages=2,
+                                         checkpoint="never", devices=("cpu", "cpu")))
     assert labels == ["rank 0: stages 0, 3", "rank 1: stages 1, 2"]
     assert rows == [[f"{s}{k}{i}" for s, k, i in order] for order in worker_orders("zbv", 4, 2, 2)]
     assert rows[0][:4] == ["0F0", "0F1", "3F0", "3I0"]
@@ -46,8 +47,8 @@ def test_a_large_schedule_shows_each_ranks_first_steps_and_says_so(monkeypatch):
 def test_the_page_fills_the_grid_when_opened_follows_the_plan_and_links_the_hovered_block():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
-    ex = explore(model, torch.randn(8, 8), chunks=2, devices=["cpu", "cpu"], splits=[3], schedule="1f1b", checkpoint="never",
-                 calibrate=False)
+    ex = explore(model, torch.randn(8, 8), chunks=2, devices=["cpu", "cpu"], splits=[3], schedule="1f1b",
+                 checkpoint="never", calibrate=False)
     grid, accordion = ex.schedule_grid, ex.w_schedule_grid
     assert grid.rows == [] and accordion.selected_index is None  # nothing drawn while closed
     accordion.selected_index = 0

@@ -7,6 +7,7 @@
     │ cell widths · balance           ┌ split strip ┐     │  StagesPanel
     │ stage view                                           │
     │ mode · memory cap   predicted / measured timelines   │  TimelinesPanel
+    │ schedule: a grid of actions per rank (when opened)   │
     │ progress · notes · status                            │  StatusPanel
     │ runs: show · restore · compare · sort, table         │  RunsPanel
     │ export: kind · Export, code                          │  ExportPanel
