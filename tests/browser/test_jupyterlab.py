@@ -193,6 +193,20 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
                 if tip.is_visible():
                     break
             assert re.search(r"micro-batch \d+ · stage 0 · layers 0–4", tip.inner_text()), tip.inner_text()
+            # The schedule grid, opened, lights the hovered block's action (a front-end link).
+            page.mouse.move(5, 5)
+            explorer.get_by_text("schedule: the actions each rank runs").click()
+            page.wait_for_selector(".pipexplore-grid[data-rows='2']", timeout=30_000)
+            canvas.scroll_into_view_if_needed()
+            box = canvas.bounding_box()
+            for k in range(1, 40):
+                page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
+                if tip.is_visible():
+                    break
+            phase, micro = re.search(r"(\w+) · micro-batch (\d+) · stage 0", tip.inner_text()).groups()
+            action = f"0{dict(forward='F', backward='B', recompute='R')[phase]}{micro}"
+            page.wait_for_selector(f".pipexplore-grid[data-hover='{action}'] td.hot[data-action='{action}']",
+                                   timeout=30_000)
             # Drag across the timelines to zoom into a time range; double-click to see the whole step.
             page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + 20)
             page.mouse.down()
