@@ -1,15 +1,24 @@
 """``%load_ext pipexplore`` registers ``%pipexplore``: an explorer from names in the notebook."""
 from __future__ import annotations
 
+import argparse
 import threading
 from typing import Any, Optional
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from pipexplore.schedules import SCHEDULES
+from pipexplore.schedules import SCHEDULES, is_csv
 
 __all__ = ["PipexploreMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def _schedule(value: str) -> str:
+    """A schedule name, or the path of a CSV file in torch's format."""
+    if value in SCHEDULES or is_csv(value):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown schedule {value!r}: choose one of {', '.join(SCHEDULES)}, or give "
+                                     "the path of a .csv file")
 
 
 @magics_class
@@ -20,10 +29,11 @@ class PipexploreMagics(Magics):
     @argument("--target", default=None, help="name of the targets for --loss")
     @argument("--loss", default=None, help="name of a loss_fn(output, target)")
     @argument("--optimizer", default=None, help="name of an optimizer factory: parameters -> Optimizer")
-    @argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default 4)")
+    @argument("--chunks", type=int, default=None,
+              help="micro-batches per mini-batch (default 4, or the schedule file's, or fewer for a small batch)")
     @argument("--devices", default=None, help="comma-separated, one per stage, e.g. cuda:0,cuda:1 or cpu,cpu")
     @argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    @argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    @argument("--schedule", default="gpipe", type=_schedule, help=f"{', '.join(SCHEDULES)}, or a .csv file")
     @argument("--splits", default=None, help="comma-separated layer indices that begin a stage, e.g. 4,9")
     @line_magic
     def pipexplore(self, line: str) -> Any:

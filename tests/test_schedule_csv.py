@@ -382,3 +382,16 @@ def test_a_traced_model_runs_a_csv_in_processes_and_through_the_torchrun_export(
     script = tmp_path / "train_pipeline.py"
     script.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule=path))
     assert torchrun_first_loss(script, str(pathlib.Path(__file__).parent)) == pytest.approx(unsplit, rel=1e-5)
+
+
+def test_the_pages_schedule_grid_and_the_magic_take_a_csv_schedule(tmp_path):
+    from pipexplore.magics import _schedule
+    from pipexplore.widgets.schedule_grid import schedule_rows
+
+    path = write_csv(rank_orders("zbv", 2, 4), tmp_path / "zbv.csv")
+    plan = Plan(_table(), splits=(2, 4, 6), devices=("cpu", "cpu"), chunks=4, schedule=path, checkpoint="never")
+    labels, rows, _ = schedule_rows(plan)
+    assert labels == ["rank 0: stages 0, 3", "rank 1: stages 1, 2"] and rows == actions("zbv", 2, 4)
+    assert _schedule(path) == path and _schedule("1f1b") == "1f1b"
+    with pytest.raises(Exception, match="unknown schedule 'pipedream'.*or give the path of a .csv file"):
+        _schedule("pipedream")

@@ -267,7 +267,8 @@ class Explorer:
 
     # ---- export ---------------------------------------------------------------------------
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
-        """Code that reproduces the current split: ``'gpipe'``, ``'pipelining'`` or ``'torchrun'``."""
+        """Code that reproduces the current split: ``'gpipe'``, ``'pipelining'`` or ``'torchrun'``; or
+        ``'schedule-csv'``, the plan's schedule in torch's CSV format (``schedule="that.csv"`` reads it)."""
         return self.state.export(kind, hooks=hooks, steps=steps)
 
     @property

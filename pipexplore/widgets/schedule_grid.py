@@ -19,7 +19,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from pipexplore.schedules import MULTI_STAGE, worker_orders
+from pipexplore.schedules import is_multi_stage, worker_orders
 
 __all__ = ["ScheduleGrid", "schedule_rows", "MOST_CELLS"]
 
@@ -67,7 +67,7 @@ def schedule_rows(plan: Any) -> tuple[list[str], list[list[str]], str]:
         # labels ['rank 0: stage 0', 'rank 1: stage 1'], rows[1] ['1F0', '1B0', '1F1', '1B1']
     """
     stages, m = plan.num_stages, plan.chunks
-    v = plan.virtual_stages if plan.schedule in MULTI_STAGE else 1
+    v = plan.virtual_stages if is_multi_stage(plan.schedule) else 1
     checkpointed = {"always": m, "except_last": m - 1}.get(plan.checkpoint, 0)
     rows, labels = [], []
     for rank, order in enumerate(worker_orders(plan.schedule, stages, m, v)):
