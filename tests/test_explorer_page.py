@@ -421,13 +421,17 @@ class _Page(html.parser.HTMLParser):
 
 def test_export_offers_every_kind_with_its_code(explorer):
     assert [value for _, value in explorer.w_export_kind.options] == [
-        "gpipe", "pipelining", "torchrun", "chrome-trace", "html"]
+        "gpipe", "pipelining", "torchrun", "schedule-csv", "chrome-trace", "html"]
     explorer.w_export_kind.value = "gpipe"
     explorer.w_export.click()
     assert explorer.w_code.code == explorer.export("gpipe") and "balance=[2, 3, 3]" in explorer.w_code.code
     explorer.w_export_kind.value = "torchrun"
     explorer.w_export.click()
     assert explorer.w_code.code == explorer.export("torchrun")
+    explorer.w_export_kind.value = "schedule-csv"
+    explorer.w_export.click()
+    assert explorer.w_code.code == explorer.export("schedule-csv")
+    assert explorer.w_code.code.splitlines()[0].startswith("0F0,")  # rank 0 first, torch's notation
     explorer.w_export_kind.value = "chrome-trace"
     explorer.w_export.click()
     trace = json.loads(explorer.w_code.code)
