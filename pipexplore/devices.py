@@ -26,7 +26,8 @@ from pipexplore import validate
 
 __all__ = ["Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
            "ALIASES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
-           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices"]
+           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices",
+           "catalogue_kind", "device_kind"]
 
 Device = Union[torch.device, int, str]
 
@@ -451,19 +452,44 @@ def device_memory(device: Device) -> float:
     return math.nan
 
 
+def _same_kind(spec: Union[str, DeviceSpec], gpu_name: str) -> bool:
+    """Whether a GPU's name (``torch.cuda.get_device_name``) holds every part of the catalogue
+    spec's name: ``'A100-80GB'`` matches ``'NVIDIA A100-SXM4-80GB'``."""
+    parts = [p.lower() for p in device_spec(spec).name.split("-") if p]
+    return all(part in gpu_name.lower() for part in parts)
+
+
 def present_device(spec: Union[str, DeviceSpec]) -> Optional[torch.device]:
     """A device of this machine of the same kind as catalogue ``spec`` (a CUDA device whose name
     holds every part of the spec's: ``'A100-80GB'`` matches ``'NVIDIA A100-SXM4-80GB'``), or None:
     where one is here, the explorer times the model's blocks on it and learns the catalogue's
     efficiency (:func:`pipexplore.predict.roofline.fit_efficiency`)."""
-    parts = [p.lower() for p in device_spec(spec).name.split("-") if p]
     if not torch.cuda.is_available():
         return None
     for index in range(torch.cuda.device_count()):
-        name = torch.cuda.get_device_name(index).lower()
-        if all(part in name for part in parts):
+        if _same_kind(spec, torch.cuda.get_device_name(index)):
             return torch.device("cuda", index)
     return None
+
+
+def catalogue_kind(gpu_name: str) -> Optional[str]:
+    """The catalogue's name for a GPU by its name as torch gives it (``'NVIDIA H100 80GB HBM3'`` →
+    ``'H100'``; the most specific entry whose every part it holds), or None (not catalogued).
+
+    Example::
+
+        catalogue_kind("NVIDIA A100-SXM4-40GB")   # 'A100-40GB'
+    """
+    matches = [name for name in CATALOGUE if _same_kind(name, gpu_name)]
+    return max(matches, key=lambda name: len(name.split("-")), default=None)
+
+
+def device_kind(devices: Sequence[Any]) -> Optional[str]:
+    """The kind of devices a plan runs on, as corrections learnt from runs are kept
+    (:meth:`pipexplore.predict.costs.Corrections.for_kind`): None for this machine's own devices,
+    else the catalogue names of planned ones (``'H100'``; a mix joined by ``+``, sorted)."""
+    kinds = sorted({device_spec(str(d)).name for d in devices if is_planned(d)})
+    return "+".join(kinds) if kinds else None
 
 
 def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from pipexplore import validate
-from pipexplore.devices import is_planned, node_of
+from pipexplore.devices import device_kind, is_planned, node_of
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import (TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped,
@@ -155,6 +155,18 @@ class Plan:
         return any(is_planned(d) for d in self.devices)
 
     @property
+    def device_kind(self) -> Optional[str]:
+        """The kind of device its runs teach and its predictions use corrections of
+        (:meth:`~pipexplore.predict.costs.Corrections.for_kind`): None for this machine's own devices,
+        else the catalogue name of its planned ones (``'H100'``)."""
+        return device_kind(self.devices[: self.num_devices])
+
+    @property
+    def learnt(self) -> Corrections:
+        """The corrections its predictions use: what runs on its kind of device taught."""
+        return self.corrections.for_kind(self.device_kind)
+
+    @property
     def nodes(self) -> int:
         """Nodes the plan's devices span (``gpus_per_node`` planned devices a node; 1 otherwise)."""
         if not self.planned:
@@ -207,7 +219,7 @@ class Plan:
                                        virtual_stages=self.virtual_stages)
         options["executor"] = self.predict_executor
         options["action_overhead"] = self.action_overhead
-        options["corrections"] = self.corrections
+        options["corrections"] = self.learnt
         if self.planned:
             options["gpus_per_node"] = self.gpus_per_node
         if self.batch is not None:
@@ -221,13 +233,16 @@ class Plan:
         stage and phase their ratio rescales the layers of that stage, for this plan's executor,
         and the executor's own time between actions is measured (see
         :class:`pipexplore.predict.costs.Corrections`). The corrected layer costs carry over to other
-        splits, chunks and schedules of the same executor.
+        splits, chunks and schedules of the same executor, on the same kind of device
+        (:attr:`device_kind`: a planned device's runs, brought back from a cluster, correct plans
+        for those devices only, and this machine's runs this machine's plans only).
         """
-        executor = self.predict_executor
-        learnt = self.corrections.fitted(self.layer_table, list(self.splits), executor,
-                                         lambda corrections: replace(self, corrections=corrections).predict(),
-                                         measured)
-        return replace(self, corrections=learnt)
+        executor, kind = self.predict_executor, self.device_kind
+        learnt = self.learnt.fitted(
+            self.layer_table, list(self.splits), executor,
+            lambda corrections: replace(self, corrections=self.corrections.with_kind(kind, corrections)).predict(),
+            measured)
+        return replace(self, corrections=self.corrections.with_kind(kind, learnt))
 
     @property
     def predict_executor(self) -> str:

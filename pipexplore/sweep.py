@@ -29,7 +29,7 @@ def balanced_splits(plan: Plan, stages: int) -> list[int]:
     executor = plan.predict_executor
     total = np.zeros(plan.num_layers)
     for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
-        scale = plan.corrections.scale(executor, phase)
+        scale = plan.learnt.scale(executor, phase)
         seconds = layer_seconds(plan.layer_table, rows, phase)
         total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
     return optimal_splits(total.tolist(), stages)

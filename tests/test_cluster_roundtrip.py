@@ -18,6 +18,9 @@ import pytest
 import torch
 
 import pipexplore
+from pipexplore import timeline as tl
+from pipexplore.devices import planned_devices
+from pipexplore.predict.costs import Corrections
 from pipexplore.runs.launch import TorchrunError, launch, printed_losses, torchrun_failures
 from pipexplore.runs.load import RunDirectoryError, read_run
 from pipexplore.runs.record import CLOCK_SHIFT_ENV
@@ -189,6 +192,31 @@ def test_a_known_shift_in_a_rank_file_lands_in_place(recorded, tmp_path):
     _edit(copy / "rank-2.json", lambda payload: shift(payload, measured=False))  # offsets not applied: off
     off = read_run(copy).steps[0]
     assert off.loc[off["rank"] == 2, "start"].min() > 2.9
+
+
+@pytest.mark.slow
+def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(recorded, hooks, tmp_path):
+    """The same run, its ranks' files saying they ran on H100s: it loads as a run on planned H100s,
+    and what it teaches is kept for H100 plans (a plan of the same shape on H100s now predicts it),
+    while this machine's predictions stay as they were."""
+    _, directory, _ = recorded
+    copy = _copy(directory, tmp_path)
+    for rank in range(4):
+        _edit(copy / f"rank-{rank}.json", lambda payload, r=rank: payload.update(
+            device=f"cuda:{r % 2}", device_name="NVIDIA H100 80GB HBM3"))
+    explorer = _explorer(hooks[0])
+    before = tl.step_time(explorer.plan.predict())
+    row = explorer.load_run(copy)
+    result = explorer.state.result_of(row["run"])
+    assert result.plan.devices[:4] == ("H100:0", "H100:1", "H100:2", "H100:3") and result.plan.gpus_per_node == 2
+    assert result.plan.device_kind == "H100" and explorer.plan.device_kind is None
+    learnt = explorer.plan.corrections
+    assert learnt.runs == 0 and learnt.kinds["H100"].runs == 1  # kept apart from this machine's
+    assert tl.step_time(explorer.plan.predict()) == before  # this machine's plans are predicted as before
+    on_h100 = explorer.plan.with_options(devices=planned_devices(["H100"] * 4, 2), gpus_per_node=2)
+    untaught = on_h100.with_options(corrections=Corrections())
+    measured = row["step_time"]
+    assert abs(tl.step_time(on_h100.predict()) / measured - 1) < abs(tl.step_time(untaught.predict()) / measured - 1)
 
 
 def _drop_a_backward(payload):

@@ -508,3 +508,38 @@ def test_each_phase_holds_the_executors_own_cost_as_probed_for_it():
     w = frame[frame["phase"] == "weight_grad"]
     assert ((w["end"] - w["start"])[w["stage"] == 0] == 0).all()
     assert (w["end"] - w["start"])[w["stage"] == 1].to_numpy() == pytest.approx(4e-3 / 4 * 0.5 + 2e-3)
+
+
+def _uniform_table(n=8):
+    return pd.DataFrame({"name": [f"l{k}" for k in range(n)], "type": "Linear", "forward": np.full(n, 2e-3),
+                         "backward": np.full(n, 4e-3), "output_bytes": np.full(n, 1e4)})
+
+
+def test_runs_teach_plans_on_their_kind_of_device_only():
+    from pipexplore.devices import catalogue_kind, device_kind, planned_devices
+
+    assert catalogue_kind("NVIDIA H100 80GB HBM3") == "H100" and catalogue_kind("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert catalogue_kind("NVIDIA GeForce RTX 4090") is None
+    assert device_kind(["cpu", "cpu"]) is None and device_kind(planned_devices(["H100"] * 2)) == "H100"
+    table = _uniform_table()
+    here = Plan(table, splits=(4,), devices=("cpu", "cpu"), chunks=4, schedule="1f1b", checkpoint="never")
+    there = here.with_options(devices=planned_devices(["H100"] * 2))
+    assert here.device_kind is None and there.device_kind == "H100"
+    # a run on H100s that took 1.5 times the prediction, action by action
+    measured = there.predict()
+    measured = measured.assign(start=measured["start"] * 1.5, end=measured["end"] * 1.5, source="measured")
+    taught = there.calibrated(measured)
+    assert taught.corrections.runs == 0 and taught.corrections.kinds["H100"].runs == 1
+    assert step_time(taught.predict()) == pytest.approx(step_time(measured), rel=0.05)
+    # this machine's plans are predicted as before, with what the H100 run taught kept beside them
+    local = here.with_options(corrections=taught.corrections)
+    assert step_time(local.predict()) == step_time(here.predict())
+    # and a run here teaches this machine's plans, keeping what the H100s taught
+    measured_here = here.predict()
+    measured_here = measured_here.assign(start=measured_here["start"] * 0.5, end=measured_here["end"] * 0.5)
+    both = local.calibrated(measured_here).corrections
+    assert both.runs == 1 and both.kinds["H100"].runs == 1
+    assert step_time(there.with_options(corrections=both).predict()) == step_time(taught.predict())
+    # a kind no run has taught: no corrections (this machine's do not carry over)
+    on_a100 = there.with_options(devices=planned_devices(["A100-80GB"] * 2), corrections=both)
+    assert on_a100.learnt.runs == 0 and not on_a100.learnt.scales

@@ -13,7 +13,7 @@ and the lane time each action costs beyond its span (the executor's own dispatch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -150,6 +150,23 @@ class Corrections:
     #: ``transfers[executor]``: seconds from the end of an action to the start of the action on
     #: another stage that waits for it (mailbox hand-over, send/receive), beyond the copy itself.
     transfers: Mapping[str, float] = field(default_factory=dict)
+    #: ``kinds[kind]``: what runs on devices of another kind taught (a catalogue name, ``"H100"``:
+    #: runs of a cluster brought back), kept apart from this machine's (the fields above), so a
+    #: cluster's run corrects plans for its devices and never this machine's, nor the other way.
+    kinds: Mapping[str, "Corrections"] = field(default_factory=dict)
+
+    def for_kind(self, kind: Optional[str]) -> "Corrections":
+        """The corrections a plan on devices of ``kind`` uses: this machine's own for None, else what
+        runs on that kind taught (none yet: no correction; this machine's do not carry over)."""
+        if kind is None:
+            return self
+        return self.kinds.get(kind) or Corrections()
+
+    def with_kind(self, kind: Optional[str], learnt: "Corrections") -> "Corrections":
+        """These corrections with ``learnt`` as what devices of ``kind`` taught (None: this machine's)."""
+        if kind is None:
+            return replace(learnt, kinds=self.kinds)
+        return replace(self, kinds={**self.kinds, kind: replace(learnt, kinds={})})
 
     def scale(self, executor: str, phase: str) -> Optional[np.ndarray]:
         return self.scales.get((executor, phase))
@@ -173,7 +190,7 @@ class Corrections:
         """These corrections with an executor's own cost per action, as a probe measured it."""
         transfers = {**self.transfers, executor: transfer} if transfer is not None else dict(self.transfers)
         return Corrections(self.scales, {**self.gaps, executor: gap}, self.runs,
-                           {**self.overheads, executor: overhead}, transfers)
+                           {**self.overheads, executor: overhead}, transfers, self.kinds)
 
     def fitted(self, table: pd.DataFrame, splits: Sequence[int], executor: str,
                predict: Callable[["Corrections"], pd.DataFrame], measured: pd.DataFrame,
@@ -235,7 +252,7 @@ class Corrections:
             gaps[executor] = gap
         if transfer is not None:
             transfers[executor] = transfer
-        return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers)
+        return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers, self.kinds)
 
 
 def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,

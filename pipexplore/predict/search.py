@@ -91,7 +91,7 @@ def _layer_time(plan: Any) -> np.ndarray:
     rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
     total = np.zeros(plan.num_layers)
     for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
-        scale = plan.corrections.scale(plan.predict_executor, phase)
+        scale = plan.learnt.scale(plan.predict_executor, phase)
         seconds = layer_seconds(plan.layer_table, rows, phase)
         total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
     return np.nan_to_num(total)

@@ -31,12 +31,14 @@ from typing import Any
 import pandas as pd
 import torch
 
+from pipexplore.devices import catalogue_kind, device_kind, planned_devices
 from pipexplore.executors.base import RunResult, result
 from pipexplore.plan import Plan
 from pipexplore.runs.record import FORMAT, PLAN_FILE, PLAN_KEYS, VERSION, plan_id, rank_file
 from pipexplore.timeline import COLUMNS, COMPUTE_PHASES
 
-__all__ = ["RunDirectoryError", "RecordedRun", "read_run", "plan_of", "run_result", "offset_model", "RANK_COLUMNS"]
+__all__ = ["RunDirectoryError", "RecordedRun", "read_run", "run_kind", "plan_of", "run_result", "offset_model",
+           "RANK_COLUMNS"]
 
 #: Columns of :meth:`RecordedRun.rank_table`.
 RANK_COLUMNS = ["rank", "node", "host", "device", "device_name", "stages", "offset_start", "offset_end", "drift",
@@ -243,11 +245,22 @@ def read_run(directory: Any) -> RecordedRun:
     return RecordedRun(path, plan, ranks, steps, losses)
 
 
+def run_kind(recorded: RecordedRun) -> str | None:
+    """The catalogue's name for the GPUs a run ran on (``'H100'``, from the name each rank recorded),
+    or None: CPUs, GPUs the catalogue does not know, or ranks of different kinds."""
+    kinds = {catalogue_kind(str(r.get("device_name") or "")) if str(r.get("device", "")).startswith("cuda") else None
+             for r in recorded.ranks}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Plan:
     """The plan the run ran, on ``layer_table`` (the explorer's) with ``base``'s corrections and
     options: its splits (by the split points' names), chunks, schedule, the stages per rank of an
-    interleaved schedule, ``base``'s devices where it plans as many (else the ranks' devices), and
-    the ``processes`` executor (``torch.distributed.pipelining`` in one process per rank).
+    interleaved schedule, and the ``processes`` executor (``torch.distributed.pipelining`` in one
+    process per rank). Its devices: on GPUs the catalogue knows (:func:`run_kind`), planned devices
+    of that kind (``'H100:0'`` …, the run's ranks a node), so that what it teaches corrects plans
+    for them (:attr:`~pipexplore.plan.Plan.device_kind`) and not this machine's; else ``base``'s
+    devices where it plans as many, else the ranks' own (``cpu``, ``cuda:r``).
 
     Raises:
         RunDirectoryError: the run's model is not this layer table's (names differ).
@@ -265,10 +278,17 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
     splits = tuple(names.index(str(point)) for point in plan["split_points"])
     world, stages = int(plan["world"]), int(plan["stages"])
     devices = tuple(base.devices[: base.num_devices])
-    if len(devices) != world:
+    kind = run_kind(recorded)
+    options: dict[str, Any] = {}
+    if kind is not None and (len(devices) != world or device_kind(devices) != kind):
+        # GPUs the catalogue knows: the run is of that kind, what it teaches is kept for plans on it
+        per_node = max(1, world // max(1, recorded.nodes))
+        devices = planned_devices([kind] * world, per_node)
+        options["gpus_per_node"] = per_node
+    elif len(devices) != world:
         devices = tuple("cpu" if r["device"] == "cpu" else f"cuda:{r['rank']}" for r in recorded.ranks)
-    options: dict[str, Any] = dict(splits=splits, chunks=int(plan["chunks"]), schedule=str(plan["schedule"]),
-                                   devices=devices, executor="processes", checkpoint="never")
+    options.update(splits=splits, chunks=int(plan["chunks"]), schedule=str(plan["schedule"]), devices=devices,
+                   executor="processes", checkpoint="never")
     if stages > world:  # stages per rank (interleaved, a V)
         options["virtual_stages"] = stages // world
     return base.with_options(**options)
