@@ -95,9 +95,10 @@ CONFIGS = [
     # (interleaved: a worker runs two stages; autograd: one engine thread runs every backward).
     ("unbalanced", "1f1b", 4, 2, "threads"), ("unbalanced", "gpipe", 4, 2, "autograd"),
     ("unbalanced", "interleaved", 4, 4, "threads"), ("unbalanced", "zero-bubble", 4, 2, "threads"),
-    # The schedules of torch's multi-stage classes, two stages a device on 2 CPU devices, three model kinds.
+    # The schedules of torch's multi-stage classes, two stages a device on 2 CPU devices: sleeping layers (the
+    # host free, as GPU kernels leave it) and three model kinds that compute on the host's two cores.
     *((model, schedule, 4, 4, "threads") for schedule in ("looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
-      for model in ("mlp", "conv", "transformer")),
+      for model in ("fixed", "mlp", "conv", "transformer")),
 ]
 #: Schedules whose devices each run several stages (``stages // 2`` devices here).
 MULTI_STAGE = ("interleaved", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
