@@ -4,7 +4,7 @@ closes a circle, and no module grows past 500 lines.
 The layers, top to bottom (see README.md, "The package's layers")::
 
     vocabulary  splits validate cancel background host timeline saved schedules schedule_orders schedule_csv
-                devices
+                devices catalogue
     engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan sweep
@@ -23,7 +23,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
 
 LAYERS = {
-    "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices",
+    "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices", "catalogue",
                    "schedule_orders", "schedule_csv", "_sharing"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
                "phony", "skip"],
