@@ -160,6 +160,20 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays
 
 
+@pytest.mark.slow
+def test_the_run_button_runs_the_plan_under_torchrun_node_agents(hooks):
+    explorer = _explorer(hooks[0])
+    assert [value for _, value in explorer.w_run_on.options] == ["", "1", "2"]
+    explorer.w_run_on.value = "2"
+    explorer.w_run.click()
+    explorer.state._thread.join(300)
+    assert not explorer.state.running and len(explorer.runs) == 1, explorer.state.notes
+    row = explorer.runs.iloc[-1]
+    assert row["executor"] == "torchrun" and row["nodes"] == 2 and row["ranks"] == 4
+    assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
+    assert explorer.plan.executor == "processes"  # the plan's own executor stays
+
+
 def _copy(directory, tmp_path):
     target = tmp_path / "copy"
     shutil.copytree(directory, target)

@@ -26,8 +26,8 @@ __all__ = ["Explorer", "explore", "RUN_COLUMNS", "UPDATABLE"]
 #: Which panel of the view holds each widget the explorer exposes (``explorer.w_run``, ``explorer.bar``, …).
 PANEL_OF = {
     **dict.fromkeys(("w_header", "w_status", "w_progress"), "status"),
-    **dict.fromkeys(("w_stage_count", "w_chunks", "w_checkpoint", "w_schedule", "w_executor", "w_devices", "w_run"),
-                    "controls"),
+    **dict.fromkeys(("w_stage_count", "w_chunks", "w_checkpoint", "w_schedule", "w_executor", "w_devices", "w_run",
+                     "w_run_on"), "controls"),
     **dict.fromkeys(("bar", "w_view", "w_balance_time", "w_balance_size", "w_stages"), "stages"),
     **dict.fromkeys(("timelines", "figure", "w_mode", "w_memory_cap", "w_timeline_box", "w_residuals",
                      "residual_figure", "schedule_grid", "w_schedule_grid"), "timelines"),

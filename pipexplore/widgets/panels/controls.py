@@ -1,5 +1,6 @@
 """The plan's fields in one row (stages, chunks, checkpoint, schedule, executor, devices), the
-Run step / Cancel button, and the messages shown beside fields."""
+Run step / Cancel button and where it runs (the plan's executor, or torchrun node agents here),
+and the messages shown beside fields."""
 from __future__ import annotations
 
 import html
@@ -54,6 +55,10 @@ class FieldMessages:
         return handler
 
 
+#: The "run on" choices: the plan's executor here, or its torchrun script under 1 or 2 node agents.
+RUN_ON = [("its executor", ""), ("torchrun, 1 node", "1"), ("torchrun, 2 nodes", "2")]
+
+
 class ControlsPanel:
     """The plan's fields and the Run step button; typed values are applied to the state."""
 
@@ -73,16 +78,21 @@ class ControlsPanel:
                                 style=COMPACT, layout=W.Layout(width="210px"))
         self.w_run = W.Button(description="Run step", button_style="primary", icon="play", tooltip=RUN_TOOLTIP,
                               layout=W.Layout(width="110px"))
+        # Where the step runs: the plan's executor, or the exported script under torchrun node
+        # agents on this machine (the path a cluster takes; the run comes back as any run).
+        self.w_run_on = W.Dropdown(options=RUN_ON, value="", layout=W.Layout(width="170px"),
+                                   tooltip="where Run step runs the plan: its executor here, or the exported "
+                                           "torchrun script under node agents on this machine")
         for control, name in self._fields():
             control.observe(fields.field_handler(state, name, self._applier(name)), names="value")
         self.w_run.on_click(self._on_run_clicked)
         if plan.planned:  # catalogue devices are not here: nothing to run
-            self.w_run.disabled = True
+            self.w_run.disabled = self.w_run_on.disabled = True
             self.w_run.tooltip = ("the plan is for planned devices, not this machine's: export it "
                                   "(ex.export('torchrun')) and run it there")
         self.box = W.HBox([self.w_stage_count, fields["stages"], self.w_chunks, fields["chunks"], self.w_checkpoint,
                            fields["checkpoint"], self.w_schedule, fields["schedule"], self.w_executor,
-                           fields["executor"], self.w_devices, fields["devices"], self.w_run])
+                           fields["executor"], self.w_devices, fields["devices"], self.w_run, self.w_run_on])
         self.box.add_class("pipexplore-controls")
 
     def _fields(self) -> list[tuple[W.ValueWidget, str]]:
@@ -130,6 +140,7 @@ class ControlsPanel:
                 self.w_run.description, self.w_run.icon, self.w_run.button_style = "Run step", "play", "primary"
                 self.w_run.tooltip = RUN_TOOLTIP
             self.w_run.disabled = self.state.plan.planned
+            self.w_run_on.disabled = self.state.running or self.state.plan.planned
 
     def _on_run_clicked(self, _: Any) -> None:
         state = self.state
@@ -137,7 +148,11 @@ class ControlsPanel:
             state.say("cancelling: the workers stop after their current action…", busy=True)
             state.cancel(timeout=0)
             return
+        nodes = self.w_run_on.value
         try:
-            state.run_async()
+            if nodes:
+                state.run_async("torchrun", nodes=int(nodes))
+            else:
+                state.run_async()
         except Exception as exc:
             state.show_error(exc)
