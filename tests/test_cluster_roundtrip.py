@@ -139,13 +139,19 @@ def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
 
 @pytest.mark.slow
 def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, monkeypatch):
-    """ex.run(executor='torchrun', nodes=2): rank 3's clock runs 5 s ahead (injected); its offset is
-    measured and its events land in place."""
+    """Run step on "torchrun, 2 nodes" (ex.run(executor='torchrun', nodes=2) in the background):
+    rank 3's clock runs 5 s ahead (injected); its offset is measured and its events land in place."""
     explorer = _explorer(hooks[0], "interleaved", splits=INTERLEAVED)
     monkeypatch.setenv(CLOCK_SHIFT_ENV, "3=5.0")
     before = explorer.plan
-    row = explorer.run(executor="torchrun", nodes=2)
+    assert [value for _, value in explorer.w_run_on.options] == ["", "1", "2"]
+    explorer.w_run_on.value = "2"
+    explorer.w_run.click()
+    explorer.state._thread.join(300)
+    assert not explorer.state.running and len(explorer.runs) == 1, explorer.state.notes
+    row = explorer.runs.iloc[-1]
     assert row["executor"] == "torchrun" and row["schedule"] == "interleaved" and row["ranks"] == 4
+    assert row["nodes"] == 2
     result = explorer.state.result_of(row["run"])
     ranks = result.metrics["rank_table"]
     assert ranks.loc[3, "offset_start"] == pytest.approx(5.0, abs=5e-3)
@@ -158,20 +164,6 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
     assert math.isfinite(row["prediction_error"])
     assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays
-
-
-@pytest.mark.slow
-def test_the_run_button_runs_the_plan_under_torchrun_node_agents(hooks):
-    explorer = _explorer(hooks[0])
-    assert [value for _, value in explorer.w_run_on.options] == ["", "1", "2"]
-    explorer.w_run_on.value = "2"
-    explorer.w_run.click()
-    explorer.state._thread.join(300)
-    assert not explorer.state.running and len(explorer.runs) == 1, explorer.state.notes
-    row = explorer.runs.iloc[-1]
-    assert row["executor"] == "torchrun" and row["nodes"] == 2 and row["ranks"] == 4
-    assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
-    assert explorer.plan.executor == "processes"  # the plan's own executor stays
 
 
 def _copy(directory, tmp_path):
