@@ -36,6 +36,19 @@ def assert_equals_unsplit(result, model, inputs, target, loss_fn) -> float:
     return loss.item()
 
 
+def traced_tiny_transformer(points=("layers.1", "layers.2", "layers.3")):
+    """The tests' tiny transformer traced, its batch, and the splits at ``points``: ``(model,
+    tokens, target, table, splits)``."""
+    from pipexplore.models import trace
+    from tiny_transformer import build_model, get_batch
+
+    model = build_model()
+    tokens, target = get_batch()
+    table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
+    names = [str(n) for n in table["name"]]
+    return model, tokens, target, table, [names.index(n) for n in points]
+
+
 def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
     """Run ``script`` under ``torchrun`` with ``ranks`` processes on one node (a rendezvous port of
     the test's own: ``--standalone`` would share one with every parallel test run), check it exits

@@ -265,14 +265,10 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
 
     from pipexplore.executors.distributed import run_processes
     from pipexplore.export.torchrun import torchrun_script
-    from pipexplore.models import trace
-    from tiny_transformer import build_model, get_batch, loss_fn
+    from ranks import traced_tiny_transformer
+    from tiny_transformer import loss_fn
 
-    model = build_model()
-    tokens, target = get_batch()
-    table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
-    names = [str(n) for n in table["name"]]
-    splits = [names.index(n) for n in ("layers.1", "layers.2", "layers.3")]
+    model, tokens, target, table, splits = traced_tiny_transformer()
     plan = Plan(table, splits, ("cpu",) * 2, chunks=4, schedule="zbv", executor="processes")
     result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
     unsplit = assert_equals_unsplit(result, model, tokens, target, loss_fn)

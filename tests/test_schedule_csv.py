@@ -365,15 +365,10 @@ def test_a_traced_model_runs_a_csv_in_processes_and_through_the_torchrun_export(
 
     from pipexplore.executors.distributed import run_processes
     from pipexplore.export.torchrun import torchrun_script
-    from pipexplore.models import trace
-    from ranks import assert_equals_unsplit, torchrun_first_loss
-    from tiny_transformer import build_model, get_batch, loss_fn
+    from ranks import assert_equals_unsplit, torchrun_first_loss, traced_tiny_transformer
+    from tiny_transformer import loss_fn
 
-    model = build_model()
-    tokens, target = get_batch()
-    table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
-    names = [str(n) for n in table["name"]]
-    splits = [names.index(n) for n in ("layers.1", "layers.2", "layers.3")]
+    model, tokens, target, table, splits = traced_tiny_transformer()
     path = write_csv(rank_orders("zbv", 2, 4), tmp_path / "zbv.csv")  # a V: stages 1 and 2 share rank 1
     plan = Plan(table, splits, ("cpu",) * 2, chunks=4, schedule=path, executor="processes")
     result = run_processes(model, tokens, plan, target=target, loss_fn=loss_fn, return_grads=True, warmup=0)
