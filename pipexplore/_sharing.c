@@ -1,4 +1,4 @@
-/* The simulator's processor-sharing event loop, and its graph's longest path, compiled.
+/* The simulator's processor-sharing event loop, its graph's level sort and longest path, compiled.
  *
  * The same loop as pipexplore.simulate._sharing_loop (the reference, which runs where this module
  * was not built), step for step and with the same floating-point operations in the same order, so

@@ -8,9 +8,10 @@ as soon as its worker is free and its inputs are there::
 
 — a longest path over a graph that depends only on the schedule's shape (schedule, stages,
 micro-batches, checkpointing, the executor's workers), not on any cost. :class:`ActionGraph` builds
-that graph once and, when first timed, sorts its actions level by level (every input of a level
-sits in an earlier one), so :meth:`ActionGraph.times` times a whole step with a few array
-operations per level: a drag that moves a split re-times the same graph. Where the timed step does ask a device for more
+that graph once (its inputs wired by array lookups) and, when first timed, sorts its actions level
+by level (every input of a level sits in an earlier one; Kahn's order, in C where
+``pipexplore._sharing`` was built), so :meth:`ActionGraph.times` times a whole step with a few
+array operations per level: a drag that moves a split re-times the same graph. Where the timed step does ask a device for more
 than all of it (stages sharing a host's cores or a GPU, at once), :func:`oversubscribed` says so,
 and the event loop of :func:`pipexplore.simulate` models the slowdown instead.
 
