@@ -281,3 +281,19 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
     panel.picker.value = rank
     panel.apply()
     assert "applied #" in panel.children[2].value
+
+
+def test_a_csv_schedule_is_searched_at_the_shape_its_file_runs(tmp_path):
+    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules import rank_orders
+
+    path = str(write_csv(rank_orders("1f1b", 2, 4), tmp_path / "ours.csv"))
+    plan = Plan(_table(), splits=(4,), devices=("cpu", "cpu"), chunks=4, schedule=path, batch=16)
+    table = search(plan, stages=[2, 3], chunks=[2, 4], schedules=[path, "1f1b"], checkpoint=["never"], workers=1)
+    mine = table[table["schedule"] == path]
+    assert mine[["stages", "chunks"]].values.tolist() == [[2, 4]]  # the file's stages and micro-batches only
+    same = table[(table["schedule"] == "1f1b") & (table["stages"] == 2) & (table["chunks"] == 4)]
+    assert mine["step_time"].iloc[0] == same["step_time"].iloc[0]  # the file holds 1F1B's orders
+    left = [line for line in table.attrs["left_out"] if path in line]
+    assert len(left) == 3 and all("does not fit the plan" in line for line in left)
+    assert any("expected 3 stages (the plan's stages), got 2 stages in the file" in line for line in left)
