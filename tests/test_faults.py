@@ -169,7 +169,9 @@ def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 def test_keyboard_interrupt_in_gpipe_joins_its_workers(started):
-    pipe = GPipe(nn.Sequential(started(0.05), started(0.05)), balance=[1, 1], devices=["cpu", "cpu"], chunks=8)
+    # (layers of 0.2 s: the 16 forwards take ~1.6 s, so a busy machine delays the interrupt without
+    # letting every forward finish before it lands)
+    pipe = GPipe(nn.Sequential(started(0.2), started(0.2)), balance=[1, 1], devices=["cpu", "cpu"], chunks=8)
     sender = _interrupt_main_thread_once_started(started.event)
     with pytest.raises(KeyboardInterrupt):
         pipe(torch.ones(8, 1, requires_grad=True)).sum().backward()
