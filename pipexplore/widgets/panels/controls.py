@@ -80,7 +80,8 @@ class ControlsPanel:
                               layout=W.Layout(width="110px"))
         # Where the step runs: the plan's executor, or the exported script under torchrun node
         # agents on this machine (the path a cluster takes; the run comes back as any run).
-        self.w_run_on = W.Dropdown(options=RUN_ON, value="", layout=W.Layout(width="170px"),
+        self.w_run_on = W.Dropdown(options=RUN_ON, value="", description="run on", style=COMPACT,
+                                   layout=W.Layout(width="220px"),
                                    tooltip="where Run step runs the plan: its executor here, or the exported "
                                            "torchrun script under node agents on this machine")
         for control, name in self._fields():
