@@ -223,6 +223,16 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     untaught = on_h100.with_options(corrections=Corrections())
     measured = row["step_time"]
     assert abs(tl.step_time(on_h100.predict()) / measured - 1) < abs(tl.step_time(untaught.predict()) / measured - 1)
+    # and the run as it was, on CPUs, loaded by an explorer planned on H100s: a run of this machine's
+    # devices, which teaches no H100 plan
+    module = hooks[0]
+    inputs, target = module.get_batch()
+    planned = pipexplore.explore(module.build_model(), inputs, target=target, loss_fn=module.loss_fn,
+                                 optimizer=module.build_optimizer, chunks=4, schedule="1f1b",
+                                 devices=["H100"] * 4, gpus_per_node=2)
+    row = planned.load_run(directory)
+    assert planned.state.result_of(row["run"]).plan.devices[:4] == ("cpu",) * 4
+    assert "H100" not in planned.plan.corrections.kinds and planned.plan.corrections.runs == 1
 
 
 def _drop_a_backward(payload):

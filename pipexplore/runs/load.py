@@ -260,7 +260,8 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
     process per rank). Its devices: on GPUs the catalogue knows (:func:`run_kind`), planned devices
     of that kind (``'H100:0'`` …, the run's ranks a node), so that what it teaches corrects plans
     for them (:attr:`~pipexplore.plan.Plan.device_kind`) and not this machine's; else ``base``'s
-    devices where it plans as many, else the ranks' own (``cpu``, ``cuda:r``).
+    devices where it has as many of this machine's, else the ranks' own (``cpu``, ``cuda:r``: a
+    CPU run is never taken for a run on planned GPUs).
 
     Raises:
         RunDirectoryError: the run's model is not this layer table's (names differ).
@@ -285,7 +286,8 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
         per_node = max(1, world // max(1, recorded.nodes))
         devices = planned_devices([kind] * world, per_node)
         options["gpus_per_node"] = per_node
-    elif len(devices) != world:
+    elif len(devices) != world or device_kind(devices) != kind:
+        # the ranks' own devices: never planned ones of a kind the run did not run on
         devices = tuple("cpu" if r["device"] == "cpu" else f"cuda:{r['rank']}" for r in recorded.ranks)
     options.update(splits=splits, chunks=int(plan["chunks"]), schedule=str(plan["schedule"]), devices=devices,
                    executor="processes", checkpoint="never")
