@@ -281,6 +281,12 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
     panel.picker.value = rank
     panel.apply()
     assert "applied #" in panel.children[2].value
+    # a point clicked in the page (the chart's picked rank): its plan is picked and applied
+    row = panel.picker.options[1]
+    state.update(chunks=2)
+    panel.chart.picked = row[1]
+    assert panel.picker.value == row[1] and f"applied {row[0]}" == panel.children[2].value
+    assert state.plan.chunks == 4 and panel.chart.svg.count("class='plan") == len(panel.picker.options)
 
 
 def test_a_csv_schedule_is_searched_at_the_shape_its_file_runs(tmp_path):

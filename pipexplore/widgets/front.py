@@ -1,22 +1,38 @@
-"""The search's front, drawn: each plan's predicted step against its peak memory (static SVG),
-the plans no other beats in both joined, the cap a dashed line; and a small panel to apply one.
+"""The search's front, drawn: each plan's predicted step against its peak memory (SVG), the plans
+no other beats in both joined, the cap a dashed line; a click on a point applies its plan, as does
+the panel's picker and Apply.
 
 Example::
 
     table = explorer.search(memory_cap="70 GiB", stages=[4, 8], chunks=[8, 16])
-    front_panel(explorer, table)        # the drawing, a plan picker and Apply
+    front_panel(explorer, table)        # the drawing (click a point), a plan picker and Apply
 """
 from __future__ import annotations
 
 import html
 import math
+import pathlib
 from typing import Any, Optional
 
+import anywidget
 import pandas as pd
+import traitlets
 
 from pipexplore.widgets.plots import STAGE_COLORS
 
-__all__ = ["front_svg", "front_panel"]
+__all__ = ["front_svg", "front_panel", "FrontChart"]
+
+
+class FrontChart(anywidget.AnyWidget):
+    """The front's SVG (``svg``: :func:`front_svg`) in the page; ``picked``: the rank of the plan
+    whose point was clicked (or Enter on it; -1: none), set by the front end."""
+
+    _esm = pathlib.Path(__file__).parent / "front.js"
+    _css = (".pipexplore-front-chart circle.plan:hover, .pipexplore-front-chart circle.plan:focus, "
+            ".pipexplore-front-chart circle.picked { stroke: #000; stroke-width: 2; outline: none; }")
+
+    svg = traitlets.Unicode("").tag(sync=True)
+    picked = traitlets.Int(-1).tag(sync=True)
 
 _W, _H, _LEFT, _BOTTOM, _TOP, _RIGHT = 640, 360, 70, 44, 16, 16
 
@@ -69,7 +85,8 @@ def front_svg(table: pd.DataFrame, memory_cap: Optional[float] = None) -> str:
                      f"{cap / gib:.2f} GiB</title></line>")
     front = table[table["pareto"]].sort_values("peak_memory")
     if len(front) > 1:
-        points = " ".join(f"{x(m / gib):.1f},{y(s * 1e3):.1f}" for m, s in zip(front["peak_memory"], front["step_time"]))
+        points = " ".join(f"{x(m / gib):.1f},{y(s * 1e3):.1f}"
+                          for m, s in zip(front["peak_memory"], front["step_time"]))
         parts.append(f"<polyline class='front' points='{points}' fill='none' stroke='#444' stroke-width='1.5'/>")
     for k, row in table.iterrows():
         color = STAGE_COLORS[schedules.index(row["schedule"]) % len(STAGE_COLORS)]
@@ -89,8 +106,9 @@ def front_svg(table: pd.DataFrame, memory_cap: Optional[float] = None) -> str:
 
 
 def front_panel(explorer: Any, table: pd.DataFrame) -> Any:
-    """The front (:func:`front_svg`) with a picker of the table's plans (those on the front first)
-    and an Apply button that makes the picked one the explorer's plan (``explorer.apply``)."""
+    """The front (:func:`front_svg`, a :class:`FrontChart`: a click on a point applies its plan) with
+    a picker of the table's plans (those on the front first) and an Apply button that makes the
+    picked one the explorer's plan (``explorer.apply``)."""
     import ipywidgets as widgets
 
     order = pd.concat([table[table["pareto"]], table[~table["pareto"]]])
@@ -107,8 +125,15 @@ def front_panel(explorer: Any, table: pd.DataFrame) -> Any:
         except Exception as exc:  # shown beside the button; the plan stays
             said.value = f"<span style='color:#d62728'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
 
+    def clicked(change: Any) -> None:  # a point clicked in the page: its plan picked and applied
+        if change["new"] in {value for _, value in picker.options}:
+            picker.value = change["new"]
+            apply()
+
+    chart = FrontChart(svg=front_svg(table))
+    chart.observe(clicked, names="picked")
     button.on_click(apply)
-    panel = widgets.VBox([widgets.HTML(front_svg(table)), widgets.HBox([picker, button]), said])
+    panel = widgets.VBox([chart, widgets.HBox([picker, button]), said])
     panel.apply = apply  # what the button does (for code and tests)
-    panel.picker = picker
+    panel.picker, panel.chart = picker, chart
     return panel

@@ -395,6 +395,10 @@ PLANNED_CELLS = [
     "    sample = torch.empty(64, 1024)\n"
     "ex = explore(model, sample, devices=['H100'] * 16, gpus_per_node=8, chunks=16, schedule='1f1b')\n"
     "ex",
+    "from pipexplore.widgets.front import front_panel\n"
+    "plans = ex.search(stages=[8, 16], chunks=[16, 32], schedules=['gpipe', '1f1b'], checkpoint=['never'])\n"
+    "front_panel(ex, plans)",
+    "print('PLAN', ex.plan.num_stages, ex.plan.chunks, ex.plan.schedule)",
 ]
 
 
@@ -415,6 +419,20 @@ def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab
         explorer = page.locator(".pipexplore-explorer").first
         assert explorer.evaluate(_OVERLAPS) == []
         page.screenshot(path=str(OUTPUT / "planned.png"), full_page=True)
+        # The search's front: a click on a plan's point applies it.
+        point = page.locator(".pipexplore-front-chart circle.plan").last
+        point.scroll_into_view_if_needed()
+        rank = point.get_attribute("data-rank")
+        point.click()
+        page.wait_for_selector(f".pipexplore-front-chart[data-picked='{rank}']", timeout=30_000)
+        page.wait_for_function(f"document.querySelector('.jp-Notebook').innerText.includes('applied #{rank}:')",
+                               timeout=30_000)
+        applied = re.search(rf"applied #{rank}: (\d+) stages, (\d+) chunks, ([\w-]+)",
+                            page.locator(".jp-Notebook").inner_text()).groups()
+        assert applied != ("16", "16", "1f1b")  # (the slowest plan: not the one the explorer had)
+        run_cell(page, 2)  # the kernel's explorer has the plan of the point
+        page.wait_for_function(f"document.querySelector('.jp-Notebook').innerText.includes('PLAN {' '.join(applied)}')",
+                               timeout=30_000)
 
 
 def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
