@@ -61,7 +61,7 @@ TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved"
 Action = tuple[str, int]  # (kind, micro-batch)
 #: Each action kind's phase name in a timeline.
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
-_LOADED: dict[str, tuple[tuple[int, int], CsvSchedule]] = {}  # CSV files read: by path, with their (mtime, size)
+_LOADED: dict[str, tuple[tuple[int, ...], CsvSchedule]] = {}  # CSV files read: by path, with their (mtime, size)
 
 
 def is_csv(schedule: Any) -> bool:
@@ -69,13 +69,13 @@ def is_csv(schedule: Any) -> bool:
     return is_csv_path(schedule)
 
 
-def _stat(schedule: Any) -> tuple[int, int]:
+def _stat(schedule: Any) -> tuple[int, ...]:
     try:
         stat = os.stat(os.fspath(schedule))
     except FileNotFoundError:
         raise FileNotFoundError(f"schedule file {os.fspath(schedule)!r} not found (a schedule is one of "
                                 f"{', '.join(SCHEDULES)}, or the path of a CSV file in torch's format)") from None
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_mtime_ns, stat.st_size, stat.st_ctime_ns, stat.st_ino
 
 
 def csv_schedule(schedule: Any) -> CsvSchedule:
@@ -96,8 +96,10 @@ def csv_schedule(schedule: Any) -> CsvSchedule:
     return loaded
 
 
-def schedule_version(schedule: Any) -> Optional[tuple[int, int]]:
-    """What changes when a schedule's orders may have: a CSV file's (modification time, size); None for a name."""
+def schedule_version(schedule: Any) -> Optional[tuple[int, ...]]:
+    """What changes when a schedule's orders may have: a CSV file's modification and change times,
+    size and inode (an edit of the same size within one timestamp tick still changes the change
+    time or, saved by replacing the file, the inode); None for a name."""
     return _stat(schedule) if is_csv(schedule) else None
 
 

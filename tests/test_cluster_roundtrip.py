@@ -11,6 +11,7 @@ import math
 import os
 import pathlib
 import shutil
+import socket
 import sys
 import time
 
@@ -209,7 +210,7 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     copy = _copy(directory, tmp_path)
     for rank in range(4):
         _edit(copy / f"rank-{rank}.json", lambda payload, r=rank: payload.update(
-            device=f"cuda:{r % 2}", device_name="NVIDIA H100 80GB HBM3"))
+            device=f"cuda:{r % 2}", device_name="NVIDIA H100 80GB HBM3", host=f"gpu-node-{r // 2}"))
     explorer = _explorer(hooks[0])
     before = tl.step_time(explorer.plan.predict())
     row = explorer.load_run(copy)
@@ -233,6 +234,14 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     row = planned.load_run(directory)
     assert planned.state.result_of(row["run"]).plan.devices[:4] == ("cpu",) * 4
     assert "H100" not in planned.plan.corrections.kinds and planned.plan.corrections.runs == 1
+    # GPUs of this machine (every rank on this host, as the page's own torchrun runs them) are this
+    # machine's: the run teaches its plans, not the H100 plans
+    for rank in range(4):
+        _edit(copy / f"rank-{rank}.json", lambda payload: payload.update(host=socket.gethostname()))
+    explorer = _explorer(hooks[0])
+    row = explorer.load_run(copy)
+    assert explorer.state.result_of(row["run"]).plan.device_kind is None
+    assert explorer.plan.corrections.runs == 1 and not explorer.plan.corrections.kinds
 
 
 def _drop_a_backward(payload):

@@ -525,6 +525,7 @@ def test_runs_teach_plans_on_their_kind_of_device_only():
     here = Plan(table, splits=(4,), devices=("cpu", "cpu"), chunks=4, schedule="1f1b", checkpoint="never")
     there = here.with_options(devices=planned_devices(["H100"] * 2))
     assert here.device_kind is None and there.device_kind == "H100"
+    assert there.learnt is there.learnt  # nothing taught yet: one object (the page's re-timing key stays)
     # a run on H100s that took 1.5 times the prediction, action by action
     measured = there.predict()
     measured = measured.assign(start=measured["start"] * 1.5, end=measured["end"] * 1.5, source="measured")

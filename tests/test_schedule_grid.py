@@ -62,3 +62,24 @@ def test_the_page_fills_the_grid_when_opened_follows_the_plan_and_links_the_hove
     # the canvas's hovered action drives the grid's highlight in the page (a front-end link)
     link = ex.view.timelines._grid_link
     assert link.source == (ex.figure, "hovered") and link.target == (grid, "hover")
+
+
+def test_a_csv_schedule_set_in_code_never_passes_through_another_plan(tmp_path, monkeypatch):
+    from pipexplore.runs import roundtrip
+    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules import rank_orders
+
+    torch.manual_seed(0)
+    ex = explore(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]), torch.randn(8, 8), chunks=2,
+                 devices=["cpu", "cpu"], splits=[3], schedule="1f1b", checkpoint="never", calibrate=False)
+    seen = []
+    ex.state.subscribe(lambda change: seen.append(ex.plan.schedule) if change == "plan" else None)
+    paths = [str(write_csv(rank_orders("1f1b", 2, 2), tmp_path / f"{name}.csv")) for name in ("a", "b")]
+    for path in paths:  # (a new option list moves a dropdown to its first value: the plan must not follow)
+        ex.state.update(schedule=path)
+        assert ex.w_schedule.value == path and ex.plan.schedule == path
+    assert set(seen) <= set(paths) and seen
+    # the page's torchrun takes the file too: past the checks, to the launch
+    monkeypatch.setattr(roundtrip, "launch", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("launched")))
+    with pytest.raises(RuntimeError, match="launched"):
+        roundtrip.torchrun_result(ex.model, ex.sample, ex.plan, nodes=1)

@@ -287,6 +287,10 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
     panel.chart.picked = row[1]
     assert panel.picker.value == row[1] and f"applied {row[0]}" == panel.children[2].value
     assert state.plan.chunks == 4 and panel.chart.svg.count("class='plan") == len(panel.picker.options)
+    assert panel.chart.picked == -1  # ready for the next click: the same point, after the plan moved, again
+    state.update(chunks=2)
+    panel.chart.picked = row[1]
+    assert state.plan.chunks == 4
 
 
 def test_a_csv_schedule_is_searched_at_the_shape_its_file_runs(tmp_path):

@@ -160,7 +160,7 @@ class Corrections:
         runs on that kind taught (none yet: no correction; this machine's do not carry over)."""
         if kind is None:
             return self
-        return self.kinds.get(kind) or Corrections()
+        return self.kinds.get(kind) or NO_CORRECTIONS
 
     def with_kind(self, kind: Optional[str], learnt: "Corrections") -> "Corrections":
         """These corrections with ``learnt`` as what devices of ``kind`` taught (None: this machine's)."""
@@ -355,3 +355,8 @@ def dispatch_gap(measured: pd.DataFrame) -> Optional[float]:
     """The median seconds a stage's worker spent between two of its actions while the second
     one's inputs were already there: what the executor itself costs per action."""
     return handoff_gaps(measured)[0]
+
+
+#: What a kind of device no run has taught uses: one object, so that its identity (the page's
+#: re-timing key) stays the same from one refresh to the next.
+NO_CORRECTIONS = Corrections()

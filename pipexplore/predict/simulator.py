@@ -67,7 +67,7 @@ DEFAULT_COPY_COST = {"cuda-cuda": 1 / 20e9, "cpu-cuda": 1 / 10e9}
 @functools.lru_cache(maxsize=16)
 def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpointed: int, virtual_stages: int = 2,
                    resources: Optional[tuple[str, ...]] = None, optimizer: bool = False,
-                   version: Optional[tuple[int, int]] = None) -> ActionGraph:
+                   version: Optional[tuple[int, ...]] = None) -> ActionGraph:
     """The actions of one step, per worker in the order it runs them, and what each waits for.
 
     ``checkpointed``: micro-batches ``0 … checkpointed-1`` recompute their forward right before their
@@ -100,7 +100,7 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
 @functools.lru_cache(maxsize=64)
 def _worker_queues(schedule: str, S: int, m: int, executor: str, virtual_stages: int,
                    resources: Optional[tuple[str, ...]],
-                   version: Optional[tuple[int, int]] = None) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+                   version: Optional[tuple[int, ...]] = None) -> tuple[tuple[tuple[int, str, int], ...], ...]:
     """Each worker's (stage, kind, micro-batch) before recompute and optimizer steps: a worker per
     rank (:mod:`pipexplore.schedules`), and for ``autograd`` the backward of each device on one
     more. Cached apart from :func:`schedule_graph` (its checkpointed variants share it), by the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,8 +258,8 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
     """The plan the run ran, on ``layer_table`` (the explorer's) with ``base``'s corrections and
     options: its splits (by the split points' names), chunks, schedule, the stages per rank of an
     interleaved schedule, and the ``processes`` executor (``torch.distributed.pipelining`` in one
-    process per rank). Its devices: on GPUs the catalogue knows (:func:`run_kind`), planned devices
-    of that kind (``'H100:0'`` …, the run's ranks a node), so that what it teaches corrects plans
+    process per rank). Its devices: on other hosts' GPUs the catalogue knows (:func:`run_kind`),
+    planned devices of that kind (``'H100:0'`` …, the run's ranks a node), so that what it teaches corrects plans
     for them (:attr:`~pipexplore.plan.Plan.device_kind`) and not this machine's; else ``base``'s
     devices where it has as many of this machine's, else the ranks' own (``cpu``, ``cuda:r``: a
     CPU run is never taken for a run on planned GPUs).
@@ -279,7 +280,8 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
     splits = tuple(names.index(str(point)) for point in plan["split_points"])
     world, stages = int(plan["world"]), int(plan["stages"])
     devices = tuple(base.devices[: base.num_devices])
-    kind = run_kind(recorded)
+    # GPUs of this machine (every rank ran here: the page's own torchrun) are this machine's kind
+    kind = run_kind(recorded) if set(recorded.hosts) != {socket.gethostname()} else None
     options: dict[str, Any] = {}
     if kind is not None and (len(devices) != world or device_kind(devices) != kind):
         # GPUs the catalogue knows: the run is of that kind, what it teaches is kept for plans on it

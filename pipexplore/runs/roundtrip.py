@@ -25,6 +25,7 @@ from pipexplore.plan import Plan
 from pipexplore.runs.launch import HOOKS_MODULE, launch, printed_losses, write_hooks
 from pipexplore.runs.load import RunDirectoryError, plan_of, read_run, run_result
 from pipexplore.runs.record import PLAN_FILE
+from pipexplore.schedules import is_csv
 
 __all__ = ["load_result", "torchrun_result", "STARTUP_SECONDS", "holds_traces"]
 
@@ -90,8 +91,9 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     world = plan.num_devices
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world % nodes:
         raise ValueError(f"nodes must be a whole number that divides the plan's {world} ranks, got {nodes!r}")
-    if plan.schedule not in SCHEDULE_CLASSES:
-        raise ValueError(f"the torchrun script runs {', '.join(SCHEDULE_CLASSES)}; not {plan.schedule!r}")
+    if not is_csv(plan.schedule) and plan.schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"the torchrun script runs {', '.join(SCHEDULE_CLASSES)} or a CSV schedule; not "
+                         f"{plan.schedule!r}")
     if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
         raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
                          f"{plan.chunks} < {plan.num_stages} stages")

@@ -21,7 +21,7 @@ function render({ model, el }) {
     const picked = String(model.get("picked"));
     for (const point of root.querySelectorAll("circle.plan"))
       point.classList.toggle("picked", point.dataset.rank === picked);
-    root.dataset.picked = picked;
+    if (picked !== "-1") root.dataset.picked = picked;  // (the last point picked, kept once applied)
   }
   model.on("change:svg", draw);
   model.on("change:picked", mark);

@@ -129,6 +129,7 @@ def front_panel(explorer: Any, table: pd.DataFrame) -> Any:
         if change["new"] in {value for _, value in picker.options}:
             picker.value = change["new"]
             apply()
+            chart.picked = -1  # (so that a second click on it, after the plan moved, applies it again)
 
     chart = FrontChart(svg=front_svg(table))
     chart.observe(clicked, names="picked")

@@ -53,9 +53,16 @@ function render({ model, el }) {
     }
   }
 
-  model.on("change:rows", draw);
-  model.on("change:labels", draw);
-  model.on("change:note", draw);
+  // rows, labels and note come together: one redraw for them all
+  let queued = false;
+  const redraw = () => {
+    if (queued) return;
+    queued = true;
+    queueMicrotask(() => { queued = false; draw(); });
+  };
+  model.on("change:rows", redraw);
+  model.on("change:labels", redraw);
+  model.on("change:note", redraw);
   model.on("change:hover", highlight);
   draw();
 }

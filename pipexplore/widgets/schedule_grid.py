@@ -1,7 +1,7 @@
 """ScheduleGrid: the plan's schedule as a grid of actions, a row per rank (worker), a cell per step.
 
-The cells are what the workers run, in torch's notation (``{stage}{F|B|I|W|R}{micro-batch}``; a
-stage's optimizer step ``{stage}O``), the text of the plan's CSV schedule
+The cells are what the workers run, in torch's notation (``{stage}{F|B|I|W|R}{micro-batch}``;
+not the optimizer steps that end the step), the text of the plan's CSV schedule
 (``ex.export("schedule-csv")`` writes torch's own). Hovering a block of a timeline
 highlights its action's cell: the canvas's ``hovered`` is linked to the grid's ``hover`` in the
 page (``ipywidgets.jsdlink``), so no message goes through the kernel.

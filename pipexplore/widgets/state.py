@@ -329,7 +329,8 @@ class ExplorerState(RunLog):
 
     def reprofile(self) -> pd.DataFrame:
         """Time every layer again for the current plan (its micro-batch size and its CPU stages'
-        intra-op threads); what runs taught is dropped and the executor is probed again.
+        intra-op threads); what runs here taught is dropped (what runs on other kinds of device
+        taught stays) and the executor is probed again.
 
         Raises:
             RuntimeError: a run is in progress, or the model's layers changed in number.
@@ -346,7 +347,9 @@ class ExplorerState(RunLog):
                                "start a new explorer for it")
         with self._plan_lock:
             self.layer_table = table
-            self.change_plan(lambda _: replace(plan, layer_table=table, corrections=Corrections()))
+            # (what runs on other kinds of device taught stays: it is not about this machine's profile)
+            self.change_plan(lambda _: replace(plan, layer_table=table,
+                                               corrections=Corrections(kinds=plan.corrections.kinds)))
         return table
 
     def all_notes(self) -> list[str]:

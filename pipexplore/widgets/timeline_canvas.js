@@ -554,10 +554,9 @@ function render({ model, el: host }) {
     const stage = p.lane_stage[laneOf(p, i)];
     return p.micro[i] >= 0 ? `${stage}${letter}${p.micro[i]}` : `${stage}${letter}`;
   }
-  function tellHovered(action) {
+  function tellHovered(action) {  // in the page only (a linked grid hears it; the kernel need not)
     if (model.get("hovered") === action) return;
     model.set("hovered", action);
-    model.save_changes();
   }
   stack.addEventListener("pointerup", () => {
     if (!drag) return;

@@ -84,8 +84,8 @@ class TimelineCanvas(anywidget.AnyWidget):
     #: :class:`~pipexplore.widgets.splitbar.SplitBar`; empty: none).
     group = traitlets.Unicode("").tag(sync=True)
     #: The action of the block under the pointer in torch's notation (``"3F1"``; empty: none), set
-    #: by the front end: a :class:`~pipexplore.widgets.schedule_grid.ScheduleGrid` linked to it
-    #: highlights its cell.
+    #: by the front end in the page only (not sent to the kernel): a
+    #: :class:`~pipexplore.widgets.schedule_grid.ScheduleGrid` linked to it there highlights its cell.
     hovered = traitlets.Unicode("").tag(sync=True)
 
 

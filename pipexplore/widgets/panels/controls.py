@@ -64,6 +64,7 @@ class ControlsPanel:
 
     def __init__(self, state: ExplorerState, fields: FieldMessages) -> None:
         self.state, self.fields = state, fields
+        self._syncing = False  # while the fields are written back from the plan
         plan = state.plan
         self.w_stage_count = W.IntText(value=plan.num_stages, description="stages", style=COMPACT,
                                        layout=W.Layout(width="92px"))
@@ -109,6 +110,8 @@ class ControlsPanel:
         state = self.state
 
         def apply(value: Any) -> str:
+            if self._syncing:  # the field written back from the plan (its options too): nothing to do
+                return ""
             current = self._current(name)
             if value == current or (name == "devices" and str(value).replace(" ", "") == current):
                 return ""  # the plan's own value, written back: nothing to do
@@ -124,13 +127,17 @@ class ControlsPanel:
 
     def refresh(self, change: str) -> None:
         if change == "plan":
-            for control, name in self._fields():
-                value = self._current(name)
-                if name == "schedule" and value not in control.options:  # a CSV schedule file, set in code
-                    control.options = _schedules(value)
-                if control.value != value:
-                    control.value = value
-                    self.fields.set(name, "")
+            self._syncing = True  # (new options move a dropdown to its first value: not a choice of the user's)
+            try:
+                for control, name in self._fields():
+                    value = self._current(name)
+                    if name == "schedule" and value not in control.options:  # a CSV schedule file, set in code
+                        control.options = _schedules(value)
+                    if control.value != value:
+                        control.value = value
+                        self.fields.set(name, "")
+            finally:
+                self._syncing = False
         elif change == "status":
             running = self.state.running
             if running and self.w_run.description != "Cancel":

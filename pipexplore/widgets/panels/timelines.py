@@ -73,7 +73,7 @@ class TimelinesPanel:
             return
         try:
             labels, rows, note = schedule_rows(self.state.plan)
-        except ValueError as exc:  # a schedule the plan's shape cannot run (the plan says so elsewhere too)
+        except (ValueError, OSError) as exc:  # a schedule the plan's shape cannot run, a CSV file gone
             labels, rows, note = [], [], str(exc)
         with self.schedule_grid.hold_sync():
             self.schedule_grid.labels, self.schedule_grid.rows, self.schedule_grid.note = labels, rows, note
@@ -105,7 +105,11 @@ class TimelinesPanel:
 
         plan = self.state.plan
         options = plan.simulate_options()
-        key = retime_key(plan.layer_table, plan.splits, options)
+        try:
+            key = retime_key(plan.layer_table, plan.splits, options)
+        except OSError:  # a CSV schedule's file gone: the page waits for the kernel, which says so
+            self.timelines.retime("")
+            return
         self.timelines.retime(key)  # scenes name the shape; the page re-times with a model of the same
         if not self.drawn or key == self._retime_for[0]:
             return
@@ -116,7 +120,7 @@ class TimelinesPanel:
             self.timelines.retime("")
             return
         # (the table and corrections are held with the key, which names them by identity)
-        self._retime_for = (key, plan.layer_table, plan.corrections)
+        self._retime_for = (key, plan.layer_table, options["corrections"])
         self.timelines.retime(key, {**model, "key": key}, [stage for stage, _ in lane_of(plan.predicted)[0]])
 
     def refresh_timelines(self) -> None:
