@@ -167,6 +167,30 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays
 
 
+@pytest.mark.slow
+def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, tmp_path):
+    """The recorded run keeps the CSV's text: loaded where the file is not, its plan runs the
+    schedule the run ran (written into the run directory)."""
+    from pipexplore.runs.roundtrip import torchrun_result
+    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules import rank_orders
+
+    path = pathlib.Path(write_csv(rank_orders("1f1b", 4, 4), tmp_path / "ours.csv"))
+    explorer = _explorer(hooks[0], schedule=str(path))
+    module = hooks[0]
+    inputs, target = module.get_batch()
+    torchrun_result(module.build_model(), inputs, explorer.plan, nodes=2, target=target, loss_fn=module.loss_fn,
+                    optimizer=module.build_optimizer, keep=tmp_path / "run")
+    text = path.read_text()
+    path.unlink()  # as on another machine, where an explorer of its own loads the run
+    explorer = _explorer(module)
+    row = explorer.load_run(tmp_path / "run")
+    ran = explorer.state.result_of(row["run"]).plan
+    assert ran.schedule == str(tmp_path / "run" / "schedule.csv")
+    assert (tmp_path / "run" / "schedule.csv").read_text() == text
+    assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
+
+
 def _copy(directory, tmp_path):
     target = tmp_path / "copy"
     shutil.copytree(directory, target)
@@ -313,7 +337,9 @@ def test_cancel_stops_every_agent_and_rank(hooks):
     deadline = time.monotonic() + 60
     while "torchrun:" not in explorer.state.status.text and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(3)  # the agents and ranks are up
+    while not _ours_running("pipexplore-torchrun-") and time.monotonic() < deadline:  # the agents are up
+        time.sleep(0.1)  # (a fixed wait of 3 s was too short on a loaded machine)
+    time.sleep(1)
     assert _ours_running("pipexplore-torchrun-")
     assert explorer.cancel(timeout=60)
     assert not thread.is_alive() and explorer.runs.empty

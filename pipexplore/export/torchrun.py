@@ -85,6 +85,7 @@ def main() -> None:
         warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
         recorder = RankRecorder(options.record, stages, device, warmup=warmup, plan=dict(
             split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
+            schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
             schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
             steps=options.steps, optimizer=type(optimizers[0]).__name__))
     last = pipe.num_stages - 1 in indices

@@ -254,9 +254,23 @@ def run_kind(recorded: RecordedRun) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def _schedule_ran(recorded: RecordedRun) -> str:
+    """The schedule the run ran: its name, or for a CSV schedule the file the run directory holds
+    (``schedule.csv``, written from the text the run recorded: the original may be on another
+    machine, or edited since)."""
+    schedule, text = str(recorded.plan["schedule"]), recorded.plan.get("schedule_csv")
+    if not text:
+        return schedule
+    path = pathlib.Path(recorded.directory) / "schedule.csv"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return str(path)
+
+
 def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Plan:
     """The plan the run ran, on ``layer_table`` (the explorer's) with ``base``'s corrections and
-    options: its splits (by the split points' names), chunks, schedule, the stages per rank of an
+    options: its splits (by the split points' names), chunks, schedule (a CSV schedule from the text
+    the run recorded, as the run directory's ``schedule.csv``), the stages per rank of an
     interleaved schedule, and the ``processes`` executor (``torch.distributed.pipelining`` in one
     process per rank). Its devices: on other hosts' GPUs the catalogue knows (:func:`run_kind`),
     planned devices of that kind (``'H100:0'`` …, the run's ranks a node), so that what it teaches corrects plans
@@ -291,7 +305,7 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
     elif len(devices) != world or device_kind(devices) != kind:
         # the ranks' own devices: never planned ones of a kind the run did not run on
         devices = tuple("cpu" if r["device"] == "cpu" else f"cuda:{r['rank']}" for r in recorded.ranks)
-    options.update(splits=splits, chunks=int(plan["chunks"]), schedule=str(plan["schedule"]), devices=devices,
+    options.update(splits=splits, chunks=int(plan["chunks"]), schedule=_schedule_ran(recorded), devices=devices,
                    executor="processes", checkpoint="never")
     if stages > world:  # stages per rank (interleaved, a V)
         options["virtual_stages"] = stages // world
