@@ -41,7 +41,7 @@ __all__ = ["SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLAS
            "actions", "rank_orders", "worker_orders", "refusal", "check", "stage_ranks", "ranks_of", "stage_orders",
            "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order", "zero_bubble_h1_order",
            "is_csv", "csv_schedule", "load_csv", "schedule_version", "known_schedule", "is_multi_stage",
-           "splits_backward", "is_v_shaped", "schedule_csv_text", "CsvSchedule", "to_csv_text", "write_csv"]
+           "splits_backward", "is_v_shaped", "checkpointed", "schedule_csv_text", "CsvSchedule", "to_csv_text", "write_csv"]
 
 #: The schedules the simulator and the executors run.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "looped-bfs", "interleaved-zero-bubble", "zbv",
@@ -135,6 +135,12 @@ def splits_backward(schedule: Any) -> bool:
 def is_v_shaped(schedule: Any) -> bool:
     """Whether the stages lie in a V (:data:`V_SHAPED`; a CSV file says its own layout: False)."""
     return not is_csv(schedule) and schedule in V_SHAPED
+
+
+def checkpointed(checkpoint: str, microbatches: int) -> int:
+    """How many micro-batches recompute their forward before their backward (``0 … n-1``):
+    all for ``always``, all but the last for ``except_last``, none for ``never``."""
+    return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[checkpoint]
 
 
 def gpipe_order(stage: int, stages: int, m: int) -> list[Action]:

@@ -41,8 +41,8 @@ from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.saved import SavedBytes
-from pipexplore.schedules import (SCHEDULES, check, csv_schedule, is_csv, is_multi_stage, stage_ranks, worker_devices,
-                                  worker_orders)
+from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
+                                  worker_devices, worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream
 
 __all__ = ["PHASE", "Action", "Aborted", "Mailbox", "StageState", "StepResult", "ActionExecutor", "check_options",
@@ -213,7 +213,7 @@ class ActionExecutor:
         KeyboardInterrupt while waiting stops the workers, joins them and is raised.
         """
         m = microbatches
-        self._stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        self._stop = checkpointed(self.checkpoint, m)
         abort = threading.Event()
         self._abort, self._aborted = abort, False
         self._boxes: dict[Any, Mailbox] = {}

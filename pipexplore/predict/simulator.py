@@ -40,7 +40,7 @@ from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionG
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
-from pipexplore.schedules import (SCHEDULES, check, csv_schedule, is_csv, is_multi_stage, known_schedule,
+from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
                                   schedule_version, splits_backward, stage_orders, stage_ranks, worker_devices,
                                   worker_orders)
 from pipexplore.splits import check_splits
@@ -349,7 +349,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     # Bytes of the table are for its own batch (fractions: the profiled sample's rows, else the
     # batch given), unless given per micro-batch.
     fractions = [1.0 if per_microbatch else (r / (own_batch or batch) if batch else r) for r in sizes]
-    stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
+    stop = checkpointed(checkpoint, m)
 
     if is_csv(schedule):  # the file's ranks, each stage on the rank that runs it
         file = csv_schedule(schedule).check_fits(stages=S, microbatches=m)

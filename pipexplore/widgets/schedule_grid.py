@@ -19,7 +19,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from pipexplore.schedules import is_multi_stage, worker_orders
+from pipexplore.schedules import checkpointed, is_multi_stage, worker_orders
 
 __all__ = ["ScheduleGrid", "schedule_rows", "MOST_CELLS"]
 
@@ -68,12 +68,12 @@ def schedule_rows(plan: Any) -> tuple[list[str], list[list[str]], str]:
     """
     stages, m = plan.num_stages, plan.chunks
     v = plan.virtual_stages if is_multi_stage(plan.schedule) else 1
-    checkpointed = {"always": m, "except_last": m - 1}.get(plan.checkpoint, 0)
+    recomputed = checkpointed(plan.checkpoint, m)
     rows, labels = [], []
     for rank, order in enumerate(worker_orders(plan.schedule, stages, m, v)):
         cells = []
         for s, kind, i in order:
-            if kind in ("B", "I") and i < checkpointed:
+            if kind in ("B", "I") and i < recomputed:
                 cells.append(f"{s}R{i}")
             cells.append(f"{s}{kind}{i}")
         mine = sorted({s for s, _, _ in order})
