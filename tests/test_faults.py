@@ -157,7 +157,8 @@ def _interrupt_main_thread_once_started(event: threading.Event) -> threading.Thr
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers(started):
-    executor = ScheduleExecutor(nn.Sequential(started(0.05), started(0.05)), [1, 1], devices=["cpu", "cpu"], chunks=8,
+    # (layers of 0.2 s, as for GPipe below: a loaded machine delays the interrupt, not past every forward)
+    executor = ScheduleExecutor(nn.Sequential(started(0.2), started(0.2)), [1, 1], devices=["cpu", "cpu"], chunks=8,
                                 schedule="1f1b")
     sender = _interrupt_main_thread_once_started(started.event)
     with pytest.raises(KeyboardInterrupt):
