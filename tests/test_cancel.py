@@ -185,9 +185,9 @@ def test_a_cancelled_token_raises_cancelled_from_run_step(executor, sequential_t
 # ---- Ctrl+C --------------------------------------------------------------------------------
 
 @timing
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 @pytest.mark.parametrize("executor", ["threads", "traced"])
-def test_keyboard_interrupt_stops_run_step_and_joins_every_worker(executor, sequential_table, traced_table):
+def test_keyboard_interrupt_stops_run_step_and_joins_every_worker(executor, sequential_table, traced_table,
+                                                                 ctrl_c_raises):
     model, table = (slow_sequential(), sequential_table) if executor == "threads" else (SlowNet(), traced_table)
     plan = Plan(table, (2,), ("cpu", "cpu"), chunks=4, schedule="1f1b", batch=8)
     sent: list[float] = []

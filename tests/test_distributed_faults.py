@@ -86,7 +86,7 @@ def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
 
 
 @pytest.mark.timing  # a bound in seconds: runs alone (scripts/test.sh)
-def test_an_interrupt_stops_and_reaps_every_rank_within_three_seconds():
+def test_an_interrupt_stops_and_reaps_every_rank_within_three_seconds(ctrl_c_raises):
     model, x = _failing_model("hang"), torch.randn(8, 6)
     plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
     interrupted: list[float] = []

@@ -155,8 +155,7 @@ def _interrupt_main_thread_once_started(event: threading.Event) -> threading.Thr
     return thread
 
 
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
-def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers(started):
+def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers(started, ctrl_c_raises):
     # (layers of 0.2 s, as for GPipe below: a loaded machine delays the interrupt, not past every forward)
     executor = ScheduleExecutor(nn.Sequential(started(0.2), started(0.2)), [1, 1], devices=["cpu", "cpu"], chunks=8,
                                 schedule="1f1b")
@@ -168,8 +167,7 @@ def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers
     executor.step(torch.ones(8, 1))  # and the executor still works
 
 
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
-def test_keyboard_interrupt_in_gpipe_joins_its_workers(started):
+def test_keyboard_interrupt_in_gpipe_joins_its_workers(started, ctrl_c_raises):
     # (layers of 0.2 s: the 16 forwards take ~1.6 s, so a busy machine delays the interrupt without
     # letting every forward finish before it lands)
     pipe = GPipe(nn.Sequential(started(0.2), started(0.2)), balance=[1, 1], devices=["cpu", "cpu"], chunks=8)
