@@ -74,17 +74,24 @@ def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
 
 
 def worker_children():
-    """This process's pool workers that are still running."""
+    """This process's pool workers that are still running: started as ``python -m
+    pipexplore.executors._worker`` or forked by the fork server (named ``pipexplore-rN``)."""
     return [p for p in psutil.Process().children(recursive=True)
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and "pipexplore.executors._worker" in " ".join(p.cmdline())]
+            and ("pipexplore.executors._worker" in " ".join(p.cmdline()) or p.name().startswith("pipexplore-r"))]
+
+
+def fork_server_left():
+    """The fork server, if it still runs (``shutdown_pool`` stops it with the pool)."""
+    return [p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "pipexplore.executors.forkserver" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def no_pool_left_behind():
     yield
     shutdown_pool()
-    assert worker_children() == []
+    assert worker_children() == [] and fork_server_left() == []
 
 
 @pytest.fixture

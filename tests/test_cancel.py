@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from pipexplore import profile, trace
 from pipexplore.cancel import Cancelled, CancelToken, cancel_scope
 from pipexplore.distributed import shutdown_pool
+from pipexplore.executors.pool import fork_server_pid
 from pipexplore.executors.step import run_step
 from pipexplore.plan import Plan
 from pipexplore.widgets import explore
@@ -46,9 +47,10 @@ def run_threads() -> set[str]:
 
 
 def pool_workers() -> list[psutil.Process]:
-    """This process's worker processes that are still running."""
+    """This process's worker processes that are still running (the fork server, an idle spare that
+    outlives a discarded pool until ``shutdown_pool``, is not one)."""
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.pid != fork_server_pid()]
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,13 @@
 """A warm pool of worker processes, one per rank, that runs cloudpickled jobs and names any rank that dies.
 
-Workers start with a clean main module (``python -m pipexplore.executors._worker``), so a user's script or
-notebook is never re-run in them; jobs travel by value with ``cloudpickle``, so classes, lambdas
+Workers start with a clean main module (``python -m pipexplore.executors._worker``, or forked as
+that module by the :mod:`~pipexplore.executors.forkserver`, which imports torch once for every
+pool of the session: a pool that replaces a failed one starts in a fraction of a second, not
+seconds), so a user's script or notebook is never re-run in them; jobs travel by value with ``cloudpickle``, so classes, lambdas
 and closures defined in ``__main__`` or a notebook cell reach them. The pool stays up between
 runs on the same world size and devices (a rerun pays no process start-up), is discarded after
 any failure, timeout, interrupt or cancel (every process terminated, killed if it lingers, and
-reaped), and is shut down at exit or by :func:`shutdown_pool`. While it waits for the ranks it
+reaped), and is shut down, with the fork server, at exit or by :func:`shutdown_pool`. While it waits for the ranks it
 watches the run's :class:`~pipexplore.cancel.CancelToken` (:func:`pipexplore.cancel.cancel_scope`):
 a cancelled run raises :class:`~pipexplore.cancel.Cancelled` within a poll (0.05 s) and stops them.
 
@@ -37,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, CancelToken, current_token
+from pipexplore.executors import forkserver
 
 __all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "pack_job", "ensure_picklable",
            "STARTUP_TIMEOUT"]
@@ -52,6 +55,9 @@ STDERR_LINES = 20
 TERMINATE_GRACE = 1.0
 #: Seconds between looks at the run's cancel token while waiting for the ranks.
 CANCEL_POLL = 0.05
+#: Fork ranks from the fork server where the platform allows it (Linux); ``False`` starts each
+#: rank as a new interpreter, as other platforms do.
+FORK_SERVER = True
 
 
 class DistributedRunError(RuntimeError):
@@ -93,6 +99,55 @@ def _how_it_ended(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
+_server_lock = threading.Lock()
+_server: Optional[forkserver.ForkServer] = None
+
+
+def _fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServer]:
+    """The session's fork server, started on first use (``None`` where ranks start as interpreters).
+
+    Raises:
+        Cancelled: ``cancel`` was cancelled while it started.
+    """
+    global _server
+    if not (FORK_SERVER and forkserver.supported()):
+        return None
+    with _server_lock:
+        if _server is not None and not _server.alive():
+            _server.close()
+            _server = None
+        if _server is None:
+            try:
+                _server = forkserver.ForkServer.start(_worker_env(), timeout=STARTUP_TIMEOUT,
+                                                      stop=lambda: cancel is not None and cancel.cancelled)
+            except RuntimeError:
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled("the run was cancelled during start-up: every rank is stopped; the plan and "
+                                    "earlier runs are kept") from None
+                raise
+        return _server
+
+
+def _start_rank(argv: list[str], fd: int, stderr: Any, cancel: Optional[CancelToken]
+                ) -> subprocess.Popen[bytes] | forkserver.ForkedProcess:
+    """Start one rank: forked by the fork server, else ``python -m pipexplore.executors._worker ARGV``.
+    Either way in a session of its own: a Ctrl-C in a terminal reaches this process, which stops it."""
+    server = _fork_server(cancel)
+    if server is not None:
+        try:
+            return server.spawn(argv, fd, stderr.fileno(), _worker_env())
+        except OSError:  # the server died: this rank starts as an interpreter; the next pool, a new server
+            pass
+    return subprocess.Popen([sys.executable, "-m", "pipexplore.executors._worker", *argv], pass_fds=(fd,),
+                            stderr=stderr, env=_worker_env(), start_new_session=True)
+
+
+def fork_server_pid() -> Optional[int]:
+    """The fork server's process id while it runs (an idle spare, not a rank), else ``None``."""
+    server = _server
+    return server.pid if server is not None and server.alive() else None
+
+
 class WorkerPool:
     """One worker process per rank, joined in one process group, serving jobs until closed.
 
@@ -110,7 +165,7 @@ class WorkerPool:
     def __init__(self, world: int, devices: Sequence[str], cancel: Optional[CancelToken] = None) -> None:
         self.world, self.devices = world, tuple(str(d) for d in devices)
         self.port = _free_port()
-        self._processes: list[subprocess.Popen[bytes]] = []
+        self._processes: list[subprocess.Popen[bytes] | forkserver.ForkedProcess] = []
         self._connections: list[Connection] = []
         self._stderr: list[Any] = []
         self._stderr_start = [0] * world
@@ -120,11 +175,8 @@ class WorkerPool:
                 parent_end, child_end = multiprocessing.Pipe()
                 stderr = tempfile.TemporaryFile(prefix=f"pipexplore-rank{rank}-", suffix=".stderr")
                 self._stderr.append(stderr)
-                command = [sys.executable, "-m", "pipexplore.executors._worker", str(rank), str(world), str(self.port),
-                           str(child_end.fileno()), _backend(self.devices)]
-                # A session of their own: a Ctrl-C in a terminal reaches this process, which stops them.
-                self._processes.append(subprocess.Popen(command, pass_fds=(child_end.fileno(),), stderr=stderr,
-                                                        env=_worker_env(), start_new_session=True))
+                argv = [str(rank), str(world), str(self.port), str(child_end.fileno()), _backend(self.devices)]
+                self._processes.append(_start_rank(argv, child_end.fileno(), stderr, cancel))
                 child_end.close()
                 self._connections.append(parent_end)
             ready = self._collect(range(world), started + STARTUP_TIMEOUT, lambda waiting: (
@@ -291,18 +343,23 @@ def warm_pool(world: int, devices: Sequence[str]) -> Iterator[tuple[WorkerPool, 
 
 
 def shutdown_pool() -> None:
-    """Stop the warm worker processes, if any (also done at exit); the next run starts new ones.
+    """Stop the warm worker processes and the fork server, if any (also done at exit); the next run
+    starts new ones.
 
     Example::
 
         pipexplore.distributed.shutdown_pool()
     """
-    global _pool
+    global _pool, _server
     acquired = _lock.acquire(timeout=10.0)  # a run still in flight at exit: stop its workers anyway
     try:
         if _pool is not None:
             _pool.close(kill=not acquired)
             _pool = None
+        with _server_lock:
+            if _server is not None:
+                _server.close()
+                _server = None
     finally:
         if acquired:
             _lock.release()

@@ -1,0 +1,333 @@
+"""A fork server for pool workers: one process that imports torch once and forks each rank from it.
+
+Starting a rank as a new interpreter costs its imports (torch alone: ~3.5 s of CPU on a small
+machine), paid again by every pool that replaces one after a failure, a timeout or a cancel. The
+fork server (``python -m pipexplore.executors.forkserver FD``) pays them once: it imports torch,
+``torch.distributed``, cloudpickle and pipexplore, touches nothing that starts threads or a
+device, and then forks one child per request. Each child is what ``python -m
+pipexplore.executors._worker`` would be (its own session, its own stderr file, the caller's
+environment and working directory at the time of the request, fresh random state) and runs
+:func:`pipexplore.executors._worker.main`.
+
+The caller holds a :class:`ForkedProcess` per child, with the part of :class:`subprocess.Popen`
+that the pool uses (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``): the server reaps its
+children and reports each exit status (a negative code for a signal, as ``Popen`` does).
+
+How it ends: :meth:`ForkServer.close` (called by :func:`pipexplore.executors.pool.shutdown_pool`,
+so at exit too) stops it; it leaves by itself when the process that started it is gone, and its
+children then leave too (each watches its parent, the server). On platforms without ``fork``
+(anything but Linux here: forking a process that has imported torch is unsafe on macOS) the pool
+starts each rank as a new interpreter, as it did before.
+
+Example::
+
+    server = ForkServer.start(env=dict(os.environ))
+    child = server.spawn(["0", "2", "29500", str(fd), "gloo"], pass_fd=fd, stderr_fd=err.fileno())
+    child.wait(timeout=10)
+    server.close()
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["ForkServer", "ForkedProcess", "supported", "PRELOAD"]
+
+#: Modules the server imports before it forks: what every rank imports anyway.
+PRELOAD = ("torch", "torch.distributed", "cloudpickle", "pipexplore", "pipexplore.executors._worker",
+           "pipexplore.executors.distributed")
+#: Seconds between the server's looks at its parent.
+PARENT_POLL = 0.5
+#: The largest message on the control socket (a request carries the caller's environment).
+MESSAGE_BYTES = 1 << 20
+
+
+def supported() -> bool:
+    """Whether ranks are forked from a server here (Linux); elsewhere each starts a new interpreter."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(socket, "send_fds")
+
+
+class ForkedProcess:
+    """A child of the fork server, as the pool sees a :class:`subprocess.Popen`.
+
+    Its exit status comes from the server, which reaps it: ``returncode`` is ``None`` while it runs,
+    then its exit code, or ``-N`` when signal ``N`` ended it.
+    """
+
+    def __init__(self, server: "ForkServer", pid: int) -> None:
+        self._server = server
+        #: The child's process id.
+        self.pid = pid
+        #: Its exit code once it has ended (``-N``: killed by signal ``N``), else ``None``.
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        """Its exit code if it has ended, else ``None`` (never blocks)."""
+        if self.returncode is None:
+            self.returncode = self._server._exit_code(self.pid, timeout=0.0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for it to end and return its exit code.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+        """
+        if self.returncode is None:
+            self.returncode = self._server._exit_code(self.pid, timeout=timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """Send it ``signum``, unless it has already ended (its pid may be reused by then)."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM)."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Stop it now (SIGKILL)."""
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The server process and the caller's end of its control socket (one caller thread at a time
+    talks to it; :meth:`spawn`, the exit codes and :meth:`close` take a lock)."""
+
+    def __init__(self, process: subprocess.Popen[bytes], control: socket.socket, pid: int) -> None:
+        self._process = process
+        self._control = control
+        self._lock = threading.Lock()
+        self._exits: dict[int, int] = {}
+        self._started: list[int] = []
+        #: The server's process id (its children's parent).
+        self.pid = pid
+
+    @classmethod
+    def start(cls, env: dict[str, str], timeout: float = 120.0,
+              stop: Callable[[], bool] = lambda: False) -> "ForkServer":
+        """Start a server with ``env`` and wait until it has imported :data:`PRELOAD`.
+
+        Raises:
+            RuntimeError: it exited or did not get ready within ``timeout`` seconds (its stderr
+                quoted), or ``stop()`` became true while it started; it is killed and reaped.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        process = subprocess.Popen([sys.executable, "-m", "pipexplore.executors.forkserver", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        theirs.close()
+        deadline = time.monotonic() + timeout
+        try:
+            while not select.select([ours], [], [], 0.05)[0]:
+                if stop():
+                    raise RuntimeError("the fork server's start was stopped")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the fork server did not start within {timeout:g} s")
+            message = ours.recv(MESSAGE_BYTES)
+            if not message:
+                raise RuntimeError("the fork server exited while it started: "
+                                   + process.communicate(timeout=5)[1].decode(errors="replace")[-2000:])
+            status, pid = pickle.loads(message)
+        except BaseException:
+            ours.close()
+            process.kill()
+            process.wait()
+            raise
+        assert status == "ready", status
+        if process.stderr is not None:  # the server writes nothing once ready; children get their own
+            process.stderr.close()
+        return cls(process, ours, pid)
+
+    def alive(self) -> bool:
+        """Whether the server still runs."""
+        return self._process.poll() is None
+
+    def spawn(self, argv: Sequence[str], pass_fd: int, stderr_fd: int, env: dict[str, str]) -> ForkedProcess:
+        """Fork a rank that runs ``_worker.main(argv)`` with ``pass_fd`` as its pipe (``argv[3]`` is
+        replaced by the number it has there), its stderr on ``stderr_fd``, ``env`` as its
+        environment and this process's working directory as its own.
+
+        Raises:
+            OSError: the server is gone or did not answer.
+        """
+        request = pickle.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()})
+        with self._lock:
+            socket.send_fds(self._control, [request], [pass_fd, stderr_fd])
+            deadline = time.monotonic() + 30.0
+            while not self._started:
+                if not self._read(max(0.0, deadline - time.monotonic())):
+                    raise OSError("the fork server did not answer a request to start a rank")
+            return ForkedProcess(self, self._started.pop())
+
+    def _read(self, timeout: Optional[float]) -> bool:
+        """File the server's next message (a child started or exited); ``False`` after ``timeout``.
+
+        Raises:
+            OSError: the server is gone.
+        """
+        if not select.select([self._control], [], [], timeout)[0]:
+            return False
+        data = self._control.recv(MESSAGE_BYTES)
+        if not data:
+            raise OSError("the fork server is gone")
+        message = pickle.loads(data)
+        if message[0] == "exit":
+            self._exits[message[1]] = message[2]
+        else:
+            self._started.append(message[1])
+        return True
+
+    def _exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        """``pid``'s exit code once the server has reported it; ``None`` if it runs after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._exits:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    if not self._read(left):
+                        return None
+                except OSError:  # the server is gone: its children leave after it
+                    return self._gone(pid, deadline)
+            return self._exits[pid]
+
+    @staticmethod
+    def _gone(pid: int, deadline: Optional[float]) -> Optional[int]:
+        """Without a server to report it: ``-SIGKILL`` once ``pid`` no longer exists (its real
+        status is lost with the server), else ``None`` at ``deadline``."""
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -int(signal.SIGKILL)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stop the server (its children are the pool's to stop) and reap it."""
+        with self._lock:
+            self._control.close()  # it sees the end of its control socket and exits
+            try:
+                self._process.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+# ---- the server process ------------------------------------------------------------------------
+
+def _name_process(name: str) -> None:
+    """Set the name ``ps`` and ``top`` show (Linux; 15 bytes), as far as the platform allows."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+
+
+def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
+    """In the forked child: become a fresh rank process and run the worker; never returns."""
+    code = 1
+    try:
+        for fd in closing:
+            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setsid()
+        pipe_fd, stderr_fd = fds
+        os.dup2(stderr_fd, 2)
+        os.close(stderr_fd)
+        if request["env"] is not None:
+            os.environ.clear()
+            os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        import random
+
+        random.seed()
+        argv = list(request["argv"])
+        argv[3] = str(pipe_fd)
+        _name_process(f"pipexplore-r{argv[0]}")
+        from pipexplore.executors import _worker
+
+        _worker.main(argv)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def serve(fd: int) -> None:
+    """The server's loop: preload, say ready, then fork on request and report exits until the
+    control socket closes or the parent is gone."""
+    control = socket.socket(fileno=fd)
+    parent = os.getppid()
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    control.send(pickle.dumps(("ready", os.getpid())))
+    children: set[int] = set()
+    while True:
+        ready = select.select([control, wake_read], [], [], PARENT_POLL)[0]
+        if os.getppid() != parent:
+            os._exit(0)  # the caller is gone; the children see this server gone and leave too
+        if wake_read in ready:
+            try:
+                while os.read(wake_read, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            control.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
+        if control in ready:
+            data, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 2)
+            if not data:
+                os._exit(0)
+            pid = os.fork()
+            if pid == 0:
+                _child(pickle.loads(data), list(fds), [control.fileno(), wake_read, wake_write])
+            for received in fds:
+                os.close(received)
+            children.add(pid)
+            control.send(pickle.dumps(("started", pid)))
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

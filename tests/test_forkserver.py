@@ -1,0 +1,138 @@
+"""The fork server: pool ranks forked from one process that imported torch once, as fresh as new interpreters."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from pipexplore.executors import forkserver, pool
+from pipexplore.executors.pool import DistributedRunError, pack_job, shutdown_pool, warm_pool
+from ranks import no_pool_left_behind, worker_children  # noqa: F401  (no_pool_left_behind: a fixture)
+
+pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="ranks are forked only on Linux")
+
+
+def _facts(rank, world, name):
+    import torch.distributed as dist
+
+    return {"rank": rank, "world": world, "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
+            "env": os.environ.get(name), "cwd": os.getcwd(), "random": random.getrandbits(64),
+            "group": dist.get_world_size(), "argv0": sys.argv[0]}
+
+
+def _run(world, **kwargs):
+    with warm_pool(world, ["cpu"] * world) as (running, startup):
+        return running.run([pack_job(_facts, kwargs) for _ in range(world)], timeout=60.0), startup
+
+
+def test_ranks_are_forked_from_one_server_that_outlives_a_failed_pool(monkeypatch, tmp_path):
+    shutdown_pool()
+    monkeypatch.setenv("PIPEXPLORE_FORK_TEST", "first")
+    first, _ = _run(2, name="PIPEXPLORE_FORK_TEST")
+    server = pool.fork_server_pid()
+    assert server is not None and psutil.Process(server).ppid() == os.getpid()
+    assert [r["rank"] for r in first] == [0, 1] and {r["group"] for r in first} == {2}
+    assert {r["ppid"] for r in first} == {server}  # forked by the server, not started by this process
+    assert all(r["sid"] == r["pid"] for r in first)  # each in a session of its own (Ctrl-C reaches us only)
+    assert sorted(p.name() for p in worker_children()) == ["pipexplore-r0", "pipexplore-r1"]
+    assert first[0]["random"] != first[1]["random"]  # fresh random state per rank
+    # a failed run discards the pool; the next one forks new ranks from the same server, with the
+    # environment and working directory the caller has now
+    with pytest.raises(DistributedRunError, match=r"rank 1 .* exited with code 7"):
+        with warm_pool(2, ["cpu", "cpu"]) as (running, _):
+            running.run([pack_job(_facts, {"name": "X"}), pack_job(_exit_seven, {})], timeout=60.0)
+    assert worker_children() == []
+    monkeypatch.setenv("PIPEXPLORE_FORK_TEST", "second")
+    monkeypatch.chdir(tmp_path)
+    second, startup = _run(3, name="PIPEXPLORE_FORK_TEST")
+    assert pool.fork_server_pid() == server
+    assert {r["ppid"] for r in second} == {server} and not {r["pid"] for r in second} & {r["pid"] for r in first}
+    assert {r["env"] for r in second} == {"second"} and {r["cwd"] for r in second} == {str(tmp_path)}
+    assert [r["group"] for r in second] == [3, 3, 3]
+    assert 0 < startup
+    shutdown_pool()
+    assert pool.fork_server_pid() is None and not psutil.pid_exists(server)  # stopped and reaped
+
+
+def _exit_seven(rank, world):
+    os._exit(7)
+
+
+def _killed(rank, world):
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_rank_is_named_with_its_signal_through_the_server():
+    with pytest.raises(DistributedRunError, match=r"rank 0 \(cpu, pid \d+\) was killed by SIGKILL \(signal 9\)"):
+        with warm_pool(1, ["cpu"]) as (running, _):
+            running.run([pack_job(_killed, {})], timeout=60.0)
+    assert worker_children() == []
+
+
+def test_without_the_server_ranks_start_as_interpreters(monkeypatch):
+    shutdown_pool()
+    monkeypatch.setattr(pool, "FORK_SERVER", False)
+    replies, _ = _run(2, name="PATH")
+    assert pool.fork_server_pid() is None
+    assert {r["ppid"] for r in replies} == {os.getpid()}
+    assert all("pipexplore.executors._worker" in " ".join(p.cmdline()) for p in worker_children())
+    shutdown_pool()
+
+
+def test_the_server_and_its_ranks_leave_when_their_caller_dies(tmp_path):
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from pipexplore.executors import pool
+        with pool.warm_pool(2, ["cpu", "cpu"]) as (running, _):
+            pids = running.pids
+        print(pool.fork_server_pid(), *pids, flush=True)
+        os._exit(0)  # no clean-up: as a killed kernel
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(v) for v in done.stdout.split()]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    assert [pid for pid in pids if _running(pid)] == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_forked_process_reports_exit_codes_as_popen_does():
+    server = forkserver.ForkServer.start(pool._worker_env())
+    try:
+        import multiprocessing
+
+        ours, theirs = multiprocessing.Pipe()
+        with open(os.devnull, "wb") as sink:
+            # a rank that cannot join its group (world 2, nobody else): it waits until killed
+            child = server.spawn(["0", "2", str(pool._free_port()), str(theirs.fileno()), "gloo"], theirs.fileno(),
+                                 sink.fileno(), pool._worker_env())
+        theirs.close()
+        assert child.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.2)
+        child.terminate()
+        assert child.wait(timeout=10) == -15 and child.returncode == -15
+        child.kill()  # ended already: nothing is sent to a pid that may be reused
+        ours.close()
+    finally:
+        server.close()
+    assert not server.alive()
