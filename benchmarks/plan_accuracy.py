@@ -307,12 +307,15 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
     measured = profiled(all_kinds)
     predict = [k for k in all_kinds if k not in CALIBRATE]
 
-    def learnt_from(names: list[str], small_kernel: bool = True) -> Efficiency:  # from both sizes of these kinds
+    def learnt_from(names: list[str], small_kernel: bool = True, additive: bool = True
+                    ) -> Efficiency:  # from both sizes of these kinds
         tables = {n: pd.DataFrame({phase: [measured.at[k, (phase, n)] for k in names]
                                    for phase in ("forward", "backward")}, index=names) for n in SIZES}
-        return fit_efficiency(ops[ops["kind"].isin(names)], tables, spec, small_kernel=small_kernel)
+        return fit_efficiency(ops[ops["kind"].isin(names)], tables, spec, small_kernel=small_kernel,
+                              additive=additive)
 
-    learnt, fractions = learnt_from(CALIBRATE), learnt_from(CALIBRATE, small_kernel=False)
+    # learnt: every parameter the fit may keep; fractions: the two fractions of the plain roofline
+    learnt, fractions = learnt_from(CALIBRATE), learnt_from(CALIBRATE, small_kernel=False, additive=False)
     result = errors(ops, spec, measured, predict, learnt)
     alone = errors(ops, spec, measured, predict, fractions)["error"].abs()
     at_peak = errors(ops, spec, measured, predict, Efficiency(1.0, 1.0))["error"].abs()
@@ -322,7 +325,7 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
     worst = result.loc[err.idxmax()]
     out = {"peak": spec.peak("float32"), "bandwidth": spec.memory_bandwidth, "op": spec.kernel_overhead,
            "eff_flops": float(learnt.flops), "eff_bw": float(learnt.bandwidth),  # type: ignore[arg-type]
-           "small_kernel": learnt.small_kernel_for(spec),
+           "small_kernel": learnt.small_kernel_for(spec), "overlap": learnt.overlap_for(spec),
            "median": err.median(), "max": err.max(), "fractions": alone.median(), "fractions_max": alone.max(),
            "at_peak": at_peak.median(), "swapped": swapped.median(),
            "swapped_max": swapped.max(), "planned": step["planned"], "planned_fractions": step["planned_fractions"],
@@ -334,7 +337,8 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
           f"{out['op'] * 1e6:.1f} µs per op (a view {view_kernels:.2f} of it), a layer call "
           f"{layer_call['forward'] * out['op'] * 1e6:.0f} / {layer_call['backward'] * out['op'] * 1e6:.0f} µs; "
           f"learnt FLOP/s {out['eff_flops']:.2f}, bandwidth {out['eff_bw']:.2f}, small kernel "
-          f"{out['small_kernel'] * 1e6:.0f} µs (the fractions alone: {float(fractions.flops):.2f}, "  # type: ignore[arg-type]
+          f"{out['small_kernel'] * 1e6:.0f} µs, overlap {out['overlap']:.0f} (the fractions of the plain roofline: "
+          f"{float(fractions.flops):.2f}, "  # type: ignore[arg-type]
           f"{float(fractions.bandwidth):.2f})")
     print(f"  per layer: median |error| {out['median'] * 100:.1f} %, max {out['max'] * 100:.1f} % ({worst['kind']} "
           f"{worst['phase']} at {worst['rows']} rows); the fractions alone {out['fractions'] * 100:.1f} % (max "

@@ -285,3 +285,41 @@ def test_fit_efficiency_learns_no_small_kernel_cost_it_cannot_see():
     # Measured without one, at two sizes, none is learnt either.
     exact = {n: kind_seconds(_mixed_ops(), spec, n, efficiency=Efficiency(0.6, 0.5)) for n in (32, 256)}
     assert fit_efficiency(_mixed_ops(), exact, spec).small_kernel is None
+
+
+def test_overlap_says_how_much_of_the_shorter_term_hides():
+    ops = _ops(rows=64)
+    launch = H100.kernel_overhead
+    compute = 2.0 * 64 * N * N / (989.5e12 * H100.flops_efficiency)
+    memory = (2.0 * N * N + 4.0 * 64 * N) / (3.35e12 * H100.bandwidth_efficiency)
+    roofline = op_seconds(ops, H100, 64)
+    pd.testing.assert_series_equal(op_seconds(ops, H100, 64, efficiency=Efficiency(overlap=1.0)), roofline)
+    assert roofline[0] == pytest.approx(launch + max(compute, memory))
+    assert op_seconds(ops, H100, 64, efficiency=Efficiency(overlap=0.0))[0] == pytest.approx(launch + compute + memory)
+    assert op_seconds(ops, H100, 64, efficiency=Efficiency(overlap=0.25))[0] == pytest.approx(
+        launch + max(compute, memory) + 0.75 * min(compute, memory))
+    # an op that computes nothing has nothing to add: a view still costs nothing
+    assert op_seconds(ops, H100, 64, efficiency=Efficiency(overlap=0.0))[5] == 0.0
+    assert hash(Efficiency(0.5, 0.5)) != hash(Efficiency(0.5, 0.5, overlap=0.0))
+    with pytest.raises(ValueError, match=r"overlap is the fraction of the shorter term hidden \(0 … 1\), got 1.5"):
+        Efficiency(overlap=1.5)
+
+
+@pytest.mark.parametrize("truth", [(0.5, 0.6), (0.9, 0.3)])
+def test_fit_efficiency_learns_that_arithmetic_and_traffic_add(truth):
+    spec = DeviceSpec("Toy", 16 * GiB, 100e9, {"float32": 2e12}, kernel_overhead=5e-6, flops_efficiency=0.7,
+                      bandwidth_efficiency=0.8)
+    ops = _mixed_ops()
+    measured = {n: kind_seconds(ops, spec, n, efficiency=Efficiency(*truth, overlap=0.0)) for n in (32, 256)}
+    learnt = fit_efficiency(ops, {n: m.iloc[::2] for n, m in measured.items()}, spec)
+    assert learnt.overlap == 0.0
+    assert (learnt.flops, learnt.bandwidth) == pytest.approx(truth, rel=1e-6)
+    for n, m in measured.items():  # the other half predicted as measured
+        np.testing.assert_allclose(kind_seconds(ops, spec, n, efficiency=learnt).iloc[1::2], m.iloc[1::2], rtol=1e-6)
+    # the roofline alone cannot reproduce them
+    roofline = fit_efficiency(ops, measured, spec, additive=False)
+    assert roofline.overlap is None
+    assert not np.allclose(kind_seconds(ops, spec, 32, efficiency=roofline), measured[32], rtol=1e-3)
+    # and data made by the roofline keep it
+    made = {n: kind_seconds(ops, spec, n, efficiency=Efficiency(*truth)) for n in (32, 256)}
+    assert fit_efficiency(ops, made, spec).overlap is None

@@ -15,6 +15,12 @@ with ``f½ = small_kernel · peak · eff_flops``: half the large-kernel fraction
 to it for large kernels. Ops that compute nothing (flops 0) never pay it; an op pays it only where it is
 compute-bound (the ``max``).
 
+``overlap`` (:attr:`Efficiency.overlap`; 1 unless learnt) is how much of the shorter of the two
+terms hides behind the longer: ``max(c, m) + (1 − overlap) · min(c, m)``. 1 is the roofline (a
+GPU streams operands while its tensor cores compute); 0 adds them, as a CPU GEMM does that packs
+its weight before it multiplies (a Linear of 32 rows on 2 CPU cores: ~0.4 ms of packing a 4 MB
+weight beside 1.3 ms of arithmetic).
+
 The ops frame, one row per operator of each kind and phase:
 
 =============  ==================================================================================
@@ -75,11 +81,15 @@ class Efficiency:
     (``flops > 0``): ``flops / (peak · eff) + small_kernel``, so that small kernels reach less of
     the peak than large ones (the module's docstring). ``None``: 0 — the catalogue's fractions are
     those of large kernels, and no spec says more; :func:`fit_efficiency` learns it.
+    ``overlap``: the fraction (0 … 1) of the shorter of an op's arithmetic and memory time that
+    hides behind the longer. ``None``: 1, the roofline's ``max``; :func:`fit_efficiency` learns 0
+    (the two add) where that fits the measured kinds better.
     """
 
     flops: Union[None, float, Mapping[str, float]] = None
     bandwidth: Optional[float] = None
     small_kernel: Optional[float] = None
+    overlap: Optional[float] = None
 
     def __post_init__(self) -> None:
         values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
@@ -91,10 +101,12 @@ class Efficiency:
         if self.small_kernel is not None and not (math.isfinite(float(self.small_kernel))
                                                   and float(self.small_kernel) >= 0):
             raise ValueError(f"small_kernel is seconds per kernel (finite, ≥ 0), got {self.small_kernel}")
+        if self.overlap is not None and not 0 <= float(self.overlap) <= 1:
+            raise ValueError(f"overlap is the fraction of the shorter term hidden (0 … 1), got {self.overlap}")
 
     def __hash__(self) -> int:
         flops = tuple(sorted(self.flops.items())) if isinstance(self.flops, Mapping) else self.flops
-        return hash((flops, self.bandwidth, self.small_kernel))
+        return hash((flops, self.bandwidth, self.small_kernel, self.overlap))
 
     def flops_for(self, dtype: str, spec: DeviceSpec) -> float:
         if isinstance(self.flops, Mapping):
@@ -107,6 +119,15 @@ class Efficiency:
     def small_kernel_for(self, spec: DeviceSpec) -> float:
         """Seconds per computing kernel beyond its FLOPs: as given, else 0 (no spec says more)."""
         return float(self.small_kernel) if self.small_kernel is not None else 0.0
+
+    def overlap_for(self, spec: DeviceSpec) -> float:
+        """The fraction of the shorter term hidden: as given, else 1 (the roofline)."""
+        return float(self.overlap) if self.overlap is not None else 1.0
+
+
+def _combined(compute: np.ndarray, memory: np.ndarray, overlap: float) -> np.ndarray:
+    """An op's seconds beyond its launch: the longer term and what of the shorter does not hide."""
+    return np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory)
 
 
 def _checked(ops: pd.DataFrame) -> float:
@@ -154,7 +175,8 @@ def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
     """Each operator's seconds on ``spec`` at a micro-batch of ``rows`` rows (index of ``ops``):
     ``kernel_overhead + max(flops·(rows/r0) / (peak[dtype]·eff_flops) + small_kernel, (fixed_bytes +
     row_bytes·(rows/r0)) / (bandwidth·eff_bw))``, with ``r0 = ops.attrs["rows"]`` (``small_kernel`` only
-    where ``flops > 0``; 0 by default). NaN where the flops (or bytes) are NaN.
+    where ``flops > 0``; 0 by default), plus ``1 − overlap`` of the shorter term (0 by default). NaN
+    where the flops (or bytes) are NaN.
 
     Raises:
         ValueError: the frame lacks a column or ``attrs["rows"]``, or an op's dtype has no peak
@@ -162,7 +184,8 @@ def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
     """
     spec = device_spec(spec)
     launch, compute, memory = _terms(ops, spec, rows, efficiency)
-    return pd.Series(launch + np.maximum(compute, memory), index=ops.index, name="seconds")
+    overlap = (efficiency if efficiency is not None else Efficiency()).overlap_for(spec)
+    return pd.Series(launch + _combined(compute, memory, overlap), index=ops.index, name="seconds")
 
 
 def _sum_by_kind(ops: pd.DataFrame, seconds: np.ndarray) -> pd.DataFrame:
@@ -285,7 +308,7 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
 
 def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame, Mapping[float, pd.DataFrame]],
                    spec: SpecLike, rows: Optional[float] = None, *, per_dtype: bool = False,
-                   small_kernel: bool = True, iterations: int = 25) -> Efficiency:
+                   small_kernel: bool = True, additive: bool = True, iterations: int = 25) -> Efficiency:
     """The efficiency that makes the roofline reproduce measured kinds: what a device of the same
     kind present here teaches the catalogue.
 
@@ -306,6 +329,9 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     or where they do not fit better.
     ``per_dtype``: one FLOP/s fraction per dtype the compute-bound ops use. ``small_kernel=False``:
     learn the fractions only (the small-kernel seconds 0, as before they were modelled).
+    ``additive``: also fit the form where each op's arithmetic and memory time add (``overlap`` 0:
+    every op's FLOPs and bytes in its row, linear without classifying), and keep it, with its own
+    fractions, where its error is lower than the roofline's (``overlap`` then 0, else ``None``).
 
     Example::
 
@@ -344,25 +370,33 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     groups = sorted({d for _, c, _, g, _, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
     # The reciprocals of the fractions, from the defaults, and no small-kernel seconds.
     start = np.array([*(1.0 / spec.flops_efficiency for _ in groups), 1.0 / spec.bandwidth_efficiency, 0.0])
-    values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations)
-    if small_kernel:  # from the fractions alone, then the small-kernel seconds with them: kept where they fit better
-        joint = _solve(entries, groups, per_dtype, values, True, iterations)
-        if joint[2] < residual and joint[0][-1] > 0:
-            values, learnt = joint[0], learnt | joint[1]
+    best: Optional[tuple[np.ndarray, set[int], float, float]] = None
+    for overlap in (1.0, 0.0) if additive else (1.0,):
+        values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations, overlap)
+        if small_kernel:  # from the fractions alone, then the small-kernel seconds with them: kept where they fit better
+            joint = _solve(entries, groups, per_dtype, values, True, iterations, overlap)
+            if joint[2] < residual and joint[0][-1] > 0:
+                values, learnt, residual = joint[0], learnt | joint[1], joint[2]
+        if best is None or residual < best[2]:
+            best = (values, learnt, residual, overlap)
+    assert best is not None
+    values, learnt, _, overlap = best
     ky, ks = len(groups), len(groups) + 1
     # A fraction nothing measured depends on keeps the spec's default (exactly).
     flops = {g: 1.0 / values[k] for k, g in enumerate(groups) if k in learnt}
     return Efficiency(flops=flops if per_dtype else flops.get("all", spec.flops_efficiency),
                       bandwidth=1.0 / values[ky] if ky in learnt else spec.bandwidth_efficiency,
-                      small_kernel=float(values[ks]) if ks in learnt and values[ks] > 0 else None)
+                      small_kernel=float(values[ks]) if ks in learnt and values[ks] > 0 else None,
+                      overlap=None if overlap == 1.0 else overlap)
 
 
 def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray, small_kernel: bool,
-           iterations: int) -> tuple[np.ndarray, set[int], float]:
+           iterations: int, overlap: float = 1.0) -> tuple[np.ndarray, set[int], float]:
     """:func:`fit_efficiency`'s alternation from ``start`` (the FLOP/s reciprocals per group, the
     bandwidth's, the small-kernel seconds): classify the ops, solve the linear least squares,
     until the classification holds. The values, the columns learnt, and the sum of the squared
-    relative errors of the roofline (the ``max``, not its linearisation) at the values."""
+    relative errors of the roofline (the ``max``, not its linearisation) at the values. With
+    ``overlap`` 0 every op counts both its terms: one solve, no classification to settle."""
     ky, ks = len(groups), len(groups) + 1  # the columns of the bandwidth reciprocal and the small-kernel seconds
     current = np.array(start, dtype=float)
     previous, learnt = None, set()
@@ -378,8 +412,11 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
         for launch, compute, memory, group, does, value in entries:
             of, arithmetic, traffic = times(launch, compute, memory, group, does, value)
             bound = arithmetic >= traffic  # the compute-bound ops
+            if overlap == 0.0:  # additive: both terms of every op
+                bound = np.ones_like(bound)
             bounds.append(bound)
-            row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[~bound].sum()),
+            traffic_of = ~bound if overlap != 0.0 else bound
+            row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[traffic_of].sum()),
                                                                               float((bound & does).sum())]
             design.append(np.array(row) / value)
             target.append((value - float(launch.sum())) / value)
@@ -409,7 +446,7 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
     for entry in entries:
         _, arithmetic, traffic = times(*entry)
         value = entry[-1]
-        residual += ((float(entry[0].sum()) + float(np.maximum(arithmetic, traffic).sum())) / value - 1.0) ** 2
+        residual += ((float(entry[0].sum()) + float(_combined(arithmetic, traffic, overlap).sum())) / value - 1.0) ** 2
     return current, learnt, residual
 
 
