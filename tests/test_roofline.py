@@ -10,8 +10,8 @@ import torch
 
 from pipexplore.devices import DeviceSpec, GiB, device_spec
 from pipexplore.predict.costs import has_fit, layer_seconds
-from pipexplore.predict.roofline import (Efficiency, fit_efficiency, kind_seconds, op_seconds, optimizer_bytes,
-                                         optimizer_seconds, planned_layer_costs)
+from pipexplore.predict.planned_optimizer import optimizer_bytes, optimizer_seconds
+from pipexplore.predict.roofline import Efficiency, fit_efficiency, kind_seconds, op_seconds, planned_layer_costs
 
 H100 = device_spec("H100")
 N = 8192  # a large square matmul: compute-bound by far

@@ -143,7 +143,7 @@ def optimizer_traffic(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any]
     precision: the fp32 gradient read (4), the fp32 master weight read and written (8), the
     states read and written in fp32 (8k) and the 16-bit weight written (2): ``14 + 8k`` bytes a
     trained parameter. An optimizer step is bound by memory bandwidth: seconds are these bytes
-    over it (:func:`pipexplore.predict.roofline.optimizer_seconds` for one layer)."""
+    over it (:func:`pipexplore.predict.planned_optimizer.optimizer_seconds` for one layer)."""
     n = len(table)
     k = optimizer_state_ratio(optimizer)
     grads = _column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n)
