@@ -78,7 +78,7 @@ def worker_children():
     pipexplore.executors._worker`` or forked by the fork server (named ``pipexplore-rN``)."""
     return [p for p in psutil.Process().children(recursive=True)
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and ("pipexplore.executors._worker" in " ".join(p.cmdline()) or p.name().startswith("pipexplore-r"))]
+            and ("-m pipexplore.executors._worker" in " ".join(p.cmdline()) or p.name().startswith("pipexplore-r"))]
 
 
 def fork_server_left():

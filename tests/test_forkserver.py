@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import psutil
 import pytest
@@ -83,7 +84,8 @@ def test_without_the_server_ranks_start_as_interpreters(monkeypatch):
     replies, _ = _run(2, name="PATH")
     assert pool.fork_server_pid() is None
     assert {r["ppid"] for r in replies} == {os.getpid()}
-    assert all("pipexplore.executors._worker" in " ".join(p.cmdline()) for p in worker_children())
+    workers = worker_children()
+    assert len(workers) == 2 and all("-m pipexplore.executors._worker" in " ".join(p.cmdline()) for p in workers)
     shutdown_pool()
 
 
@@ -136,3 +138,23 @@ def test_forked_process_reports_exit_codes_as_popen_does():
     finally:
         server.close()
     assert not server.alive()
+
+
+def test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters(monkeypatch):
+    shutdown_pool()
+    monkeypatch.setattr(forkserver, "PRELOAD", ("pipexplore", "pipexplore_no_such_module"))
+    with pytest.warns(RuntimeWarning, match=r"(?s)rank processes start as new interpreters in this session \(slower "
+                                            r"to start\): the fork server exited while it started: .*No module named "
+                                            r"'pipexplore_no_such_module'"):
+        replies, _ = _run(2, name="PATH")
+    assert pool.fork_server_pid() is None and {r["ppid"] for r in replies} == {os.getpid()}
+    pool._pool.close(kill=True)  # the pool discarded, as after a failed run: the refusal stays
+    pool._pool = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not tried (nor warned) again before shutdown_pool()
+        _run(2, name="PATH")
+    shutdown_pool()  # which forgets the refusal: the next pool tries a server again
+    monkeypatch.setattr(forkserver, "PRELOAD", ("pipexplore",))
+    replies, _ = _run(1, name="PATH")
+    assert {r["ppid"] for r in replies} == {pool.fork_server_pid()}
+    shutdown_pool()

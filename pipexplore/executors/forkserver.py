@@ -17,7 +17,9 @@ How it ends: :meth:`ForkServer.close` (called by :func:`pipexplore.executors.poo
 so at exit too) stops it; it leaves by itself when the process that started it is gone, and its
 children then leave too (each watches its parent, the server). On platforms without ``fork``
 (anything but Linux here: forking a process that has imported torch is unsafe on macOS) the pool
-starts each rank as a new interpreter, as it did before.
+starts each rank as a new interpreter, as it did before; so it does, after one warning, where the
+server cannot start (an import fails, or an import initialised CUDA, which a forked child could
+not use), until :func:`~pipexplore.executors.pool.shutdown_pool`.
 
 Example::
 
@@ -118,16 +120,19 @@ class ForkServer:
         self.pid = pid
 
     @classmethod
-    def start(cls, env: dict[str, str], timeout: float = 120.0,
-              stop: Callable[[], bool] = lambda: False) -> "ForkServer":
-        """Start a server with ``env`` and wait until it has imported :data:`PRELOAD`.
+    def start(cls, env: dict[str, str], timeout: float = 120.0, stop: Callable[[], bool] = lambda: False,
+              preload: Optional[Sequence[str]] = None) -> "ForkServer":
+        """Start a server with ``env`` and wait until it has imported ``preload`` (:data:`PRELOAD`).
 
         Raises:
-            RuntimeError: it exited or did not get ready within ``timeout`` seconds (its stderr
-                quoted), or ``stop()`` became true while it started; it is killed and reaped.
+            RuntimeError: it exited (an import failed: its stderr quoted), refused to serve (an
+                import initialised CUDA, which a forked child cannot use), did not get ready
+                within ``timeout`` seconds, or ``stop()`` became true while it started; it is
+                killed and reaped.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = subprocess.Popen([sys.executable, "-m", "pipexplore.executors.forkserver", str(theirs.fileno())],
+        process = subprocess.Popen([sys.executable, "-m", "pipexplore.executors.forkserver", str(theirs.fileno()),
+                                    ",".join(PRELOAD if preload is None else preload)],
                                    pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         theirs.close()
@@ -143,12 +148,13 @@ class ForkServer:
                 raise RuntimeError("the fork server exited while it started: "
                                    + process.communicate(timeout=5)[1].decode(errors="replace")[-2000:])
             status, pid = pickle.loads(message)
+            if status != "ready":
+                raise RuntimeError(f"the fork server refused to serve: {pid}")
         except BaseException:
             ours.close()
             process.kill()
             process.wait()
             raise
-        assert status == "ready", status
         if process.stderr is not None:  # the server writes nothing once ready; children get their own
             process.stderr.close()
         return cls(process, ours, pid)
@@ -284,9 +290,10 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
     """The server's loop: preload, say ready, then fork on request and report exits until the
-    control socket closes or the parent is gone."""
+    control socket closes or the parent is gone. It refuses to serve (and exits) where an import
+    initialised CUDA: a forked child cannot use CUDA that its parent initialised."""
     control = socket.socket(fileno=fd)
     parent = os.getppid()
     wake_read, wake_write = os.pipe()
@@ -296,8 +303,13 @@ def serve(fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        control.send(pickle.dumps(("refused", "an import initialised CUDA, which ranks forked from it could not "
+                                              "use")))
+        os._exit(0)
     control.send(pickle.dumps(("ready", os.getpid())))
     children: set[int] = set()
     while True:
@@ -330,4 +342,4 @@ def serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), [name for name in sys.argv[2].split(",") if name] if len(sys.argv) > 2 else PRELOAD)

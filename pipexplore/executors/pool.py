@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import types
+import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -101,6 +102,8 @@ def _how_it_ended(code: Optional[int]) -> str:
 
 _server_lock = threading.Lock()
 _server: Optional[forkserver.ForkServer] = None
+#: Why the fork server could not start, once it could not: ranks then start as interpreters.
+_server_refused: Optional[str] = None
 
 
 def _fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServer]:
@@ -109,8 +112,8 @@ def _fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServe
     Raises:
         Cancelled: ``cancel`` was cancelled while it started.
     """
-    global _server
-    if not (FORK_SERVER and forkserver.supported()):
+    global _server, _server_refused
+    if not (FORK_SERVER and forkserver.supported()) or _server_refused is not None:
         return None
     with _server_lock:
         if _server is not None and not _server.alive():
@@ -120,11 +123,14 @@ def _fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServe
             try:
                 _server = forkserver.ForkServer.start(_worker_env(), timeout=STARTUP_TIMEOUT,
                                                       stop=lambda: cancel is not None and cancel.cancelled)
-            except RuntimeError:
+            except RuntimeError as error:
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("the run was cancelled during start-up: every rank is stopped; the plan and "
                                     "earlier runs are kept") from None
-                raise
+                _server_refused = str(error)
+                warnings.warn(f"rank processes start as new interpreters in this session (slower to start): {error}",
+                              RuntimeWarning, stacklevel=2)
+                return None
         return _server
 
 
@@ -350,7 +356,7 @@ def shutdown_pool() -> None:
 
         pipexplore.distributed.shutdown_pool()
     """
-    global _pool, _server
+    global _pool, _server, _server_refused
     acquired = _lock.acquire(timeout=10.0)  # a run still in flight at exit: stop its workers anyway
     try:
         if _pool is not None:
@@ -360,6 +366,7 @@ def shutdown_pool() -> None:
             if _server is not None:
                 _server.close()
                 _server = None
+            _server_refused = None  # the next run tries again
     finally:
         if acquired:
             _lock.release()
