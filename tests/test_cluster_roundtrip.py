@@ -5,11 +5,13 @@ executor='torchrun', nodes=2)`` does both; a rank that dies is named, a director
 rank, of another plan or truncated is refused and nothing of it is kept."""
 from __future__ import annotations
 
+import html
 import importlib
 import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sys
@@ -266,6 +268,33 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     row = explorer.load_run(copy)
     assert explorer.state.result_of(row["run"]).plan.device_kind is None
     assert explorer.plan.corrections.runs == 1 and not explorer.plan.corrections.kinds
+
+
+@pytest.mark.parametrize("ranks, words", [
+    ([("cuda", "NVIDIA H800 PCIe")] * 4, r"its GPUs \(NVIDIA H800 PCIe\) are not in the catalogue: register a "
+                                         r"DeviceSpec of them \(pipexplore.devices.register_device\)"),
+    ([("cuda", "NVIDIA H100 80GB HBM3")] * 2 + [("cuda", "NVIDIA A100-SXM4-80GB")] * 2,
+     r"its ranks ran on devices of different kinds \(A100-80GB, H100\)"),
+    ([("cuda", "")] * 4, r"its ranks did not record their GPUs' names, so their kind is unknown"),
+    ([("cpu", "")] * 4, r"its ranks ran on other hosts' CPUs \(gpu-node-0, gpu-node-1\), not this machine's"),
+])
+def test_a_run_on_devices_no_kind_names_teaches_nothing(recorded, hooks, tmp_path, ranks, words):
+    """A run on other hosts whose devices are not one catalogued kind (GPUs the catalogue does not
+    know, mixed kinds, unnamed GPUs, other machines' CPUs) loads as a run but corrects no
+    prediction: taught to this machine's plans it would give them another machine's speed."""
+    _, directory, _ = recorded
+    copy = _copy(directory, tmp_path)
+    for rank, (device, name) in enumerate(ranks):
+        _edit(copy / f"rank-{rank}.json", lambda payload, r=rank, d=device, n=name: payload.update(
+            device=f"cuda:{r % 2}" if d == "cuda" else "cpu", device_name=n or None, host=f"gpu-node-{r // 2}"))
+    explorer = _explorer(hooks[0])
+    before = tl.step_time(explorer.plan.predict())
+    row = explorer.load_run(copy)
+    assert re.search(words, row["untaught"]) and row["step_time"] > 0
+    assert explorer.plan.corrections.runs == 0 and not explorer.plan.corrections.kinds
+    assert tl.step_time(explorer.plan.predict()) == before
+    assert re.search("it teaches the predictions nothing: " + words, html.unescape(explorer.w_status.value))
+    assert explorer.runs["run"].tolist() == [row["run"]]  # kept as a run all the same
 
 
 def _drop_a_backward(payload):

@@ -254,6 +254,28 @@ def run_kind(recorded: RecordedRun) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def untaught(recorded: RecordedRun) -> str | None:
+    """Why the run can teach no corrections, or None where it can: its ranks ran here (this
+    machine's corrections) or on GPUs of one kind the catalogue knows (that kind's). A run on
+    other hosts' CPUs, on GPUs the catalogue does not know, on ranks of different kinds, or on
+    GPUs whose names it did not record would otherwise correct this machine's plans with another
+    machine's speed."""
+    if set(recorded.hosts) == {socket.gethostname()} or run_kind(recorded) is not None:
+        return None
+    gpus = [r for r in recorded.ranks if str(r.get("device", "")).startswith("cuda")]
+    if not gpus:
+        return f"its ranks ran on other hosts' CPUs ({', '.join(sorted(set(recorded.hosts)))}), not this machine's"
+    names = sorted({str(r.get("device_name") or "") for r in gpus})
+    if "" in names:
+        return "its ranks did not record their GPUs' names, so their kind is unknown"
+    kinds = sorted({catalogue_kind(name) or name for name in names} | ({"cpu"} if len(gpus) < len(recorded.ranks)
+                                                                        else set()))
+    if len(kinds) > 1:
+        return f"its ranks ran on devices of different kinds ({', '.join(kinds)})"
+    return (f"its GPUs ({names[0]}) are not in the catalogue: register a DeviceSpec of them "
+            "(pipexplore.devices.register_device) to keep what such runs teach for plans on them")
+
+
 def _schedule_ran(recorded: RecordedRun) -> str:
     """The schedule the run ran: its name, or for a CSV schedule the file the run directory holds
     (``schedule.csv``, written from the text the run recorded: the original may be on another
@@ -332,6 +354,6 @@ def run_result(recorded: RecordedRun, plan: Plan, *, samples: int, run: Any = 0)
         executor="torchrun", nodes=recorded.nodes, ranks=recorded.world, hosts=",".join(recorded.hosts),
         peak_memory=max(finite_peaks) if finite_peaks else math.nan, clock_residual=recorded.clock_residual,
         rank_table=recorded.rank_table(), steps_measured=len(recorded.steps), directory=str(recorded.directory),
-        losses=recorded.losses.get(int(kept["step"].iloc[0]), []))
+        losses=recorded.losses.get(int(kept["step"].iloc[0]), []), untaught=untaught(recorded))
     return out
 

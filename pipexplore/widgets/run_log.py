@@ -193,13 +193,15 @@ class RunLog:
             self._next_run = number + 1
             self._runs.append(row)
             self._results.append(result)
-            if row["finite"] and self.calibrate:  # what it teaches carries to this explorer's plan
+            untaught = result.metrics.get("untaught")
+            if row["finite"] and self.calibrate and not untaught:  # what it teaches carries to this explorer's plan
                 learnt = result.plan.calibrated(result.timeline).corrections
                 self._plan = replace(self._plan, corrections=learnt)
                 self._emit("plan")
             self._emit("runs")
             self.say(f"{run_summary(row)} · torchrun, {row.get('nodes', '?')} nodes, {row.get('ranks', '?')} ranks "
-                     f"({row.get('hosts', '?')}), prediction error {row['prediction_error'] * 100:+.1f} %")
+                     f"({row.get('hosts', '?')}), prediction error {row['prediction_error'] * 100:+.1f} %"
+                     + (f" · it teaches the predictions nothing: {untaught}" if untaught and self.calibrate else ""))
         return pd.Series(row)
 
     # ---- the runs ---------------------------------------------------------------------------
