@@ -253,6 +253,7 @@ def _check(path: str, format: str, text: str, rows: list[tuple[int, list[tuple[i
                 raise ValueError(f"rank {rank}, step {step}: {_name((stage, kind, micro))} names stage {stage}, "
                                  f"but {held}: a rank's communication actions are its own stages'")
     microbatches = max(i for order in orders for _, _, i in order) + 1
+    _backward_once(steps, where)  # before running the order: a W beside a B would only "wait for I"
     _run(orders, steps, where, stages)
     _complete(orders, steps, where, stages, microbatches)
     return CsvSchedule(path, format, text, tuple(map(tuple, orders)), tuple(map(tuple, steps)), comms,
@@ -328,12 +329,28 @@ def _run(orders: list[list[Action]], steps: list[list[int]], where: dict[Action,
     raise ValueError(", ".join(words) + (": a deadlock, no rank can go on" if dead else ""))
 
 
+def _at(action: Action, steps: list[list[int]], where: dict[Action, tuple[int, int]]) -> str:
+    r, k = where[action]
+    return f"rank {r}, step {steps[r][k]}"
+
+
+def _backward_once(steps: list[list[int]], where: dict[Action, tuple[int, int]]) -> None:
+    """No micro-batch's backward runs both whole (B) and split (I or W) on one stage."""
+    for s, kind, i in sorted(where, key=lambda a: (a[0], a[2])):
+        if kind != "B":
+            continue
+        other = next((a for a in ((s, "I", i), (s, "W", i)) if a in where), None)
+        if other is not None:
+            b = (s, "B", i)
+            raise ValueError(f"stage {s} runs micro-batch {i}'s backward twice, as {_name(b)} ({_at(b, steps, where)}) "
+                             f"and {_name(other)} ({_at(other, steps, where)}): a backward is one B, or one I and one W")
+
+
 def _complete(orders: list[list[Action]], steps: list[list[int]], where: dict[Action, tuple[int, int]],
               stages: int, microbatches: int) -> None:
     """Every stage runs each micro-batch's forward once and its backward once (B, or I and W)."""
     def at(action: Action) -> str:
-        r, k = where[action]
-        return f"rank {r}, step {steps[r][k]}"
+        return _at(action, steps, where)
 
     for s in range(stages):
         for i in range(microbatches):
@@ -341,10 +358,6 @@ def _complete(orders: list[list[Action]], steps: list[list[int]], where: dict[Ac
             if f not in where:
                 raise ValueError(f"stage {s} has no forward of micro-batch {i} ({_name(f)}): every stage runs "
                                  f"each micro-batch (0 … {microbatches - 1}) once forward and once backward")
-            if b in where and (inp in where or w in where):
-                other = inp if inp in where else w
-                raise ValueError(f"stage {s} runs micro-batch {i}'s backward twice, as {_name(b)} ({at(b)}) and "
-                                 f"{_name(other)} ({at(other)}): a backward is one B, or one I and one W")
             if b not in where and inp not in where:
                 raise ValueError(f"stage {s} has no backward of micro-batch {i}: give it {_name(b)}, or {_name(inp)} "
                                  f"and {_name(w)}")

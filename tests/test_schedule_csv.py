@@ -116,6 +116,9 @@ def test_a_schedule_that_would_wait_forever_says_who_waits_for_whom(tmp_path, te
                            "weight-gradient action (W)"),
     ("0F0,0B0,0I0,0W0\n1F0,1B0\n", "stage 0 runs micro-batch 0's backward twice, as 0B0 (rank 0, step 2) and 0I0 "
                                    "(rank 0, step 3): a backward is one B, or one I and one W"),
+    # B and W without I: refused as the doubled backward it is, not as a W waiting for an I
+    ("0F0,0B0,0W0\n1F0,1B0\n", "stage 0 runs micro-batch 0's backward twice, as 0B0 (rank 0, step 2) and 0W0 "
+                               "(rank 0, step 3): a backward is one B, or one I and one W"),
     ("0F0,0B0\n2F0,2B0\n", "stage 1 appears on no rank: stages are numbered from 0 with none missing (found 0, 2)"),
 ])
 def test_every_stage_on_one_rank_and_every_micro_batch_once_forward_and_once_backward(tmp_path, text, message):
