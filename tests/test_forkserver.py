@@ -158,3 +158,20 @@ def test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters(monkey
     replies, _ = _run(1, name="PATH")
     assert {r["ppid"] for r in replies} == {pool.fork_server_pid()}
     shutdown_pool()
+
+
+def test_a_rank_outliving_a_closed_server_is_still_waited_for():
+    """After the server is closed (shutdown at exit while a run is in flight), a handle still says
+    whether its rank runs and waits for it to end: by its pid, the status itself gone with the server."""
+    server = forkserver.ForkServer.start(pool._worker_env())
+    import multiprocessing
+
+    ours, theirs = multiprocessing.Pipe()
+    with open(os.devnull, "wb") as sink:
+        child = server.spawn(["0", "2", str(pool._free_port()), str(theirs.fileno()), "gloo"], theirs.fileno(),
+                             sink.fileno(), pool._worker_env())
+    theirs.close()
+    server.close()  # its child notices its parent gone and leaves within a second or so
+    assert child.wait(timeout=30) == -9  # (its real status was the server's to report)
+    assert child.poll() == -9
+    ours.close()

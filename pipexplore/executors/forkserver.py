@@ -186,6 +186,8 @@ class ForkServer:
         Raises:
             OSError: the server is gone.
         """
+        if self._control.fileno() < 0:
+            raise OSError("the fork server is closed")
         if not select.select([self._control], [], [], timeout)[0]:
             return False
         data = self._control.recv(MESSAGE_BYTES)
