@@ -266,7 +266,10 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         if request["env"] is not None:
             os.environ.clear()
             os.environ.update(request["env"])
-        os.chdir(request["cwd"])
+        try:
+            os.chdir(request["cwd"])
+        except OSError:  # the caller's directory is gone (a started interpreter would still sit in it)
+            pass
         import random
 
         random.seed()
