@@ -78,15 +78,11 @@ def test_a_killed_rank_is_named_with_its_signal_through_the_server():
     assert worker_children() == []
 
 
-def test_without_the_server_ranks_start_as_interpreters(monkeypatch):
+def test_without_the_server_nothing_is_forked(monkeypatch):
     shutdown_pool()
     monkeypatch.setattr(pool, "FORK_SERVER", False)
-    replies, _ = _run(2, name="PATH")
-    assert pool.fork_server_pid() is None
-    assert {r["ppid"] for r in replies} == {os.getpid()}
-    workers = worker_children()
-    assert len(workers) == 2 and all("-m pipexplore.executors._worker" in " ".join(p.cmdline()) for p in workers)
-    shutdown_pool()
+    assert pool._fork_server(None) is None and pool.fork_server_pid() is None  # ranks start as interpreters
+    # (what they then are: test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters)
 
 
 def test_the_server_and_its_ranks_leave_when_their_caller_dies(tmp_path):
@@ -148,6 +144,8 @@ def test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters(monkey
                                             r"'pipexplore_no_such_module'"):
         replies, _ = _run(2, name="PATH")
     assert pool.fork_server_pid() is None and {r["ppid"] for r in replies} == {os.getpid()}
+    workers = worker_children()
+    assert len(workers) == 2 and all("-m pipexplore.executors._worker" in " ".join(p.cmdline()) for p in workers)
     pool._pool.close(kill=True)  # the pool discarded, as after a failed run: the refusal stays
     pool._pool = None
     with warnings.catch_warnings():
