@@ -342,8 +342,9 @@ def _backward_once(steps: list[list[int]], where: dict[Action, tuple[int, int]])
         other = next((a for a in ((s, "I", i), (s, "W", i)) if a in where), None)
         if other is not None:
             b = (s, "B", i)
-            raise ValueError(f"stage {s} runs micro-batch {i}'s backward twice, as {_name(b)} ({_at(b, steps, where)}) "
-                             f"and {_name(other)} ({_at(other, steps, where)}): a backward is one B, or one I and one W")
+            raise ValueError(f"stage {s} runs micro-batch {i}'s backward twice, as {_name(b)} "
+                             f"({_at(b, steps, where)}) and {_name(other)} ({_at(other, steps, where)}): a backward is "
+                             "one B, or one I and one W")
 
 
 def _complete(orders: list[list[Action]], steps: list[list[int]], where: dict[Action, tuple[int, int]],

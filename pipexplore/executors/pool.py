@@ -2,14 +2,15 @@
 
 Workers start with a clean main module (``python -m pipexplore.executors._worker``, or forked as
 that module by the :mod:`~pipexplore.executors.forkserver`, which imports torch once for every
-pool of the session: a pool that replaces a failed one starts in a fraction of a second, not
-seconds), so a user's script or notebook is never re-run in them; jobs travel by value with ``cloudpickle``, so classes, lambdas
-and closures defined in ``__main__`` or a notebook cell reach them. The pool stays up between
-runs on the same world size and devices (a rerun pays no process start-up), is discarded after
-any failure, timeout, interrupt or cancel (every process terminated, killed if it lingers, and
-reaped), and is shut down, with the fork server, at exit or by :func:`shutdown_pool`. While it waits for the ranks it
-watches the run's :class:`~pipexplore.cancel.CancelToken` (:func:`pipexplore.cancel.cancel_scope`):
-a cancelled run raises :class:`~pipexplore.cancel.Cancelled` within a poll (0.05 s) and stops them.
+pool of the session: a pool that replaces a failed one starts in a fraction of a second, not in
+seconds), so a user's script or notebook is never re-run in them; jobs travel by value with
+``cloudpickle``, so classes, lambdas and closures defined in ``__main__`` or a notebook cell
+reach them. The pool stays up between runs on the same world size and devices (a rerun pays no
+process start-up), is discarded after any failure, timeout, interrupt or cancel (every process
+terminated, killed if it lingers, and reaped), and is shut down, with the fork server, at exit or
+by :func:`shutdown_pool`. While it waits for the ranks it watches the run's
+:class:`~pipexplore.cancel.CancelToken` (:func:`pipexplore.cancel.cancel_scope`): a cancelled run
+raises :class:`~pipexplore.cancel.Cancelled` within a poll (0.05 s) and stops them.
 
 Example::
 
@@ -42,8 +43,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from pipexplore.cancel import Cancelled, CancelToken, current_token
 from pipexplore.executors import forkserver
 
-__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "pack_job", "ensure_picklable",
-           "STARTUP_TIMEOUT"]
+__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "pack_job",
+           "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
 
 #: Seconds the workers may take to start and join their process group (apart from a run's ``timeout``).
 STARTUP_TIMEOUT = 120.0

@@ -371,7 +371,7 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     best: Optional[tuple[np.ndarray, set[int], float, float]] = None
     for overlap in (1.0, 0.0) if additive else (1.0,):
         values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations, overlap)
-        if small_kernel:  # from the fractions alone, then the small-kernel seconds with them: kept where they fit better
+        if small_kernel:  # the fractions alone, then the small-kernel seconds with them: kept where they fit better
             joint = _solve(entries, groups, per_dtype, values, True, iterations, overlap)
             if joint[2] < residual and joint[0][-1] > 0:
                 values, learnt, residual = joint[0], learnt | joint[1], joint[2]
