@@ -61,7 +61,7 @@ TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved"
 Action = tuple[str, int]  # (kind, micro-batch)
 #: Each action kind's phase name in a timeline.
 PHASES = {"F": "forward", "B": "backward", "R": "recompute", "I": "input_grad", "W": "weight_grad"}
-_LOADED: dict[str, tuple[tuple[int, ...], CsvSchedule]] = {}  # CSV files read: by path, with their (mtime, size)
+_LOADED: dict[str, tuple[tuple[int, ...], CsvSchedule]] = {}  # CSV files read: by path, with schedule_version
 
 
 def is_csv(schedule: Any) -> bool:

@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -131,10 +132,13 @@ class ForkServer:
                 killed and reaped.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its stderr goes to a file, read if it fails to start: a pipe could fill while it imports,
+        # and once closed would break a late write (a warning) of a server that runs for hours.
+        stderr = tempfile.TemporaryFile(prefix="pipexplore-forkserver-", suffix=".stderr")
         process = subprocess.Popen([sys.executable, "-m", "pipexplore.executors.forkserver", str(theirs.fileno()),
                                     ",".join(PRELOAD if preload is None else preload)],
                                    pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
-                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                                   stderr=stderr, stdin=subprocess.DEVNULL)
         theirs.close()
         deadline = time.monotonic() + timeout
         try:
@@ -145,8 +149,10 @@ class ForkServer:
                     raise RuntimeError(f"the fork server did not start within {timeout:g} s")
             message = ours.recv(MESSAGE_BYTES)
             if not message:
+                process.wait(timeout=5)
+                stderr.seek(0)
                 raise RuntimeError("the fork server exited while it started: "
-                                   + process.communicate(timeout=5)[1].decode(errors="replace")[-2000:])
+                                   + stderr.read().decode(errors="replace")[-2000:])
             status, pid = pickle.loads(message)
             if status != "ready":
                 raise RuntimeError(f"the fork server refused to serve: {pid}")
@@ -155,8 +161,8 @@ class ForkServer:
             process.kill()
             process.wait()
             raise
-        if process.stderr is not None:  # the server writes nothing once ready; children get their own
-            process.stderr.close()
+        finally:
+            stderr.close()  # (the server keeps its own descriptor of the file; its children get their own)
         return cls(process, ours, pid)
 
     def alive(self) -> bool:
@@ -263,9 +269,8 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         pipe_fd, stderr_fd = fds
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
-        if request["env"] is not None:
-            os.environ.clear()
-            os.environ.update(request["env"])
+        os.environ.clear()
+        os.environ.update(request["env"])
         try:
             os.chdir(request["cwd"])
         except OSError:  # the caller's directory is gone (a started interpreter would still sit in it)

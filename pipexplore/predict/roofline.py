@@ -393,8 +393,9 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
     """:func:`fit_efficiency`'s alternation from ``start`` (the FLOP/s reciprocals per group, the
     bandwidth's, the small-kernel seconds): classify the ops, solve the linear least squares,
     until the classification holds. The values, the columns learnt, and the sum of the squared
-    relative errors of the roofline (the ``max``, not its linearisation) at the values. With
-    ``overlap`` 0 every op counts both its terms: one solve, no classification to settle."""
+    relative errors of the model (the ``max``, not its linearisation) at the values. ``overlap``
+    is 1 (the roofline) or 0 (every op counts both its terms: one solve, no classification to
+    settle)."""
     ky, ks = len(groups), len(groups) + 1  # the columns of the bandwidth reciprocal and the small-kernel seconds
     current = np.array(start, dtype=float)
     previous, learnt = None, set()
@@ -410,10 +411,11 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
         for launch, compute, memory, group, does, value in entries:
             of, arithmetic, traffic = times(launch, compute, memory, group, does, value)
             bound = arithmetic >= traffic  # the compute-bound ops
-            if overlap == 0.0:  # additive: both terms of every op
-                bound = np.ones_like(bound)
+            additive = np.ones_like(bound)  # with overlap 0 every op counts its arithmetic and its traffic
+            if overlap == 0.0:
+                bound = additive
             bounds.append(bound)
-            traffic_of = ~bound if overlap != 0.0 else bound
+            traffic_of = additive if overlap == 0.0 else ~bound
             row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[traffic_of].sum()),
                                                                               float((bound & does).sum())]
             design.append(np.array(row) / value)
