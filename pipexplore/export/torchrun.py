@@ -31,6 +31,10 @@ The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, tar
 loss_fn(output, target) and, optionally, build_optimizer(parameters) (default: SGD, lr 0.01).
 --record DIR: every rank writes what it did in the steps after --warmup (pipexplore's recorder;
 load it with explorer.load_run(DIR)).
+--profile DIR: torch.profiler traces the steps after --warmup, each rank into DIR/trace_rank{{RANK}}.json
+(CPU and CUDA activity; explorer.load_run(DIR) reads them too, for the schedules that label each
+micro-batch's actions). Both may be given: the recorder's and the profiler's clocks then time the
+same actions.
 """
 import argparse
 import importlib
@@ -58,8 +62,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--record", metavar="DIR", help="record every rank's actions into DIR (needs pipexplore)")
+    parser.add_argument("--profile", metavar="DIR", help="trace every rank's steps with torch.profiler into DIR")
     parser.add_argument("--warmup", type=int, default=None, help="steps not recorded (default 1 of 2 or more)")
     options = parser.parse_args()
+    warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hooks = importlib.import_module(HOOKS)
     if torch.cuda.is_available():
@@ -82,14 +88,20 @@ def main() -> None:
     if options.record:
         from pipexplore.runs.record import RankRecorder
 
-        warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
         recorder = RankRecorder(options.record, stages, device, warmup=warmup, plan=dict(
             split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
             schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
             schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
             steps=options.steps, optimizer=type(optimizers[0]).__name__))
     last = pipe.num_stages - 1 in indices
+    profiler = None
     for step in range(options.steps):
+        if options.profile and step == warmup:  # traced from here: one ProfilerStep#N a step
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.start()
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         losses = []
@@ -110,8 +122,14 @@ def main() -> None:
         if last:
             loss = sum(l.item() for l in losses) / len(losses)
             print(f"step {{step}} loss={{loss:.6f}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
+        if profiler is not None:
+            profiler.step()
     if recorder is not None:
         recorder.finish()
+    if profiler is not None:
+        profiler.stop()
+        os.makedirs(options.profile, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(options.profile, f"trace_rank{{rank}}.json"))
     dist.destroy_process_group()
 
 
