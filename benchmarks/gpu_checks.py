@@ -2,7 +2,7 @@
 a model larger than the card profiled block by block, and the exported script's recorder against
 ``torch.profiler`` on the same run (issues 23 and 24's GPU sections).
 
-Sections (``--sections block,big,record``):
+Sections (``--sections block,big,explore,record``):
 
 - ``block``: a Llama block of hidden 4096 (Llama-3-8B's shape: FFN 14336, 32 heads, 8 KV heads,
   bf16, sequences of ``--seq`` tokens), built on meta. Its FLOPs, bytes and kernels counted
@@ -11,12 +11,16 @@ Sections (``--sections block,big,record``):
   with an efficiency learnt on this card from *another* model (a Llama of hidden 2048, FFN 5632:
   :func:`pipexplore.predict.roofline.fit_efficiency`), against the block measured on the card
   (:func:`pipexplore.models.blockwise.profile_blockwise`, CUDA events) per phase: forward,
-  backward, and an Adam step over the block's parameters (planned: its bytes over the memory
-  bandwidth, :func:`pipexplore.predict.memory.optimizer_traffic`). Goal: ≤ 15 % a phase.
+  backward, and an Adam step over the block's parameters (planned: the bytes torch's foreach Adam
+  moves, :func:`pipexplore.predict.memory.optimizer_traffic`, over the memory bandwidth; learnt:
+  over the bandwidth an Adam step reached over the other model's block). Goal: ≤ 15 % a phase.
 - ``big``: a Llama-3-70B shape (80 blocks, hidden 8192, FFN 28672, vocabulary 128256, bf16:
   141 GB of weights) on meta, profiled block by block on the card: each kind made real alone,
   timed, freed. Reported: the model's bytes, the card's memory, the most the profile allocated,
   the seconds it took, and the same planned-against-measured rows for its block.
+- ``explore``: the explorer's own path (``ExplorerState``) for a Llama of hidden 2048 on meta
+  planned on two of the card's catalogue kind: the card is found present, the blocks timed on it
+  teach the roofline and an Adam step over the largest block the optimizer's bandwidth (its note).
 - ``record``: the exported ``torchrun`` script (world 1, the model as one stage, GPipe, 8
   micro-batches) run on the card with ``--record`` and ``--profile`` at once: both loaded
   (:func:`pipexplore.runs.load.read_run`, :func:`pipexplore.runs.kineto.read_traces`) and compared
@@ -29,6 +33,7 @@ small sizes, as the tests' smoke check does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -47,6 +52,7 @@ from pipexplore.devices import catalogue_kind, device_spec  # noqa: E402
 from pipexplore.models.blockwise import materialise, profile_blockwise  # noqa: E402
 from pipexplore.models.meta import count_layers  # noqa: E402
 from pipexplore.predict.memory import optimizer_traffic  # noqa: E402
+from pipexplore.predict.planned_optimizer import optimizer_bandwidth  # noqa: E402
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs  # noqa: E402
 
 GiB = 1024 ** 3
@@ -75,14 +81,22 @@ def counted_and_timed(model, batch: int, seq: int, rows: list[int], device: str,
     return counted, timed, time.perf_counter() - began
 
 
-def learn(counted: pd.DataFrame, timed: pd.DataFrame, kind: str, rows: list[int]) -> Efficiency:
-    """The efficiency the roofline learns from one model measured here (every size profiled)."""
+def learn(model, counted: pd.DataFrame, timed: pd.DataFrame, kind: str, rows: list[int], device: str) -> Efficiency:
+    """The efficiency the roofline learns from one model measured here (every size profiled), and
+    the bandwidth an Adam step reaches over its first block made real here."""
     measured = {}
     for n in rows:
         per_kind = pd.DataFrame({"kind": counted["kind"].to_numpy(), "forward": _at(timed, "forward", n).to_numpy(),
                                  "backward": _at(timed, "backward", n).to_numpy()})
         measured[float(n)] = per_kind.groupby("kind").median()
-    return fit_efficiency(counted.attrs["ops"], measured, kind)
+    learnt = fit_efficiency(counted.attrs["ops"], measured, kind)
+    block = materialise(_decoder(model, counted)[1], torch.device(device))
+    return dataclasses.replace(learnt, optimizer=optimizer_bandwidth(block, torch.optim.Adam, kind))
+
+
+def _decoder(model, counted: pd.DataFrame) -> tuple[int, torch.nn.Module]:
+    index = next(i for i, t in enumerate(counted["type"]) if "DecoderLayer" in str(t))
+    return index, dict(model.named_modules())[str(counted["name"].iloc[index])]
 
 
 def adam_seconds(block: torch.nn.Module, device: str, repeats: int = 10) -> float:
@@ -119,17 +133,16 @@ def compare_block(name: str, counted, timed, kind: str, rows: list[int], batch: 
     """Per phase, the planned seconds of the model's first decoder block against the measured ones, at
     the largest micro-batch; returns the |errors|."""
     at = rows[-1]
-    index = next(i for i, t in enumerate(counted["type"]) if "DecoderLayer" in str(t))
+    index, block = _decoder(model, counted)
     spec = device_spec(kind)
     measured = {"forward": float(_at(timed, "forward", at).iloc[index]),
                 "backward": float(_at(timed, "backward", at).iloc[index])}
-    block = dict(model.named_modules())[str(counted["name"].iloc[index])]
     measured["optimizer (Adam)"] = adam_seconds(block, device)
     errors = []
     for label, efficiency in efficiencies.items():
         planned = planned_layer_costs(counted, counted.attrs["ops"], kind, batch=batch, microbatch_rows=rows,
                                       efficiency=efficiency)
-        bandwidth = spec.memory_bandwidth * (efficiency or Efficiency()).bandwidth_for(spec)
+        bandwidth = spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec)
         optimizer = optimizer_traffic(counted.iloc[[index]], optimizer=lambda p: torch.optim.Adam(p))[0] / bandwidth
         predicted = {"forward": float(_at(planned, "forward", at).iloc[index]),
                      "backward": float(_at(planned, "backward", at).iloc[index]), "optimizer (Adam)": optimizer}
@@ -151,11 +164,12 @@ def section_block(device: str, kind: str, small: bool) -> None:
           f"hidden {teacher[0]} (FFN {teacher[1]}) profiled on this card.\n")
     teach_model = llama(*teacher, layers=2, vocab=32000 if not small else 1000)
     teach_counted, teach_timed, _ = counted_and_timed(teach_model, batch, seq, rows, device, repeats=5)
-    learnt = learn(teach_counted, teach_timed, kind, rows)
+    learnt = learn(teach_model, teach_counted, teach_timed, kind, rows, device)
     spec = device_spec(kind)
     print(f"Learnt: {learnt.flops_for('bfloat16', spec):.0%} of peak bf16 FLOP/s, {learnt.bandwidth_for(spec):.0%} of "
           f"memory bandwidth, small kernel {learnt.small_kernel_for(spec) * 1e6:.1f} µs, overlap "
-          f"{learnt.overlap_for(spec):.0f} (catalogue: {spec.flops_efficiency:.0%}, {spec.bandwidth_efficiency:.0%})\n")
+          f"{learnt.overlap_for(spec):.0f}, an Adam step {learnt.optimizer_for(spec):.0%} of memory bandwidth "
+          f"(catalogue: {spec.flops_efficiency:.0%}, {spec.bandwidth_efficiency:.0%})\n")
     model = llama(*target, layers=2, vocab=32000 if not small else 1000)
     counted, timed, _ = counted_and_timed(model, batch, seq, rows, device, repeats=5)
     print("| model | efficiency | phase | rows | measured ms | planned ms | error |")
@@ -192,6 +206,26 @@ def section_big(device: str, kind: str, small: bool) -> None:
     print("|---|---|---|---:|---:|---:|---:|")
     compare_block("Llama-3-70B shape" if not small else "small", counted, timed, kind, rows, batch, device,
                   {"catalogue": None}, model)
+
+
+def section_explore(device: str, kind: str, small: bool) -> None:
+    """The explorer's own path: a plan on the catalogue's kind of the card here learns from it."""
+    from pipexplore.widgets.state import ExplorerState
+
+    shape = (128, 344, 4, 2) if small else (2048, 5632, 16, 4)
+    model = llama(*shape, layers=4, vocab=1000 if small else 32000)
+    ids = torch.empty(8, 64 if small else 2048, dtype=torch.long, device="meta")
+    began = time.perf_counter()
+    state = ExplorerState(model, ids, devices=[kind] * 2, chunks=4, optimizer=torch.optim.Adam)
+    print(f"\n## explore: a Llama of hidden {shape[0]} on meta planned on 2 × {kind} in "
+          f"{time.perf_counter() - began:.1f} s\n")
+    for note in state.all_notes():
+        if "learnt" in note or "Planned" in note:
+            print(f"- {note}")
+    step = state.plan.predicted
+    print(f"\npredicted step {step['end'].max() * 1e3:.2f} ms, of it the optimizer "
+          f"{step.loc[step['phase'] == 'optimizer', 'end'].sub(step.loc[step['phase'] == 'optimizer', 'start']).max() * 1e3:.3f} ms"
+          " (the longer stage's)")
 
 
 HOOKS = '''import torch
@@ -304,7 +338,7 @@ def section_record(device: str, small: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="block,big,record")
+    parser.add_argument("--sections", default="block,big,explore,record")
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     options, _ = parser.parse_known_args()
     device = options.device
@@ -314,6 +348,7 @@ def main() -> None:
     for section in options.sections.split(","):
         began = time.perf_counter()
         {"block": lambda: section_block(device, kind, small), "big": lambda: section_big(device, kind, small),
+         "explore": lambda: section_explore(device, kind, small),
          "record": lambda: section_record(device, small)}[section]()
         print(f"\n({section}: {time.perf_counter() - began:.0f} s)", flush=True)
 

@@ -10,7 +10,7 @@ import torch
 
 from pipexplore.devices import DeviceSpec, GiB, device_spec
 from pipexplore.predict.costs import has_fit, layer_seconds
-from pipexplore.predict.planned_optimizer import optimizer_bytes, optimizer_seconds
+from pipexplore.predict.planned_optimizer import optimizer_bandwidth, optimizer_bytes, optimizer_seconds, step_passes
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, kind_seconds, op_seconds, planned_layer_costs
 
 H100 = device_spec("H100")
@@ -190,23 +190,54 @@ def test_fit_efficiency_keeps_the_default_it_cannot_learn():
         fit_efficiency(ops, measured.rename(index={"k0": "other"}), spec, 256)
 
 
-def test_optimizer_seconds_are_the_documented_bytes_over_bandwidth():
-    params = 1_000_000_000
-    # Adam in bf16: read p, g, m, v and write p, m, v: 7 tensors of 2 bytes.
-    assert optimizer_bytes(params, torch.bfloat16, "adam") == 14 * params
-    assert optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
-        14 * params / (3.35e12 * H100.bandwidth_efficiency))
-    # fp32 master states: p and g in bf16, m and v in fp32.
-    assert optimizer_bytes(params, "bf16", "adamw", state_dtype="float32") == (2 * 2 + 2 + 4 * 4) * params
-    assert optimizer_bytes(10, "float32", "sgd") == 3 * 4 * 10
-    assert optimizer_bytes(10, "float32", "momentum") == 5 * 4 * 10
+def test_optimizer_passes_are_those_of_torch_optims_implementation():
+    """Counted on the foreach form a GPU runs, each op's parameter-sized tensors read and written:
+    SGD ``p -= lr·g`` (p read and written, g read); momentum ``b *= m`` (2), ``b += g`` (b 2, g 1),
+    ``p -= lr·b`` (p 2, b 1); Adam ``m.lerp_(g)`` (m 2, g 1), ``v *= β2`` (2), ``v += g·g`` (v 2, g 2),
+    ``t = sqrt(v)`` (2), ``t /= c`` (2), ``t += eps`` (2), ``p += -lr·m/t`` (p 2, m 1, t 1);
+    AdamW first ``p *= 1 - lr·wd`` (p 2); fused Adam one kernel over p, g, m, v, each read and written
+    (g too: its schema may unscale it) but g written only there."""
+    assert step_passes(None) == step_passes("sgd") == (2, 1, 0)
+    assert step_passes("momentum") == step_passes(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) == (2, 1, 5)
+    assert step_passes("adam") == step_passes(torch.optim.Adam) == (2, 3, 14)
+    assert step_passes(torch.optim.AdamW) == (4, 3, 14)
+    assert step_passes(lambda ps: torch.optim.Adam(ps, fused=True)) == (2, 2, 4)
+    assert step_passes(lambda ps: torch.optim.Adam(ps, foreach=False)) == (2, 3, 14)  # the loop: the same ops
     layer = torch.nn.Linear(2, 2)
-    assert optimizer_bytes(10, "float32", torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)) == 200
-    assert optimizer_bytes(10, "float32", torch.optim.AdamW) == 280
+    assert step_passes(torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)) == (2, 1, 5)  # an instance
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        step_passes("lion")
+    with pytest.raises(TypeError, match="must return a torch.optim.Optimizer, got list"):
+        step_passes(lambda ps: list(ps))
+
+
+def test_optimizer_seconds_are_the_counted_bytes_over_bandwidth():
+    params = 1_000_000_000
+    assert optimizer_bytes(params, torch.bfloat16, "adam") == (2 + 3 + 14) * 2 * params
+    assert optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
+        38 * params / (3.35e12 * H100.bandwidth_efficiency))
+    # fp32 states: p and g in bf16, m, v and the temporaries in fp32.
+    assert optimizer_bytes(params, "bf16", "adamw", state_dtype="float32") == (4 * 2 + 3 * 2 + 14 * 4) * params
+    assert optimizer_bytes(10, "float32", "sgd") == 3 * 4 * 10
+    assert optimizer_bytes(10, "float32", "momentum") == 8 * 4 * 10
     assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
         12 * params / 3.35e12)
-    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
-        optimizer_seconds(10, "float32", "lion", H100)
+    # An optimizer step's own fraction of bandwidth, where one was learnt, else the bandwidth fraction.
+    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0, optimizer=0.5)) \
+        == pytest.approx(24 * params / 3.35e12)
+    with pytest.raises(ValueError, match="efficiency optimizer is a fraction"):
+        Efficiency(optimizer=0.0)
+
+
+def test_an_optimizer_steps_bandwidth_is_its_counted_bytes_over_its_timed_seconds(monkeypatch):
+    from pipexplore.predict import optimizer_cost
+
+    layer = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(optimizer_cost, "optimizer_seconds", lambda modules, factory, repeats: [2e-6])
+    moved = (64 * 64 + 64) * 4 * 19  # float32, Adam's 19 passes
+    assert optimizer_bandwidth(layer, torch.optim.Adam, H100) == pytest.approx(moved / (2e-6 * 3.35e12))
+    with pytest.raises(ValueError, match="no trained parameters"):
+        optimizer_bandwidth(torch.nn.GELU(), torch.optim.Adam, H100)
 
 
 def test_fit_efficiency_learns_from_several_sizes_and_per_dtype():

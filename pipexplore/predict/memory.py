@@ -137,19 +137,22 @@ def _column(table: pd.DataFrame, name: str, n: int) -> np.ndarray:
 
 def optimizer_traffic(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]] = None,
                       mixed_precision: bool = False) -> np.ndarray:
-    """Bytes an optimizer step moves per layer of ``table``: it reads each trained parameter, its
-    gradient and states, and writes the parameter and states (``k`` states a parameter, as
-    :func:`optimizer_state_ratio` reads them): ``(3 + 2k)`` times the gradients' bytes. Mixed
-    precision: the fp32 gradient read (4), the fp32 master weight read and written (8), the
-    states read and written in fp32 (8k) and the 16-bit weight written (2): ``14 + 8k`` bytes a
-    trained parameter. An optimizer step is bound by memory bandwidth: seconds are these bytes
-    over it (:func:`pipexplore.predict.planned_optimizer.optimizer_seconds` for one layer)."""
+    """Bytes an optimizer step moves per layer of ``table``: ``torch.optim``'s implementation
+    reads and writes the parameter ``p``, the gradient ``g`` and the states and temporaries ``s``
+    times (:func:`pipexplore.predict.planned_optimizer.step_passes`: foreach Adam ``(2, 3, 14)``),
+    each of the gradients' bytes. Mixed precision: the optimizer steps fp32 master weights with
+    fp32 gradients and states (4 bytes each pass) and writes the 16-bit weight (2):
+    ``4·(p + g + s) + 2`` bytes a trained parameter. An optimizer step is bound by memory
+    bandwidth: seconds are these bytes over it
+    (:func:`pipexplore.predict.planned_optimizer.optimizer_seconds` for one layer)."""
+    from pipexplore.predict.planned_optimizer import step_passes
+
     n = len(table)
-    k = optimizer_state_ratio(optimizer)
+    passes = sum(step_passes(optimizer))
     grads = _column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n)
     if not mixed_precision:
-        return grads * (3.0 + 2.0 * k)
+        return grads * passes
     params = _column(table, "param_bytes", n)
     counts = _column(table, "params", n) if "params" in table else params / 2.0
     trained = counts * (grads / np.where(params > 0, params, 1.0))
-    return trained * (14.0 + 8.0 * k)
+    return trained * (4.0 * passes + 2.0)

@@ -82,18 +82,23 @@ class Efficiency:
     ``overlap``: the fraction (0 … 1) of the shorter of an op's arithmetic and memory time that
     hides behind the longer. ``None``: 1, the roofline's ``max``; :func:`fit_efficiency` learns 0
     (the two add) where that fits the measured kinds better.
+    ``optimizer``: the fraction of memory bandwidth an optimizer step's kernels reach (several
+    operands each, elementwise: :mod:`pipexplore.predict.planned_optimizer`). ``None``: the
+    ``bandwidth`` fraction; :func:`~pipexplore.predict.planned_optimizer.optimizer_bandwidth`
+    learns it on a device of the kind.
     """
 
     flops: Union[None, float, Mapping[str, float]] = None
     bandwidth: Optional[float] = None
     small_kernel: Optional[float] = None
     overlap: Optional[float] = None
+    optimizer: Optional[float] = None
 
     def __post_init__(self) -> None:
         values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
         if isinstance(self.flops, Mapping):
             object.__setattr__(self, "flops", MappingProxyType({dtype_name(k): float(v) for k, v in values.items()}))
-        for key, value in {**values, "bandwidth": self.bandwidth}.items():
+        for key, value in {**values, "bandwidth": self.bandwidth, "optimizer": self.optimizer}.items():
             if value is not None and not 0 < float(value) <= 2:
                 raise ValueError(f"efficiency {key} is a fraction of peak (0 < … ≤ 2), got {value}")
         if self.small_kernel is not None and not (math.isfinite(float(self.small_kernel))
@@ -104,7 +109,7 @@ class Efficiency:
 
     def __hash__(self) -> int:
         flops = tuple(sorted(self.flops.items())) if isinstance(self.flops, Mapping) else self.flops
-        return hash((flops, self.bandwidth, self.small_kernel, self.overlap))
+        return hash((flops, self.bandwidth, self.small_kernel, self.overlap, self.optimizer))
 
     def flops_for(self, dtype: str, spec: DeviceSpec) -> float:
         if isinstance(self.flops, Mapping):
@@ -113,6 +118,10 @@ class Efficiency:
 
     def bandwidth_for(self, spec: DeviceSpec) -> float:
         return float(self.bandwidth) if self.bandwidth is not None else spec.bandwidth_efficiency
+
+    def optimizer_for(self, spec: DeviceSpec) -> float:
+        """The fraction of memory bandwidth an optimizer step reaches: as given, else ``bandwidth_for``."""
+        return float(self.optimizer) if self.optimizer is not None else self.bandwidth_for(spec)
 
     def small_kernel_for(self, spec: DeviceSpec) -> float:
         """Seconds per computing kernel beyond its FLOPs: as given, else 0 (no spec says more)."""

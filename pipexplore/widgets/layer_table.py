@@ -64,11 +64,12 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
     unknown = ops["flops"].isna()
     if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
         ops = ops.assign(flops=ops["flops"].fillna(0.0))
-    efficiency, learnt = _learnt_efficiency(model, sample, options, counted, ops, kinds[0], rows, loss_fn, target)
+    efficiency, learnt = _learnt_efficiency(model, sample, options, counted, ops, kinds[0], rows, loss_fn, target,
+                                            optimizer)
     table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency)
     spec = device_spec(kinds[0])
-    bandwidth = spec.memory_bandwidth * (efficiency or Efficiency()).bandwidth_for(spec)
-    table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / bandwidth
+    table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / (
+        spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec))
     notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
     lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
     if lower:
@@ -79,12 +80,18 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
 
 
 def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], counted: pd.DataFrame,
-                       ops: pd.DataFrame, kind: str, rows: Sequence[int], loss_fn: Any, target: Any) -> tuple[Any, str]:
+                       ops: pd.DataFrame, kind: str, rows: Sequence[int], loss_fn: Any, target: Any,
+                       optimizer: Any = None) -> tuple[Any, str]:
     """Where a device of the planned kind is here: the model's blocks timed on it one at a time
-    (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and a
-    note says what it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
+    (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and
+    the optimizer stepping the largest block made real there the bandwidth an optimizer step
+    reaches (:func:`pipexplore.predict.planned_optimizer.optimizer_bandwidth`); a note says what
+    it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
+    import dataclasses
+
     from pipexplore.devices import device_spec, present_device
-    from pipexplore.models.blockwise import profile_blockwise
+    from pipexplore.models.blockwise import materialise, profile_blockwise
+    from pipexplore.predict.planned_optimizer import optimizer_bandwidth
     from pipexplore.predict.roofline import fit_efficiency
 
     here = present_device(kind)
@@ -98,9 +105,19 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
                              "backward": (timed["backward_a"] + timed["backward_b"] * at).to_numpy()})
     learnt = fit_efficiency(ops, per_kind.groupby("kind").median(), kind, at)
     spec = device_spec(kind)
+    largest = dict(model.named_modules()).get(str(counted["name"].iloc[int(counted["grad_bytes"].to_numpy().argmax())]))
+    stepped = ""
+    if largest is not None and counted["grad_bytes"].max() > 0:
+        real = materialise(largest, here)
+        try:
+            learnt = dataclasses.replace(learnt, optimizer=min(2.0, optimizer_bandwidth(real, optimizer, spec)))
+        finally:
+            real.to_empty(device=torch.device("meta"))
+            del real
+        stepped = f", an optimizer step {learnt.optimizer_for(spec):.0%} of it"
     return learnt, (f"The roofline's efficiency was learnt on {here} here, a {spec.name}: "
                     f"{learnt.flops_for('bfloat16', spec):.0%} of peak FLOP/s and {learnt.bandwidth_for(spec):.0%} "
-                    f"of memory bandwidth (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
+                    f"of memory bandwidth{stepped} (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
                     f"{spec.bandwidth_efficiency:.0%}).")
 
 
