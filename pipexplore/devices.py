@@ -261,11 +261,12 @@ def link_latency(a: str, b: str, gpus_per_node: int = 8) -> float:
 
 def device_memory(device: Device) -> float:
     """Bytes of memory a stage's device holds: a planned device's from the catalogue, a CUDA
-    device's total; NaN for the CPU (what it may use is the host's, shared by every stage)."""
+    device's total; NaN for the CPU (what it may use is the host's, shared by every stage) and for
+    a CUDA device this machine does not have (a plan drawn for GPUs elsewhere)."""
     if is_planned(device):
         return float(device_spec(str(device)).memory_bytes)
     resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if resolved.type == "cuda" and torch.cuda.is_available():
+    if resolved.type == "cuda" and torch.cuda.is_available() and (resolved.index or 0) < torch.cuda.device_count():
         return float(torch.cuda.get_device_properties(resolved.index or 0).total_memory)
     return math.nan
 

@@ -155,6 +155,12 @@ class Plan:
         return any(is_planned(d) for d in self.devices)
 
     @property
+    def device_type(self) -> str:
+        """Where an exported ``torchrun`` script runs its ranks: ``"cpu"`` for a plan on this
+        machine's CPUs, else ``"cuda"`` (GPUs here or planned ones)."""
+        return "cpu" if all(str(d).split(":")[0] == "cpu" for d in self.devices) else "cuda"
+
+    @property
     def device_kind(self) -> Optional[str]:
         """The kind of device its runs teach and its predictions use corrections of
         (:meth:`~pipexplore.predict.costs.Corrections.for_kind`): None for this machine's own devices,

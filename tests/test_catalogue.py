@@ -124,3 +124,20 @@ def test_link_costs_same_device_same_node_and_across_nodes():
 def test_the_old_names_stay():
     assert devices.as_device("cpu") == torch.device("cpu")
     assert devices.stage_devices(2)[0] in (["cpu", "cpu"], ["cuda:0", "cuda:0"], ["cuda:0", "cuda:1"])
+
+
+def test_device_memory_of_a_gpu_this_machine_lacks_is_unknown(monkeypatch):
+    """A plan drawn for cuda:0…3 on a machine of one GPU: the GPUs it lacks hold no known memory
+    (NaN, as the CPU), never a CUDA error; the one it has, its total."""
+    import math
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    asked = []
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(devices.torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties)
+    assert devices.device_memory("cuda:0") == 80 * 2**30
+    assert math.isnan(devices.device_memory("cuda:1")) and math.isnan(devices.device_memory(3))
+    assert asked == [0]

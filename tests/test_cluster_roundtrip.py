@@ -414,6 +414,18 @@ def test_the_exported_script_records_on_request(hooks):
     assert "--record" in script and "from pipexplore.runs.record import RankRecorder" in script
     assert 'getattr(hooks, "build_optimizer", None)' in script
     compile(script, "train_pipeline.py", "exec")
+    # A plan on this machine's CPUs runs its ranks there, GPUs or not; a plan for GPUs takes one a
+    # local rank, and refuses ranks beyond the node's GPUs rather than failing in CUDA.
+    assert "DEVICE = 'cpu'" in script
+    module = hooks[0]
+    inputs, target = module.get_batch()
+    gpus = pipexplore.explore(module.build_model(), inputs, target=target, loss_fn=module.loss_fn, chunks=4,
+                              devices=["H100"] * 4).export("torchrun", hooks="roundtrip_hooks")
+    assert "DEVICE = 'cuda'" in gpus and "but this node has {gpus} GPU(s)" in gpus
+    with pytest.raises(ValueError, match="device is 'cuda' or 'cpu', got 'tpu'"):
+        from pipexplore.export.torchrun import torchrun_script
+
+        torchrun_script(_explorer(hooks[0]).layer_table, [1], hooks="roundtrip_hooks", chunks=4, device="tpu")
 
 
 @pytest.mark.slow

@@ -422,7 +422,7 @@ class ActionExecutor:
             input_grads, state.param_groups = stage_backward_input(
                 [t for t, _ in pairs], [g if g is not None else torch.ones_like(t) for t, g in pairs],
                 inputs, self.stage_modules[stage].parameters())
-        except RuntimeError as exc:
+        except Exception as exc:  # torch 2.13 wraps the layer's error in a RuntimeError; earlier ones raise it as is
             raise _own_error(exc, f"stage {stage}'s input-gradient action (I) of micro-batch {i}") from None
         return list(input_grads)
 

@@ -50,6 +50,8 @@ SPLIT_POINTS = {split_points!r}
 CHUNKS = {chunks}
 STEPS = {steps}
 SCHEDULE = {schedule!r}
+# "cuda": each rank on its node's GPU of its local rank (the CPU where the node has none); "cpu": every rank on the CPU.
+DEVICE = {device!r}
 # The model's candidate split points, in order (the explorer's layer table):
 LAYERS = {layers!r}
 # The same split for torchtitan's pipeline config:
@@ -63,13 +65,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--record", metavar="DIR", help="record every rank's actions into DIR (needs pipexplore)")
     parser.add_argument("--profile", metavar="DIR", help="trace every rank's steps with torch.profiler into DIR")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=DEVICE, help=f"where ranks run (default {{DEVICE}})")
     parser.add_argument("--warmup", type=int, default=None, help="steps not recorded (default 1 of 2 or more)")
     options = parser.parse_args()
     warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hooks = importlib.import_module(HOOKS)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if options.device == "cuda" and torch.cuda.is_available():
+        local, gpus = int(os.environ.get("LOCAL_RANK", rank)), torch.cuda.device_count()
+        if local >= gpus:
+            raise SystemExit(f"rank {{rank}}: local rank {{local}}, but this node has {{gpus}} GPU(s): start at most "
+                             f"{{gpus}} rank(s) a node (--nproc-per-node), or pass --device cpu")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -169,17 +176,21 @@ def load_schedule_csv(schedule) -> None:
 
 
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
-                    devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py") -> str:
+                    devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py", device: str = "cuda") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
     schedule and trains with the model, data and loss of the ``hooks`` module (a Hugging Face
     model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`).
 
     ``schedule`` may be the path of a CSV file (torch's format): the script holds its text and each
     rank runs torch's ``_PipelineScheduleRuntime`` loading it (``_load_csv``), one rank per row,
-    each with the stages the file gives it."""
+    each with the stages the file gives it. ``device``: ``"cuda"`` (each rank on the GPU of its
+    local rank where the node has GPUs, refusing a rank beyond them; else the CPU) or ``"cpu"`` (a
+    plan on CPUs runs there, GPUs or not); the script's ``--device`` overrides it."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device is 'cuda' or 'cpu', got {device!r}")
     if is_csv(schedule):
         return _csv_script(table, splits, hooks=hooks, chunks=chunks, schedule=schedule, devices=devices,
-                           steps=steps, filename=filename)
+                           steps=steps, filename=filename, device=device)
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)} and CSV schedule files; not "
                          f"{schedule!r}")
@@ -192,7 +203,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="", device=device,
         schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
         stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
@@ -200,7 +211,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
 
 
 def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str, devices: int,
-                steps: int, filename: str) -> str:
+                steps: int, filename: str, device: str) -> str:
     """:func:`torchrun_script` for a CSV schedule file (checked against the split and chunks first)."""
     names = [str(n) for n in table["name"]]
     file = csv_schedule(schedule).check_fits(stages=len(splits) + 1, microbatches=chunks,
@@ -210,7 +221,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
     return _SCRIPT.format(
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
-        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
+        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, device=device,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
         schedule_import=("from torch.distributed.pipelining import SplitPoint, pipeline\n"

@@ -115,7 +115,8 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         assert hooks == HOOKS_MODULE
         script = folder / "train_pipeline.py"
         script.write_text(torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
-                                          schedule=plan.schedule, devices=world, steps=warmup + repeats))
+                                          schedule=plan.schedule, devices=world, steps=warmup + repeats,
+                                          device=plan.device_type))
         check_cancelled()
         outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
                          args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,

@@ -462,7 +462,7 @@ class ExplorerState(RunLog):
 
             schedule = plan.schedule if plan.schedule != "async-backends" else "gpipe"
             return torchrun_script(self.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
-                                   schedule=schedule, devices=plan.num_devices, steps=steps)
+                                   schedule=schedule, devices=plan.num_devices, steps=steps, device=plan.device_type)
         if kind == "gpipe" and self.traced:
             raise ValueError(f"GPipe takes an nn.Sequential; {type(self.model).__name__} exports as 'pipelining' "
                              "or 'torchrun'")
