@@ -144,7 +144,7 @@ def test_exported_torchrun_script_trains_a_default_gpt2(tmp_path):
     table = trace.candidates(copy.deepcopy(model), (ids,), repeats=1)
     names = table["name"].tolist()
     script = torchrun_script(table, [names.index("transformer.h.1")], hooks="hf_default_hooks", chunks=2,
-                             schedule="gpipe")
+                             schedule="gpipe", device="cpu")
     assert "model = without_kv_cache(hooks.build_model())" in script
     path = tmp_path / "train_pipeline.py"
     path.write_text(script)

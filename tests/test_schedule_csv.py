@@ -378,7 +378,7 @@ def test_a_traced_model_runs_a_csv_in_processes_and_through_the_torchrun_export(
     unsplit = assert_equals_unsplit(result, model, tokens, target, loss_fn)
 
     script = tmp_path / "train_pipeline.py"
-    script.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule=path))
+    script.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule=path, device="cpu"))
     assert torchrun_first_loss(script, str(pathlib.Path(__file__).parent)) == pytest.approx(unsplit, rel=1e-5)
 
 

@@ -31,7 +31,7 @@ def test_traced_transformer_in_processes_equals_the_unsplit_model(splits, ranks,
 def test_exported_torchrun_script_trains_one_step_like_a_single_process(tmp_path):
     tokens, target = get_batch()
     table = trace.candidates(build_model(), (tokens,), repeats=1)
-    script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b")
+    script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b", device="cpu")
     assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
             in script)
     path = tmp_path / "train_pipeline.py"
