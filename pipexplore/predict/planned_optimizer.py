@@ -174,16 +174,27 @@ def optimizer_seconds(param_count: int, dtype: Union[str, torch.dtype], optimize
 
 def optimizer_bandwidth(module: torch.nn.Module, optimizer: Any, spec: SpecLike, *, repeats: int = 5) -> float:
     """The fraction of ``spec``'s memory bandwidth a step of ``optimizer`` reaches over ``module``'s
-    parameters (real, on a device of the kind: a block made real to be profiled), timed
-    (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`: copies, gradients set, the median
-    of ``repeats`` steps after an untimed one) against its counted bytes: what such a device here
-    teaches the plan's ``Efficiency.optimizer``."""
+    parameters (real, on a device of the kind: a block made real to be profiled): what such a
+    device here teaches the plan's ``Efficiency.optimizer``.
+
+    A step is timed over the module's parameters and over twice as many (a copy beside them), by
+    :func:`pipexplore.predict.optimizer_cost.optimizer_seconds` (copies, gradients set, the median
+    of ``repeats`` steps after an untimed one); the counted bytes of one module over the
+    difference is the bandwidth a step's bytes move at. The difference leaves out what a step pays
+    whatever its size (its Python, its launches: ~0.2 ms for Adam on an H200), which a stage of many
+    blocks spreads over all of them; where it does not come out positive (noise on a tiny module),
+    the one step's time stands."""
+    import copy
+
     from pipexplore.predict.optimizer_cost import optimizer_seconds as timed
 
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(module).__name__} has no trained parameters to step")
     spec = device_spec(spec)
-    moved = sum(optimizer_bytes(p.numel(), p.dtype, _factory(optimizer)) for p in params)
-    seconds = float(timed([module], _factory(optimizer), repeats=repeats)[0])
+    factory = _factory(optimizer)
+    moved = sum(optimizer_bytes(p.numel(), p.dtype, factory) for p in params)
+    single = float(timed([module], factory, repeats=repeats)[0])
+    double = float(timed([torch.nn.ModuleList([module, copy.deepcopy(module)])], factory, repeats=repeats)[0])
+    seconds = double - single if double > single else single
     return moved / (seconds * spec.memory_bandwidth)
