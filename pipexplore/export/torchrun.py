@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--record", metavar="DIR", help="record every rank's actions into DIR (needs pipexplore)")
     parser.add_argument("--profile", metavar="DIR", help="trace every rank's steps with torch.profiler into DIR")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=DEVICE, help=f"where ranks run (default {{DEVICE}})")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=DEVICE, help="where ranks run (default: DEVICE)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not recorded (default 1 of 2 or more)")
     options = parser.parse_args()
     warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
@@ -203,7 +203,8 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="", device=device,
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        device=device,
         schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
         stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
