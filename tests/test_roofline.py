@@ -1,6 +1,7 @@
 """The roofline: planned layer costs from counted operators and a device spec."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -215,16 +216,22 @@ def test_optimizer_seconds_are_the_counted_bytes_over_bandwidth():
     params = 1_000_000_000
     assert optimizer_bytes(params, torch.bfloat16, "adam") == (2 + 3 + 14) * 2 * params
     assert optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
-        38 * params / (3.35e12 * H100.bandwidth_efficiency))
+        38 * params / (3.35e12 * H100.optimizer_efficiency))  # the catalogue's documented fraction
     # fp32 states: p and g in bf16, m, v and the temporaries in fp32.
     assert optimizer_bytes(params, "bf16", "adamw", state_dtype="float32") == (4 * 2 + 3 * 2 + 14 * 4) * params
     assert optimizer_bytes(10, "float32", "sgd") == 3 * 4 * 10
     assert optimizer_bytes(10, "float32", "momentum") == 8 * 4 * 10
-    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
-        12 * params / 3.35e12)
-    # An optimizer step's own fraction of bandwidth, where one was learnt, else the bandwidth fraction.
+    # An optimizer step's own fraction of bandwidth: learnt, else the spec's documented one, else the
+    # bandwidth fraction (learnt or the spec's).
     assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0, optimizer=0.5)) \
         == pytest.approx(24 * params / 3.35e12)
+    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
+        12 * params / (3.35e12 * 0.69))
+    undocumented = dataclasses.replace(H100, name="H100-like", optimizer_efficiency=None)
+    assert optimizer_seconds(params, "float32", "sgd", undocumented, efficiency=Efficiency(bandwidth=1.0)) \
+        == pytest.approx(12 * params / 3.35e12)
+    with pytest.raises(ValueError, match="optimizer_efficiency is a fraction of peak"):
+        dataclasses.replace(H100, optimizer_efficiency=0.0)
     with pytest.raises(ValueError, match="efficiency optimizer is a fraction"):
         Efficiency(optimizer=0.0)
 

@@ -120,8 +120,11 @@ class Efficiency:
         return float(self.bandwidth) if self.bandwidth is not None else spec.bandwidth_efficiency
 
     def optimizer_for(self, spec: DeviceSpec) -> float:
-        """The fraction of memory bandwidth an optimizer step reaches: as given, else ``bandwidth_for``."""
-        return float(self.optimizer) if self.optimizer is not None else self.bandwidth_for(spec)
+        """The fraction of memory bandwidth an optimizer step reaches: as given (learnt), else the
+        spec's documented ``optimizer_efficiency``, else ``bandwidth_for``."""
+        if self.optimizer is not None:
+            return float(self.optimizer)
+        return float(spec.optimizer_efficiency) if spec.optimizer_efficiency is not None else self.bandwidth_for(spec)
 
     def small_kernel_for(self, spec: DeviceSpec) -> float:
         """Seconds per computing kernel beyond its FLOPs: as given, else 0 (no spec says more)."""
