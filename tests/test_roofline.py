@@ -206,6 +206,14 @@ def test_optimizer_passes_are_those_of_torch_optims_implementation():
     assert step_passes(lambda ps: torch.optim.Adam(ps, foreach=False)) == (2, 3, 14)  # the loop: the same ops
     layer = torch.nn.Linear(2, 2)
     assert step_passes(torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)) == (2, 1, 5)  # an instance
+
+    class Unhashable:  # a factory the cache cannot key: counted each time
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, params):
+            return torch.optim.AdamW(params)
+
+    assert step_passes(Unhashable()) == (4, 3, 14)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         step_passes("lion")
     with pytest.raises(TypeError, match="must return a torch.optim.Optimizer, got list"):

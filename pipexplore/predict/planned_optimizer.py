@@ -83,8 +83,7 @@ def _factory(optimizer: Any) -> Callable[[Any], Any]:
                              "a torch.optim class or a factory")
         return OPTIMIZERS[key]
     if isinstance(optimizer, torch.optim.Optimizer):  # an instance: the same class and settings
-        settings = {k: v for k, v in optimizer.defaults.items() if k != "params"}
-        return lambda params: type(optimizer)(params, **settings)
+        return functools.partial(type(optimizer), **{k: v for k, v in optimizer.defaults.items() if k != "params"})
     return optimizer
 
 
@@ -107,10 +106,20 @@ def step_passes(optimizer: Any = None) -> tuple[float, float, float]:
         ValueError: an unknown name.
         TypeError: ``optimizer(parameters)`` does not give an optimizer.
     """
-    return _counted(_factory(optimizer))
+    factory = _factory(optimizer)
+    try:
+        return _cached(factory)
+    except TypeError as error:  # an unhashable factory: counted each time
+        if "unhashable" not in str(error):
+            raise
+        return _counted(factory)
 
 
 @functools.lru_cache(maxsize=64)
+def _cached(factory: Callable[[Any], Any]) -> tuple[float, float, float]:
+    return _counted(factory)
+
+
 def _counted(factory: Callable[[Any], Any]) -> tuple[float, float, float]:
     probe = torch.nn.Parameter(torch.zeros(_PROBE))
     probe.grad = torch.full_like(probe, 1e-3)
