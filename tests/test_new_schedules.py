@@ -277,3 +277,19 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
     path.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule="dualpipev",
                                     device="cpu"))
     assert torchrun_first_loss(path, str(pathlib.Path(__file__).parent)) == pytest.approx(unsplit, rel=1e-5)
+
+
+def test_a_stages_warm_up_sends_nothing_to_its_own_rank():
+    """A V's middle stages share a rank: torch's link warm-up (2.13 for traced stages, 2.11 for
+    every stage) would send to that rank itself, which gloo cannot; those sends are left out, the
+    others kept, and a torch without the warm-up is left alone."""
+    from types import SimpleNamespace
+
+    from pipexplore.executors.distributed import _no_self_warmup
+
+    stage = SimpleNamespace(_get_init_p2p_neighbors_ops=lambda: [SimpleNamespace(peer=p) for p in (0, 1, 1, 2)])
+    _no_self_warmup(stage, 1)
+    assert [op.peer for op in stage._get_init_p2p_neighbors_ops()] == [0, 2]
+    older = SimpleNamespace()
+    _no_self_warmup(older, 1)
+    assert vars(older) == {}

@@ -101,11 +101,13 @@ def _timed(stage: Any, spans: list, name: str, phase_of: Callable[..., str]) -> 
 
 
 def _no_self_warmup(stage: Any, rank: int) -> None:
-    """torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own
-    too where the neighbour shares it (a V schedule's middle stages): gloo cannot send to itself.
-    The warm-up leaves those out (torch passes such values within the rank anyway)."""
-    original = stage._get_init_p2p_neighbors_ops
-    stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if op.peer != rank]
+    """torch warms a stage's links up by sending to its neighbours' ranks (2.13: traced stages;
+    2.11: every stage), its own too where the neighbour shares it (a V schedule's middle stages):
+    gloo cannot send to itself. The warm-up leaves those out (torch passes such values within the
+    rank anyway); a torch without the warm-up is left as it is."""
+    original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if original is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if op.peer != rank]
 
 
 def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
@@ -140,6 +142,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
             module = job["stages"][s].to(device)
             params.append(list(module.parameters()))
             stages.append(PipelineStage(module, s, num_stages, device))
+            if {s - 1, s + 1} & set(indices):
+                _no_self_warmup(stages[-1], rank)
     spans: list = []
     for stage in stages:
         _timed(stage, spans, "forward_one_chunk", lambda *a, **k: "forward")
