@@ -235,6 +235,32 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     assert scale.round(9).nunique() == 1 and (planned["optimizer"][~trained] == 0).all()
 
 
+def test_an_optimizer_step_that_does_not_fit_the_present_device_leaves_the_documented_fraction(monkeypatch):
+    """Learning the optimizer's bandwidth makes a block, a copy, their gradients and states real:
+    out of memory there, the plan is still made, the layers' efficiency still learnt, the note says
+    so, and the optimizer keeps the spec's fraction."""
+    import pipexplore.devices as devices
+    import pipexplore.predict.planned_optimizer as planned_optimizer
+    from pipexplore.devices import DeviceSpec, register_device
+
+    register_device(DeviceSpec("ThisCPUOpt", memory_bytes=2**34, memory_bandwidth=2e10, peak_flops={"float32": 1e11},
+                               kernel_overhead=5e-6, optimizer_efficiency=0.5), replace=True)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)])
+        sample = torch.empty(16, 64)
+    monkeypatch.setattr(devices, "present_device", lambda spec: torch.device("cpu"))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(planned_optimizer, "optimizer_bandwidth", out_of_memory)
+    state = ExplorerState(model, sample, devices=["ThisCPUOpt"] * 2, chunks=2)
+    learnt = [note for note in state.all_notes() if "efficiency was learnt on cpu" in note]
+    assert len(learnt) == 1 and "an optimizer step over 0 did not fit there, CUDA out of memory" in learnt[0]
+    table = state.layer_table  # SGD: p read and written, g read, over half the 20 GB/s
+    assert table["optimizer"].tolist() == pytest.approx((3 * table["grad_bytes"] / (2e10 * 0.5)).tolist())
+
+
 def test_the_planned_step_ends_with_each_stages_optimizer_pass_over_memory(state):
     """The step a training loop times ends at the last optimizer update: on a planned device an
     update is its bytes (torch's foreach AdamW: 21 passes over parameter-sized tensors, each of the

@@ -108,13 +108,20 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
     largest = dict(model.named_modules()).get(str(counted["name"].iloc[int(counted["grad_bytes"].to_numpy().argmax())]))
     stepped = ""
     if largest is not None and counted["grad_bytes"].max() > 0:
-        real = materialise(largest, here)
-        try:
-            learnt = dataclasses.replace(learnt, optimizer=min(2.0, optimizer_bandwidth(real, optimizer, spec)))
+        try:  # a block, its copy, their gradients and states: where they do not fit, the default stands
+            real = materialise(largest, here)
+            try:
+                learnt = dataclasses.replace(learnt, optimizer=min(2.0, optimizer_bandwidth(real, optimizer, spec)))
+                stepped = f", an optimizer step {learnt.optimizer_for(spec):.0%} of it"
+            finally:
+                real.to_empty(device=torch.device("meta"))
+                del real
+        except torch.OutOfMemoryError as error:
+            stepped = (f" (an optimizer step over {counted['name'].iloc[int(counted['grad_bytes'].to_numpy().argmax())]}"
+                       f" did not fit there, {str(error).splitlines()[0][:80]}: its documented fraction stands)")
         finally:
-            real.to_empty(device=torch.device("meta"))
-            del real
-        stepped = f", an optimizer step {learnt.optimizer_for(spec):.0%} of it"
+            if here.type == "cuda":
+                torch.cuda.empty_cache()
     return learnt, (f"The roofline's efficiency was learnt on {here} here, a {spec.name}: "
                     f"{learnt.flops_for('bfloat16', spec):.0%} of peak FLOP/s and {learnt.bandwidth_for(spec):.0%} "
                     f"of memory bandwidth{stepped} (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
