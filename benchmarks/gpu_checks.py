@@ -52,6 +52,7 @@ from pipexplore.devices import catalogue_kind, device_spec  # noqa: E402
 from pipexplore.models.blockwise import materialise, profile_blockwise  # noqa: E402
 from pipexplore.models.meta import count_layers  # noqa: E402
 from pipexplore.predict.memory import optimizer_traffic  # noqa: E402
+from pipexplore.predict.optimizer_cost import optimizer_seconds  # noqa: E402
 from pipexplore.predict.planned_optimizer import optimizer_bandwidth  # noqa: E402
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs  # noqa: E402
 
@@ -100,32 +101,16 @@ def _decoder(model, counted: pd.DataFrame) -> tuple[int, torch.nn.Module]:
 
 
 def adam_seconds(block: torch.nn.Module, device: str, repeats: int = 10) -> float:
-    """Measured seconds of one ``torch.optim.Adam`` step (its default foreach form) over ``block``'s
-    parameters made real on ``device``, gradients random."""
+    """Measured seconds of one ``torch.optim.Adam`` step (its default: foreach on a GPU) over
+    ``block``'s parameters made real on ``device`` (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`:
+    copies, gradients set, the median of ``repeats`` steps after an untimed one, each synchronised)."""
     real = materialise(block, torch.device(device))
-    params = [p for p in real.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.Adam(params, lr=1e-4)
-    for _ in range(3):  # states allocated, kernels warm
-        optimizer.step()
-    times = []
-    for _ in range(repeats):
+    try:
+        return float(optimizer_seconds([real], torch.optim.Adam, repeats=repeats)[0])
+    finally:
+        real.to_empty(device=torch.device("meta"))
         if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            optimizer.step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            optimizer.step()
-            times.append(time.perf_counter() - began)
-    del optimizer, params, real
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return statistics.median(times)
+            torch.cuda.empty_cache()
 
 
 def compare_block(name: str, counted, timed, kind: str, rows: list[int], batch: int, device: str,
