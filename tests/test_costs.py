@@ -544,3 +544,16 @@ def test_runs_teach_plans_on_their_kind_of_device_only():
     # a kind no run has taught: no corrections (this machine's do not carry over)
     on_a100 = there.with_options(devices=planned_devices(["A100-80GB"] * 2), corrections=both)
     assert on_a100.learnt.runs == 0 and not on_a100.learnt.scales
+
+
+def test_a_calibrated_profile_says_what_allocating_the_gradients_adds_once_a_step():
+    """The whole model's backward is timed accumulating into the gradients (as a step's later
+    micro-batches run) and with them fresh (its first): the difference, shared by the layers'
+    gradient bytes, is ``fresh_grads``; never negative, none for a layer without weights, NaN
+    where nothing was calibrated."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 512))
+    x = torch.randn(16, 256)
+    fresh = profile(model, x, repeats=2)["fresh_grads"]
+    assert fresh.notna().all() and (fresh >= 0).all() and fresh.iloc[1] == 0.0
+    assert fresh.iloc[2] * (256 * 256 + 256) == pytest.approx(fresh.iloc[0] * (256 * 512 + 512))
+    assert profile(model, x, repeats=1, calibrate=False)["fresh_grads"].isna().all()

@@ -74,6 +74,7 @@ def table(n: int, seed: int = 0, shares: bool = True, fit: bool = True) -> pd.Da
     if shares:
         frame["share_forward"], frame["share_backward"] = 0.3 + 0.7 * rng.random(n), 0.3 + 0.7 * rng.random(n)
         frame["checkpointed_ratio"] = 0.5 + 0.4 * rng.random(n)  # forwards without autograd cost less
+        frame["fresh_grads"] = 3e-4 * rng.random(n)  # a step's first backward allocates the gradients
     frame.attrs["batch"] = 30
     return frame
 

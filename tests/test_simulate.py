@@ -162,3 +162,23 @@ def test_action_overhead_lengthens_every_compute_action():
     assert step_time(t) == pytest.approx((m + p - 1) * (3 / m + 2 * overhead))
     with pytest.raises(ValueError, match="action_overhead must be non-negative"):
         simulate(uniform(p), [1, 2], chunks=m, action_overhead=-1.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_each_stages_first_backward_of_a_step_allocates_its_gradients(schedule):
+    """``fresh_grads`` (seconds a layer's gradients take to allocate, once a step) lengthen each
+    stage's micro-batch 0 backward by its layers' sum — its W where the backward is split, the
+    first stage's I (which does its weights too) — and nothing else."""
+    p, m = 3, 4
+    plain = uniform(p * 2)
+    fresh = plain.assign(fresh_grads=[0.01, 0.02, 0.0, 0.04, 0.05, 0.06])
+    options = dict(chunks=m, checkpoint="never", executor="threads", cpu_stages_overlap=True)
+    before, after = (simulate(t, [2, 4], schedule=schedule, **options) for t in (plain, fresh))
+    key = ["stage", "phase", "microbatch"]
+    spans = [(t.set_index(key)["end"] - t.set_index(key)["start"]).sort_index() for t in (before, after)]
+    added = (spans[1] - spans[0]).round(9)
+    charged = {(0, "input_grad" if schedule == "zero-bubble" else "backward", 0): 0.03,
+               (1, "weight_grad" if schedule == "zero-bubble" else "backward", 0): 0.04,
+               (2, "weight_grad" if schedule == "zero-bubble" else "backward", 0): 0.11}
+    assert added[added != 0].to_dict() == pytest.approx(charged)
+    assert step_time(after) > step_time(before)

@@ -39,7 +39,7 @@ LAYER_COLUMNS = ["name", "type", "param_bytes", "output_bytes", "forward", "back
 #: checkpointed micro-batch's) costs as a fraction of the forward, and how repeatable the timings were.
 FIT_COLUMNS = ["forward_a", "forward_b", "backward_a", "backward_b", "output_bytes_per_row",
                "saved_bytes_per_row", "share_forward", "share_backward", "input_grad_ratio", "weight_grad_ratio",
-               "checkpointed_ratio", "spread"]
+               "checkpointed_ratio", "fresh_grads", "spread"]
 
 #: Stop repeating a layer's timing once the interquartile range is this fraction of the median.
 TARGET_SPREAD = 0.05
@@ -273,27 +273,28 @@ def _shares(per_size: list[pd.DataFrame], phase: str, device: torch.device) -> n
 
 
 def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
-                         repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of the whole model, run as one chain (after one warm-up).
+                         repeats: int) -> tuple[float, float, float]:
+    """Median forward and backward seconds of the whole model, run as one chain (after one
+    warm-up): ``(forward, backward with fresh gradients, backward accumulating into them)``.
 
-    Gradients are set to None before each pass, so every timed backward allocates them afresh,
-    as a step's first micro-batch does (on a CPU, large allocations are fresh pages: 12 linear
-    layers of 512 at 32 rows take 1.0 ms a layer so, 0.64 ms accumulating). Letting them
-    accumulate instead, as later micro-batches do, was measured worse: side by side in three
-    rounds, the first runs of the accuracy benchmark's 14 MLP, conv and transformer configs went
-    from 11–12 % median |error| to 17–24 %, all biased low (what else a real step pays that the
-    layers alone do not: its fresh gradients once per stage, two stages' threads on the cores)."""
-    forward, backward = _Timer(target), _Timer(target)
+    A step allocates its parameters' gradients once, in each stage's first backward (after
+    ``zero_grad(set_to_none=True)``), and its later micro-batches accumulate into them: two
+    passes a round, the first after the gradients are set to None, the second adding to them. On
+    a CPU the fresh ones are fresh pages (12 linear layers of 512 at 16 rows: 1.2 ms a layer so,
+    0.55 ms accumulating), which a layer timed alone hides: its freed gradient is reused at once."""
+    forward, fresh, accumulating = _Timer(target), _Timer(target), _Timer(target)
+    module.zero_grad(set_to_none=True)
     for k in range(repeats + 1):
-        with use_skip_tracker(SkipTracker()), torch.enable_grad():
-            output = forward(lambda: module(_detach(value)))
-            outs = [t for t in tensors_in(output) if t.requires_grad]
-            backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
+        for backward in (fresh, accumulating):
+            with use_skip_tracker(SkipTracker()), torch.enable_grad():
+                output = forward(lambda: module(_detach(value))) if backward is fresh else module(_detach(value))
+                outs = [t for t in tensors_in(output) if t.requires_grad]
+                backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
         module.zero_grad(set_to_none=True)
         if k == 0:
-            forward.wall.clear()
-            backward.wall.clear()
-    return forward.median, backward.median
+            for timer in (forward, fresh, accumulating):
+                timer.wall.clear()
+    return forward.median, fresh.median, accumulating.median
 
 
 def profiling_device(device: Union[torch.device, str, int]) -> torch.device:
@@ -367,7 +368,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     A layer timed alone runs with its weights and inputs hot in cache, so the per-layer times
     add up to less than a pass through the whole model. With ``calibrate`` (the default) the
     whole model is also timed at each size, and each layer's times are scaled so that the
-    layers add up to it.
+    layers add up to it: its backward accumulating into the gradients, as a step's micro-batches
+    after the first do; what allocating them afresh adds (the first's) is ``fresh_grads``,
+    seconds a layer once a step, shared by the layers' gradient bytes (NaN uncalibrated).
 
     Example::
 
@@ -420,6 +423,9 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
         table[f"share_{phase}"] = _shares(per_size, phase, target)
     for column in ("input_grad_ratio", "weight_grad_ratio", "checkpointed_ratio"):  # at the first (smallest) size
         table[column] = per_size[0][column].to_numpy(dtype=float)
+    # Allocating a step's gradients does not grow with the rows: its mean over the sizes.
+    fresh = np.array([t["fresh_grads"].to_numpy(dtype=float) for t in per_size])
+    table["fresh_grads"] = np.nanmean(fresh, axis=0) if np.isfinite(fresh).any() else np.nan
     table["spread"] = np.max([t["spread"].to_numpy() for t in per_size], axis=0)
     table["output_bytes_per_row"] = table["output_bytes"] / last
     table["saved_bytes_per_row"] = table["saved_bytes"] / last
@@ -484,11 +490,17 @@ def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[in
         table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
                                            progress, k * len(module), total, contend=k == 0,
                                            same_work_once=same_work_once, split_backward=split_backward))
+        table["fresh_grads"] = math.nan
         if calibrate and not _spent(deadline):  # past the timeout, the layers' own times stand
-            whole_forward, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
+            whole_forward, whole_fresh, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
             for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
                 layers_total = float(table[column].sum())
                 if layers_total > 0 and whole > 0:
                     table[column] = table[column] * (whole / layers_total)
+            # What allocating the gradients afresh adds, once a step, shared by the layers' gradient bytes.
+            grads = np.array([sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+                              for layer in module], dtype=float)
+            if grads.sum() > 0:
+                table["fresh_grads"] = max(0.0, whole_fresh - whole_backward) * grads / grads.sum()
         per_size.append(table)
     return per_size

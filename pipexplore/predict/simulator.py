@@ -36,7 +36,8 @@ import pandas as pd
 
 from pipexplore.devices import is_planned, link_seconds_per_byte
 from pipexplore.host import host_cores
-from pipexplore.predict.dataflow import FORWARD, KINDS, OPTIMIZER_MICRO, ActionGraph, oversubscribed
+from pipexplore.predict.dataflow import (BACKWARD, FORWARD, INPUT_GRAD, KINDS, OPTIMIZER_MICRO, WEIGHT_GRAD, ActionGraph,
+                                         oversubscribed)
 from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
@@ -245,6 +246,14 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 seconds[(kind, rows)][0] = whole + extra[kind] if kind == "I" else 0.0
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
             demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
+    # A step's first backward of each stage allocates the parameters' gradients; the later ones
+    # accumulate into them, as the profile's backward is timed: ``fresh_grads`` seconds once a step.
+    fresh = None
+    if "fresh_grads" in layer_table:
+        backward_scale = corrections.scale(learnt, "backward") if corrections is not None else None
+        per_layer = np.nan_to_num(layer_table["fresh_grads"].to_numpy(dtype=float), nan=0.0)
+        fresh = stage_sums(per_layer * (backward_scale if backward_scale is not None else 1.0),
+                           [0, *splits, len(layer_table)])
     last_layers = costs["last_layer"].to_numpy()
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
     edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]
@@ -253,7 +262,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     edge_copy = (np.array([setup.copy_rates[b] * edge_bytes[b] for b in range(S - 1)]).reshape(S - 1, 1)
                  * np.asarray(fractions).reshape(1, len(sizes)))
     size_index = np.searchsorted(distinct, sizes)
-    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop)
+    action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop,
+                                 fresh, split_backward)
     gap = setup.gap
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
@@ -438,9 +448,13 @@ def _per_microbatch_refusal(fit: bool, batch: Optional[int], own_batch: Optional
 
 
 def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: np.ndarray, edge_copy: np.ndarray,
-                  handoff: float, stop: int = 0) -> ActionCosts:
+                  handoff: float, stop: int = 0, fresh: Optional[np.ndarray] = None,
+                  split_backward: bool = False) -> ActionCosts:
     """``seconds``/``demand`` per (kind letter, rows) and stage; ``("C", rows)``: the forward of a
-    checkpointed micro-batch (``micro < stop``)."""
+    checkpointed micro-batch (``micro < stop``). ``fresh``: per stage, the seconds its first
+    backward of the step (micro-batch 0) adds by allocating the parameters' gradients: to its
+    weight-gradient action where the backward is split (the first stage's input-gradient action,
+    which does its weights too)."""
     by_size = sorted({rows for _, rows in seconds})
     stage, micro, kind = graph.stage, graph.micro, graph.kind
     size = size_index[np.maximum(micro, 0)]  # (an optimizer step's micro-batch is -1: its cost has no rows)
@@ -451,6 +465,11 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
         at = (size[checkpointed], stage[checkpointed])
         took[checkpointed] = np.array([seconds[("C", rows)] for rows in by_size])[at]
         asked[checkpointed] = np.array([demand[("C", rows)] for rows in by_size])[at]
+    if fresh is not None and fresh.any():
+        weights = WEIGHT_GRAD if split_backward else BACKWARD
+        first = (micro == 0) & (((kind == weights) & ((stage > 0) | (not split_backward)))
+                                | ((kind == INPUT_GRAD) & (stage == 0)))
+        took = took + np.where(first, fresh[stage], 0.0)
     n = len(graph)
     copy = np.zeros(n)
     received = (kind == FORWARD) & (stage > 0)

@@ -21,7 +21,7 @@ function decodeRetime(raw) {
   const f64 = (k) => typed(raw[k], Float64Array), i32 = (k) => typed(raw[k], Int32Array);
   return {
     ...raw, seconds: f64("seconds"), raw: f64("raw"), weighted: f64("weighted"), share_cap: f64("share_cap"),
-    copy_rates: f64("copy_rates"), out_bytes: f64("out_bytes"), fractions: f64("fractions"),
+    copy_rates: f64("copy_rates"), out_bytes: f64("out_bytes"), fractions: f64("fractions"), fresh: f64("fresh"),
     size_of_micro: i32("size_of_micro"), resource: i32("resource"), first: i32("first"), second: i32("second"),
     stage: i32("stage"), kind: typed(raw.kind, Uint8Array), micro: i32("micro"), queue_len: i32("queue_len"),
     lanes_at: i32("lanes_at"), lanes: i32("lanes"),
@@ -110,12 +110,18 @@ function actionCosts(m, points) {
   }
   const copy = new Float64Array(n), firstWait = new Float64Array(n), secondWait = new Float64Array(n);
   const seconds = new Float64Array(n), share = new Float64Array(n);
+  // A step's first backward of each stage allocates its gradients (its W where the backward is
+  // split; the first stage's I, which does its weights too), as simulate() charges it.
+  const fresh = sums(m.fresh, 0), weights = m.zero_bubble ? m.weight_grad : m.backward;
   const edge = (b, i) => m.copy_rates[b] * m.out_bytes[points[b + 1] - 1] * m.fractions[i];
   for (let a = 0; a < n; a++) {
     // (an optimizer step's micro-batch is -1: its cost has no rows)
     const s = m.stage[a], i = m.micro[a], z = i < 0 ? 0 : m.size_of_micro[i];
     const k = m.kind[a] === m.forward && i < m.stop ? C : m.kind[a];
     seconds[a] = took[k * Z + z][s];
+    if (i === 0 && ((m.kind[a] === weights && (s > 0 || !m.zero_bubble)) || (m.kind[a] === m.input_grad && s === 0))) {
+      seconds[a] += fresh[s];
+    }
     share[a] = asked[k * Z + z][s];
     if (m.kind[a] === m.forward && s > 0) {
       copy[a] = edge(s - 1, i);
