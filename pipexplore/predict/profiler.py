@@ -17,6 +17,7 @@ from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_wo
 from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
 from pipexplore.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
+from pipexplore.predict.calibration import calibrate_to_whole_model
 from pipexplore.predict.optimizer_cost import optimizer_seconds
 from pipexplore.predict.ratios import checkpointed_ratio as _checkpointed_ratio
 from pipexplore.predict.ratios import contended_slowdown as _contended_slowdown
@@ -26,7 +27,7 @@ from pipexplore.predict.timing import detach as _detach
 from pipexplore.predict.timing import nbytes as _bytes
 from pipexplore.predict.timing import first_rows as _rows
 from pipexplore.predict.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
-from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
+from pipexplore.skip.tracker import use_skip_tracker
 
 __all__ = ["profile", "profiling_device", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
@@ -272,31 +273,6 @@ def _shares(per_size: list[pd.DataFrame], phase: str, device: torch.device) -> n
     return np.where(np.isnan(slow), cpu, np.clip(cpu * np.maximum(np.nan_to_num(slow, nan=1.0), 1.0), 0.0, 1.0))
 
 
-def _whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
-                         repeats: int) -> tuple[float, float, float]:
-    """Median forward and backward seconds of the whole model, run as one chain (after one
-    warm-up): ``(forward, backward with fresh gradients, backward accumulating into them)``.
-
-    A step allocates its parameters' gradients once, in each stage's first backward (after
-    ``zero_grad(set_to_none=True)``), and its later micro-batches accumulate into them: two
-    passes a round, the first after the gradients are set to None, the second adding to them. On
-    a CPU the fresh ones are fresh pages (12 linear layers of 512 at 16 rows: 1.2 ms a layer so,
-    0.55 ms accumulating), which a layer timed alone hides: its freed gradient is reused at once."""
-    forward, fresh, accumulating = _Timer(target), _Timer(target), _Timer(target)
-    module.zero_grad(set_to_none=True)
-    for k in range(repeats + 1):
-        for backward in (fresh, accumulating):
-            with use_skip_tracker(SkipTracker()), torch.enable_grad():
-                output = forward(lambda: module(_detach(value))) if backward is fresh else module(_detach(value))
-                outs = [t for t in tensors_in(output) if t.requires_grad]
-                backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
-        module.zero_grad(set_to_none=True)
-        if k == 0:
-            for timer in (forward, fresh, accumulating):
-                timer.wall.clear()
-    return forward.median, fresh.median, accumulating.median
-
-
 def profiling_device(device: Union[torch.device, str, int]) -> torch.device:
     """``device`` where it is on this machine.
 
@@ -492,15 +468,6 @@ def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[in
                                            same_work_once=same_work_once, split_backward=split_backward))
         table["fresh_grads"] = math.nan
         if calibrate and not _spent(deadline):  # past the timeout, the layers' own times stand
-            whole_forward, whole_fresh, whole_backward = _whole_model_seconds(module, chunk, target, repeats)
-            for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
-                layers_total = float(table[column].sum())
-                if layers_total > 0 and whole > 0:
-                    table[column] = table[column] * (whole / layers_total)
-            # What allocating the gradients afresh adds, once a step, shared by the layers' gradient bytes.
-            grads = np.array([sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-                              for layer in module], dtype=float)
-            if grads.sum() > 0:
-                table["fresh_grads"] = max(0.0, whole_fresh - whole_backward) * grads / grads.sum()
+            calibrate_to_whole_model(table, module, chunk, target, repeats)
         per_size.append(table)
     return per_size
