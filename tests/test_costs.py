@@ -557,3 +557,30 @@ def test_a_calibrated_profile_says_what_allocating_the_gradients_adds_once_a_ste
     assert fresh.notna().all() and (fresh >= 0).all() and fresh.iloc[1] == 0.0
     assert fresh.iloc[2] * (256 * 256 + 256) == pytest.approx(fresh.iloc[0] * (256 * 512 + 512))
     assert profile(model, x, repeats=1, calibrate=False)["fresh_grads"].isna().all()
+
+
+class _Once(torch.autograd.Function):
+    """A graph node that refuses a second backward (as some custom functions free their state)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.walked = False
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.walked:
+            raise RuntimeError("walked twice")
+        ctx.walked = True
+        return grad * 2
+
+
+class _OnceLayer(nn.Linear):
+    def forward(self, x):
+        return _Once.apply(super().forward(x))
+
+
+def test_a_graph_that_cannot_be_walked_twice_is_calibrated_with_a_forward_of_its_own():
+    model = nn.Sequential(_OnceLayer(32, 32), nn.ReLU(), _OnceLayer(32, 32))
+    table = profile(model, torch.randn(8, 32), repeats=1)
+    assert table["fresh_grads"].notna().all() and (table["backward"] > 0).all()
