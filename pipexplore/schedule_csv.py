@@ -350,9 +350,6 @@ def _backward_once(steps: list[list[int]], where: dict[Action, tuple[int, int]])
 def _complete(orders: list[list[Action]], steps: list[list[int]], where: dict[Action, tuple[int, int]],
               stages: int, microbatches: int) -> None:
     """Every stage runs each micro-batch's forward once and its backward once (B, or I and W)."""
-    def at(action: Action) -> str:
-        return _at(action, steps, where)
-
     for s in range(stages):
         for i in range(microbatches):
             f, b, inp, w = ((s, kind, i) for kind in ("F", "B", "I", "W"))
@@ -363,8 +360,8 @@ def _complete(orders: list[list[Action]], steps: list[list[int]], where: dict[Ac
                 raise ValueError(f"stage {s} has no backward of micro-batch {i}: give it {_name(b)}, or {_name(inp)} "
                                  f"and {_name(w)}")
             if inp in where and w not in where:
-                raise ValueError(f"stage {s} has {_name(inp)} ({at(inp)}) but no {_name(w)}: an input-gradient "
-                                 "action (I) needs its weight-gradient action (W)")
+                raise ValueError(f"stage {s} has {_name(inp)} ({_at(inp, steps, where)}) but no {_name(w)}: an "
+                                 "input-gradient action (I) needs its weight-gradient action (W)")
 
 
 def to_csv_text(rank_orders: Iterable[Iterable[Any]]) -> str:

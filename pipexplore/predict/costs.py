@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "Corrections", "microbatch_rows", "layer_seconds",
+           "fresh_gradient_seconds",
            "stage_seconds", "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap",
            "lanes_of"]
 
@@ -86,6 +87,15 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     whole = table[source].to_numpy(dtype=float)
     batch = table.attrs.get("batch")
     return share * whole * (rows / batch if batch else rows)
+
+
+def fresh_gradient_seconds(table: pd.DataFrame, scale: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each layer's seconds of allocating its gradients, once a step (the profile's ``fresh_grads``;
+    0 where the table has none), times ``scale`` per layer (the backward's corrections)."""
+    if "fresh_grads" not in table:
+        return np.zeros(len(table))
+    fresh = np.nan_to_num(table["fresh_grads"].to_numpy(dtype=float), nan=0.0)
+    return fresh * scale if scale is not None else fresh
 
 
 def _source_share(table: pd.DataFrame, phase: str) -> Union[float, np.ndarray]:

@@ -202,7 +202,8 @@ def optimizer_bandwidth(module: torch.nn.Module, optimizer: Any, spec: SpecLike,
         raise ValueError(f"{type(module).__name__} has no trained parameters to step")
     spec = device_spec(spec)
     factory = _factory(optimizer)
-    moved = sum(optimizer_bytes(p.numel(), p.dtype, factory) for p in params)
+    passes = sum(step_passes(factory))  # counted once: parameters, gradients and states of one dtype
+    moved = passes * sum(p.numel() * p.element_size() for p in params)
     single = float(timed([module], factory, repeats=repeats)[0])
     double = float(timed([torch.nn.ModuleList([module, copy.deepcopy(module)])], factory, repeats=repeats)[0])
     seconds = double - single if double > single else single

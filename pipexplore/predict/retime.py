@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from pipexplore.predict.costs import COST_SOURCE, layer_seconds
+from pipexplore.predict.costs import COST_SOURCE, fresh_gradient_seconds, layer_seconds
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, OPTIMIZER, WEIGHT_GRAD
 from pipexplore.predict.simulator import COSTED, PHASE_NAMES, loop_layout, prepare_step
 from pipexplore.schedules import schedule_version, splits_backward
@@ -87,11 +87,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
             weighted.append(values * table[column].to_numpy(dtype=float) if column in table else np.zeros(L))
     resource, devices, lanes_at, lanes = loop_layout(graph, setup.resource)
     out_bytes = table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in table else np.zeros(L)
-    fresh = np.zeros(L)  # what each layer's gradients cost to allocate, once a step (micro-batch 0's backward)
-    if "fresh_grads" in table:
-        backward_scale = corrections.scale(executor, "backward") if corrections is not None else None
-        fresh = np.nan_to_num(table["fresh_grads"].to_numpy(dtype=float), nan=0.0)
-        fresh = fresh * (backward_scale if backward_scale is not None else 1.0)
+    # What each layer's gradients cost to allocate, once a step (micro-batch 0's backward).
+    fresh = fresh_gradient_seconds(table, corrections.scale(executor, "backward") if corrections is not None else None)
     return {
         "layers": L, "stages": S, "actions": n, "micro_batches": len(setup.sizes), "sizes": len(setup.distinct),
         "size_of_micro": _i32(np.searchsorted(setup.distinct, setup.sizes)),

@@ -36,9 +36,10 @@ import pandas as pd
 
 from pipexplore.devices import is_planned, link_seconds_per_byte
 from pipexplore.host import host_cores
-from pipexplore.predict.dataflow import (BACKWARD, FORWARD, INPUT_GRAD, KINDS, OPTIMIZER_MICRO, WEIGHT_GRAD, ActionGraph,
-                                         oversubscribed)
-from pipexplore.predict.costs import Corrections, has_fit, microbatch_rows, stage_seconds, stage_shares, stage_sums
+from pipexplore.predict.dataflow import (BACKWARD, FORWARD, INPUT_GRAD, KINDS, OPTIMIZER_MICRO, WEIGHT_GRAD,
+                                         ActionGraph, oversubscribed)
+from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_fit, microbatch_rows, stage_seconds,
+                                      stage_shares, stage_sums)
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
@@ -248,12 +249,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
     # A step's first backward of each stage allocates the parameters' gradients; the later ones
     # accumulate into them, as the profile's backward is timed: ``fresh_grads`` seconds once a step.
-    fresh = None
-    if "fresh_grads" in layer_table:
-        backward_scale = corrections.scale(learnt, "backward") if corrections is not None else None
-        per_layer = np.nan_to_num(layer_table["fresh_grads"].to_numpy(dtype=float), nan=0.0)
-        fresh = stage_sums(per_layer * (backward_scale if backward_scale is not None else 1.0),
-                           [0, *splits, len(layer_table)])
+    fresh = stage_sums(fresh_gradient_seconds(layer_table, corrections.scale(learnt, "backward")
+                                              if corrections is not None else None), [0, *splits, len(layer_table)])
     last_layers = costs["last_layer"].to_numpy()
     out_bytes = layer_table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in layer_table else None
     edge_bytes = [float(out_bytes[b]) if out_bytes is not None else 0.0 for b in last_layers]

@@ -105,7 +105,8 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
                              "backward": (timed["backward_a"] + timed["backward_b"] * at).to_numpy()})
     learnt = fit_efficiency(ops, per_kind.groupby("kind").median(), kind, at)
     spec = device_spec(kind)
-    largest = dict(model.named_modules()).get(str(counted["name"].iloc[int(counted["grad_bytes"].to_numpy().argmax())]))
+    largest_name = str(counted["name"].iloc[int(counted["grad_bytes"].to_numpy().argmax())])
+    largest = dict(model.named_modules()).get(largest_name)
     stepped = ""
     if largest is not None and counted["grad_bytes"].max() > 0:
         try:  # a block, its copy, their gradients and states: where they do not fit, the default stands
@@ -117,8 +118,8 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
                 real.to_empty(device=torch.device("meta"))
                 del real
         except torch.OutOfMemoryError as error:
-            stepped = (f" (an optimizer step over {counted['name'].iloc[int(counted['grad_bytes'].to_numpy().argmax())]}"
-                       f" did not fit there, {str(error).splitlines()[0][:80]}: its documented fraction stands)")
+            stepped = (f" (an optimizer step over {largest_name} did not fit there, "
+                       f"{str(error).splitlines()[0][:80]}: its documented fraction stands)")
         finally:
             if here.type == "cuda":
                 torch.cuda.empty_cache()
