@@ -7,12 +7,16 @@ server, …): wall seconds from the start to the job's replies, and the CPU seco
 getting there (read from each rank just before it is stopped). The fork server's own start (one
 per session: it imports torch once) is reported apart.
 
+``--first-step`` times a fresh pool's first training step (an ``nn.Sequential`` in 2 stages, 1F1B),
+the fork server preloading ``torch.distributed.pipelining`` (as it does) against not (each rank
+then imports it on its first job), the two interleaved, each server started before the clock.
+
 ``--traced-rerun`` also times a traced model's rerun in processes: its split checked here once
 (the executor keeps it) against traced here again before the ranks start.
 
 Usage::
 
-    python benchmarks/pool_start.py --rounds 5 --ranks 2 --traced-rerun
+    python benchmarks/pool_start.py --rounds 5 --ranks 2 --first-step --traced-rerun
 """
 from __future__ import annotations
 
@@ -41,6 +45,43 @@ def one_pool(world: int, fork_server: bool) -> tuple[float, float]:
     pool._pool.close(kill=True)  # discarded, as after a failure
     pool._pool = None
     return wall, cpu
+
+
+def first_step(rounds: int) -> None:
+    """A fresh pool's first step, ranks forked from a server that preloaded torch's pipelining or not."""
+    import torch
+    from torch import nn
+
+    from pipexplore.predict.profiler import profile
+    from pipexplore.executors import distributed
+    from pipexplore.plan import Plan
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)])
+    sample = torch.randn(32, 64)
+    plan = Plan(profile(model, sample, repeats=1), (4,), ("cpu", "cpu"), chunks=4, schedule="1f1b",
+                executor="processes")
+    variants = {"preloaded": forkserver.PRELOAD,
+                "imported by each rank": tuple(m for m in forkserver.PRELOAD if m != "torch.distributed.pipelining")}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    try:
+        for _ in range(rounds):
+            for name, preload in variants.items():
+                forkserver.PRELOAD = preload
+                pool.shutdown_pool()
+                one_pool(2, True)  # the server starts, off the clock
+                started = time.perf_counter()
+                distributed.run_processes(model, sample, plan, warmup=0)
+                wall = time.perf_counter() - started
+                running = pool._pool
+                cpu = sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in running.pids)
+                times[name].append((wall, cpu))
+    finally:
+        forkserver.PRELOAD = variants["preloaded"]
+        pool.shutdown_pool()
+    (pw, pc), (iw, ic) = ([statistics.median(v) for v in zip(*times[name])] for name in variants)
+    print(f"a fresh pool's first step (2 ranks, 1F1B), median of {rounds}: pipelining preloaded by the server "
+          f"{pw:.2f} s wall, {pc:.2f} CPU s in the ranks; imported by each rank {iw:.2f} s, {ic:.2f} CPU s "
+          f"({iw / pw:.1f}x wall, {ic / max(pc, 1e-3):.1f}x CPU)")
 
 
 def traced_rerun(rounds: int) -> None:
@@ -92,6 +133,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--devices", default="", help="ignored (the other benchmarks' option)")
+    parser.add_argument("--first-step", action="store_true",
+                        help="also time a fresh pool's first step, torch's pipelining preloaded by the server or not")
     parser.add_argument("--traced-rerun", action="store_true",
                         help="also time a traced model's rerun in processes, its split checked once or traced again")
     args = parser.parse_args()
@@ -116,6 +159,8 @@ def main() -> None:
           f"interpreters {started[0]:.3f} s wall, {started[1]:.2f} CPU s")
     print(f"ratio interpreters / forked: {started[0] / forked[0]:.1f}x wall, "
           f"{started[1] / max(forked[1], 1e-3):.1f}x CPU")
+    if args.first_step:
+        first_step(args.rounds)
     if args.traced_rerun:
         traced_rerun(args.rounds)
 

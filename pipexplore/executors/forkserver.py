@@ -3,8 +3,9 @@
 Starting a rank as a new interpreter costs its imports (torch alone: ~3.5 s of CPU on a small
 machine), paid again by every pool that replaces one after a failure, a timeout or a cancel. The
 fork server (``python -m pipexplore.executors.forkserver FD``) pays them once: it imports torch,
-``torch.distributed``, cloudpickle and pipexplore, touches nothing that starts threads or a
-device, and then forks one child per request. Each child is what ``python -m
+``torch.distributed``, ``torch.distributed.pipelining`` (every rank's stages and schedule: it
+brings in torch's compiler and DTensor, ~2 s of CPU more a rank), cloudpickle and pipexplore,
+touches nothing that starts threads or a device, and then forks one child per request. Each child is what ``python -m
 pipexplore.executors._worker`` would be (its own session, its own stderr file, the caller's
 environment and working directory at the time of the request, fresh random state) and runs
 :func:`pipexplore.executors._worker.main`.
@@ -45,8 +46,8 @@ from typing import Any, Callable, Optional, Sequence
 __all__ = ["ForkServer", "ForkedProcess", "supported", "PRELOAD"]
 
 #: Modules the server imports before it forks: what every rank imports anyway.
-PRELOAD = ("torch", "torch.distributed", "cloudpickle", "pipexplore", "pipexplore.executors._worker",
-           "pipexplore.executors.distributed")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudpickle", "pipexplore",
+           "pipexplore.executors._worker", "pipexplore.executors.distributed")
 #: Seconds between the server's looks at its parent.
 PARENT_POLL = 0.5
 #: The largest message on the control socket (a request carries the caller's environment).
