@@ -2,8 +2,10 @@
 
 Sections (``--sections roundtrip,overhead``):
 
-- ``roundtrip``: per model, ``explore(...)`` then ``explorer.run(executor="torchrun", nodes=2)``
-  ``--runs`` times on the same plan (2 agents × 2 ranks, c10d on loopback, gloo, CPU): the wall
+- ``roundtrip``: per model and per world of ``--ranks`` (default 2 and 4: 2 agents of 1 rank, the
+  machine's 2 cores one a rank, and 2 agents of 2 ranks, oversubscribed), ``explore(...)`` then
+  ``explorer.run(executor="torchrun", nodes=2)`` ``--runs`` times on the same plan (c10d on
+  loopback, gloo, CPU): the wall
   time of each (export, agents, load), the measured and predicted step, the prediction error of
   the loaded run as ``explorer.runs`` shows it (the first: before any run taught the cost model;
   the later ones: after learning from the ones before).
@@ -58,19 +60,27 @@ def transformer():
 MODELS = {"MLP 8 × (Linear 512 + GELU), batch 64": mlp, "TinyTransformer (traced), batch 16": transformer}
 
 
-def explorer_for(make):
+def explorer_for(make, ranks: int = 4):
     model, x, y, loss = make()
     return pipexplore.explore(model, x, target=y, loss_fn=loss, chunks=4, schedule="1f1b",
-                              devices="cpu,cpu,cpu,cpu", executor="processes")
+                              devices=["cpu"] * ranks, executor="processes")
 
 
-def roundtrip(runs: int) -> list[float]:
-    print("\n## roundtrip: explorer.run(executor='torchrun', nodes=2), 1F1B, 4 ranks, chunks 4\n")
+def roundtrip(runs: int, worlds: list[int]) -> list[float]:
+    errors = []
+    for world in worlds:
+        errors += roundtrip_of(runs, world)
+    return errors
+
+
+def roundtrip_of(runs: int, world: int) -> list[float]:
+    print(f"\n## roundtrip: explorer.run(executor='torchrun', nodes=2), 1F1B, {world} ranks "
+          f"(2 agents × {world // 2}), chunks 4\n")
     print("| model | run | wall s | agents s | step ms | predicted ms | error | clock residual µs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     errors = []
     for name, make in MODELS.items():
-        explorer = explorer_for(make)
+        explorer = explorer_for(make, world)
         for k in range(runs):
             began = time.perf_counter()
             row = explorer.run(executor="torchrun", nodes=2)
@@ -237,13 +247,14 @@ def main() -> None:
     parser.add_argument("--sections", default="roundtrip,overhead")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--ranks", default="2,4", help="worlds of the roundtrip section, 2 agents each")
     parser.add_argument("--steps", type=int, default=30)
     options, _ = parser.parse_known_args()  # run_all.sh passes every script the same arguments
     print(f"Machine: {machine()}; load average {os.getloadavg()[0]:.1f} at the start")
     began = time.perf_counter()
     sections = options.sections.split(",")
     if "roundtrip" in sections:
-        roundtrip(options.runs)
+        roundtrip(options.runs, [int(w) for w in options.ranks.split(",")])
     if "overhead" in sections:
         overhead(options.pairs, options.steps)
     print(f"\n{time.perf_counter() - began:.0f} s in all; load average {os.getloadavg()[0]:.1f} at the end")

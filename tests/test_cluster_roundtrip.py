@@ -25,6 +25,7 @@ import torch
 import pipexplore
 from pipexplore import timeline as tl
 from pipexplore.devices import planned_devices
+from pipexplore.host import host_cores
 from pipexplore.predict.costs import Corrections
 from pipexplore.runs.launch import TorchrunError, launch, printed_losses, torchrun_failures
 from pipexplore.runs.load import RunDirectoryError, read_run
@@ -79,6 +80,11 @@ def _explorer(module, schedule="1f1b", devices="cpu,cpu,cpu,cpu", **options):
     return pipexplore.explore(module.build_model(), inputs, target=target, loss_fn=module.loss_fn,
                               optimizer=module.build_optimizer, chunks=4, schedule=schedule,
                               devices=devices, executor="processes", profile_repeats=1, **options)
+
+
+def _shared_threads(ranks: int) -> int:
+    """A local rank's intra-op threads: the caller's OMP_NUM_THREADS, or this machine's cores shared."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, host_cores() // ranks))
 
 
 def _unsplit_loss(module) -> float:
@@ -140,6 +146,7 @@ def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
     plan = json.loads((directory / "plan.json").read_text())
     assert plan["optimizer"] == "Adam" and plan["nodes"] == 2 and plan["world"] == 4  # the hooks' optimizer
     assert plan["splits"] == list(explorer.plan.splits) and plan["schedule"] == "1f1b" and plan["chunks"] == 4
+    assert read_run(directory).rank_table()["threads"].tolist() == [_shared_threads(4)] * 4
 
 
 @pytest.mark.slow
@@ -193,6 +200,9 @@ def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, tmp_path):
     assert ran.schedule == str(tmp_path / "run" / "schedule.csv")
     assert (tmp_path / "run" / "schedule.csv").read_text() == text
     assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
+    # two agents of one rank on this machine share its cores (torchrun itself would give each all of them)
+    threads = explorer.state.result_of(row["run"]).metrics["rank_table"]["threads"].tolist()
+    assert threads == [_shared_threads(2)] * 2
 
 
 def _copy(directory, tmp_path):
