@@ -9,7 +9,9 @@ per session: it imports torch once) is reported apart.
 
 ``--first-step`` times a fresh pool's first training step (an ``nn.Sequential`` in 2 stages, 1F1B),
 the fork server preloading ``torch.distributed.pipelining`` (as it does) against not (each rank
-then imports it on its first job), the two interleaved, each server started before the clock.
+then imports it on its first job), the two interleaved, each server started before the clock; and
+a tiny GPT-2's (traced, 2 stages) with its ``transformers`` modules imported by the server on the
+run's request (as it does) against by each rank.
 
 ``--traced-rerun`` also times a traced model's rerun in processes: its split checked here once
 (the executor keeps it) against traced here again before the ranks start.
@@ -82,6 +84,53 @@ def first_step(rounds: int) -> None:
     print(f"a fresh pool's first step (2 ranks, 1F1B), median of {rounds}: pipelining preloaded by the server "
           f"{pw:.2f} s wall, {pc:.2f} CPU s in the ranks; imported by each rank {iw:.2f} s, {ic:.2f} CPU s "
           f"({iw / pw:.1f}x wall, {ic / max(pc, 1e-3):.1f}x CPU)")
+    first_hf_step(rounds)
+
+
+def first_hf_step(rounds: int) -> None:
+    """A tiny GPT-2's first step in a fresh pool: its transformers modules imported by the server on
+    the run's request, or by each rank (the request left out)."""
+    import warnings
+
+    import torch
+    import transformers
+
+    from pipexplore import trace
+    from pipexplore.executors import distributed
+    from pipexplore.plan import Plan
+
+    warnings.simplefilter("ignore")
+    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (8, 32))
+
+    def loss(out, target):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    table = trace.candidates(model, {"input_ids": ids}, repeats=1)
+    plan = Plan(table, (list(table["name"]).index("transformer.h.2"),), ("cpu", "cpu"), chunks=4, schedule="gpipe",
+                executor="processes")
+    asked = distributed.installed_modules
+    times: dict[str, list[tuple[float, float]]] = {"server": [], "each rank": []}
+    try:
+        for _ in range(rounds):
+            for name in times:
+                distributed.installed_modules = asked if name == "server" else (lambda m: [])
+                pool.shutdown_pool()
+                one_pool(2, True)  # the server starts, off the clock, and imports what it is asked (once
+                pool.preload_modules(distributed.installed_modules(model))  # a session: not a pool's cost)
+                started = time.perf_counter()
+                distributed.run_processes(model, {"input_ids": ids}, plan, target=ids, loss_fn=loss, warmup=0)
+                wall = time.perf_counter() - started
+                cpu = sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pool._pool.pids)
+                times[name].append((wall, cpu))
+    finally:
+        distributed.installed_modules = asked
+        pool.shutdown_pool()
+    (sw, sc), (rw, rc) = ([statistics.median(v) for v in zip(*times[name])] for name in times)
+    print(f"a tiny GPT-2's first step in a fresh pool (2 ranks, traced, gpipe), median of {rounds}: transformers "
+          f"imported by the server {sw:.2f} s wall, {sc:.2f} CPU s in the ranks; by each rank {rw:.2f} s, "
+          f"{rc:.2f} CPU s ({rw / sw:.1f}x wall)")
 
 
 def traced_rerun(rounds: int) -> None:

@@ -10,6 +10,7 @@ import time
 import warnings
 
 import psutil
+import torch
 import pytest
 
 from pipexplore.executors import forkserver, pool
@@ -173,3 +174,44 @@ def test_a_rank_outliving_a_closed_server_is_still_waited_for():
     assert child.wait(timeout=30) == -9  # (its real status was the server's to report)
     assert child.poll() == -9
     ours.close()
+
+
+def _imported(rank, world, name):
+    return name in sys.modules  # the job itself imports nothing
+
+
+def test_a_server_imports_installed_libraries_on_request_for_the_ranks_forked_after(no_pool_left_behind):
+    """What a job's model is made of from installed libraries (transformers for a Hugging Face
+    model) is imported once by the server, not by every rank; a module that cannot be imported is
+    skipped, and a module is asked for once."""
+    shutdown_pool()
+    with warm_pool(2, ["cpu"] * 2) as (running, _):
+        assert running.run([pack_job(_imported, {"name": "yaml"})] * 2, timeout=60.0) == [False, False]
+    server = pool._fork_server(None)
+    assert server.preload(["yaml", "pipexplore_no_such_module"]) == ["yaml"]
+    assert server.preload(["yaml", "pipexplore_no_such_module"]) == []  # asked once: no request at all
+    with warm_pool(3, ["cpu"] * 3) as (running, _):  # another world: new ranks, forked after the import
+        assert running.run([pack_job(_imported, {"name": "yaml"})] * 3, timeout=60.0) == [True] * 3
+    assert pool.fork_server_pid() == server.pid
+    shutdown_pool()
+
+
+class _Local(torch.nn.Module):  # defined here, not by an installed library
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+
+
+def test_installed_modules_are_the_libraries_a_model_is_made_of_never_the_users_own():
+    import warnings
+
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                    n_positions=16))
+    assert "transformers.models.gpt2.modeling_gpt2" in forkserver.installed_modules(gpt2)
+    assert all(name.startswith("transformers.") for name in forkserver.installed_modules(gpt2))
+    assert forkserver.installed_modules(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []  # torch: preloaded
+    assert forkserver.installed_modules(_Local()) == []  # this file is the user's: each rank imports it as it is

@@ -10,6 +10,7 @@ import torch
 import transformers  # the test extra
 
 from pipexplore import trace
+from pipexplore.executors import forkserver, pool
 from pipexplore.plan import Plan
 from pipexplore.traced_executor import run_traced_step
 
@@ -195,6 +196,8 @@ def test_keyword_inputs_run_in_processes_like_the_unsplit_model(name):
     loss, named = reference_step(model, inputs, logits_loss, target)
     assert result.loss == pytest.approx(loss, rel=1e-5)
     assert set(result.timeline["stage"]) == {0, 1}
+    if forkserver.supported():  # the model's transformers modules: imported once, by the fork server
+        assert f"transformers.models.{name}.modeling_{name}" in pool._server.preloaded
     tied = {"transformer.wte.weight", "lm_head.weight"} if name == "gpt2" else set()
     grads = {key.split(".", 1)[1]: grad for key, grad in result.metrics["grads"].items()}
     assert set(grads) >= {key for key, p in named.items() if p.grad is not None} - tied

@@ -38,7 +38,9 @@ from pipexplore.cancel import check_cancelled, current_token
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
-from pipexplore.executors.pool import DistributedRunError, ensure_picklable, pack_job, shutdown_pool, warm_pool
+from pipexplore.executors.forkserver import installed_modules
+from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pack_job, preload_modules, shutdown_pool,
+                                       warm_pool)
 from pipexplore.timeline import COLUMNS
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
 from pipexplore.schedules import check, csv_schedule, is_csv, stage_ranks
@@ -390,6 +392,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         timeout = default_timeout(plan, warmup + repeats - 1)
     token = current_token()
     check_cancelled()  # tracing and pickling take a while: a run cancelled meanwhile starts no rank
+    preload_modules(installed_modules(model), token)  # e.g. transformers' modules: imported once, not per rank
     with warm_pool(world, devices) as (pool, startup_seconds):
         replies = pool.run(payloads, timeout, cancel=token)
         pids = list(pool.pids)

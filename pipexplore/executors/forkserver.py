@@ -10,6 +10,12 @@ pipexplore.executors._worker`` would be (its own session, its own stderr file, t
 environment and working directory at the time of the request, fresh random state) and runs
 :func:`pipexplore.executors._worker.main`.
 
+A server may also import more on request (:meth:`ForkServer.preload`): the pool asks it for the
+modules of installed libraries a job's model is made of (:func:`installed_modules`: a Hugging Face
+model's ``transformers`` modules, ~1.5 s of CPU a rank), so that ranks forked later have them. A
+module of the user's own (a notebook's, a source tree's, an editable install's) is never preloaded:
+each rank imports it as it is at the rank's start, edits included.
+
 The caller holds a :class:`ForkedProcess` per child, with the part of :class:`subprocess.Popen`
 that the pool uses (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``): the server reaps its
 children and reports each exit status (a negative code for a signal, as ``Popen`` does).
@@ -43,7 +49,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ForkServer", "ForkedProcess", "supported", "PRELOAD"]
+__all__ = ["ForkServer", "ForkedProcess", "supported", "installed_modules", "PRELOAD"]
 
 #: Modules the server imports before it forks: what every rank imports anyway.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudpickle", "pipexplore",
@@ -52,6 +58,29 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudp
 PARENT_POLL = 0.5
 #: The largest message on the control socket (a request carries the caller's environment).
 MESSAGE_BYTES = 1 << 20
+
+
+def installed_modules(model: Any) -> list[str]:
+    """The modules defining the classes of ``model`` and its submodules that an installed
+    distribution provides (their file lies in a site-packages directory), already imported here and
+    not among :data:`PRELOAD`'s packages: what a fork server may import once for every rank to come."""
+    import site
+    import sysconfig
+
+    roots = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages(),
+                                            sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]}
+    modules = getattr(model, "modules", None)
+    names = {type(m).__module__ for m in modules()} if callable(modules) else {type(model).__module__}
+    preloaded = {name.split(".")[0] for name in PRELOAD}
+    found = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in preloaded or not path:
+            continue
+        if any(os.path.realpath(path).startswith(root + os.sep) for root in roots):
+            found.append(name)
+    return found
 
 
 def supported() -> bool:
@@ -118,6 +147,9 @@ class ForkServer:
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
         self._started: list[int] = []
+        self._imported: Optional[tuple[list[str], Optional[str]]] = None
+        #: Modules imported on request (:meth:`preload`), beside :data:`PRELOAD`.
+        self.preloaded: set[str] = set()
         #: The server's process id (its children's parent).
         self.pid = pid
 
@@ -187,8 +219,34 @@ class ForkServer:
                     raise OSError("the fork server did not answer a request to start a rank")
             return ForkedProcess(self, self._started.pop())
 
+    def preload(self, names: Sequence[str], timeout: float = 120.0) -> list[str]:
+        """Have the server import ``names`` (those not imported yet), so that ranks forked from now
+        on have them; a module that fails to import is skipped (each rank then imports it itself).
+        Returns the modules it imported.
+
+        Raises:
+            OSError: the server is gone, did not answer within ``timeout`` seconds, or an import
+                initialised CUDA (it then exits: the next pool starts another).
+        """
+        missing = [name for name in names if name not in self.preloaded]
+        if not missing:
+            return []
+        with self._lock:
+            self._control.send(pickle.dumps({"import": missing}))
+            deadline = time.monotonic() + timeout
+            while self._imported is None:
+                if not self._read(max(0.0, deadline - time.monotonic())):
+                    raise OSError(f"the fork server did not import {', '.join(missing)} within {timeout:g} s")
+            imported, refused = self._imported
+            self._imported = None
+        self.preloaded.update(missing)  # those that failed are not asked for again
+        if refused:
+            raise OSError(f"the fork server stopped: {refused}")
+        return imported
+
     def _read(self, timeout: Optional[float]) -> bool:
-        """File the server's next message (a child started or exited); ``False`` after ``timeout``.
+        """File the server's next message (a child started or exited, modules imported); ``False``
+        after ``timeout``.
 
         Raises:
             OSError: the server is gone.
@@ -203,6 +261,8 @@ class ForkServer:
         message = pickle.loads(data)
         if message[0] == "exit":
             self._exits[message[1]] = message[2]
+        elif message[0] == "imported":
+            self._imported = (message[1], message[2])
         else:
             self._started.append(message[1])
         return True
@@ -301,10 +361,24 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
+def _import(names: Sequence[str]) -> list[str]:
+    """Import what can be of ``names``: those imported."""
+    import importlib
+
+    done = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception:  # the rank that needs it imports it and reports what fails there
+            pass
+    return done
+
+
 def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
-    """The server's loop: preload, say ready, then fork on request and report exits until the
-    control socket closes or the parent is gone. It refuses to serve (and exits) where an import
-    initialised CUDA: a forked child cannot use CUDA that its parent initialised."""
+    """The server's loop: preload, say ready, then fork on request (or import more) and report
+    exits until the control socket closes or the parent is gone. It refuses to serve (and exits)
+    where an import initialised CUDA: a forked child cannot use CUDA that its parent initialised."""
     control = socket.socket(fileno=fd)
     parent = os.getppid()
     wake_read, wake_write = os.pipe()
@@ -343,9 +417,17 @@ def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
             data, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 2)
             if not data:
                 os._exit(0)
+            request = pickle.loads(data)
+            if "import" in request:
+                imported = _import(request["import"])
+                cuda = sys.modules.get("torch") is not None and sys.modules["torch"].cuda.is_initialized()
+                control.send(pickle.dumps(("imported", imported, "an import initialised CUDA" if cuda else None)))
+                if cuda:
+                    os._exit(0)
+                continue
             pid = os.fork()
             if pid == 0:
-                _child(pickle.loads(data), list(fds), [control.fileno(), wake_read, wake_write])
+                _child(request, list(fds), [control.fileno(), wake_read, wake_write])
             for received in fds:
                 os.close(received)
             children.add(pid)

@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from pipexplore.cancel import Cancelled, CancelToken, current_token
 from pipexplore.executors import forkserver
 
-__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "pack_job",
+__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "preload_modules",
+           "pack_job",
            "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
 
 #: Seconds the workers may take to start and join their process group (apart from a run's ``timeout``).
@@ -147,6 +148,18 @@ def _start_rank(argv: list[str], fd: int, stderr: Any, cancel: Optional[CancelTo
             pass
     return subprocess.Popen([sys.executable, "-m", "pipexplore.executors._worker", *argv], pass_fds=(fd,),
                             stderr=stderr, env=_worker_env(), start_new_session=True)
+
+
+def preload_modules(names: Sequence[str], cancel: Optional[CancelToken] = None) -> None:
+    """Have the session's fork server import ``names`` (installed libraries a job's model is made
+    of: :func:`~pipexplore.executors.forkserver.installed_modules`) before it forks ranks for it;
+    nothing where ranks start as interpreters. A server that fails at it is left to the next pool."""
+    server = _fork_server(cancel) if names else None
+    if server is not None:
+        try:
+            server.preload(names)
+        except OSError:
+            pass
 
 
 def fork_server_pid() -> Optional[int]:
