@@ -5,10 +5,10 @@ machine), paid again by every pool that replaces one after a failure, a timeout 
 fork server (``python -m pipexplore.executors.forkserver FD``) pays them once: it imports torch,
 ``torch.distributed``, ``torch.distributed.pipelining`` (every rank's stages and schedule: it
 brings in torch's compiler and DTensor, ~2 s of CPU more a rank), cloudpickle and pipexplore,
-touches nothing that starts threads or a device, and then forks one child per request. Each child is what ``python -m
-pipexplore.executors._worker`` would be (its own session, its own stderr file, the caller's
-environment and working directory at the time of the request, fresh random state) and runs
-:func:`pipexplore.executors._worker.main`.
+touches nothing that starts threads or a device, and then forks one child per request. Each
+child is what ``python -m pipexplore.executors._worker`` would be (its own session, its own
+stderr file, the caller's environment and working directory at the time of the request, fresh
+random state) and runs :func:`pipexplore.executors._worker.main`.
 
 A server may also import more on request (:meth:`ForkServer.preload`): the pool asks it for the
 modules of installed libraries a job's model is made of (:func:`installed_modules`: a Hugging Face

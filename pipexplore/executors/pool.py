@@ -44,8 +44,7 @@ from pipexplore.cancel import Cancelled, CancelToken, current_token
 from pipexplore.executors import forkserver
 
 __all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "preload_modules",
-           "pack_job",
-           "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
+           "pack_job", "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
 
 #: Seconds the workers may take to start and join their process group (apart from a run's ``timeout``).
 STARTUP_TIMEOUT = 120.0

@@ -101,8 +101,9 @@ class RecordedRun:
         for r in self.ranks:
             clock = r["clock"]
             rows.append((r["rank"], r["node"], r["host"], r["device"], r.get("device_name"), list(r["stages"]),
-                         r.get("threads"), clock["offset_start"], clock["offset_end"], clock["offset_end"] - clock["offset_start"],
-                         max(clock["rtt_start"], clock["rtt_end"]), r.get("peak_memory"), r.get("peak_rss")))
+                         r.get("threads"), clock["offset_start"], clock["offset_end"],
+                         clock["offset_end"] - clock["offset_start"], max(clock["rtt_start"], clock["rtt_end"]),
+                         r.get("peak_memory"), r.get("peak_rss")))
         return pd.DataFrame(rows, columns=RANK_COLUMNS)
 
 
