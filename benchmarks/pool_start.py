@@ -7,18 +7,18 @@ server, …): wall seconds from the start to the job's replies, and the CPU seco
 getting there (read from each rank just before it is stopped). The fork server's own start (one
 per session: it imports torch once) is reported apart.
 
-``--first-step`` times a fresh pool's first training step (an ``nn.Sequential`` in 2 stages, 1F1B),
+``--first-step`` (on unless ``--no-first-step``) times a fresh pool's first training step (an ``nn.Sequential`` in 2 stages, 1F1B),
 the fork server preloading ``torch.distributed.pipelining`` (as it does) against not (each rank
 then imports it on its first job), the two interleaved, each server started before the clock; and
 a tiny GPT-2's (traced, 2 stages) with its ``transformers`` modules imported by the server on the
 run's request (as it does) against by each rank.
 
-``--traced-rerun`` also times a traced model's rerun in processes: its split checked here once
+``--traced-rerun`` (on unless ``--no-traced-rerun``) also times a traced model's rerun in processes: its split checked here once
 (the executor keeps it) against traced here again before the ranks start.
 
 Usage::
 
-    python benchmarks/pool_start.py --rounds 5 --ranks 2 --first-step --traced-rerun
+    python benchmarks/pool_start.py --rounds 5 --ranks 2     # --no-first-step, --no-traced-rerun: pools only
 """
 from __future__ import annotations
 
@@ -173,9 +173,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--devices", default="", help="ignored (the other benchmarks' option)")
-    parser.add_argument("--first-step", action="store_true",
+    parser.add_argument("--first-step", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a fresh pool's first step, torch's pipelining preloaded by the server or not")
-    parser.add_argument("--traced-rerun", action="store_true",
+    parser.add_argument("--traced-rerun", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a traced model's rerun in processes, its split checked once or traced again")
     args = parser.parse_args()
     print(machine())
