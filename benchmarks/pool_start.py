@@ -7,14 +7,15 @@ server, …): wall seconds from the start to the job's replies, and the CPU seco
 getting there (read from each rank just before it is stopped). The fork server's own start (one
 per session: it imports torch once) is reported apart.
 
-``--first-step`` (on unless ``--no-first-step``) times a fresh pool's first training step (an ``nn.Sequential`` in 2 stages, 1F1B),
-the fork server preloading ``torch.distributed.pipelining`` (as it does) against not (each rank
-then imports it on its first job), the two interleaved, each server started before the clock; and
-a tiny GPT-2's (traced, 2 stages) with its ``transformers`` modules imported by the server on the
-run's request (as it does) against by each rank.
+``--first-step`` (on unless ``--no-first-step``) times a fresh pool's first training step (an
+``nn.Sequential`` in 2 stages, 1F1B), the fork server preloading ``torch.distributed.pipelining``
+(as it does) against not (each rank then imports it on its first job), the two interleaved, each
+server started before the clock; and a tiny GPT-2's (traced, 2 stages) with its ``transformers``
+modules imported by the server on the run's request (as it does) against by each rank.
 
-``--traced-rerun`` (on unless ``--no-traced-rerun``) also times a traced model's rerun in processes: its split checked here once
-(the executor keeps it) against traced here again before the ranks start.
+``--traced-rerun`` (on unless ``--no-traced-rerun``) also times a traced model's rerun in
+processes: its split checked here once (the executor keeps it) against traced here again before
+the ranks start.
 
 Usage::
 
