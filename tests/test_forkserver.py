@@ -216,3 +216,26 @@ def test_installed_modules_are_the_libraries_a_model_is_made_of_never_the_users_
     assert all(name.startswith("transformers.") for name in forkserver.installed_modules(gpt2))
     assert forkserver.installed_modules(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []  # torch: preloaded
     assert forkserver.installed_modules(_Local()) == []  # this file is the user's: each rank imports it as it is
+
+
+THREAD_AT_IMPORT = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+
+
+def test_an_import_that_starts_a_thread_stops_the_server_and_is_not_asked_for_again(tmp_path, monkeypatch):
+    """A forked child could inherit a lock another thread holds: a server whose import started a
+    thread says so and exits; the pool then starts another and leaves that module to each rank."""
+    (tmp_path / "pipexplore_thread_at_import.py").write_text(THREAD_AT_IMPORT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    shutdown_pool()
+    server = pool._fork_server(None)
+    with pytest.raises(OSError, match=r"the fork server stopped: an import started a thread "
+                                      r"\(pipexplore_thread_at_import\)"):
+        server.preload(["yaml", "pipexplore_thread_at_import"])
+    assert not server.alive()
+    pool.preload_modules(["pipexplore_thread_at_import"])  # the pool's own server, asked: it stops too
+    stopped = pool._server
+    assert stopped is not None and not stopped.alive()
+    pool.preload_modules(["pipexplore_thread_at_import", "yaml"])  # a new server, asked for yaml only
+    assert pool._server is not stopped and pool._server.alive() and pool._server.preloaded == {"yaml"}
+    shutdown_pool()
+    pool._not_preloaded.clear()

@@ -14,7 +14,9 @@ A server may also import more on request (:meth:`ForkServer.preload`): the pool 
 modules of installed libraries a job's model is made of (:func:`installed_modules`: a Hugging Face
 model's ``transformers`` modules, ~1.5 s of CPU a rank), so that ranks forked later have them. A
 module of the user's own (a notebook's, a source tree's, an editable install's) is never preloaded:
-each rank imports it as it is at the rank's start, edits included.
+each rank imports it as it is at the rank's start, edits included. An import that starts a thread
+(a child forked then could inherit a lock that thread holds) or initialises CUDA stops the server:
+the next pool starts another, and the pool does not ask for those modules again.
 
 The caller holds a :class:`ForkedProcess` per child, with the part of :class:`subprocess.Popen`
 that the pool uses (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``): the server reaps its
@@ -49,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ForkServer", "ForkedProcess", "supported", "installed_modules", "PRELOAD"]
+__all__ = ["ForkServer", "ForkedProcess", "ServerStopped", "supported", "installed_modules", "PRELOAD"]
 
 #: Modules the server imports before it forks: what every rank imports anyway.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudpickle", "pipexplore",
@@ -58,6 +60,16 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudp
 PARENT_POLL = 0.5
 #: The largest message on the control socket (a request carries the caller's environment).
 MESSAGE_BYTES = 1 << 20
+
+
+class ServerStopped(OSError):
+    """The server stopped after an import it was asked for: ``modules`` started a thread, or an
+    import initialised CUDA (``modules`` then empty: which one is not known)."""
+
+    def __init__(self, message: str, modules: Sequence[str] = ()):
+        super().__init__(message)
+        #: The modules whose import started a thread.
+        self.modules = list(modules)
 
 
 def installed_modules(model: Any) -> list[str]:
@@ -147,7 +159,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
         self._started: list[int] = []
-        self._imported: Optional[tuple[list[str], Optional[str]]] = None
+        self._imported: Optional[tuple[list[str], Optional[str], list[str]]] = None
         #: Modules imported on request (:meth:`preload`), beside :data:`PRELOAD`.
         self.preloaded: set[str] = set()
         #: The server's process id (its children's parent).
@@ -225,8 +237,9 @@ class ForkServer:
         Returns the modules it imported.
 
         Raises:
-            OSError: the server is gone, did not answer within ``timeout`` seconds, or an import
-                initialised CUDA (it then exits: the next pool starts another).
+            ServerStopped: an import started a thread or initialised CUDA; the server has exited
+                (the next pool starts another).
+            OSError: the server is gone, or did not answer within ``timeout`` seconds.
         """
         missing = [name for name in names if name not in self.preloaded]
         if not missing:
@@ -237,11 +250,16 @@ class ForkServer:
             while self._imported is None:
                 if not self._read(max(0.0, deadline - time.monotonic())):
                     raise OSError(f"the fork server did not import {', '.join(missing)} within {timeout:g} s")
-            imported, refused = self._imported
+            imported, refused, culprits = self._imported
             self._imported = None
         self.preloaded.update(missing)  # those that failed are not asked for again
         if refused:
-            raise OSError(f"the fork server stopped: {refused}")
+            try:
+                self._process.wait(timeout=10.0)  # it exits after saying why: gone when this returns
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            raise ServerStopped(f"the fork server stopped: {refused}", culprits)
         return imported
 
     def _read(self, timeout: Optional[float]) -> bool:
@@ -262,7 +280,7 @@ class ForkServer:
         if message[0] == "exit":
             self._exits[message[1]] = message[2]
         elif message[0] == "imported":
-            self._imported = (message[1], message[2])
+            self._imported = (message[1], message[2], message[3])
         else:
             self._started.append(message[1])
         return True
@@ -361,18 +379,29 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
-def _import(names: Sequence[str]) -> list[str]:
-    """Import what can be of ``names``: those imported."""
+def _threads() -> int:
+    """This process's threads, Python's and native ones alike."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - the server runs on Linux
+        return threading.active_count()
+
+
+def _import(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Import what can be of ``names``: those imported, and those whose import started a thread."""
     import importlib
 
-    done = []
+    done, threading_ = [], []
     for name in names:
+        before = _threads()
         try:
             importlib.import_module(name)
             done.append(name)
         except Exception:  # the rank that needs it imports it and reports what fails there
             pass
-    return done
+        if _threads() > before:
+            threading_.append(name)
+    return done, threading_
 
 
 def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
@@ -419,10 +448,11 @@ def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
                 os._exit(0)
             request = pickle.loads(data)
             if "import" in request:
-                imported = _import(request["import"])
-                cuda = sys.modules.get("torch") is not None and sys.modules["torch"].cuda.is_initialized()
-                control.send(pickle.dumps(("imported", imported, "an import initialised CUDA" if cuda else None)))
-                if cuda:
+                imported, culprits = _import(request["import"])
+                refused = ("an import initialised CUDA" if torch is not None and torch.cuda.is_initialized() else
+                           f"an import started a thread ({', '.join(culprits)})" if culprits else None)
+                control.send(pickle.dumps(("imported", imported, refused, culprits)))
+                if refused:
                     os._exit(0)
                 continue
             pid = os.fork()

@@ -149,14 +149,24 @@ def _start_rank(argv: list[str], fd: int, stderr: Any, cancel: Optional[CancelTo
                             stderr=stderr, env=_worker_env(), start_new_session=True)
 
 
+#: Modules whose import stopped a fork server (it started a thread or initialised CUDA): each rank
+#: imports them itself from then on.
+_not_preloaded: set[str] = set()
+
+
 def preload_modules(names: Sequence[str], cancel: Optional[CancelToken] = None) -> None:
     """Have the session's fork server import ``names`` (installed libraries a job's model is made
     of: :func:`~pipexplore.executors.forkserver.installed_modules`) before it forks ranks for it;
-    nothing where ranks start as interpreters. A server that fails at it is left to the next pool."""
+    nothing where ranks start as interpreters. Modules whose import stopped a server are not asked
+    for again (the next pool starts another server); a server that fails otherwise is left to the
+    next pool."""
+    names = [name for name in names if name not in _not_preloaded]
     server = _fork_server(cancel) if names else None
     if server is not None:
         try:
             server.preload(names)
+        except forkserver.ServerStopped as stopped:
+            _not_preloaded.update(stopped.modules or names)
         except OSError:
             pass
 
