@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["host_cores", "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker",
+__all__ = ["host_cores", "core_share", "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker",
            "stage_worker_matters"]
 
 
@@ -34,6 +34,11 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+def core_share(workers: int, cores: Optional[int] = None) -> int:
+    """Intra-op threads for each of ``workers`` that run at once on this host's cores (or ``cores``)."""
+    return max(1, (cores or host_cores()) // workers)
+
+
 def stage_threads(devices: Sequence[Any], cores: Optional[int] = None) -> Optional[int]:
     """Intra-op threads for each CPU stage when the stages on ``devices`` (names or
     ``torch.device``; one worker each) run at once: the host's cores shared among its CPU
@@ -41,7 +46,7 @@ def stage_threads(devices: Sequence[Any], cores: Optional[int] = None) -> Option
     workers = sum(1 for d in devices if str(d).split(":")[0] == "cpu")
     if workers < 2:
         return None
-    return max(1, (cores or host_cores()) // workers)
+    return core_share(workers, cores)
 
 
 @contextmanager

@@ -10,8 +10,8 @@ import time
 import warnings
 
 import psutil
-import torch
 import pytest
+import torch
 
 from pipexplore.executors import forkserver, pool
 from pipexplore.executors.pool import DistributedRunError, pack_job, shutdown_pool, warm_pool
@@ -228,10 +228,10 @@ def test_an_import_that_starts_a_thread_stops_the_server_and_is_not_asked_for_ag
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
     shutdown_pool()
     server = pool._fork_server(None)
-    with pytest.raises(OSError, match=r"the fork server stopped: an import started a thread "
-                                      r"\(pipexplore_thread_at_import\)"):
+    with pytest.raises(forkserver.ServerStopped, match=r"the fork server stopped: an import started a thread "
+                                                       r"\(pipexplore_thread_at_import\)") as stopped:
         server.preload(["yaml", "pipexplore_thread_at_import"])
-    assert not server.alive()
+    assert stopped.value.modules == ["pipexplore_thread_at_import"] and not server.alive()
     pool.preload_modules(["pipexplore_thread_at_import"])  # the pool's own server, asked: it stops too
     stopped = pool._server
     assert stopped is not None and not stopped.alive()

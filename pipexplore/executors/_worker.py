@@ -45,9 +45,9 @@ def _set_threads(world: int, backend: str) -> None:
         return
     import torch
 
-    from pipexplore.host import host_cores
+    from pipexplore.host import core_share
 
-    torch.set_num_threads(max(1, host_cores() // world))
+    torch.set_num_threads(core_share(world))
 
 
 def main(argv: list[str] | None = None) -> None:

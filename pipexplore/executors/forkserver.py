@@ -254,11 +254,7 @@ class ForkServer:
             self._imported = None
         self.preloaded.update(missing)  # those that failed are not asked for again
         if refused:
-            try:
-                self._process.wait(timeout=10.0)  # it exits after saying why: gone when this returns
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+            self.close()  # it exits after saying why: gone when this returns
             raise ServerStopped(f"the fork server stopped: {refused}", culprits)
         return imported
 
@@ -407,7 +403,8 @@ def _import(names: Sequence[str]) -> tuple[list[str], list[str]]:
 def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
     """The server's loop: preload, say ready, then fork on request (or import more) and report
     exits until the control socket closes or the parent is gone. It refuses to serve (and exits)
-    where an import initialised CUDA: a forked child cannot use CUDA that its parent initialised."""
+    where an import initialised CUDA (a forked child cannot use CUDA that its parent initialised),
+    or where an import on request started a thread (a forked child could inherit its locks held)."""
     control = socket.socket(fileno=fd)
     parent = os.getppid()
     wake_read, wake_write = os.pipe()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.host import host_cores
+from pipexplore.host import core_share
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
            "HOOKS_MODULE", "STEP_LINE", "printed_losses"]
@@ -209,7 +209,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                 "--tee", "3"]  # each rank's lines prefixed with its rank ("[default3]:"), and kept in --log-dir
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
-    environment.setdefault("OMP_NUM_THREADS", str(max(1, host_cores() // (nodes * nproc_per_node))))
+    environment.setdefault("OMP_NUM_THREADS", str(core_share(nodes * nproc_per_node)))
     token = current_token()
     outs = [folder / f"agent-{n}.out" for n in range(nodes)]
     errs = [folder / f"agent-{n}.err" for n in range(nodes)]
