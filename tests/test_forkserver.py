@@ -239,3 +239,22 @@ def test_an_import_that_starts_a_thread_stops_the_server_and_is_not_asked_for_ag
     assert pool._server is not stopped and pool._server.alive() and pool._server.preloaded == {"yaml"}
     shutdown_pool()
     pool._not_preloaded.clear()
+
+
+def test_a_rank_whose_parent_ended_before_it_looked_leaves_at_once(monkeypatch):
+    """A rank is told its parent's pid (the server's, or the pool's for an interpreter): one whose
+    parent ended before its watcher began (a server closed right after a fork, on a busy machine)
+    sees another parent and leaves, rather than watching its successor forever."""
+    from pipexplore.executors import _worker
+
+    class Left(Exception):
+        pass
+
+    def leave(code):
+        raise Left(code)
+
+    monkeypatch.setattr(_worker.os, "getppid", lambda: 1)  # adopted: the named parent is gone
+    monkeypatch.setattr(_worker.os, "_exit", leave)
+    monkeypatch.setattr(_worker.time, "sleep", lambda seconds: pytest.fail("it waited to look"))
+    with pytest.raises(Left, match="1"):
+        _worker._exit_with_parent(4242)

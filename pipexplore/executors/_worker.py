@@ -32,11 +32,12 @@ GROUP_TIMEOUT = timedelta(hours=1)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Leave at once when the process that started the pool is gone (killed kernel, crashed script)."""
-    while True:
+    """Leave at once when the process that started this rank is gone (killed kernel, crashed
+    script, closed fork server). ``parent_pid`` is the one its starter named, not read here: a
+    parent that ended before this thread began would otherwise be taken for its successor."""
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    os._exit(1)
 
 
 def _set_threads(world: int, backend: str) -> None:
@@ -50,12 +51,17 @@ def _set_threads(world: int, backend: str) -> None:
     torch.set_num_threads(core_share(world))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run one rank of the pool: join the process group, then serve jobs until told to exit."""
-    rank, world, port, fd = (int(v) for v in (argv or sys.argv[1:])[:4])
-    backend = (argv or sys.argv[1:])[4]
+def main(argv: list[str] | None = None, parent: int | None = None) -> None:
+    """Run one rank of the pool: join the process group, then serve jobs until told to exit.
+    ``argv``: rank, world, port, the pipe's fd, the backend and (for an interpreter) the pid of
+    the process that started it; ``parent``: that pid, from a fork server, which knows its own."""
+    argv = list(argv or sys.argv[1:])
+    rank, world, port, fd = (int(v) for v in argv[:4])
+    backend = argv[4]
+    if parent is None:
+        parent = int(argv[5]) if len(argv) > 5 else os.getppid()
     faulthandler.enable()  # a crash in native code leaves its stack in this rank's captured stderr
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     connection = Connection(fd)
     import torch.distributed as dist
 

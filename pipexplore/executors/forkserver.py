@@ -181,7 +181,7 @@ class ForkServer:
         # and once closed would break a late write (a warning) of a server that runs for hours.
         stderr = tempfile.TemporaryFile(prefix="pipexplore-forkserver-", suffix=".stderr")
         process = subprocess.Popen([sys.executable, "-m", "pipexplore.executors.forkserver", str(theirs.fileno()),
-                                    ",".join(PRELOAD if preload is None else preload)],
+                                    ",".join(PRELOAD if preload is None else preload), str(os.getpid())],
                                    pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
                                    stderr=stderr, stdin=subprocess.DEVNULL)
         theirs.close()
@@ -330,8 +330,9 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
-    """In the forked child: become a fresh rank process and run the worker; never returns."""
+def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: int) -> None:
+    """In the forked child: become a fresh rank process and run the worker (which leaves when
+    ``server``, its parent, is gone); never returns."""
     code = 1
     try:
         for fd in closing:
@@ -358,7 +359,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         _name_process(f"pipexplore-r{argv[0]}")
         from pipexplore.executors import _worker
 
-        _worker.main(argv)
+        _worker.main(argv, parent=server)
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -400,13 +401,16 @@ def _import(names: Sequence[str]) -> tuple[list[str], list[str]]:
     return done, threading_
 
 
-def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
+def serve(fd: int, preload: Sequence[str] = PRELOAD, parent: Optional[int] = None) -> None:
     """The server's loop: preload, say ready, then fork on request (or import more) and report
     exits until the control socket closes or the parent is gone. It refuses to serve (and exits)
     where an import initialised CUDA (a forked child cannot use CUDA that its parent initialised),
-    or where an import on request started a thread (a forked child could inherit its locks held)."""
+    or where an import on request started a thread (a forked child could inherit its locks held).
+    ``parent``: the caller's pid, as the caller named it (read here it could already be another's)."""
     control = socket.socket(fileno=fd)
-    parent = os.getppid()
+    if parent is None:
+        parent = os.getppid()
+    me = os.getpid()  # the children's parent, named to them before they run (they cannot ask later)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
@@ -454,7 +458,7 @@ def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(request, list(fds), [control.fileno(), wake_read, wake_write])
+                _child(request, list(fds), [control.fileno(), wake_read, wake_write], me)
             for received in fds:
                 os.close(received)
             children.add(pid)
@@ -462,4 +466,5 @@ def serve(fd: int, preload: Sequence[str] = PRELOAD) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), [name for name in sys.argv[2].split(",") if name] if len(sys.argv) > 2 else PRELOAD)
+    serve(int(sys.argv[1]), [name for name in sys.argv[2].split(",") if name] if len(sys.argv) > 2 else PRELOAD,
+          int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -145,8 +145,8 @@ def _start_rank(argv: list[str], fd: int, stderr: Any, cancel: Optional[CancelTo
             return server.spawn(argv, fd, stderr.fileno(), _worker_env())
         except OSError:  # the server died: this rank starts as an interpreter; the next pool, a new server
             pass
-    return subprocess.Popen([sys.executable, "-m", "pipexplore.executors._worker", *argv], pass_fds=(fd,),
-                            stderr=stderr, env=_worker_env(), start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "pipexplore.executors._worker", *argv, str(os.getpid())],
+                            pass_fds=(fd,), stderr=stderr, env=_worker_env(), start_new_session=True)
 
 
 #: Modules whose import stopped a fork server (it started a thread or initialised CUDA): each rank
