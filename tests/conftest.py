@@ -35,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nothing_left_at_the_end():
+    """The fork server outlives a module's pools (each module stops its ranks: ``ranks.py``); at
+    the session's end it is stopped, and no rank or server of ours may still run."""
+    yield
+    from pipexplore.executors.pool import shutdown_pool
+    from ranks import fork_server_left, worker_children
+
+    shutdown_pool()
+    assert worker_children() == [] and fork_server_left() == []

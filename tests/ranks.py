@@ -89,15 +89,17 @@ def fork_server_left():
 
 @pytest.fixture(autouse=True, scope="module")
 def no_pool_left_behind():
+    """After the module no rank runs; the fork server stays for the next module's pools (the
+    session's end stops it and checks that nothing is left: ``conftest.py``)."""
     yield
-    shutdown_pool()
-    assert worker_children() == [] and fork_server_left() == []
+    shutdown_pool(keep_server=True)
+    assert worker_children() == [] and len(fork_server_left()) <= 1
 
 
 @pytest.fixture
 def port_spy(monkeypatch):
     """The rendezvous ports of the pools started in the test (it starts with none warm)."""
-    shutdown_pool()
+    shutdown_pool(keep_server=True)
     ports = []
     original = pool._free_port
 

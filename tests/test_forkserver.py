@@ -79,6 +79,26 @@ def test_a_killed_rank_is_named_with_its_signal_through_the_server():
     assert worker_children() == []
 
 
+def test_forked_process_reports_exit_codes_as_popen_does():
+    server = pool._fork_server(None)  # the session's: started here if no other test started it
+    import multiprocessing
+
+    ours, theirs = multiprocessing.Pipe()
+    with open(os.devnull, "wb") as sink:
+        # a rank that cannot join its group (world 2, nobody else): it waits until killed
+        child = server.spawn(["0", "2", str(pool._free_port()), str(theirs.fileno()), "gloo"], theirs.fileno(),
+                             sink.fileno(), pool._worker_env())
+    theirs.close()
+    assert child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    child.terminate()
+    assert child.wait(timeout=10) == -15 and child.returncode == -15
+    child.kill()  # ended already: nothing is sent to a pid that may be reused
+    ours.close()
+    assert server.alive()  # a child's end is not the server's
+
+
 def test_without_the_server_nothing_is_forked(monkeypatch):
     shutdown_pool()
     monkeypatch.setattr(pool, "FORK_SERVER", False)
@@ -114,32 +134,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_forked_process_reports_exit_codes_as_popen_does():
-    server = forkserver.ForkServer.start(pool._worker_env())
-    try:
-        import multiprocessing
-
-        ours, theirs = multiprocessing.Pipe()
-        with open(os.devnull, "wb") as sink:
-            # a rank that cannot join its group (world 2, nobody else): it waits until killed
-            child = server.spawn(["0", "2", str(pool._free_port()), str(theirs.fileno()), "gloo"], theirs.fileno(),
-                                 sink.fileno(), pool._worker_env())
-        theirs.close()
-        assert child.poll() is None
-        with pytest.raises(subprocess.TimeoutExpired):
-            child.wait(timeout=0.2)
-        child.terminate()
-        assert child.wait(timeout=10) == -15 and child.returncode == -15
-        child.kill()  # ended already: nothing is sent to a pid that may be reused
-        ours.close()
-    finally:
-        server.close()
-    assert not server.alive()
-
-
 def test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters(monkeypatch):
     shutdown_pool()
-    monkeypatch.setattr(forkserver, "PRELOAD", ("pipexplore", "pipexplore_no_such_module"))
+    monkeypatch.setattr(forkserver, "PRELOAD", ("pipexplore_no_such_module",))
     with pytest.warns(RuntimeWarning, match=r"(?s)rank processes start as new interpreters in this session \(slower "
                                             r"to start\): the fork server exited while it started: .*No module named "
                                             r"'pipexplore_no_such_module'"):
@@ -226,6 +223,7 @@ def test_an_import_that_starts_a_thread_stops_the_server_and_is_not_asked_for_ag
     thread says so and exits; the pool then starts another and leaves that module to each rank."""
     (tmp_path / "pipexplore_thread_at_import.py").write_text(THREAD_AT_IMPORT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.setattr(forkserver, "PRELOAD", ())  # servers that fork nothing here need not import torch
     shutdown_pool()
     server = pool._fork_server(None)
     with pytest.raises(forkserver.ServerStopped, match=r"the fork server stopped: an import started a thread "
