@@ -2,9 +2,10 @@
 with ``--record DIR`` under two torchrun node agents on this machine (c10d rendezvous on
 loopback, gloo, 2 ranks each), ``explorer.load_run`` reads it whole and ``explorer.run(
 executor='torchrun', nodes=2)`` does both; a rank that dies is named, a directory missing a
-rank, of another plan or truncated is refused and nothing of it is kept. The runs whose point is
-not the ranks' layout (a CSV schedule, a rank that dies, a cancel) have two agents of one rank:
-each rank is an interpreter importing torch's pipelining (~5 s of CPU)."""
+rank, of another plan or truncated is refused and nothing of it is kept. One run has two agents
+of two ranks; the others (interleaved, a CSV schedule with the profiler on beside the recorder,
+a rank that dies, a cancel) have two agents of one rank: each rank is an interpreter importing
+torch's pipelining (~5 s of CPU)."""
 from __future__ import annotations
 
 import html
@@ -60,7 +61,7 @@ def loss_fn(output, target):
 def build_optimizer(parameters):
     return torch.optim.Adam(parameters, lr=1e-3)
 '''
-INTERLEAVED = [2, 4, 6, 8, 10, 12, 14]
+INTERLEAVED = [4, 8, 12]  # 4 stages: 2 a rank on 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +152,11 @@ def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
 
 @pytest.mark.slow
 def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, monkeypatch):
-    """Run step on "torchrun, 2 nodes" (ex.run(executor='torchrun', nodes=2) in the background):
-    rank 3's clock runs 5 s ahead (injected); its offset is measured and its events land in place."""
-    explorer = _explorer(hooks[0], "interleaved", splits=INTERLEAVED)
-    monkeypatch.setenv(CLOCK_SHIFT_ENV, "3=5.0")
+    """Run step on "torchrun, 2 nodes" (ex.run(executor='torchrun', nodes=2) in the background,
+    an agent of one rank each): rank 1's clock runs 5 s ahead (injected); its offset is measured
+    and its events land in place."""
+    explorer = _explorer(hooks[0], "interleaved", splits=INTERLEAVED, devices="cpu,cpu")
+    monkeypatch.setenv(CLOCK_SHIFT_ENV, "1=5.0")
     before = explorer.plan
     assert [value for _, value in explorer.w_run_on.options] == ["", "1", "2"]
     explorer.w_run_on.value = "2"
@@ -162,47 +164,78 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     explorer.state._thread.join(300)
     assert not explorer.state.running and len(explorer.runs) == 1, explorer.state.notes
     row = explorer.runs.iloc[-1]
-    assert row["executor"] == "torchrun" and row["schedule"] == "interleaved" and row["ranks"] == 4
+    assert row["executor"] == "torchrun" and row["schedule"] == "interleaved" and row["ranks"] == 2
     assert row["nodes"] == 2
     result = explorer.state.result_of(row["run"])
     ranks = result.metrics["rank_table"]
-    assert ranks.loc[3, "offset_start"] == pytest.approx(5.0, abs=5e-3)
-    assert ranks.loc[3, "offset_end"] == pytest.approx(5.0, abs=5e-3)
+    assert ranks.loc[1, "offset_start"] == pytest.approx(5.0, abs=5e-3)
+    assert ranks.loc[1, "offset_end"] == pytest.approx(5.0, abs=5e-3)
     timeline = result.timeline
-    assert not _every_action(timeline, 8, 4)
+    assert not _every_action(timeline, 4, 4)
     assert timeline["end"].max() < 2.0 and not _in_place(timeline)
-    assert set(timeline.loc[timeline["rank"] == 3, "stage"]) >= {3, 7}
+    assert set(timeline.loc[timeline["rank"] == 1, "stage"]) == {1, 3}
     assert row["loss"] == pytest.approx(result.metrics["printed_losses"][0], abs=1e-6)
     assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
     assert math.isfinite(row["prediction_error"])
     assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays
 
 
-@pytest.mark.slow
-def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, tmp_path):
-    """The recorded run keeps the CSV's text: loaded where the file is not, its plan runs the
-    schedule the run ran (written into the run directory)."""
-    from pipexplore.runs.roundtrip import torchrun_result
+@pytest.fixture(scope="module")
+def csv_run(hooks, tmp_path_factory):
+    """A 1F1B schedule written as a CSV, run by the exported script under two node agents of one
+    rank with ``--record`` and, beside it, torch's profiler (``--profile``): the CSV runs through
+    torch's runtime schedule, which labels each action in the trace. Then the CSV is deleted, as on
+    another machine, where an explorer of its own loads the run."""
     from pipexplore.schedule_csv import write_csv
     from pipexplore.schedules import rank_orders
 
-    path = pathlib.Path(write_csv(rank_orders("1f1b", 2, 4), tmp_path / "ours.csv"))
-    explorer = _explorer(hooks[0], schedule=str(path), devices="cpu,cpu")  # 2 node agents of one rank
-    module = hooks[0]
-    inputs, target = module.get_batch()
-    torchrun_result(module.build_model(), inputs, explorer.plan, nodes=2, target=target, loss_fn=module.loss_fn,
-                    optimizer=module.build_optimizer, keep=tmp_path / "run")
+    module, folder = hooks
+    work = tmp_path_factory.mktemp("csv")
+    path = pathlib.Path(write_csv(rank_orders("1f1b", 2, 4), work / "ours.csv"))
+    script = work / "train_pipeline.py"
+    script.write_text(_explorer(module, schedule=str(path), devices="cpu,cpu").export(
+        "torchrun", hooks="roundtrip_hooks", steps=3))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    launch(script, nodes=2, nproc_per_node=1, env=env, timeout=300,
+           args=["--record", str(work / "run"), "--profile", str(work / "traces")])
     text = path.read_text()
-    path.unlink()  # as on another machine, where an explorer of its own loads the run
+    path.unlink()
+    return work, text
+
+
+@pytest.mark.slow
+def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, csv_run):
+    """The recorded run keeps the CSV's text: loaded where the file is not, its plan runs the
+    schedule the run ran (written into the run directory)."""
+    work, text = csv_run
+    module = hooks[0]
     explorer = _explorer(module, devices="cpu,cpu")
-    row = explorer.load_run(tmp_path / "run")
+    row = explorer.load_run(work / "run")
     ran = explorer.state.result_of(row["run"]).plan
-    assert ran.schedule == str(tmp_path / "run" / "schedule.csv")
-    assert (tmp_path / "run" / "schedule.csv").read_text() == text
+    assert ran.schedule == str(work / "run" / "schedule.csv")
+    assert (work / "run" / "schedule.csv").read_text() == text
     assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
     # two agents of one rank on this machine share its cores (torchrun itself would give each all of them)
     threads = explorer.state.result_of(row["run"]).metrics["rank_table"]["threads"].tolist()
     assert threads == [_shared_threads(2)] * 2
+
+
+@pytest.mark.slow
+def test_the_exported_script_traces_with_the_profiler_beside_the_recorder(hooks, csv_run):
+    """--record and --profile in one run: both load, with the same actions; the recorder's span of
+    each action lies inside the profiler's label of it (which also covers the wait for its input)."""
+    work, _ = csv_run
+    assert sorted(p.name for p in (work / "traces").iterdir()) == [f"trace_rank{r}.json" for r in range(2)]
+    recorded = read_run(work / "run").steps[-1]
+    explorer = _explorer(hooks[0], devices="cpu,cpu")
+    row = explorer.load_run(work / "traces")
+    assert row["executor"] == "torchrun"
+    traced = explorer.state.result_of(row["run"]).timeline
+    key = ["stage", "phase", "microbatch"]
+    spans = [t[t["phase"].isin(["forward", "backward"])].set_index(key) for t in (recorded, traced)]
+    assert sorted(spans[0].index) == sorted(spans[1].index) and len(spans[0]) == 2 * 4 * 2
+    ours, theirs = ((s["end"] - s["start"]).sort_index() for s in spans)
+    assert (ours <= theirs + 50e-6).all(), (ours - theirs)[ours > theirs + 50e-6]  # of one step, not two
 
 
 def _copy(directory, tmp_path):
@@ -438,31 +471,6 @@ def test_the_exported_script_records_on_request(hooks):
         from pipexplore.export.torchrun import torchrun_script
 
         torchrun_script(_explorer(hooks[0]).layer_table, [1], hooks="roundtrip_hooks", chunks=4, device="tpu")
-
-
-@pytest.mark.slow
-def test_the_exported_script_traces_with_the_profiler_beside_the_recorder(hooks, tmp_path):
-    """--record and --profile in one run: both load, with the same actions; the recorder's span of
-    each action lies inside the profiler's label of it (which also covers the wait for its input)."""
-    module, folder = hooks
-    inputs, target = module.get_batch()
-    explorer = pipexplore.explore(module.build_model(), inputs, target=target, loss_fn=module.loss_fn, chunks=4,
-                                  schedule="gpipe", devices="cpu,cpu", executor="processes", profile_repeats=1)
-    script = tmp_path / "train_pipeline.py"
-    script.write_text(explorer.export("torchrun", hooks="roundtrip_hooks", steps=3))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
-    launch(script, nodes=1, nproc_per_node=2, env=env, timeout=300,
-           args=["--record", str(tmp_path / "run"), "--profile", str(tmp_path / "traces")])
-    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [f"trace_rank{r}.json" for r in range(2)]
-    recorded = read_run(tmp_path / "run").steps[-1]
-    row = explorer.load_run(tmp_path / "traces")
-    assert row["executor"] == "torchrun" and row["schedule"] == "gpipe"
-    traced = explorer.state.result_of(row["run"]).timeline
-    key = ["stage", "phase", "microbatch"]
-    spans = [t[t["phase"].isin(["forward", "backward"])].set_index(key) for t in (recorded, traced)]
-    assert sorted(spans[0].index) == sorted(spans[1].index) and len(spans[0]) == 2 * 4 * 2
-    ours, theirs = ((s["end"] - s["start"]).sort_index() for s in spans)
-    assert (ours <= theirs + 50e-6).all(), (ours - theirs)[ours > theirs + 50e-6]  # of one step, not two
 
 
 def test_loading_a_missing_directory_says_so(hooks, tmp_path):
