@@ -10,6 +10,11 @@ WORKERS=${PIPEXPLORE_TEST_WORKERS:-3}
 # the files that hold timing tests (the mark is named where it is used)
 TIMING_FILES=$(grep -lE "mark\.timing|^@timing" tests/test_*.py)
 status=0
+# Three workers (and the ranks, kernels and browser they start) on two cores: an OpenMP thread that
+# waits spins for a while before it sleeps, burning a core another worker needs (the parallel part
+# took ~100 CPU s and ~50 s more with the default policy, measured). Threads that wait sleep here;
+# the timing tests, alone on the machine, run with torch's defaults.
+OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not timing" tests notebooks --nbval-lax \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$@" || status=$?
 # shellcheck disable=SC2086

@@ -56,7 +56,7 @@ def pool_workers() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def nothing_left_running():
     STARTED.clear()
-    shutdown_pool()  # a warm pool an earlier test file left (its workers would count as left by this test)
+    shutdown_pool(keep_server=True)  # a warm pool an earlier test left (its ranks would count as left by this test)
     before = run_threads()
     yield
     assert run_threads() <= before, f"threads left running: {run_threads() - before}"
@@ -163,7 +163,7 @@ def test_cancel_stops_the_traced_executor_within_a_second(traced_table):
 @timing
 @pytest.mark.slow
 def test_cancel_stops_the_processes_executor_within_three_seconds(sequential_table, tmp_path):
-    shutdown_pool()
+    shutdown_pool(keep_server=True)
     mark = tmp_path / "started"
     ex = explore(slow_sequential(mark=str(mark)), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[2], chunks=4,
                  schedule="1f1b", layer_table=sequential_table, calibrate=False, executor="processes")
@@ -257,7 +257,7 @@ def test_the_loss_is_the_first_steps_the_unsplit_models_at_the_same_weights(exec
     if executor != "threads" or schedule != "async-backends":  # processes too: warm-up + 2 steps in the ranks
         assert result.measured_losses == pytest.approx(expected[1:3], rel=1e-5)
     if executor == "processes":
-        shutdown_pool()
+        shutdown_pool(keep_server=True)
 
 
 def test_the_traced_loss_is_the_first_steps_too(traced_table):

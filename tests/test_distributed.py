@@ -76,7 +76,7 @@ def test_a_rerun_reuses_the_warm_pool_with_the_users_loss_and_optimizer():
 
     make_adam = functools.partial(torch.optim.Adam, lr=0.05)
     plan = _plan(model, x, [4], ["cpu"] * 2, "1f1b")
-    shutdown_pool()
+    shutdown_pool(keep_server=True)
     first = run_step(model, x, plan, target=target, loss_fn=weighted_loss, optimizer=make_adam, warmup=1)
     second = run_step(model, x, plan, target=target, loss_fn=weighted_loss, optimizer=make_adam, warmup=1)
     assert first.metrics["startup_seconds"] > 0 and second.metrics["startup_seconds"] == 0.0

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 class FailInWorker(nn.Module):
     """The identity in the test's own process (so that profiling works); in a worker, fails as told."""
 
-    def __init__(self, how):
+    def __init__(self, how, mark=""):
         super().__init__()
-        self.how, self.home = how, os.getpid()
+        self.how, self.home, self.mark = how, os.getpid(), mark
 
     def forward(self, x):
         if os.getpid() != self.home:
@@ -42,13 +42,15 @@ class FailInWorker(nn.Module):
             if self.how == "raise":
                 raise RuntimeError("the layer failed on purpose")
             if self.how == "hang":
+                if self.mark:  # says it hangs now
+                    open(self.mark, "w").close()
                 time.sleep(3600)
         return x
 
 
-def _failing_model(how):
+def _failing_model(how, mark=""):
     model = plain_model()
-    model.insert(5, FailInWorker(how))  # in stage 1 (splits [4]): rank 1
+    model.insert(5, FailInWorker(how, mark))  # in stage 1 (splits [4]): rank 1
     return model
 
 
@@ -86,22 +88,29 @@ def test_a_hanging_rank_times_out_and_every_process_is_reaped(port_spy):
 
 
 @pytest.mark.timing  # a bound in seconds: runs alone (scripts/test.sh)
-def test_an_interrupt_stops_and_reaps_every_rank_within_three_seconds(ctrl_c_raises):
-    model, x = _failing_model("hang"), torch.randn(8, 6)
+def test_an_interrupt_stops_and_reaps_every_rank_within_three_seconds(ctrl_c_raises, tmp_path):
+    mark = tmp_path / "hanging"
+    model, x = _failing_model("hang", str(mark)), torch.randn(8, 6)
     plan = _plan(model, x, [4], ["cpu"] * 2, "gpipe")
     interrupted: list[float] = []
+    done = threading.Event()
 
-    def ctrl_c() -> None:  # Ctrl-C while the ranks run (or start)
-        interrupted.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
+    def ctrl_c() -> None:  # Ctrl-C while rank 1 hangs in its step
+        deadline = time.monotonic() + 120
+        while not mark.exists() and not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not done.is_set():
+            interrupted.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
 
-    timer = threading.Timer(4.0, ctrl_c)
-    timer.start()
+    sender = threading.Thread(target=ctrl_c, name="test-interrupter", daemon=True)
+    sender.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             run_processes(model, x, plan, timeout=120)
     finally:
-        timer.cancel()
+        done.set()
+        sender.join()
     took = time.monotonic() - interrupted[0]
     assert _children() == []  # terminated, killed where they lingered, and reaped
     assert took < 3.0, f"the ranks took {took:.2f} s to stop after Ctrl-C (bound 3 s)"

@@ -149,7 +149,7 @@ def test_a_processes_run_records_each_ranks_optimizer_step_and_trains_as_one_opt
         result = run_step(model, x, plan, target=target, loss_fn=nn.functional.mse_loss,
                           optimizer=OPTIMIZERS["sgd-momentum"], warmup=1, repeats=2)
     finally:
-        shutdown_pool()
+        shutdown_pool(keep_server=True)
     timeline = result.timeline
     optimizer_events_follow_the_backward(timeline, 2)
     assert (timeline[timeline["phase"] != "optimizer"].groupby("phase").size() == 4 * 2).all()
