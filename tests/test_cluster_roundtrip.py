@@ -411,14 +411,29 @@ def test_cancel_stops_every_agent_and_rank(hooks):
     deadline = time.monotonic() + 60
     while "torchrun:" not in explorer.state.status.text and time.monotonic() < deadline:
         time.sleep(0.05)
-    while not _ours_running("pipexplore-torchrun-") and time.monotonic() < deadline:  # the agents are up
+    while not (folder := _run_folder()) and time.monotonic() < deadline:  # the agents are up
         time.sleep(0.1)  # (a fixed wait of 3 s was too short on a loaded machine)
     time.sleep(1)
-    assert _ours_running("pipexplore-torchrun-")
+    assert folder and _ours_running(folder)
     assert explorer.cancel(timeout=60)
     assert not thread.is_alive() and explorer.runs.empty
     assert "cancelled" in explorer.state.status.text
-    assert not _ours_running("pipexplore-torchrun-")
+    assert not _ours_running(folder)  # anywhere on the machine, whatever its parent now
+
+
+def _run_folder():
+    """The temporary folder of this process's torchrun run (its agents name it), once they run:
+    another test's run in another worker has its own."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            found = re.search(r"\S*pipexplore-torchrun-[^/\s]+", " ".join(child.cmdline()))
+        except psutil.Error:
+            continue
+        if found:
+            return found.group(0)
+    return None
 
 
 def test_torchrun_failure_report_is_read():
