@@ -36,7 +36,7 @@ MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "Sche
                "ScheduleLoopedBFS", "ScheduleDualPipeV", "_PipelineScheduleRuntime"}
 
 __all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
-           "inputs_past_first_stage", "split", "skip_routes_of",
+           "inputs_past_first_stage", "split", "run_generated_code", "skip_routes_of",
            "SCHEDULE_CLASSES", "MULTI_STAGE"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
@@ -364,7 +364,8 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     tracing: give a copy. The returned ``Pipe`` has ``output_spec``: the pytree structure of the
     model's output (e.g. a Hugging Face ``ModelOutput``), to rebuild it from the flat outputs.
     A config's ``use_cache=True`` is off while tracing: the stages never build a KV cache
-    (:func:`pipexplore.models.hf.cache_off`; the model's config is put back after).
+    (:func:`pipexplore.models.hf.cache_off`; the model's config is put back after). The stages
+    run their generated code, not torch's fx interpreter (:func:`run_generated_code`).
 
     Raises :class:`TraceError` with what failed and what to do when the model cannot be traced,
     when a split point names no submodule, or when a split point does not begin exactly one
@@ -433,7 +434,26 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
         raise TraceError(f"split point(s) {twice} would begin {max(calls[f] for f in twice)} stages each: forward "
                          "calls them more than once (a shared module); split at a module that forward calls once")
     pipe.output_spec = captured.get("output_spec")
+    run_generated_code(pipe.split_gm)
     return pipe
+
+
+def run_generated_code(module: nn.Module) -> int:
+    """Make the stages of a traced split run their generated Python code rather than
+    ``torch.fx.Interpreter``, node by node, which torch's unflattened modules use by default (the
+    same operations: outputs and gradients are bit for bit the same). On small CPU layers the
+    interpreter doubled a stage's time: a forward and backward of 4 × (Linear 64→64, GELU) took
+    1.58 ms interpreted, 0.78 ms generated, 0.69 ms as the ``nn.Sequential`` itself. Returns how
+    many modules were switched (none under a torch without the switch). A module whose graph
+    names a value ``self`` (a child called ``self``, as in BERT's attention) keeps the
+    interpreter: in the generated code that name would hide the module itself."""
+    switched = 0
+    for submodule in module.modules():
+        if getattr(submodule, "_run_with_interpreter", None) is True and \
+                all(node.name != "self" for node in submodule.graph.nodes):
+            submodule._run_with_interpreter = False
+            switched += 1
+    return switched
 
 
 def skip_routes_of(pipe: Any) -> list[tuple[int, int]]:
