@@ -16,7 +16,16 @@ Sections (``--sections roundtrip,overhead``):
   (a wrapped call against a plain one) times the actions a rank records per step, over the step:
   a bound the machine's noise does not blur.
 
-Run: ``.venv/bin/python benchmarks/cluster_roundtrip.py``.
+- ``executors``: per model, the same 2-rank 1F1B plan run alternately by the ``processes``
+  executor and through torchrun (2 agents of one rank), ``--pairs`` pairs: each run's median step
+  and the ratio of the medians, torchrun over processes.
+- ``stages``: one traced stage (the MLP's first half, split by torch's tracer) forward and
+  backward as torch leaves it (its modules interpreted by ``torch.fx.Interpreter``), running its
+  generated code (``trace.run_generated_code``), and as the ``nn.Sequential`` slice itself; side
+  by side, one thread, the median of 5 rounds of 200 calls.
+
+Run: ``.venv/bin/python benchmarks/cluster_roundtrip.py`` (``--sections executors,stages`` for the
+last two).
 """
 from __future__ import annotations
 
@@ -242,6 +251,58 @@ def overhead(pairs: int, steps: int) -> list[float]:
     return found
 
 
+def executors(pairs: int) -> list[float]:
+    print(f"\n## executors: the same plan (1F1B, 2 ranks, chunks 4), processes and torchrun alternately, "
+          f"{pairs} pairs\n")
+    print("| model | processes step ms | torchrun step ms | torchrun / processes |")
+    print("|---|---|---|---:|")
+    ratios = []
+    for name, make in MODELS.items():
+        explorer = explorer_for(make, 2)
+        ours, theirs = [], []
+        for _ in range(pairs):
+            ours.append(explorer.run(executor="processes")["step_time"] * 1e3)
+            theirs.append(explorer.run(executor="torchrun", nodes=2)["step_time"] * 1e3)
+        ratios.append(statistics.median(theirs) / statistics.median(ours))
+        print(f"| {name} | {' / '.join(f'{t:.1f}' for t in ours)} | {' / '.join(f'{t:.1f}' for t in theirs)} | "
+              f"{ratios[-1]:.2f} |", flush=True)
+    return ratios
+
+
+def stages(rounds: int = 5, calls: int = 200) -> dict[str, float]:
+    import copy
+
+    from pipexplore.models import trace
+
+    torch.set_num_threads(1)
+    model, x, _, _ = mlp()
+    chunk = x.chunk(4)[0]
+    interpreted = trace.split(copy.deepcopy(model), (chunk,), ["8"]).split_gm.submod_pp_0
+    for module in interpreted.modules():  # as torch leaves them
+        if getattr(module, "_run_with_interpreter", None) is False:
+            module._run_with_interpreter = True
+    generated = trace.split(copy.deepcopy(model), (chunk,), ["8"]).split_gm.submod_pp_0
+    variants = {"interpreted (torch's default)": interpreted, "generated code (ours)": generated,
+                "nn.Sequential slice": nn.Sequential(*list(model)[:8])}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    inputs = chunk.clone().requires_grad_()
+    for _ in range(rounds):
+        for name, module in variants.items():
+            for k in range(calls + 20):
+                if k == 20:
+                    began = time.perf_counter()
+                out = module(inputs)
+                (out[0] if isinstance(out, tuple) else out).sum().backward()
+            times[name].append((time.perf_counter() - began) / calls)
+    print(f"\n## stages: a traced stage of 4 × (Linear 512 + GELU), forward and backward of {chunk.size(0)} rows, "
+          "1 thread\n")
+    print("| stage module | ms a call |\n|---|---:|")
+    medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    for name, value in medians.items():
+        print(f"| {name} | {value:.3f} |")
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="roundtrip,overhead")
@@ -257,6 +318,10 @@ def main() -> None:
         roundtrip(options.runs, [int(w) for w in options.ranks.split(",")])
     if "overhead" in sections:
         overhead(options.pairs, options.steps)
+    if "executors" in sections:
+        executors(options.pairs)
+    if "stages" in sections:
+        stages()
     print(f"\n{time.perf_counter() - began:.0f} s in all; load average {os.getloadavg()[0]:.1f} at the end")
 
 
