@@ -334,6 +334,10 @@ class Plan:
                 + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
                 + f"chunks = {self.chunks}\n"
                 "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
+                "for module in pipe.split_gm.modules():  # the stages' generated code, not torch.fx's interpreter\n"
+                "    if getattr(module, '_run_with_interpreter', None) is True and "
+                "all(n.name != 'self' for n in module.graph.nodes):\n"
+                "        module._run_with_interpreter = False\n"
                 "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
                 + build
             )

@@ -208,6 +208,8 @@ def test_exported_pipelining_split_traces_to_the_same_stages(explorer):
     assert pipe.num_stages == 3
     per_stage = [sum(p.numel() for p in pipe.split_gm.get_submodule(f"submod_pp_{k}").parameters()) for k in range(3)]
     assert per_stage == [3 * 42, 4 * 42, 2 * 42]
+    switched = [m for m in pipe.split_gm.modules() if hasattr(m, "_run_with_interpreter")]
+    assert switched and not any(m._run_with_interpreter for m in switched)  # their generated code runs
 
 
 def test_explorer_refuses_bad_models():
