@@ -251,8 +251,9 @@ def test_a_rank_whose_parent_ended_before_it_looked_leaves_at_once(monkeypatch):
     def leave(code):
         raise Left(code)
 
-    monkeypatch.setattr(_worker.os, "getppid", lambda: 1)  # adopted: the named parent is gone
-    monkeypatch.setattr(_worker.os, "_exit", leave)
-    monkeypatch.setattr(_worker.time, "sleep", lambda seconds: pytest.fail("it waited to look"))
+    import types
+
+    monkeypatch.setattr(_worker, "os", types.SimpleNamespace(getppid=lambda: 1, _exit=leave))  # adopted
+    monkeypatch.setattr(_worker, "time", types.SimpleNamespace(sleep=lambda seconds: pytest.fail("it waited")))
     with pytest.raises(Left, match="1"):
         _worker._exit_with_parent(4242)
