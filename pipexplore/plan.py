@@ -33,6 +33,14 @@ __all__ = ["Plan", "SkipRoute", "skip_routes"]
 CHECKPOINTS = ("always", "except_last", "never")
 #: Schedules a plan can name: the simulated ones, and stages served as expert backends.
 PLAN_SCHEDULES = (*SCHEDULES, "async-backends")
+#: The lines of exported code that make a traced split's stages run their generated code rather than
+#: torch.fx's interpreter (as :func:`pipexplore.models.trace.run_generated_code` does in this process;
+#: a module whose graph names a value ``self`` keeps the interpreter), after ``pipe = pipeline(...)``.
+RUN_GENERATED_CODE = (
+    "for module in pipe.split_gm.modules():  # run the stages' generated code, not torch.fx's interpreter (2x on CPU)\n"
+    '    if getattr(module, "_run_with_interpreter", None) is True and '
+    'all(n.name != "self" for n in module.graph.nodes):\n'
+    "        module._run_with_interpreter = False\n")
 #: How a step runs: ``threads`` (the schedule executor, one worker per stage), ``autograd`` (the
 #: ``GPipe`` module: one ``backward()`` call) or ``processes`` (``torch.distributed.pipelining``).
 EXECUTORS = ("threads", "autograd", "processes")
@@ -334,10 +342,7 @@ class Plan:
                 + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
                 + f"chunks = {self.chunks}\n"
                 "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
-                "for module in pipe.split_gm.modules():  # the stages' generated code, not torch.fx's interpreter\n"
-                "    if getattr(module, '_run_with_interpreter', None) is True and "
-                "all(n.name != 'self' for n in module.graph.nodes):\n"
-                "        module._run_with_interpreter = False\n"
+                + RUN_GENERATED_CODE +
                 "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
                 + build
             )

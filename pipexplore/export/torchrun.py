@@ -2,12 +2,14 @@
 torchtitan's ``module_fqns_per_model_part``."""
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
 
 import pandas as pd
 
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+from pipexplore.plan import RUN_GENERATED_CODE
 from pipexplore.schedules import csv_schedule, is_csv, is_v_shaped
 
 __all__ = ["torchrun_script", "module_fqns_per_model_part"]
@@ -85,10 +87,7 @@ def main() -> None:
     inputs, target = hooks.get_batch()
     pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
-    for module in pipe.split_gm.modules():  # run the stages' generated code, not torch.fx's interpreter (2x on CPU)
-        if getattr(module, "_run_with_interpreter", None) is True and all(n.name != "self" for n in module.graph.nodes):
-            module._run_with_interpreter = False
-    indices = {stage_indices}
+{run_generated_code}    indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
@@ -147,6 +146,8 @@ if __name__ == "__main__":
     main()
 '''
 
+
+_RUN_GENERATED_CODE = textwrap.indent(RUN_GENERATED_CODE, "    ")
 
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
@@ -207,6 +208,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        run_generated_code=_RUN_GENERATED_CODE,
         device=device,
         schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
@@ -226,6 +228,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
         layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, device=device,
+        run_generated_code=_RUN_GENERATED_CODE,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
         schedule_import=("from torch.distributed.pipelining import SplitPoint, pipeline\n"

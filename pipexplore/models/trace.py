@@ -446,7 +446,8 @@ def run_generated_code(module: nn.Module) -> int:
     1.58 ms interpreted, 0.78 ms generated, 0.69 ms as the ``nn.Sequential`` itself. Returns how
     many modules were switched (none under a torch without the switch). A module whose graph
     names a value ``self`` (a child called ``self``, as in BERT's attention) keeps the
-    interpreter: in the generated code that name would hide the module itself."""
+    interpreter: in the generated code that name would hide the module itself. Exported code does
+    the same with :data:`pipexplore.plan.RUN_GENERATED_CODE`."""
     switched = 0
     for submodule in module.modules():
         if getattr(submodule, "_run_with_interpreter", None) is True and \
