@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-import transformers  # the test extra
 
 from pipexplore import trace
 from pipexplore.executors import forkserver, pool
@@ -22,6 +21,8 @@ COMMON = dict(vocab_size=VOCAB, attn_implementation="eager", use_cache=False, bo
 
 
 def gpt2() -> torch.nn.Module:
+    import transformers  # the test extra, imported where used (not at collection)
+
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_positions=32, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, **COMMON)
@@ -29,6 +30,8 @@ def gpt2() -> torch.nn.Module:
 
 
 def llama() -> torch.nn.Module:
+    import transformers  # the test extra, imported where used (not at collection)
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -37,6 +40,8 @@ def llama() -> torch.nn.Module:
 
 
 def bert() -> torch.nn.Module:
+    import transformers  # the test extra, imported where used (not at collection)
+
     torch.manual_seed(0)
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
                                      max_position_embeddings=32, hidden_dropout_prob=0.0,
@@ -251,6 +256,8 @@ def test_explorer_offers_the_children_of_blocks():
 
 @pytest.mark.gpu
 def test_gpt2_small_split_in_four_on_one_gpu_equals_the_unsplit_model():
+    import transformers  # the test extra, imported where used (not at collection)
+
     torch.manual_seed(0)
     config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
                                      use_cache=False)  # GPT-2 small: 12 blocks of 768, vocabulary 50257

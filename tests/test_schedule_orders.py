@@ -18,9 +18,14 @@ import pytest
 from pipexplore import schedules
 from pipexplore.schedules import actions, check, rank_orders, stage_ranks, worker_orders
 
-torch = pytest.importorskip("torch")
-from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
+
+
+def _torch_schedules():
+    """torch's pipelining schedules, imported by the tests that compare with them (not at collection,
+    where every worker of a parallel run would import them: ~1.5 s of CPU each)."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
 
 RANKS = (2, 4, 8)
 MICROBATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -28,7 +33,9 @@ MICROBATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 def _torch_compute(schedule: str, ranks: int, m: int, v: int) -> list[list[str]]:
     """torch's get_schedule_ops for our schedule, compute actions only, overlapped pairs unrolled."""
-    cls = getattr(torch_schedules, schedules.TORCH_CLASSES[schedule])
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    cls = getattr(_torch_schedules(), schedules.TORCH_CLASSES[schedule])
     ops = get_schedule_ops(cls, ranks, m, num_stages_per_rank=v)
     out = []
     for row in ops:
@@ -71,7 +78,7 @@ def _recorded_run(cls_name: str, ranks: int, m: int) -> list[list[str]]:
     a stage that records its forward and backward calls."""
     from torch.distributed.pipelining.stage import PipelineStage
 
-    cls = getattr(torch_schedules, cls_name)
+    cls = getattr(_torch_schedules(), cls_name)
     out = []
     for rank in range(ranks):
         ran: list[str] = []
@@ -117,7 +124,7 @@ def _one_stage_zero_bubble(ranks: int, m: int) -> list[list[str]]:
 
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.num_stages, stage.submod = 0, ranks, ranks, None
-    order = torch_schedules.ScheduleInterleavedZeroBubble([stage], m).pipeline_order
+    order = _torch_schedules().ScheduleInterleavedZeroBubble([stage], m).pipeline_order
     return [[str(a) for a in order[r] if a is not None] for r in range(ranks)]
 
 

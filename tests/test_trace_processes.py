@@ -1,19 +1,17 @@
-"""Traced models in other processes: one process per rank with torch.distributed.pipelining, and the
-exported torchrun script, each equal to the unsplit model."""
+"""Traced models in other processes: one process per rank with torch.distributed.pipelining, equal
+to the unsplit model, and the exported torchrun script's split."""
 from __future__ import annotations
 
 import copy
-import pathlib
 
 import pytest
 
 from pipexplore import trace
 from pipexplore.distributed import run_processes
 from pipexplore.plan import Plan
-from ranks import assert_equals_unsplit, torchrun_first_loss
+from ranks import assert_equals_unsplit
 from tiny_transformer import build_model, get_batch, loss_fn
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -27,17 +25,20 @@ def test_traced_transformer_in_processes_equals_the_unsplit_model(splits, ranks,
     assert_equals_unsplit(result, model, tokens, target, loss_fn)
 
 
-@pytest.mark.slow
-def test_exported_torchrun_script_trains_one_step_like_a_single_process(tmp_path):
-    tokens, target = get_batch()
+def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
+    """The script of a traced model's split: its split points and torchtitan's module names per
+    part. Scripts like it run under torchrun in other tests, each a world of interpreters importing
+    torch's pipelining (~7 s of CPU a rank): this model under DualPipeV
+    (test_new_schedules.py) and under a CSV schedule (test_schedule_csv.py), GPT-2 from its default
+    config (test_hf_defaults.py), a Sequential under 1F1B and interleaved 1F1B on two node agents
+    (test_cluster_roundtrip.py)."""
+    tokens, _ = get_batch()
     table = trace.candidates(build_model(), (tokens,), repeats=1)
     script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b", device="cpu")
     assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
             in script)
-    path = tmp_path / "train_pipeline.py"
-    path.write_text(script)
-    unsplit = loss_fn(build_model()(tokens), target).item()
-    assert torchrun_first_loss(path, str(ROOT / "tests")) == pytest.approx(unsplit, rel=1e-5)
+    assert "SPLIT_POINTS = ['layers.2']" in script and "Schedule1F1B(" in script
+    compile(script, "train_pipeline.py", "exec")
 
 
 @pytest.mark.slow

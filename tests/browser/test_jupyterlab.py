@@ -12,6 +12,7 @@ import contextlib
 import os
 import pathlib
 import re
+import time
 
 import playwright.sync_api as playwright_sync  # the test extra
 import pytest
@@ -186,7 +187,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             # Hovering a block of the predicted timeline tells what it is.
             canvas = page.locator(".pipexplore-timeline canvas").first
             canvas.scroll_into_view_if_needed()
-            box = canvas.bounding_box()
+            box = _box(canvas)
             tip = page.locator(".pipexplore-timeline .pipexplore-tl-tip")
             for k in range(1, 40):  # along the top lane (stage 0) until the pointer is over a block
                 page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
@@ -198,7 +199,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             explorer.get_by_text("schedule: the actions each rank runs").click()
             page.wait_for_selector(".pipexplore-grid[data-rows='2']", timeout=30_000)
             canvas.scroll_into_view_if_needed()
-            box = canvas.bounding_box()
+            box = _box(canvas)
             for k in range(1, 40):
                 page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
                 if tip.is_visible():
@@ -223,7 +224,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
 
             # A third stage: double-click the boundary before layer 2; its devices follow.
             page.locator(".pipexplore-splitbar").scroll_into_view_if_needed()
-            cell = page.locator(".pipexplore-splitbar .cell[data-layer='2']").bounding_box()
+            cell = _box(page.locator(".pipexplore-splitbar .cell[data-layer='2']"))
             page.mouse.dblclick(cell["x"] + 1, cell["y"] + cell["height"] / 2)
             page.wait_for_selector(".pipexplore-timeline[data-splits='2,5']", timeout=30_000)
             assert page.locator(".pipexplore-splitbar .handle").count() == 2
@@ -257,7 +258,7 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             # The residual mode draws the run's error per action; a cell's hover names it.
             explorer.locator(".widget-toggle-button", has_text="residuals").click()
             page.wait_for_selector(".pipexplore-residuals[data-rows]:not([data-rows='0'])", timeout=30_000)
-            grid = page.locator(".pipexplore-residuals canvas").bounding_box()
+            grid = _box(page.locator(".pipexplore-residuals canvas"))
             page.mouse.move(grid["x"] + grid["width"] * 0.6, grid["y"] + 15)
             tip = page.locator(".pipexplore-residuals .pipexplore-tl-tip")
             assert re.search(r"stage 0 · \w+ · micro-batch \d+: error [+-]", tip.inner_text()), tip.inner_text()
@@ -280,10 +281,20 @@ def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
             browser.close()
 
 
+def _box(element, timeout: float = 30.0) -> dict:
+    """Where ``element`` (a handle or locator) is drawn, once it is: the strip is redrawn when the
+    kernel's picture of a plan replaces the page's, and an element between two drawings has no box."""
+    deadline = time.monotonic() + timeout
+    while (box := element.bounding_box()) is None:
+        assert time.monotonic() < deadline, f"{element} was not drawn within {timeout:.0f} s"
+        time.sleep(0.05)
+    return box
+
+
 def _drag_handle(page, handle, layer: int, steps: int) -> None:
     """Press on a split handle, move it to the boundary before ``layer`` and release it."""
-    box = handle.bounding_box()
-    target = page.locator(f".pipexplore-splitbar .cell[data-layer='{layer}']").bounding_box()
+    box = _box(handle)
+    target = _box(page.locator(f".pipexplore-splitbar .cell[data-layer='{layer}']"))
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
     page.mouse.down()
     page.mouse.move(target["x"] + 2, box["y"] + box["height"] / 2, steps=steps)
@@ -360,8 +371,8 @@ def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_l
         page.wait_for_function(f"document.querySelectorAll('{cells}').length === 120", timeout=10_000)
         assert page.locator(".pipexplore-splitbar .handle").count() == 3  # clicks add no split
         # Drag across the overview from layer 20 to layer 50: the strip shows those in detail.
-        overview = page.locator(".pipexplore-splitbar .overview-stage").first.bounding_box()
-        last = page.locator(".pipexplore-splitbar .overview-stage").last.bounding_box()
+        overview = _box(page.locator(".pipexplore-splitbar .overview-stage").first)
+        last = _box(page.locator(".pipexplore-splitbar .overview-stage").last)
         left, width = overview["x"], last["x"] + last["width"] - overview["x"]
         y = overview["y"] + overview["height"] / 2
         page.mouse.move(left + width * 20 / 120, y)
@@ -375,7 +386,7 @@ def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_l
         assert [h.get_attribute("aria-valuenow") for h in page.locator(".pipexplore-splitbar .handle").all()] \
             == ["30"]
         # Drag the brush to pan by 10 layers, then double-click the overview: every layer again.
-        box = brush.bounding_box()
+        box = _box(brush)
         page.mouse.move(box["x"] + box["width"] / 2, y)
         page.mouse.down()
         page.mouse.move(box["x"] + box["width"] / 2 + width * 10 / 120, y, steps=6)
