@@ -214,6 +214,47 @@ def test_explorer_runs_the_processes_executor_beside_threads():
     assert set(ex.timeline("measured")["stage"]) == {0, 1}
 
 
+def test_a_plan_for_processes_is_predicted_with_their_costs_probed_in_the_pool_its_run_takes():
+    """The first prediction of a processes plan holds what an action and a hand-over cost there
+    (torch's runtime in each rank, gloo between them), probed in the warm pool of its ranks, which
+    its first run then takes as it is: no start-up."""
+    from pipexplore.predict.costs import Corrections
+    from pipexplore.timeline import step_time
+    from pipexplore.widgets import explore
+
+    shutdown_pool(keep_server=True)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
+                 executor="processes")
+    learnt = ex.plan.corrections
+    assert {"forward", "backward", "all"} <= set(learnt.overheads["processes"])
+    assert all(seconds > 0 for seconds in learnt.overheads["processes"].values()), learnt.overheads
+    assert learnt.transfer("processes") > 0 and learnt.gap("processes") >= 0
+    unprobed = ex.plan.with_options(corrections=Corrections())
+    assert step_time(ex.plan.predicted) > step_time(unprobed.predicted)
+    row = ex.run(timeout=60)
+    assert row["executor"] == "processes" and row["startup_seconds"] == 0  # the pool the probe started
+
+
+def test_a_probe_that_cannot_start_ranks_leaves_the_explorer_working_and_is_not_retried(monkeypatch):
+    import pipexplore.executors.distributed as distributed
+    from pipexplore.widgets import explore
+
+    tried = []
+
+    def refused(*args, **kwargs):
+        tried.append(1)
+        raise DistributedRunError("rank 0 could not start: no processes here")
+
+    monkeypatch.setattr(distributed, "run_processes", refused)
+    with pytest.warns(RuntimeWarning, match=r"the processes executor's own costs were not probed.*rank 0 could not "
+                                            r"start: no processes here"):
+        ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4,
+                     schedule="1f1b", executor="processes")
+    assert ex.plan.corrections.overhead("processes") == 0.0 and ex.plan.corrections.transfer("processes") == 0.0
+    ex.update(splits=[3], chunks=2)
+    assert tried == [1] and ex.plan.splits == (3,)  # tried once: the next plans are predicted without it
+
+
 def test_bad_plans_are_refused_before_any_process_starts():
     model, x = plain_model(), torch.randn(8, 6)
     with pytest.raises(ValueError, match=r"Schedule1F1B needs at least as many micro-batches as stages: chunks 2 < 4"):

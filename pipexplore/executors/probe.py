@@ -50,7 +50,12 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     The phases differ: on 2 CPU stages of the threads executor a forward's span costs it ~0.1 ms,
     a backward's ~0.23 ms (gpipe), zero-bubble's weight-gradient pass ~0.44 ms.
 
-    Executors that start processes or serve backends are not probed: ``({}, 0.0, 0.0)``.
+    ``processes`` runs in the warm pool of rank processes, on every device of the plan (so the
+    pool the plan's first run takes is the one the probe started): what an action costs torch's
+    pipelining runtime there, and a hand-over is a send and receive over gloo between processes
+    (on 2 CPU ranks here ~0.2 ms a forward's span, ~0.3 ms a backward's and a hand-over, 5 s to
+    start the pool the first time, 0.1 s once it is warm). Async backends are not probed:
+    ``({}, 0.0, 0.0)``.
 
     Example::
 
@@ -60,10 +65,10 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     from pipexplore.executors import autograd, threads
 
     module = {"threads": threads, "autograd": autograd}.get(plan.executor)
-    if module is None or plan.schedule == "async-backends":
+    if (module is None and plan.executor != "processes") or plan.schedule == "async-backends":
         return {}, 0.0, 0.0
     per_device = plan.num_stages // plan.num_devices
-    devices = plan.devices[:min(plan.num_devices, PROBE_DEVICES)]
+    devices = plan.devices[:plan.num_devices if module is None else min(plan.num_devices, PROBE_DEVICES)]
     stages = len(devices) * per_device
     chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
     if plan.schedule in ("interleaved", "interleaved-zero-bubble"):  # a multiple of the devices, as they need
@@ -78,8 +83,14 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
                      checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                      executor=plan.executor, batch=chunks)
-    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
-                                  optimizer=_NoUpdate)).timeline
+    if module is None:
+        from pipexplore.executors.distributed import run_processes
+
+        measured = run_processes(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
+                                 optimizer=_NoUpdate).timeline
+    else:
+        measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
+                                      optimizer=_NoUpdate)).timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = compute.assign(span=compute["end"] - compute["start"])
     if splits_backward(plan.schedule):

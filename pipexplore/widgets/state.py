@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import traceback
+import warnings
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -264,12 +265,19 @@ class ExplorerState(RunLog):
         """``plan`` with its executor's own cost per action, probed once per executor (see
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it."""
         executor = plan.predict_executor
-        if not self.calibrate or executor in plan.corrections.overheads or plan.executor == "processes" \
-                or plan.schedule == "async-backends" or plan.planned:
+        if not self.calibrate or executor in plan.corrections.overheads or plan.schedule == "async-backends" \
+                or plan.planned:
             return plan
         from pipexplore.executors import probe
 
-        overhead, gap, transfer = probe(plan)
+        try:
+            overhead, gap, transfer = probe(plan)
+        except Exception as error:  # rank processes that cannot start here: the first run will say why
+            if plan.executor != "processes":
+                raise
+            warnings.warn(f"the processes executor's own costs were not probed, so the prediction leaves them "
+                          f"out until a run teaches them: {error}", RuntimeWarning, stacklevel=2)
+            overhead, gap, transfer = {}, 0.0, None  # not tried again at every change of the plan
         gap = plan.corrections.gaps.get(executor, gap)  # what a real run taught wins
         transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
