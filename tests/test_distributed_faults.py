@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models import plain_model
-from pipexplore.distributed import DistributedRunError, run_processes
+from pipexplore.distributed import DistributedRunError, run_processes, shutdown_pool
 from ranks import no_pool_left_behind, port_spy  # noqa: F401  (fixtures)
 from ranks import plan_for as _plan, port_is_free as _port_is_free
 from ranks import worker_children as _children
@@ -134,3 +134,51 @@ def test_a_rank_on_cuda_equals_one_process_and_its_death_is_named():
     with pytest.raises(DistributedRunError, match=r"(?s)^rank 0 \(cuda:0, pid \d+\) exited with code 1 .*on purpose"):
         run_processes(failing, x, _plan(failing, x, [4], ["cuda:0"], "interleaved"), timeout=120)
     assert _children() == []
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_is_chosen_again(monkeypatch):
+    """Another process may take the free port the pool chose before its rank 0 listens on it (a
+    parallel test run, a torchrun launch): the start fails with EADDRINUSE and the pool starts
+    again on another port, rather than failing the run."""
+    import socket
+
+    from pipexplore.executors import pool
+
+    shutdown_pool(keep_server=True)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    original = pool._free_port
+
+    def chosen():  # the taken port first, then free ones
+        if len(ports) == 1 and not hasattr(chosen, "gave"):
+            chosen.gave = True
+            return ports[0]
+        ports.append(original())
+        return ports[-1]
+
+    monkeypatch.setattr(pool, "_free_port", chosen)
+    try:
+        with pool.warm_pool(2, ["cpu", "cpu"]) as (running, startup):
+            assert running.port == ports[1] != ports[0] and startup > 0
+            assert running.run([pool.pack_job(_rank_of, {})] * 2, timeout=60.0) == [0, 1]
+    finally:
+        taken.close()
+        shutdown_pool(keep_server=True)
+    monkeypatch.setattr(pool, "PORT_TRIES", 1)  # with no second try the start fails, naming the port
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(pool, "_free_port", lambda: taken.getsockname()[1])
+    try:
+        with pytest.raises(DistributedRunError, match=r"(?i)address already in use"):
+            with pool.warm_pool(2, ["cpu", "cpu"]):
+                pass
+    finally:
+        taken.close()
+    assert _children() == []
+
+
+def _rank_of(rank, world):
+    return rank

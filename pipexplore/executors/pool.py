@@ -57,6 +57,9 @@ STDERR_LINES = 20
 TERMINATE_GRACE = 1.0
 #: Seconds between looks at the run's cancel token while waiting for the ranks.
 CANCEL_POLL = 0.05
+#: Pools started before giving up when the rendezvous port was taken between choosing it and
+#: rank 0 listening on it (another process on the machine took it: a parallel test run, torchrun).
+PORT_TRIES = 3
 #: Fork ranks from the fork server where the platform allows it (Linux); ``False`` starts each
 #: rank as a new interpreter, as other platforms do.
 FORK_SERVER = True
@@ -361,14 +364,28 @@ def warm_pool(world: int, devices: Sequence[str]) -> Iterator[tuple[WorkerPool, 
             _pool = None
         startup_seconds = 0.0
         if _pool is None:
-            _pool = WorkerPool(world, devices, cancel=current_token())
-            startup_seconds = _pool.startup_seconds
+            began = time.monotonic()
+            for attempt in range(PORT_TRIES):
+                try:
+                    _pool = WorkerPool(world, devices, cancel=current_token())
+                    break
+                except DistributedRunError as error:  # every rank of the failed start is stopped
+                    if attempt + 1 == PORT_TRIES or not _port_taken(error):
+                        raise
+            assert _pool is not None
+            startup_seconds = time.monotonic() - began
         try:
             yield _pool, startup_seconds
         except BaseException:
             _pool.close(kill=True)
             _pool = None
             raise
+
+
+def _port_taken(error: DistributedRunError) -> bool:
+    """Whether a pool's start failed because its rendezvous port was taken before rank 0 listened."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def shutdown_pool(keep_server: bool = False) -> None:
