@@ -225,6 +225,7 @@ def test_a_plan_for_processes_is_predicted_with_their_costs_probed_in_the_pool_i
     shutdown_pool(keep_server=True)
     ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
                  executor="processes")
+    assert ex.state.status.text == "" and not ex.state.status.busy  # what it said while the ranks started: gone
     learnt = ex.plan.corrections
     assert {"forward", "backward", "all"} <= set(learnt.overheads["processes"])
     assert all(seconds > 0 for seconds in learnt.overheads["processes"].values()), learnt.overheads
@@ -253,6 +254,20 @@ def test_a_probe_that_cannot_start_ranks_leaves_the_explorer_working_and_is_not_
     assert ex.plan.corrections.overhead("processes") == 0.0 and ex.plan.corrections.transfer("processes") == 0.0
     ex.update(splits=[3], chunks=2)
     assert tried == [1] and ex.plan.splits == (3,)  # tried once: the next plans are predicted without it
+
+
+def test_the_status_line_says_the_ranks_start_while_a_change_to_processes_probes_them():
+    from pipexplore.widgets import explore
+
+    shutdown_pool(keep_server=True)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b")
+    said = []
+    ex.state.subscribe(lambda what: said.append((ex.state.status.text, ex.state.status.busy)) if what == "status"
+                       else None)
+    ex.update(executor="processes")
+    assert ("measuring what an action costs the processes executor: starting its 2 rank processes (once; the first "
+            "run then finds them started)", True) in said
+    assert ex.state.status.text == "" and not ex.state.status.busy and "processes" in ex.plan.corrections.overheads
 
 
 def test_bad_plans_are_refused_before_any_process_starts():

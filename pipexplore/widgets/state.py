@@ -175,6 +175,8 @@ class ExplorerState(RunLog):
         self._plan_lock = threading.RLock()  # plan changes, run completion and what subscribers do
         self._subscribers: list[Callable[[str], None]] = []
         self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
+        #: The status line.
+        self.status = Status()
         self._plan = self._with_executor_costs(Plan(layer_table, tuple(splits), tuple(devices), chunks, checkpoint,
                                                     schedule, executor=executor, batch=batch_size(sample),
                                                     gpus_per_node=self.gpus_per_node))
@@ -189,8 +191,6 @@ class ExplorerState(RunLog):
         self.counter: Optional[tl.ActionCounter] = None
         #: Whether a background run is in progress (from :meth:`run_async` until its thread's last word).
         self.running = False
-        #: The status line.
-        self.status = Status()
         #: The last error shown ('' after a change that worked).
         self.last_error = ""
         #: The run the page shows (None: the latest) and the one it compares with (None: none).
@@ -270,6 +270,10 @@ class ExplorerState(RunLog):
             return plan
         from pipexplore.executors import probe
 
+        before = self.status
+        if plan.executor == "processes":  # its rank processes start now, once: say so while they do
+            self.say(f"measuring what an action costs the processes executor: starting its {plan.num_devices} rank "
+                     "processes (once; the first run then finds them started)", busy=True)
         try:
             overhead, gap, transfer = probe(plan)
         except Exception as error:  # rank processes that cannot start here: the first run will say why
@@ -278,6 +282,9 @@ class ExplorerState(RunLog):
             warnings.warn(f"the processes executor's own costs were not probed, so the prediction leaves them "
                           f"out until a run teaches them: {error}", RuntimeWarning, stacklevel=2)
             overhead, gap, transfer = {}, 0.0, None  # not tried again at every change of the plan
+        finally:
+            if self.status is not before:
+                self.say(before.text, busy=before.busy, error=before.error, trace=before.traceback)
         gap = plan.corrections.gaps.get(executor, gap)  # what a real run taught wins
         transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
