@@ -140,44 +140,39 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_chosen_again(monkeypat
     """Another process may take the free port the pool chose before its rank 0 listens on it (a
     parallel test run, a torchrun launch): the start fails with EADDRINUSE and the pool starts
     again on another port, rather than failing the run."""
-    import socket
-
     from pipexplore.executors import pool
 
     shutdown_pool(keep_server=True)
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = [taken.getsockname()[1]]
-    original = pool._free_port
+    original, ports = pool._free_port, []
+    with _listening() as taken:
+        def chosen():  # the taken port first, then free ones
+            ports.append(taken.getsockname()[1] if not ports else original())
+            return ports[-1]
 
-    def chosen():  # the taken port first, then free ones
-        if len(ports) == 1 and not hasattr(chosen, "gave"):
-            chosen.gave = True
-            return ports[0]
-        ports.append(original())
-        return ports[-1]
-
-    monkeypatch.setattr(pool, "_free_port", chosen)
-    try:
-        with pool.warm_pool(2, ["cpu", "cpu"]) as (running, startup):
-            assert running.port == ports[1] != ports[0] and startup > 0
-            assert running.run([pool.pack_job(_rank_of, {})] * 2, timeout=60.0) == [0, 1]
-    finally:
-        taken.close()
-        shutdown_pool(keep_server=True)
+        monkeypatch.setattr(pool, "_free_port", chosen)
+        try:
+            with pool.warm_pool(2, ["cpu", "cpu"]) as (running, startup):
+                assert running.port == ports[1] != ports[0] and startup > 0
+                assert running.run([pool.pack_job(_rank_of, {})] * 2, timeout=60.0) == [0, 1]
+        finally:
+            shutdown_pool(keep_server=True)
     monkeypatch.setattr(pool, "PORT_TRIES", 1)  # with no second try the start fails, naming the port
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    monkeypatch.setattr(pool, "_free_port", lambda: taken.getsockname()[1])
-    try:
+    with _listening() as taken:
+        monkeypatch.setattr(pool, "_free_port", lambda: taken.getsockname()[1])
         with pytest.raises(DistributedRunError, match=r"(?i)address already in use"):
             with pool.warm_pool(2, ["cpu", "cpu"]):
                 pass
-    finally:
-        taken.close()
     assert _children() == []
+
+
+def _listening():
+    """A socket listening on a loopback port: a port another process has taken."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    return taken
 
 
 def _rank_of(rank, world):

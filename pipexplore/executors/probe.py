@@ -62,13 +62,14 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
         overhead, gap, transfer = probe(plan)      # overhead["forward"], overhead["all"]
     """
     background.wait()  # nothing is timed beside pipexplore's background imports
-    from pipexplore.executors import autograd, threads
+    from pipexplore.executors import autograd, processes, threads
 
-    module = {"threads": threads, "autograd": autograd}.get(plan.executor)
-    if (module is None and plan.executor != "processes") or plan.schedule == "async-backends":
+    module = {"threads": threads, "autograd": autograd, "processes": processes}.get(plan.executor)
+    if module is None or plan.schedule == "async-backends":
         return {}, 0.0, 0.0
     per_device = plan.num_stages // plan.num_devices
-    devices = plan.devices[:plan.num_devices if module is None else min(plan.num_devices, PROBE_DEVICES)]
+    # processes: all of the plan's ranks, the pool its first run takes
+    devices = plan.devices[:plan.num_devices if module is processes else min(plan.num_devices, PROBE_DEVICES)]
     stages = len(devices) * per_device
     chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
     if plan.schedule in ("interleaved", "interleaved-zero-bubble"):  # a multiple of the devices, as they need
@@ -83,14 +84,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
                      checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                      executor=plan.executor, batch=chunks)
-    if module is None:
-        from pipexplore.executors.distributed import run_processes
-
-        measured = run_processes(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
-                                 optimizer=_NoUpdate).timeline
-    else:
-        measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
-                                      optimizer=_NoUpdate)).timeline
+    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
+                                  optimizer=_NoUpdate)).timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = compute.assign(span=compute["end"] - compute["start"])
     if splits_backward(plan.schedule):
