@@ -298,12 +298,14 @@ def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
     return marked
 
 
-def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None,
+def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None, as_stages: bool = True,
                        **options: Any) -> pd.DataFrame:
     """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
     with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
     ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
     ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
+    ``as_stages``: each size's times include what the traced stages the runs execute take beyond
+    the model's own modules (:mod:`pipexplore.models.traced_costs`; ``attrs["stage_extra"]``).
 
     Example::
 
@@ -314,7 +316,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
 
     whole = candidates(model, sample, target=target, **options)
     batch = sample_rows(sample)
-    tables, rows = [whole], [batch]
+    tables, rows, samples = [whole], [batch], [sample]
     if chunks > 1:
         part = first_microbatch(sample, chunks)
         part_rows = sample_rows(part)
@@ -322,10 +324,19 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
         if part_rows < batch:  # (the optimizer's cost has no rows: the whole sample's table has it)
             tables.insert(0, candidates(model, part, target=part_target, **{**options, "time_optimizer": False}))
             rows.insert(0, part_rows)
+            samples.insert(0, part)
+    if as_stages:
+        from pipexplore.models.traced_costs import shift_to_stages
+
+        refused = shift_to_stages(model, list(zip(tables, samples)), repeats=options.get("repeats", 3))
+        if refused:
+            warnings.warn(refused, RuntimeWarning, stacklevel=2)
+            whole.attrs["notes"] = [*whole.attrs.get("notes", []), refused]
     table = whole.copy()
     fit_columns(table, tables, rows)
     table.attrs.update(whole.attrs)
     table.attrs.update(rows=tuple(rows), batch=batch)
+    table.attrs["stage_extra"] = {r: t.attrs["stage_extra"] for r, t in zip(rows, tables) if "stage_extra" in t.attrs}
     return table
 
 

@@ -154,7 +154,9 @@ class ExplorerState(RunLog):
         if self.traced and not self.planned:
             self.notes.append(f"{type(model).__name__} is not an nn.Sequential: its candidate split points are its "
                               f"{granularity} (by FQN), split by torch.distributed.pipelining's tracer; runs execute "
-                              "the traced stages in this process (threads) or one process per stage (processes).")
+                              "the traced stages in this process (threads) or one process per stage (processes)"
+                              + ("; each block is profiled as its traced stage." if layer_table.attrs.get("stage_extra")
+                                 else "."))
             self.notes += [note for note in [cache_note(model)] if note]  # a config's use_cache=True, off
         if self.planned:
             self.notes.append(layers.planned_note(devices, self.gpus_per_node))

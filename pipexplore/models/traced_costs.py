@@ -1,0 +1,169 @@
+"""What a traced model's stages cost beyond the model's own modules: what its profile is shifted by.
+
+A model that is not an ``nn.Sequential`` is profiled as it is (:func:`pipexplore.models.trace.candidates`
+times each candidate block with hooks inside real passes of the model), but every executor runs
+it as the stages torch's tracer builds (:func:`pipexplore.models.trace.split`): torch.export's
+aten-level graphs in unflattened modules, with the glue between blocks (a dropout, a reshape)
+inside a stage. Those stages are not the modules: one block of the ``TinyTransformer`` of
+:mod:`pipexplore.examples` took 0.43 ms forward as the model's module and 0.56 ms as its traced
+stage (4 rows, one thread), its backward the same both ways; a first prediction of a traced
+model's run came out 20–50 % short for that.
+
+:func:`traced_extra` times each candidate both ways, alone, on the inputs it gets in a pass of
+the model (the same harness: a forward, then a backward from ones into the outputs that need a
+gradient), and gives the seconds its stage takes beyond its module per phase;
+:func:`pipexplore.models.trace.candidates_in_rows` adds them to the profile at each size it
+profiles. A difference, not a ratio: a block of a few microseconds (a position embedding) whose
+stage also runs the glue after it would otherwise multiply its noise by 10 or more. Tracing
+costs a second or so of CPU, so the seconds are kept for the session per model shape (the model's
+class, its parameters' names, shapes and dtypes, the sample's shapes and dtypes, the intra-op
+threads, the candidates): re-exploring the same architecture measures nothing again.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipexplore.microbatch import tensors_in
+from pipexplore.models.hf import cache_off
+from pipexplore.models.inputs import call_inputs
+
+__all__ = ["traced_extra", "shift_to_stages", "isolated_seconds", "forget_measured"]
+
+#: ``(forward, backward)`` seconds beyond the modules per model shape, measured once a session.
+_MEASURED: dict[tuple, tuple[list[float], list[float]]] = {}
+
+
+def forget_measured() -> None:
+    """Measure every model shape again (what this session measured is dropped)."""
+    _MEASURED.clear()
+
+
+def _fresh(value: Any) -> Any:
+    """An input as a stage receives it: a floating tensor is a new leaf that needs its gradient."""
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
+
+
+def isolated_seconds(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], *, repeats: int = 3,
+                     warmup: int = 1) -> tuple[float, float]:
+    """Median seconds of ``module(*args, **kwargs)`` forward, then of its backward from ones into
+    every output that needs a gradient (0 where none does), over ``repeats`` calls after
+    ``warmup`` untimed ones; floating inputs are fresh leaves each call, as a stage gets them."""
+    forward, backward = [], []
+    for timed in [False] * warmup + [True] * repeats:
+        call_args = [_fresh(a) for a in args]
+        call_kwargs = {k: _fresh(v) for k, v in kwargs.items()}
+        start = time.perf_counter()
+        output = module(*call_args, **call_kwargs)
+        middle = time.perf_counter()
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        end = time.perf_counter()
+        if timed:
+            forward.append(middle - start)
+            backward.append(end - middle if outputs else 0.0)
+    return sorted(forward)[len(forward) // 2], sorted(backward)[len(backward) // 2]
+
+
+def _inputs_of(modules: Sequence[nn.Module], run: Any) -> list[Optional[tuple[tuple, dict]]]:
+    """The ``(args, kwargs)`` each module is first called with while ``run()`` runs (no gradients)."""
+    seen: list[Optional[tuple[tuple, dict]]] = [None] * len(modules)
+    handles = []
+    for k, module in enumerate(modules):
+        def keep(_: nn.Module, args: Any, kwargs: dict[str, Any], k: int = k) -> None:
+            if seen[k] is None:
+                seen[k] = (tuple(args), dict(kwargs))
+        handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _shape_key(model: nn.Module, sample: Any, names: Sequence[str]) -> tuple:
+    args, kwargs = call_inputs(sample)
+    inputs = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
+                   for t in (*args, *[kwargs[k] for k in sorted(kwargs)]))
+    first: dict[int, int] = {}  # tied weights: where each parameter was seen first
+    params = tuple((n, tuple(p.shape), p.dtype, first.setdefault(id(p), k))
+                   for k, (n, p) in enumerate(model.named_parameters(remove_duplicate=False)))
+    return type(model).__qualname__, params, inputs, tuple(sorted(kwargs)), tuple(names), torch.get_num_threads()
+
+
+def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats: int = 3,
+                 warmup: int = 1) -> tuple[list[float], list[float]]:
+    """Per candidate ``names`` (FQNs in execution order, as :func:`~pipexplore.models.trace.candidates`
+    lists them): the seconds its traced stage takes beyond its own module, forward and backward,
+    on ``sample`` (one micro-batch as the model takes it; negative where the stage was faster).
+    The model is traced with a stage beginning at every candidate but the first (on a copy) and
+    each stage timed alone beside its module (:func:`isolated_seconds`); a stage also runs the
+    glue that follows its block. 0 for a block the pass did not call. Kept for the session per
+    model shape (:func:`forget_measured`).
+
+    Raises:
+        pipexplore.models.trace.TraceError: the model cannot be traced into these stages.
+    """
+    from pipexplore.models.trace import split
+
+    key = _shape_key(model, sample, names)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    args, kwargs = call_inputs(sample)
+    own = copy.deepcopy(model)
+    modules = dict(own.named_modules())
+    blocks = [modules[name] for name in names]
+    with cache_off(own):
+        own_inputs = _inputs_of(blocks, lambda: own(*args, **kwargs))
+    pipe = split(copy.deepcopy(model), sample, list(names[1:]))
+    stages = sorted(((int(n.rsplit("_", 1)[1]), m) for n, m in pipe.split_gm.named_children()
+                     if n.startswith("submod_")), key=lambda pair: pair[0])
+    stage_inputs = _inputs_of([m for _, m in stages], lambda: pipe(*args, **kwargs))
+    forward, backward = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, block in enumerate(blocks):
+            if own_inputs[k] is None or k >= len(stages) or stage_inputs[k] is None:
+                forward.append(0.0)
+                backward.append(0.0)
+                continue
+            mine = isolated_seconds(block, *own_inputs[k], repeats=repeats, warmup=warmup)
+            traced = isolated_seconds(stages[k][1], *stage_inputs[k], repeats=repeats, warmup=warmup)
+            forward.append(traced[0] - mine[0])
+            backward.append(traced[1] - mine[1])
+    _MEASURED[key] = (forward, backward)
+    return forward, backward
+
+
+def shift_to_stages(model: nn.Module, profiled: Sequence[tuple[Any, Any]], *, repeats: int = 3) -> Optional[str]:
+    """Add to each table's ``forward`` and ``backward`` what its candidates' traced stages take
+    beyond them (:func:`traced_extra`), each table with the sample it was profiled on
+    (``profiled``: ``(table, sample)`` pairs), never below zero; the seconds added go to
+    ``table.attrs["stage_extra"]`` (``{"forward": [...], "backward": [...]}``). Returns None, or
+    why the tables stay the modules' times: the model cannot be traced a stage a candidate, or a
+    stage fails alone (then no table is changed)."""
+    shifts = []
+    for table, sample in profiled:
+        try:
+            shifts.append(traced_extra(model, sample, table["name"].tolist(), repeats=repeats))
+        except Exception as exc:  # noqa: BLE001 - the profile stands without it, and says why
+            lines = str(exc).strip().splitlines() or [""]
+            first = lines[0] if len(lines[0]) <= 160 else lines[0][:159] + "…"
+            return (f"The profile times {type(model).__name__}'s own modules, not the stages its runs trace "
+                    f"({type(exc).__name__}: {first}): predictions leave out what those stages take beyond the "
+                    "modules.")
+    for (table, _), (forward, backward) in zip(profiled, shifts):
+        for phase, extra in (("forward", forward), ("backward", backward)):
+            table[phase] = (table[phase] + extra).clip(lower=0.0)
+        table.attrs["stage_extra"] = {"forward": forward, "backward": backward}
+    return None

@@ -1,0 +1,141 @@
+"""A traced model is profiled as the stages its runs execute (pipexplore.models.traced_costs): each
+candidate's traced stage timed beside its own module, the difference added to the profile, once a
+session per model shape; a model that cannot be traced keeps its modules' times and says why."""
+from __future__ import annotations
+
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+from torch import fx, nn
+
+from pipexplore.models import trace, traced_costs
+from tiny_transformer import Branchy, TinyTransformer, get_batch, loss_fn
+
+NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_session():
+    traced_costs.forget_measured()
+    yield
+    traced_costs.forget_measured()
+
+
+@pytest.fixture
+def stage_clock(monkeypatch):
+    """Known seconds: a traced stage (an fx GraphModule) 2 ms forward and 3 ms backward, a
+    model's own module 0.5 ms and 3.5 ms; the modules each was timed on, in order."""
+    timed = []
+
+    def seconds(module, args, kwargs, *, repeats=3, warmup=1):
+        timed.append(module)
+        return (2e-3, 3e-3) if isinstance(module, fx.GraphModule) else (0.5e-3, 3.5e-3)
+
+    monkeypatch.setattr(traced_costs, "isolated_seconds", seconds)
+    return timed
+
+
+@pytest.fixture
+def one_ms_candidates(monkeypatch):
+    """trace.candidates giving 1 ms forward and backward for every candidate (the hooks' timing
+    left out: what the profile adds to it is what these tests check)."""
+    real = trace.candidates
+
+    def candidates(model, sample, **options):
+        table = real(model, sample, **{**options, "repeats": 1, "warmup": 0})
+        table["forward"] = table["backward"] = 1e-3
+        return table
+
+    monkeypatch.setattr(trace, "candidates", candidates)
+
+
+def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage_clock):
+    tokens, _ = get_batch()
+    forward, backward = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES)
+    assert forward == pytest.approx([1.5e-3] * 7) and backward == pytest.approx([-0.5e-3] * 7)
+    own = [m for m in stage_clock if not isinstance(m, fx.GraphModule)]
+    stages = [m for m in stage_clock if isinstance(m, fx.GraphModule)]
+    assert [type(m).__name__ for m in own] == ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
+    assert len(stages) == 7 and len({id(m) for m in stages}) == 7  # a stage a candidate
+
+
+def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(stage_clock, one_ms_candidates):
+    tokens, target = get_batch()
+    table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
+    assert table["forward"].tolist() == pytest.approx([2.5e-3] * 7)  # 1 ms + 1.5 ms beyond the module
+    assert table["backward"].tolist() == pytest.approx([0.5e-3] * 7)  # 1 ms - 0.5 ms
+    assert set(table.attrs["stage_extra"]) == {2, 8}  # the micro-batch's rows and the batch's
+    assert table.attrs["stage_extra"][2]["forward"] == pytest.approx([1.5e-3] * 7)
+    assert table["forward_b"].tolist() == pytest.approx([0.0] * 7)  # the same seconds at both sizes
+    assert table["forward_a"].tolist() == pytest.approx([2.5e-3] * 7)
+
+    def slower(module, args, kwargs, *, repeats=3, warmup=1):
+        return (2e-3, 3e-3) if isinstance(module, fx.GraphModule) else (0.5e-3, 5e-3)
+
+    traced_costs.forget_measured()
+    traced_costs.isolated_seconds = slower  # (the fixture's monkeypatch puts it back)
+    table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=1, target=target, loss_fn=loss_fn, repeats=1)
+    assert table["backward"].tolist() == [0.0] * 7  # 1 ms - 2 ms: no block takes less than nothing
+
+
+def test_a_model_shape_is_traced_once_a_session(monkeypatch):
+    calls = []
+    real = trace.split
+
+    def counting(model, mb_args, split_points, **options):
+        calls.append(tuple(split_points))
+        return real(model, mb_args, split_points, **options)
+
+    monkeypatch.setattr(trace, "split", counting)
+    tokens, _ = get_batch()
+    first = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    again = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)  # other weights
+    assert again == first and calls == [tuple(NAMES[1:])]
+    traced_costs.traced_extra(TinyTransformer(), tokens[:4], NAMES, repeats=1, warmup=0)  # another micro-batch
+    traced_costs.traced_extra(TinyTransformer(tied=False), tokens[:2], NAMES, repeats=1, warmup=0)  # untied head
+    assert len(calls) == 3
+    traced_costs.forget_measured()
+    traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    assert len(calls) == 4
+
+
+def test_a_model_that_cannot_be_traced_keeps_its_modules_times_and_says_why(one_ms_candidates):
+    tokens, target = get_batch()
+    with pytest.warns(RuntimeWarning, match=r"The profile times BranchyTransformer's own modules, not the stages its "
+                                            r"runs trace \(TraceError: could not trace BranchyTransformer"):
+        table = trace.candidates_in_rows(Branchy(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
+    assert table["forward"].tolist() == [1e-3] * len(table) and table.attrs["stage_extra"] == {}
+    assert table.attrs["notes"][-1].startswith("The profile times BranchyTransformer's own modules")
+
+
+def test_the_explorer_profiles_a_traced_model_as_its_stages_and_says_so(stage_clock, one_ms_candidates):
+    from pipexplore.widgets import explore
+
+    tokens, target = get_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # traced: nothing to warn about
+        ex = explore(TinyTransformer(), tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4,
+                     executor="threads", calibrate=False)
+    assert ex.layer_table["forward"].tolist() == pytest.approx([2.5e-3] * 7)
+    assert any(note.endswith("each block is profiled as its traced stage.") for note in ex.state.notes)
+
+
+def test_isolated_seconds_time_a_forward_and_the_backward_into_its_inputs():
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    forward, backward = traced_costs.isolated_seconds(layer, (x,), {}, repeats=2, warmup=1)
+    assert forward > 0 and backward > 0
+    assert layer.weight.grad is not None and x.grad is None  # its inputs were fresh leaves, not the given tensor
+    counts = nn.Embedding(5, 2).requires_grad_(False)
+    assert traced_costs.isolated_seconds(counts, (torch.tensor([1, 2]),), {}, repeats=1)[1] == 0.0  # no backward
+
+
+def test_the_whole_tables_columns_stay_a_layer_table():
+    tokens, target = get_batch()
+    table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
+    assert isinstance(table, pd.DataFrame) and table["name"].tolist() == NAMES
+    extra = table.attrs["stage_extra"]
+    assert set(extra) == {2, 8} and all(len(extra[r][p]) == 7 for r in extra for p in ("forward", "backward"))
+    assert (table[["forward", "backward"]] >= 0).all().all()
