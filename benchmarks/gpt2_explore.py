@@ -2,7 +2,10 @@
 run in this process and in processes, side by side.
 
 Prints: time from ``explore(...)`` to the first predicted timeline; per executor the first run's
-and a rerun's step time, the process start-up apart, and the prediction error of each run.
+and a rerun's step time, the process start-up apart, and the prediction error of each run. Side by
+side, ``--pairs`` times alternately: the profile as the traced stages run (``stages``, the
+default: :mod:`pipexplore.models.traced_costs`, measured afresh for each explorer) and as the
+model's own modules alone (``modules``, as before it).
 """
 from __future__ import annotations
 
@@ -32,36 +35,54 @@ def logits_loss(output, target):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
+def explored(model, ids, devices, stages: bool):
+    """``explore()`` of the model, profiled as its traced stages or as its own modules; and its seconds."""
+    import functools
+
+    from pipexplore.models import trace, traced_costs
+
+    real = trace.candidates_in_rows
+    traced_costs.forget_measured()  # each explorer pays for its own measurement
+    trace.candidates_in_rows = functools.partial(real, as_stages=stages)
+    try:
+        started = time.perf_counter()
+        ex = pipexplore.explore(model, ids, target=ids, loss_fn=logits_loss, devices=devices, chunks=4)
+        return ex, time.perf_counter() - started
+    finally:
+        trace.candidates_in_rows = real
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--devices", default="cpu,cpu", help="one per stage")
+    parser.add_argument("--pairs", type=int, default=2, help="explorers of each profile, alternately")
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     print(f"machine: {machine()}")
     devices = args.devices.split(",")
-    model = gpt2(args.layers, args.width)
     ids = torch.randint(1, 256, (16, 32), generator=torch.Generator().manual_seed(0))
-    started = time.perf_counter()
-    ex = pipexplore.explore(model, ids, target=ids, loss_fn=logits_loss, devices=devices, chunks=4)
-    first_prediction = time.perf_counter() - started
-    print(f"GPT-2 ({args.layers} blocks × {args.width}), batch 16 × 32 tokens, {len(devices)} stages, "
-          f"split at {[ex.layer_table['name'][s] for s in ex.splits]}")
-    print(f"explore() to the first predicted timeline: {first_prediction:.2f} s "
-          f"({len(ex.layer_table)} candidate split points)")
-    print("| executor | run | step | start-up | wall | predicted | error |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for executor in ("threads", "processes"):
-        for label in ("first run", "rerun"):
-            started = time.perf_counter()
-            row = ex.run(executor=executor)
-            wall = time.perf_counter() - started
-            startup = row.get("startup_seconds", 0.0)
-            startup = 0.0 if startup != startup else startup  # NaN for in-process runs
-            print(f"| {executor} | {label} | {row['step_time'] * 1e3:.1f} ms | {startup:.2f} s | {wall:.2f} s | "
-                  f"{row['predicted_step_time'] * 1e3:.1f} ms | {row['prediction_error'] * 100:+.0f} % |")
+    print("| pair | profile | explore() s | executor | run | step | start-up | wall | predicted | error |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for pair in range(args.pairs):
+        for stages in (True, False) if pair % 2 == 0 else (False, True):
+            ex, seconds = explored(gpt2(args.layers, args.width), ids, devices, stages)
+            if pair == 0 and stages:
+                print(f"GPT-2 ({args.layers} blocks × {args.width}), batch 16 × 32 tokens, {len(devices)} stages, "
+                      f"split at {[ex.layer_table['name'][s] for s in ex.splits]}, {len(ex.layer_table)} candidates")
+            for executor in ("threads", "processes"):
+                for label in ("first run", "rerun"):
+                    started = time.perf_counter()
+                    row = ex.run(executor=executor)
+                    wall = time.perf_counter() - started
+                    startup = row.get("startup_seconds", 0.0)
+                    startup = 0.0 if startup != startup else startup  # NaN for in-process runs
+                    print(f"| {pair + 1} | {'stages' if stages else 'modules'} | {seconds:.2f} | {executor} | {label} | "
+                          f"{row['step_time'] * 1e3:.1f} ms | {startup:.2f} s | {wall:.2f} s | "
+                          f"{row['predicted_step_time'] * 1e3:.1f} ms | {row['prediction_error'] * 100:+.0f} % |",
+                          flush=True)
     from pipexplore.distributed import shutdown_pool
 
     shutdown_pool()

@@ -61,13 +61,19 @@ def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage
     assert len(stages) == 7 and len({id(m) for m in stages}) == 7  # a stage a candidate
 
 
-def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(stage_clock, one_ms_candidates):
+def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(stage_clock, one_ms_candidates,
+                                                                              monkeypatch):
+    traced = []
+    real = trace.split
+    monkeypatch.setattr(trace, "split", lambda model, mb_args, points, **o: traced.append(mb_args) or real(
+        model, mb_args, points, **o))
     tokens, target = get_batch()
     table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
     assert table["forward"].tolist() == pytest.approx([2.5e-3] * 7)  # 1 ms + 1.5 ms beyond the module
     assert table["backward"].tolist() == pytest.approx([0.5e-3] * 7)  # 1 ms - 0.5 ms
-    assert set(table.attrs["stage_extra"]) == {2, 8}  # the micro-batch's rows and the batch's
-    assert table.attrs["stage_extra"][2]["forward"] == pytest.approx([1.5e-3] * 7)
+    assert [t.shape[0] for t in traced] == [2]  # traced once, on the micro-batch (8 rows in 4)
+    extra = table.attrs["stage_extra"]
+    assert extra["rows"] == 2 and extra["forward"] == pytest.approx([1.5e-3] * 7)
     assert table["forward_b"].tolist() == pytest.approx([0.0] * 7)  # the same seconds at both sizes
     assert table["forward_a"].tolist() == pytest.approx([2.5e-3] * 7)
 
@@ -106,7 +112,7 @@ def test_a_model_that_cannot_be_traced_keeps_its_modules_times_and_says_why(one_
     with pytest.warns(RuntimeWarning, match=r"The profile times BranchyTransformer's own modules, not the stages its "
                                             r"runs trace \(TraceError: could not trace BranchyTransformer"):
         table = trace.candidates_in_rows(Branchy(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
-    assert table["forward"].tolist() == [1e-3] * len(table) and table.attrs["stage_extra"] == {}
+    assert table["forward"].tolist() == [1e-3] * len(table) and "stage_extra" not in table.attrs
     assert table.attrs["notes"][-1].startswith("The profile times BranchyTransformer's own modules")
 
 
@@ -137,5 +143,24 @@ def test_the_whole_tables_columns_stay_a_layer_table():
     table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
     assert isinstance(table, pd.DataFrame) and table["name"].tolist() == NAMES
     extra = table.attrs["stage_extra"]
-    assert set(extra) == {2, 8} and all(len(extra[r][p]) == 7 for r in extra for p in ("forward", "backward"))
+    assert extra["rows"] == 2 and all(len(extra[p]) == 7 for p in ("forward", "backward"))
     assert (table[["forward", "backward"]] >= 0).all().all()
+
+
+def test_profile_stages_off_times_the_modules_only_and_reprofile_measures_again(stage_clock, one_ms_candidates,
+                                                                               monkeypatch):
+    from pipexplore.widgets.state import ExplorerState
+
+    tokens, target = get_batch()
+    options = dict(target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4, calibrate=False)
+    with pytest.raises(TypeError, match="profile_stages must be True or False, got 'no'"):
+        ExplorerState(TinyTransformer(), tokens, profile_stages="no", **options)
+    modules = ExplorerState(TinyTransformer(), tokens, profile_stages=False, **options)
+    assert modules.layer_table["forward"].tolist() == [1e-3] * 7 and "stage_extra" not in modules.layer_table.attrs
+    assert stage_clock == []  # nothing traced
+    state = ExplorerState(TinyTransformer(), tokens, **options)
+    assert state.layer_table["forward"].tolist() == pytest.approx([2.5e-3] * 7) and len(stage_clock) == 14
+    ExplorerState(TinyTransformer(), tokens, **options)
+    assert len(stage_clock) == 14  # the same shape: this session's seconds
+    state.reprofile()
+    assert len(stage_clock) == 28 and state.layer_table["forward"].tolist() == pytest.approx([2.5e-3] * 7)

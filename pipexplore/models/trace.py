@@ -304,8 +304,9 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
     ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
     ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
-    ``as_stages``: each size's times include what the traced stages the runs execute take beyond
-    the model's own modules (:mod:`pipexplore.models.traced_costs`; ``attrs["stage_extra"]``).
+    ``as_stages``: the times include what the traced stages the runs execute take beyond the
+    model's own modules, measured on the micro-batch (:func:`pipexplore.models.traced_costs.
+    shift_to_stages`; ``attrs["stage_extra"]``: the seconds and the rows they were measured at).
 
     Example::
 
@@ -328,7 +329,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     if as_stages:
         from pipexplore.models.traced_costs import shift_to_stages
 
-        refused = shift_to_stages(model, list(zip(tables, samples)), repeats=options.get("repeats", 3))
+        refused = shift_to_stages(model, tables, samples[0], repeats=options.get("repeats", 3))
         if refused:
             warnings.warn(refused, RuntimeWarning, stacklevel=2)
             whole.attrs["notes"] = [*whole.attrs.get("notes", []), refused]
@@ -336,7 +337,8 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     fit_columns(table, tables, rows)
     table.attrs.update(whole.attrs)
     table.attrs.update(rows=tuple(rows), batch=batch)
-    table.attrs["stage_extra"] = {r: t.attrs["stage_extra"] for r, t in zip(rows, tables) if "stage_extra" in t.attrs}
+    if "stage_extra" in whole.attrs:
+        table.attrs["stage_extra"] = {**whole.attrs["stage_extra"], "rows": rows[0]}
     return table
 
 

@@ -176,7 +176,8 @@ def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
         with sharing_cores(threads):
             table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1,
                                        granularity=options["granularity"], loss_fn=loss_fn, target=target,
-                                       repeats=options["repeats"], optimizer=optimizer)
+                                       repeats=options["repeats"], optimizer=optimizer,
+                                       as_stages=options.get("stages", True))
         table.attrs["threads"] = threads or torch.get_num_threads()
         return table
     rows = _rows(batch_size(sample), chunks)
