@@ -37,19 +37,13 @@ def logits_loss(output, target):
 
 def explored(model, ids, devices, stages: bool):
     """``explore()`` of the model, profiled as its traced stages or as its own modules; and its seconds."""
-    import functools
+    from pipexplore.models import traced_costs
 
-    from pipexplore.models import trace, traced_costs
-
-    real = trace.candidates_in_rows
     traced_costs.forget_measured()  # each explorer pays for its own measurement
-    trace.candidates_in_rows = functools.partial(real, as_stages=stages)
-    try:
-        started = time.perf_counter()
-        ex = pipexplore.explore(model, ids, target=ids, loss_fn=logits_loss, devices=devices, chunks=4)
-        return ex, time.perf_counter() - started
-    finally:
-        trace.candidates_in_rows = real
+    started = time.perf_counter()
+    ex = pipexplore.explore(model, ids, target=ids, loss_fn=logits_loss, devices=devices, chunks=4,
+                            profile_stages=stages)
+    return ex, time.perf_counter() - started
 
 
 def main() -> None:

@@ -211,14 +211,15 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
 
     def accumulated(blocks_of_param: tuple[int, ...]) -> Any:
         def hook(_: torch.Tensor) -> None:  # a block's backward ends at its weights' last accumulation
-            now = time.perf_counter()
-            for j in blocks_of_param:
-                bwd_end[j] = max(bwd_end.get(j, 0.0), now)
+            # A tied weight accumulates once, after every block using it: that ends the first of them
+            # in forward (the embedding, last in backward), not the others (a head, long done).
+            block = min(blocks_of_param, key=lambda j: order.index(j) if j in order else len(order))
+            bwd_end[block] = max(bwd_end.get(block, 0.0), time.perf_counter())
         return hook
 
     for pid, ks in owners.items():
         if params[pid].requires_grad:
-            handles.append(params[pid].register_post_accumulate_grad_hook(accumulated(tuple(ks))))
+            handles.append(params[pid].register_post_accumulate_grad_hook(accumulated(tuple(set(ks)))))
     with warnings.catch_warnings(), cache_off(model):  # training never uses a KV cache: hf.cache_off
         try:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
