@@ -13,11 +13,12 @@ model's run came out 20–50 % short for that.
 the model (the same harness: a forward, then a backward from ones into the outputs that need a
 gradient), and gives the seconds its stage takes beyond its module per phase;
 :func:`pipexplore.models.trace.candidates_in_rows` measures them on the micro-batch and adds them
-to the profile at each size it profiles (:func:`shift_to_stages`). A difference, not a ratio: a block of a few microseconds (a position embedding) whose
-stage also runs the glue after it would otherwise multiply its noise by 10 or more. Tracing
-costs a second or so of CPU, so the seconds are kept for the session per model shape (the model's
-class, its parameters' names, shapes and dtypes, the sample's shapes and dtypes, the intra-op
-threads, the candidates): re-exploring the same architecture measures nothing again.
+to the profile at each size it profiles (:func:`shift_to_stages`). A difference, not a ratio: a
+block of a few microseconds (a position embedding) whose stage also runs the glue after it would
+otherwise multiply its noise by 10 or more. Tracing costs a second or two of CPU, so the seconds
+are kept for the session per model shape (the model's class, its parameters' names, shapes,
+dtypes and ties, the sample's shapes and dtypes, the intra-op threads, the candidates):
+re-exploring the same architecture measures nothing again.
 """
 from __future__ import annotations
 
@@ -57,15 +58,20 @@ def isolated_seconds(module: nn.Module, args: Sequence[Any], kwargs: dict[str, A
     every output that needs a gradient (0 where none does), over ``repeats`` calls after
     ``warmup`` untimed ones; floating inputs are fresh leaves each call, as a stage gets them."""
     forward, backward = [], []
+    on_gpu = any(t.is_cuda for t in [*module.parameters(), *tensors_in(list(args)), *tensors_in(kwargs)])
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)  # a GPU's kernels, not their launches
     for timed in [False] * warmup + [True] * repeats:
         call_args = [_fresh(a) for a in args]
         call_kwargs = {k: _fresh(v) for k, v in kwargs.items()}
+        sync()
         start = time.perf_counter()
         output = module(*call_args, **call_kwargs)
+        sync()
         middle = time.perf_counter()
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        sync()
         end = time.perf_counter()
         if timed:
             forward.append(middle - start)
@@ -118,7 +124,7 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
 
     key = _shape_key(model, sample, names)
     if key in _MEASURED:
-        return _MEASURED[key]
+        return list(_MEASURED[key][0]), list(_MEASURED[key][1])
     args, kwargs = call_inputs(sample)
     own = copy.deepcopy(model)
     modules = dict(own.named_modules())
@@ -141,7 +147,7 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
             traced = isolated_seconds(stages[k][1], *stage_inputs[k], repeats=repeats, warmup=warmup)
             forward.append(traced[0] - mine[0])
             backward.append(traced[1] - mine[1])
-    _MEASURED[key] = (forward, backward)
+    _MEASURED[key] = (list(forward), list(backward))
     return forward, backward
 
 
