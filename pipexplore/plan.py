@@ -228,7 +228,7 @@ class Plan:
         """The options :meth:`predict` gives :func:`pipexplore.simulate` for this plan."""
         backends = self.schedule == "async-backends"
         options: dict[str, Any] = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
-                                       checkpoint="never" if backends else self.checkpoint,
+                                       checkpoint=self.run_checkpoint,
                                        devices=list(self.devices[: self.num_devices]),
                                        virtual_stages=self.virtual_stages)
         options["executor"] = self.predict_executor
@@ -257,6 +257,13 @@ class Plan:
             lambda corrections: replace(self, corrections=self.corrections.with_kind(kind, corrections)).predict(),
             measured)
         return replace(self, corrections=self.corrections.with_kind(kind, learnt))
+
+    @property
+    def run_checkpoint(self) -> str:
+        """The checkpoint mode the plan's runs execute: its own, except where the executor has none
+        (``processes``, torch's pipelining runtime, and the expert backends recompute nothing:
+        ``never``, which their predictions, timelines and memory follow)."""
+        return "never" if self.executor == "processes" or self.schedule == "async-backends" else self.checkpoint
 
     @property
     def predict_executor(self) -> str:

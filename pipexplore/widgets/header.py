@@ -39,7 +39,12 @@ def plan_text(plan: Plan) -> str:
     """
     devices = ",".join(plan.devices[: plan.num_devices])
     return (f"splits {splits_text(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · "
-            f"checkpoint {plan.checkpoint} · {plan.executor} on {devices}")
+            f"checkpoint {plan.checkpoint}{_not_run(plan)} · {plan.executor} on {devices}")
+
+
+def _not_run(plan: Any) -> str:
+    """Where the executor recomputes nothing whatever the plan says (torch's runtime): say so."""
+    return f" (runs {plan.run_checkpoint})" if plan.run_checkpoint != plan.checkpoint else ""
 
 
 def splits_text(splits: Any, shown: int = 8) -> str:
