@@ -133,10 +133,11 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     ``sample`` is one mini-batch as the model takes it: a tensor, a tuple of positional inputs or
     a dict of keyword inputs (``input_ids``, ``attention_mask``, ``labels``); ``mb_kwargs`` adds
     keyword inputs. Hooks time every candidate inside real forward and backward passes of the
-    whole model, ``warmup`` passes first (untimed: allocation, dispatch caches), then ``repeats``
-    timed ones; ``loss_fn(output, target)`` receives the output as the model returns it
-    (default: the mean of the squared floating outputs). The passes run with a Hugging Face
-    config's ``use_cache`` off, as training does (:func:`pipexplore.models.hf.cache_off`).
+    whole model (on a GPU, synchronised at each mark), ``warmup`` passes first (untimed:
+    allocation, dispatch caches), then ``repeats`` timed ones; ``loss_fn(output, target)``
+    receives the output as the model returns it (default: the mean of the squared floating
+    outputs). The passes run with a Hugging Face config's ``use_cache`` off, as training does
+    (:func:`pipexplore.models.hf.cache_off`).
 
     Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
     gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
@@ -173,6 +174,12 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     handles = []
+    on_gpu = any(p.is_cuda for p in model.parameters())
+
+    def now() -> float:  # on a GPU, when the kernels launched so far have run
+        if on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         k = index[id(module)]
@@ -183,21 +190,21 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
             source = producer.get(_identity(t), (None, None))[0]
             if source is not None and order.index(source) < position - 1:  # skips a block in execution order
                 edges.add((source, k))
-        started[k] = time.perf_counter()
+        started[k] = now()
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         k = index[id(module)]
-        forward[k].append(time.perf_counter() - started[k])
+        forward[k].append(now() - started[k])
         tensors = tensors_in(output)
         out_bytes[k] = sum(t.numel() * t.element_size() for t in tensors)
         for t in tensors:
             producer[_identity(t)] = (k, t)  # held for the pass: a freed address reused is not this value
 
     def bwd_pre(module: nn.Module, grad_output: Any) -> None:
-        bwd_start[index[id(module)]] = time.perf_counter()
+        bwd_start[index[id(module)]] = now()
 
     def bwd_post(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        bwd_end[index[id(module)]] = time.perf_counter()
+        bwd_end[index[id(module)]] = now()
 
     for _, module in blocks:
         handles += [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post),
@@ -214,7 +221,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
             # A tied weight accumulates once, after every block using it: that ends the first of them
             # in forward (the embedding, last in backward), not the others (a head, long done).
             block = min(blocks_of_param, key=lambda j: order.index(j) if j in order else len(order))
-            bwd_end[block] = max(bwd_end.get(block, 0.0), time.perf_counter())
+            bwd_end[block] = max(bwd_end.get(block, 0.0), now())
         return hook
 
     for pid, ks in owners.items():
