@@ -261,9 +261,13 @@ class Plan:
     @property
     def run_checkpoint(self) -> str:
         """The checkpoint mode the plan's runs execute: its own, except where the executor has none
-        (``processes``, torch's pipelining runtime, and the expert backends recompute nothing:
-        ``never``, which their predictions, timelines and memory follow)."""
-        return "never" if self.executor == "processes" or self.schedule == "async-backends" else self.checkpoint
+        (``processes`` here, torch's pipelining runtime, and the expert backends recompute nothing:
+        ``never``, which their predictions, timelines and memory follow). A plan for catalogue
+        devices keeps its own: it says what the cluster's training applies (activation
+        checkpointing of the blocks, as torchtitan's), and the search weighs it."""
+        if self.schedule == "async-backends" or (self.executor == "processes" and not self.planned):
+            return "never"
+        return self.checkpoint
 
     @property
     def predict_executor(self) -> str:

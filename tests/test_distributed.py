@@ -300,3 +300,5 @@ def test_the_header_says_the_processes_executor_recomputes_nothing():
     threads = replace(plan, executor="threads")
     assert "· checkpoint except_last · threads" in plan_text(threads) and threads.run_checkpoint == "except_last"
     assert "recompute" in set(threads.predicted["phase"])
+    # a plan for catalogue GPUs keeps its own: what the cluster's training checkpoints, which the search weighs
+    assert replace(plan, devices=("H100:0", "H100:1")).run_checkpoint == "except_last"
