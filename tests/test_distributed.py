@@ -68,6 +68,12 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
     predicted = plan.predicted
     assert set(predicted["phase"]) == set(timeline["phase"]) and "recompute" not in set(timeline["phase"])
 
+    def order(frame):  # each stage's actions in the order they ran
+        ran = frame.sort_values(["stage", "start"])
+        return {s: list(zip(g["phase"], g["microbatch"])) for s, g in ran.groupby("stage")}
+
+    assert order(predicted) == order(timeline)  # torch's order (GPipe: first micro-batch's backward first)
+
 
 
 

@@ -43,8 +43,8 @@ from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_f
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
-                                  schedule_version, splits_backward, stage_orders, stage_ranks, worker_devices,
-                                  worker_orders)
+                                  rank_orders, schedule_version, splits_backward, stage_orders, stage_ranks,
+                                  worker_devices, worker_orders)
 from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
@@ -106,9 +106,13 @@ def _worker_queues(schedule: str, S: int, m: int, executor: str, virtual_stages:
     """Each worker's (stage, kind, micro-batch) before recompute and optimizer steps: a worker per
     rank (:mod:`pipexplore.schedules`), and for ``autograd`` the backward of each device on one
     more. Cached apart from :func:`schedule_graph` (its checkpointed variants share it), by the
-    same ``version``."""
-    lane_queues = [[(s, k, i) for s, k, i in order if executor != "autograd" or k == "F"]
-                   for order in worker_orders(schedule, S, m, virtual_stages if is_multi_stage(schedule) else 1)]
+    same ``version``. ``processes`` runs torch's own orders (GPipe's backwards first micro-batch
+    first, where the in-process executors run them last first)."""
+    if executor == "processes" and schedule == "gpipe":
+        orders = rank_orders(schedule, S, m)
+    else:
+        orders = worker_orders(schedule, S, m, virtual_stages if is_multi_stage(schedule) else 1)
+    lane_queues = [[(s, k, i) for s, k, i in order if executor != "autograd" or k == "F"] for order in orders]
     if executor == "autograd":
         # One backward() call: autograd's engine runs the backward of each device on one thread
         # (the caller's for the CPU), micro-batch-major, last first.
