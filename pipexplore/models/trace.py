@@ -174,11 +174,12 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     handles = []
-    on_gpu = any(p.is_cuda for p in model.parameters())
+    from pipexplore.predict.timing import synchronize
+
+    device = next(model.parameters(), torch.empty(0)).device
 
     def now() -> float:  # on a GPU, when the kernels launched so far have run
-        if on_gpu:
-            torch.cuda.synchronize()
+        synchronize(device)
         return time.perf_counter()
 
     def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:

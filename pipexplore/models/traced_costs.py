@@ -23,7 +23,6 @@ re-exploring the same architecture measures nothing again.
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -56,27 +55,31 @@ def isolated_seconds(module: nn.Module, args: Sequence[Any], kwargs: dict[str, A
                      warmup: int = 1) -> tuple[float, float]:
     """Median seconds of ``module(*args, **kwargs)`` forward, then of its backward from ones into
     every output that needs a gradient (0 where none does), over ``repeats`` calls after
-    ``warmup`` untimed ones; floating inputs are fresh leaves each call, as a stage gets them."""
-    forward, backward = [], []
-    on_gpu = any(t.is_cuda for t in [*module.parameters(), *tensors_in(list(args)), *tensors_in(kwargs)])
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)  # a GPU's kernels, not their launches
-    for timed in [False] * warmup + [True] * repeats:
+    ``warmup`` untimed ones (a :class:`~pipexplore.predict.timing.Timer` each: on a GPU, to its
+    kernels' end); floating inputs are fresh leaves each call, as a stage gets them."""
+    from pipexplore.predict.timing import Timer
+
+    tensors = [*module.parameters(), *tensors_in(list(args)), *tensors_in(kwargs)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    timers = {"forward": Timer(device), "backward": Timer(device)}
+    differentiable = False
+    for step in range(warmup + repeats):
         call_args = [_fresh(a) for a in args]
         call_kwargs = {k: _fresh(v) for k, v in kwargs.items()}
-        sync()
-        start = time.perf_counter()
-        output = module(*call_args, **call_kwargs)
-        sync()
-        middle = time.perf_counter()
+
+        def forward() -> Any:
+            return module(*call_args, **call_kwargs)
+
+        output = timers["forward"](forward) if step >= warmup else forward()
         outputs = [t for t in tensors_in(output) if t.requires_grad]
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        sync()
-        end = time.perf_counter()
-        if timed:
-            forward.append(middle - start)
-            backward.append(end - middle if outputs else 0.0)
-    return sorted(forward)[len(forward) // 2], sorted(backward)[len(backward) // 2]
+        differentiable = bool(outputs)
+
+        def backward(outputs: list[torch.Tensor] = outputs) -> None:
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+        timers["backward"](backward) if step >= warmup else backward()
+    return timers["forward"].median, timers["backward"].median if differentiable else 0.0
 
 
 def _inputs_of(modules: Sequence[nn.Module], run: Any) -> list[Optional[tuple[tuple, dict]]]:
