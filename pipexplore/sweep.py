@@ -5,13 +5,12 @@ import itertools
 import math
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.plan import Plan
-from pipexplore.predict.costs import layer_seconds, microbatch_rows
+from pipexplore.predict.costs import layer_times
 from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
 from pipexplore.validate import splits_exactly
 
@@ -23,16 +22,9 @@ SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint",
 
 def balanced_splits(plan: Plan, stages: int) -> list[int]:
     """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
-    per-layer costs at its micro-batch size (forward + backward, and recompute when checkpointing)."""
-    rows = microbatch_rows(plan.batch or int(plan.layer_table.attrs.get("batch") or plan.chunks), plan.chunks)[0] \
-        if (plan.batch or plan.layer_table.attrs.get("batch")) else 1.0 / plan.chunks
-    executor = plan.predict_executor
-    total = np.zeros(plan.num_layers)
-    for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
-        scale = plan.learnt.scale(executor, phase)
-        seconds = layer_seconds(plan.layer_table, rows, phase)
-        total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
-    return optimal_splits(total.tolist(), stages)
+    per-layer costs at its micro-batch size (forward + backward, and recompute when checkpointing:
+    :func:`pipexplore.predict.costs.layer_times`)."""
+    return optimal_splits(layer_times(plan).tolist(), stages)
 
 
 def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),

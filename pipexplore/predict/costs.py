@@ -14,13 +14,13 @@ and the lane time each action costs beyond its span (the executor's own dispatch
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 
 __all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "Corrections", "microbatch_rows", "layer_seconds",
-           "fresh_gradient_seconds",
+           "layer_times", "fresh_gradient_seconds",
            "stage_seconds", "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap",
            "lanes_of"]
 
@@ -87,6 +87,20 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
     whole = table[source].to_numpy(dtype=float)
     batch = table.attrs.get("batch")
     return share * whole * (rows / batch if batch else rows)
+
+
+def layer_times(plan: Any) -> np.ndarray:
+    """Each layer's forward + backward (+ recompute when checkpointing) at the plan's micro-batch,
+    by the plan's own corrected costs: what a time-balanced split weighs
+    (:func:`pipexplore.sweep.balanced_splits`, the search's splits)."""
+    batch = plan.batch or plan.layer_table.attrs.get("batch")
+    rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
+    total = np.zeros(plan.num_layers)
+    for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
+        scale = plan.learnt.scale(plan.predict_executor, phase)
+        seconds = layer_seconds(plan.layer_table, rows, phase)
+        total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
+    return total
 
 
 def fresh_gradient_seconds(table: pd.DataFrame, scale: Optional[np.ndarray] = None) -> np.ndarray:

@@ -36,7 +36,7 @@ from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.devices import device_memory
 from pipexplore.host import host_cores
-from pipexplore.predict.costs import layer_seconds, microbatch_rows
+from pipexplore.predict.costs import layer_times
 from pipexplore.predict.dataflow import KINDS
 from pipexplore.predict.memory import optimizer_state_ratio, stage_memory
 from pipexplore.predict.simulator import prepare_step
@@ -86,15 +86,9 @@ def layer_bytes(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]
 
 def _layer_time(plan: Any) -> np.ndarray:
     """Each layer's forward + backward (+ recompute) at the plan's micro-batch, as
-    :func:`pipexplore.sweep.balanced_splits` weighs it (the plan's corrected costs)."""
-    batch = plan.batch or plan.layer_table.attrs.get("batch")
-    rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
-    total = np.zeros(plan.num_layers)
-    for phase in ("forward", "backward") + (("recompute",) if plan.checkpoint != "never" else ()):
-        scale = plan.learnt.scale(plan.predict_executor, phase)
-        seconds = layer_seconds(plan.layer_table, rows, phase)
-        total += seconds * (scale if scale is not None and len(scale) == len(seconds) else 1.0)
-    return np.nan_to_num(total)
+    :func:`pipexplore.sweep.balanced_splits` weighs it (:func:`~pipexplore.predict.costs.layer_times`),
+    unknown costs as zero."""
+    return np.nan_to_num(layer_times(plan))
 
 
 def _device_activations(frame: pd.DataFrame, stage_device: Sequence[str], stages: int) -> dict[str, float]:
