@@ -22,8 +22,8 @@ SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint",
 
 def balanced_splits(plan: Plan, stages: int) -> list[int]:
     """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
-    per-layer costs at its micro-batch size (forward + backward, and recompute when checkpointing:
-    :func:`pipexplore.predict.costs.layer_times`)."""
+    per-layer costs at its micro-batch size (forward + backward, and recompute where its runs
+    recompute: :func:`pipexplore.predict.costs.layer_times`)."""
     return optimal_splits(layer_times(plan).tolist(), stages)
 
 

@@ -308,3 +308,9 @@ def test_the_header_says_the_processes_executor_recomputes_nothing():
     assert "recompute" in set(threads.predicted["phase"])
     # a plan for catalogue GPUs keeps its own: what the cluster's training checkpoints, which the search weighs
     assert replace(plan, devices=("H100:0", "H100:1")).run_checkpoint == "except_last"
+    # a balanced split weighs what the runs do: no recompute for processes, a recompute for threads
+    from pipexplore.predict.costs import layer_times
+
+    never = replace(plan, checkpoint="never")
+    assert layer_times(plan).tolist() == layer_times(never).tolist()
+    assert (layer_times(threads) > layer_times(replace(threads, checkpoint="never"))).all()

@@ -233,7 +233,7 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
     stage_device = list(candidate.stage_devices)
     per_device = {d: stage_device.count(d) for d in device_cap}
     memory = StageMemory(static, act, inp, shares, [device_cap[d] / per_device[d] for d in stage_device])
-    key = (candidate.chunks, candidate.checkpoint != "never", candidate.predict_executor)
+    key = (candidate.chunks, candidate.run_checkpoint != "never", candidate.predict_executor)
     if key not in times:
         times[key] = _layer_time(candidate)
     if (key, n) not in times:  # the time-balanced split, shared by the schedules
