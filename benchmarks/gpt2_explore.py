@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--devices", default="cpu,cpu", help="one per stage")
     parser.add_argument("--pairs", type=int, default=2, help="explorers of each profile, alternately")
+    parser.add_argument("--executors", default="threads,processes", help="which executors run the plan")
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -66,7 +67,7 @@ def main() -> None:
             if pair == 0 and stages:
                 print(f"GPT-2 ({args.layers} blocks × {args.width}), batch 16 × 32 tokens, {len(devices)} stages, "
                       f"split at {[ex.layer_table['name'][s] for s in ex.splits]}, {len(ex.layer_table)} candidates")
-            for executor in ("threads", "processes"):
+            for executor in args.executors.split(","):
                 for label in ("first run", "rerun"):
                     started = time.perf_counter()
                     row = ex.run(executor=executor)

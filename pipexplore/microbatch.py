@@ -166,9 +166,12 @@ def batch_size(value: TensorOrTensors) -> int:
 
 
 def to_device(value: typing.Any, device: torch.device) -> typing.Any:
-    """Move a tensor, or each tensor of a (nested) tuple, to ``device``; anything else as it is."""
+    """Move a tensor, or each tensor of a (nested) tuple or dict (a traced model's keyword
+    inputs), to ``device``; anything else as it is."""
     if torch.is_tensor(value):
         return value.to(device)
     if isinstance(value, tuple):
         return tuple(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
     return value

@@ -139,6 +139,19 @@ def test_what_cannot_be_pickled_is_named_before_any_process_starts():
     assert _children() == before
 
 
+def test_ranks_that_share_a_gpu_are_refused_before_any_process_starts():
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") and gloo sends no CUDA tensors
+    # between processes ("Bad address"), as an H100 showed: said up front, naming the ranks.
+    model, x = plain_model(), torch.randn(8, 6)
+    before = _children()
+    for devices, shared in ((["cuda:0", "cuda:0"], "0 and 1 are both on cuda:0"),
+                            (["cuda", "cuda:0"], "0 and 1 are both on cuda:0")):
+        plan = _plan(model, x, [4], devices, "gpipe")
+        with pytest.raises(ValueError, match=f"one rank a GPU, but ranks {shared} .* threads or autograd"):
+            run_processes(model, x, plan)
+    assert _children() == before
+
+
 def test_a_class_the_workers_cannot_import_is_named(monkeypatch):
     """A module that exists only in this process (made in memory, or loaded from a path): its class
     is pickled by reference, the workers cannot import it, and the error says what to do."""

@@ -126,6 +126,35 @@ def test_explorer_takes_a_traced_model():
     assert ex.runs["executor"].tolist() == ["processes", "threads"]
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_traced_model_is_profiled_on_its_first_stages_device(monkeypatch, device):
+    # As a Sequential's layers are: the model and its inputs as given sit on the CPU, and an H100
+    # showed GPT-2 planned from CPU seconds (first predictions 2.5-4x its runs).
+    from pipexplore.models import trace as trace_module
+    from pipexplore.widgets import layer_table
+
+    seen = {}
+
+    def fake(model, sample, *, chunks, target=None, **options):
+        seen.update(model=next(model.parameters()).device, sample={k: v.device for k, v in sample.items()},
+                    target=target.device)
+        raise RuntimeError("profiled")
+
+    monkeypatch.setattr(trace_module, "candidates_in_rows", fake)
+    stages = [device] * 2
+    if device == "meta":  # no GPU here: where the first stage's device is read, it is meta
+        monkeypatch.setattr(layer_table, "profile_device", lambda options: torch.device("meta"))
+        stages = ["cpu"] * 2
+    tokens, target = get_batch()
+    model = TinyTransformer()
+    options = dict(granularity="blocks", repeats=1, stages=True, device=stages[0])
+    with pytest.raises(RuntimeError, match="profiled"):
+        layer_table.profile_layers(model, {"input_ids": tokens}, options, chunks=4, devices=stages, target=target)
+    where = torch.device(device)
+    assert seen == {"model": where, "sample": {"input_ids": where}, "target": where}
+    assert next(model.parameters()).device == torch.device("cpu")  # the user's model stays where it was
+
+
 def test_explorer_stays_usable_when_tracing_fails():
     from pipexplore.widgets import explore
 

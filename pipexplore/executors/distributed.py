@@ -295,6 +295,23 @@ def _pack(job: dict[str, Any], model: nn.Module) -> bytes:
         raise
 
 
+def _check_one_gpu_a_rank(devices: list[str]) -> None:
+    """Refuse ranks that share a GPU: NCCL will not put two ranks on one device ("Duplicate GPU
+    detected") and gloo sends no CUDA tensors between processes (measured on an H100)."""
+    seen: dict[torch.device, int] = {}
+    for rank, name in enumerate(devices):
+        device = torch.device(name)
+        if device.type != "cuda":
+            continue
+        device = torch.device("cuda", device.index or 0)
+        if device in seen:
+            raise ValueError(f"the processes executor runs one rank a GPU, but ranks {seen[device]} and {rank} are "
+                             f"both on {device} (NCCL refuses two ranks on one GPU, and gloo sends no GPU tensors "
+                             f"between processes): give each rank a GPU of its own, or run the plan with the "
+                             f"threads or autograd executor, whose stages may share one")
+        seen[device] = rank
+
+
 def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = None,
                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                   optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
@@ -363,6 +380,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
     world = plan.num_devices
     devices = list(plan.devices[:world])
+    _check_one_gpu_a_rank(devices)
     layout = stage_ranks(plan.schedule, plan.num_stages, world)  # each stage's rank (a V for zbv, dualpipev; a file's)
     job = {
         "devices": devices, "chunks": plan.chunks,

@@ -16,7 +16,7 @@ from pipexplore import validate
 from pipexplore.balance import optimal_splits
 from pipexplore.devices import as_device
 from pipexplore.host import sharing_cores, stage_threads
-from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.microbatch import TensorOrTensors, batch_size, to_device
 from pipexplore.plan import Plan
 from pipexplore.predict.profiler import backward_split, profile
 from pipexplore.widgets.progress import profile_progress
@@ -173,9 +173,13 @@ def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
     if not isinstance(model, nn.Sequential):
         from pipexplore.models.trace import candidates_in_rows
 
+        # on the device the first stage runs on, as a Sequential's layers are (the model as given
+        # may sit on the CPU: runs move each stage to its device)
+        device = profile_device(options)
         with sharing_cores(threads):
-            table = candidates_in_rows(copy.deepcopy(model), sample, chunks=chunks or 1,
-                                       granularity=options["granularity"], loss_fn=loss_fn, target=target,
+            table = candidates_in_rows(copy.deepcopy(model).to(device), to_device(sample, device), chunks=chunks or 1,
+                                       granularity=options["granularity"], loss_fn=loss_fn,
+                                       target=to_device(target, device),
                                        repeats=options["repeats"], optimizer=optimizer,
                                        as_stages=options.get("stages", True))
         table.attrs["threads"] = threads or torch.get_num_threads()
