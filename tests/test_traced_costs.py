@@ -105,6 +105,10 @@ def test_a_model_shape_is_traced_once_a_session(monkeypatch):
     traced_costs.forget_measured()
     traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
     assert len(calls) == 4
+    # the same shape on another device (a GPU's seconds are not a CPU's): a key of its own
+    key = traced_costs._shape_key(TinyTransformer(), tokens[:2], NAMES)
+    assert traced_costs._shape_key(TinyTransformer().to("meta"), tokens[:2], NAMES) != key
+    assert traced_costs._shape_key(TinyTransformer(), tokens[:2].to("meta"), NAMES) != key
 
 
 def test_a_model_that_cannot_be_traced_keeps_its_modules_times_and_says_why(one_ms_candidates):

@@ -17,7 +17,8 @@ to the profile at each size it profiles (:func:`shift_to_stages`). A difference,
 block of a few microseconds (a position embedding) whose stage also runs the glue after it would
 otherwise multiply its noise by 10 or more. Tracing costs a second or two of CPU, so the seconds
 are kept for the session per model shape (the model's class, its parameters' names, shapes,
-dtypes and ties, the sample's shapes and dtypes, the intra-op threads, the candidates):
+dtypes, devices and ties, the sample's shapes, dtypes and devices, the intra-op threads, the
+candidates):
 re-exploring the same architecture measures nothing again.
 """
 from __future__ import annotations
@@ -102,10 +103,10 @@ def _inputs_of(modules: Sequence[nn.Module], run: Any) -> list[Optional[tuple[tu
 
 def _shape_key(model: nn.Module, sample: Any, names: Sequence[str]) -> tuple:
     args, kwargs = call_inputs(sample)
-    inputs = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
+    inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) if torch.is_tensor(t) else repr(t)
                    for t in (*args, *[kwargs[k] for k in sorted(kwargs)]))
     first: dict[int, int] = {}  # tied weights: where each parameter was seen first
-    params = tuple((n, tuple(p.shape), p.dtype, first.setdefault(id(p), k))
+    params = tuple((n, tuple(p.shape), p.dtype, str(p.device), first.setdefault(id(p), k))
                    for k, (n, p) in enumerate(model.named_parameters(remove_duplicate=False)))
     return type(model).__qualname__, params, inputs, tuple(sorted(kwargs)), tuple(names), torch.get_num_threads()
 
