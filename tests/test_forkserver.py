@@ -20,6 +20,19 @@ from ranks import no_pool_left_behind, worker_children  # noqa: F401  (no_pool_l
 pytestmark = pytest.mark.skipif(not forkserver.supported(), reason="ranks are forked only on Linux")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _servers_without_pipelining():
+    """This module starts a dozen servers whose ranks run jobs of its own, no schedule: they import
+    torch and the worker but not torch's pipelining (1.2 s of CPU a start). At its end the server
+    is stopped, so the next module's pools fork from a server that imported everything."""
+    full = forkserver.PRELOAD
+    forkserver.PRELOAD = tuple(name for name in full if "pipelining" not in name and name != "pipexplore.executors."
+                               "distributed")
+    yield
+    forkserver.PRELOAD = full
+    shutdown_pool()
+
+
 def _facts(rank, world, name):
     import torch.distributed as dist
 
