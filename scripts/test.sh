@@ -20,8 +20,9 @@ unset PYTHONDONTWRITEBYTECODE
 # took ~100 CPU s and ~50 s more with the default policy, measured). Threads that wait sleep here;
 # the timing tests, alone on the machine, run with torch's defaults.
 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
+# (--durations: the slowest tests of the run, where a slow run shows what was slow)
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not timing" tests notebooks --nbval-lax \
-    --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$@" || status=$?
+    --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=25 "$@" || status=$?
 # (no notebooks here: nbval's import, 1.6 s of nbformat's schema checker, is left out)
 # shellcheck disable=SC2086
 "${PYTEST[@]}" -p no:nbval -m timing $TIMING_FILES "$@" || status=$?
