@@ -375,3 +375,26 @@ def test_once_the_page_has_drawn_it_an_explorer_imports_what_a_run_needs_and_a_r
     assert started.wait(5) and background.running()
     ex.run()
     assert not background.running()  # the run waited for it
+
+
+def test_close_frees_the_model_and_every_widget_of_the_page():
+    # ipywidgets keeps each widget until it is closed, and the page's handlers hold the state: an
+    # explorer a notebook no longer uses kept its model (and runs) for the kernel's life.
+    import gc
+    import weakref
+
+    import ipywidgets.widgets.widget as registry
+
+    gc.collect()
+    before = set(registry._instances)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    explorer = explore(model, torch.randn(8, 4), devices=["cpu", "cpu"], chunks=2, splits=[2])
+    explorer.run()
+    alive = weakref.ref(model)
+    assert len(set(registry._instances) - before) > 20
+    explorer.close()
+    assert set(registry._instances) - before == set()
+    assert len(explorer.runs) == 1 and explorer.splits == [2]  # still readable
+    del explorer, model
+    gc.collect()
+    assert alive() is None

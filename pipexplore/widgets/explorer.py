@@ -290,6 +290,20 @@ class Explorer:
         """
         return self.view.write_report(path)
 
+    def close(self) -> None:
+        """Stop a background run (:meth:`cancel`) and close the page's widgets. ipywidgets keeps
+        every widget until it is closed, and the page's widgets hold the explorer's state: without
+        this an explorer a notebook no longer uses (a cell run again) keeps its model, layer table
+        and runs in memory for the kernel's life. The page goes blank; :attr:`runs` stays readable.
+
+        Example::
+
+            explorer.close()
+            explorer = pipexplore.explore(bigger_model, sample)
+        """
+        self.state.cancel()
+        self.view.close()
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         if isinstance(bundle, dict):

@@ -27,7 +27,7 @@ class FrontChart(anywidget.AnyWidget):
     """The front's SVG (``svg``: :func:`front_svg`) in the page; ``picked``: the rank of the plan
     whose point was clicked (or Enter on it; -1: none), set by the front end."""
 
-    _esm = pathlib.Path(__file__).parent / "front.js"
+    _esm = (pathlib.Path(__file__).parent / "front.js").read_text()  # text, not a path: see splitbar.py
     _css = (".pipexplore-front-chart circle.plan:hover, .pipexplore-front-chart circle.plan:focus, "
             ".pipexplore-front-chart circle.picked { stroke: #000; stroke-width: 2; outline: none; }")
 

@@ -58,7 +58,7 @@ class ResidualCanvas(anywidget.AnyWidget):
         view.show(explorer.residuals(), "run 3")
     """
 
-    _esm = pathlib.Path(__file__).parent / "residual_canvas.js"
+    _esm = (pathlib.Path(__file__).parent / "residual_canvas.js").read_text()  # text: see splitbar.py
     _css = CANVAS_CSS
 
     grid = traitlets.Dict().tag(sync=True)

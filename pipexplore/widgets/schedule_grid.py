@@ -47,7 +47,7 @@ class ScheduleGrid(anywidget.AnyWidget):
     whose cells are highlighted (set through a link from a timeline's ``hovered``); ``note``: a
     line under the grid."""
 
-    _esm = _HERE / "schedule_grid.js"
+    _esm = (_HERE / "schedule_grid.js").read_text()  # text, not a path: see splitbar.py
     _css = _CSS
 
     rows = traitlets.List(traitlets.List(traitlets.Unicode())).tag(sync=True)

@@ -52,7 +52,10 @@ class SplitBar(anywidget.AnyWidget):
     where the node changes is drawn as a node boundary.
     """
 
-    _esm = _HERE / "splitbar.js"
+    # The module's text, not its path: anywidget makes a path a FileContents on the class, whose
+    # change signal holds every instance (and, through its handlers, the explorer and its model)
+    # for the life of the process, closed or not.
+    _esm = (_HERE / "splitbar.js").read_text()
     _css = _CSS
 
     layers = traitlets.List(traitlets.Dict()).tag(sync=True)

@@ -205,9 +205,10 @@ class ExplorerState(RunLog):
         self.compare_run: Optional[int] = None
 
     # ---- changes --------------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(change)`` after every change (one of :data:`EVENTS`)."""
+    def subscribe(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(change)`` after every change (one of :data:`EVENTS`); returns what stops it."""
         self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     def _emit(self, change: str) -> None:
         for callback in list(self._subscribers):
@@ -452,8 +453,7 @@ class ExplorerState(RunLog):
             "stage": stages["stage"], "device": stages["device"],
             "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
             "fwd+bwd": stages["forward"] + stages["backward"], "params": stages["param_bytes"],
-            "activations": stages["activation_bytes"],
-            "peak activations (predicted)": peaks,
+            "activations": stages["activation_bytes"], "peak activations (predicted)": peaks,
             "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
             **{column: memory[column].to_numpy() for column in MEMORY_COLUMNS},
         })

@@ -55,7 +55,27 @@ class ExplorerView:
             W.HTML("<div class='pipexplore-section'>export</div>"), self.export.tools, self.export.w_code,
         ], layout=W.Layout(max_width="100%"))
         self.widget.add_class("pipexplore-explorer")
-        state.subscribe(self.refresh)
+        self._unsubscribe = state.subscribe(self.refresh)
+
+    def close(self) -> None:
+        """Close every widget of the page (ipywidgets keeps each one, and through its handlers the
+        state and the model, until it is closed) and stop redrawing on the state's changes."""
+        self._unsubscribe()
+        seen: set[int] = set()
+        pending: list[Any] = [self.widget]
+        for panel in (self.status, self.controls, self.timelines, self.stages, self.runs, self.export, self.fields):
+            pending += list(vars(panel).values())
+        while pending:
+            item = pending.pop()
+            if isinstance(item, (list, tuple)):
+                pending += list(item)
+            elif isinstance(item, dict):
+                pending += list(item.values())
+            elif isinstance(item, W.Widget) and id(item) not in seen:
+                seen.add(id(item))
+                pending += [value for name in item.keys if isinstance(value := getattr(item, name, None),
+                                                                       (W.Widget, list, tuple))]
+                item.close()
 
     def refresh(self, change: str) -> None:
         """Redraw what ``change`` touches; the picture first (the page draws it while the tables follow)."""
