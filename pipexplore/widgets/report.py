@@ -78,7 +78,7 @@ _LOADER = """
 
 def _module_script(name: str, widget: Any) -> str:
     """A widget's ES module as a script that registers its ``render`` under ``name``."""
-    source = str(widget._esm)  # the module's text (anywidget reads the file)
+    source = str(widget._esm)  # the module's text (each widget class holds it as text)
     export = "export default { render };"
     if source.count(export) != 1:
         raise RuntimeError(f"{widget.__name__}'s module must end with {export!r} to be embedded in a report")
