@@ -168,3 +168,32 @@ def test_profile_stages_off_times_the_modules_only_and_reprofile_measures_again(
     assert len(stage_clock) == 14  # the same shape: this session's seconds
     state.reprofile()
     assert len(stage_clock) == 28 and state.layer_table["forward"].tolist() == pytest.approx([2.5e-3] * 7)
+
+
+def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
+    # Profiled on the first stage's device, every copy of the model sits there too: the explorer's
+    # own copy (given away) is the one whose blocks are timed; only the traced one is made here.
+    import copy
+
+    from pipexplore.widgets.layer_table import profile_layers
+
+    copies = []
+    real = copy.deepcopy
+
+    def counting(value, memo=None):
+        if isinstance(value, nn.Module) and memo is None:  # a whole model, not its parts
+            copies.append(type(value).__name__)
+        return real(value, memo)
+
+    monkeypatch.setattr(traced_costs.copy, "deepcopy", counting)
+    tokens, target = get_batch()
+    options = dict(granularity="blocks", repeats=1, stages=True, device="cpu")
+    table = profile_layers(TinyTransformer(), tokens, options, chunks=4, devices=["cpu", "cpu"], target=target,
+                           loss_fn=loss_fn)
+    assert "stage_extra" in table.attrs
+    assert copies == ["TinyTransformer", "TinyTransformer"]  # the explorer's copy, then the one traced
+    copies.clear()
+    traced_costs.forget_measured()
+    model = TinyTransformer()
+    trace.candidates_in_rows(model, tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
+    assert copies == ["TinyTransformer", "TinyTransformer"]  # a caller's model: timed on a copy, traced on another

@@ -308,14 +308,15 @@ def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
 
 
 def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None, as_stages: bool = True,
-                       **options: Any) -> pd.DataFrame:
+                       owned: bool = False, **options: Any) -> pd.DataFrame:
     """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
     with each block's costs as a line in the rows ``n`` of a micro-batch (``forward_a``,
     ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
     ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
     ``as_stages``: the times include what the traced stages the runs execute take beyond the
     model's own modules, measured on the micro-batch (:func:`pipexplore.models.traced_costs.
-    shift_to_stages`; ``attrs["stage_extra"]``: the seconds and the rows they were measured at).
+    shift_to_stages`; ``attrs["stage_extra"]``: the seconds and the rows they were measured at);
+    ``owned``: ``model`` is a copy the caller gives away, timed on without one more copy.
 
     Example::
 
@@ -338,7 +339,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     if as_stages:
         from pipexplore.models.traced_costs import shift_to_stages
 
-        refused = shift_to_stages(model, tables, samples[0], repeats=options.get("repeats", 3))
+        refused = shift_to_stages(model, tables, samples[0], repeats=options.get("repeats", 3), owned=owned)
         if refused:
             warnings.warn(refused, RuntimeWarning, stacklevel=2)
             whole.attrs["notes"] = [*whole.attrs.get("notes", []), refused]

@@ -112,14 +112,16 @@ def _shape_key(model: nn.Module, sample: Any, names: Sequence[str]) -> tuple:
 
 
 def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats: int = 3,
-                 warmup: int = 1) -> tuple[list[float], list[float]]:
+                 warmup: int = 1, owned: bool = False) -> tuple[list[float], list[float]]:
     """Per candidate ``names`` (FQNs in execution order, as :func:`~pipexplore.models.trace.candidates`
     lists them): the seconds its traced stage takes beyond its own module, forward and backward,
     on ``sample`` (one micro-batch as the model takes it; negative where the stage was faster).
     The model is traced with a stage beginning at every candidate but the first (on a copy) and
     each stage timed alone beside its module (:func:`isolated_seconds`); a stage also runs the
     glue that follows its block. 0 for a block the pass did not call. Kept for the session per
-    model shape (:func:`forget_measured`).
+    model shape (:func:`forget_measured`). ``owned``: the model is a copy the caller gives away
+    (the explorer's, on the profile's device): its blocks are timed on it, rather than on one more
+    copy (a model that fills half a GPU fits its profile).
 
     Raises:
         pipexplore.models.trace.TraceError: the model cannot be traced into these stages.
@@ -130,7 +132,9 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     if key in _MEASURED:
         return list(_MEASURED[key][0]), list(_MEASURED[key][1])
     args, kwargs = call_inputs(sample)
-    own = copy.deepcopy(model)
+    own = model if owned else copy.deepcopy(model)  # its blocks run backwards: not the caller's own grads
+    if owned:
+        own.zero_grad(set_to_none=True)  # the profile's passes left them: the copy traced below need not hold them
     modules = dict(own.named_modules())
     blocks = [modules[name] for name in names]
     with cache_off(own):
@@ -155,7 +159,8 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     return forward, backward
 
 
-def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, repeats: int = 3) -> Optional[str]:
+def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, repeats: int = 3,
+                    owned: bool = False) -> Optional[str]:
     """Add to each table's ``forward`` and ``backward`` what its candidates' traced stages take
     beyond them (:func:`traced_extra`), measured on ``sample`` (the micro-batch the stages run)
     and the same seconds at every size the tables were profiled at (what a stage adds is mostly
@@ -166,7 +171,7 @@ def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, rep
     (``{"forward": [...], "backward": [...]}``). Returns None, or why the tables stay the modules'
     times: the model cannot be traced a stage a candidate, or a stage fails alone."""
     try:
-        forward, backward = traced_extra(model, sample, tables[0]["name"].tolist(), repeats=repeats)
+        forward, backward = traced_extra(model, sample, tables[0]["name"].tolist(), repeats=repeats, owned=owned)
     except Exception as exc:  # noqa: BLE001 - the profile stands without it, and says why
         lines = str(exc).strip().splitlines() or [""]
         first = lines[0] if len(lines[0]) <= 160 else lines[0][:159] + "…"

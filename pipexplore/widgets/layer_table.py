@@ -181,7 +181,7 @@ def profile_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
                                        granularity=options["granularity"], loss_fn=loss_fn,
                                        target=to_device(target, device),
                                        repeats=options["repeats"], optimizer=optimizer,
-                                       as_stages=options.get("stages", True))
+                                       as_stages=options.get("stages", True), owned=True)
         table.attrs["threads"] = threads or torch.get_num_threads()
         return table
     rows = _rows(batch_size(sample), chunks)
