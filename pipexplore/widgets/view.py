@@ -73,8 +73,10 @@ class ExplorerView:
                 pending += list(item.values())
             elif isinstance(item, W.Widget) and id(item) not in seen:
                 seen.add(id(item))
-                pending += [value for name in item.keys if isinstance(value := getattr(item, name, None),
-                                                                       (W.Widget, list, tuple))]
+                for name in item.keys:  # its children, layout and style: widgets, not the data it draws
+                    value = getattr(item, name, None)
+                    pending += [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                                if isinstance(v, W.Widget)]
                 item.close()
 
     def refresh(self, change: str) -> None:
