@@ -19,8 +19,8 @@ unset PYTHONDONTWRITEBYTECODE
 # waits spins for a while before it sleeps, burning a core another worker needs (the parallel part
 # took ~100 CPU s and ~50 s more with the default policy, measured). Threads that wait sleep here;
 # the timing tests, alone on the machine, run with torch's defaults.
-OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
 # (--durations: the slowest tests of the run, where a slow run shows what was slow)
+OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not timing" tests notebooks --nbval-lax \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=25 "$@" || status=$?
 # (no notebooks here: nbval's import, 1.6 s of nbformat's schema checker, is left out)
