@@ -26,8 +26,8 @@ def _servers_without_pipelining():
     torch and the worker but not torch's pipelining (1.2 s of CPU a start). At its end the server
     is stopped, so the next module's pools fork from a server that imported everything."""
     full = forkserver.PRELOAD
-    forkserver.PRELOAD = tuple(name for name in full if "pipelining" not in name and name != "pipexplore.executors."
-                               "distributed")
+    heavy = ("torch.distributed.pipelining", "pipexplore.executors.distributed")  # the second imports the first
+    forkserver.PRELOAD = tuple(name for name in full if name not in heavy)
     yield
     forkserver.PRELOAD = full
     shutdown_pool()
