@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 
 import numpy as np
 import pandas as pd
@@ -428,11 +429,11 @@ _LIBC = ctypes.PyDLL(ctypes.util.find_library("c"))
 
 class _HoldsTheInterpreter(nn.Module):
     """A forward that waits 20 ms, 1 ms at a time, without letting go of the interpreter (the
-    GIL): two threads running it take turns, switching every switch interval (5 ms), so each
-    call takes twice as long beside its twin. It waits rather than computes, so how fast the
-    machine computes at the moment leaves its times alone: a pure-Python loop's took turns too,
-    but its ratio followed the machine's speed between the calls alone and the twins' (1.0–5.5
-    on 2 busy cores, below 1.3 in 1 of 7 runs), where this one's stays at 1.9–2.1."""
+    GIL): two threads running it take turns, switching every switch interval, so each call takes
+    twice as long beside its twin. It waits rather than computes, so how fast the machine computes
+    at the moment leaves its times alone: a pure-Python loop's took turns too, but its ratio
+    followed the machine's speed between the calls alone and the twins' (1.0–5.5 on 2 busy cores,
+    below 1.3 in 1 of 7 runs)."""
 
     def forward(self, x):
         for _ in range(20):
@@ -445,12 +446,21 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
 
     profiling = importlib.import_module("pipexplore.profile")
     x = torch.randn(4, 4, requires_grad=True)
-    turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.02)
+    # Turns of 1 ms (one wait each), not Python's 5 ms: a 20 ms call then holds ~20 turns of its
+    # twin, where at 5 ms it held 3 or 4 slices of ~5.5 ms depending on where the turns fell
+    # (ratios 1.63–1.92 on an idle machine, 1.48 once: the bound's whole margin).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
+    try:
+        turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.02)
+    finally:
+        sys.setswitchinterval(interval)
     free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
     # Taking turns: ~2, one waits while the other holds the interpreter; free: ~1, both sleep at
-    # once. One bound halfway for both: 0.4 from the turns seen (1.92–2.13 in 30 runs, 15 of them
-    # beside two busy processes) and 0.2 from the sleeps' (0.94–1.10, and 1.30 once for 10 ms
-    # sleeps beside two busy processes: a late wake-up in the twins' middle calls).
+    # once. One bound halfway for both: 0.3 from the turns seen (1.83–2.03 in 15 runs on an idle
+    # machine, 1.88–2.13 in 15 beside three busy processes) and 0.2 from the sleeps' (0.94–1.10,
+    # and 1.30 once for 10 ms sleeps beside two busy processes: a late wake-up in the twins'
+    # middle calls).
     assert turns > 1.5, turns
     assert free < 1.5, free
 
