@@ -44,10 +44,12 @@ def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
 @pytest.mark.slow
 def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     """The processes executor traces a split here before any rank starts (to refuse it early);
-    once per split of the model as it is: another split, other input shapes or a changed model
-    is traced again, and a split that failed is never taken as checked."""
+    once per split of a model of this shape in the session (the pipes traced are kept:
+    ``traced_pipes``): another split, other input shapes or a changed model is traced again."""
     import pipexplore.models.trace as tracing
+    from pipexplore.models.traced_pipes import forget_traced
 
+    forget_traced()  # (the module's tests before this one traced this split)
     model = build_model()
     tokens, target = get_batch()
     table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
@@ -66,6 +68,8 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     again = run(plan)
     assert len(traced_here) == 1  # the same split: not traced here again
     assert again.loss == pytest.approx(first.loss, rel=1e-6)
+    run_processes(build_model(), tokens, plan, target=target, loss_fn=loss_fn, warmup=0)
+    assert len(traced_here) == 1  # another model of the same shape
     run(plan.with_options(splits=(2,)))
     assert len(traced_here) == 2  # another split
     run(plan.with_options(batch=16), *get_batch(16))

@@ -27,7 +27,6 @@ import io
 import math
 import numbers
 import time
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -228,53 +227,21 @@ def _load_schedule_csv(schedule: Any, text: str, format: str) -> None:
         os.unlink(path)
 
 
-#: The traced splits this process has checked, per model: a rerun of the same split on inputs of
-#: the same shapes does not trace the model here again (the ranks trace it anyway). Another split,
-#: other input shapes, or a model whose modules, parameters, buffers or config changed is checked
-#: anew; a check that failed is never kept.
-_checked: "weakref.WeakKeyDictionary[nn.Module, set[tuple[Any, ...]]]" = weakref.WeakKeyDictionary()
-
-
-def _shapes(value: Any) -> Any:
-    """What tracing sees of an input: tensors as (shape, dtype, requires_grad), containers
-    recursively, anything else by its repr."""
-    if torch.is_tensor(value):
-        return ("tensor", tuple(value.shape), str(value.dtype), bool(value.requires_grad))
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_shapes(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((str(k), _shapes(v)) for k, v in value.items()))
-    return repr(value)
-
-
-def _split_key(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> tuple[Any, ...]:
-    return (tuple(points), _shapes(mb_args), _shapes(mb_kwargs),
-            tuple((name, type(module).__qualname__) for name, module in model.named_modules()),
-            tuple((name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                  for name, p in model.named_parameters(remove_duplicate=False)),
-            tuple((name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()),
-            repr(getattr(model, "config", None)))
-
-
 def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
     """Trace here first, so that a model that cannot be traced, or whose later stages read the
-    model's inputs themselves, fails fast and clearly, before any process starts (once per split
-    of a model as it is: :data:`_checked`)."""
-    import copy
+    model's inputs themselves, fails fast and clearly, before any process starts. Once per split
+    of a model of this shape in the session (:func:`pipexplore.models.traced_pipes.traced_graph`:
+    another split, other input shapes, or a model whose modules, parameters, buffers or config
+    changed is traced anew; a split that failed is never kept); the ranks trace it anyway."""
+    from pipexplore.models.trace import inputs_past_first_stage
+    from pipexplore.models.traced_pipes import traced_graph
 
-    from pipexplore.models.trace import inputs_past_first_stage, split
-
-    key = _split_key(model, mb_args, mb_kwargs, points)
-    if key in _checked.get(model, ()):
-        return
-    pipe = split(copy.deepcopy(model), mb_args, points, mb_kwargs=mb_kwargs)
-    late = inputs_past_first_stage(pipe)
+    late = inputs_past_first_stage(traced_graph(model, mb_args, points, mb_kwargs=mb_kwargs))
     if late:
         listed = ", ".join(f"{name!r} (stage {stage})" for name, stage in late.items())
         raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "
                          f"read {listed}: run in this process (executor='threads'), or leave such inputs out of the "
                          f"sample (e.g. compute the loss in loss_fn from the logits, with the labels as its target)")
-    _checked.setdefault(model, set()).add(key)
 
 
 def _mean(losses: list[float]) -> float:

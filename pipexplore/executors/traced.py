@@ -25,7 +25,6 @@ stops every worker after its current action; ``step`` joins them all and raises
 """
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -322,7 +321,9 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
     ``repeats`` measured ones (the median step is kept).
 
     The model is split at the plan's candidate names (``plan.layer_table['name']``) by
-    :func:`pipexplore.trace.split` on the plan's first micro-batch, and the stages run in worker
+    :func:`pipexplore.trace.split` on the plan's first micro-batch — once per split of a model of
+    this shape in the session (:func:`pipexplore.models.traced_pipes.traced_pipe`: a rerun gets a
+    copy of the kept pipe with the model's weights as they are) — and the stages run in worker
     threads with the plan's schedule, devices and checkpointing (:class:`TracedExecutor`).
     ``sample`` is a tensor, a tuple of positional inputs or a dict of keyword inputs;
     ``loss_fn(output, target)`` gets the output as the model returns it. With ``return_grads``,
@@ -334,7 +335,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         result = run_traced_step(gpt2, {"input_ids": ids, "labels": ids}, plan, loss_fn=lambda out, _: out.loss)
         result.loss, result.timeline
     """
-    from pipexplore.models.trace import split
+    from pipexplore.models.traced_pipes import traced_pipe
 
     if plan.executor == "autograd":
         raise ValueError(f"the autograd executor (the GPipe module) takes an nn.Sequential, not "
@@ -344,7 +345,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         raise ValueError(f"schedule 'async-backends' serves nn.Sequential stages, not the traced stages of "
                          f"{type(model).__name__}: choose one of {', '.join(SCHEDULES)}")
     names = [str(n) for n in plan.layer_table["name"]]
-    pipe = split(copy.deepcopy(model), first_microbatch(sample, plan.chunks), [names[s] for s in plan.splits])
+    pipe = traced_pipe(model, first_microbatch(sample, plan.chunks), [names[s] for s in plan.splits])
     check_cancelled()  # tracing takes a while: a run cancelled meanwhile starts no step
     executor = TracedExecutor(pipe, devices=list(plan.devices[: plan.num_devices]), chunks=plan.chunks,
                               schedule=plan.schedule, checkpoint=plan.checkpoint, loss_fn=loss_fn or synthetic_loss)

@@ -1,0 +1,147 @@
+"""Traced splits kept for the session: a rerun of the same split is not traced again.
+
+Splitting a model (:func:`pipexplore.models.trace.split`) is torch.export's trace of it: seconds
+for a real model (GPT-2 small, two stages: 2.7–3.0 s on a 2-core CPU), paid by every run of a
+traced model in this process before its first micro-batch. What the trace gives depends on the
+model's code and shape, not on its weights: :func:`traced_pipe` keeps each split's pipe with its
+parameters and buffers on the meta device (no memory), and a later call for the same split of a
+model of the same shape on micro-batches of the same shape gets a copy of it holding the model's
+weights as they are now — what a new trace would give, in 0.5–0.9 s for GPT-2 small where the
+first call took 4.0 s (the trace, the model's copy it traces, the pipe kept).
+
+"The same shape" (:func:`split_key`): the split points; each input's shape, dtype and
+``requires_grad``; the model's module names and classes, its parameters' and buffers' names,
+shapes, dtypes, devices, ``requires_grad`` and ties (one weight under two names), each module's
+train/eval mode (dropout is traced as it runs) and a Hugging Face config's ``repr``. Anything
+else the model's ``forward`` reads (a plain attribute set after the first run) is not seen:
+:func:`forget_traced` empties the kept pipes.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+#: How many splits are kept (the least recently used leaves first).
+KEPT_SPLITS = 8
+
+#: split_key → (the pipe with meta weights, [(its meta tensor, the model's FQN), ...])
+_kept: "collections.OrderedDict[tuple[Any, ...], tuple[Any, list[tuple[torch.Tensor, str]]]]" = \
+    collections.OrderedDict()
+
+
+def input_shapes(value: Any) -> Any:
+    """What tracing sees of an input: tensors as (shape, dtype, requires_grad), containers
+    recursively, anything else by its repr."""
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), str(value.dtype), bool(value.requires_grad))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(input_shapes(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((str(k), input_shapes(v)) for k, v in value.items()))
+    return repr(value)
+
+
+def split_key(model: nn.Module, mb_args: Any, mb_kwargs: Optional[dict[str, Any]],
+              points: Sequence[str]) -> tuple[Any, ...]:
+    """What a trace of ``model`` split at ``points`` on these inputs depends on (the module's doc)."""
+    first: dict[int, int] = {}  # tied weights: where each tensor was seen first
+    return (tuple(points), input_shapes(mb_args), input_shapes(mb_kwargs or {}),
+            tuple((name, type(module).__module__, type(module).__qualname__, module.training)
+                  for name, module in model.named_modules()),
+            tuple((name, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad, first.setdefault(id(p), k))
+                  for k, (name, p) in enumerate(model.named_parameters(remove_duplicate=False))),
+            tuple((name, tuple(b.shape), str(b.dtype), str(b.device), first.setdefault(id(b), -1 - k))
+                  for k, (name, b) in enumerate(model.named_buffers(remove_duplicate=False))),
+            repr(getattr(model, "config", None)))
+
+
+def _stage_tensors(pipe: Any) -> list[tuple[torch.Tensor, str]]:
+    """Every parameter and buffer of the pipe's stages with the model's FQN it was traced from
+    (a stage's names are ``submod_…`` and the model's own)."""
+    found = []
+    for named in (pipe.split_gm.named_parameters, pipe.split_gm.named_buffers):
+        for name, tensor in named(remove_duplicate=False):
+            found.append((tensor, name.split(".", 1)[1] if "." in name else name))
+    return found
+
+
+def _copy_with(pipe: Any, tensors: list[tuple[torch.Tensor, str]], source: dict[str, torch.Tensor],
+               make: Any) -> Any:
+    """A deep copy of ``pipe`` whose stage tensors are ``make(tensor, source[fqn])`` (one copy for
+    a tensor the stages share: a tied weight stays tied)."""
+    memo: dict[int, Any] = {}
+    for tensor, fqn in tensors:
+        if id(tensor) not in memo:
+            memo[id(tensor)] = make(tensor, source.get(fqn))
+    memo[id(memo)] = [t for t, _ in tensors]  # deepcopy's keep-alive list: the ids above stay taken
+    return copy.deepcopy(pipe, memo)
+
+
+def _on_meta(tensor: torch.Tensor, _: Any) -> torch.Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _from_model(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    value = current.detach().clone()
+    return nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+
+
+def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_points: Sequence[str],
+                    mb_kwargs: Optional[dict[str, Any]]) -> tuple[Any, Any]:
+    """Trace a copy of ``model``; keep the pipe's skeleton. Returns (the pipe, its skeleton)."""
+    from pipexplore.models.trace import split
+
+    pipe = split(copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
+    skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+    _kept[key] = (skeleton, _stage_tensors(skeleton))
+    while len(_kept) > KEPT_SPLITS:
+        _kept.popitem(last=False)
+    return pipe, skeleton
+
+
+def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
+                mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
+    """:func:`~pipexplore.models.trace.split` of a copy of ``model`` (the model itself is left as
+    it is), traced once per split of a model of this shape (the module's doc): the pipe returned
+    is the caller's, with copies of the model's current parameters and buffers.
+
+    Raises :class:`~pipexplore.models.trace.TraceError` as ``split`` does (a split that failed is
+    not kept).
+
+    Example::
+
+        pipe = traced_pipe(gpt2, {"input_ids": ids[:2]}, ["transformer.h.6"])   # traced
+        pipe = traced_pipe(gpt2, {"input_ids": ids[:2]}, ["transformer.h.6"])   # copied
+    """
+    key = split_key(model, mb_args, mb_kwargs, split_points)
+    kept = _kept.get(key)
+    if kept is not None:
+        source = dict(model.named_parameters(remove_duplicate=False))
+        source.update(model.named_buffers(remove_duplicate=False))
+        skeleton, tensors = kept
+        if all(fqn in source for _, fqn in tensors):
+            _kept.move_to_end(key)
+            return _copy_with(skeleton, tensors, source, _from_model)
+    return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[0]
+
+
+def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
+                 mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
+    """The kept pipe of this split (traced now when it is not kept), its weights on the meta
+    device: to read its graph (which stage reads what), not to run. Raises as :func:`traced_pipe`."""
+    key = split_key(model, mb_args, mb_kwargs, split_points)
+    kept = _kept.get(key)
+    if kept is not None:
+        _kept.move_to_end(key)
+        return kept[0]
+    return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[1]
+
+
+def forget_traced() -> None:
+    """Trace every split again from now on (the kept pipes are dropped)."""
+    _kept.clear()

@@ -1,0 +1,121 @@
+"""Traced splits kept for the session (``pipexplore.models.traced_pipes``): a rerun is not traced
+again, runs the model's weights as they are, and the kept pipes hold no weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pipexplore.models.trace as tracing
+from pipexplore.executors.traced import run_traced_step
+from pipexplore.models import traced_pipes
+from pipexplore.plan import Plan
+from ranks import assert_equals_unsplit, traced_tiny_transformer
+from tiny_transformer import loss_fn
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """The splits traced from here on (each call's split points), none kept before."""
+    traced_pipes.forget_traced()
+    calls: list[list[str]] = []
+    original = tracing.split
+
+    def counting(model, mb_args, split_points, **kwargs):
+        calls.append(list(split_points))
+        return original(model, mb_args, split_points, **kwargs)
+
+    monkeypatch.setattr(tracing, "split", counting)
+    yield calls
+    traced_pipes.forget_traced()
+
+
+def test_a_rerun_is_not_traced_again_and_runs_the_models_weights_as_they_are(traces):
+    model, tokens, target, table, splits = traced_tiny_transformer()
+    plan = Plan(table, tuple(splits), ("cpu",) * 4, chunks=4, schedule="1f1b", executor="threads")
+    before = copy.deepcopy(model.state_dict())
+    run = lambda: run_traced_step(model, tokens, plan, target=target, loss_fn=loss_fn, warmup=0,  # noqa: E731
+                                  repeats=1, return_grads=True)
+    first = run()
+    assert len(traces) == 1
+    assert_equals_unsplit(first, model, tokens, target, loss_fn)
+    again = run()
+    assert len(traces) == 1  # copied from the kept pipe
+    assert again.loss == first.loss and again.metrics["grads"].keys() == first.metrics["grads"].keys()
+    for name, grad in again.metrics["grads"].items():
+        assert torch.equal(grad, first.metrics["grads"][name]), name
+    for name, value in model.state_dict().items():  # the runs trained copies
+        assert torch.equal(value, before[name]), name
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    changed = run()
+    assert len(traces) == 1 and changed.loss != first.loss
+    assert_equals_unsplit(changed, model, tokens, target, loss_fn)  # the weights as they are now
+    (skeleton, tensors), = traced_pipes._kept.values()
+    assert tensors and all(t.is_meta for t, _ in tensors)  # the kept pipe holds no weights
+    assert all(t.is_meta for t in skeleton.split_gm.parameters())
+
+    model.eval()  # traced as it runs: another trace
+    run()
+    assert len(traces) == 2
+    run_traced_step(model, tokens, plan.with_options(splits=tuple(splits[:2]), devices=("cpu",) * 3),
+                    target=target, loss_fn=loss_fn, warmup=0, repeats=1)
+    assert len(traces) == 3 and len(traced_pipes._kept) == 3  # another split
+
+
+def test_a_copy_of_a_model_with_a_tied_weight_holds_its_weights_as_the_trace_does(traces):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    inputs = {"input_ids": torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
+    fresh = traced_pipes.traced_pipe(model, inputs, ["transformer.h.1"])
+    copied = traced_pipes.traced_pipe(model, inputs, ["transformer.h.1"])
+    assert len(traces) == 1
+
+    def sharing(pipe):
+        """Names of the stages' parameters grouped by the tensor they are (tied: one group)."""
+        groups: dict[int, list[str]] = {}
+        for name, parameter in pipe.split_gm.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(parameter), []).append(name)
+        return sorted(groups.values())
+
+    assert sharing(copied) == sharing(fresh)  # (torch's split gives each stage its own tensor)
+    names = {name.split(".", 1)[1] for name, _ in copied.split_gm.named_parameters(remove_duplicate=False)}
+    assert {"transformer.wte.weight", "lm_head.weight"} <= names  # the tied pair under both names
+    ours = {p.data_ptr() for p in model.parameters()}
+    assert not any(p.data_ptr() in ours for p in copied.split_gm.parameters())  # copies, not the model's
+    for pipe in (fresh, copied):
+        torch.manual_seed(0)  # the same dropout masks
+        pipe.outputs = pipe(**inputs)
+    torch.testing.assert_close(copied.outputs[0], fresh.outputs[0], rtol=0, atol=0)
+
+
+def test_the_kept_splits_are_bounded_and_a_failed_split_is_not_kept(traces, monkeypatch):
+    monkeypatch.setattr(traced_pipes, "KEPT_SPLITS", 2)
+    model, tokens, _, _, _ = traced_tiny_transformer()
+    sample = tokens[:2]
+    for points in (["layers.1"], ["layers.2"], ["layers.3"], ["layers.1"]):
+        traced_pipes.traced_pipe(model, sample, points)
+    assert traces == [["layers.1"], ["layers.2"], ["layers.3"], ["layers.1"]]  # the first had left
+    assert len(traced_pipes._kept) == 2
+    with pytest.raises(tracing.TraceError, match="name no submodule"):
+        traced_pipes.traced_pipe(model, sample, ["layers.9"])
+    with pytest.raises(tracing.TraceError, match="name no submodule"):
+        traced_pipes.traced_graph(model, sample, ["layers.9"])
+    assert len(traced_pipes._kept) == 2
+
+
+def test_a_tied_model_and_its_untied_twin_are_traced_apart():
+    from tiny_transformer import TinyTransformer
+
+    tokens = torch.randint(0, 50, (2, 8))
+    tied, untied = TinyTransformer(tied=True), TinyTransformer(tied=False)
+    assert [n for n, _ in tied.named_parameters(remove_duplicate=False)] == \
+        [n for n, _ in untied.named_parameters(remove_duplicate=False)]
+    assert traced_pipes.split_key(tied, tokens, None, ["layers.2"]) != \
+        traced_pipes.split_key(untied, tokens, None, ["layers.2"])
+    assert traced_pipes.split_key(tied, tokens, None, ["layers.2"]) == \
+        traced_pipes.split_key(TinyTransformer(tied=True), tokens, None, ["layers.2"])
