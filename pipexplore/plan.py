@@ -163,6 +163,14 @@ class Plan:
         return any(is_planned(d) for d in self.devices)
 
     @property
+    def export_checkpoint(self) -> str:
+        """The activation checkpointing an exported ``torchrun`` script applies: the plan's own on
+        catalogue devices (what the cluster's step is predicted with, and a run loaded back from
+        them keeps), else ``never``, as this machine's processes and the page's own torchrun runs
+        execute torch's runtime (:attr:`run_checkpoint`)."""
+        return self.checkpoint if self.planned else "never"
+
+    @property
     def device_type(self) -> str:
         """Where an exported ``torchrun`` script runs its ranks: ``"cpu"`` for a plan on this
         machine's CPUs, else ``"cuda"`` (GPUs here or planned ones)."""

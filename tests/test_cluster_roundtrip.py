@@ -282,12 +282,14 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     for rank in range(4):
         _edit(copy / f"rank-{rank}.json", lambda payload, r=rank: payload.update(
             device=f"cuda:{r % 2}", device_name="NVIDIA H100 80GB HBM3", host=f"gpu-node-{r // 2}"))
+    _edit(copy / "plan.json", lambda payload: payload.update(checkpoint="always"))  # as a script for H100s applies
     explorer = _explorer(hooks[0])
     before = tl.step_time(explorer.plan.predict())
     row = explorer.load_run(copy)
     result = explorer.state.result_of(row["run"])
     assert result.plan.devices[:4] == ("H100:0", "H100:1", "H100:2", "H100:3") and result.plan.gpus_per_node == 2
     assert result.plan.device_kind == "H100" and explorer.plan.device_kind is None
+    assert result.plan.checkpoint == result.plan.run_checkpoint == "always"  # predicted as it ran
     learnt = explorer.plan.corrections
     assert learnt.runs == 0 and learnt.kinds["H100"].runs == 1  # kept apart from this machine's
     assert tl.step_time(explorer.plan.predict()) == before  # this machine's plans are predicted as before
@@ -304,6 +306,7 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
                                  devices=["H100"] * 4, gpus_per_node=2)
     row = planned.load_run(directory)
     assert planned.state.result_of(row["run"]).plan.devices[:4] == ("cpu",) * 4
+    assert planned.state.result_of(row["run"]).plan.checkpoint == "never"  # exported for here: none applied
     assert "H100" not in planned.plan.corrections.kinds and planned.plan.corrections.runs == 1
     # GPUs of this machine (every rank on this host, as the page's own torchrun runs them) are this
     # machine's: the run teaches its plans, not the H100 plans

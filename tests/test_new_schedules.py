@@ -274,8 +274,10 @@ def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp
     unsplit = assert_equals_unsplit(result, model, tokens, target, loss_fn)
 
     path = tmp_path / "train_pipeline.py"
+    # with every micro-batch's forward run again in backward, for the input gradient and the weight
+    # gradient apart (the V's split backward): the same loss
     path.write_text(torchrun_script(table, splits, hooks="tiny_transformer", chunks=4, schedule="dualpipev",
-                                    device="cpu"))
+                                    device="cpu", checkpoint="always"))
     assert torchrun_first_loss(path, str(pathlib.Path(__file__).parent)) == pytest.approx(unsplit, rel=1e-5)
 
 

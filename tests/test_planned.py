@@ -114,6 +114,7 @@ def test_devices_cannot_switch_between_planned_and_here(state):
 def test_the_export_runs_on_the_cluster_gpus(state):
     code = state.export("torchrun")
     assert "H100" not in code and "DEVICE = 'cuda'" in code and 'device = torch.device("cuda", local)' in code
+    assert f"CHECKPOINT = {state.plan.checkpoint!r}" in code  # what the cluster's step is predicted with
 
 
 def test_bad_devices_are_refused_with_the_catalogue_listed():

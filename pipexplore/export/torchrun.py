@@ -52,6 +52,8 @@ SPLIT_POINTS = {split_points!r}
 CHUNKS = {chunks}
 STEPS = {steps}
 SCHEDULE = {schedule!r}
+# Activation checkpointing, as the plan: "never", "always" (every micro-batch) or "except_last".
+CHECKPOINT = {checkpoint!r}
 # "cuda": each rank on its node's GPU of its local rank (the CPU where the node has none); "cpu": every rank on the CPU.
 DEVICE = {device!r}
 # The model's candidate split points, in order (the explorer's layer table):
@@ -61,6 +63,7 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 
 {cache_off}
+{checkpoint_source}
 {csv_block}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -89,6 +92,8 @@ def main() -> None:
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
 {run_generated_code}    indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
+    for stage in stages:
+        checkpoint_stage(stage, CHUNKS, CHECKPOINT)
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
@@ -101,6 +106,7 @@ def main() -> None:
             split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
             schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
             schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
+            checkpoint=CHECKPOINT,
             steps=options.steps, optimizer=type(optimizers[0]).__name__))
     last = pipe.num_stages - 1 in indices
     profiler = None
@@ -149,6 +155,33 @@ if __name__ == "__main__":
 
 _RUN_GENERATED_CODE = textwrap.indent(RUN_GENERATED_CODE, "    ")
 
+#: The exported script's activation checkpointing (also run by the tests, as it stands here).
+CHECKPOINT_SOURCE = '''def checkpoint_stage(stage, chunks, mode):
+    """Activation checkpointing as the plan has it (torch.utils.checkpoint, non-reentrant): a
+    micro-batch's forward through the stage keeps only its inputs and runs again in its backward,
+    for every micro-batch ("always") or all but a step's last ("except_last": its backward comes
+    at once in GPipe); "never" keeps every activation. A zero-bubble schedule's split backward
+    runs the forward again for its input gradient and again for its weight gradient."""
+    if mode == "never":
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    inner, calls = stage.submod.forward, [0]
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        index = calls[0] % chunks  # a stage runs its micro-batches' forwards in order, once a step
+        calls[0] += 1
+        if mode == "except_last" and index == chunks - 1:
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    stage.submod.forward = forward
+'''
+
+CHECKPOINT_MODES = ("never", "always", "except_last")
+
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
 _V_WARMUP = """
@@ -180,7 +213,8 @@ def load_schedule_csv(schedule) -> None:
 
 
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
-                    devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py", device: str = "cuda") -> str:
+                    devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py", device: str = "cuda",
+                    checkpoint: str = "never") -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
     schedule and trains with the model, data and loss of the ``hooks`` module (a Hugging Face
     model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`).
@@ -189,12 +223,16 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     rank runs torch's ``_PipelineScheduleRuntime`` loading it (``_load_csv``), one rank per row,
     each with the stages the file gives it. ``device``: ``"cuda"`` (each rank on the GPU of its
     local rank where the node has GPUs, refusing a rank beyond them; else the CPU) or ``"cpu"`` (a
-    plan on CPUs runs there, GPUs or not); the script's ``--device`` overrides it."""
+    plan on CPUs runs there, GPUs or not); the script's ``--device`` overrides it. ``checkpoint``:
+    the plan's activation checkpointing, applied to each stage's forward per micro-batch
+    (:data:`CHECKPOINT_SOURCE`)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device is 'cuda' or 'cpu', got {device!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint is one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     if is_csv(schedule):
         return _csv_script(table, splits, hooks=hooks, chunks=chunks, schedule=schedule, devices=devices,
-                           steps=steps, filename=filename, device=device)
+                           steps=steps, filename=filename, device=device, checkpoint=checkpoint)
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)} and CSV schedule files; not "
                          f"{schedule!r}")
@@ -208,6 +246,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        checkpoint=checkpoint, checkpoint_source=CHECKPOINT_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         device=device,
         schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
@@ -217,7 +256,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
 
 
 def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str, devices: int,
-                steps: int, filename: str, device: str) -> str:
+                steps: int, filename: str, device: str, checkpoint: str) -> str:
     """:func:`torchrun_script` for a CSV schedule file (checked against the split and chunks first)."""
     names = [str(n) for n in table["name"]]
     file = csv_schedule(schedule).check_fits(stages=len(splits) + 1, microbatches=chunks,
@@ -228,6 +267,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
         layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, device=device,
+        checkpoint=checkpoint, checkpoint_source=CHECKPOINT_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",

@@ -278,6 +278,16 @@ def untaught(recorded: RecordedRun) -> str | None:
             "(pipexplore.devices.register_device) to keep what such runs teach for plans on them")
 
 
+def _checkpoint_ran(recorded: RecordedRun) -> str:
+    """The activation checkpointing the run's script applied (``never`` for runs recorded before
+    the script applied any). The plan keeps it; its predictions follow it where the plan is for
+    catalogue devices (:attr:`~pipexplore.plan.Plan.run_checkpoint`)."""
+    mode = str(recorded.plan.get("checkpoint", "never"))
+    if mode not in ("never", "always", "except_last"):
+        raise RunDirectoryError(f"the run recorded checkpoint {mode!r}: not one of never, always, except_last")
+    return mode
+
+
 def _schedule_ran(recorded: RecordedRun) -> str:
     """The schedule the run ran: its name, or for a CSV schedule the file the run directory holds
     (``schedule.csv``, written from the text the run recorded: the original may be on another
@@ -330,7 +340,7 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
         # the ranks' own devices: never planned ones of a kind the run did not run on
         devices = tuple("cpu" if r["device"] == "cpu" else f"cuda:{r['rank']}" for r in recorded.ranks)
     options.update(splits=splits, chunks=int(plan["chunks"]), schedule=_schedule_ran(recorded), devices=devices,
-                   executor="processes", checkpoint="never")
+                   executor="processes", checkpoint=_checkpoint_ran(recorded))
     if stages > world:  # stages per rank (interleaved, a V)
         options["virtual_stages"] = stages // world
     return base.with_options(**options)

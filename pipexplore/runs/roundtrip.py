@@ -116,7 +116,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         script = folder / "train_pipeline.py"
         script.write_text(torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
                                           schedule=plan.schedule, devices=world, steps=warmup + repeats,
-                                          device=plan.device_type))
+                                          device=plan.device_type, checkpoint=plan.export_checkpoint))
         check_cancelled()
         outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
                          args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,

@@ -484,9 +484,9 @@ class ExplorerState(RunLog):
         if kind == "torchrun":
             from pipexplore.export.torchrun import torchrun_script
 
-            schedule = plan.schedule if plan.schedule != "async-backends" else "gpipe"
-            return torchrun_script(self.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
-                                   schedule=schedule, devices=plan.num_devices, steps=steps, device=plan.device_type)
+            return torchrun_script(self.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
+                                   schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",
+                                   devices=plan.num_devices, device=plan.device_type, checkpoint=plan.export_checkpoint)
         if kind == "gpipe" and self.traced:
             raise ValueError(f"GPipe takes an nn.Sequential; {type(self.model).__name__} exports as 'pipelining' "
                              "or 'torchrun'")
