@@ -63,6 +63,7 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 
 {cache_off}
+
 {checkpoint_source}
 {csv_block}
 def main() -> None:
