@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -31,6 +32,8 @@ KEPT_SPLITS = 8
 #: split_key → (the pipe with meta weights, [(its meta tensor, the model's FQN), ...])
 _kept: "collections.OrderedDict[tuple[Any, ...], tuple[Any, list[tuple[torch.Tensor, str]]]]" = \
     collections.OrderedDict()
+#: Runs in the background (the explorer's) and in the foreground may look splits up at once.
+_lock = threading.Lock()
 
 
 def input_shapes(value: Any) -> Any:
@@ -98,10 +101,19 @@ def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_
 
     pipe = split(copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
     skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
-    _kept[key] = (skeleton, _stage_tensors(skeleton))
-    while len(_kept) > KEPT_SPLITS:
-        _kept.popitem(last=False)
+    with _lock:
+        _kept[key] = (skeleton, _stage_tensors(skeleton))
+        while len(_kept) > KEPT_SPLITS:
+            _kept.popitem(last=False)
     return pipe, skeleton
+
+
+def _lookup(key: tuple[Any, ...]) -> Optional[tuple[Any, list[tuple[torch.Tensor, str]]]]:
+    with _lock:
+        kept = _kept.get(key)
+        if kept is not None:
+            _kept.move_to_end(key)
+        return kept
 
 
 def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
@@ -119,13 +131,12 @@ def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
         pipe = traced_pipe(gpt2, {"input_ids": ids[:2]}, ["transformer.h.6"])   # copied
     """
     key = split_key(model, mb_args, mb_kwargs, split_points)
-    kept = _kept.get(key)
+    kept = _lookup(key)
     if kept is not None:
         source = dict(model.named_parameters(remove_duplicate=False))
         source.update(model.named_buffers(remove_duplicate=False))
         skeleton, tensors = kept
         if all(fqn in source for _, fqn in tensors):
-            _kept.move_to_end(key)
             return _copy_with(skeleton, tensors, source, _from_model)
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[0]
 
@@ -135,13 +146,13 @@ def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     """The kept pipe of this split (traced now when it is not kept), its weights on the meta
     device: to read its graph (which stage reads what), not to run. Raises as :func:`traced_pipe`."""
     key = split_key(model, mb_args, mb_kwargs, split_points)
-    kept = _kept.get(key)
+    kept = _lookup(key)
     if kept is not None:
-        _kept.move_to_end(key)
         return kept[0]
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[1]
 
 
 def forget_traced() -> None:
     """Trace every split again from now on (the kept pipes are dropped)."""
-    _kept.clear()
+    with _lock:
+        _kept.clear()
