@@ -13,7 +13,7 @@ fi
 cd benchmarks
 for script in gpipe_vs_torchgpipe.py measure_predict.py prediction_accuracy.py explorer_responsiveness.py backend_batching.py executors.py \
         gpt2_explore.py browser_responsiveness.py cluster_roundtrip.py plan_at_scale.py plan_accuracy.py search.py \
-        pool_start.py gpu_checks.py; do
+        pool_start.py traced_rerun.py gpu_checks.py; do
     echo "== $script"
     ../.venv-bench/bin/python "$script" "$@"
 done

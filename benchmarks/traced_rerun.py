@@ -1,0 +1,83 @@
+"""A traced model's rerun in this process: the kept trace copied with the model's weights
+(``pipexplore.models.traced_pipes``) against tracing it again, as every run did before.
+
+Each round runs ``run_traced_step`` (threads executor, one warm-up step and one measured) on the
+same split twice, interleaved: once with the split's pipe kept from the round before, once after
+``forget_traced()`` (torch.export traces it again). Wall seconds of the whole call, median of the
+rounds; and ``traced_pipe`` alone, the same two ways (what a rerun saves, without the steps).
+
+Usage::
+
+    python benchmarks/traced_rerun.py --rounds 5              # GPT-2 small (124M), 2 stages
+    python benchmarks/traced_rerun.py --rounds 5 --tiny       # a tiny GPT-2 (4 blocks of 128)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+
+from common import machine
+from pipexplore.executors.traced import run_traced_step
+from pipexplore.models.inputs import first_microbatch
+from pipexplore.models import trace
+from pipexplore.models.traced_pipes import forget_traced, traced_pipe
+from pipexplore.plan import Plan
+
+
+def gpt2(tiny: bool):  # type: ignore[no-untyped-def]
+    import transformers
+
+    warnings.simplefilter("ignore")
+    config = (transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64) if tiny
+              else transformers.GPT2Config())
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (8, 32))
+    table = trace.candidates(copy.deepcopy(model), {"input_ids": ids}, repeats=1)
+    names = [str(n) for n in table["name"]]
+    point = "transformer.h.2" if tiny else "transformer.h.6"
+    plan = Plan(table, (names.index(point),), ("cpu", "cpu"), chunks=4, schedule="1f1b", executor="threads")
+    return model, ids, plan, point
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="a tiny GPT-2 rather than GPT-2 small")
+    parser.add_argument("--devices", default="", help="ignored (the other benchmarks' option)")
+    args = parser.parse_args()
+    print(machine())
+    model, ids, plan, point = gpt2(args.tiny)
+
+    def loss(out, target):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    def step() -> float:
+        started = time.perf_counter()
+        run_traced_step(model, {"input_ids": ids}, plan, target=ids, loss_fn=loss, warmup=1, repeats=1)
+        return time.perf_counter() - started
+
+    def pipe() -> float:
+        started = time.perf_counter()
+        traced_pipe(model, first_microbatch({"input_ids": ids}, plan.chunks), [point])
+        return time.perf_counter() - started
+
+    for name, call in (("run_traced_step", step), ("traced_pipe", pipe)):
+        forget_traced()
+        call()  # the first: traced, and kept
+        times: dict[str, list[float]] = {"kept": [], "traced again": []}
+        for _ in range(args.rounds):
+            times["kept"].append(call())
+            forget_traced()
+            times["traced again"].append(call())
+        kept, again = (statistics.median(v) for v in times.values())
+        print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, {name}, median of "
+              f"{args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
