@@ -65,5 +65,5 @@ def test_an_export_for_catalogue_gpus_applies_the_plans_checkpointing_and_one_fo
                          profile_repeats=1)
     # this machine's processes and the page's torchrun run torch's runtime without recomputation
     assert "CHECKPOINT = 'never'" in here.export("torchrun") and here.plan.run_checkpoint == "always"
-    with pytest.raises(ValueError, match="checkpoint is one of never, always, except_last, got 'sometimes'"):
+    with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', or 'never', got 'sometimes'"):
         torchrun_script(here.layer_table, [2], hooks="m", chunks=4, checkpoint="sometimes")

@@ -119,3 +119,5 @@ def test_a_tied_model_and_its_untied_twin_are_traced_apart():
         traced_pipes.split_key(untied, tokens, None, ["layers.2"])
     assert traced_pipes.split_key(tied, tokens, None, ["layers.2"]) == \
         traced_pipes.split_key(TinyTransformer(tied=True), tokens, None, ["layers.2"])
+    assert traced_pipes.split_key(tied, tokens.to("meta"), None, ["layers.2"]) != \
+        traced_pipes.split_key(tied, tokens, None, ["layers.2"])  # the inputs' device too

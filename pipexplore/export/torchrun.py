@@ -7,6 +7,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from pipexplore import validate
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
 from pipexplore.plan import RUN_GENERATED_CODE
@@ -181,8 +182,6 @@ CHECKPOINT_SOURCE = '''def checkpoint_stage(stage, chunks, mode):
     stage.submod.forward = forward
 '''
 
-CHECKPOINT_MODES = ("never", "always", "except_last")
-
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
 _V_WARMUP = """
@@ -229,8 +228,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     (:data:`CHECKPOINT_SOURCE`)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device is 'cuda' or 'cpu', got {device!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint is one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    validate.checkpoint(checkpoint)
     if is_csv(schedule):
         return _csv_script(table, splits, hooks=hooks, chunks=chunks, schedule=schedule, devices=devices,
                            steps=steps, filename=filename, device=device, checkpoint=checkpoint)

@@ -16,10 +16,9 @@ gradient), and gives the seconds its stage takes beyond its module per phase;
 to the profile at each size it profiles (:func:`shift_to_stages`). A difference, not a ratio: a
 block of a few microseconds (a position embedding) whose stage also runs the glue after it would
 otherwise multiply its noise by 10 or more. Tracing costs a second or two of CPU, so the seconds
-are kept for the session per model shape (the model's class, its parameters' names, shapes,
-dtypes, devices and ties, the sample's shapes, dtypes and devices, the intra-op threads, the
-candidates):
-re-exploring the same architecture measures nothing again.
+are kept for the session per model shape (what its trace at every candidate sees:
+:func:`pipexplore.models.traced_pipes.split_key`) and intra-op threads: re-exploring the same
+architecture measures nothing again.
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from torch import nn
 from pipexplore.microbatch import tensors_in
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
+from pipexplore.models.traced_pipes import split_key
 
 __all__ = ["traced_extra", "shift_to_stages", "isolated_seconds", "forget_measured"]
 
@@ -102,13 +102,9 @@ def _inputs_of(modules: Sequence[nn.Module], run: Any) -> list[Optional[tuple[tu
 
 
 def _shape_key(model: nn.Module, sample: Any, names: Sequence[str]) -> tuple:
-    args, kwargs = call_inputs(sample)
-    inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) if torch.is_tensor(t) else repr(t)
-                   for t in (*args, *[kwargs[k] for k in sorted(kwargs)]))
-    first: dict[int, int] = {}  # tied weights: where each parameter was seen first
-    params = tuple((n, tuple(p.shape), p.dtype, str(p.device), first.setdefault(id(p), k))
-                   for k, (n, p) in enumerate(model.named_parameters(remove_duplicate=False)))
-    return type(model).__qualname__, params, inputs, tuple(sorted(kwargs)), tuple(names), torch.get_num_threads()
+    """The model's shape as its trace at every candidate sees it (:func:`~pipexplore.models.
+    traced_pipes.split_key`), and the intra-op threads its stages are timed with."""
+    return split_key(model, sample, None, names), torch.get_num_threads()
 
 
 def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats: int = 3,

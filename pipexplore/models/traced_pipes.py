@@ -9,7 +9,7 @@ model of the same shape on micro-batches of the same shape gets a copy of it hol
 weights as they are now — what a new trace would give, in 0.5–0.9 s for GPT-2 small where the
 first call took 4.0 s (the trace, the model's copy it traces, the pipe kept).
 
-"The same shape" (:func:`split_key`): the split points; each input's shape, dtype and
+"The same shape" (:func:`split_key`): the split points; each input's shape, dtype, device and
 ``requires_grad``; the model's module names and classes, its parameters' and buffers' names,
 shapes, dtypes, devices, ``requires_grad`` and ties (one weight under two names), each module's
 train/eval mode (dropout is traced as it runs) and a Hugging Face config's ``repr``. Anything
@@ -37,10 +37,10 @@ _lock = threading.Lock()
 
 
 def input_shapes(value: Any) -> Any:
-    """What tracing sees of an input: tensors as (shape, dtype, requires_grad), containers
+    """What tracing sees of an input: tensors as (shape, dtype, device, requires_grad), containers
     recursively, anything else by its repr."""
     if torch.is_tensor(value):
-        return ("tensor", tuple(value.shape), str(value.dtype), bool(value.requires_grad))
+        return ("tensor", tuple(value.shape), str(value.dtype), str(value.device), bool(value.requires_grad))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(input_shapes(v) for v in value))
     if isinstance(value, dict):

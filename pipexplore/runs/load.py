@@ -37,6 +37,7 @@ from pipexplore.executors.base import RunResult, result
 from pipexplore.plan import Plan
 from pipexplore.runs.record import FORMAT, PLAN_FILE, PLAN_KEYS, VERSION, plan_id, rank_file
 from pipexplore.timeline import COLUMNS, COMPUTE_PHASES
+from pipexplore.validate import CHECKPOINTS
 
 __all__ = ["RunDirectoryError", "RecordedRun", "read_run", "run_kind", "plan_of", "run_result", "offset_model",
            "RANK_COLUMNS"]
@@ -283,8 +284,8 @@ def _checkpoint_ran(recorded: RecordedRun) -> str:
     the script applied any). The plan keeps it; its predictions follow it where the plan is for
     catalogue devices (:attr:`~pipexplore.plan.Plan.run_checkpoint`)."""
     mode = str(recorded.plan.get("checkpoint", "never"))
-    if mode not in ("never", "always", "except_last"):
-        raise RunDirectoryError(f"the run recorded checkpoint {mode!r}: not one of never, always, except_last")
+    if mode not in CHECKPOINTS:
+        raise RunDirectoryError(f"the run recorded checkpoint {mode!r}: not one of {', '.join(CHECKPOINTS)}")
     return mode
 
 
