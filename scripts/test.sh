@@ -5,7 +5,8 @@
 # runs beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+# (-p tests.boot: loaded before pytest's plugins, it keeps nbformat's IRI grammar out of every pytest process)
+PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -p tests.boot)
 WORKERS=${PIPEXPLORE_TEST_WORKERS:-3}
 # the files that hold timing tests (the mark is named where it is used)
 TIMING_FILES=$(grep -lE "mark\.timing|^@timing" tests/test_*.py)

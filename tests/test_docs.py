@@ -46,3 +46,19 @@ def test_the_test_command_runs_every_notebook_under_nbval():
 def test_binder_installs_the_package_with_cpu_torch():
     requirements = (ROOT / "binder" / "requirements.txt").read_text().splitlines()
     assert "-e ." in requirements and "torch==2.13.0" in requirements
+
+
+def test_declared_test_dependencies_are_imported_not_skipped():
+    """A test extra the project declares is there in CI: a test that would skip without it would hide
+    a broken environment (``pytest.importorskip`` is for what the extra does not promise)."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    declared = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+                for requirement in extra}
+    assert {"transformers", "playwright", "hypothesis"} <= declared
+    skipped = [f"{path.relative_to(ROOT)}: {name}"
+               for path in sorted((ROOT / "tests").rglob("*.py"))
+               for name in re.findall(r"importorskip\(\s*['\"]([\w.]+)['\"]", path.read_text())
+               if name.split(".")[0].lower() in declared]
+    assert skipped == [], f"declared test dependencies skipped instead of imported: {skipped}"

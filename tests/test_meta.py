@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch import nn
+import transformers  # the test extra (declared: a missing one fails)
 
 from pipexplore.models import blockwise, trace
 from pipexplore.models.blockwise import profile_blockwise
@@ -15,7 +16,6 @@ from pipexplore.models.meta import COUNT_COLUMNS, count_layers
 from pipexplore.models.opcount import OP_COLUMNS
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 
-transformers = pytest.importorskip("transformers")  # the test extra
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 ROWS, SEQ, VOCAB, HIDDEN = 4, 16, 64, 32

@@ -11,12 +11,11 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
+import transformers  # the test extra (declared: a missing one fails)
 
 from pipexplore.devices import device_spec, link_seconds_per_byte
 from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.state import ExplorerState
-
-transformers = pytest.importorskip("transformers")
 
 HIDDEN, FFN, VOCAB, SEQ, BATCH = 64, 128, 256, 16, 8
 
