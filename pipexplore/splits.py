@@ -9,9 +9,9 @@ layers per stage::
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["SplitError", "balance_to_splits", "splits_to_balance", "check_splits"]
+__all__ = ["SplitError", "balance_to_splits", "splits_to_balance", "check_splits", "first_runnable_layer"]
 
 
 class SplitError(ValueError):
@@ -54,3 +54,22 @@ def balance_to_splits(balance: Sequence[int]) -> list[int]:
         total += int(b)
         splits.append(total)
     return splits
+
+
+def first_runnable_layer(table: Any, executor: str, stages: int) -> int:
+    """The first layer a second stage of ``table`` (a layer table) may begin at, for ``stages``
+    stages run by ``executor``: in processes (here, or the exported script under torchrun) torch
+    feeds the model's inputs to the first stage only, so a traced model's candidates that read
+    them stay in it (``table.attrs["first_split"]``, measured where its stages are traced:
+    :func:`pipexplore.models.stage_inputs.first_runnable_split`). 1 for every other executor, for
+    tables that do not say, and where too few layers follow for ``stages`` stages (the run then
+    refuses, naming the inputs: a Hugging Face model's ``labels`` read by its last block).
+
+    Example::
+
+        table.attrs["first_split"] = 3
+        first_runnable_layer(table, "processes", 2)   # 3: the second stage begins at layer 3 or later
+        first_runnable_layer(table, "threads", 2)     # 1: this process delivers every input to every stage
+    """
+    first = int(table.attrs.get("first_split", 1)) if executor == "processes" else 1
+    return first if first > 1 and len(table) - first >= stages - 1 else 1

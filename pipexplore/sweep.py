@@ -12,6 +12,7 @@ from pipexplore.balance import optimal_splits
 from pipexplore.plan import Plan
 from pipexplore.predict.costs import layer_times
 from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
+from pipexplore.splits import first_runnable_layer
 from pipexplore.validate import splits_exactly
 
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
@@ -23,8 +24,10 @@ SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint",
 def balanced_splits(plan: Plan, stages: int) -> list[int]:
     """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
     per-layer costs at its micro-batch size (forward + backward, and recompute where its runs
-    recompute: :func:`pipexplore.predict.costs.layer_times`)."""
-    return optimal_splits(layer_times(plan).tolist(), stages)
+    recompute: :func:`pipexplore.predict.costs.layer_times`), among those its executor can run
+    (:func:`pipexplore.splits.first_runnable_layer`)."""
+    first = first_runnable_layer(plan.layer_table, plan.executor, stages)
+    return optimal_splits(layer_times(plan).tolist(), stages, first=first)
 
 
 def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),

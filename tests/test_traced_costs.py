@@ -53,8 +53,9 @@ def one_ms_candidates(monkeypatch):
 
 def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage_clock):
     tokens, _ = get_batch()
-    forward, backward = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES)
+    forward, backward, first_split = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES)
     assert forward == pytest.approx([1.5e-3] * 7) and backward == pytest.approx([-0.5e-3] * 7)
+    assert first_split == 1  # only the embedding's stage reads the tokens
     own = [m for m in stage_clock if not isinstance(m, fx.GraphModule)]
     stages = [m for m in stage_clock if isinstance(m, fx.GraphModule)]
     assert [type(m).__name__ for m in own] == ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]

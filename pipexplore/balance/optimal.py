@@ -40,10 +40,12 @@ def largest_stage(costs: Sequence[float], splits: Sequence[int]) -> float:
     return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
 
 
-def optimal_splits(costs: Sequence[float], partitions: int) -> list[int]:
+def optimal_splits(costs: Sequence[float], partitions: int, *, first: int = 1) -> list[int]:
     """The split points of the contiguous partition of ``costs`` into ``partitions`` stages whose
     largest stage sum is smallest (exactly); among the partitions that reach it, the one with the
     smallest sum of squared stage sums, so that the other stages are as even as they can be.
+    ``first``: no split before it (layers ``0 … first-1`` stay in the first stage: those a stage
+    run in another process cannot be without, :func:`pipexplore.splits.first_runnable_layer`).
 
     Identical layers give stages that differ by at most one layer: 8 over 2 stages give ``[4]``,
     1,000 over 64 give stages of 15 and 16 layers.
@@ -59,7 +61,11 @@ def optimal_splits(costs: Sequence[float], partitions: int) -> list[int]:
 
         optimal_splits([1, 1, 1, 1, 1, 1, 1, 1], 2)   # [4]
         optimal_splits([4, 1, 1, 1, 1], 2)             # [1]: 4 | 4
+        optimal_splits([1, 1, 1, 1, 1, 1, 1, 1], 2, first=6)   # [6]
     """
+    if first > 1:  # the first layers as one
+        joined = [float(np.sum(costs[:first])), *costs[first:]]
+        return [point + first - 1 for point in optimal_splits(joined, partitions)]
     values = np.asarray(costs, dtype=np.float64)
     n = len(values)
     check_partitions(n, partitions)

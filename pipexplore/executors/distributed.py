@@ -233,7 +233,7 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
     of a model of this shape in the session (:func:`pipexplore.models.traced_pipes.traced_graph`:
     another split, other input shapes, or a model whose modules, parameters, buffers or config
     changed is traced anew; a split that failed is never kept); the ranks trace it anyway."""
-    from pipexplore.models.trace import inputs_past_first_stage
+    from pipexplore.models.stage_inputs import inputs_past_first_stage
     from pipexplore.models.traced_pipes import traced_graph
 
     late = inputs_past_first_stage(traced_graph(model, mb_args, points, mb_kwargs=mb_kwargs))

@@ -26,6 +26,7 @@ from pipexplore.microbatch import tensors_in
 from pipexplore.models.fx_workarounds import inline_constant_no_grad_regions
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
+from pipexplore.models.stage_inputs import inputs_past_first_stage  # noqa: F401  (its old home)
 from pipexplore.schedules import TORCH_CLASSES
 
 #: torch.distributed.pipelining's schedule class for each of our schedules, and the classes that
@@ -350,31 +351,6 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     if "stage_extra" in whole.attrs:
         table.attrs["stage_extra"] = {**whole.attrs["stage_extra"], "rows": rows[0]}
     return table
-
-
-def inputs_past_first_stage(pipe: Any) -> dict[str, int]:
-    """The model's inputs that a stage after the first reads directly (name → first such stage).
-
-    torch's ``PipelineStage`` feeds the model's inputs to stage 0 only, so a split whose later
-    stage reads an input itself (a Hugging Face model's ``labels``, read by the loss in the last
-    block) cannot run in processes; this process's executor delivers them.
-
-    Example::
-
-        inputs_past_first_stage(split(model, {"input_ids": ids, "labels": ids}, ["transformer.h.2"]))
-        # {'labels': 1}
-    """
-    found: dict[str, int] = {}
-    for node in pipe.split_gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        for user in node.users:
-            name = str(user.target)
-            if user.op == "call_module" and name.startswith("submod_"):
-                stage = int(name.rsplit("_", 1)[1])
-                if stage > 0:
-                    found[node.name] = min(found.get(node.name, stage), stage)
-    return found
 
 
 def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,10 +34,21 @@ from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
 from pipexplore.models.traced_pipes import split_key
 
-__all__ = ["traced_extra", "shift_to_stages", "isolated_seconds", "forget_measured"]
+__all__ = ["StageExtra", "traced_extra", "shift_to_stages", "isolated_seconds", "forget_measured"]
 
-#: ``(forward, backward)`` seconds beyond the modules per model shape, measured once a session.
-_MEASURED: dict[tuple, tuple[list[float], list[float]]] = {}
+
+class StageExtra(NamedTuple):
+    """What :func:`traced_extra` measures: per candidate, the seconds its traced stage takes beyond
+    its module, and the first candidate a second stage may begin at to run in processes
+    (:func:`pipexplore.models.stage_inputs.first_runnable_split`)."""
+
+    forward: list[float]
+    backward: list[float]
+    first_split: int
+
+
+#: What :func:`traced_extra` measured per model shape, once a session.
+_MEASURED: dict[tuple, StageExtra] = {}
 
 
 def forget_measured() -> None:
@@ -108,10 +119,11 @@ def _shape_key(model: nn.Module, sample: Any, names: Sequence[str]) -> tuple:
 
 
 def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats: int = 3,
-                 warmup: int = 1, owned: bool = False) -> tuple[list[float], list[float]]:
+                 warmup: int = 1, owned: bool = False) -> StageExtra:
     """Per candidate ``names`` (FQNs in execution order, as :func:`~pipexplore.models.trace.candidates`
     lists them): the seconds its traced stage takes beyond its own module, forward and backward,
-    on ``sample`` (one micro-batch as the model takes it; negative where the stage was faster).
+    on ``sample`` (one micro-batch as the model takes it; negative where the stage was faster);
+    and the first candidate a second stage may begin at for the split to run in processes.
     The model is traced with a stage beginning at every candidate but the first (on a copy) and
     each stage timed alone beside its module (:func:`isolated_seconds`); a stage also runs the
     glue that follows its block. 0 for a block the pass did not call. Kept for the session per
@@ -122,11 +134,13 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     Raises:
         pipexplore.models.trace.TraceError: the model cannot be traced into these stages.
     """
+    from pipexplore.models.stage_inputs import first_runnable_split
     from pipexplore.models.trace import split
 
     key = _shape_key(model, sample, names)
     if key in _MEASURED:
-        return list(_MEASURED[key][0]), list(_MEASURED[key][1])
+        kept = _MEASURED[key]
+        return StageExtra(list(kept.forward), list(kept.backward), kept.first_split)
     args, kwargs = call_inputs(sample)
     own = model if owned else copy.deepcopy(model)  # its blocks run backwards: not the caller's own grads
     if owned:
@@ -151,8 +165,8 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
             traced = isolated_seconds(stages[k][1], *stage_inputs[k], repeats=repeats, warmup=warmup)
             forward.append(traced[0] - mine[0])
             backward.append(traced[1] - mine[1])
-    _MEASURED[key] = (list(forward), list(backward))
-    return forward, backward
+    _MEASURED[key] = StageExtra(list(forward), list(backward), first_runnable_split(pipe))
+    return StageExtra(forward, backward, _MEASURED[key].first_split)
 
 
 def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, repeats: int = 3,
@@ -164,10 +178,12 @@ def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, rep
     tiny transformer, 0.12 ms more at 16 rows, 0.17–0.27 ms at 4, within this machine's noise),
     never below zero: one trace, not one a size (each is a torch.export of the whole model, ~2 s
     for a 6-block GPT-2 on this CPU). The seconds go to ``table.attrs["stage_extra"]``
-    (``{"forward": [...], "backward": [...]}``). Returns None, or why the tables stay the modules'
+    (``{"forward": [...], "backward": [...]}``), the first row a second stage may begin at for the
+    split to run in processes to ``table.attrs["first_split"]`` (:class:`StageExtra`). Returns None, or why the tables stay the modules'
     times: the model cannot be traced a stage a candidate, or a stage fails alone."""
     try:
-        forward, backward = traced_extra(model, sample, tables[0]["name"].tolist(), repeats=repeats, owned=owned)
+        forward, backward, first_split = traced_extra(model, sample, tables[0]["name"].tolist(), repeats=repeats,
+                                                      owned=owned)
     except Exception as exc:  # noqa: BLE001 - the profile stands without it, and says why
         lines = str(exc).strip().splitlines() or [""]
         first = lines[0] if len(lines[0]) <= 160 else lines[0][:159] + "…"
@@ -178,4 +194,5 @@ def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, rep
         for phase, extra in (("forward", forward), ("backward", backward)):
             table[phase] = (table[phase] + extra).clip(lower=0.0)
         table.attrs["stage_extra"] = {"forward": forward, "backward": backward}
+        table.attrs["first_split"] = first_split
     return None

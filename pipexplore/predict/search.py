@@ -41,6 +41,7 @@ from pipexplore.predict.dataflow import KINDS
 from pipexplore.predict.memory import optimizer_state_ratio, stage_memory
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over
+from pipexplore.splits import first_runnable_layer
 from pipexplore.validate import splits_exactly
 
 __all__ = ["search", "SEARCH_COLUMNS", "layer_bytes"]
@@ -232,16 +233,23 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
     shares = held_shares(graph.stage, np.asarray(KINDS)[graph.kind], graph.micro, setup.fractions, setup.stop, n)
     stage_device = list(candidate.stage_devices)
     per_device = {d: stage_device.count(d) for d in device_cap}
-    memory = StageMemory(static, act, inp, shares, [device_cap[d] / per_device[d] for d in stage_device])
-    key = (candidate.chunks, candidate.run_checkpoint != "never", candidate.predict_executor)
+    # Layers a later stage cannot begin at (a traced model's in processes) join the first: one row.
+    first = first_runnable_layer(candidate.layer_table, candidate.executor, n)
+    joined = np.r_[0, first:len(inp)] if first > 1 else slice(None)
+    memory = StageMemory(np.r_[static[:first].sum(), static[first:]] if first > 1 else static,
+                         np.r_[act[:first].sum(), act[first:]] if first > 1 else act, inp[joined], shares,
+                         [device_cap[d] / per_device[d] for d in stage_device])
+    key = (candidate.chunks, candidate.run_checkpoint != "never", candidate.predict_executor, first)
     if key not in times:
         times[key] = _layer_time(candidate)
+        if first > 1:
+            times[key] = np.r_[times[key][:first].sum(), times[key][first:]]
     if (key, n) not in times:  # the time-balanced split, shared by the schedules
         times[(key, n)] = optimal_splits(times[key], n) if n > 1 else []
     splits = capped_splits(times[key], memory, times[(key, n)])
     if splits is None:
         splits, _ = least_over(times[key], memory, balanced=times[(key, n)])
-    planned = candidate.with_splits(splits)
+    planned = candidate.with_splits([point + first - 1 for point in splits])
     predicted = planned.predict()
     step = tl.step_time(predicted)
     peaks = np.zeros(n)

@@ -19,6 +19,7 @@ from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import TensorOrTensors, batch_size, to_device
 from pipexplore.plan import Plan
 from pipexplore.predict.profiler import backward_split, profile
+from pipexplore.splits import first_runnable_layer
 from pipexplore.widgets.progress import profile_progress
 
 __all__ = ["profile_layers", "profile_device", "with_backward_split", "balanced_splits",
@@ -203,9 +204,10 @@ def with_backward_split(model: nn.Module, sample: TensorOrTensors, table: pd.Dat
     return backward_split(profiled, sample, table, repeats=options["repeats"])
 
 
-def balanced_splits(table: pd.DataFrame, stages: int, by: str) -> list[int]:
+def balanced_splits(table: pd.DataFrame, stages: int, by: str, executor: str = "threads") -> list[int]:
     """The splits into ``stages`` stages that minimise the most expensive one, ``by`` ``'time'``
-    (forward + backward) or ``'size'`` (activations + twice the parameters).
+    (forward + backward) or ``'size'`` (activations + twice the parameters), among those
+    ``executor`` can run (:func:`pipexplore.splits.first_runnable_layer`).
 
     Raises:
         ValueError: ``by`` is neither.
@@ -216,7 +218,7 @@ def balanced_splits(table: pd.DataFrame, stages: int, by: str) -> list[int]:
         costs = (table["output_bytes"] + 2.0 * table["param_bytes"]).tolist()
     else:
         raise ValueError(f"balance by 'time' or 'size', not {by!r}")
-    return optimal_splits(costs, stages)
+    return optimal_splits(costs, stages, first=first_runnable_layer(table, executor, stages))
 
 
 def thread_note(table: pd.DataFrame, plan: Plan) -> str:

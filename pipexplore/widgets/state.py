@@ -173,7 +173,7 @@ class ExplorerState(RunLog):
             splits = validate.splits(splits, n)
         if splits is None:
             stages = min(n, file.stages if file else len(devices) if devices else (max(2, torch.cuda.device_count())))
-            splits = layers.balanced_splits(layer_table, stages, "time")
+            splits = layers.balanced_splits(layer_table, stages, "time", executor)
         if devices is None:
             devices, note = stage_devices(file.ranks if file else len(splits) + 1)
             if note:
@@ -304,9 +304,8 @@ class ExplorerState(RunLog):
         return self.layer_table
 
     def balance(self, by: str = "time") -> list[int]:
-        """Set the splits that minimise the most expensive stage (``by`` ``'time'`` or ``'size'``)."""
-        splits = layers.balanced_splits(self.layer_table, self._plan.num_stages, by)
-        self.update(splits=splits)
+        """Set the splits the plan's executor can run that minimise the costliest stage (``by`` time or size)."""
+        self.update(splits=layers.balanced_splits(self.layer_table, self._plan.num_stages, by, self._plan.executor))
         return list(self._plan.splits)
 
     def devices_for(self, stages: int) -> tuple[tuple[str, ...], str]:
@@ -337,7 +336,8 @@ class ExplorerState(RunLog):
         if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= count:
             raise ValueError(f"stages must be a whole number from 1 to {count} (the layers), got {stages!r}")
         devices, note = self.devices_for(stages)
-        self.update(splits=layers.balanced_splits(self.layer_table, stages, "time"), devices=devices)
+        self.update(splits=layers.balanced_splits(self.layer_table, stages, "time", self._plan.executor),
+                    devices=devices)
         return note
 
     def set_splits(self, proposed: Sequence[int]) -> str:

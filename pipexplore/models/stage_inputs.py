@@ -1,0 +1,45 @@
+"""Which stages of a traced split read the model's inputs themselves.
+
+torch's ``PipelineStage`` feeds the model's inputs to stage 0 only: a split whose later stage
+reads an input itself (a Hugging Face model's ``labels``, read by the loss after the last block;
+GPT-2's ``input_ids``, whose shape the attention mask is built from after ``transformer.wpe``)
+cannot run in processes or under torchrun, while this process's executors deliver every input to
+every stage. From the graph of a split (``pipe.split_gm``, stages ``submod_0`` … ``submod_{n-1}``)::
+
+    inputs_past_first_stage(split(model, {"input_ids": ids, "labels": ids}, ["transformer.h.2"]))
+    # {'labels': 1}
+    first_runnable_split(split(model, sample, names[1:]))   # a stage at every candidate
+    # 3: a second stage may begin at candidate 3 at the earliest
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["input_readers", "inputs_past_first_stage", "first_runnable_split"]
+
+
+def input_readers(pipe: Any) -> dict[str, list[int]]:
+    """Each model input (placeholder name) → the stages that read it directly, in order."""
+    found: dict[str, set[int]] = {}
+    for node in pipe.split_gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        for user in node.users:
+            name = str(user.target)
+            if user.op == "call_module" and name.startswith("submod_"):
+                found.setdefault(node.name, set()).add(int(name.rsplit("_", 1)[1]))
+    return {name: sorted(stages) for name, stages in found.items()}
+
+
+def inputs_past_first_stage(pipe: Any) -> dict[str, int]:
+    """The model's inputs that a stage after the first reads directly (name → first such stage):
+    what makes the split unable to run in processes (empty: it can)."""
+    return {name: min(s for s in stages if s > 0) for name, stages in input_readers(pipe).items()
+            if any(s > 0 for s in stages)}
+
+
+def first_runnable_split(pipe: Any) -> int:
+    """For ``pipe`` split with a stage beginning at every candidate (stage ``k`` is candidate ``k``):
+    the first candidate a second stage may begin at so that no later stage reads a model input,
+    one past the last candidate that reads one (1 where only the first does)."""
+    return 1 + max((s for stages in input_readers(pipe).values() for s in stages), default=0)
