@@ -140,7 +140,8 @@ class Explorer:
         return self.state.update(**changes)
 
     def balance(self, by: str = "time") -> list[int]:
-        """Set the splits that minimise the most expensive stage (``by`` ``'time'`` or ``'size'``)."""
+        """Set the splits that minimise the most expensive stage (``by`` ``'time'`` or ``'size'``) among
+        those the plan's executor can run (:func:`pipexplore.splits.first_runnable_layer`)."""
         return self.state.balance(by)
 
     def reprofile(self) -> pd.DataFrame:
