@@ -2,14 +2,15 @@
 
 torch's ``PipelineStage`` feeds the model's inputs to stage 0 only: a split whose later stage
 reads an input itself (a Hugging Face model's ``labels``, read by the loss after the last block;
-GPT-2's ``input_ids``, whose shape the attention mask is built from after ``transformer.wpe``)
-cannot run in processes or under torchrun, while this process's executors deliver every input to
-every stage. From the graph of a split (``pipe.split_gm``, stages ``submod_0`` … ``submod_{n-1}``)::
+GPT-2's ``attention_mask``, prepared after ``transformer.wpe``) cannot run in processes or under
+torchrun, while this process's executors deliver every input to every stage. From the graph of a
+split (``pipe.split_gm``, stages ``submod_0`` … ``submod_{n-1}``)::
 
     inputs_past_first_stage(split(model, {"input_ids": ids, "labels": ids}, ["transformer.h.2"]))
     # {'labels': 1}
-    first_runnable_split(split(model, sample, names[1:]))   # a stage at every candidate
-    # 3: a second stage may begin at candidate 3 at the earliest
+    first_runnable_split(split(gpt2, {"input_ids": ids, "attention_mask": mask}, names[1:]))
+    # 2: with a stage at every candidate, the mask is read by stage 1 (after transformer.wpe):
+    # a second stage may begin at candidate 2 (transformer.drop) at the earliest
 """
 from __future__ import annotations
 

@@ -179,8 +179,9 @@ def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, rep
     never below zero: one trace, not one a size (each is a torch.export of the whole model, ~2 s
     for a 6-block GPT-2 on this CPU). The seconds go to ``table.attrs["stage_extra"]``
     (``{"forward": [...], "backward": [...]}``), the first row a second stage may begin at for the
-    split to run in processes to ``table.attrs["first_split"]`` (:class:`StageExtra`). Returns None, or why the tables stay the modules'
-    times: the model cannot be traced a stage a candidate, or a stage fails alone."""
+    split to run in processes to ``table.attrs["first_split"]`` (:class:`StageExtra`). Returns None,
+    or why the tables stay the modules' times: the model cannot be traced a stage a candidate, or a
+    stage fails alone."""
     try:
         forward, backward, first_split = traced_extra(model, sample, tables[0]["name"].tolist(), repeats=repeats,
                                                       owned=owned)
