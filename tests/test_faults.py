@@ -156,38 +156,48 @@ def _interrupt_main_thread_once_started(event: threading.Event) -> threading.Thr
 
 
 def test_keyboard_interrupt_in_the_schedule_executor_stops_and_joins_the_workers(started, ctrl_c_raises):
-    # (layers of 0.2 s, as for GPipe below: a loaded machine delays the interrupt, not past every forward)
-    executor = ScheduleExecutor(nn.Sequential(started(0.2), started(0.2)), [1, 1], devices=["cpu", "cpu"], chunks=8,
-                                schedule="1f1b")
+    # (32 micro-batches through layers of 0.2 s, as for GPipe below: the forwards alone take ~6.6 s, so
+    # a loaded machine may delay the interrupt (by 1.6 s once, on a fresh clone), not past them all;
+    # an interrupt on time stops the step within a layer)
+    layers = nn.Sequential(started(0.2), started(0.2))
+    executor = ScheduleExecutor(layers, [1, 1], devices=["cpu", "cpu"], chunks=32, schedule="1f1b")
     sender = _interrupt_main_thread_once_started(started.event)
     with pytest.raises(KeyboardInterrupt):
-        executor.step(torch.ones(8, 1))
+        executor.step(torch.ones(32, 1))
     sender.join()
-    assert started.calls < 16  # the rest of the step did not run: every worker stopped and was joined
-    executor.step(torch.ones(8, 1))  # and the executor still works
+    assert started.calls < 64  # the rest of the step did not run: every worker stopped and was joined
+    Started.calls = 0
+    for layer in layers:
+        layer.seconds = 0.0
+    executor.step(torch.ones(32, 1))  # and the executor still works: the whole step
+    assert started.calls >= 64
 
 
 def test_keyboard_interrupt_in_gpipe_joins_its_workers(started, ctrl_c_raises):
-    # (layers of 0.2 s: the 16 forwards take ~1.6 s, so a busy machine delays the interrupt without
-    # letting every forward finish before it lands)
-    pipe = GPipe(nn.Sequential(started(0.2), started(0.2)), balance=[1, 1], devices=["cpu", "cpu"], chunks=8)
+    # (layers of 0.2 s: the 64 forwards take ~6.6 s, so a busy machine may delay the interrupt without
+    # letting every forward finish before it lands: with 16 forwards of ~1.6 s, a fresh clone's run
+    # under load once saw all 16 start first)
+    pipe = GPipe(nn.Sequential(started(0.2), started(0.2)), balance=[1, 1], devices=["cpu", "cpu"], chunks=32)
     sender = _interrupt_main_thread_once_started(started.event)
     with pytest.raises(KeyboardInterrupt):
-        pipe(torch.ones(8, 1, requires_grad=True)).sum().backward()
+        pipe(torch.ones(32, 1, requires_grad=True)).sum().backward()
     sender.join()
-    assert started.calls < 16
+    assert started.calls < 64
 
 
 def test_abort_mid_step_joins_every_worker(started):
-    executor = ScheduleExecutor(nn.Sequential(started(0.05), started(0.05), started(0.05)), [1, 1, 1],
-                                devices=["cpu"] * 3, chunks=8, schedule="gpipe")
+    # (32 micro-batches through layers of 0.05 s: ~1.7 s of forwards, a margin for a loaded machine)
+    layers = nn.Sequential(started(0.05), started(0.05), started(0.05))
+    executor = ScheduleExecutor(layers, [1, 1, 1], devices=["cpu"] * 3, chunks=32, schedule="gpipe")
     aborter = threading.Thread(target=lambda: started.event.wait(30) and executor.abort(), name="test-aborter")
     aborter.start()
     with pytest.raises(Cancelled, match=r"the step was aborted \(executor.abort\(\) or a cancelled run\)"):
-        executor.step(torch.ones(8, 1))
+        executor.step(torch.ones(32, 1))
     aborter.join()
-    assert started.calls < 24
-    assert executor.step(torch.ones(8, 1)).losses  # a later step runs whole
+    assert started.calls < 96
+    for layer in layers:
+        layer.seconds = 0.0
+    assert executor.step(torch.ones(32, 1)).losses  # a later step runs whole
 
 
 def test_cancel_stops_a_background_run_and_keeps_plan_and_runs(table4, started):
