@@ -31,8 +31,12 @@ def build_model() -> torch.nn.Module:
 
 
 def get_batch():
+    """Keyword inputs, as a Hugging Face model takes them: the ids and their attention mask (the
+    last sample's last two tokens padding)."""
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
-    return ids, ids
+    mask = torch.ones_like(ids)
+    mask[-1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}, ids
 
 
 def loss_fn(output, target):

@@ -145,13 +145,34 @@ def test_exported_torchrun_script_trains_a_default_gpt2(tmp_path):
     import hf_default_hooks as hooks
 
     model = hooks.build_model()
-    ids, target = hooks.get_batch()
-    table = trace.candidates(copy.deepcopy(model), (ids,), repeats=1)
+    inputs, target = hooks.get_batch()  # keyword inputs: the ids and an attention mask
+    table = trace.candidates(copy.deepcopy(model), inputs, repeats=1)
     names = table["name"].tolist()
     script = torchrun_script(table, [names.index("transformer.h.1")], hooks="hf_default_hooks", chunks=2,
                              schedule="gpipe", device="cpu")
     assert "model = without_kv_cache(hooks.build_model())" in script
     path = tmp_path / "train_pipeline.py"
     path.write_text(script)
-    unsplit = hooks.loss_fn(model(ids), target).item()
+    unsplit = hooks.loss_fn(model(**inputs), target).item()
     assert torchrun_first_loss(path, str(ROOT / "tests")) == pytest.approx(unsplit, rel=1e-5)
+
+
+def test_the_exported_script_names_the_inputs_a_later_stage_would_read(tmp_path):
+    """Split where a later stage reads the model's inputs itself (torch's stages feed them to the
+    first only), the script's own check names them before any step; at a block after, none."""
+    import hf_default_hooks as hooks
+
+    model = hooks.build_model()
+    inputs, _ = hooks.get_batch()
+    table = trace.candidates(copy.deepcopy(model), inputs, repeats=1)
+    names = table["name"].tolist()
+    micro = {key: value[:2] for key, value in inputs.items()}
+    script = torchrun_script(table, [names.index("transformer.wpe")], hooks="hf_default_hooks", chunks=2,
+                             schedule="gpipe", device="cpu")
+    exported: dict = {"__name__": "train_pipeline"}
+    exec(compile(script, "train_pipeline.py", "exec"), exported)
+    assert exported["call_inputs"](inputs) == ((), inputs) and exported["call_inputs"](micro["input_ids"])[1] == {}
+    late = trace.split(copy.deepcopy(model), micro, ["transformer.wpe"])
+    assert "attention_mask" in exported["late_inputs"](late)
+    assert exported["late_inputs"](trace.split(copy.deepcopy(model), micro, ["transformer.h.1"])) == []
+    assert "later stages read the model's inputs" in script

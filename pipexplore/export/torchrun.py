@@ -30,7 +30,8 @@ Run on one machine:   torchrun --standalone --nproc-per-node {world} {filename}
 On N nodes of M ranks (N x M = {world}), on each node:
   torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
            {filename} --record runs/1
-The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target),
+The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target) (inputs: a
+tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and attention_mask),
 loss_fn(output, target) and, optionally, build_optimizer(parameters) (default: SGD, lr 0.01).
 --record DIR: every rank writes what it did in the steps after --warmup (pipexplore's recorder;
 load it with explorer.load_run(DIR)).
@@ -67,6 +68,20 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 {checkpoint_source}
 {csv_block}
+def call_inputs(inputs):
+    """The model's inputs as get_batch() gives them: (positional, keyword)."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return (tuple(inputs), {{}}) if isinstance(inputs, (tuple, list)) else ((inputs,), {{}})
+
+
+def late_inputs(pipe):
+    """The model's inputs a stage after the first reads itself: torch's stages feed them to the first only."""
+    return sorted({{node.name for node in pipe.split_gm.graph.nodes if node.op == "placeholder" for user in node.users
+                   if user.op == "call_module" and str(user.target).startswith("submod_")
+                   and int(str(user.target).rsplit("_", 1)[1]) > 0}})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -90,8 +105,18 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     model = without_kv_cache(hooks.build_model())
     inputs, target = hooks.get_batch()
-    pipe = pipeline(model, mb_args=(inputs.chunk(CHUNKS)[0],),
+    args, model_kwargs = call_inputs(inputs)
+    first = lambda value: value.chunk(CHUNKS)[0] if torch.is_tensor(value) else value  # noqa: E731
+    pipe = pipeline(model, mb_args=tuple(first(a) for a in args),
+                    mb_kwargs={{k: first(v) for k, v in model_kwargs.items()}} or None,
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
+    if late_inputs(pipe):
+        raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late_inputs(pipe)}} themselves, "
+                         "but torch's stages feed them to the first stage only: begin the second stage at a later "
+                         "block (SPLIT_POINTS; the explorer's balance does for processes plans), or read them in "
+                         "loss_fn")
+    to_device = lambda value: value.to(device) if torch.is_tensor(value) else value  # noqa: E731
+    args, model_kwargs = tuple(map(to_device, args)), {{k: to_device(v) for k, v in model_kwargs.items()}}
 {run_generated_code}    indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
     for stage in stages:
@@ -127,7 +152,7 @@ def main() -> None:
         if recorder is not None:
             recorder.begin_step(step)
         if 0 in indices:
-            schedule.step(inputs.to(device), **kwargs)
+            schedule.step(*args, **model_kwargs, **kwargs)
         else:
             schedule.step(**kwargs)
         if recorder is not None:
