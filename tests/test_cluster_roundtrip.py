@@ -470,6 +470,13 @@ def test_run_on_torchrun_checks_its_arguments(hooks):
     with pytest.raises(ValueError, match="divides the plan's 4 ranks"):
         explorer.run(executor="torchrun", nodes=3)
     assert explorer.runs.empty
+    from pipexplore.runs.roundtrip import torchrun_result
+
+    inputs, _ = hooks[0].get_batch()  # a traced model's inputs may be a tuple or a dict; an nn.Sequential's not
+    with pytest.raises(ValueError, match="an nn.Sequential takes one tensor as its input, not a tuple"):
+        torchrun_result(explorer.model, (inputs, inputs), explorer.plan, nodes=2)
+    with pytest.raises(ValueError, match="7 rows do not divide into 4 chunks"):
+        torchrun_result(explorer.model, inputs[:7], explorer.plan, nodes=2)
 
 
 def test_the_exported_script_records_on_request(hooks):

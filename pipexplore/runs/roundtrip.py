@@ -20,6 +20,7 @@ import torch
 from pipexplore.cancel import check_cancelled
 from pipexplore.executors.base import RunResult, result, synthetic_loss
 from pipexplore.executors.distributed import default_timeout
+from pipexplore.microbatch import batch_size
 from pipexplore.models.trace import SCHEDULE_CLASSES
 from pipexplore.plan import Plan
 from pipexplore.runs.launch import HOOKS_MODULE, launch, printed_losses, write_hooks
@@ -97,11 +98,11 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     if plan.schedule == "1f1b" and plan.chunks < plan.num_stages:
         raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages: chunks "
                          f"{plan.chunks} < {plan.num_stages} stages")
-    if not torch.is_tensor(sample):
-        raise ValueError(f"the exported torchrun script takes one tensor as the model's input (it cuts it with "
-                         f"tensor.chunk), not a {type(sample).__name__}: run with executor='processes'")
-    if sample.size(0) % plan.chunks:
-        raise ValueError(f"torch pipelining splits the batch evenly: {sample.size(0)} rows do not divide into "
+    if isinstance(model, torch.nn.Sequential) and not torch.is_tensor(sample):
+        raise ValueError(f"an nn.Sequential takes one tensor as its input, not a {type(sample).__name__}")
+    rows = batch_size(sample)  # a traced model's inputs may be a tensor, a tuple or a dict (the script cuts each)
+    if rows % plan.chunks:
+        raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
     from pipexplore.export.torchrun import torchrun_script
 
@@ -110,7 +111,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     folder = pathlib.Path(tempfile.mkdtemp(prefix="pipexplore-torchrun-"))
     record = pathlib.Path(keep) if keep is not None else folder / "run"
     try:
-        target = target if target is not None else torch.zeros(sample.size(0), 1)
+        target = target if target is not None else torch.zeros(rows, 1)
         hooks = write_hooks(folder, model, sample, target, loss_fn or synthetic_loss, optimizer)
         assert hooks == HOOKS_MODULE
         script = folder / "train_pipeline.py"
@@ -124,7 +125,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         check_cancelled()
         recorded = read_run(record)
         ran = plan_of(recorded, plan.layer_table, plan)
-        out = run_result(recorded, ran, samples=int(sample.size(0)), run=run)
+        out = run_result(recorded, ran, samples=rows, run=run)
         out.metrics["printed_losses"] = printed_losses(outcome.stdout)
         out.metrics["wall_seconds"] = outcome.seconds
         return out
