@@ -13,8 +13,8 @@ Example::
 from __future__ import annotations
 
 from pipexplore.balance import blockpartition
-from pipexplore.balance.optimal import balance_cost, check_partitions, largest_stage, optimal_splits
+from pipexplore.balance.optimal import balance_cost, check_partitions, join_first, largest_stage, optimal_splits
 from pipexplore.balance.profile import balance_by_size, balance_by_time, layerwise_sandbox, sandbox
 
-__all__ = ["balance_cost", "balance_by_time", "balance_by_size", "optimal_splits", "largest_stage",
+__all__ = ["balance_cost", "balance_by_time", "balance_by_size", "optimal_splits", "join_first", "largest_stage",
            "check_partitions", "blockpartition", "layerwise_sandbox", "sandbox"]

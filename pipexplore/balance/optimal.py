@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["optimal_splits", "balance_cost", "check_partitions", "largest_stage"]
+__all__ = ["optimal_splits", "join_first", "balance_cost", "check_partitions", "largest_stage"]
 
 # Rows × candidates evaluated at once before the DP switches to sampled rows (monotone minima).
 _DENSE_LIMIT = 32_768
@@ -40,6 +40,19 @@ def largest_stage(costs: Sequence[float], splits: Sequence[int]) -> float:
     return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
 
 
+def join_first(values: Sequence[float], first: int) -> np.ndarray:
+    """``values`` (one per layer) with layers ``0 … first-1`` as one, their sum: the layers no later
+    stage may begin at (:func:`pipexplore.splits.first_runnable_layer`), for a split search that
+    then adds ``first - 1`` to every split it finds. ``values`` as they are for ``first`` ≤ 1.
+
+    Example::
+
+        join_first([1, 2, 3, 4], 3)    # array([6., 4.])
+    """
+    values = np.asarray(values, dtype=np.float64)
+    return np.r_[values[:first].sum(), values[first:]] if first > 1 else values
+
+
 def optimal_splits(costs: Sequence[float], partitions: int, *, first: int = 1) -> list[int]:
     """The split points of the contiguous partition of ``costs`` into ``partitions`` stages whose
     largest stage sum is smallest (exactly); among the partitions that reach it, the one with the
@@ -64,8 +77,7 @@ def optimal_splits(costs: Sequence[float], partitions: int, *, first: int = 1) -
         optimal_splits([1, 1, 1, 1, 1, 1, 1, 1], 2, first=6)   # [6]
     """
     if first > 1:  # the first layers as one
-        joined = [float(np.sum(costs[:first])), *costs[first:]]
-        return [point + first - 1 for point in optimal_splits(joined, partitions)]
+        return [point + first - 1 for point in optimal_splits(join_first(costs, first), partitions)]
     values = np.asarray(costs, dtype=np.float64)
     n = len(values)
     check_partitions(n, partitions)

@@ -165,8 +165,9 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
             traced = isolated_seconds(stages[k][1], *stage_inputs[k], repeats=repeats, warmup=warmup)
             forward.append(traced[0] - mine[0])
             backward.append(traced[1] - mine[1])
-    _MEASURED[key] = StageExtra(list(forward), list(backward), first_runnable_split(pipe))
-    return StageExtra(forward, backward, _MEASURED[key].first_split)
+    first_split = first_runnable_split(pipe)
+    _MEASURED[key] = StageExtra(list(forward), list(backward), first_split)
+    return StageExtra(forward, backward, first_split)
 
 
 def shift_to_stages(model: nn.Module, tables: Sequence[Any], sample: Any, *, repeats: int = 3,

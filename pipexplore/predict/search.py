@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore import timeline as tl
-from pipexplore.balance import optimal_splits
+from pipexplore.balance import join_first, optimal_splits
 from pipexplore.devices import device_memory
 from pipexplore.host import host_cores
 from pipexplore.predict.costs import layer_times
@@ -233,17 +233,14 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
     shares = held_shares(graph.stage, np.asarray(KINDS)[graph.kind], graph.micro, setup.fractions, setup.stop, n)
     stage_device = list(candidate.stage_devices)
     per_device = {d: stage_device.count(d) for d in device_cap}
-    # Layers a later stage cannot begin at (a traced model's in processes) join the first: one row.
+    # Layers a later stage cannot begin at (a traced model's in processes) join the first: one row,
+    # which receives what the first layer does.
     first = first_runnable_layer(candidate.layer_table, candidate.executor, n)
-    joined = np.r_[0, first:len(inp)] if first > 1 else slice(None)
-    memory = StageMemory(np.r_[static[:first].sum(), static[first:]] if first > 1 else static,
-                         np.r_[act[:first].sum(), act[first:]] if first > 1 else act, inp[joined], shares,
-                         [device_cap[d] / per_device[d] for d in stage_device])
+    memory = StageMemory(join_first(static, first), join_first(act, first), inp[np.r_[0, first:len(inp)]]
+                         if first > 1 else inp, shares, [device_cap[d] / per_device[d] for d in stage_device])
     key = (candidate.chunks, candidate.run_checkpoint != "never", candidate.predict_executor, first)
     if key not in times:
-        times[key] = _layer_time(candidate)
-        if first > 1:
-            times[key] = np.r_[times[key][:first].sum(), times[key][first:]]
+        times[key] = join_first(_layer_time(candidate), first)
     if (key, n) not in times:  # the time-balanced split, shared by the schedules
         times[(key, n)] = optimal_splits(times[key], n) if n > 1 else []
     splits = capped_splits(times[key], memory, times[(key, n)])
