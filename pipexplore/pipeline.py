@@ -3,6 +3,7 @@ each task as soon as the ticks before it have given it what it needs."""
 from __future__ import annotations
 
 import functools
+import queue
 import sys
 import threading
 from contextlib import contextmanager, nullcontext
@@ -23,6 +24,11 @@ from pipexplore.stream import AbstractStream, current_stream, use_device, use_st
 from pipexplore.worker import ExcInfo, InQueue, Task, spawn_workers
 
 __all__ = ["Pipeline", "clock_cycles"]
+
+#: Seconds between the caller's looks for an interrupt while it waits for the workers' results: a
+#: Ctrl+C sent to the process may be taken by a worker thread, and Python raises it in the caller's
+#: thread only when that thread runs Python code (a wait without a timeout would outlast the step).
+INTERRUPT_POLL = 0.05
 
 
 def clock_cycles(m: int, n: int) -> Iterable[list[tuple[int, int]]]:
@@ -131,7 +137,10 @@ class Pipeline:
                 waiting = self._in_flight > 0
             try:
                 while waiting:
-                    ok, payload = results.get()
+                    try:  # (timed: an interrupt a worker thread took is raised here within INTERRUPT_POLL)
+                        ok, payload = results.get(timeout=INTERRUPT_POLL)
+                    except queue.Empty:
+                        continue
                     if not ok:
                         exc_info = exc_info or cast(ExcInfo, payload)
                     elif payload is None:  # the last task is done, or the last in flight after an error

@@ -185,6 +185,31 @@ def test_keyboard_interrupt_in_gpipe_joins_its_workers(started, ctrl_c_raises):
     assert started.calls < 64
 
 
+class TakesTheInterrupt(Started):
+    """On its first call, the worker thread running it takes a SIGINT (as any thread may take a
+    Ctrl+C sent to the process): Python raises it in the main thread when that thread next runs."""
+
+    def forward(self, x):
+        if type(self).calls == 0:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("executor", ["schedule", "gpipe"])
+def test_an_interrupt_a_worker_thread_takes_stops_the_step(started, ctrl_c_raises, executor):
+    # (before: the caller waited without a timeout, which the signal did not wake, so it was raised
+    # only once the step was over: every one of the 64 forwards ran)
+    TakesTheInterrupt.calls = 0
+    layers = nn.Sequential(TakesTheInterrupt(0.2), TakesTheInterrupt(0.2))
+    with pytest.raises(KeyboardInterrupt):
+        if executor == "schedule":
+            ScheduleExecutor(layers, [1, 1], devices=["cpu", "cpu"], chunks=32, schedule="1f1b").step(torch.ones(32, 1))
+        else:
+            pipe = GPipe(layers, balance=[1, 1], devices=["cpu", "cpu"], chunks=32)
+            pipe(torch.ones(32, 1, requires_grad=True)).sum().backward()
+    assert TakesTheInterrupt.calls < 8  # stopped within a layer or two, every worker joined
+
+
 def test_abort_mid_step_joins_every_worker(started):
     # (32 micro-batches through layers of 0.05 s: ~1.7 s of forwards, a margin for a loaded machine)
     layers = nn.Sequential(started(0.05), started(0.05), started(0.05))

@@ -448,12 +448,17 @@ def join_workers(workers: Sequence[tuple[threading.Thread, threading.Event]], st
 
     It waits on the workers' own events, not in ``Thread.join()``: in Python 3.11 a join that an
     interrupt cuts short may mark a thread that still runs as stopped (its ``is_alive()`` False).
+    And it waits ``POLL`` seconds at a time: Python raises an interrupt in the main thread when that
+    thread next runs Python code, and a signal sent to the process (the terminal's Ctrl+C, Jupyter's
+    "interrupt the kernel") may be taken by a worker thread, which does not wake a wait without a
+    timeout: the step would run to its end first (every forward of a 32-micro-batch step, measured).
     """
     interrupt: Optional[BaseException] = None
     for thread, done in workers:
         while True:
             try:
-                done.wait()
+                while not done.wait(POLL):
+                    pass
                 thread.join()
                 break
             except BaseException as exc:  # KeyboardInterrupt: stop the workers and wait for them

@@ -54,7 +54,8 @@ FAILURE_GRACE = 0.5
 STDERR_LINES = 20
 #: Seconds a terminated worker may take to exit before it is killed.
 TERMINATE_GRACE = 1.0
-#: Seconds between looks at the run's cancel token while waiting for the ranks.
+#: Seconds between looks at the run's cancel token (and at an interrupt another thread of this process
+#: took) while waiting for the ranks.
 CANCEL_POLL = 0.05
 #: Pools started before giving up when the rendezvous port was taken between choosing it and
 #: rank 0 listening on it (another process on the machine took it: a parallel test run, torchrun).
@@ -259,7 +260,9 @@ class WorkerPool:
             if grace_end is not None and now >= grace_end:
                 break
             end = grace_end or deadline
-            for connection in wait(list(pending), timeout=min(end - now, CANCEL_POLL) if cancel else end - now):
+            # (a timed wait even without a token: a Ctrl+C that another thread of this process took is
+            # raised here only when this thread runs Python again: see _actions.join_workers)
+            for connection in wait(list(pending), timeout=min(end - now, CANCEL_POLL)):
                 rank = pending.pop(connection)  # type: ignore[call-overload]
                 try:
                     status, payload = connection.recv()  # type: ignore[union-attr]
