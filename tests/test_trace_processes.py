@@ -45,7 +45,8 @@ def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
 def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     """The processes executor traces a split here before any rank starts (to refuse it early);
     once per split of a model of this shape in the session (the pipes traced are kept:
-    ``traced_pipes``): another split, other input shapes or a changed model is traced again."""
+    ``traced_pipes``): another split, other input shapes or a changed model is traced again. Each
+    rank of the warm pool keeps its pipes the same way."""
     import pipexplore.models.trace as tracing
     from pipexplore.models.traced_pipes import forget_traced
 
@@ -67,6 +68,7 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     assert len(traced_here) == 1
     again = run(plan)
     assert len(traced_here) == 1  # the same split: not traced here again
+    assert again.metrics["traced_ranks"] == 0  # nor in the warm pool's ranks: each copied its kept pipe
     assert again.loss == pytest.approx(first.loss, rel=1e-6)
     run_processes(build_model(), tokens, plan, target=target, loss_fn=loss_fn, warmup=0)
     assert len(traced_here) == 1  # another model of the same shape
@@ -75,5 +77,6 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     run(plan.with_options(batch=16), *get_batch(16))
     assert len(traced_here) == 3  # micro-batches of another shape
     model.head.weight.requires_grad_(False)
-    run(plan)
+    changed = run(plan)
     assert len(traced_here) == 4  # the model changed
+    assert changed.metrics["traced_ranks"] == 2  # so did the ranks' key: each traced it

@@ -121,3 +121,48 @@ def test_a_tied_model_and_its_untied_twin_are_traced_apart():
         traced_pipes.split_key(TinyTransformer(tied=True), tokens, None, ["layers.2"])
     assert traced_pipes.split_key(tied, tokens.to("meta"), None, ["layers.2"]) != \
         traced_pipes.split_key(tied, tokens, None, ["layers.2"])  # the inputs' device too
+
+
+NET = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)){extra})
+"""
+
+
+def _net_class(extra: str, cell: str) -> type:
+    """``Net`` defined by running its source, as a notebook cell defines it (``cell``: the file name
+    the cell's code is compiled under)."""
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(NET.format(extra=extra), cell, "exec"), namespace)
+    return namespace["Net"]
+
+
+def test_a_class_redefined_with_another_forward_is_traced_again_and_the_same_code_is_not(traces):
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    mse = torch.nn.functional.mse_loss
+    table = tracing.candidates(_net_class("", "<cell 1>")(), (x,), repeats=1)
+    plan = Plan(table, (1,), ("cpu", "cpu"), chunks=2, schedule="gpipe", executor="threads")
+
+    def run(cls):
+        torch.manual_seed(0)
+        model = cls()
+        result = run_traced_step(model, x, plan, target=target, loss_fn=mse, warmup=0, repeats=1,
+                                 return_grads=True)
+        assert_equals_unsplit(result, model, x, target, mse)  # what this class's forward computes
+        return result
+
+    run(_net_class("", "<cell 1>"))
+    run(_net_class("", "<cell 2>"))  # the same code run again in another cell: the kept pipe
+    assert len(traces) == 1
+    run(_net_class(" * 2", "<cell 3>"))  # forward edited: the old pipe would compute without the "* 2"
+    assert len(traces) == 2
+    assert traced_pipes.class_code(_net_class("", "<a>")) != traced_pipes.class_code(_net_class(" * 2", "<a>"))

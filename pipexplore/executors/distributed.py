@@ -5,7 +5,10 @@ entry point (a user's script is never re-run in them), they meet on a free loopb
 on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun pays no process
 start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
 stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
-lambdas and closures included). Each rank builds its stage(s) with ``PipelineStage`` and runs
+lambdas and closures included); a traced model is split by torch's tracer in each rank, once per
+split of a model of its shape while the pool is warm (a rerun copies the rank's kept pipe:
+:mod:`pipexplore.models.traced_pipes`; ``metrics['traced_ranks']`` counts the ranks that traced).
+Each rank builds its stage(s) with ``PipelineStage`` and runs
 the torch schedule for the plan (a CSV schedule: torch's ``_PipelineScheduleRuntime`` loading
 the file, ``_load_csv``, which adds the sends and receives); it times each stage's ``forward_one_chunk``,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the host clock, which all processes
@@ -121,12 +124,17 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     stages, params = [], []  # params: each of this rank's stages' parameters, stage by stage
+    traced_here = 0
     if job.get("traced") is not None:
-        # A traced model: every rank traces the same split and builds its own stages from it.
-        from pipexplore.models.trace import split
+        # A traced model: every rank traces the same split and builds its own stages from it; a rank
+        # of the warm pool keeps the pipe (traced_pipes), so a rerun of the split copies it instead.
+        from pipexplore.models import traced_pipes
 
         traced = job["traced"]
-        pipe = split(traced["model"], traced["mb_args"], traced["split_points"], mb_kwargs=traced["mb_kwargs"])
+        before = traced_pipes.traces
+        pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
+                                        mb_kwargs=traced["mb_kwargs"])
+        traced_here = traced_pipes.traces - before
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]
         indices = [s for s in range(num_stages) if layout[s] == rank]
@@ -207,8 +215,8 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     dist.barrier()  # every rank done before the next run may start sending
     # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
     buffer = io.BytesIO()
-    torch.save({"steps": measured_spans, "losses": measured_losses, "first_losses": first_losses, "grads": grads},
-               buffer)
+    torch.save({"steps": measured_spans, "losses": measured_losses, "first_losses": first_losses, "grads": grads,
+                "traced": traced_here}, buffer)
     return buffer.getvalue()
 
 
@@ -406,5 +414,6 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         result.metrics["grads"] = {k: v for payload in outputs for k, v in (payload["grads"] or {}).items()}
     result.metrics["losses"] = losses
     result.metrics["startup_seconds"] = startup_seconds
+    result.metrics["traced_ranks"] = sum(1 for payload in outputs if payload.get("traced"))  # traced, not copied
     result.metrics["worker_pids"] = pids
     return result

@@ -10,17 +10,24 @@ weights as they are now — what a new trace would give, in 0.5–0.9 s for GPT-
 first call took 4.0 s (the trace, the model's copy it traces, the pipe kept).
 
 "The same shape" (:func:`split_key`): the split points; each input's shape, dtype, device and
-``requires_grad``; the model's module names and classes, its parameters' and buffers' names,
-shapes, dtypes, devices, ``requires_grad`` and ties (one weight under two names), each module's
+``requires_grad``; the model's module names and classes, and the code of the methods each class
+outside torch defines (a class redefined in a notebook with another ``forward`` is traced again;
+the same code run again in a new cell is not); its parameters' and buffers' names, shapes,
+dtypes, devices, ``requires_grad`` and ties (one weight under two names), each module's
 train/eval mode (dropout is traced as it runs) and a Hugging Face config's ``repr``. Anything
-else the model's ``forward`` reads (a plain attribute set after the first run) is not seen:
-:func:`forget_traced` empties the kept pipes.
+else the model's ``forward`` reads (a plain attribute set after the first run, a module-level
+function it calls) is not seen: :func:`forget_traced` empties the kept pipes.
+
+The processes executor's ranks keep their own pipes the same way (:data:`traces` counts the
+traces a process made): a rerun in the warm pool copies the kept pipe in each rank instead of
+tracing the model again.
 """
 from __future__ import annotations
 
 import collections
 import copy
 import threading
+import types
 from typing import Any, Optional, Sequence
 
 import torch
@@ -34,6 +41,8 @@ _kept: "collections.OrderedDict[tuple[Any, ...], tuple[Any, list[tuple[torch.Ten
     collections.OrderedDict()
 #: Runs in the background (the explorer's) and in the foreground may look splits up at once.
 _lock = threading.Lock()
+#: How many traces this process has made (a rank reports whether its run traced).
+traces = 0
 
 
 def input_shapes(value: Any) -> Any:
@@ -48,13 +57,31 @@ def input_shapes(value: Any) -> Any:
     return repr(value)
 
 
+def class_code(cls: type) -> tuple[Any, ...]:
+    """The code of the methods ``cls`` and its bases define, outside torch's own classes: code
+    objects compare by what they do (their bytecode, constants, names and lines), not by the cell
+    or file that defined them."""
+    found = []
+    for base in cls.__mro__:
+        if base.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        for name, value in vars(base).items():
+            function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            if isinstance(function, types.FunctionType):
+                found.append((base.__qualname__, name, function.__code__))
+    return tuple(found)
+
+
 def split_key(model: nn.Module, mb_args: Any, mb_kwargs: Optional[dict[str, Any]],
               points: Sequence[str]) -> tuple[Any, ...]:
     """What a trace of ``model`` split at ``points`` on these inputs depends on (the module's doc)."""
     first: dict[int, int] = {}  # tied weights: where each tensor was seen first
+    classes = {type(module) for module in model.modules()}
     return (tuple(points), input_shapes(mb_args), input_shapes(mb_kwargs or {}),
             tuple((name, type(module).__module__, type(module).__qualname__, module.training)
                   for name, module in model.named_modules()),
+            tuple(sorted(((f"{cls.__module__}.{cls.__qualname__}", class_code(cls)) for cls in classes),
+                         key=lambda item: item[0])),
             tuple((name, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad, first.setdefault(id(p), k))
                   for k, (name, p) in enumerate(model.named_parameters(remove_duplicate=False))),
             tuple((name, tuple(b.shape), str(b.dtype), str(b.device), first.setdefault(id(b), -1 - k))
@@ -97,11 +124,13 @@ def _from_model(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_points: Sequence[str],
                     mb_kwargs: Optional[dict[str, Any]]) -> tuple[Any, Any]:
     """Trace a copy of ``model``; keep the pipe's skeleton. Returns (the pipe, its skeleton)."""
+    global traces
     from pipexplore.models.trace import split
 
     pipe = split(copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
     skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
     with _lock:
+        traces += 1
         _kept[key] = (skeleton, _stage_tensors(skeleton))
         while len(_kept) > KEPT_SPLITS:
             _kept.popitem(last=False)
