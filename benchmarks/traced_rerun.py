@@ -6,10 +6,16 @@ same split twice, interleaved: once with the split's pipe kept from the round be
 ``forget_traced()`` (torch.export traces it again). Wall seconds of the whole call, median of the
 rounds; and ``traced_pipe`` alone, the same two ways (what a rerun saves, without the steps).
 
+``--processes``: the same split rerun through the processes executor on a warm pool of 2 ranks
+(no warm-up step, one measured): each rank keeps the pipes it traced, so a rerun copies them;
+"traced again" discards the ranks first (``shutdown_pool(keep_server=True)``: the next pool's ranks
+are forked by the fork server in ~0.05 s, with no pipe kept), as every rerun traced before.
+
 Usage::
 
     python benchmarks/traced_rerun.py --rounds 5              # GPT-2 small (124M), 2 stages
     python benchmarks/traced_rerun.py --rounds 5 --tiny       # a tiny GPT-2 (4 blocks of 128)
+    python benchmarks/traced_rerun.py --rounds 5 --processes  # reruns in the processes executor
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT-2 rather than GPT-2 small")
+    parser.add_argument("--processes", action="store_true", help="reruns in the processes executor's warm pool")
     parser.add_argument("--devices", default="", help="ignored (the other benchmarks' option)")
     args = parser.parse_args()
     print(machine())
@@ -55,6 +62,10 @@ def main() -> None:
 
     def loss(out, target):  # type: ignore[no-untyped-def]
         return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    if args.processes:
+        processes(model, ids, plan.with_options(executor="processes"), loss, args)
+        return
 
     def step() -> float:
         started = time.perf_counter()
@@ -77,6 +88,37 @@ def main() -> None:
         kept, again = (statistics.median(v) for v in times.values())
         print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, {name}, median of "
               f"{args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x)")
+
+
+def processes(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-def]
+    from pipexplore.executors.distributed import run_processes
+    from pipexplore.executors.pool import shutdown_pool
+
+    def rerun() -> tuple[float, int]:
+        started = time.perf_counter()
+        result = run_processes(model, {"input_ids": ids}, plan, target=ids, loss_fn=loss, warmup=0)
+        return time.perf_counter() - started, result.metrics["traced_ranks"]
+
+    rerun()  # the fork server, the pool, and each rank's first trace
+    times: dict[str, list[float]] = {"kept": [], "traced again": []}
+    traced: dict[str, set[int]] = {"kept": set(), "traced again": set()}
+    for _ in range(args.rounds):
+        seconds, ranks = rerun()
+        times["kept"].append(seconds)
+        traced["kept"].add(ranks)
+        shutdown_pool(keep_server=True)  # new ranks: nothing kept
+        seconds, ranks = rerun()
+        times["traced again"].append(seconds)
+        traced["traced again"].add(ranks)
+    shutdown_pool()
+    kept, again = (statistics.median(v) for v in times.values())
+    print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point_of(plan)}, run_processes on 2 "
+          f"ranks, median of {args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x); "
+          f"ranks that traced: {sorted(traced['kept'])} / {sorted(traced['traced again'])}")
+
+
+def point_of(plan: Plan) -> str:
+    return str(plan.layer_table["name"].iloc[plan.splits[0]])
 
 
 if __name__ == "__main__":
