@@ -63,7 +63,7 @@ def class_code(cls: type) -> tuple[Any, ...]:
     or file that defined them."""
     found = []
     for base in cls.__mro__:
-        if base.__module__.split(".")[0] in ("torch", "builtins"):
+        if str(getattr(base, "__module__", None) or "").split(".")[0] in ("torch", "builtins"):
             continue
         for name, value in vars(base).items():
             function = getattr(value, "__func__", value)  # staticmethod, classmethod
