@@ -50,8 +50,8 @@ def traced_tiny_transformer(points=("layers.1", "layers.2", "layers.3")):
 
 
 def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
-    """Run ``script`` under ``torchrun`` with ``ranks`` processes on one node (a rendezvous port of
-    the test's own: ``--standalone`` would share one with every parallel test run), check it exits
+    """Run ``script`` under ``torchrun --standalone`` with ``ranks`` processes on one node (its
+    rendezvous on a port the agent's store picks and holds, a run id of its own), check it exits
     cleanly and return the loss it printed for step 0."""
     import os
     import pathlib
@@ -61,12 +61,8 @@ def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
 
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONPATH=pythonpath)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    done = subprocess.run([str(torchrun), "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                           f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-test-{port}", "--nproc-per-node",
-                           str(ranks), str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(ranks), str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
     assert match, done.stdout

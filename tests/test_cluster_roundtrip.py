@@ -397,6 +397,33 @@ def test_a_rank_that_dies_is_named_with_its_host_and_exit_code(tmp_path):
     assert not _ours_running(tmp_path)
 
 
+@pytest.mark.slow
+def test_the_agents_meet_at_a_store_held_here_from_the_moment_its_port_is_chosen(tmp_path, monkeypatch):
+    """The rendezvous store is hosted by the launcher on a port it holds (an agent hosting it
+    would bind a port chosen seconds before, which another process may take meanwhile: the agents
+    then waited on a socket that was not a store until the timeout)."""
+    import pipexplore.runs.launch as launching
+
+    held = []
+
+    def spy(timeout):
+        store = original(timeout)
+        with socket.socket() as other:  # nobody else can bind it now
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", store.port))
+        held.append(store)
+        return store
+
+    original = launching.rendezvous_store
+    monkeypatch.setattr(launching, "rendezvous_store", spy)
+    script = tmp_path / "ranks.py"
+    script.write_text('import os\nprint("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])\n')
+    outcome = launch(script, nodes=2, nproc_per_node=1, timeout=120)
+    assert sorted(re.findall(r"rank \d of 2", "".join(outcome.stdout))) == ["rank 0 of 2", "rank 1 of 2"]
+    store, = held
+    assert store.check([f"torch.rendezvous.pipexplore-{store.port}"])  # the agents' rendezvous state, here
+
+
 def _ours_running(marker) -> list[int]:
     """Processes whose command line names ``marker`` (none of ours may outlive a run)."""
     found = []

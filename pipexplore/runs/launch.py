@@ -6,7 +6,11 @@ cloudpickle, as the processes executor ships its jobs. :func:`launch` starts ``n
 (``torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``:
 torch's elastic agent, its rendezvous and its failure handling; no launcher of our own), each in
 its own process group, and waits: progress from the steps the script prints, Cancel from the
-run's :class:`~pipexplore.cancel.CancelToken`. Every rank of every agent runs on this machine,
+run's :class:`~pipexplore.cancel.CancelToken`. The rendezvous store the agents meet at (and the
+ranks, which torch points at it) is hosted here, on a port it holds from the moment it is chosen
+(``--rdzv-conf is_host=false``): an agent that hosted it would bind the port seconds later, once
+it has imported torch, and a port another process took meanwhile made the agents wait on a
+socket that is not a store until the run's timeout. Every rank of every agent runs on this machine,
 so they share its cores: ``OMP_NUM_THREADS`` is ``max(1, cores // ranks)`` unless the caller's
 environment sets it (torchrun sets 1 only for an agent of several ranks; an agent of one leaves
 its rank a thread per core, and two such ranks on 2 cores then spin against each other: 42–67
@@ -95,6 +99,17 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def rendezvous_store(timeout: Optional[float]) -> Any:
+    """A TCP store on loopback for the agents' c10d rendezvous, on a port the system chose and the
+    store holds (no other process can take it between the choice and the agents' start)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                    timeout=timedelta(seconds=max(60.0, timeout or 0.0) + 60.0))
 
 
 def write_hooks(folder: pathlib.Path, model: Any, inputs: Any, target: Any, loss_fn: Any, optimizer: Any) -> str:
@@ -203,9 +218,11 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
     folder = script.parent
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     command = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    port = free_port()
+    store = rendezvous_store(timeout)  # held until every agent is gone
+    port = store.port
     command += ["--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pipexplore-{port}", "--max-restarts", "0",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false", "--rdzv-id",
+                f"pipexplore-{port}", "--max-restarts", "0",
                 "--tee", "3"]  # each rank's lines prefixed with its rank ("[default3]:"), and kept in --log-dir
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
@@ -245,10 +262,12 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                              if done else f"torchrun: {nodes} node agents × {nproc_per_node} ranks starting "
                              f"({now - started:.0f} s)")
             time.sleep(POLL)
+        _stop(agents)  # agents that hung on after another failed; a no-op when all are done
     except BaseException:
         _stop(agents)
         raise
-    _stop(agents)  # agents that hung on after another failed; a no-op when all are done
+    finally:
+        del store  # (closed once the agents are gone)
     seconds = time.monotonic() - started
     stdout = [path.read_text() for path in outs]
     stderr = [path.read_text() for path in errs]
