@@ -13,7 +13,6 @@ import os
 import pathlib
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,30 +37,27 @@ def write_notebook(path: pathlib.Path, cells: Sequence[str]) -> None:
     path.write_text(json.dumps(nb))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def jupyterlab(root: pathlib.Path, notebooks: Mapping[str, Sequence[str]]) -> Iterator[tuple[str, str]]:
     """Write ``notebooks`` (name → cells) under ``root``, serve it with JupyterLab, yield (url, token);
     the server's whole process group is stopped on exit."""
     for name, cells in notebooks.items():
         write_notebook(root / name, cells)
-    port, token = free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_RUNTIME_DIR=str(root / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"))
+    # (port 0: the server takes a port the system gives it and writes it into its runtime file; a port
+    # chosen here would be bound seconds later, once the server has started, and might be taken by then)
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--port=0", "--ip=127.0.0.1",
          f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.disable_check_xsrf=True",
          "--ServerApp.open_browser=False"],
         cwd=root, env=env, stdout=open(root / "lab.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    info = root / "runtime" / f"jpserver-{server.pid}.json"
     deadline = time.time() + 90
     while True:
         try:
+            url = f"http://127.0.0.1:{json.loads(info.read_text())['port']}"
             urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
             break
         except Exception:
