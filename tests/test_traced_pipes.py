@@ -166,3 +166,20 @@ def test_a_class_redefined_with_another_forward_is_traced_again_and_the_same_cod
     run(_net_class(" * 2", "<cell 3>"))  # forward edited: the old pipe would compute without the "* 2"
     assert len(traces) == 2
     assert traced_pipes.class_code(_net_class("", "<a>")) != traced_pipes.class_code(_net_class(" * 2", "<a>"))
+
+
+def test_an_owned_model_lends_its_tensors_to_the_pipe_and_a_copy_does_not(traces):
+    """``owned=True`` (a processes rank's copy of the model): the pipe holds the model's own
+    parameters, traced or copied from the kept pipe (one model's memory in the rank, not two)."""
+    model, tokens, _, _, splits = traced_tiny_transformer()
+    points = ["layers.1"]
+    mb = (tokens[:2],)
+    mine = {p.data_ptr() for p in model.parameters()}
+    first = traced_pipes.traced_pipe(model, mb, points, owned=True)  # traced: the model itself
+    again = traced_pipes.traced_pipe(model, mb, points, owned=True)  # copied from the kept pipe
+    copied = traced_pipes.traced_pipe(model, mb, points)
+    assert len(traces) == 1
+    for pipe in (first, again):
+        assert {p.data_ptr() for p in pipe.split_gm.parameters()} == mine
+    assert not {p.data_ptr() for p in copied.split_gm.parameters()} & mine
+    torch.testing.assert_close(again.split_gm(*mb), copied.split_gm(*mb))

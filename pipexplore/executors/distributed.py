@@ -133,7 +133,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         traced = job["traced"]
         before = traced_pipes.traces
         pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
-                                        mb_kwargs=traced["mb_kwargs"])
+                                        mb_kwargs=traced["mb_kwargs"], owned=True)  # the rank's own copy
         traced_here = traced_pipes.traces - before
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]

@@ -121,13 +121,20 @@ def _from_model(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
 
 
+def _the_models(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """The model's own tensor (a Parameter where the pipe has one)."""
+    if isinstance(tensor, nn.Parameter) and not isinstance(current, nn.Parameter):
+        return nn.Parameter(current, requires_grad=tensor.requires_grad)
+    return current
+
+
 def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_points: Sequence[str],
-                    mb_kwargs: Optional[dict[str, Any]]) -> tuple[Any, Any]:
-    """Trace a copy of ``model``; keep the pipe's skeleton. Returns (the pipe, its skeleton)."""
+                    mb_kwargs: Optional[dict[str, Any]], owned: bool = False) -> tuple[Any, Any]:
+    """Trace ``model`` (a copy unless ``owned``); keep the pipe's skeleton. Returns (the pipe, its skeleton)."""
     global traces
     from pipexplore.models.trace import split
 
-    pipe = split(copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
+    pipe = split(model if owned else copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
     skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
     with _lock:
         traces += 1
@@ -146,10 +153,12 @@ def _lookup(key: tuple[Any, ...]) -> Optional[tuple[Any, list[tuple[torch.Tensor
 
 
 def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
-                mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
+                mb_kwargs: Optional[dict[str, Any]] = None, owned: bool = False) -> Any:
     """:func:`~pipexplore.models.trace.split` of a copy of ``model`` (the model itself is left as
     it is), traced once per split of a model of this shape (the module's doc): the pipe returned
-    is the caller's, with copies of the model's current parameters and buffers.
+    is the caller's, with copies of the model's current parameters and buffers. ``owned``: the
+    model is the caller's to give (a rank's copy of it): its tensors are the pipe's, not copied
+    (one model's memory, not two), and a first trace takes the model itself, as ``split`` does.
 
     Raises :class:`~pipexplore.models.trace.TraceError` as ``split`` does (a split that failed is
     not kept).
@@ -166,8 +175,8 @@ def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
         source.update(model.named_buffers(remove_duplicate=False))
         skeleton, tensors = kept
         if all(fqn in source for _, fqn in tensors):
-            return _copy_with(skeleton, tensors, source, _from_model)
-    return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[0]
+            return _copy_with(skeleton, tensors, source, _the_models if owned else _from_model)
+    return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs, owned)[0]
 
 
 def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,

@@ -6,8 +6,8 @@ cloudpickle, as the processes executor ships its jobs. :func:`launch` starts ``n
 (``torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``:
 torch's elastic agent, its rendezvous and its failure handling; no launcher of our own), each in
 its own process group, and waits: progress from the steps the script prints, Cancel from the
-run's :class:`~pipexplore.cancel.CancelToken`. The rendezvous store the agents meet at (and the
-ranks, which torch points at it) is hosted here, on a port it holds from the moment it is chosen
+run's :class:`~pipexplore.cancel.CancelToken`. The rendezvous store the agents meet at is
+hosted here, on a port it holds from the moment it is chosen
 (``--rdzv-conf is_host=false``): an agent that hosted it would bind the port seconds later, once
 it has imported torch, and a port another process took meanwhile made the agents wait on a
 socket that is not a store until the run's timeout. Every rank of every agent runs on this machine,
