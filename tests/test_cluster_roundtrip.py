@@ -385,10 +385,14 @@ time.sleep(300)  # the others wait for it (as the exported script's ranks would,
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_is_named_with_its_host_and_exit_code(tmp_path):
+def test_a_rank_that_dies_is_named_with_its_host_and_exit_code(tmp_path, monkeypatch):
     """Whatever the script, a rank's death is reported by its agent: the rank, its host and exit code
-    named, the other node's agent and rank stopped. (A script of its own: each rank of the exported
-    one would spend 4 s of CPU importing torch's pipelining before it died.)"""
+    named, the other node's agent and rank stopped once the grace for their own reports is over
+    (1 s here: this script's other rank waits on nothing that would fail it). A script of its own:
+    each rank of the exported one would spend 4 s of CPU importing torch's pipelining first."""
+    import pipexplore.runs.launch as launching
+
+    monkeypatch.setattr(launching, "FAILURE_GRACE", 1.0)
     script = tmp_path / "train_pipeline.py"
     script.write_text(DIES)
     with pytest.raises(TorchrunError, match=r"rank 1 on host \S+ exited with code 3") as caught:
