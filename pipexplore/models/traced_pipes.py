@@ -15,8 +15,9 @@ outside torch defines (a class redefined in a notebook with another ``forward`` 
 the same code run again in a new cell is not); its parameters' and buffers' names, shapes,
 dtypes, devices, ``requires_grad`` and ties (one weight under two names), each module's
 train/eval mode (dropout is traced as it runs) and a Hugging Face config's ``repr``. Anything
-else the model's ``forward`` reads (a plain attribute set after the first run, a module-level
-function it calls) is not seen: :func:`forget_traced` empties the kept pipes.
+else the model's ``forward`` reads (a plain attribute set after the first run, a global or a
+module-level function it calls, changed since) is not seen: :func:`forget_traced` empties the
+kept pipes.
 
 The processes executor's ranks keep their own pipes the same way (:data:`traces` counts the
 traces a process made): a rerun in the warm pool copies the kept pipe in each rank instead of
