@@ -4,8 +4,9 @@ loopback, gloo, 2 ranks each), ``explorer.load_run`` reads it whole and ``explor
 executor='torchrun', nodes=2)`` does both; a rank that dies is named, a directory missing a
 rank, of another plan or truncated is refused and nothing of it is kept. The 1F1B and the
 interleaved runs have two agents of two ranks; the others (a CSV schedule with the profiler on
-beside the recorder, a rank that dies, a cancel) have two agents of one rank: each rank is an
-interpreter importing torch's pipelining (~5 s of CPU)."""
+beside the recorder, a cancel) have two agents of one rank: each rank is an interpreter importing
+torch's pipelining (~5 s of CPU). The tests of what torchrun itself does (a rank that dies, where
+the agents meet) run scripts of their own that import nothing."""
 from __future__ import annotations
 
 import html
