@@ -64,7 +64,7 @@ def main() -> None:
         return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
     if args.processes:
-        processes(model, ids, plan.with_options(executor="processes"), loss, args)
+        processes(model, ids, plan.with_options(executor="processes"), point, loss, args)
         return
 
     def step() -> float:
@@ -90,7 +90,7 @@ def main() -> None:
               f"{args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x)")
 
 
-def processes(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-def]
+def processes(model, ids, plan, point, loss, args) -> None:  # type: ignore[no-untyped-def]
     from pipexplore.executors.distributed import run_processes
     from pipexplore.executors.pool import shutdown_pool
 
@@ -112,13 +112,9 @@ def processes(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-
         traced["traced again"].add(ranks)
     shutdown_pool()
     kept, again = (statistics.median(v) for v in times.values())
-    print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point_of(plan)}, run_processes on 2 "
+    print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, run_processes on 2 "
           f"ranks, median of {args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x); "
           f"ranks that traced: {sorted(traced['kept'])} / {sorted(traced['traced again'])}")
-
-
-def point_of(plan: Plan) -> str:
-    return str(plan.layer_table["name"].iloc[plan.splits[0]])
 
 
 if __name__ == "__main__":

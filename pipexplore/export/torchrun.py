@@ -110,8 +110,9 @@ def main() -> None:
     pipe = pipeline(model, mb_args=tuple(first(a) for a in args),
                     mb_kwargs={{k: first(v) for k, v in model_kwargs.items()}} or None,
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
-    if late_inputs(pipe):
-        raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late_inputs(pipe)}} themselves, "
+    late = late_inputs(pipe)
+    if late:
+        raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late}} themselves, "
                          "but torch's stages feed them to the first stage only: begin the second stage at a later "
                          "block (SPLIT_POINTS; the explorer's balance does for processes plans), or read them in "
                          "loss_fn")
