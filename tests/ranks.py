@@ -49,23 +49,98 @@ def traced_tiny_transformer(points=("layers.1", "layers.2", "layers.3")):
     return model, tokens, target, table, [names.index(n) for n in points]
 
 
-def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
-    """Run ``script`` under ``torchrun --standalone`` with ``ranks`` processes on one node (its
-    rendezvous on a port the agent's store picks and holds, a run id of its own), check it exits
-    cleanly and return the loss it printed for step 0."""
+#: What a forked rank has imported before it starts: what every exported script imports.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "ranks"]
+
+
+def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: float = 300.0) -> list[str]:
+    """Run ``script`` as ``torchrun --standalone --nproc-per-node RANKS script ARGS`` runs it: one
+    process a rank with the environment torchrun's agent gives it (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store held here, ``OMP_NUM_THREADS=1``),
+    the script run as ``__main__`` with ``sys.argv`` as torchrun sets it. Each rank is forked from
+    a process that has imported torch and its pipelining once (multiprocessing's fork server, one a
+    test process): a rank started by torchrun as a new interpreter pays ~3 s of CPU importing them,
+    and the agent ~2 s more. What torchrun itself does (agents, rendezvous, a rank that dies) is
+    tested by ``test_cluster_roundtrip.py`` and notebooks 04 and 07 under torchrun itself.
+
+    Returns each rank's stdout; fails the test (quoting its stderr) when a rank exits non-zero or
+    the ranks do not finish within ``timeout`` seconds (every rank is then killed)."""
+    import multiprocessing
     import os
-    import pathlib
-    import re
-    import subprocess
+    import tempfile
+    import time
+    from multiprocessing import connection
+
+    import torch.distributed as dist
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    # the rendezvous store, held here as an agent holds it (TORCHELASTIC_USE_AGENT_STORE): its port
+    # is the one it is bound to, so no other process can take it between choosing and binding
+    store = dist.TCPStore("127.0.0.1", 0, world_size=ranks, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", ROLE_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        outputs = [(os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err")) for rank in range(ranks)]
+        processes = [context.Process(target=_rank, args=(str(script), [str(a) for a in args], pythonpath,
+                                                         {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                                         outputs[rank]), name=f"rank{rank}")
+                     for rank in range(ranks)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        try:  # until every rank is done, one fails (torchrun then stops the others) or the time is up
+            while any(process.exitcode is None for process in processes) and time.monotonic() < deadline:
+                if any(process.exitcode not in (None, 0) for process in processes):
+                    break
+                connection.wait([p.sentinel for p in processes if p.exitcode is None], deadline - time.monotonic())
+        finally:
+            for process in processes:
+                if process.exitcode is None:
+                    process.kill()
+                    process.join()
+        read = [tuple(open(path, errors="replace").read() for path in pair) for pair in outputs]
+    failed = [(rank, process.exitcode) for rank, process in enumerate(processes) if process.exitcode != 0]
+    assert not failed, f"ranks failed (rank, exit code; a negative one: killed): {failed}\n" + "\n".join(
+        f"rank {rank} stderr:\n{read[rank][1][-2000:]}" for rank, _ in failed)
+    return [out for out, _ in read]
+
+
+def _rank(script: str, args: list[str], pythonpath: str, env: dict, outputs: tuple[str, str]) -> None:
+    """A forked rank: torchrun's environment, stdout and stderr to files, ``script`` as ``__main__``."""
+    import os
+    import runpy
     import sys
 
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(ranks), str(script)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    match = re.search(r"step 0 loss=([0-9.]+)", done.stdout)
-    assert match, done.stdout
+    import torch
+
+    for fd, path in zip((1, 2), outputs, strict=True):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 would have set at the interpreter's start
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script))] + [p for p in pythonpath.split(os.pathsep) if p]
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:
+    """The loss ``script`` (an exported one) prints for step 0, run on ``ranks`` ranks as torchrun
+    runs it (:func:`run_ranks`); the ranks must exit cleanly."""
+    import re
+
+    stdout = "".join(run_ranks(script, ranks=ranks, pythonpath=pythonpath))
+    match = re.search(r"step 0 loss=([0-9.]+)", stdout)
+    assert match, stdout
     return float(match.group(1))
 
 

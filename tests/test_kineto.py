@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from pipexplore.runs.kineto import Label, TraceError, find_traces, parse_label, read_traces
 from pipexplore.timeline import COLUMNS, step_time
 
-# One torchrun, three schedules: ScheduleGPipe over two profiled steps (ProfilerStep#N), Schedule1F1B,
+# One run of 2 ranks, three schedules: ScheduleGPipe over two profiled steps (ProfilerStep#N), Schedule1F1B,
 # and ScheduleInterleaved1F1B with two stages a rank. Each writes <out>/<schedule>/trace_rank{r}.json.
 _SCRIPT = '''
 import os, sys
@@ -58,15 +55,13 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def torch_traces(tmp_path_factory):
-    """The traces of one torchrun (2 ranks, gloo, CPU) for all three schedules."""
+    """The traces of one run of 2 ranks (gloo, CPU), as torchrun runs the script, for all three schedules."""
+    from ranks import run_ranks
+
     root = tmp_path_factory.mktemp("kineto")
     script = root / "profile_pipeline.py"
     script.write_text(_SCRIPT)
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(root / "out")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(script, [root / "out"])
     return root / "out"
 
 

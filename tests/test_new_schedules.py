@@ -260,7 +260,7 @@ def test_processes_run_the_v_schedules_with_the_gradients_of_one_process(schedul
 
 
 @pytest.mark.slow
-def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_through_torchrun(tmp_path):
+def test_a_traced_model_runs_zbv_in_processes_and_dualpipev_in_its_exported_script(tmp_path):
     import pathlib
 
     from pipexplore.executors.distributed import run_processes

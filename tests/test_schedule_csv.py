@@ -363,7 +363,7 @@ def test_processes_run_a_csv_through_torchs_runtime_with_the_gradients_of_one_pr
 
 
 @pytest.mark.slow
-def test_a_traced_model_runs_a_csv_in_processes_and_through_the_torchrun_export(tmp_path):
+def test_a_traced_model_runs_a_csv_in_processes_and_in_its_exported_script(tmp_path):
     import pathlib
 
     from pipexplore.executors.distributed import run_processes
