@@ -100,9 +100,30 @@ def recorded(hooks, tmp_path_factory):
     script = work / "train_pipeline.py"
     script.write_text(explorer.export("torchrun", hooks="roundtrip_hooks", steps=4))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
-    outcome = launch(script, nodes=2, nproc_per_node=2, args=["--record", str(work / "run")], env=env,
-                     timeout=300)
-    return explorer, work / "run", outcome
+    with pytest.MonkeyPatch.context() as patch:  # the rendezvous store the launch holds, watched
+        stores = _watch_stores(patch)
+        outcome = launch(script, nodes=2, nproc_per_node=2, args=["--record", str(work / "run")], env=env,
+                         timeout=300)
+    return explorer, work / "run", outcome, stores
+
+
+def _watch_stores(patch) -> list:
+    """The rendezvous stores launches hold from now on (``launch.rendezvous_store`` spied on), each
+    checked when it is made: no other process can bind its port."""
+    import pipexplore.runs.launch as launching
+
+    original, held = launching.rendezvous_store, []
+
+    def spy(timeout):
+        store = original(timeout)
+        with socket.socket() as other:
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", store.port))
+        held.append(store)
+        return store
+
+    patch.setattr(launching, "rendezvous_store", spy)
+    return held
 
 
 def _every_action(timeline, stages, chunks):
@@ -126,7 +147,7 @@ def _in_place(timeline):
 
 @pytest.mark.slow
 def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
-    explorer, directory, outcome = recorded
+    explorer, directory, outcome, _ = recorded
     row = explorer.load_run(directory)
     assert row["executor"] == "torchrun" and row["nodes"] == 2 and row["ranks"] == 4 and row["hosts"]
     assert explorer.runs.iloc[-1]["executor"] == "torchrun"
@@ -249,7 +270,7 @@ def _edit(path, change):
 
 @pytest.mark.slow
 def test_a_known_shift_in_a_rank_file_lands_in_place(recorded, tmp_path):
-    explorer, directory, _ = recorded
+    explorer, directory, *_ = recorded
     original = read_run(directory)
     copy = _copy(directory, tmp_path)
 
@@ -274,7 +295,7 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     """The same run, its ranks' files saying they ran on H100s: it loads as a run on planned H100s,
     and what it teaches is kept for H100 plans (a plan of the same shape on H100s now predicts it),
     while this machine's predictions stay as they were."""
-    _, directory, _ = recorded
+    _, directory, *_ = recorded
     copy = _copy(directory, tmp_path)
     for rank in range(4):
         _edit(copy / f"rank-{rank}.json", lambda payload, r=rank: payload.update(
@@ -327,7 +348,7 @@ def test_a_run_on_devices_no_kind_names_teaches_nothing(recorded, hooks, tmp_pat
     """A run on other hosts whose devices are not one catalogued kind (GPUs the catalogue does not
     know, mixed kinds, unnamed GPUs, other machines' CPUs) loads as a run but corrects no
     prediction: taught to this machine's plans it would give them another machine's speed."""
-    _, directory, _ = recorded
+    _, directory, *_ = recorded
     copy = _copy(directory, tmp_path)
     for rank, (device, name) in enumerate(ranks):
         _edit(copy / f"rank-{rank}.json", lambda payload, r=rank, d=device, n=name: payload.update(
@@ -359,7 +380,7 @@ def _drop_a_backward(payload):
     (lambda d: _edit(d / "rank-1.json", lambda p: p.update(version=99)), "version 99"),
 ])
 def test_a_damaged_run_directory_is_refused_whole(recorded, tmp_path, damage, words):
-    explorer, directory, _ = recorded
+    explorer, directory, *_ = recorded
     copy = _copy(directory, tmp_path)
     damage(copy)
     rows, plan, corrections = len(explorer.runs), explorer.plan, explorer.plan.corrections
@@ -370,7 +391,7 @@ def test_a_damaged_run_directory_is_refused_whole(recorded, tmp_path, damage, wo
 
 @pytest.mark.slow
 def test_a_run_of_another_model_is_refused(recorded, tmp_path):
-    _, directory, _ = recorded
+    _, directory, *_ = recorded
     other = pipexplore.explore(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]),
                                torch.randn(32, 64), chunks=4, profile_repeats=1)
     with pytest.raises(RunDirectoryError, match="another model"):
@@ -403,29 +424,12 @@ def test_a_rank_that_dies_is_named_with_its_host_and_exit_code(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_the_agents_meet_at_a_store_held_here_from_the_moment_its_port_is_chosen(tmp_path, monkeypatch):
-    """The rendezvous store is hosted by the launcher on a port it holds (an agent hosting it
-    would bind a port chosen seconds before, which another process may take meanwhile: the agents
-    then waited on a socket that was not a store until the timeout)."""
-    import pipexplore.runs.launch as launching
-
-    held = []
-
-    def spy(timeout):
-        store = original(timeout)
-        with socket.socket() as other:  # nobody else can bind it now
-            with pytest.raises(OSError):
-                other.bind(("127.0.0.1", store.port))
-        held.append(store)
-        return store
-
-    original = launching.rendezvous_store
-    monkeypatch.setattr(launching, "rendezvous_store", spy)
-    script = tmp_path / "ranks.py"
-    script.write_text('import os\nprint("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])\n')
-    outcome = launch(script, nodes=2, nproc_per_node=1, timeout=120)
-    assert sorted(re.findall(r"rank \d of 2", "".join(outcome.stdout))) == ["rank 0 of 2", "rank 1 of 2"]
-    store, = held
+def test_the_agents_meet_at_a_store_held_here_from_the_moment_its_port_is_chosen(recorded):
+    """The rendezvous store is hosted by the launcher on a port it holds from the moment it is
+    chosen (an agent hosting it would bind a port chosen seconds before, which another process may
+    take meanwhile: the agents then waited on a socket that was not a store until the timeout);
+    both agents met there."""
+    store, = recorded[3]
     assert store.check([f"torch.rendezvous.pipexplore-{store.port}"])  # the agents' rendezvous state, here
 
 
