@@ -6,6 +6,11 @@ same split twice, interleaved: once with the split's pipe kept from the round be
 ``forget_traced()`` (torch.export traces it again). Wall seconds of the whole call, median of the
 rounds; and ``traced_pipe`` alone, the same two ways (what a rerun saves, without the steps).
 
+``--new-split``: a split at another block each time (what a drag of a split handle then Run step
+asks for): ``traced_pipe`` and ``run_traced_step`` with the model's export kept from the splits
+before (``pipexplore.models.marked_export``: no export, torch's splitter on the kept graph) against
+exporting it again (``forget_traced()``), interleaved; the kept pipes are dropped either way.
+
 ``--processes``: the same split rerun through the processes executor on a warm pool of 2 ranks
 (no warm-up step, one measured): each rank keeps the pipes it traced, so a rerun copies them;
 "traced again" discards the ranks first (``shutdown_pool(keep_server=True)``: the next pool's ranks
@@ -16,6 +21,7 @@ Usage::
     python benchmarks/traced_rerun.py --rounds 5              # GPT-2 small (124M), 2 stages
     python benchmarks/traced_rerun.py --rounds 5 --tiny       # a tiny GPT-2 (4 blocks of 128)
     python benchmarks/traced_rerun.py --rounds 5 --processes  # reruns in the processes executor
+    python benchmarks/traced_rerun.py --rounds 5 --new-split  # a split at another block each time
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a tiny GPT-2 rather than GPT-2 small")
     parser.add_argument("--processes", action="store_true", help="reruns in the processes executor's warm pool")
+    parser.add_argument("--new-split", action="store_true", help="a split at another block each time")
     parser.add_argument("--devices", default="", help="ignored (the other benchmarks' option)")
     args = parser.parse_args()
     print(machine())
@@ -65,6 +72,9 @@ def main() -> None:
 
     if args.processes:
         processes(model, ids, plan.with_options(executor="processes"), point, loss, args)
+        return
+    if args.new_split:
+        new_split(model, ids, plan, loss, args)
         return
 
     def step() -> float:
@@ -88,6 +98,37 @@ def main() -> None:
         kept, again = (statistics.median(v) for v in times.values())
         print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, {name}, median of "
               f"{args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x)")
+
+
+def new_split(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-def]
+    blocks = [i for i, name in enumerate(plan.layer_table["name"]) if str(name).startswith("transformer.h.")]
+    names = [str(n) for n in plan.layer_table["name"]]
+    sample = {"input_ids": ids}
+    points = iter(blocks[1:] * (4 * args.rounds))  # another block at each call
+
+    def pipe() -> float:
+        started = time.perf_counter()
+        traced_pipe(model, first_microbatch(sample, plan.chunks), [names[next(points)]])
+        return time.perf_counter() - started
+
+    def step() -> float:
+        started = time.perf_counter()
+        run_traced_step(model, sample, plan.with_options(splits=(next(points),)), target=ids, loss_fn=loss,
+                        warmup=1, repeats=1)
+        return time.perf_counter() - started
+
+    for name, call in (("traced_pipe", pipe), ("run_traced_step", step)):
+        forget_traced()
+        call()  # the first split: the model exported, its export kept
+        times: dict[str, list[float]] = {"export kept": [], "exported again": []}
+        for _ in range(args.rounds):
+            forget_traced(exports=False)
+            times["export kept"].append(call())
+            forget_traced()
+            times["exported again"].append(call())
+        kept, again = (statistics.median(v) for v in times.values())
+        print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages, a new split point each call, {name}, "
+              f"median of {args.rounds}: export kept {kept:.2f} s, exported again {again:.2f} s ({again / kept:.1f}x)")
 
 
 def processes(model, ids, plan, point, loss, args) -> None:  # type: ignore[no-untyped-def]

@@ -55,13 +55,13 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     tokens, target = get_batch()
     table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
     traced_here = []
-    original = tracing.split
+    original = tracing.split_marked
 
     def counting(*args, **kwargs):
         traced_here.append(kwargs.get("mb_kwargs"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tracing, "split", counting)
+    monkeypatch.setattr(tracing, "split_marked", counting)
     plan = Plan(table, (3,), ("cpu", "cpu"), chunks=4, schedule="gpipe", executor="processes")
     run = lambda p, x=tokens, y=target: run_processes(model, x, p, target=y, loss_fn=loss_fn, warmup=0)  # noqa: E731
     first = run(plan)

@@ -17,16 +17,17 @@ from tiny_transformer import loss_fn
 
 @pytest.fixture
 def traces(monkeypatch):
-    """The splits traced from here on (each call's split points), none kept before."""
+    """The splits traced from here on (each call's split points), none kept before (nor any
+    export: a split of a kept export is a split traced, without exporting the model again)."""
     traced_pipes.forget_traced()
     calls: list[list[str]] = []
-    original = tracing.split
+    original = tracing.split_marked
 
     def counting(model, mb_args, split_points, **kwargs):
         calls.append(list(split_points))
         return original(model, mb_args, split_points, **kwargs)
 
-    monkeypatch.setattr(tracing, "split", counting)
+    monkeypatch.setattr(tracing, "split_marked", counting)
     yield calls
     traced_pipes.forget_traced()
 
@@ -183,3 +184,107 @@ def test_an_owned_model_lends_its_tensors_to_the_pipe_and_a_copy_does_not(traces
         assert {p.data_ptr() for p in pipe.split_gm.parameters()} == mine
     assert not {p.data_ptr() for p in copied.split_gm.parameters()} & mine
     torch.testing.assert_close(again.split_gm(*mb), copied.split_gm(*mb))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_new_split_of_a_kept_shape_is_split_from_its_kept_export_and_equals_the_unsplit_model(traces, tied):
+    """The first split exports the model marked at every candidate (both granularities); a split
+    at other points of a model of that shape splits the kept export (no export), holding the
+    model's weights as they are, a tied weight tied, the model itself unchanged, owned or not."""
+    from tiny_transformer import TinyTransformer, get_batch
+
+    torch.manual_seed(0)
+    model = TinyTransformer(tied=tied)
+    tokens, target = get_batch()
+    exports = traced_pipes.exports
+    traced_pipes.traced_pipe(model, tokens[:2], ["layers.2"])  # (one micro-batch of 4, as the runs take it)
+    assert traced_pipes.exports == exports + 1
+    (_, kept), = traced_pipes._exports.items()
+    assert {"layers.1", "layers.1.attn", "layers.3.mlp", "head"} <= set(kept.order)
+    assert all(t.is_meta for t in kept.program.state_dict.values())  # it holds no weights
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.9)  # weights of the model as it is now, not as the export saw them
+    before = copy.deepcopy(model.state_dict())
+    tables = [tracing.candidates(copy.deepcopy(model), (tokens,), granularity=g, repeats=1)
+              for g in ("blocks", "children")]
+    for points in (["layers.1", "layers.3"], ["layers.0.mlp", "layers.2.attn", "norm"], ["head"]):
+        table = next(t for t in tables if set(points) <= set(t["name"]))
+        names = table["name"].tolist()
+        plan = Plan(table, tuple(names.index(p) for p in points), ("cpu",) * (len(points) + 1), chunks=4,
+                    schedule="1f1b", executor="threads")
+        result = run_traced_step(model, tokens, plan, target=target, loss_fn=loss_fn, warmup=0, repeats=1,
+                                 return_grads=True)
+        reference = copy.deepcopy(model)
+        loss = loss_fn(reference(tokens), target)
+        loss.backward()
+        assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+        named = dict(reference.named_parameters(remove_duplicate=False))  # a tied weight under both names
+        assert {id(named[key.split(".", 1)[1]]) for key in result.metrics["grads"]} == {id(p) for p in named.values()}
+        for key, grad in result.metrics["grads"].items():
+            torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+    assert traced_pipes.exports == exports + 1 and len(traces) == 4  # four splits, one export
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert "forward" not in vars(model.layers[1]) and "forward" not in vars(model.head)  # no marker left on it
+    owned = traced_pipes.traced_pipe(model, tokens[:2], ["layers.0"], owned=True)
+    assert traced_pipes.exports == exports + 1
+    shared = {p.data_ptr() for p in owned.split_gm.parameters()}
+    if not tied:  # (torch's splitter gives each stage of a tied weight a copy of its own, traced or not)
+        assert shared == {p.data_ptr() for p in model.parameters()}  # the owned model's own tensors
+    torch.testing.assert_close(owned(tokens[:2])[0], model(tokens[:2]))
+
+
+class _AutocastInside(torch.nn.Module):
+    """A module called inside an autocast block: export keeps that block a region of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.half, self.last = (torch.nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.half(x)
+        return self.last(x + y.float())
+
+
+def test_where_the_markers_cannot_go_the_split_is_traced_at_its_own_points(traces):
+    """Where an export marked everywhere fails (a marker inside an autocast region) or its markers
+    do not follow the calls one for one, the split is traced at its points alone (here torch's
+    splitter refuses such a region anyway: the error is the one ``trace.split`` gives), and no
+    export is kept."""
+    model, x = _AutocastInside(), torch.randn(4, 6)
+    with pytest.raises(tracing.TraceError, match="could not trace _AutocastInside"):
+        traced_pipes.traced_pipe(model, (x,), ["last"])
+    assert traces == [["last"], ["last"]]  # marked everywhere: not traced; then at its point
+    assert not traced_pipes._exports and not traced_pipes._kept
+    with pytest.raises(tracing.TraceError, match="could not trace _AutocastInside"):
+        tracing.split(copy.deepcopy(model), (x,), ["last"])
+
+
+class _ConstantRegion(torch.nn.Module):
+    """A module called inside a ``no_grad`` block that needs no gradient (a frozen table of a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.table, self.last = (torch.nn.Linear(6, 6) for _ in range(3))
+        self.table.requires_grad_(False)
+        self.register_buffer("ones", torch.ones(6))
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.table(self.ones)
+        return self.last(torch.tanh(self.first(x)) * scale)
+
+
+def test_a_marker_in_a_region_that_is_inlined_comes_out_with_it(traces):
+    """A constant ``no_grad`` region is inlined before the split (``fx_workarounds``): the marker
+    of the module inside it is then in its place, and the export serves every split."""
+    model, x = _ConstantRegion(), torch.randn(4, 6)
+    exports = traced_pipes.exports
+    for points in (["last"], ["first"], ["first", "last"]):
+        pipe = traced_pipes.traced_pipe(model, (x,), points)
+        torch.testing.assert_close(pipe(x)[0], model(x))
+    assert len(traces) == 3 and traced_pipes.exports == exports + 1
+    (_, kept), = traced_pipes._exports.items()
+    assert kept.order == ("table", "first", "last")

@@ -37,7 +37,7 @@ MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "Sche
                "ScheduleLoopedBFS", "ScheduleDualPipeV", "_PipelineScheduleRuntime"}
 
 __all__ = ["TraceError", "GRANULARITIES", "candidate_modules", "candidates", "candidates_in_rows",
-           "inputs_past_first_stage", "split", "run_generated_code", "skip_routes_of",
+           "inputs_past_first_stage", "split", "split_marked", "run_generated_code", "skip_routes_of",
            "SCHEDULE_CLASSES", "MULTI_STAGE"]
 
 #: How fine the candidate split points are: ``blocks`` (the model's repeated blocks, wherever their
@@ -286,21 +286,20 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     return table
 
 
-def _mark_beginnings(model: nn.Module, split_points: Sequence[str],
-                     calls: dict[str, int]) -> list[tuple[nn.Module, Any]]:
-    """Make each split point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``),
-    counting the calls; returns each module with the instance ``forward`` it had (or None)."""
+def _mark_beginnings(model: nn.Module, points: Sequence[str], order: list[str]) -> list[tuple[nn.Module, Any]]:
+    """Make each point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``), noting
+    its FQN in ``order`` at each call; returns each module with the instance ``forward`` it had (or None)."""
     from torch.distributed.pipelining import pipe_split
 
     modules = dict(model.named_modules())
     marked = []
-    for fqn in split_points:
+    for fqn in points:
         module = modules[fqn]
         forward = module.forward
         marked.append((module, module.__dict__.get("forward")))
 
         def begin_stage(*args: Any, _forward: Any = forward, _fqn: str = fqn, **kwargs: Any) -> Any:
-            calls[_fqn] += 1
+            order.append(_fqn)
             pipe_split()
             return _forward(*args, **kwargs)
 
@@ -375,7 +374,26 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
         pipe = trace.split(copy.deepcopy(gpt2), {"input_ids": ids[:2]}, ["transformer.h.2"])
         pipe.num_stages   # 2
     """
+    return split_marked(model, mb_args, split_points, mb_kwargs=mb_kwargs)[0]
+
+
+def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
+                 mb_kwargs: Optional[dict[str, Any]] = None, marks: Sequence[str] = (),
+                 exported: Any = None) -> tuple[Any, Any]:
+    """:func:`split`, with a marker (``pipe_split()``) also at the start of each module in
+    ``marks`` while exporting, those not in ``split_points`` removed from the graph before it is
+    split; or, given ``exported`` (a :class:`~pipexplore.models.marked_export.MarkedExport` of a
+    model of this shape on inputs of this shape), no export at all: its graph split at
+    ``split_points``. Returns ``(pipe, the MarkedExport of this export)``.
+
+    Raises :class:`TraceError` as :func:`split` does, and
+    :class:`~pipexplore.models.marked_export.MarkersMoved` where the graph's markers are not one
+    per marked call in the order of the calls (a marker inside a region export keeps apart, such
+    as a ``no_grad`` block): split without ``marks`` then.
+    """
     from torch.distributed.pipelining import pipeline
+
+    from pipexplore.models import marked_export
 
     args, kwargs = call_inputs(mb_args)
     kwargs.update(mb_kwargs or {})
@@ -390,24 +408,29 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     repeated = sorted({fqn for fqn in split_points if split_points.count(fqn) > 1})
     if repeated:
         raise TraceError(f"split point(s) {repeated} are given more than once: give each split point once")
-    calls = {fqn: 0 for fqn in split_points}
+    order: list[str] = list(exported.order) if exported is not None else []
     captured: dict[str, Any] = {}
 
     def policy(gm: fx.GraphModule) -> fx.GraphModule:
         codegen = getattr(gm.graph, "_codegen", None)
         captured["output_spec"] = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
-        return inline_constant_no_grad_regions(gm)
+        gm = inline_constant_no_grad_regions(gm)  # (a marker inside such a region comes out with it)
+        marked_export.keep_markers(gm, order, split_points)
+        return gm
 
     noise = io.StringIO()
     logger = logging.getLogger("torch")
     level = logger.level
-    marked = _mark_beginnings(model, split_points, calls)
+    marked = [] if exported is not None else _mark_beginnings(model, list(dict.fromkeys([*split_points, *marks])),
+                                                              order)
     try:
         logger.setLevel(logging.ERROR)
         with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings(), \
-                cache_off(model):  # a Hugging Face config's use_cache=True would return a cache: hf.cache_off
+                cache_off(model), marked_export.exporting(exported, captured, model):  # (cache: hf.cache_off)
             warnings.simplefilter("ignore")
             pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=kwargs or None, split_policy=policy)
+    except marked_export.MarkersMoved:
+        raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TraceError(
@@ -423,18 +446,19 @@ def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
                 del module.forward
             else:
                 module.forward = own_forward
-    never = [fqn for fqn, n in calls.items() if n == 0]
+    never = [fqn for fqn in split_points if fqn not in order]
     if never:
         raise TraceError(f"split point(s) {never} did not begin a stage: {type(model).__name__}'s forward never "
                          "calls them on this input; choose modules that forward calls (trace.candidates lists them "
                          "in execution order)")
-    twice = [fqn for fqn, n in calls.items() if n > 1]
+    twice = [fqn for fqn in split_points if order.count(fqn) > 1]
     if twice:
-        raise TraceError(f"split point(s) {twice} would begin {max(calls[f] for f in twice)} stages each: forward "
-                         "calls them more than once (a shared module); split at a module that forward calls once")
+        raise TraceError(f"split point(s) {twice} would begin {max(order.count(f) for f in twice)} stages each: "
+                         "forward calls them more than once (a shared module); split at a module that forward "
+                         "calls once")
     pipe.output_spec = captured.get("output_spec")
     run_generated_code(pipe.split_gm)
-    return pipe
+    return pipe, exported if exported is not None else marked_export.MarkedExport(captured["program"], tuple(order))
 
 
 def run_generated_code(module: nn.Module) -> int:

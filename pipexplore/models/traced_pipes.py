@@ -40,10 +40,17 @@ KEPT_SPLITS = 8
 #: split_key → (the pipe with meta weights, [(its meta tensor, the model's FQN), ...])
 _kept: "collections.OrderedDict[tuple[Any, ...], tuple[Any, list[tuple[torch.Tensor, str]]]]" = \
     collections.OrderedDict()
+#: How many models' exports are kept, each serving every split of its model (the least recently used leaves first).
+KEPT_EXPORTS = 2
+#: split_key without its points → the model's export marked for every split (weights on meta):
+#: :class:`~pipexplore.models.marked_export.MarkedExport`
+_exports: "collections.OrderedDict[tuple[Any, ...], Any]" = collections.OrderedDict()
 #: Runs in the background (the explorer's) and in the foreground may look splits up at once.
 _lock = threading.Lock()
-#: How many traces this process has made (a rank reports whether its run traced).
+#: How many splits this process has traced (a rank reports whether its run traced), and how many
+#: of them exported the model (the others split a kept export of it).
 traces = 0
+exports = 0
 
 
 def input_shapes(value: Any) -> Any:
@@ -131,17 +138,60 @@ def _the_models(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 
 def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_points: Sequence[str],
                     mb_kwargs: Optional[dict[str, Any]], owned: bool = False) -> tuple[Any, Any]:
-    """Trace ``model`` (a copy unless ``owned``); keep the pipe's skeleton. Returns (the pipe, its skeleton)."""
-    global traces
-    from pipexplore.models.trace import split
+    """Split ``model`` at ``split_points``: from the kept export of a model of this shape when
+    there is one (no export; the model itself is read, not changed), else by exporting a copy of
+    it (the model itself if ``owned``) marked for every split, that export then kept. Keep the
+    pipe's skeleton. Returns (the pipe, holding the model's tensors or copies of them as
+    :func:`traced_pipe` says, its skeleton)."""
+    global traces, exports
+    from pipexplore.models.marked_export import MarkersMoved, marks_for
+    from pipexplore.models.trace import TraceError, split_marked
 
-    pipe = split(model if owned else copy.deepcopy(model), mb_args, list(split_points), mb_kwargs=mb_kwargs)
-    skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+    base = key[1:]  # the split key without its points: what the export depends on
+    with _lock:
+        exported = _exports.get(base)
+        if exported is not None:
+            _exports.move_to_end(base)
+    pipe = None
+    if exported is not None:
+        try:
+            pipe, _ = split_marked(model, mb_args, list(split_points), mb_kwargs=mb_kwargs, exported=exported)
+        except MarkersMoved:
+            with _lock:
+                _exports.pop(base, None)
+    if pipe is None:
+        with _lock:
+            exports += 1
+        try:
+            pipe, exported = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
+                                          mb_kwargs=mb_kwargs, marks=marks_for(model, split_points))
+            marked: Optional[Any] = exported
+        except (MarkersMoved, TraceError):  # markers export could not place: this split's points alone,
+            # no export kept (a model it cannot trace there fails here as trace.split says)
+            pipe, marked = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
+                                        mb_kwargs=mb_kwargs)[0], None
+        skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+        if marked is not None:
+            try:
+                marked = marked.detached()
+            except MarkersMoved:
+                marked = None
+    else:  # the pipe holds the model's own tensors: the caller's to keep if owned, else copies of them
+        skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+        if not owned:
+            source = dict(model.named_parameters(remove_duplicate=False))
+            source.update(model.named_buffers(remove_duplicate=False))
+            pipe = _copy_with(skeleton, _stage_tensors(skeleton), source, _from_model)
+        marked = None
     with _lock:
         traces += 1
         _kept[key] = (skeleton, _stage_tensors(skeleton))
         while len(_kept) > KEPT_SPLITS:
             _kept.popitem(last=False)
+        if marked is not None:
+            _exports[base] = marked
+            while len(_exports) > KEPT_EXPORTS:
+                _exports.popitem(last=False)
     return pipe, skeleton
 
 
@@ -191,7 +241,10 @@ def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[1]
 
 
-def forget_traced() -> None:
-    """Trace every split again from now on (the kept pipes are dropped)."""
+def forget_traced(exports: bool = True) -> None:
+    """Trace every split again from now on: the kept pipes are dropped, and (``exports``) the
+    kept exports, so that the next split exports the model again."""
     with _lock:
         _kept.clear()
+        if exports:
+            _exports.clear()
