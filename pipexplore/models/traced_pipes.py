@@ -19,6 +19,15 @@ else the model's ``forward`` reads (a plain attribute set after the first run, a
 module-level function it calls, changed since) is not seen: :func:`forget_traced` empties the
 kept pipes.
 
+A split at other points of a model of a kept shape is not exported again either: the first split
+exports the model with a marker at every module a stage may begin at, and that export is kept
+(its weights on the meta device; :data:`KEPT_EXPORTS`); a new split removes the other markers and
+runs torch's splitter on the kept graph (:mod:`pipexplore.models.marked_export`; :data:`exports`
+counts the exports). A drag of a split handle then costs the splitter, not torch.export: a
+tiny GPT-2's new split 0.41 s against 0.88 s, GPT-2 small's 2.0 s against 3.1 s
+(``benchmarks/traced_rerun.py --new-split``). Where the markers cannot all go (one inside a region
+export keeps apart), the split is traced at its own points, as :func:`~pipexplore.models.trace.split` does.
+
 The processes executor's ranks keep their own pipes the same way (:data:`traces` counts the
 traces a process made): a rerun in the warm pool copies the kept pipe in each rank instead of
 tracing the model again.
