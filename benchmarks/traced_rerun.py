@@ -88,16 +88,24 @@ def main() -> None:
         return time.perf_counter() - started
 
     for name, call in (("run_traced_step", step), ("traced_pipe", pipe)):
-        forget_traced()
-        call()  # the first: traced, and kept
-        times: dict[str, list[float]] = {"kept": [], "traced again": []}
-        for _ in range(args.rounds):
-            times["kept"].append(call())
-            forget_traced()
-            times["traced again"].append(call())
-        kept, again = (statistics.median(v) for v in times.values())
+        kept, again = interleaved(call, args.rounds, lambda: None)
         print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, {name}, median of "
               f"{args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x)")
+
+
+def interleaved(call, rounds: int, before_kept) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Median seconds of ``call`` with what the first call kept (after ``before_kept()``) and after
+    ``forget_traced()``, the two interleaved over ``rounds``."""
+    forget_traced()
+    call()  # the first: traced (exported), and kept
+    kept: list[float] = []
+    again: list[float] = []
+    for _ in range(rounds):
+        before_kept()
+        kept.append(call())
+        forget_traced()
+        again.append(call())
+    return statistics.median(kept), statistics.median(again)
 
 
 def new_split(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-def]
@@ -118,15 +126,7 @@ def new_split(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-
         return time.perf_counter() - started
 
     for name, call in (("traced_pipe", pipe), ("run_traced_step", step)):
-        forget_traced()
-        call()  # the first split: the model exported, its export kept
-        times: dict[str, list[float]] = {"export kept": [], "exported again": []}
-        for _ in range(args.rounds):
-            forget_traced(exports=False)
-            times["export kept"].append(call())
-            forget_traced()
-            times["exported again"].append(call())
-        kept, again = (statistics.median(v) for v in times.values())
+        kept, again = interleaved(call, args.rounds, lambda: forget_traced(exports=False))
         print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages, a new split point each call, {name}, "
               f"median of {args.rounds}: export kept {kept:.2f} s, exported again {again:.2f} s ({again / kept:.1f}x)")
 

@@ -20,18 +20,19 @@ def plan_for(model, x, splits, devices, schedule, chunks=4):
 
 
 def assert_equals_unsplit(result, model, inputs, target, loss_fn) -> float:
-    """A processes run's first loss and every rank's gradients (``return_grads=True``) equal one
-    plain step of ``model`` (a traced model's parameter names, after the stage prefix); returns
-    that step's loss."""
+    """A run's first loss and every stage's gradients (``return_grads=True``) equal one plain step
+    of ``model`` (a traced model's parameter names, after the stage prefix): every parameter has
+    one, a tied weight under either of its names; returns that step's loss."""
     import torch
 
     reference = copy.deepcopy(model)
     loss = loss_fn(reference(inputs), target)
     loss.backward()
     assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-    named = dict(reference.named_parameters())
-    assert len(result.metrics["grads"]) == len(named)
-    for key, grad in result.metrics["grads"].items():
+    named = dict(reference.named_parameters(remove_duplicate=False))
+    grads = result.metrics["grads"]
+    assert {id(named[key.split(".", 1)[1]]) for key in grads} == {id(p) for p in named.values()}
+    for key, grad in grads.items():
         torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
     return loss.item()
 

@@ -215,14 +215,7 @@ def test_a_new_split_of_a_kept_shape_is_split_from_its_kept_export_and_equals_th
                     schedule="1f1b", executor="threads")
         result = run_traced_step(model, tokens, plan, target=target, loss_fn=loss_fn, warmup=0, repeats=1,
                                  return_grads=True)
-        reference = copy.deepcopy(model)
-        loss = loss_fn(reference(tokens), target)
-        loss.backward()
-        assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-        named = dict(reference.named_parameters(remove_duplicate=False))  # a tied weight under both names
-        assert {id(named[key.split(".", 1)[1]]) for key in result.metrics["grads"]} == {id(p) for p in named.values()}
-        for key, grad in result.metrics["grads"].items():
-            torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad, rtol=1e-4, atol=1e-6)
+        assert_equals_unsplit(result, model, tokens, target, loss_fn)  # a tied weight tied
     assert traced_pipes.exports == exports + 1 and len(traces) == 4  # four splits, one export
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
     assert "forward" not in vars(model.layers[1]) and "forward" not in vars(model.head)  # no marker left on it
