@@ -281,3 +281,25 @@ def test_a_marker_in_a_region_that_is_inlined_comes_out_with_it(traces):
     assert len(traces) == 3 and traced_pipes.exports == exports + 1
     (_, kept), = traced_pipes._exports.items()
     assert kept.order == ("table", "first", "last")
+
+
+def test_a_point_the_kept_export_did_not_mark_is_exported_again_and_a_refused_point_once(traces):
+    """A split at a module the kept export has no marker for (any submodule may begin a stage, not
+    only the candidates) exports the model again, marked there too; a point forward never calls
+    is refused after one export, not retried."""
+    from tiny_transformer import TinyTransformer, get_batch
+
+    torch.manual_seed(0)
+    model = TinyTransformer(tied=False)
+    tokens, _ = get_batch()
+    exports = traced_pipes.exports
+    traced_pipes.traced_pipe(model, tokens[:2], ["layers.2"])
+    pipe = traced_pipes.traced_pipe(model, tokens[:2], ["layers.1.mlp.2"])  # inside a candidate's children
+    assert traced_pipes.exports == exports + 2 and pipe.num_stages == 2
+    torch.testing.assert_close(pipe(tokens[:2])[0], model(tokens[:2]))
+    (_, kept), = traced_pipes._exports.items()
+    assert "layers.1.mlp.2" in kept.marked
+    del traces[:]
+    with pytest.raises(tracing.TraceError, match=r"\['layers.1.attn.out_proj'\] did not begin a stage"):
+        traced_pipes.traced_pipe(model, tokens[:2], ["layers.1.attn.out_proj"])  # MultiheadAttention never calls it
+    assert len(traces) == 2  # the kept export has no marker there: exported once more, marked there; refused

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["MarkedExport", "MarkersMoved", "marks_for", "keep_markers", "exporting"]
+__all__ = ["MarkedExport", "MarkersMoved", "marks_for", "mark_beginnings", "keep_markers", "exporting"]
 
 #: One thread at a time replaces torch's export step (other threads' splits export as usual).
 _lock = threading.RLock()
@@ -47,6 +47,8 @@ class MarkedExport:
     program: Any
     #: The FQN of the module each marker begins, in the graph's order (a module called twice: twice).
     order: tuple[str, ...]
+    #: The modules marked (those forward never called have no marker in ``order``).
+    marked: frozenset[str] = frozenset()
 
     def detached(self) -> "MarkedExport":
         """This export with its parameters and buffers on the meta device: it holds none of the
@@ -101,6 +103,27 @@ def marks_for(model: nn.Module, points: Sequence[str]) -> list[str]:
     return list(found)
 
 
+def mark_beginnings(model: nn.Module, points: Sequence[str], order: list[str]) -> list[tuple[nn.Module, Any]]:
+    """Make each point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``), noting
+    its FQN in ``order`` at each call; returns each module with the instance ``forward`` it had (or None)."""
+    from torch.distributed.pipelining import pipe_split
+
+    modules = dict(model.named_modules())
+    marked = []
+    for fqn in points:
+        module = modules[fqn]
+        forward = module.forward
+        marked.append((module, module.__dict__.get("forward")))
+
+        def begin_stage(*args: Any, _forward: Any = forward, _fqn: str = fqn, **kwargs: Any) -> Any:
+            order.append(_fqn)
+            pipe_split()
+            return _forward(*args, **kwargs)
+
+        module.forward = begin_stage  # type: ignore[method-assign]
+    return marked
+
+
 def _is_marker(node: fx.Node) -> bool:
     from torch.distributed.pipelining import pipe_split
     from torch.distributed.pipelining._IR import aten_pipe_split_alias
@@ -140,7 +163,12 @@ def exporting(exported: Optional[MarkedExport], captured: dict[str, Any], model:
 
     me = threading.get_ident()
     with _lock:
-        original = Pipe.__dict__["_trace_with_export"]
+        original = Pipe.__dict__.get("_trace_with_export")
+        if not isinstance(original, staticmethod):  # another torch: its own export each time, nothing kept
+            if exported is not None:
+                raise MarkersMoved("this torch's splitter exports in a way a kept export cannot stand in for")
+            yield
+            return
 
         def export(mod: nn.Module, example_args: Any, example_kwargs: Any = None) -> Any:
             if threading.get_ident() != me:

@@ -286,27 +286,6 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     return table
 
 
-def _mark_beginnings(model: nn.Module, points: Sequence[str], order: list[str]) -> list[tuple[nn.Module, Any]]:
-    """Make each point's forward call ``pipe_split()`` first (``SplitPoint.BEGINNING``), noting
-    its FQN in ``order`` at each call; returns each module with the instance ``forward`` it had (or None)."""
-    from torch.distributed.pipelining import pipe_split
-
-    modules = dict(model.named_modules())
-    marked = []
-    for fqn in points:
-        module = modules[fqn]
-        forward = module.forward
-        marked.append((module, module.__dict__.get("forward")))
-
-        def begin_stage(*args: Any, _forward: Any = forward, _fqn: str = fqn, **kwargs: Any) -> Any:
-            order.append(_fqn)
-            pipe_split()
-            return _forward(*args, **kwargs)
-
-        module.forward = begin_stage  # type: ignore[method-assign]
-    return marked
-
-
 def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: Any = None, as_stages: bool = True,
                        owned: bool = False, **options: Any) -> pd.DataFrame:
     """:func:`candidates` profiled on one micro-batch of ``chunks`` and on the whole ``sample``,
@@ -384,12 +363,13 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     ``marks`` while exporting, those not in ``split_points`` removed from the graph before it is
     split; or, given ``exported`` (a :class:`~pipexplore.models.marked_export.MarkedExport` of a
     model of this shape on inputs of this shape), no export at all: its graph split at
-    ``split_points``. Returns ``(pipe, the MarkedExport of this export)``.
+    ``split_points``. Returns ``(pipe, the MarkedExport of this export)`` (None where this torch's
+    splitter gives no export to keep).
 
     Raises :class:`TraceError` as :func:`split` does, and
     :class:`~pipexplore.models.marked_export.MarkersMoved` where the graph's markers are not one
     per marked call in the order of the calls (a marker inside a region export keeps apart, such
-    as a ``no_grad`` block): split without ``marks`` then.
+    as an autocast block), or ``exported`` has no marker at a split point: split without it then.
     """
     from torch.distributed.pipelining import pipeline
 
@@ -408,6 +388,8 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     repeated = sorted({fqn for fqn in split_points if split_points.count(fqn) > 1})
     if repeated:
         raise TraceError(f"split point(s) {repeated} are given more than once: give each split point once")
+    if exported is not None and not set(split_points) <= exported.marked:
+        raise marked_export.MarkersMoved(f"{sorted(set(split_points) - exported.marked)} not marked in the kept export")
     order: list[str] = list(exported.order) if exported is not None else []
     captured: dict[str, Any] = {}
 
@@ -421,8 +403,8 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     noise = io.StringIO()
     logger = logging.getLogger("torch")
     level = logger.level
-    marked = [] if exported is not None else _mark_beginnings(model, list(dict.fromkeys([*split_points, *marks])),
-                                                              order)
+    marks = list(dict.fromkeys([*split_points, *marks]))
+    marked = [] if exported is not None else marked_export.mark_beginnings(model, marks, order)
     try:
         logger.setLevel(logging.ERROR)
         with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings(), \
@@ -458,7 +440,9 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
                          "calls once")
     pipe.output_spec = captured.get("output_spec")
     run_generated_code(pipe.split_gm)
-    return pipe, exported if exported is not None else marked_export.MarkedExport(captured["program"], tuple(order))
+    if exported is None and "program" in captured:
+        exported = marked_export.MarkedExport(captured["program"], tuple(order), frozenset(marks))
+    return pipe, exported
 
 
 def run_generated_code(module: nn.Module) -> int:

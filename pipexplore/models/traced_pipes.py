@@ -175,8 +175,11 @@ def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_
             pipe, exported = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
                                           mb_kwargs=mb_kwargs, marks=marks_for(model, split_points))
             marked: Optional[Any] = exported
-        except (MarkersMoved, TraceError):  # markers export could not place: this split's points alone,
-            # no export kept (a model it cannot trace there fails here as trace.split says)
+        except (MarkersMoved, TraceError) as refused:
+            if isinstance(refused, TraceError) and refused.__cause__ is None:
+                raise  # the split itself refused (a point forward never calls), not the markers' export
+            # the markers could not all go: this split's points alone, no export kept (a model that
+            # cannot be traced there fails here as trace.split says)
             pipe, marked = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
                                         mb_kwargs=mb_kwargs)[0], None
         skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
