@@ -72,11 +72,13 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     assert again.loss == pytest.approx(first.loss, rel=1e-6)
     run_processes(build_model(), tokens, plan, target=target, loss_fn=loss_fn, warmup=0)
     assert len(traced_here) == 1  # another model of the same shape
-    run(plan.with_options(splits=(2,)))
-    assert len(traced_here) == 2  # another split
+    other = run(plan.with_options(splits=(2,)))
+    assert len(traced_here) == 2  # another split (from the model's kept export: not exported again)
+    assert other.metrics["traced_ranks"] == 2 and other.metrics["exported_ranks"] == 0  # from each rank's kept export
+    assert other.loss == pytest.approx(first.loss, rel=1e-5)  # the same model at the same weights
     run(plan.with_options(batch=16), *get_batch(16))
     assert len(traced_here) == 3  # micro-batches of another shape
     model.head.weight.requires_grad_(False)
     changed = run(plan)
     assert len(traced_here) == 4  # the model changed
-    assert changed.metrics["traced_ranks"] == 2  # so did the ranks' key: each traced it
+    assert changed.metrics["traced_ranks"] == changed.metrics["exported_ranks"] == 2  # so did the ranks' key

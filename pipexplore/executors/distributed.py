@@ -6,8 +6,10 @@ on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun 
 start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
 stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
 lambdas and closures included); a traced model is split by torch's tracer in each rank, once per
-split of a model of its shape while the pool is warm (a rerun copies the rank's kept pipe:
-:mod:`pipexplore.models.traced_pipes`; ``metrics['traced_ranks']`` counts the ranks that traced).
+split of a model of its shape while the pool is warm (a rerun copies the rank's kept pipe, a new
+split splits the rank's kept export of the model: :mod:`pipexplore.models.traced_pipes`;
+``metrics['traced_ranks']`` counts the ranks that traced, ``metrics['exported_ranks']`` those of
+them that exported the model).
 Each rank builds its stage(s) with ``PipelineStage`` and runs
 the torch schedule for the plan (a CSV schedule: torch's ``_PipelineScheduleRuntime`` loading
 the file, ``_load_csv``, which adds the sends and receives); it times each stage's ``forward_one_chunk``,
@@ -124,17 +126,17 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     stages, params = [], []  # params: each of this rank's stages' parameters, stage by stage
-    traced_here = 0
+    traced_here = exported_here = 0
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it; a rank
         # of the warm pool keeps the pipe (traced_pipes), so a rerun of the split copies it instead.
         from pipexplore.models import traced_pipes
 
         traced = job["traced"]
-        before = traced_pipes.traces
+        before, exported_before = traced_pipes.traces, traced_pipes.exports
         pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
                                         mb_kwargs=traced["mb_kwargs"], owned=True)  # the rank's own copy
-        traced_here = traced_pipes.traces - before
+        traced_here, exported_here = traced_pipes.traces - before, traced_pipes.exports - exported_before
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]
         indices = [s for s in range(num_stages) if layout[s] == rank]
@@ -216,7 +218,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     # Plain bytes: tensors sent as such would be shared-memory handles that die with this process.
     buffer = io.BytesIO()
     torch.save({"steps": measured_spans, "losses": measured_losses, "first_losses": first_losses, "grads": grads,
-                "traced": traced_here}, buffer)
+                "traced": traced_here, "exported": exported_here}, buffer)
     return buffer.getvalue()
 
 
@@ -415,5 +417,6 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     result.metrics["losses"] = losses
     result.metrics["startup_seconds"] = startup_seconds
     result.metrics["traced_ranks"] = sum(1 for payload in outputs if payload.get("traced"))  # traced, not copied
+    result.metrics["exported_ranks"] = sum(1 for payload in outputs if payload.get("exported"))  # of those, exported
     result.metrics["worker_pids"] = pids
     return result
