@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from pipexplore.models import trace, traced_costs
+from pipexplore.models import trace, traced_costs, traced_pipes
 from tiny_transformer import Branchy, TinyTransformer, get_batch, loss_fn
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
@@ -65,8 +65,9 @@ def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage
 def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(stage_clock, one_ms_candidates,
                                                                               monkeypatch):
     traced = []
-    real = trace.split
-    monkeypatch.setattr(trace, "split", lambda model, mb_args, points, **o: traced.append(mb_args) or real(
+    traced_pipes.forget_traced()
+    real = trace.split_marked
+    monkeypatch.setattr(trace, "split_marked", lambda model, mb_args, points, **o: traced.append(mb_args) or real(
         model, mb_args, points, **o))
     tokens, target = get_batch()
     table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
@@ -89,13 +90,14 @@ def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(sta
 
 def test_a_model_shape_is_traced_once_a_session(monkeypatch):
     calls = []
-    real = trace.split
+    real = trace.split_marked
 
     def counting(model, mb_args, split_points, **options):
         calls.append(tuple(split_points))
         return real(model, mb_args, split_points, **options)
 
-    monkeypatch.setattr(trace, "split", counting)
+    monkeypatch.setattr(trace, "split_marked", counting)
+    traced_pipes.forget_traced()
     tokens, _ = get_batch()
     first = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
     again = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)  # other weights
@@ -103,6 +105,10 @@ def test_a_model_shape_is_traced_once_a_session(monkeypatch):
     traced_costs.traced_extra(TinyTransformer(), tokens[:4], NAMES, repeats=1, warmup=0)  # another micro-batch
     traced_costs.traced_extra(TinyTransformer(tied=False), tokens[:2], NAMES, repeats=1, warmup=0)  # untied head
     assert len(calls) == 3
+    traced_costs.forget_measured()
+    traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    assert len(calls) == 3  # measured again, on a copy of the session's kept pipe (traced_pipes)
+    traced_pipes.forget_traced()
     traced_costs.forget_measured()
     traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
     assert len(calls) == 4
@@ -187,6 +193,7 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
         return real(value, memo)
 
     monkeypatch.setattr(traced_costs.copy, "deepcopy", counting)
+    traced_pipes.forget_traced()  # (a kept pipe of this shape would be copied, not traced on a copy)
     tokens, target = get_batch()
     options = dict(granularity="blocks", repeats=1, stages=True, device="cpu")
     table = profile_layers(TinyTransformer(), tokens, options, chunks=4, devices=["cpu", "cpu"], target=target,
@@ -195,6 +202,24 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
     assert copies == ["TinyTransformer", "TinyTransformer"]  # the explorer's copy, then the one traced
     copies.clear()
     traced_costs.forget_measured()
+    traced_pipes.forget_traced()
     model = TinyTransformer()
     trace.candidates_in_rows(model, tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
     assert copies == ["TinyTransformer", "TinyTransformer"]  # a caller's model: timed on a copy, traced on another
+
+
+def test_the_first_run_of_an_explored_model_splits_the_export_its_profile_made():
+    """The profile traces the model into a stage per candidate (through the session's kept pipes):
+    that export of the model is the one the first run's split takes, not a second export."""
+    from pipexplore.widgets import explore
+
+    traced_pipes.forget_traced()
+    traced_costs.forget_measured()
+    exports, traces = traced_pipes.exports, traced_pipes.traces  # (counts for the whole process)
+    tokens, target = get_batch()
+    model = TinyTransformer()
+    ex = explore(model, tokens, target=target, loss_fn=loss_fn, devices=["cpu", "cpu"], chunks=4, calibrate=False)
+    assert "stage_extra" in ex.layer_table.attrs and traced_pipes.exports == exports + 1  # the profile's
+    row = ex.run()
+    assert traced_pipes.exports == exports + 1 and traced_pipes.traces == traces + 2  # the run's split: from it
+    assert row["loss"] == pytest.approx(loss_fn(model(tokens), target).item(), rel=1e-5)

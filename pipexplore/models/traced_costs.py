@@ -124,7 +124,9 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     lists them): the seconds its traced stage takes beyond its own module, forward and backward,
     on ``sample`` (one micro-batch as the model takes it; negative where the stage was faster);
     and the first candidate a second stage may begin at for the split to run in processes.
-    The model is traced with a stage beginning at every candidate but the first (on a copy) and
+    The model is traced with a stage beginning at every candidate but the first (a copy:
+    :func:`~pipexplore.models.traced_pipes.traced_pipe`, whose export of the model the runs' splits
+    then use) and
     each stage timed alone beside its module (:func:`isolated_seconds`); a stage also runs the
     glue that follows its block. 0 for a block the pass did not call. Kept for the session per
     model shape (:func:`forget_measured`). ``owned``: the model is a copy the caller gives away
@@ -135,7 +137,7 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
         pipexplore.models.trace.TraceError: the model cannot be traced into these stages.
     """
     from pipexplore.models.stage_inputs import first_runnable_split
-    from pipexplore.models.trace import split
+    from pipexplore.models.traced_pipes import traced_pipe
 
     key = _shape_key(model, sample, names)
     if key in _MEASURED:
@@ -149,7 +151,8 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     blocks = [modules[name] for name in names]
     with cache_off(own):
         own_inputs = _inputs_of(blocks, lambda: own(*args, **kwargs))
-    pipe = split(copy.deepcopy(model), sample, list(names[1:]))
+    # (through the session's kept pipes: the model's export made here serves the runs' splits after)
+    pipe = traced_pipe(model, sample, list(names[1:]))
     stages = sorted(((int(n.rsplit("_", 1)[1]), m) for n, m in pipe.split_gm.named_children()
                      if n.startswith("submod_")), key=lambda pair: pair[0])
     stage_inputs = _inputs_of([m for _, m in stages], lambda: pipe(*args, **kwargs))
