@@ -72,13 +72,13 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     import time
     from multiprocessing import connection
 
-    import torch.distributed as dist
+    from pipexplore.runs.launch import rendezvous_store
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)
     # the rendezvous store, held here as an agent holds it (TORCHELASTIC_USE_AGENT_STORE): its port
     # is the one it is bound to, so no other process can take it between choosing and binding
-    store = dist.TCPStore("127.0.0.1", 0, world_size=ranks, is_master=True, wait_for_workers=False)
+    store = rendezvous_store(timeout)
     env = dict(os.environ, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", ROLE_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))

@@ -5,8 +5,8 @@ executor='torchrun', nodes=2)`` does both; a rank that dies is named, a director
 rank, of another plan or truncated is refused and nothing of it is kept. The 1F1B and the
 interleaved runs have two agents of two ranks; the others (a CSV schedule with the profiler on
 beside the recorder, a cancel) have two agents of one rank: each rank is an interpreter importing
-torch's pipelining (~5 s of CPU). The tests of what torchrun itself does (a rank that dies, where
-the agents meet) run scripts of their own that import nothing."""
+torch's pipelining (~5 s of CPU). The test of a rank that dies (what torchrun itself reports) runs
+a script of its own that imports nothing; where the agents meet is watched in the 1F1B run's launch."""
 from __future__ import annotations
 
 import html

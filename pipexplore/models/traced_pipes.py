@@ -131,6 +131,13 @@ def _copy_with(pipe: Any, tensors: list[tuple[torch.Tensor, str]], source: dict[
     return copy.deepcopy(pipe, memo)
 
 
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by FQN (a tied one under each of its names)."""
+    source = dict(model.named_parameters(remove_duplicate=False))
+    source.update(model.named_buffers(remove_duplicate=False))
+    return source
+
+
 def _on_meta(tensor: torch.Tensor, _: Any) -> torch.Tensor:
     meta = torch.empty_like(tensor, device="meta")
     return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
@@ -164,40 +171,35 @@ def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_
         exported = _exports.get(base)
         if exported is not None:
             _exports.move_to_end(base)
-    pipe = None
+    pipe, marked = None, None
     if exported is not None:
-        try:
-            pipe, _ = split_marked(model, mb_args, list(split_points), mb_kwargs=mb_kwargs, exported=exported)
+        try:  # the pipe then holds the model's own tensors
+            pipe = split_marked(model, mb_args, list(split_points), mb_kwargs=mb_kwargs, exported=exported)[0]
         except MarkersMoved:
             with _lock:
                 _exports.pop(base, None)
-    if pipe is None:
+    reused = pipe is not None
+    if not reused:
         with _lock:
             exports += 1
         try:
-            pipe, exported = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
-                                          mb_kwargs=mb_kwargs, marks=marks_for(model, split_points))
-            marked: Optional[Any] = exported
+            pipe, marked = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
+                                        mb_kwargs=mb_kwargs, marks=marks_for(model, split_points))
         except (MarkersMoved, TraceError) as refused:
             if isinstance(refused, TraceError) and refused.__cause__ is None:
                 raise  # the split itself refused (a point forward never calls), not the markers' export
             # the markers could not all go: this split's points alone, no export kept (a model that
             # cannot be traced there fails here as trace.split says)
-            pipe, marked = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
-                                        mb_kwargs=mb_kwargs)[0], None
-        skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
-        if marked is not None:
-            try:
-                marked = marked.detached()
-            except MarkersMoved:
-                marked = None
-    else:  # the pipe holds the model's own tensors: the caller's to keep if owned, else copies of them
-        skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
-        if not owned:
-            source = dict(model.named_parameters(remove_duplicate=False))
-            source.update(model.named_buffers(remove_duplicate=False))
-            pipe = _copy_with(skeleton, _stage_tensors(skeleton), source, _from_model)
-        marked = None
+            pipe = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
+                                mb_kwargs=mb_kwargs)[0]
+    skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+    if reused and not owned:  # copies of the model's tensors, not the tensors themselves
+        pipe = _copy_with(skeleton, _stage_tensors(skeleton), _model_tensors(model), _from_model)
+    if marked is not None:
+        try:
+            marked = marked.detached()
+        except MarkersMoved:
+            marked = None
     with _lock:
         traces += 1
         _kept[key] = (skeleton, _stage_tensors(skeleton))
@@ -237,8 +239,7 @@ def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     key = split_key(model, mb_args, mb_kwargs, split_points)
     kept = _lookup(key)
     if kept is not None:
-        source = dict(model.named_parameters(remove_duplicate=False))
-        source.update(model.named_buffers(remove_duplicate=False))
+        source = _model_tensors(model)
         skeleton, tensors = kept
         if all(fqn in source for _, fqn in tensors):
             return _copy_with(skeleton, tensors, source, _the_models if owned else _from_model)
