@@ -15,9 +15,11 @@ the split points alone would give.
 shape, its weights on the meta device (no memory: :meth:`MarkedExport.detached`); the pipe of a
 split made from it takes the model's tensors as a kept split's does.
 
-Where export keeps a marker apart from the others (one inside a ``no_grad`` or autocast block is
-in a region of its own), the markers in the graph do not follow the calls one for one:
-:class:`MarkersMoved` is raised and the split is traced at its points alone.
+Where export keeps a marker apart from the others (one inside an autocast block, or a ``no_grad``
+block that needs a gradient, is in a region of its own; a constant ``no_grad`` region is inlined
+first, its marker with it), the markers in the graph do not follow the calls one for one, and
+where a split point was not marked, :class:`MarkersMoved` is raised: the split is then exported
+again (``traced_pipes``), at its own points where the markers were what failed.
 """
 from __future__ import annotations
 
