@@ -263,7 +263,7 @@ class Plan:
         learnt = self.learnt.fitted(
             self.layer_table, list(self.splits), executor,
             lambda corrections: replace(self, corrections=self.corrections.with_kind(kind, corrections)).predict(),
-            measured)
+            measured, fit_step=executor == "processes")
         return replace(self, corrections=self.corrections.with_kind(kind, learnt))
 
     @property

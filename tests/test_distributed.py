@@ -262,6 +262,45 @@ def test_a_plan_for_processes_is_predicted_with_their_costs_probed_in_the_pool_i
     assert row["executor"] == "processes" and row["startup_seconds"] == 0  # the pool the probe started
 
 
+def test_ranks_that_outnumber_the_cores_are_probed_with_stages_that_keep_them_busy(monkeypatch):
+    """Where the plan's ranks outnumber this host's cores (here: told it has one), the hand-over is
+    probed a second time with stages that compute as long as the plan's actions, and it is the
+    hand-over that reproduces that probe's step (what a woken rank waits for a core) the
+    prediction uses, never less than the idle probe's median."""
+    import importlib
+
+    from pipexplore.widgets import explore
+
+    probing = importlib.import_module("pipexplore.executors.probe")  # (the package's ``probe`` is the function)
+    real, loaded = probing.loaded_transfer, []
+
+    def spy(plan, overhead, gap, transfer, chunks, repeats=3):
+        loaded.append((transfer, real(plan, overhead, gap, transfer, chunks, repeats)))
+        return loaded[-1][1]
+
+    monkeypatch.setattr(probing, "host_cores", lambda: 1)
+    monkeypatch.setattr(probing, "loaded_transfer", spy)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
+                 executor="processes")
+    (idle, busy), = loaded
+    assert 0 < idle <= busy < 0.1 and ex.plan.corrections.transfer("processes") == busy
+
+
+def test_a_busy_layer_keeps_its_thread_computing_forward_and_backward():
+    import time
+
+    from pipexplore.executors.probe import BusyLayer
+
+    layer = BusyLayer(0.01, 0.02)
+    began = time.thread_time()
+    out = layer(torch.randn(2, 1))
+    forward = time.thread_time() - began
+    out.sum().backward()
+    backward = time.thread_time() - began - forward
+    assert 0.01 <= forward < 0.1 and 0.02 <= backward < 0.1
+    assert layer.linear.weight.grad is not None
+
+
 def test_a_probe_that_cannot_start_ranks_leaves_the_explorer_working_and_is_not_retried(monkeypatch):
     import pipexplore.executors.distributed as distributed
     from pipexplore.widgets import explore

@@ -1,25 +1,31 @@
 """What an executor itself costs per action, measured on layers that cost next to nothing."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
 from pipexplore import background
-from pipexplore.predict.costs import PHASE_SOURCE, handoff_gaps
+from pipexplore.host import host_cores
+from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps, microbatch_rows, stage_seconds
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 
-__all__ = ["probe", "PROBE_DEVICES", "PROBE_CHUNKS"]
+__all__ = ["probe", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
 #: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
 #: otherwise spend a minute on layers that do nothing.
 PROBE_DEVICES = 8
 PROBE_CHUNKS = 8
+#: The loaded probe's busy actions last between these CPU seconds (the plan's own per micro-batch
+#: and stage, bounded: the probe stays a fraction of a second).
+LOADED_SECONDS = (2e-4, 5e-3)
 
 
 class _NoUpdate:
@@ -54,7 +60,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     pool the plan's first run takes is the one the probe started): what an action costs torch's
     pipelining runtime there, and a hand-over is a send and receive over gloo between processes
     (on 2 CPU ranks here ~0.2 ms a forward's span, ~0.3 ms a backward's and a hand-over, 5 s to
-    start the pool the first time, 0.1 s once it is warm). Async backends are not probed:
+    start the pool the first time, 0.1 s once it is warm); where its ranks outnumber this host's
+    cores, the hand-over is :func:`loaded_transfer`'s. Async backends are not probed:
     ``({}, 0.0, 0.0)``.
 
     Example::
@@ -94,4 +101,77 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     overhead = {str(phase): float(group.median()) for phase, group in spans.groupby("phase")["span"]}
     overhead["all"] = float(spans["span"].median()) if len(spans) else 0.0
     gap, transfer = handoff_gaps(measured)
-    return overhead, float(gap or 0.0), float(transfer or 0.0)
+    gap, transfer = float(gap or 0.0), float(transfer or 0.0)
+    if module is processes and plan.num_devices > host_cores() and not is_csv(plan.schedule):
+        transfer = loaded_transfer(plan, overhead, gap, transfer, chunks, repeats)
+    return overhead, gap, transfer
+
+
+def _spin(seconds: float) -> None:
+    """Keep this thread computing for ``seconds`` of its own CPU time (as a layer's arithmetic
+    does: where it shares a core, it takes longer)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _Spin(torch.autograd.Function):
+    """The identity, costing ``forward`` CPU seconds forward and ``backward`` seconds backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        ctx.backward = backward
+        _spin(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _spin(ctx.backward)
+        return grad, None, None
+
+
+class BusyLayer(nn.Module):
+    """A ``Linear(1, 1)`` whose forward and backward each keep a core busy for a set time: a
+    stage of the loaded probe (its parameter makes every stage's backward run, the first's too)."""
+
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+        self.seconds = (float(forward), float(backward))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Spin.apply(self.linear(x), *self.seconds)
+
+
+def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer: float, chunks: int,
+                    repeats: int = 3) -> float:
+    """The processes executor's hand-over where the plan's ranks outnumber this host's cores: the
+    idle probe's median hand-over (a few tenths of a millisecond) is what a rank costs when a
+    core is free to take it; when every core computes another rank's action, a rank woken by a
+    send or receive waits for the OS scheduler to give it one (~1–2 ms on a 2-core Linux host,
+    measured: a 4-rank step 40 % longer than its actions and median hand-overs predict). Here the
+    plan's schedule runs on stages that compute as long as the plan's own actions (per micro-batch,
+    the median over its stages, within :data:`LOADED_SECONDS`), and the hand-over is the one that
+    makes the simulator reproduce the measured step (:meth:`Corrections.step_fitted`, the same fit
+    a real run's learning makes). ``transfer`` (the idle one) where the step says nothing more."""
+    from pipexplore.executors import processes
+
+    stages, devices = plan.num_devices, plan.devices[:plan.num_devices]
+    batch = plan.batch or plan.layer_table.attrs.get("batch")
+    rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
+    low, high = LOADED_SECONDS
+    seconds = [float(np.clip(np.median(stage_seconds(plan.layer_table, list(plan.splits), rows, phase)), low, high))
+               for phase in ("forward", "backward")]
+    busy = nn.Sequential(*[BusyLayer(*seconds) for _ in range(stages)])
+    table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": seconds[0] * chunks,
+                          "backward": seconds[1] * chunks, "share_forward": 1.0, "share_backward": 1.0,
+                          "output_bytes": 0.0, "param_bytes": 8.0})
+    table.attrs.update(batch=chunks, device="cpu", threads=1)
+    busy_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
+                     checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                     executor="processes", batch=chunks)
+    measured = processes.run(StepJob(busy, torch.randn(chunks, 1), busy_plan, warmup=1, repeats=repeats,
+                                     optimizer=_NoUpdate)).timeline
+    probed = Corrections().with_executor_costs("processes", overhead, gap, transfer)
+    fitted = probed.step_fitted("processes", lambda c: busy_plan.with_options(corrections=c).predict(), measured)
+    return max(transfer, fitted.transfer("processes"))

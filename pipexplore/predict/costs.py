@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-__all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "Corrections", "microbatch_rows", "layer_seconds",
+__all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "LEARNING_MEMORY", "Corrections", "microbatch_rows", "layer_seconds",
            "layer_times", "fresh_gradient_seconds",
            "stage_seconds", "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap",
            "lanes_of"]
@@ -40,6 +40,9 @@ LEARNT_PHASES = (*PHASE_SOURCE, "optimizer")
 
 #: The most one run may scale a layer's cost, either way.
 MAX_STEP = 4.0
+#: From its third run on, a run of an executor weighs a third in what the runs taught
+#: (:meth:`Corrections.fitted`): an average that follows a machine that changed within a few runs.
+LEARNING_MEMORY = 3
 
 
 def has_fit(table: pd.DataFrame) -> bool:
@@ -178,6 +181,9 @@ class Corrections:
     #: runs of a cluster brought back), kept apart from this machine's (the fields above), so a
     #: cluster's run corrects plans for its devices and never this machine's, nor the other way.
     kinds: Mapping[str, "Corrections"] = field(default_factory=dict)
+    #: ``counts[executor]``: the runs of that executor learnt from (what a next one weighs:
+    #: :meth:`fitted`).
+    counts: Mapping[str, int] = field(default_factory=dict)
 
     def for_kind(self, kind: Optional[str]) -> "Corrections":
         """The corrections a plan on devices of ``kind`` uses: this machine's own for None, else what
@@ -213,19 +219,89 @@ class Corrections:
                             transfer: Optional[float] = None) -> "Corrections":
         """These corrections with an executor's own cost per action, as a probe measured it."""
         transfers = {**self.transfers, executor: transfer} if transfer is not None else dict(self.transfers)
-        return Corrections(self.scales, {**self.gaps, executor: gap}, self.runs,
-                           {**self.overheads, executor: overhead}, transfers, self.kinds)
+        return replace(self, gaps={**self.gaps, executor: gap}, overheads={**self.overheads, executor: overhead},
+                       transfers=transfers)
 
     def fitted(self, table: pd.DataFrame, splits: Sequence[int], executor: str,
                predict: Callable[["Corrections"], pd.DataFrame], measured: pd.DataFrame,
-               iterations: int = 4) -> "Corrections":
+               iterations: int = 4, fit_step: bool = False) -> "Corrections":
         """Learn from one run until predicting it again reproduces it: :meth:`learn`, repeated
         against the same measurement (each round re-simulates, so the contention between stages
-        is redistributed with the corrected costs)."""
+        is redistributed with the corrected costs); with ``fit_step``, then the hand-over that
+        reproduces its step (:meth:`step_fitted`).
+
+        The executor's first run is taken as it is; a later one is averaged with what the runs
+        before taught (:meth:`blended`, weighing ``1 / min(runs + 1, LEARNING_MEMORY)``): the same
+        plan run again on this machine moves by 10–20 %, and a model that reproduced each last
+        run would predict the next with that whole error."""
         learnt: Corrections = self
         for k in range(iterations):
             learnt = learnt.learn(table, splits, executor, predict(learnt), measured, count=k == 0)
-        return learnt
+        if fit_step:
+            learnt = learnt.step_fitted(executor, predict, measured)
+        before = self.counts.get(executor, 0)
+        return self.blended(learnt, executor, 1.0 / min(before + 1, LEARNING_MEMORY)) if before else learnt
+
+    def blended(self, other: "Corrections", executor: str, weight: float) -> "Corrections":
+        """``other`` (these corrections after a run of ``executor``) with what it learnt for the
+        executor averaged with these: its factors geometrically (``self^(1−w)·other^w``), its gap and
+        hand-over arithmetically; what these did not hold is taken from ``other`` as it is."""
+        scales = dict(other.scales)
+        for key, value in other.scales.items():
+            old = self.scales.get(key)
+            if key[0] == executor and old is not None and len(old) == len(value):
+                scales[key] = np.exp((1 - weight) * np.log(np.maximum(old, 1e-12))
+                                     + weight * np.log(np.maximum(value, 1e-12)))
+
+        def mean(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+            out = dict(after)
+            if executor in before and executor in after:
+                out[executor] = (1 - weight) * before[executor] + weight * after[executor]
+            return out
+
+        return replace(other, scales=scales, gaps=mean(self.gaps, other.gaps),
+                       transfers=mean(self.transfers, other.transfers))
+
+    def step_fitted(self, executor: str, predict: Callable[["Corrections"], pd.DataFrame],
+                    measured: pd.DataFrame, iterations: int = 24) -> "Corrections":
+        """These corrections with the executor's hand-over chosen so that predicting the run
+        again gives its measured step (bisection: a longer hand-over never shortens a step).
+
+        Once every action's seconds are learnt, what a step spends beyond them is in its waits.
+        Between processes the median hand-over (:func:`handoff_gaps`) leaves out their tail: a
+        rank whose cores are taken by other ranks is woken late, its send or receive a few
+        milliseconds instead of a few tenths, and the step's critical path runs through such
+        hand-overs. The hand-over learnt here is the one that puts the measured step's waits on
+        the critical path; it carries over to other plans of the executor as a cost per hand-over.
+        Unchanged where no hand-over lies on the critical path (one stage) or the step does not say.
+        """
+        target = _span(measured)
+        base = self.transfer(executor)
+        if not target > 0:
+            return self
+
+        def at(transfer: float) -> tuple["Corrections", float]:
+            candidate = replace(self, transfers={**self.transfers, executor: transfer})
+            return candidate, _span(predict(candidate))
+
+        low_step = _span(predict(self))
+        if low_step <= 0 or abs(low_step - target) <= 1e-3 * target:
+            return self
+        if low_step > target:
+            lo, hi = 0.0, base
+            if at(0.0)[1] >= target:  # nothing to take from the hand-overs
+                return self
+        else:
+            lo, hi = base, base + (target - low_step)
+            if at(hi)[1] < target:  # the hand-overs are not on the critical path
+                return self
+        for _ in range(iterations):
+            middle = (lo + hi) / 2
+            if at(middle)[1] < target:
+                lo = middle
+            else:
+                hi = middle
+        return at((lo + hi) / 2)[0]
 
     def learn(self, table: pd.DataFrame, splits: Sequence[int], executor: str, predicted: pd.DataFrame,
               measured: pd.DataFrame, count: bool = True) -> "Corrections":
@@ -276,7 +352,8 @@ class Corrections:
             gaps[executor] = gap
         if transfer is not None:
             transfers[executor] = transfer
-        return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers, self.kinds)
+        counts = {**self.counts, executor: self.counts.get(executor, 0) + 1} if count else self.counts
+        return Corrections(scales, gaps, self.runs + int(count), self.overheads, transfers, self.kinds, counts)
 
 
 def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
@@ -305,6 +382,11 @@ def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
             f = factor(phase).copy()
             f[whole] = factor("backward")[whole]
             scales[(executor, phase)] = f
+
+
+def _span(timeline: pd.DataFrame) -> float:
+    """A step's seconds: its first action's start to its last action's end."""
+    return float(timeline["end"].max() - timeline["start"].min()) if len(timeline) else 0.0
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:
