@@ -85,6 +85,24 @@ def _shared_threads(ranks: int) -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, host_cores() // ranks))
 
 
+def _rank_cores(ranks: int) -> list:
+    """The cores each local rank of ``ranks`` keeps to: its own block where they are enough (and the
+    caller did not set OMP_NUM_THREADS), else every core of this machine."""
+    from pipexplore.host import rank_cores
+
+    blocks = [rank_cores(rank, ranks) for rank in range(ranks)]
+    every = sorted(os.sched_getaffinity(0))
+    return blocks if all(blocks) and "PIPEXPLORE_RANK_CORES" not in os.environ else [every] * ranks
+
+
+def test_ranks_share_the_cores_in_blocks_of_their_own_or_not_at_all():
+    from pipexplore.host import rank_cores
+
+    assert [rank_cores(rank, 2, cores=[0, 1, 2, 3]) for rank in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_cores(rank, 3, cores=[4, 5, 6, 7]) for rank in range(3)] == [[4], [5], [6]]
+    assert rank_cores(0, 4, cores=[0, 1]) is None and rank_cores(2, 2, cores=[0, 1]) is None
+
+
 def _unsplit_loss(module) -> float:
     inputs, target = module.get_batch()
     with torch.no_grad():
@@ -166,6 +184,7 @@ def test_a_1f1b_run_under_two_node_agents_loads_as_a_run(recorded, hooks):
     assert plan["optimizer"] == "Adam" and plan["nodes"] == 2 and plan["world"] == 4  # the hooks' optimizer
     assert plan["splits"] == list(explorer.plan.splits) and plan["schedule"] == "1f1b" and plan["chunks"] == 4
     assert read_run(directory).rank_table()["threads"].tolist() == [_shared_threads(4)] * 4
+    assert read_run(directory).rank_table()["cores"].tolist() == _rank_cores(4)
 
 
 @pytest.mark.slow
@@ -234,8 +253,10 @@ def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, csv_run):
     assert (work / "run" / "schedule.csv").read_text() == text
     assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
     # two agents of one rank on this machine share its cores (torchrun itself would give each all of them)
-    threads = explorer.state.result_of(row["run"]).metrics["rank_table"]["threads"].tolist()
-    assert threads == [_shared_threads(2)] * 2
+    ranks = explorer.state.result_of(row["run"]).metrics["rank_table"]
+    assert ranks["threads"].tolist() == [_shared_threads(2)] * 2
+    # each on cores of its own (the launcher's PIPEXPLORE_RANK_CORES, kept to by the exported script)
+    assert ranks["cores"].tolist() == _rank_cores(2)
 
 
 @pytest.mark.slow

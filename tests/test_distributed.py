@@ -53,6 +53,13 @@ def test_loss_and_gradients_equal_one_process(schedule, splits, devices):
     assert len(grads) == len(named)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, named[key.split(".", 1)[1]].grad)
+    # each rank on cores of its own where they are enough, else where the OS puts it
+    from pipexplore.host import rank_cores
+
+    blocks = [rank_cores(rank, len(devices)) for rank in range(len(devices))]
+    pinned = all(blocks) and "OMP_NUM_THREADS" not in os.environ
+    expected = [set(block) if pinned else os.sched_getaffinity(0) for block in blocks]
+    assert [os.sched_getaffinity(pid) for pid in result.metrics["worker_pids"]] == expected
     timeline = result.timeline
     assert set(timeline["stage"]) == set(range(len(splits) + 1)) and set(timeline["source"]) == {"measured"}
     compute = timeline[timeline["phase"] != "optimizer"]

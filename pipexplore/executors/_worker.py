@@ -40,14 +40,16 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _set_threads(world: int, backend: str) -> None:
-    """Share the CPU cores among the ranks (as torchrun does), unless the user set OMP_NUM_THREADS."""
+def _set_threads(rank: int, world: int, backend: str) -> None:
+    """Share the CPU cores among the ranks (as torchrun does), each rank on cores of its own
+    (:func:`pipexplore.host.keep_to_rank_cores`), unless the user set OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" in os.environ or backend == "nccl":
         return
     import torch
 
-    from pipexplore.host import core_share
+    from pipexplore.host import core_share, keep_to_rank_cores
 
+    keep_to_rank_cores(rank, world)
     torch.set_num_threads(core_share(world))
 
 
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None, parent: int | None = None) -> None:
 
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        _set_threads(world, backend)
+        _set_threads(rank, world, backend)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
         connection.send(("ready", os.getpid()))
     except BaseException:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.host import core_share
+from pipexplore.host import RANK_CORES_ENV, core_share, rank_cores
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
            "HOOKS_MODULE", "STEP_LINE", "printed_losses"]
@@ -227,6 +227,9 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
     environment.setdefault("OMP_NUM_THREADS", str(core_share(nodes * nproc_per_node)))
+    blocks = [rank_cores(rank, nodes * nproc_per_node) for rank in range(nodes * nproc_per_node)]
+    if all(blocks):  # each rank on cores of its own (the exported script keeps to them)
+        environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks))
     token = current_token()
     outs = [folder / f"agent-{n}.out" for n in range(nodes)]
     errs = [folder / f"agent-{n}.err" for n in range(nodes)]

@@ -43,8 +43,8 @@ __all__ = ["RunDirectoryError", "RecordedRun", "read_run", "run_kind", "plan_of"
            "RANK_COLUMNS"]
 
 #: Columns of :meth:`RecordedRun.rank_table`.
-RANK_COLUMNS = ["rank", "node", "host", "device", "device_name", "stages", "threads", "offset_start", "offset_end",
-                "drift", "rtt", "peak_memory", "peak_rss"]
+RANK_COLUMNS = ["rank", "node", "host", "device", "device_name", "stages", "threads", "cores", "offset_start",
+                "offset_end", "drift", "rtt", "peak_memory", "peak_rss"]
 
 
 class RunDirectoryError(ValueError):
@@ -97,12 +97,13 @@ class RecordedRun:
         """One row per rank: node, host, device, stages, its clock's offset to rank 0's at the
         start and the end (seconds; ``drift`` their difference, ``rtt`` the round trip of the
         worse estimate), peak memory (GPU bytes allocated) and peak resident memory; ``threads``
-        the rank's intra-op threads (None in files written before they were recorded)."""
+        the rank's intra-op threads and ``cores`` the CPU cores it ran on (None in files written
+        before they were recorded)."""
         rows = []
         for r in self.ranks:
             clock = r["clock"]
             rows.append((r["rank"], r["node"], r["host"], r["device"], r.get("device_name"), list(r["stages"]),
-                         r.get("threads"), clock["offset_start"], clock["offset_end"],
+                         r.get("threads"), r.get("cores"), clock["offset_start"], clock["offset_end"],
                          clock["offset_end"] - clock["offset_start"], max(clock["rtt_start"], clock["rtt_end"]),
                          r.get("peak_memory"), r.get("peak_rss")))
         return pd.DataFrame(rows, columns=RANK_COLUMNS)

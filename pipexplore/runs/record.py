@@ -340,7 +340,9 @@ class RankRecorder:
                                                         or platform.machine()),
             "stages": [stage.stage_index for stage in self.stages], "warmup": self.warmup, "clock": self.clock,
             "steps": steps, "losses": {str(k): v for k, v in sorted(self._losses.items())},
-            "peak_memory": peak, "peak_rss": rss, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "peak_memory": peak, "peak_rss": rss, "threads": torch.get_num_threads(),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch": torch.__version__,
         }
         path = self.directory / rank_file(self.rank)
         write_json(path, payload)
