@@ -93,9 +93,9 @@ def main() -> None:
     warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Ranks that share one machine's CPU cores (pipexplore's launcher says which): each keeps to its own.
-    rank_cores = os.environ.get("PIPEXPLORE_RANK_CORES")
-    if rank_cores and options.device == "cpu" and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, [int(core) for core in rank_cores.split(";")[rank].split(",")])
+    rank_cores = os.environ.get("PIPEXPLORE_RANK_CORES", "").split(";")
+    if rank < len(rank_cores) and rank_cores[rank] and options.device == "cpu" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(core) for core in rank_cores[rank].split(",")])
     hooks = importlib.import_module(HOOKS)
     if options.device == "cuda" and torch.cuda.is_available():
         local, gpus = int(os.environ.get("LOCAL_RANK", rank)), torch.cuda.device_count()
