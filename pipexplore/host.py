@@ -45,8 +45,9 @@ def rank_cores(rank: int, world: int, cores: Optional[Sequence[int]] = None) -> 
     outnumber the cores (each then goes where the OS puts it).
 
     Left free, two single-threaded ranks on 2 cores were moved between the cores and now and
-    then shared one: the same 2-rank plan's step took 27–30 ms, and 21–24 ms with each rank on a
-    core of its own (torchrun runs of 8 × Linear 512, alternately, measured)."""
+    then shared one: the same 2-rank plan's step took 27–30 ms in five launches of six (21.7 in
+    the sixth), and 20.7–24.1 ms with each rank on a core of its own (torchrun runs of 8 × Linear
+    512, alternately, measured)."""
     available = sorted(cores if cores is not None else (
         os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)))
     if world < 1 or world > len(available) or not 0 <= rank < world:

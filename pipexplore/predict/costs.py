@@ -19,8 +19,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-__all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "LEARNING_MEMORY", "Corrections", "microbatch_rows", "layer_seconds",
-           "layer_times", "fresh_gradient_seconds",
+from pipexplore.timeline import step_time
+
+__all__ = ["PHASE_SOURCE", "COST_SOURCE", "LEARNT_PHASES", "LEARNING_MEMORY", "Corrections", "microbatch_rows",
+           "layer_seconds", "layer_times", "fresh_gradient_seconds",
            "stage_seconds", "stage_shares", "stage_bounds", "stage_sums", "has_fit", "handoff_gaps", "dispatch_gap",
            "lanes_of"]
 
@@ -275,16 +277,16 @@ class Corrections:
         the critical path; it carries over to other plans of the executor as a cost per hand-over.
         Unchanged where no hand-over lies on the critical path (one stage) or the step does not say.
         """
-        target = _span(measured)
+        target = step_time(measured)
         base = self.transfer(executor)
         if not target > 0:
             return self
 
         def at(transfer: float) -> tuple["Corrections", float]:
             candidate = replace(self, transfers={**self.transfers, executor: transfer})
-            return candidate, _span(predict(candidate))
+            return candidate, step_time(predict(candidate))
 
-        low_step = _span(predict(self))
+        low_step = step_time(predict(self))
         if low_step <= 0 or abs(low_step - target) <= 1e-3 * target:
             return self
         if low_step > target:
@@ -382,11 +384,6 @@ def _share_backward_factors(scales: dict, table: pd.DataFrame, executor: str,
             f = factor(phase).copy()
             f[whole] = factor("backward")[whole]
             scales[(executor, phase)] = f
-
-
-def _span(timeline: pd.DataFrame) -> float:
-    """A step's seconds: its first action's start to its last action's end."""
-    return float(timeline["end"].max() - timeline["start"].min()) if len(timeline) else 0.0
 
 
 def _spans(frame: pd.DataFrame) -> pd.DataFrame:
