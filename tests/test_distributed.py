@@ -269,7 +269,8 @@ def test_a_plan_for_processes_is_predicted_with_their_costs_probed_in_the_pool_i
     assert row["executor"] == "processes" and row["startup_seconds"] == 0  # the pool the probe started
 
 
-def test_ranks_that_outnumber_the_cores_are_probed_with_stages_that_keep_them_busy(monkeypatch):
+@pytest.mark.parametrize("schedule,splits", [("1f1b", [4]), ("interleaved", [2, 4, 6])])  # 2 stages a rank
+def test_ranks_that_outnumber_the_cores_are_probed_with_stages_that_keep_them_busy(monkeypatch, schedule, splits):
     """Where the plan's ranks outnumber this host's cores (here: told it has one), the hand-over is
     probed a second time with stages that compute as long as the plan's actions, and it is the
     hand-over that reproduces that probe's step (what a woken rank waits for a core) the
@@ -281,13 +282,13 @@ def test_ranks_that_outnumber_the_cores_are_probed_with_stages_that_keep_them_bu
     probing = importlib.import_module("pipexplore.executors.probe")  # (the package's ``probe`` is the function)
     real, loaded = probing.loaded_transfer, []
 
-    def spy(plan, overhead, gap, transfer, chunks, repeats=3):
-        loaded.append((transfer, real(plan, overhead, gap, transfer, chunks, repeats)))
+    def spy(plan, overhead, gap, transfer, stages, chunks, repeats=3):
+        loaded.append((transfer, real(plan, overhead, gap, transfer, stages, chunks, repeats)))
         return loaded[-1][1]
 
     monkeypatch.setattr(probing, "host_cores", lambda: 1)
     monkeypatch.setattr(probing, "loaded_transfer", spy)
-    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=splits, chunks=4, schedule=schedule,
                  executor="processes")
     (idle, busy), = loaded
     assert 0 < idle <= busy < 0.1 and ex.plan.corrections.transfer("processes") == busy

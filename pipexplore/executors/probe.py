@@ -103,7 +103,7 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     gap, transfer = handoff_gaps(measured)
     gap, transfer = float(gap or 0.0), float(transfer or 0.0)
     if module is processes and plan.num_devices > host_cores() and not is_csv(plan.schedule):
-        transfer = loaded_transfer(plan, overhead, gap, transfer, chunks, repeats)
+        transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
 
 
@@ -143,7 +143,7 @@ class BusyLayer(nn.Module):
         return _Spin.apply(self.linear(x), *self.seconds)
 
 
-def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer: float, chunks: int,
+def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer: float, stages: int, chunks: int,
                     repeats: int = 3) -> float:
     """The processes executor's hand-over where the plan's ranks outnumber this host's cores: the
     idle probe's median hand-over (a few tenths of a millisecond) is what a rank costs when a
@@ -151,12 +151,13 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     send or receive waits for the OS scheduler to give it one (~1–2 ms on a 2-core Linux host,
     measured: a 4-rank step 40 % longer than its actions and median hand-overs predict). Here the
     plan's schedule runs on stages that compute as long as the plan's own actions (per micro-batch,
-    the median over its stages, within :data:`LOADED_SECONDS`), and the hand-over is the one that
-    makes the simulator reproduce the measured step (:meth:`Corrections.step_fitted`, the same fit
-    a real run's learning makes). ``transfer`` (the idle one) where the step says nothing more."""
+    the median over its stages, within :data:`LOADED_SECONDS`; ``stages`` and ``chunks`` as the
+    idle probe ran them), and the hand-over is the one that makes the simulator reproduce the
+    measured step (:meth:`Corrections.step_fitted`, the same fit a real run's learning makes).
+    ``transfer`` (the idle one) where the step says nothing more."""
     from pipexplore.executors import processes
 
-    stages, devices = plan.num_devices, plan.devices[:plan.num_devices]
+    devices = plan.devices[:plan.num_devices]
     batch = plan.batch or plan.layer_table.attrs.get("batch")
     rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
     low, high = LOADED_SECONDS
