@@ -294,6 +294,43 @@ def test_ranks_that_outnumber_the_cores_are_probed_with_stages_that_keep_them_bu
     assert 0 < idle <= busy < 0.1 and ex.plan.corrections.transfer("processes") == busy
 
 
+def test_a_plan_whose_ranks_come_to_outnumber_the_cores_is_probed_again_until_a_run_teaches(monkeypatch):
+    """The probe's hand-over is the idle one while the ranks have a core each and the loaded one
+    once they outnumber them (here the host is told it has 2 cores, then 1): a plan that crosses
+    over is probed again, once a side; after a run, what the run taught stays."""
+    import importlib
+
+    from pipexplore.widgets import explore
+
+    probing = importlib.import_module("pipexplore.executors.probe")
+    real, loaded, cores = probing.loaded_transfer, [], [2]
+
+    def spy(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(probing, "host_cores", lambda: cores[0])
+    monkeypatch.setattr(probing, "loaded_transfer", spy)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
+                 executor="processes")
+    idle = ex.plan.corrections.transfer("processes")
+    assert not loaded and idle > 0
+    cores[0] = 1
+    ex.update(chunks=2)
+    assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == loaded[0] >= idle
+    cores[0] = 2
+    ex.update(chunks=4)
+    ex.update(chunks=2)
+    assert len(loaded) == 1  # each side probed once
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b",
+                 executor="processes")
+    ex.run(timeout=60)
+    taught = ex.plan.corrections.transfer("processes")
+    cores[0] = 1
+    ex.update(chunks=2)  # the ranks now outnumber the cores, but a run has taught the hand-over
+    assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == taught
+
+
 def test_a_busy_layer_keeps_its_thread_computing_forward_and_backward():
     import time
 

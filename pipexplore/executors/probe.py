@@ -16,7 +16,7 @@ from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 
-__all__ = ["probe", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
+__all__ = ["probe", "probe_kind", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
 #: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
@@ -102,9 +102,17 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     overhead["all"] = float(spans["span"].median()) if len(spans) else 0.0
     gap, transfer = handoff_gaps(measured)
     gap, transfer = float(gap or 0.0), float(transfer or 0.0)
-    if module is processes and plan.num_devices > host_cores() and not is_csv(plan.schedule):
+    if probe_kind(plan)[1]:
         transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
+
+
+def probe_kind(plan: Plan) -> tuple[str, bool]:
+    """What a probe of ``plan`` stands for: its executor, and whether the hand-over is the loaded
+    one (:func:`loaded_transfer`: processes whose ranks outnumber this host's cores). A plan of
+    another kind needs a probe of its own; one of the same kind takes the last one's figures."""
+    executor = plan.predict_executor
+    return executor, executor == "processes" and plan.num_devices > host_cores() and not is_csv(plan.schedule)
 
 
 def _spin(seconds: float) -> None:

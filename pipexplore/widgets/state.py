@@ -141,6 +141,8 @@ class ExplorerState(RunLog):
         self.target, self.loss_fn, self.optimizer = target, loss_fn, optimizer
         #: Whether runs teach the predictions (the executor's own costs, corrections per action).
         self.calibrate = calibrate
+        #: What the executor probes measured (:func:`pipexplore.executors.probe.probe_kind` of each).
+        self._probed: set[tuple[str, bool]] = set()
         #: Notes the page shows above the status line.
         self.notes: list[str] = []
         if loss_fn is None:
@@ -271,10 +273,15 @@ class ExplorerState(RunLog):
 
     def _with_executor_costs(self, plan: Plan) -> Plan:
         """``plan`` with its executor's own cost per action, probed once per executor (see
-        :func:`pipexplore.executors.probe`), so that even a first prediction includes it."""
-        executor = plan.predict_executor
-        if not self.calibrate or executor in plan.corrections.overheads or plan.schedule == "async-backends" \
-                or plan.planned:
+        :func:`pipexplore.executors.probe`), so that even a first prediction includes it; a
+        processes plan whose ranks start or stop outnumbering the cores is probed again for its
+        hand-over (:func:`~pipexplore.executors.probe.probe_kind`) until a run teaches one."""
+        from pipexplore.executors.probe import probe_kind
+
+        executor, kind = plan.predict_executor, probe_kind(plan)
+        probed = executor in plan.corrections.overheads
+        again = probed and kind not in self._probed and not plan.corrections.counts.get(executor)
+        if not self.calibrate or (probed and not again) or plan.schedule == "async-backends" or plan.planned:
             return plan
         from pipexplore.executors import probe
 
@@ -293,8 +300,10 @@ class ExplorerState(RunLog):
         finally:
             if self.status is not before:
                 self.say(before.text, busy=before.busy, error=before.error, trace=before.traceback)
-        gap = plan.corrections.gaps.get(executor, gap)  # what a real run taught wins
-        transfer = plan.corrections.transfers.get(executor, transfer)
+        self._probed.add(kind)
+        if plan.corrections.counts.get(executor):  # what a real run taught wins
+            gap = plan.corrections.gaps.get(executor, gap)
+            transfer = plan.corrections.transfers.get(executor, transfer)
         return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
     def _with_backward_split(self) -> pd.DataFrame:
