@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 
-__all__ = ["probe", "probe_kind", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
+__all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
 #: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
@@ -113,6 +114,39 @@ def probe_kind(plan: Plan) -> tuple[str, bool]:
     another kind needs a probe of its own; one of the same kind takes the last one's figures."""
     executor = plan.predict_executor
     return executor, executor == "processes" and plan.num_devices > host_cores() and not is_csv(plan.schedule)
+
+
+def needs_probe(plan: Plan, probed: set) -> bool:
+    """Whether ``plan``'s executor costs are to be probed: its executor never was, or it is a
+    processes plan of a :func:`probe_kind` not in ``probed`` whose hand-over no run has taught.
+    Plans for catalogue devices and async backends never are."""
+    executor = plan.predict_executor
+    if plan.schedule == "async-backends" or plan.planned:
+        return False
+    if executor not in plan.corrections.overheads:
+        return True
+    return probe_kind(plan) not in probed and not plan.corrections.counts.get(executor)
+
+
+def with_probed_costs(plan: Plan, probed: set) -> Plan:
+    """``plan`` with its executor's own costs as :func:`probe` measures them, its kind added to
+    ``probed``; what a run of the executor taught (gap, hand-over) wins over the probe. Rank
+    processes that cannot start here: a warning, and the plan predicted without them (not tried
+    again for this kind: the first run will say why)."""
+    executor = plan.predict_executor
+    try:
+        overhead, gap, transfer = probe(plan)
+    except Exception as error:
+        if plan.executor != "processes":
+            raise
+        warnings.warn(f"the processes executor's own costs were not probed, so the prediction leaves them "
+                      f"out until a run teaches them: {error}", RuntimeWarning, stacklevel=3)
+        overhead, gap, transfer = {}, 0.0, None
+    probed.add(probe_kind(plan))
+    if plan.corrections.counts.get(executor):  # what a real run taught wins
+        gap = plan.corrections.gaps.get(executor, gap)
+        transfer = plan.corrections.transfers.get(executor, transfer)
+    return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
 
 def _spin(seconds: float) -> None:

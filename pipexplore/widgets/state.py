@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import threading
 import traceback
-import warnings
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -275,36 +274,20 @@ class ExplorerState(RunLog):
         """``plan`` with its executor's own cost per action, probed once per executor (see
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it; a
         processes plan whose ranks start or stop outnumbering the cores is probed again for its
-        hand-over (:func:`~pipexplore.executors.probe.probe_kind`) until a run teaches one."""
-        from pipexplore.executors.probe import probe_kind
+        hand-over (:func:`~pipexplore.executors.probe.needs_probe`) until a run teaches one."""
+        from pipexplore.executors.probe import needs_probe, with_probed_costs
 
-        executor, kind = plan.predict_executor, probe_kind(plan)
-        probed = executor in plan.corrections.overheads
-        again = probed and kind not in self._probed and not plan.corrections.counts.get(executor)
-        if not self.calibrate or (probed and not again) or plan.schedule == "async-backends" or plan.planned:
+        if not self.calibrate or not needs_probe(plan, self._probed):
             return plan
-        from pipexplore.executors import probe
-
         before = self.status
         if plan.executor == "processes":  # its rank processes start now, once: say so while they do
             self.say(f"measuring what an action costs the processes executor: starting its {plan.num_devices} rank "
                      "processes (once; the first run then finds them started)", busy=True)
         try:
-            overhead, gap, transfer = probe(plan)
-        except Exception as error:  # rank processes that cannot start here: the first run will say why
-            if plan.executor != "processes":
-                raise
-            warnings.warn(f"the processes executor's own costs were not probed, so the prediction leaves them "
-                          f"out until a run teaches them: {error}", RuntimeWarning, stacklevel=2)
-            overhead, gap, transfer = {}, 0.0, None  # not tried again at every change of the plan
+            return with_probed_costs(plan, self._probed)
         finally:
             if self.status is not before:
                 self.say(before.text, busy=before.busy, error=before.error, trace=before.traceback)
-        self._probed.add(kind)
-        if plan.corrections.counts.get(executor):  # what a real run taught wins
-            gap = plan.corrections.gaps.get(executor, gap)
-            transfer = plan.corrections.transfers.get(executor, transfer)
-        return plan.with_options(corrections=plan.corrections.with_executor_costs(executor, overhead, gap, transfer))
 
     def _with_backward_split(self) -> pd.DataFrame:
         """The layer table with its input/weight-gradient split, measured the first time a plan needs it."""
