@@ -57,8 +57,9 @@ def rank_cores(rank: int, world: int, cores: Optional[Sequence[int]] = None) -> 
 
 
 def keep_to_rank_cores(rank: int, world: int) -> Optional[list[int]]:
-    """Keep this process (a rank of ``world`` on this host) to its :func:`rank_cores`, before it
-    starts any thread; the cores, or None where it was left free (too many ranks, no affinity here)."""
+    """Keep this rank (of ``world`` on this host) to its :func:`rank_cores`: the calling thread
+    and the threads it starts after (call it before torch's and gloo's threads start); the cores,
+    or None where it was left free (too many ranks, no affinity here)."""
     cores = rank_cores(rank, world)
     if cores is None or not hasattr(os, "sched_setaffinity"):
         return None

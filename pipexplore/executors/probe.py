@@ -87,13 +87,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     if is_csv(plan.schedule):  # a schedule file runs only the stages, ranks and micro-batches it names
         devices, stages, chunks = plan.devices[:plan.num_devices], plan.num_stages, plan.chunks
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
-    table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": 0.0, "backward": 0.0,
-                          "output_bytes": 0.0, "param_bytes": 8.0})
-    tiny_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
-                     checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                     executor=plan.executor, batch=chunks)
-    measured = module.run(StepJob(tiny, torch.randn(chunks, 1), tiny_plan, warmup=1, repeats=repeats,
-                                  optimizer=_NoUpdate)).timeline
+    _, measured = _probe_step(module, plan, tiny, _layer_table(stages, forward=0.0, backward=0.0), devices, chunks,
+                              repeats)
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     spans = compute.assign(span=compute["end"] - compute["start"])
     if splits_backward(plan.schedule):
@@ -106,6 +101,25 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     if probe_kind(plan)[1]:
         transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
+
+
+def _layer_table(stages: int, **columns: Any) -> pd.DataFrame:
+    """A probe's profile: one layer a stage, ``columns`` beside its name and bytes."""
+    return pd.DataFrame({"name": [str(k) for k in range(stages)], **columns, "output_bytes": 0.0,
+                         "param_bytes": 8.0})
+
+
+def _probe_step(module: Any, plan: Plan, layers: nn.Sequential, table: pd.DataFrame, devices: Any, chunks: int,
+                repeats: int) -> tuple[Plan, pd.DataFrame]:
+    """Run ``plan``'s schedule on ``layers`` (one a stage, ``table`` their profile) through the
+    executor ``module`` on ``devices``, ``chunks`` micro-batches of a row: the probe's plan and the
+    measured step's timeline."""
+    probe_plan = Plan(table, splits=tuple(range(1, len(layers))), devices=tuple(devices), chunks=chunks,
+                      checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                      executor=plan.executor, batch=chunks)
+    measured = module.run(StepJob(layers, torch.randn(chunks, 1), probe_plan, warmup=1, repeats=repeats,
+                                  optimizer=_NoUpdate)).timeline
+    return probe_plan, measured
 
 
 def probe_kind(plan: Plan) -> tuple[str, bool]:
@@ -206,15 +220,10 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     seconds = [float(np.clip(np.median(stage_seconds(plan.layer_table, list(plan.splits), rows, phase)), low, high))
                for phase in ("forward", "backward")]
     busy = nn.Sequential(*[BusyLayer(*seconds) for _ in range(stages)])
-    table = pd.DataFrame({"name": [str(k) for k in range(stages)], "forward": seconds[0] * chunks,
-                          "backward": seconds[1] * chunks, "share_forward": 1.0, "share_backward": 1.0,
-                          "output_bytes": 0.0, "param_bytes": 8.0})
+    table = _layer_table(stages, forward=seconds[0] * chunks, backward=seconds[1] * chunks, share_forward=1.0,
+                         share_backward=1.0)
     table.attrs.update(batch=chunks, device="cpu", threads=1)
-    busy_plan = Plan(table, splits=tuple(range(1, stages)), devices=tuple(devices), chunks=chunks,
-                     checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                     executor="processes", batch=chunks)
-    measured = processes.run(StepJob(busy, torch.randn(chunks, 1), busy_plan, warmup=1, repeats=repeats,
-                                     optimizer=_NoUpdate)).timeline
+    busy_plan, measured = _probe_step(processes, plan, busy, table, devices, chunks, repeats)
     probed = Corrections().with_executor_costs("processes", overhead, gap, transfer)
     fitted = probed.step_fitted("processes", lambda c: busy_plan.with_options(corrections=c).predict(), measured)
     return max(transfer, fitted.transfer("processes"))

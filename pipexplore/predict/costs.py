@@ -282,28 +282,30 @@ class Corrections:
         if not target > 0:
             return self
 
-        def at(transfer: float) -> tuple["Corrections", float]:
-            candidate = replace(self, transfers={**self.transfers, executor: transfer})
-            return candidate, step_time(predict(candidate))
+        def handing_over(transfer: float) -> "Corrections":
+            return replace(self, transfers={**self.transfers, executor: transfer})
+
+        def step(transfer: float) -> float:
+            return step_time(predict(handing_over(transfer)))
 
         low_step = step_time(predict(self))
         if low_step <= 0 or abs(low_step - target) <= 1e-3 * target:
             return self
         if low_step > target:
             lo, hi = 0.0, base
-            if at(0.0)[1] >= target:  # nothing to take from the hand-overs
+            if step(0.0) >= target:  # nothing to take from the hand-overs
                 return self
         else:
             lo, hi = base, base + (target - low_step)
-            if at(hi)[1] < target:  # the hand-overs are not on the critical path
+            if step(hi) < target:  # the hand-overs are not on the critical path
                 return self
         for _ in range(iterations):
             middle = (lo + hi) / 2
-            if at(middle)[1] < target:
+            if step(middle) < target:
                 lo = middle
             else:
                 hi = middle
-        return at((lo + hi) / 2)[0]
+        return handing_over((lo + hi) / 2)
 
     def learn(self, table: pd.DataFrame, splits: Sequence[int], executor: str, predicted: pd.DataFrame,
               measured: pd.DataFrame, count: bool = True) -> "Corrections":

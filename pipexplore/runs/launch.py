@@ -226,8 +226,9 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                 "--tee", "3"]  # each rank's lines prefixed with its rank ("[default3]:"), and kept in --log-dir
     environment = dict(os.environ if env is None else env)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
-    environment.setdefault("OMP_NUM_THREADS", str(core_share(nodes * nproc_per_node)))
-    blocks = [rank_cores(rank, nodes * nproc_per_node) for rank in range(nodes * nproc_per_node)]
+    world = nodes * nproc_per_node
+    environment.setdefault("OMP_NUM_THREADS", str(core_share(world)))
+    blocks = [rank_cores(rank, world) for rank in range(world)]
     if all(blocks):  # each rank on cores of its own (the exported script keeps to them)
         environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks))
     token = current_token()
