@@ -17,7 +17,8 @@ from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 
-__all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES", "PROBE_CHUNKS", "LOADED_SECONDS"]
+__all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES",
+           "PROBE_CHUNKS", "LOADED_SECONDS"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
 #: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
