@@ -13,7 +13,10 @@ on this machine's CPU treated as a device from a catalogue.
    row: what calling a layer costs beyond its ops (an ``nn.Identity`` profiled: the module call,
    the profiler's hooks, autograd's engine), in launches. The ops frame
    :mod:`pipexplore.predict.roofline` reads.
-3. Each kind profiled (``pipexplore.profile(nn.Sequential(layer), sample, microbatch_rows=[32, 128])``).
+3. Each kind profiled (``pipexplore.profile(nn.Sequential(layer), sample, microbatch_rows=[32, 128],
+   cold_cache=True)``: the caches flushed before every timed call, so that a kind runs from memory
+   as a layer between larger neighbours does), and again without the flush (from cache, as it was
+   profiled before), learnt from and predicted the same way, for comparison.
 4. The efficiency (fraction of peak FLOP/s and of bandwidth, and the small-kernel seconds every
    compute-bound kernel pays beyond its FLOPs) learnt from half the kinds at both sizes
    (``fit_efficiency``), the other half predicted: per kind, phase and size, the planned seconds
@@ -251,11 +254,13 @@ def kinds() -> dict[str, tuple[nn.Module, torch.Tensor]]:
 CALIBRATE = ["linear 256", "linear 1024", "conv 16→32", "ReLU 32×16×16", "embedding 5000×256"]
 
 
-def profiled(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]]) -> pd.DataFrame:
-    """Per kind: its profiled forward and backward seconds at each size (columns ``(phase, rows)``)."""
+def profiled(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], cold_cache: bool = True) -> pd.DataFrame:
+    """Per kind: its profiled forward and backward seconds at each size (columns ``(phase, rows)``),
+    the caches flushed before each timed call (``cold_cache``) or not."""
     out = {}
     for kind, (layer, sample) in all_kinds.items():
-        table = pipexplore.profile(nn.Sequential(layer), sample, microbatch_rows=SIZES, split_backward=False)
+        table = pipexplore.profile(nn.Sequential(layer), sample, microbatch_rows=SIZES, split_backward=False,
+                                   cold_cache=cold_cache)
         out[kind] = {(phase, n): float(table[f"{phase}_a"].iloc[0] + table[f"{phase}_b"].iloc[0] * n)
                      for phase in ("forward", "backward") for n in SIZES}
     return pd.DataFrame(out).T
@@ -321,35 +326,39 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
     kept), learn from half the kinds, predict the other half and the pipeline: all within one
     round, so that the calibration sees the machine as the predicted layers do."""
     model, sample = pipeline()
-    measurements, kind_passes, pipeline_passes, calls = [], [], [], []
+    measurements, kind_passes, warm_passes, pipeline_passes, calls = [], [], [], [], []
     for _ in range(passes):
         measurements.append(rates())
         calls.append(call_seconds())
         kind_passes.append(profiled(all_kinds))
+        warm_passes.append(profiled(all_kinds, cold_cache=False))
         pipeline_passes.append(pipeline_pass(model, sample, repeats))
     spec, view_kernels = cpu_spec(measurements)
     layer_call = {phase: min(c[phase] for c in calls) / spec.kernel_overhead for phase in calls[0]}
     ops, checks = ops_frame(all_kinds, view_kernels, layer_call)
     for kind, (ours, theirs) in checks.items():
         assert abs(ours - theirs) <= 1e-9 * max(ours, 1.0), (kind, ours, theirs)
-    measured = fastest_kinds(kind_passes)
+    measured, measured_warm = fastest_kinds(kind_passes), fastest_kinds(warm_passes)
     table = min((t for t, _ in pipeline_passes), key=lambda t: float((t["forward"] + t["backward"]).sum()))
     predict = [k for k in all_kinds if k not in CALIBRATE]
 
-    def learnt_from(names: list[str], small_kernel: bool = True, additive: bool = True
-                    ) -> Efficiency:  # from both sizes of these kinds
-        tables = {n: pd.DataFrame({phase: [measured.at[k, (phase, n)] for k in names]
+    def learnt_from(names: list[str], small_kernel: bool = True, additive: bool = True,
+                    kinds: pd.DataFrame = measured) -> Efficiency:  # from both sizes of these kinds
+        tables = {n: pd.DataFrame({phase: [kinds.at[k, (phase, n)] for k in names]
                                    for phase in ("forward", "backward")}, index=names) for n in SIZES}
         return fit_efficiency(ops[ops["kind"].isin(names)], tables, spec, small_kernel=small_kernel,
                               additive=additive)
 
     # learnt: every parameter the fit may keep; fractions: the two fractions of the plain roofline
     learnt, fractions = learnt_from(CALIBRATE), learnt_from(CALIBRATE, small_kernel=False, additive=False)
+    warm = learnt_from(CALIBRATE, kinds=measured_warm)  # the kinds timed with their caches warm, as before
     result = errors(ops, spec, measured, predict, learnt)
+    warm_err = errors(ops, spec, measured_warm, predict, warm)["error"].abs()
     alone = errors(ops, spec, measured, predict, fractions)["error"].abs()
     at_peak = errors(ops, spec, measured, predict, Efficiency(1.0, 1.0))["error"].abs()
     swapped = errors(ops, spec, measured, CALIBRATE, learnt_from(predict))["error"].abs()
-    step = pipeline_step(table, min(m for _, m in pipeline_passes), ops, spec, {"": learnt, "_fractions": fractions})
+    step = pipeline_step(table, min(m for _, m in pipeline_passes), ops, spec, {"": learnt, "_fractions": fractions,
+                                                                                         "_warm": warm})
     err = result["error"].abs()
     worst = result.loc[err.idxmax()]
     out = {"peak": spec.peak("float32"), "bandwidth": spec.memory_bandwidth, "op": spec.kernel_overhead,
@@ -358,7 +367,8 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
            "median": err.median(), "max": err.max(), "fractions": alone.median(), "fractions_max": alone.max(),
            "at_peak": at_peak.median(), "swapped": swapped.median(),
            "swapped_max": swapped.max(), "planned": step["planned"], "planned_fractions": step["planned_fractions"],
-           "profiled": step["profiled"], "measured": step["measured"]}
+           "profiled": step["profiled"], "measured": step["measured"], "warm": warm_err.median(),
+           "planned_warm": step["planned_warm"]}
     if show:
         pd.set_option("display.width", 160)
         print(result.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -379,6 +389,8 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
           f"profiled {(out['profiled'] / out['measured'] - 1) * 100:+.1f} %); the fractions alone planned "
           f"{out['planned_fractions'] * 1e3:.1f} ms ({(out['planned_fractions'] / out['profiled'] - 1) * 100:+.1f} % "
           f"vs profiled)")
+    print(f"  kinds timed warm (no cache flush): per layer median |error| {out['warm'] * 100:.1f} %, step planned "
+          f"{out['planned_warm'] * 1e3:.1f} ms ({(out['planned_warm'] / out['profiled'] - 1) * 100:+.1f} % vs profiled)")
     return out
 
 
@@ -413,10 +425,13 @@ def main() -> None:
     planned_vs_measured = frame["planned"] / frame["measured"] - 1
     profiled_vs_measured = frame["profiled"] / frame["measured"] - 1
     fractions_vs_profiled = frame["planned_fractions"] / frame["profiled"] - 1
+    warm_vs_profiled = frame["planned_warm"] / frame["profiled"] - 1
     print(f"  step, planned vs profiled: {' / '.join(f'{v * 100:+.1f} %' for v in planned_vs_profiled)} (the "
           f"fractions alone {' / '.join(f'{v * 100:+.1f} %' for v in fractions_vs_profiled)}); "
           f"planned vs measured: {' / '.join(f'{v * 100:+.1f} %' for v in planned_vs_measured)}; "
           f"profiled vs measured: {' / '.join(f'{v * 100:+.1f} %' for v in profiled_vs_measured)}")
+    print(f"  kinds timed warm: per layer {' / '.join(f'{v * 100:.1f} %' for v in frame['warm'])}; step planned vs "
+          f"profiled {' / '.join(f'{v * 100:+.1f} %' for v in warm_vs_profiled)}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pipexplore.models.inputs import sample_rows
 from pipexplore.models.meta import Call, capture, layout, rows_of, without_kv_cache
 from pipexplore.models.opcount import count_call
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
-from pipexplore.predict.timing import Timer, fit_line, spread
+from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.saved import SavedBytes
 
 __all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs"]
@@ -128,14 +128,15 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: int, device: torch.device,
-               repeats: int, warmup: int) -> dict[str, Any]:
+               repeats: int, warmup: int, cold_cache: bool = False) -> dict[str, Any]:
     """Forward and backward seconds of ``block`` at each size, and its bytes at the largest."""
     walls: dict[str, list[list[float]]] = {"forward": [], "backward": []}
     cpu = {"forward": 0.0, "backward": 0.0}
     result: dict[str, Any] = {"finite": True}
     for rows in sizes:
         args, kwargs, wrt = block_inputs(call, rows, captured_rows, device, block)
-        timers = {"forward": Timer(device), "backward": Timer(device)}
+        flush = CacheFlush(device) if cold_cache else None
+        timers = {"forward": Timer(device, flush), "backward": Timer(device, flush)}
         untimed = max(warmup, 1)  # the first call also measures the bytes
         for step in range(untimed + repeats):
             first, timed = step == 0, step >= untimed
@@ -181,7 +182,8 @@ def _gib(n: float) -> str:
 @without_kv_cache
 def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch.device] = "cpu",
                       microbatch_rows: Optional[Sequence[int]] = None, repeats: int = 3, warmup: int = 1,
-                      granularity: str = "blocks", loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+                      granularity: str = "blocks", loss_fn: Any = None, target: Any = None,
+                      cold_cache: bool = False) -> pd.DataFrame:
     """Time each layer of ``model`` (an ``nn.Sequential``'s layers, else the candidate blocks of
     :func:`pipexplore.models.trace.candidate_modules`) on ``device``, one distinct kind at a time,
     for a model bigger than the device or built on meta: the whole model is never on the device.
@@ -191,7 +193,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     is copied alone to ``device`` (:func:`materialise`), fed random inputs of the captured shapes
     and dtypes (:func:`block_inputs`), timed — ``warmup`` untimed calls, then ``repeats`` timed
     forward and backward calls at each of ``microbatch_rows`` (default: the whole batch) — and
-    freed before the next kind. Before anything is made real, every kind's parameters, gradients
+    freed before the next kind (``cold_cache``: the device's caches flushed before every timed call,
+    as :func:`pipexplore.profile` does). Before anything is made real, every kind's parameters, gradients
     and (on meta, counted) activations at the largest micro-batch are checked against the device's
     free memory (:func:`available_memory`): a block that does not fit is refused (``ValueError``).
 
@@ -244,7 +247,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
         name, module = cap.blocks[k]
         block = materialise(module, target_device)
         try:
-            measured[signature] = _time_kind(block, cap.calls[k], sizes, largest, target_device, repeats, warmup)
+            measured[signature] = _time_kind(block, cap.calls[k], sizes, largest, target_device, repeats, warmup,
+                                             cold_cache)
         finally:
             block.to_empty(device=torch.device("meta"))  # its memory goes now, not when collected
             del block

@@ -5,6 +5,8 @@ step's micro-batches after the first run it (accumulating into the gradients), a
 first pays beyond that (allocating them) as ``fresh_grads``, once a step."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import numpy as np
 import pandas as pd
 import torch
@@ -19,7 +21,7 @@ __all__ = ["whole_model_seconds", "calibrate_to_whole_model"]
 
 
 def whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
-                         repeats: int) -> tuple[float, float, float]:
+                         repeats: int, flush: Optional[Callable[[], None]] = None) -> tuple[float, float, float]:
     """Median forward and backward seconds of the whole model, run as one chain (after one
     warm-up): ``(forward, backward with fresh gradients, backward accumulating into them)``.
 
@@ -28,8 +30,9 @@ def whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: t
     runs one forward and two backwards through its graph (kept for the second), the first after
     the gradients are set to None, the second adding to them. On
     a CPU the fresh ones are fresh pages (12 linear layers of 512 at 16 rows: 1.2 ms a layer so,
-    0.55 ms accumulating), which a layer timed alone hides: its freed gradient is reused at once."""
-    forward, fresh, accumulating = _Timer(target), _Timer(target), _Timer(target)
+    0.55 ms accumulating), which a layer timed alone hides: its freed gradient is reused at once.
+    ``flush``: called before each timed pass (a :class:`pipexplore.predict.timing.CacheFlush`)."""
+    forward, fresh, accumulating = _Timer(target, flush), _Timer(target, flush), _Timer(target, flush)
     module.zero_grad(set_to_none=True)
     for k in range(repeats + 1):
         with use_skip_tracker(SkipTracker()), torch.enable_grad():
@@ -51,12 +54,12 @@ def whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: t
 
 
 def calibrate_to_whole_model(table: pd.DataFrame, module: nn.Sequential, value: TensorOrTensors,
-                             target: torch.device, repeats: int) -> None:
+                             target: torch.device, repeats: int, flush: Optional[Callable[[], None]] = None) -> None:
     """Scale ``table``'s ``forward`` and ``backward`` (one row per layer of ``module``, timed on
     ``value``) so that the layers add up to the whole model's forward and accumulating backward
     (:func:`whole_model_seconds`), and set ``fresh_grads``: what allocating the gradients afresh
     adds to the whole backward (never below 0), shared by the layers' gradient bytes."""
-    whole_forward, whole_fresh, whole_backward = whole_model_seconds(module, value, target, repeats)
+    whole_forward, whole_fresh, whole_backward = whole_model_seconds(module, value, target, repeats, flush)
     for column, whole in (("forward", whole_forward), ("backward", whole_backward)):
         layers_total = float(table[column].sum())
         if layers_total > 0 and whole > 0:

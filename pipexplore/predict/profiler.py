@@ -22,6 +22,7 @@ from pipexplore.predict.optimizer_cost import optimizer_seconds
 from pipexplore.predict.ratios import checkpointed_ratio as _checkpointed_ratio
 from pipexplore.predict.ratios import contended_slowdown as _contended_slowdown
 from pipexplore.predict.ratios import split_backward as _split_backward
+from pipexplore.predict.timing import CacheFlush
 from pipexplore.predict.timing import Timer as _Timer
 from pipexplore.predict.timing import detach as _detach
 from pipexplore.predict.timing import nbytes as _bytes
@@ -80,9 +81,9 @@ class _LayerRun:
     """One layer's input (and the skip tensors it pops), ready to be called again and again."""
 
     def __init__(self, name: str, layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor],
-                 target: torch.device) -> None:
+                 target: torch.device, flush: Optional[Callable[[], None]] = None) -> None:
         self.name, self.layer, self.value, self.skips = name, layer, value, dict(skips)
-        self.forward, self.backward = _Timer(target), _Timer(target)
+        self.forward, self.backward = _Timer(target, flush), _Timer(target, flush)
         self.saved = SavedBytes(layer)
         self.output: Any = None
         self.stashed: dict[Any, Tensor] = {}
@@ -141,7 +142,7 @@ class _Kind:
 
 
 def _chain(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
-           same_work_once: bool) -> list[tuple[_LayerRun, Any]]:
+           same_work_once: bool, flush: Optional[Callable[[], None]] = None) -> list[tuple[_LayerRun, Any]]:
     """Every layer ready to be called on its own input from the chain (each called once, untimed:
     the first call pays allocation, kernel selection and dispatch caches, and gives the next layer
     its input, with the skip tensors stashed before it), with its kind: what makes two layers the
@@ -150,7 +151,7 @@ def _chain(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
     skips: dict[Any, Tensor] = {}
     chain = []
     for index, (name, layer) in enumerate(module.named_children()):
-        run = _LayerRun(name, layer, value, skips, target)
+        run = _LayerRun(name, layer, value, skips, target, flush)
         signature = _signature(layer, value, run.skips) if same_work_once else None
         chain.append((run, signature if signature is not None else ("alone", index)))
         run.call(timed=False)
@@ -171,7 +172,7 @@ def _on_device(sample: TensorOrTensors, target: torch.device) -> TensorOrTensors
 def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.device, repeats: int,
                   max_repeats: int, deadline: Optional[float], progress: Optional[Callable[[int, int], None]],
                   done_before: int, total: int, contend: bool, same_work_once: bool = True,
-                  split_backward: bool = True) -> list[dict[str, Any]]:
+                  split_backward: bool = True, flush: Optional[Callable[[], None]] = None) -> list[dict[str, Any]]:
     """Time every layer on one micro-batch ``value``, each on its own input from the chain.
 
     First one untimed call per layer (the first call pays allocation, kernel selection and
@@ -186,7 +187,7 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
     layers: list[_LayerRun] = []
     kinds: dict[Any, _Kind] = {}
     kind_of: list[_Kind] = []
-    for run, key in _chain(module, value, target, same_work_once):
+    for run, key in _chain(module, value, target, same_work_once, flush):
         kind = kinds.setdefault(key, _Kind())
         kind.runs.append(run)
         kind_of.append(kind)
@@ -293,7 +294,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             microbatch_rows: Optional[Sequence[int]] = None,
             progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
             same_work_once: bool = True, split_backward: bool = True,
-            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None) -> pd.DataFrame:
+            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, cold_cache: bool = False) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed
@@ -317,6 +318,12 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     depends on what their attributes do not show). ``split_backward=False`` leaves the input-
     and weight-gradient split (what zero-bubble schedules run) unmeasured (NaN; it needs
     ``torch.distributed.pipelining``, ~1.5 s to import): :func:`backward_split` measures it later.
+
+    ``cold_cache=True`` flushes the device's caches before every timed forward and backward (and
+    the whole model's, with ``calibrate``: :class:`pipexplore.predict.timing.CacheFlush`, untimed),
+    so that a layer is timed as it runs between neighbours that stream more than the cache: how
+    layers measured alone teach the roofline (:func:`pipexplore.predict.roofline.fit_efficiency`)
+    the efficiency a model reaches.
 
     ``microbatch_rows`` are the micro-batch sizes to time (default: the whole sample). With two
     or more, each layer's forward and backward become a line ``t(n) = a + b·n`` in the rows ``n``
@@ -379,7 +386,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
 
         def timed() -> list[pd.DataFrame]:
             return _profile_sizes(module, value, sizes, target, repeats, max_repeats, deadline, progress, calibrate,
-                                  same_work_once, split_backward)
+                                  same_work_once, split_backward, CacheFlush(target) if cold_cache else None)
 
         # Where the stages run in worker threads with intra-op threads of their own, so are the layers
         # timed (see pipexplore.host.as_stage_worker: in the main thread they would run faster).
@@ -457,7 +464,8 @@ def backward_split(module: nn.Sequential, sample: TensorOrTensors, table: pd.Dat
 def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[int], target: torch.device,
                    repeats: int, max_repeats: int, deadline: Optional[float],
                    progress: Optional[Callable[[int, int], None]], calibrate: bool,
-                   same_work_once: bool = True, split_backward: bool = True) -> list[pd.DataFrame]:
+                   same_work_once: bool = True, split_backward: bool = True,
+                   flush: Optional[Callable[[], None]] = None) -> list[pd.DataFrame]:
     """One table of layer times per micro-batch size (the first also measures contention)."""
     per_size = []
     total = len(module) * len(sizes)
@@ -465,9 +473,9 @@ def _profile_sizes(module: nn.Sequential, value: TensorOrTensors, sizes: list[in
         chunk = _detach(_rows(value, rows))
         table = pd.DataFrame(_profile_rows(module, chunk, target, repeats, max(repeats, max_repeats), deadline,
                                            progress, k * len(module), total, contend=k == 0,
-                                           same_work_once=same_work_once, split_backward=split_backward))
+                                           same_work_once=same_work_once, split_backward=split_backward, flush=flush))
         table["fresh_grads"] = math.nan
         if calibrate and not _spent(deadline):  # past the timeout, the layers' own times stand
-            calibrate_to_whole_model(table, module, chunk, target, repeats)
+            calibrate_to_whole_model(table, module, chunk, target, repeats, flush)
         per_size.append(table)
     return per_size

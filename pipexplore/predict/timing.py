@@ -1,7 +1,9 @@
-"""Timing a layer's calls: timers that wait for the device, the spread of repeated times, lines
-fitted to the costs at several micro-batch sizes, and the small tensor helpers the profiler uses."""
+"""Timing a layer's calls: timers that wait for the device (and can flush its caches first), the
+spread of repeated times, lines fitted to the costs at several micro-batch sizes, and the small
+tensor helpers the profiler uses."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -14,7 +16,7 @@ from torch import Tensor
 from pipexplore.microbatch import TensorOrTensors
 from pipexplore.skip.tracker import SkipTracker
 
-__all__ = ["Timer", "detach", "synchronize", "nbytes", "first_rows", "spent", "spread", "fit_line", "fit_columns",
+__all__ = ["Timer", "CacheFlush", "flush_bytes", "detach", "synchronize", "nbytes", "first_rows", "spent", "spread", "fit_line", "fit_columns",
            "popping"]
 
 
@@ -57,16 +59,63 @@ def spread(times: list[float]) -> float:
     return (q3 - q1) / median if median > 0 else 0.0
 
 
+def flush_bytes(device: torch.device) -> int:
+    """Bytes a buffer written between timed calls needs to push a kernel's operands out of the
+    caches it could otherwise find them in: on CUDA twice the L2 (256 MiB where its size cannot be
+    read: what triton's ``do_bench`` writes), on a CPU eight times the largest cache private to a
+    core (its L2, from ``/sys``; 32 MiB where that cannot be read). A CPU's shared last-level cache
+    (tens to hundreds of MiB on a server) keeps what fits, as it does for a layer within a model."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return 2 * int(size) if size else 256 * 2**20
+    private = 0
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in (name for name in os.listdir(root) if name.startswith("index")):
+            with open(os.path.join(root, index, "shared_cpu_list")) as f:
+                shared = f.read().strip()
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip().upper()
+            if "," in shared or "-" in shared:
+                continue  # shared with other cores: the last level, it keeps what fits
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            private = max(private, int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        private = 0
+    return 8 * private if private else 32 * 2**20
+
+
+class CacheFlush:
+    """Called before a timed call, writes a buffer of :func:`flush_bytes` on ``device`` so that the
+    call finds its weights and inputs in memory, not in a cache the previous call warmed: a layer
+    timed again and again alone otherwise runs from cache, faster than it runs between the layers of
+    a model whose neighbours stream more than the cache (12 % to 4× on a CPU core, the small layers
+    most), and the roofline, whose memory term is memory bandwidth, learns a bandwidth the model
+    never reaches. The write is not timed."""
+
+    def __init__(self, device: torch.device, nbytes: Optional[int] = None) -> None:
+        self.buffer = torch.empty(nbytes if nbytes is not None else flush_bytes(device), dtype=torch.uint8,
+                                  device=device)
+
+    def __call__(self) -> None:
+        self.buffer.fill_(1)
+        synchronize(self.buffer.device)
+
+
 class Timer:
     """Wall and process-CPU seconds of repeated calls: the CPU time over the wall time is the
-    number of cores the work keeps busy (≈0 for a sleep, ≈ the intra-op threads for a GEMM)."""
+    number of cores the work keeps busy (≈0 for a sleep, ≈ the intra-op threads for a GEMM).
+    ``flush``: called before each timed call, outside the timing (a :class:`CacheFlush`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, flush: Optional[Callable[[], None]] = None) -> None:
         self.device = device
+        self.flush = flush
         self.wall: list[float] = []
         self.cpu = 0.0
 
     def __call__(self, work: Callable[[], Any]) -> Any:
+        if self.flush is not None:
+            self.flush()
         synchronize(self.device)
         c0, t0 = time.process_time(), time.perf_counter()
         result = work()

@@ -83,8 +83,8 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, options: Mapping[s
 def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mapping[str, Any], counted: pd.DataFrame,
                        ops: pd.DataFrame, kind: str, rows: Sequence[int], loss_fn: Any, target: Any,
                        optimizer: Any = None) -> tuple[Any, str]:
-    """Where a device of the planned kind is here: the model's blocks timed on it one at a time
-    (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and
+    """Where a device of the planned kind is here: the model's blocks timed on it one at a time, its
+    caches flushed before each call (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and
     the optimizer stepping the largest block made real there the bandwidth an optimizer step
     reaches (:func:`pipexplore.predict.planned_optimizer.optimizer_bandwidth`); a note says what
     it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
@@ -99,7 +99,7 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
     if here is None:
         return None, ""
     timed = profile_blockwise(model, sample, device=here, microbatch_rows=list(rows), repeats=options["repeats"],
-                              granularity=options["granularity"], loss_fn=loss_fn, target=target)
+                              granularity=options["granularity"], loss_fn=loss_fn, target=target, cold_cache=True)
     at = float(ops.attrs["rows"])
     per_kind = pd.DataFrame({"kind": counted["kind"].to_numpy(),
                              "forward": (timed["forward_a"] + timed["forward_b"] * at).to_numpy(),
