@@ -16,14 +16,24 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import os
+import socket
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["host_cores", "core_share", "rank_cores", "RANK_CORES_ENV", "keep_to_rank_cores", "stage_threads",
+__all__ = ["host_cores", "free_port", "core_share", "rank_cores", "RANK_CORES_ENV", "keep_to_rank_cores", "stage_threads",
            "sharing_cores", "use_stage_threads", "as_stage_worker", "stage_worker_matters"]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that no process holds now (the system's choice): for a rendezvous
+    whose holder starts later (another process may take it meanwhile; a store that holds its port
+    from the start does not have that race: :func:`pipexplore.runs.launch.rendezvous_store`)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def host_cores() -> int:

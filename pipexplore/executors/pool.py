@@ -28,7 +28,6 @@ import os
 import pathlib
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from pipexplore.cancel import Cancelled, CancelToken, current_token
 from pipexplore.executors import forkserver
 from pipexplore.executors.jobs import ensure_picklable, pack_job
+from pipexplore.host import free_port as _free_port  # (its own name here: tests choose the port)
 
 __all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "preload_modules",
            "pack_job", "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
@@ -68,12 +68,6 @@ FORK_SERVER = True
 class DistributedRunError(RuntimeError):
     """A rank failed, died or hung; the message names the rank and holds its traceback, or its
     exit code or signal and the last lines of its stderr."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _backend(devices: Sequence[str]) -> str:

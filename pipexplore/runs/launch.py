@@ -30,7 +30,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.host import RANK_CORES_ENV, core_share, rank_cores
+from pipexplore.host import RANK_CORES_ENV, core_share, free_port, rank_cores
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
            "HOOKS_MODULE", "STEP_LINE", "printed_losses"]
@@ -93,12 +92,6 @@ class LaunchOutcome:
     stdout: list[str]
     stderr: list[str]
     seconds: float
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def rendezvous_store(timeout: Optional[float]) -> Any:
