@@ -41,6 +41,7 @@ import collections
 import copy
 import threading
 import types
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -128,7 +129,11 @@ def _copy_with(pipe: Any, tensors: list[tuple[torch.Tensor, str]], source: dict[
         if id(tensor) not in memo:
             memo[id(tensor)] = make(tensor, source.get(fqn))
     memo[id(memo)] = [t for t, _ in tensors]  # deepcopy's keep-alive list: the ids above stay taken
-    return copy.deepcopy(pipe, memo)
+    with warnings.catch_warnings():
+        # torch's own deprecated pytree class (LeafSpec) warns as the copy rebuilds the graph's
+        # specs: nothing a user can change, once for every run of a traced model
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+        return copy.deepcopy(pipe, memo)
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
