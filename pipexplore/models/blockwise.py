@@ -133,9 +133,9 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
     walls: dict[str, list[list[float]]] = {"forward": [], "backward": []}
     cpu = {"forward": 0.0, "backward": 0.0}
     result: dict[str, Any] = {"finite": True}
+    flush = CacheFlush(device) if cold_cache else None
     for rows in sizes:
         args, kwargs, wrt = block_inputs(call, rows, captured_rows, device, block)
-        flush = CacheFlush(device) if cold_cache else None
         timers = {"forward": Timer(device, flush), "backward": Timer(device, flush)}
         untimed = max(warmup, 1)  # the first call also measures the bytes
         for step in range(untimed + repeats):
