@@ -89,7 +89,7 @@ class CacheFlush:
     """Called before a timed call, writes a buffer of :func:`flush_bytes` on ``device`` so that the
     call finds its weights and inputs in memory, not in a cache the previous call warmed: a layer
     timed again and again alone otherwise runs from cache, faster than it runs between the layers of
-    a model whose neighbours stream more than the cache (12 % to 4× on a CPU core, the small layers
+    a model whose neighbours stream more than the cache (15 % to 4× on a CPU core, the small layers
     most), and the roofline, whose memory term is memory bandwidth, learns a bandwidth the model
     never reaches. The write is not timed."""
 
