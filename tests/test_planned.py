@@ -209,13 +209,15 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     import pipexplore.models.blockwise as blockwise
 
     taught: list[pd.DataFrame] = []  # the blocks' times the explorer learnt from (not a second, noisier run)
+    options: list[dict] = []
     real_profile = blockwise.profile_blockwise
-    monkeypatch.setattr(blockwise, "profile_blockwise",
-                        lambda *args, **kwargs: taught.append(real_profile(*args, **kwargs)) or taught[-1])
+    monkeypatch.setattr(blockwise, "profile_blockwise", lambda *args, **kwargs: options.append(kwargs)
+                        or taught.append(real_profile(*args, **kwargs)) or taught[-1])
     state = ExplorerState(model, sample, devices=["ThisCPU"] * 2, chunks=2)
     learnt = [note for note in state.all_notes() if "efficiency was learnt on cpu" in note]
     assert len(learnt) == 1 and all(p.is_meta for p in model.parameters())
     assert len(taught) == 1
+    assert options[0]["cold_cache"] is True  # timed from memory, as the blocks run between others
     measured = taught[0]
     planned = state.layer_table
 
