@@ -390,7 +390,8 @@ def one_round(all_kinds: dict[str, tuple[nn.Module, torch.Tensor]], repeats: int
           f"{out['planned_fractions'] * 1e3:.1f} ms ({(out['planned_fractions'] / out['profiled'] - 1) * 100:+.1f} % "
           f"vs profiled)")
     print(f"  kinds timed warm (no cache flush): per layer median |error| {out['warm'] * 100:.1f} %, step planned "
-          f"{out['planned_warm'] * 1e3:.1f} ms ({(out['planned_warm'] / out['profiled'] - 1) * 100:+.1f} % vs profiled)")
+          f"{out['planned_warm'] * 1e3:.1f} ms ({(out['planned_warm'] / out['profiled'] - 1) * 100:+.1f} % vs "
+          "profiled)")
     return out
 
 

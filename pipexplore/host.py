@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["host_cores", "free_port", "core_share", "rank_cores", "RANK_CORES_ENV", "keep_to_rank_cores", "stage_threads",
-           "sharing_cores", "use_stage_threads", "as_stage_worker", "stage_worker_matters"]
+__all__ = ["host_cores", "free_port", "core_share", "rank_cores", "RANK_CORES_ENV", "keep_to_rank_cores",
+           "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker", "stage_worker_matters"]
 
 
 def free_port() -> int:

@@ -71,3 +71,31 @@ def test_blockwise_profile_with_cold_caches_flushes_before_every_timed_call(slow
     kinds = 2  # the two Linear layers are one kind, timed once
     assert len(slow_flushes) == kinds * 2 * 2 * 2  # kinds × sizes × repeats × (forward, backward)
     assert float((table["forward"] + table["backward"]).max()) < SLOW_FLUSH
+
+
+def test_a_cuda_flush_is_twice_the_l2_or_tritons_256_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch, read without a GPU: twice the card's L2 where its properties give it."""
+    import types
+
+    cuda = torch.device("cuda", 0)
+    l2 = types.SimpleNamespace(L2_cache_size=50 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: l2)
+    assert flush_bytes(cuda) == 100 * 2**20
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace())
+    assert flush_bytes(cuda) == 256 * 2**20
+
+
+def test_a_cpu_flush_is_eight_times_the_largest_cache_of_one_core(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Caches shared between cores (the last level) do not count; 32 MiB where /sys says nothing."""
+    caches = {"index0": ("48K", "0"), "index2": ("2048K", "0"), "index3": ("307200K", "0-1")}
+    for name, (size, shared) in caches.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+        (tmp_path / name / "shared_cpu_list").write_text(shared + "\n")
+    (tmp_path / "uevent").write_text("")
+    monkeypatch.setattr(timing, "CPU_CACHES", str(tmp_path))
+    assert flush_bytes(torch.device("cpu")) == 8 * 2048 * 2**10
+    (tmp_path / "index2" / "shared_cpu_list").write_text("0,1\n")  # no cache of one core's own
+    assert flush_bytes(torch.device("cpu")) == 8 * 48 * 2**10
+    monkeypatch.setattr(timing, "CPU_CACHES", str(tmp_path / "absent"))
+    assert flush_bytes(torch.device("cpu")) == 32 * 2**20

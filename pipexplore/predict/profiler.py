@@ -294,7 +294,8 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             microbatch_rows: Optional[Sequence[int]] = None,
             progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
             same_work_once: bool = True, split_backward: bool = True,
-            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, cold_cache: bool = False) -> pd.DataFrame:
+            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+            cold_cache: bool = False) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
     Each layer is called once untimed (the first call pays allocation and dispatch), then timed

@@ -16,8 +16,8 @@ from torch import Tensor
 from pipexplore.microbatch import TensorOrTensors
 from pipexplore.skip.tracker import SkipTracker
 
-__all__ = ["Timer", "CacheFlush", "flush_bytes", "detach", "synchronize", "nbytes", "first_rows", "spent", "spread", "fit_line", "fit_columns",
-           "popping"]
+__all__ = ["Timer", "CacheFlush", "flush_bytes", "CPU_CACHES", "detach", "synchronize", "nbytes", "first_rows", "spent",
+           "spread", "fit_line", "fit_columns", "popping"]
 
 
 def detach(value: TensorOrTensors) -> TensorOrTensors:
@@ -59,6 +59,10 @@ def spread(times: list[float]) -> float:
     return (q3 - q1) / median if median > 0 else 0.0
 
 
+#: Where Linux describes the first CPU's caches (``index*/size``, ``index*/shared_cpu_list``).
+CPU_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+
+
 def flush_bytes(device: torch.device) -> int:
     """Bytes a buffer written between timed calls needs to push a kernel's operands out of the
     caches it could otherwise find them in: on CUDA twice the L2 (256 MiB where its size cannot be
@@ -69,7 +73,7 @@ def flush_bytes(device: torch.device) -> int:
         size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
         return 2 * int(size) if size else 256 * 2**20
     private = 0
-    root = "/sys/devices/system/cpu/cpu0/cache"
+    root = CPU_CACHES
     try:
         for index in (name for name in os.listdir(root) if name.startswith("index")):
             with open(os.path.join(root, index, "shared_cpu_list")) as f:
