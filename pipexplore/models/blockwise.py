@@ -194,8 +194,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     and dtypes (:func:`block_inputs`), timed — ``warmup`` untimed calls, then ``repeats`` timed
     forward and backward calls at each of ``microbatch_rows`` (default: the whole batch) — and
     freed before the next kind (``cold_cache``: the device's caches flushed before every timed call,
-    as :func:`pipexplore.profile` does). Before anything is made real, every kind's parameters, gradients
-    and (on meta, counted) activations at the largest micro-batch are checked against the device's
+    as :func:`pipexplore.profile` does). Before anything is made real, every kind's parameters,
+    gradients and (on meta, counted) activations at the largest micro-batch are checked against the device's
     free memory (:func:`available_memory`): a block that does not fit is refused (``ValueError``).
 
     Returns one row per layer, in execution order, with :func:`pipexplore.profile`'s columns:

@@ -73,12 +73,11 @@ def flush_bytes(device: torch.device) -> int:
         size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
         return 2 * int(size) if size else 256 * 2**20
     private = 0
-    root = CPU_CACHES
     try:
-        for index in (name for name in os.listdir(root) if name.startswith("index")):
-            with open(os.path.join(root, index, "shared_cpu_list")) as f:
+        for index in (name for name in os.listdir(CPU_CACHES) if name.startswith("index")):
+            with open(os.path.join(CPU_CACHES, index, "shared_cpu_list")) as f:
                 shared = f.read().strip()
-            with open(os.path.join(root, index, "size")) as f:
+            with open(os.path.join(CPU_CACHES, index, "size")) as f:
                 text = f.read().strip().upper()
             if "," in shared or "-" in shared:
                 continue  # shared with other cores: the last level, it keeps what fits

@@ -84,10 +84,10 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, options: Mappi
                        ops: pd.DataFrame, kind: str, rows: Sequence[int], loss_fn: Any, target: Any,
                        optimizer: Any = None) -> tuple[Any, str]:
     """Where a device of the planned kind is here: the model's blocks timed on it one at a time, its
-    caches flushed before each call (:func:`pipexplore.models.blockwise.profile_blockwise`) teach the roofline its efficiency, and
-    the optimizer stepping the largest block made real there the bandwidth an optimizer step
-    reaches (:func:`pipexplore.predict.planned_optimizer.optimizer_bandwidth`); a note says what
-    it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
+    caches flushed before each call (:func:`pipexplore.models.blockwise.profile_blockwise`), teach
+    the roofline its efficiency, and the optimizer stepping the largest block made real there the
+    bandwidth an optimizer step reaches (:func:`pipexplore.predict.planned_optimizer.optimizer_bandwidth`);
+    a note says what it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
     import dataclasses
 
     from pipexplore.devices import device_spec, present_device
