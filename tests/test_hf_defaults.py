@@ -87,6 +87,26 @@ def test_default_config_runs_in_two_stages_like_the_unsplit_model(explorer):
     assert row["loss"] == pytest.approx(reference_loss(model, inputs, loss_fn, target), rel=1e-5, abs=1e-6)
 
 
+def test_a_default_gpt2_without_a_loss_runs_the_synthetic_loss_of_its_logits():
+    """As a user first tries it: no loss_fn, no target. The traced step's output is a ModelOutput
+    (a dict); the synthetic loss is the mean square of its logits, as the unsplit model's."""
+    model, inputs = gpt2(), batch(labels=False)
+    state = explored(model, inputs)
+    row = state.run()
+    with torch.no_grad():
+        logits = copy.deepcopy(model)(**inputs, use_cache=False).logits
+    assert row["loss"] == pytest.approx(logits.float().pow(2).mean().item(), rel=1e-5)
+
+
+def test_the_synthetic_loss_names_an_output_it_cannot_use():
+    from pipexplore.executors.base import synthetic_loss
+
+    nested = {"logits": torch.ones(2, 3), "extra": [(torch.full((1,), 2.0), torch.arange(3))]}
+    assert synthetic_loss(nested).item() == pytest.approx(1.0 + 4.0)
+    with pytest.raises(TypeError, match=r"needs a floating tensor in the model's output, got dict: pass loss_fn"):
+        synthetic_loss({"ids": torch.arange(3)})
+
+
 def test_the_cache_note_is_said_once_and_the_users_config_keeps_its_cache(explorer):
     model, _, _, _, state = explorer
     notes = state.all_notes()
