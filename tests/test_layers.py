@@ -5,7 +5,7 @@ The layers, top to bottom (see README.md, "The package's layers")::
 
     vocabulary  splits validate cancel background host timeline saved schedules schedule_orders schedule_csv
                 devices catalogue
-    engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/
+    engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/ loss
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan sweep
     models      models/ (tracing)
@@ -26,7 +26,7 @@ LAYERS = {
     "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "saved", "schedules", "devices", "catalogue",
                    "schedule_orders", "schedule_csv", "_sharing"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
-               "phony", "skip"],
+               "phony", "skip", "loss"],
     "predict": ["predict", "balance"],
     "plan": ["plan", "sweep"],
     "models": ["models"],

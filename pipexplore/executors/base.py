@@ -1,4 +1,5 @@
-"""What every executor shares: the job, the measured result and its metrics, the default loss."""
+"""What every executor shares: the job, the measured result and its metrics, the default loss
+(:func:`pipexplore.loss.synthetic_loss`, re-exported here)."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ from torch import nn
 from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
+from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import TensorOrTensors, batch_size, tensors_in
 from pipexplore.plan import Plan
 
@@ -20,21 +22,6 @@ __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "re
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-
-
-def synthetic_loss(output: Any, target: Any = None) -> torch.Tensor:
-    """Mean of the squared outputs: a loss for timing when the model has no real one. Every
-    floating tensor of the output counts, however nested (tuples, lists, dicts: a Hugging Face
-    model's ``ModelOutput`` too), as :func:`pipexplore.models.trace.candidates` profiles it.
-
-    Raises:
-        TypeError: the output holds no floating tensor to make a loss of.
-    """
-    floating = [t for t in tensors_in(output) if t.is_floating_point()]
-    if not floating:
-        raise TypeError(f"the synthetic loss (no loss_fn given) needs a floating tensor in the model's output, got "
-                        f"{type(output).__name__}: pass loss_fn=..., e.g. lambda output, target: output.loss")
-    return sum(t.float().pow(2).mean() for t in floating)  # type: ignore[return-value]
 
 
 def make_optimizer(factory: Optional[OptimizerFactory], parameters: Any) -> torch.optim.Optimizer:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import tensors_in
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
@@ -123,11 +124,6 @@ def _instantiate(template: tuple) -> Any:
 def _cut(output: Any) -> Any:
     """The output as fresh leaves (``requires_grad`` kept): the outside's backward stops here."""
     return tree_map_only(Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), output)
-
-
-def _default_loss(output: Any, target: Any) -> Tensor:
-    """As :func:`pipexplore.models.trace.candidates`: the mean square of the floating outputs."""
-    return sum(t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())  # type: ignore
 
 
 def without_kv_cache(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,7 +221,10 @@ def capture(model: nn.Module, sample: Any, *, granularity: str = "blocks", loss_
         with counter, recorder:
             with saved.hooks(), torch.enable_grad(), AsOnGPU():
                 output = model(*args, **kwargs)
-                loss = loss_fn(output, target) if loss_fn is not None else _default_loss(output, target)
+                if loss_fn is not None or any(t.is_floating_point() for t in tensors_in(output)):
+                    loss = (loss_fn or synthetic_loss)(output, target)
+                else:  # nothing floating to differentiate (an integer output): the forward alone
+                    loss = None
             params = [p for p in model.parameters() if p.requires_grad]
             wrt = [t for t in keep if t.requires_grad] + sample_leaves + params
             grads: tuple = ()

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from torch import fx, nn
 
+from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import tensors_in
 from pipexplore.models.fx_workarounds import inline_constant_no_grad_regions
 from pipexplore.models.hf import cache_off
@@ -237,8 +238,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
                 bwd_start.clear()
                 bwd_end.clear()
                 output = model(*args, **kwargs)
-                loss = loss_fn(output, target) if loss_fn is not None else sum(
-                    t.float().pow(2).mean() for t in tensors_in(output) if t.is_floating_point())
+                loss = (loss_fn or synthetic_loss)(output, target)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
                 if not timed:
