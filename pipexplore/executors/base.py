@@ -14,7 +14,7 @@ from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.loss import synthetic_loss
-from pipexplore.microbatch import TensorOrTensors, batch_size, tensors_in
+from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
