@@ -181,6 +181,26 @@ def test_a_failing_stage_is_named_with_its_device_and_action():
     assert "(in stage 1 on cpu: forward of micro-batch 0)" in raised.value.__notes__
 
 
+def test_where_an_error_ran_is_said_where_python_has_no_notes():
+    """Python 3.10 (which the package supports) has no ``add_note``: the note ends the message."""
+    from pipexplore.executors._actions import add_note
+
+    class NoNotes(ArithmeticError):  # an exception as 3.10 makes them
+        @property
+        def add_note(self):
+            raise AttributeError("add_note")
+
+    error = NoNotes("stage blew up", 3)
+    add_note(error, "(in stage 1 on cpu: forward of micro-batch 0)")
+    assert error.args == ("stage blew up\n(in stage 1 on cpu: forward of micro-batch 0)", 3)
+    bare = NoNotes()
+    add_note(bare, "(in stage 1)")
+    assert bare.args == ()
+    noted = ArithmeticError("stage blew up")
+    add_note(noted, "(in stage 1)")
+    assert noted.args == ("stage blew up",) and noted.__notes__ == ["(in stage 1)"]
+
+
 class _Hog(nn.Module):
     """Asks for more memory than the device has, while ``armed``."""
 

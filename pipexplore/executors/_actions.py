@@ -238,7 +238,7 @@ class ActionExecutor:
                 pass
             except BaseException as exc:
                 # The layer's own error, and where it ran: the stage, its device, the action.
-                exc.add_note(f"(in stage {stage} on {self.stage_devices[stage]}: {PHASE[kind]} of micro-batch {i})")
+                add_note(exc, f"(in stage {stage} on {self.stage_devices[stage]}: {PHASE[kind]} of micro-batch {i})")
                 errors.append(sys.exc_info())
                 abort.set()
             finally:
@@ -472,8 +472,17 @@ def join_workers(workers: Sequence[tuple[threading.Thread, threading.Event]], st
 def _own_error(exc: BaseException, where: str) -> BaseException:
     """The layer's own error inside torch's "Failed to run stage backward" wrapper, noted with where it ran."""
     cause = exc.__cause__ if "Failed to run stage backward" in str(exc) and exc.__cause__ is not None else exc
-    cause.add_note(f"(raised in {where}, by torch.distributed.pipelining's stage_backward_input)")
+    add_note(cause, f"(raised in {where}, by torch.distributed.pipelining's stage_backward_input)")
     return cause
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11+); on 3.10, whose tracebacks print no notes, the note
+    ends the error's message instead (an error without a message is left as it is)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:
