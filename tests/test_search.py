@@ -232,6 +232,34 @@ def test_apply_makes_a_row_the_current_plan():
         assert float(tl_step(plan)) == pytest.approx(row["step_time"])
 
 
+
+def test_apply_takes_a_mapping_of_some_plan_columns_and_keeps_the_rest():
+    state = _state()
+    before = state.plan
+    plan = state.apply({"splits": [2, 4, 8]})
+    assert list(plan.splits) == [2, 4, 8] and state.plan is plan
+    assert (plan.chunks, plan.schedule, plan.checkpoint, plan.devices) == (before.chunks, before.schedule,
+                                                                             before.checkpoint, before.devices)
+    plan = state.apply({"chunks": 8, "schedule": "gpipe"})
+    assert (list(plan.splits), plan.chunks, plan.schedule) == ([2, 4, 8], 8, "gpipe")
+    refusal = (r"apply takes a row of sweep\(\) or search\(\), or a mapping of some of splits, chunks, schedule, "
+               r"checkpoint, devices, virtual_stages; got \['split'\]")
+    with pytest.raises(ValueError, match=refusal):
+        state.apply({"split": [3]})
+    with pytest.raises(ValueError, match="split point 17 is past the last layer"):
+        state.apply({"splits": [17]})
+    assert state.plan is plan  # what was refused changed nothing
+
+
+def test_unknown_kinds_name_every_known_one():
+    state = _state()
+    with pytest.raises(ValueError, match=r"unknown export kind 'deepspeed': 'gpipe', 'pipelining', 'torchrun' or "
+                                         r"'schedule-csv'"):
+        state.export("deepspeed")
+    with pytest.raises(ValueError, match="unknown executor 'mpi': choose one of threads, autograd, processes, torchrun"):
+        state.run(executor="mpi")
+    assert state.runs.empty
+
 def tl_step(plan):
     from pipexplore.timeline import step_time
 

@@ -263,7 +263,8 @@ class Explorer:
                                  checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers)
 
     def apply(self, row: Any) -> Plan:
-        """Make a row of :meth:`sweep` or :meth:`search` (or any mapping with their columns) the current plan."""
+        """Make a row of :meth:`sweep` or :meth:`search` the current plan, or a mapping of some of
+        their plan columns (the others kept): ``ex.apply({"splits": [2, 4]})``."""
         return self.state.apply(row)
 
     # ---- export ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import pandas as pd
 
 from pipexplore import timeline as tl
+from pipexplore import validate
 from pipexplore.cancel import CancelToken, Cancelled, cancel_scope, check_cancelled
 from pipexplore.executors.base import RunResult
 from pipexplore.executors.step import run_step
@@ -73,6 +74,8 @@ class RunLog:
                 worker); the plan and earlier runs are kept.
             pipexplore.cancel.Cancelled: the run was cancelled; nothing of it is recorded.
         """
+        if executor is not None:
+            validate.executor(executor, (*EXECUTORS, "torchrun"))
         refuse_planned(self._plan)
         if executor == "torchrun":
             return self.run_torchrun(nodes=nodes, timeout=timeout)
@@ -399,13 +402,28 @@ class RunLog:
                       mixed_precision=self.mixed_precision, workers=workers)
 
     def apply(self: ExplorerState, row: Any) -> Plan:
-        """Make a row of :meth:`sweep` or :meth:`search` (or any mapping with their columns) the
-        current plan."""
-        devices = str(row["devices"]).split(",") if isinstance(row["devices"], str) else list(row["devices"])
-        more = {"virtual_stages": int(row["virtual_stages"])} if int(row.get("virtual_stages", 1) or 1) > 1 else {}
-        plan = self._plan.with_options(splits=tuple(int(s) for s in row["splits"]), chunks=int(row["chunks"]),
-                                       schedule=str(row["schedule"]), checkpoint=str(row["checkpoint"]),
-                                       devices=tuple(devices), **more)
+        """Make a row of :meth:`sweep` or :meth:`search` the current plan; or a mapping of some of
+        their plan columns (``splits``, ``chunks``, ``schedule``, ``checkpoint``, ``devices``,
+        ``virtual_stages``), the others kept from the current plan: ``apply({"splits": [2, 4]})``.
+
+        Raises:
+            ValueError: a mapping with none of those columns, or a plan they make that is refused.
+        """
+        now = self._plan
+        current = {"splits": now.splits, "chunks": now.chunks, "schedule": now.schedule, "checkpoint": now.checkpoint,
+                   "devices": now.devices, "virtual_stages": now.virtual_stages}
+        given = [key for key in current if key in row]
+        if not given:
+            raise ValueError(f"apply takes a row of sweep() or search(), or a mapping of some of "
+                             f"{', '.join(current)}; got {list(row.keys())}")
+        values = {key: row[key] if key in given else current[key] for key in current}
+        devices = values["devices"]
+        devices = str(devices).split(",") if isinstance(devices, str) else list(devices)
+        virtual = int(values["virtual_stages"] or 1)
+        more = {"virtual_stages": virtual} if virtual > 1 else {}
+        plan = now.with_options(splits=tuple(int(s) for s in values["splits"]), chunks=int(values["chunks"]),
+                                schedule=str(values["schedule"]), checkpoint=str(values["checkpoint"]),
+                                devices=tuple(devices), **more)
         if plan.executor == "autograd" and plan.schedule != "gpipe":
             plan = plan.with_options(executor="threads")
         return self.change_plan(lambda _: plan)

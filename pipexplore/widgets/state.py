@@ -482,6 +482,8 @@ class ExplorerState(RunLog):
         if kind == "gpipe" and self.traced:
             raise ValueError(f"GPipe takes an nn.Sequential; {type(self.model).__name__} exports as 'pipelining' "
                              "or 'torchrun'")
+        if kind not in ("gpipe", "pipelining", "schedule-csv"):
+            raise ValueError(f"unknown export kind {kind!r}: 'gpipe', 'pipelining', 'torchrun' or 'schedule-csv'")
         return plan.to_code(kind)
 
     @property
