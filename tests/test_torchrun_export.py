@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipexplore.export.torchrun import CHECKPOINT_SOURCE, torchrun_script
+from pipexplore.export.torchrun import CHECKPOINT_SOURCE, GRAPH_DEVICES_SOURCE, torchrun_script
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -67,3 +67,187 @@ def test_an_export_for_catalogue_gpus_applies_the_plans_checkpointing_and_one_fo
     assert "CHECKPOINT = 'never'" in here.export("torchrun") and here.plan.run_checkpoint == "always"
     with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', or 'never', got 'sometimes'"):
         torchrun_script(here.layer_table, [2], hooks="m", chunks=4, checkpoint="sometimes")
+
+
+# ---- a model larger than a host: built on meta, each rank makes only its own stages real --------
+
+META_HOOKS = '''
+import torch
+from torch import nn
+
+
+def _model():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+
+def reference():
+    torch.manual_seed(0)
+    return _model()
+
+
+def build_model():
+    with torch.device("meta"):
+        return _model()
+
+
+def init_stage(module):  # a checkpoint's tensors, found by the model's names
+    state = reference().state_dict()
+    names = [name for name, _ in [*module.named_parameters(), *module.named_buffers()]]
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        tensor.copy_(state[name])
+    print("filled", ",".join(sorted(names)), flush=True)
+
+
+def get_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator)
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+'''
+
+
+def _planned_on_meta(tmp_path, hooks_source: str, name: str):
+    """The plan of a model on the meta device for 2 planned GPUs, exported for torchrun, with its hooks."""
+    (tmp_path / f"{name}.py").write_text(hooks_source)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    planned = ExplorerState(model, torch.empty(8, 16, device="meta"), devices=["H100"] * 2, chunks=2,
+                            schedule="1f1b", checkpoint="never", calibrate=False)
+    planned.update(splits=[2])
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(planned.export("torchrun", hooks=name))
+    return script
+
+
+def test_a_model_built_on_meta_trains_with_each_rank_holding_only_its_stages(tmp_path):
+    from ranks import run_ranks
+
+    script = _planned_on_meta(tmp_path, META_HOOKS, "meta_hooks")
+    outputs = run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
+    filled = [line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("filled ")]
+    assert filled == ["0.0.bias,0.0.weight,1.0.bias,1.0.weight", "2.0.bias,2.0.weight,3.0.bias,3.0.weight"]
+    namespace: dict = {}
+    exec(META_HOOKS, namespace)  # noqa: S102 - the hooks, for the unsplit model at the same weights
+    inputs, target = namespace["get_batch"]()
+    expected = namespace["loss_fn"](namespace["reference"]()(inputs), target).item()
+    loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_model_on_meta_without_init_stage_is_refused_by_name(tmp_path):
+    from ranks import run_ranks
+
+    without = META_HOOKS.replace("def init_stage(module):", "def _not_init_stage(module):")
+    script = _planned_on_meta(tmp_path, without, "meta_hooks_without")
+    refusal = (r"build_model\(\) gave a model on the meta device, so each rank makes only its own stages real: "
+               r"meta_hooks_without must define init_stage\(module\)")
+    with pytest.raises(AssertionError, match=refusal):
+        run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
+
+
+LLAMA_META_HOOKS = '''
+import torch
+import transformers
+
+SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+
+
+def reference():
+    torch.manual_seed(0)
+    return _model()
+
+
+def build_model():
+    with torch.device("meta"):
+        return _model()
+
+
+def init_stage(module):  # the rotary embedding's inv_freq is a buffer no state_dict holds: taken by name too
+    model = reference()
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        tensor.copy_(tensors[name])
+
+
+def get_batch():
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids}, ids
+
+
+def loss_fn(output, target):
+    logits = output.logits if hasattr(output, "logits") else output
+    logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+'''
+
+
+def test_a_llama_built_on_meta_trains_from_its_exported_script(tmp_path):
+    """A Hugging Face Llama (tiny config) on the meta device, planned for 2 H100s, run on 2 CPU ranks:
+    its rotary embedding's inv_freq.to(x.device) traces with the meta device as a positional
+    argument, which torch's build_stage leaves; the script moves it (place_graph_devices)."""
+    import transformers  # noqa: F401 - the test extra
+
+    from ranks import run_ranks
+
+    (tmp_path / "llama_meta_hooks.py").write_text(LLAMA_META_HOOKS)
+    namespace: dict = {}
+    exec(LLAMA_META_HOOKS, namespace)  # noqa: S102
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    planned = ExplorerState(namespace["build_model"](), {"input_ids": ids}, devices=["H100"] * 2, chunks=2,
+                            schedule="1f1b", checkpoint="never", calibrate=False)
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(planned.export("torchrun", hooks="llama_meta_hooks"))
+    outputs = run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
+    loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
+    inputs, target = namespace["get_batch"]()
+    expected = namespace["loss_fn"](namespace["reference"]()(**inputs), target).item()
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+class _Rotary(nn.Module):
+    """A buffer moved to its input's device in forward, as a rotary embedding's inv_freq is."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(1.0, 5.0), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.inv_freq.to(x.device)
+
+
+def _devices_in(module):
+    found = set()
+    for sub in module.modules():
+        graph = getattr(getattr(sub, "graph_module", sub), "graph", None)
+        for node in getattr(graph, "nodes", []):
+            torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                        lambda v: found.add(str(v)) if isinstance(v, torch.device) else v)
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's pipeline() copying its own specs
+def test_a_device_the_trace_burned_in_positionally_is_moved_to_the_ranks():
+    """Traced on the CPU, run elsewhere (a GPU on the cluster; the meta device here): before, the
+    buffer went back to the traced device at every forward."""
+    from torch.distributed.pipelining import pipeline
+
+    namespace = {"torch": torch}
+    exec(GRAPH_DEVICES_SOURCE, namespace)  # noqa: S102 - the exported script's function, as it stands there
+    stage = pipeline(_Rotary(), mb_args=(torch.randn(2, 4),), split_spec={}).get_stage_module(0)
+    assert _devices_in(stage) == {"cpu"}
+    with pytest.raises(RuntimeError, match="meta"):
+        stage.to("meta")(torch.empty(2, 4, device="meta"))
+    namespace["place_graph_devices"](stage, torch.device("cpu"), torch.device("meta"))
+    assert _devices_in(stage) == {"meta"}
+    assert stage(torch.empty(2, 4, device="meta")).device.type == "meta"
+    namespace["place_graph_devices"](stage, torch.device("meta"), torch.device("meta"))  # nothing to move
+    assert _devices_in(stage) == {"meta"}

@@ -33,6 +33,10 @@ On N nodes of M ranks (N x M = {world}), on each node:
 The hooks module ({hooks!r}) provides build_model(), get_batch() -> (inputs, target) (inputs: a
 tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and attention_mask),
 loss_fn(output, target) and, optionally, build_optimizer(parameters) (default: SGD, lr 0.01).
+A model larger than a host's memory: build_model() builds it on the meta device (under
+`with torch.device("meta"):`), each rank traces it there and makes only its own stages real, on its
+device, filled by the hooks module's init_stage(module): the stage's parameters and buffers, by the
+model's own names (module.named_parameters(), module.named_buffers(); e.g. from a checkpoint).
 --record DIR: every rank writes what it did in the steps after --warmup (pipexplore's recorder;
 load it with explorer.load_run(DIR)).
 --profile DIR: torch.profiler traces the steps after --warmup, each rank into DIR/trace_rank{{RANK}}.json
@@ -82,6 +86,19 @@ def late_inputs(pipe):
                    and int(str(user.target).rsplit("_", 1)[1]) > 0}})
 
 
+def on_meta(model) -> bool:
+    """Whether build_model() built the model on the meta device (no weights anywhere yet)."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def materialize(module, device, hooks) -> None:
+    """A stage traced from a model on the meta device, made real on this rank's device only: its
+    parameters and buffers allocated there, then filled by the hooks' init_stage(module)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        hooks.init_stage(module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -108,9 +125,17 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     model = without_kv_cache(hooks.build_model())
+    meta = on_meta(model)
+    traced_on = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+    if meta and not callable(getattr(hooks, "init_stage", None)):
+        raise SystemExit(f"rank {{rank}}: build_model() gave a model on the meta device, so each rank makes only its "
+                         f"own stages real: {{HOOKS}} must define init_stage(module), which fills a stage's parameters "
+                         "and buffers by name")
     inputs, target = hooks.get_batch()
     args, model_kwargs = call_inputs(inputs)
-    first = lambda value: value.chunk(CHUNKS)[0] if torch.is_tensor(value) else value  # noqa: E731
+    # (a model on the meta device is traced on meta inputs: nothing of it is computed here)
+    first = lambda value: value.chunk(CHUNKS)[0].to("meta" if meta else value.device) \\
+        if torch.is_tensor(value) else value  # noqa: E731
     pipe = pipeline(model, mb_args=tuple(first(a) for a in args),
                     mb_kwargs={{k: first(v) for k, v in model_kwargs.items()}} or None,
                     split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
@@ -124,6 +149,10 @@ def main() -> None:
     args, model_kwargs = tuple(map(to_device, args)), {{k: to_device(v) for k, v in model_kwargs.items()}}
 {run_generated_code}    indices = {stage_indices}
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
+    for stage in stages:
+        place_graph_devices(stage.submod, traced_on, device)
+        if meta:  # this rank's stages made real, nothing else of the model
+            materialize(stage.submod, device, hooks)
     for stage in stages:
         checkpoint_stage(stage, CHUNKS, CHECKPOINT)
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
@@ -212,6 +241,37 @@ CHECKPOINT_SOURCE = '''def checkpoint_stage(stage, chunks, mode):
     stage.submod.forward = forward
 '''
 
+#: The exported script's device fix for traced stages (also run by the tests, as it stands here).
+GRAPH_DEVICES_SOURCE = '''def place_graph_devices(module, traced, device) -> None:
+    """The device the model was traced on, burned into the stage's graphs, set to this rank's:
+    torch's build_stage moves an op's keyword device only, not one passed positionally (a rotary
+    embedding's inv_freq.to(x.device) traces as aten.to.device(inv_freq, <traced>, ...)), which
+    would pull a buffer back to the CPU (or the meta device) on every forward."""
+    traced, device = torch.device(traced), torch.device(device)
+    if traced == device:
+        return
+    for sub in module.modules():
+        owner = getattr(sub, "graph_module", sub)  # an unflattened module runs its graph from there
+        graph = getattr(owner, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        moved = [False]
+
+        def place(value):
+            if isinstance(value, torch.device) and value == traced:
+                moved[0] = True
+                return device
+            return value
+
+        for node in graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, place)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, place)
+        if moved[0] and hasattr(owner, "recompile"):
+            owner.recompile()
+'''
+
+_STAGE_SOURCE = CHECKPOINT_SOURCE + "\n\n" + GRAPH_DEVICES_SOURCE
+
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
 _V_WARMUP = """
@@ -275,7 +335,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
         fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
-        checkpoint=checkpoint, checkpoint_source=CHECKPOINT_SOURCE,
+        checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         device=device,
         schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
@@ -296,7 +356,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
         layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, device=device,
-        checkpoint=checkpoint, checkpoint_source=CHECKPOINT_SOURCE,
+        checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
