@@ -43,6 +43,7 @@ from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.forkserver import installed_modules
+from pipexplore.executors.tied import own_parameters, sum_tied_grads, tied_groups, tied_parameters
 from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pack_job, preload_modules, shutdown_pool,
                                        warm_pool)
 from pipexplore.timeline import COLUMNS
@@ -126,6 +127,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     stages, params = [], []  # params: each of this rank's stages' parameters, stage by stage
+    tied: list = []  # the tied parameters' groups (traced models)
     traced_here = exported_here = 0
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it; a rank
@@ -140,12 +142,14 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]
         indices = [s for s in range(num_stages) if layout[s] == rank]
+        # a parameter in several stages (a tied embedding and head) trains as one: pipexplore.executors.tied
+        tied = tied_groups(tied_parameters(pipe), rank_of=layout.__getitem__, rank=rank)
         for s in indices:
             stage = pipe.build_stage(s, device)
             if {s - 1, s + 1} & set(indices):
                 _no_self_warmup(stage, rank)
-            params.append(list(stage.submod.parameters()))
             stages.append(stage)
+        params = own_parameters([stage.submod for stage in stages])
     else:
         num_stages = job["num_stages"]
         indices = sorted(job["stages"])
@@ -199,6 +203,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         if has_last:
             kwargs.update(target=target, losses=losses)
         schedule.step(*args, **inputs, **kwargs)
+        sum_tied_grads(tied, {s: stage.submod for s, stage in zip(indices, stages)})
         if step == 0:  # at the model's weights, before any optimizer step: the loss the run reports
             first_losses = [float(loss.detach()) for loss in losses]
         if job["return_grads"] and step == last:

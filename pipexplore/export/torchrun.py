@@ -8,6 +8,7 @@ from typing import Sequence
 import pandas as pd
 
 from pipexplore import validate
+from pipexplore.executors.tied import SOURCE as TIED_SOURCE
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
 from pipexplore.plan import RUN_GENERATED_CODE
@@ -147,7 +148,14 @@ def main() -> None:
                          "loss_fn")
     to_device = lambda value: value.to(device) if torch.is_tensor(value) else value  # noqa: E731
     args, model_kwargs = tuple(map(to_device, args)), {{k: to_device(v) for k, v in model_kwargs.items()}}
-{run_generated_code}    indices = {stage_indices}
+{run_generated_code}
+    def stages_of(rank):
+        return {stage_indices}
+
+    indices = stages_of(rank)
+    # A parameter in several stages (a tied embedding and head) trains as one: its copies' gradients summed.
+    tied = tied_groups(tied_parameters(pipe), rank_of=lambda s: next(r for r in range(world) if s in stages_of(r)),
+                       rank=rank)
     stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
     for stage in stages:
         place_graph_devices(stage.submod, traced_on, device)
@@ -158,7 +166,9 @@ def main() -> None:
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
-    optimizers = [build_optimizer(list(stage.submod.parameters())) for stage in stages]
+    # (a tensor two stages of this rank share, tied, is stepped by the first one's optimizer only)
+    optimizers = [build_optimizer(params) if params else None
+                  for params in own_parameters([stage.submod for stage in stages])]
     recorder = None
     if options.record:
         from pipexplore.runs.record import RankRecorder
@@ -168,7 +178,7 @@ def main() -> None:
             schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
             schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
             checkpoint=CHECKPOINT,
-            steps=options.steps, optimizer=type(optimizers[0]).__name__))
+            steps=options.steps, optimizer=type(next(filter(None, optimizers), None)).__name__))
     last = pipe.num_stages - 1 in indices
     profiler = None
     for step in range(options.steps):
@@ -178,7 +188,7 @@ def main() -> None:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             profiler = torch.profiler.profile(activities=activities)
             profiler.start()
-        for optimizer in optimizers:
+        for optimizer in filter(None, optimizers):
             optimizer.zero_grad(set_to_none=True)
         losses = []
         kwargs = dict(target=target.to(device), losses=losses) if last else {{}}
@@ -189,11 +199,12 @@ def main() -> None:
             schedule.step(*args, **model_kwargs, **kwargs)
         else:
             schedule.step(**kwargs)
+        sum_tied_grads(tied, {{s: stage.submod for s, stage in zip(indices, stages)}})
         if recorder is not None:
             recorder.optimizer_steps(zip(stages, optimizers))
             recorder.end_step(step, losses)
         else:
-            for optimizer in optimizers:
+            for optimizer in filter(None, optimizers):
                 optimizer.step()
         if last:
             loss = sum(l.item() for l in losses) / len(losses)
@@ -270,7 +281,7 @@ GRAPH_DEVICES_SOURCE = '''def place_graph_devices(module, traced, device) -> Non
             owner.recompile()
 '''
 
-_STAGE_SOURCE = CHECKPOINT_SOURCE + "\n\n" + GRAPH_DEVICES_SOURCE
+_STAGE_SOURCE = "\n\n".join((CHECKPOINT_SOURCE, GRAPH_DEVICES_SOURCE, TIED_SOURCE))
 
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
