@@ -55,7 +55,7 @@ def test_the_split_names_the_copies_of_a_tied_weight():
 def test_a_parameter_two_stages_of_a_rank_share_is_stepped_by_one_optimizer():
     shared = nn.Linear(2, 2)
     first, last = nn.Sequential(shared, nn.Linear(2, 3)), nn.Sequential(nn.Linear(3, 2), shared)
-    owned = own_parameters([first, last])
+    owned = own_parameters([list(first.parameters()), list(last.parameters())])
     assert [len(params) for params in owned] == [4, 2]
     assert not {id(p) for p in owned[0]} & {id(p) for p in owned[1]}
     assert {id(p) for params in owned for p in params} == {id(p) for p in [*first.parameters(), *last.parameters()]}

@@ -13,6 +13,7 @@ from torch import nn
 from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
+from pipexplore.executors.tied import own_parameters
 from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
@@ -53,12 +54,7 @@ class StageOptimizers:
                  devices: Sequence[Any]) -> None:
         if len(stage_parameters) != len(devices):
             raise ValueError(f"{len(stage_parameters)} stages' parameters, but {len(devices)} devices")
-        seen: set[int] = set()
-        owned = []
-        for params in stage_parameters:
-            mine = [p for p in params if id(p) not in seen]
-            seen.update(id(p) for p in mine)
-            owned.append(mine)
+        owned = own_parameters(stage_parameters)
         self.devices = [torch.device(d) for d in devices]
         self.optimizers = [make_optimizer(factory, params) if params else None for params in owned]
 

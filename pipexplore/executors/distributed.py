@@ -149,7 +149,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
             if {s - 1, s + 1} & set(indices):
                 _no_self_warmup(stage, rank)
             stages.append(stage)
-        params = own_parameters([stage.submod for stage in stages])
+        params = own_parameters([list(stage.submod.parameters()) for stage in stages])
     else:
         num_stages = job["num_stages"]
         indices = sorted(job["stages"])

@@ -7,7 +7,8 @@ only its own use's, so after the first update the copies (and the losses) drift 
 Megatron-LM does for its embedding group, after each step's backward every copy gets the sum of
 all copies' gradients: summed on the rank (a V schedule puts the first and last stage on one rank),
 then over the ranks that hold one, in a process group of just those ranks. A parameter two stages
-of one rank share is stepped by one optimizer only (:func:`own_parameters`).
+of one rank (or one process) share is stepped by one optimizer only (:func:`own_parameters`, which
+the in-process executors' ``StageOptimizers`` use too).
 
 The processes executor calls these in its ranks; the exported torchrun script holds their source
 (:data:`SOURCE`), so the two run the same code (which is why their annotations are builtins only:
@@ -23,6 +24,7 @@ Example (every rank, in the same order: ``new_group`` is collective)::
 from __future__ import annotations
 
 import inspect
+
 import torch
 
 __all__ = ["tied_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
@@ -76,13 +78,13 @@ def sum_tied_grads(groups: list, modules: dict) -> None:
             p.grad = total if len(copies) == 1 else total.clone()
 
 
-def own_parameters(modules: list) -> list:
-    """Each module's parameters less those an earlier one holds (the same tensor, tied, in two
-    stages of one rank): one optimizer steps each parameter once."""
+def own_parameters(stage_parameters: list) -> list:
+    """Each stage's parameters less those an earlier stage holds (one tensor, tied, in two stages
+    of one rank or one process): one optimizer steps each parameter once."""
     seen: set = set()
     owned = []
-    for module in modules:
-        mine = [p for p in module.parameters() if id(p) not in seen]
+    for params in stage_parameters:
+        mine = [p for p in params if id(p) not in seen]
         seen.update(id(p) for p in mine)
         owned.append(mine)
     return owned

@@ -168,7 +168,7 @@ def main() -> None:
     # One optimizer per stage, as each stage owns its parameters.
     # (a tensor two stages of this rank share, tied, is stepped by the first one's optimizer only)
     optimizers = [build_optimizer(params) if params else None
-                  for params in own_parameters([stage.submod for stage in stages])]
+                  for params in own_parameters([list(stage.submod.parameters()) for stage in stages])]
     recorder = None
     if options.record:
         from pipexplore.runs.record import RankRecorder
