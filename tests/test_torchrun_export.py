@@ -71,14 +71,9 @@ def test_an_export_for_catalogue_gpus_applies_the_plans_checkpointing_and_one_fo
 
 # ---- a model larger than a host: built on meta, each rank makes only its own stages real --------
 
-META_HOOKS = '''
-import torch
-from torch import nn
-
-
-def _model():
-    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
-
+#: What both hooks modules below share: the model built on meta, and a stage filled by its names
+#: from the reference model's tensors (buffers too: a rotary inv_freq is in no state_dict).
+ON_META = '''
 
 def reference():
     torch.manual_seed(0)
@@ -91,11 +86,22 @@ def build_model():
 
 
 def init_stage(module):  # a checkpoint's tensors, found by the model's names
-    state = reference().state_dict()
-    names = [name for name, _ in [*module.named_parameters(), *module.named_buffers()]]
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        tensor.copy_(state[name])
-    print("filled", ",".join(sorted(names)), flush=True)
+    model = reference()
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    own = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in own:
+        tensor.copy_(tensors[name])
+    print("filled", ",".join(sorted(name for name, _ in own)), flush=True)
+'''
+
+META_HOOKS = '''
+import torch
+from torch import nn
+
+
+def _model():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
 
 
 def get_batch():
@@ -105,7 +111,7 @@ def get_batch():
 
 def loss_fn(output, target):
     return ((output - target) ** 2).mean()
-'''
+''' + ON_META
 
 
 def _planned_on_meta(tmp_path, hooks_source: str, name: str):
@@ -159,24 +165,6 @@ def _model():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
 
 
-def reference():
-    torch.manual_seed(0)
-    return _model()
-
-
-def build_model():
-    with torch.device("meta"):
-        return _model()
-
-
-def init_stage(module):  # the rotary embedding's inv_freq is a buffer no state_dict holds: taken by name too
-    model = reference()
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        tensor.copy_(tensors[name])
-
-
 def get_batch():
     ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids}, ids
@@ -186,7 +174,7 @@ def loss_fn(output, target):
     logits = output.logits if hasattr(output, "logits") else output
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-'''
+''' + ON_META
 
 
 def test_a_llama_built_on_meta_trains_from_its_exported_script(tmp_path):
