@@ -85,3 +85,22 @@ def test_the_processes_executor_trains_a_tied_gpt2_as_the_unsplit_model_step_aft
     result = run_processes(build_model(), inputs, plan, target=target, loss_fn=loss_fn, warmup=0, repeats=STEPS,
                            timeout=120)
     assert result.measured_losses == pytest.approx(reference_losses(), rel=2e-6)
+
+
+def test_a_frozen_tied_weight_gets_no_gradient():
+    """Summing copies must not hand a frozen weight a zero gradient (Adam's weight decay would then
+    move it); one rank, so no process group is needed."""
+    from pipexplore.executors.tied import sum_tied_grads
+
+    first, last = nn.Linear(2, 2), nn.Linear(2, 2)
+    first.weight.requires_grad_(False)
+    last.weight.requires_grad_(False)
+    groups = [(None, [(0, "weight"), (1, "weight")])]
+    sum_tied_grads(groups, {0: first, 1: last})
+    assert first.weight.grad is None and last.weight.grad is None
+    first.weight.requires_grad_(True)
+    last.weight.requires_grad_(True)
+    first.weight.grad, last.weight.grad = torch.ones(2, 2), None
+    sum_tied_grads(groups, {0: first, 1: last})
+    assert torch.equal(first.weight.grad, torch.ones(2, 2)) and torch.equal(last.weight.grad, torch.ones(2, 2))
+    assert first.weight.grad is not last.weight.grad

@@ -68,6 +68,8 @@ def sum_tied_grads(groups: list, modules: dict) -> None:
         if not mine:  # this rank holds no copy (nor is in its group)
             continue
         copies = list({id(p): p for p in (modules[s].get_parameter(n) for s, n in mine)}.values())
+        if not copies[0].requires_grad:  # frozen (on every rank alike): no gradient, none to give
+            continue
         total = torch.zeros_like(copies[0])
         for p in copies:
             if p.grad is not None:
