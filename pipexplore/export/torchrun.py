@@ -37,7 +37,8 @@ loss_fn(output, target) and, optionally, build_optimizer(parameters) (default: S
 A model larger than a host's memory: build_model() builds it on the meta device (under
 `with torch.device("meta"):`), each rank traces it there and makes only its own stages real, on its
 device, filled by the hooks module's init_stage(module): the stage's parameters and buffers, by the
-model's own names (module.named_parameters(), module.named_buffers(); e.g. from a checkpoint).
+model's own names (module.named_parameters(), module.named_buffers()); from safetensors shards:
+pipexplore.export.weights.load_stage(module, CHECKPOINT_DIR), which reads only the stage's tensors.
 --record DIR: every rank writes what it did in the steps after --warmup (pipexplore's recorder;
 load it with explorer.load_run(DIR)).
 --profile DIR: torch.profiler traces the steps after --warmup, each rank into DIR/trace_rank{{RANK}}.json
