@@ -133,3 +133,11 @@ def test_a_llama_on_meta_trains_from_its_sharded_checkpoint(tmp_path):
     expected = namespace["loss_fn"](saved(**inputs), target).item()
     loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_without_safetensors_the_package_to_install_is_named(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    with pytest.raises(ImportError, match="needs the safetensors package: pip install safetensors"):
+        load_stage(_net(), tmp_path)

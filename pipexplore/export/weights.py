@@ -32,14 +32,24 @@ __all__ = ["load_stage", "checkpoint_files"]
 INDEX = "model.safetensors.index.json"
 
 
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError as error:  # a dependency of transformers; not of pipexplore
+        raise ImportError("reading a safetensors checkpoint needs the safetensors package: pip install safetensors") \
+            from error
+    return safe_open
+
+
 def checkpoint_files(checkpoint: Union[str, pathlib.Path]) -> dict[str, pathlib.Path]:
     """Each tensor name of a safetensors checkpoint and the file that holds it.
 
     Raises:
         FileNotFoundError: no such file or directory, or a directory with neither
             ``model.safetensors.index.json`` nor ``model.safetensors``.
+        ImportError: safetensors is not installed.
     """
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     path = pathlib.Path(checkpoint)
     if path.is_dir():
@@ -63,7 +73,7 @@ def load_stage(module: nn.Module, checkpoint: Union[str, pathlib.Path], *,
     Raises:
         ValueError: a tensor whose shape in the checkpoint differs from the module's.
     """
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     files = checkpoint_files(checkpoint)
     aliases = aliases or {}
