@@ -104,3 +104,55 @@ def test_a_frozen_tied_weight_gets_no_gradient():
     sum_tied_grads(groups, {0: first, 1: last})
     assert torch.equal(first.weight.grad, torch.ones(2, 2)) and torch.equal(last.weight.grad, torch.ones(2, 2))
     assert first.weight.grad is not last.weight.grad
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight, two blocks between (no skips, so every
+    multi-stage schedule runs it)."""
+
+    def __init__(self, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _tied_lm() -> TiedLM:
+    torch.manual_seed(0)
+    return TiedLM()
+
+
+def _lm_loss(output, target):
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
+def test_tied_copies_on_one_rank_or_across_ranks_train_as_one(schedule):
+    """ZB-V puts the first and the last stage (embedding, head) on rank 0: their copies are summed
+    there; interleaved puts them on ranks 0 and 1: summed over a group of the two."""
+    from pipexplore.distributed import run_processes
+
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    table = trace.candidates(_tied_lm(), ids, loss_fn=_lm_loss, target=ids, repeats=1)
+    assert table["name"].tolist() == ["emb", "blocks.0", "blocks.1", "head"]
+    plan = Plan(table, (1, 2, 3), ("cpu", "cpu"), chunks=2, schedule=schedule, checkpoint="never",
+                executor="processes")
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    result = run_processes(_tied_lm(), ids, plan, target=ids, loss_fn=_lm_loss, optimizer=sgd, warmup=0,
+                           repeats=STEPS, timeout=120)
+    model, expected = _tied_lm(), []
+    optimizer = sgd(model.parameters())
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = _lm_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert result.measured_losses == pytest.approx(expected, rel=2e-6)
