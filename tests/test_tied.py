@@ -8,6 +8,7 @@ import copy
 import pathlib
 import re
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -152,6 +153,37 @@ def test_tied_copies_on_one_rank_or_across_ranks_train_as_one(schedule):
     for _ in range(STEPS):
         optimizer.zero_grad()
         loss = _lm_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert result.measured_losses == pytest.approx(expected, rel=2e-6)
+
+
+def test_a_weight_two_stages_of_a_sequential_share_trains_as_one_in_processes():
+    """An nn.Sequential's stages are sent to their ranks apart, so a weight two of them share
+    arrives as two tensors: summed like a traced model's copies."""
+    from pipexplore.distributed import run_processes
+    from pipexplore.executors.tied import shared_parameters
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        model[4].weight = model[0].weight
+        return model
+
+    assert shared_parameters([build()[:2], build()[2:]]) == []  # two models: nothing shared
+    model = build()
+    assert shared_parameters([model[:2], model[2:]]) == [[(0, "0.weight"), (1, "4.weight")]]
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 8)
+    mse = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    table = pd.DataFrame({"name": [str(k) for k in range(5)], "forward": 1.0, "backward": 2.0})
+    plan = Plan(table, (2,), ("cpu", "cpu"), chunks=2, schedule="1f1b", checkpoint="never", executor="processes")
+    result = run_processes(build(), x, plan, target=y, loss_fn=mse, warmup=0, repeats=STEPS, timeout=120)
+    reference, expected = build(), []
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = mse(reference(x), y)
         loss.backward()
         optimizer.step()
         expected.append(loss.item())

@@ -43,7 +43,8 @@ from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.forkserver import installed_modules
-from pipexplore.executors.tied import own_parameters, sum_tied_grads, tied_groups, tied_parameters
+from pipexplore.executors.tied import (own_parameters, shared_parameters, sum_tied_grads, tied_groups,
+                                       tied_parameters)
 from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pack_job, preload_modules, shutdown_pool,
                                        warm_pool)
 from pipexplore.timeline import COLUMNS
@@ -153,12 +154,13 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     else:
         num_stages = job["num_stages"]
         indices = sorted(job["stages"])
+        tied = tied_groups(job["tied"], rank_of=job["layout"].__getitem__, rank=rank)  # parameters stages share
         for s in indices:
             module = job["stages"][s].to(device)
-            params.append(list(module.parameters()))
             stages.append(PipelineStage(module, s, num_stages, device))
             if {s - 1, s + 1} & set(indices):
                 _no_self_warmup(stages[-1], rank)
+        params = own_parameters([list(stage.submod.parameters()) for stage in stages])
     spans: list = []
     for stage in stages:
         _timed(stage, spans, "forward_one_chunk", lambda *a, **k: "forward")
@@ -385,7 +387,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them
         points = [0, *plan.splits, len(layers)]
         stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
-        job["num_stages"] = len(stages)
+        job["num_stages"], job["tied"] = len(stages), shared_parameters(stages)
         payloads = [_pack({**job, "stages": {s: stages[s] for s in range(len(stages)) if layout[s] == rank}}, model)
                     for rank in range(world)]
     if timeout is None:

@@ -10,7 +10,8 @@ then over the ranks that hold one, in a process group of just those ranks. A par
 of one rank (or one process) share is stepped by one optimizer only (:func:`own_parameters`, which
 the in-process executors' ``StageOptimizers`` use too).
 
-The processes executor calls these in its ranks; the exported torchrun script holds their source
+The processes executor calls these in its ranks (for an ``nn.Sequential`` too, whose stages are
+sent apart: :func:`shared_parameters`); the exported torchrun script holds their source
 (:data:`SOURCE`), so the two run the same code (which is why their annotations are builtins only:
 the script runs them without this module's imports).
 
@@ -27,7 +28,7 @@ import inspect
 
 import torch
 
-__all__ = ["tied_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
+__all__ = ["tied_parameters", "shared_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
 
 #: Process groups of the ranks that hold a tied parameter, kept for the default group they were
 #: made in (a warm pool's ranks run many steps and plans in one default group).
@@ -39,6 +40,16 @@ def tied_parameters(pipe) -> list:
     ``replicated_params`` records them: for each, ``[(stage, name in that stage), ...]``."""
     return [sorted((int(name.rsplit("_", 1)[1]), qualname) for name, qualname in mapping.items())
             for mapping in getattr(pipe, "replicated_params", []) if len(mapping) > 1]
+
+
+def shared_parameters(stage_modules: list) -> list:
+    """Parameters one tensor of which several of ``stage_modules`` hold (an ``nn.Sequential``'s
+    stages cut from one model, sent to their ranks apart): as :func:`tied_parameters` gives them."""
+    holders: dict = {}
+    for stage, module in enumerate(stage_modules):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), []).append((stage, name))
+    return [sorted(set(found)) for found in holders.values() if len({s for s, _ in found}) > 1]
 
 
 def tied_groups(tied: list, rank_of, rank: int) -> list:
