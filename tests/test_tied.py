@@ -1,7 +1,8 @@
-"""Tied weights across ranks (``pipexplore.executors.tied``): GPT-2's embedding and output head,
-one tensor in the model, copied by torch's ``pipeline()`` into the first and the last stage, train
-as one weight in the processes executor and in the exported torchrun script — each step's loss
-the unsplit model's over several optimizer steps, not only the first."""
+"""Tied weights across ranks (``pipexplore.executors.tied``): an embedding and an output head, one
+tensor in the model (GPT-2's ``wte`` and ``lm_head``; the tied LM of ``tied_lm_hooks``), copied by
+torch's ``pipeline()`` into the first and the last stage, train as one weight in the processes
+executor and in the exported torchrun script — each step's loss the unsplit model's over several
+optimizer steps, not only the first."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_default_hooks import build_model, get_batch, loss_fn
+import tied_lm_hooks as tied_lm
+from hf_default_hooks import build_model, get_batch
 from pipexplore.executors.tied import own_parameters, tied_parameters
 from pipexplore.export.torchrun import torchrun_script
 from pipexplore.models import trace
@@ -25,24 +27,18 @@ STEPS = 3
 
 
 def reference_losses(steps: int = STEPS) -> list[float]:
-    """The unsplit model trained with SGD (lr 0.01, the executors' and the script's default)."""
-    model = build_model()
-    inputs, target = get_batch()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    """The unsplit tied LM trained with its hooks' optimizer (SGD, lr 0.1)."""
+    model = tied_lm.build_model()
+    ids, target = tied_lm.get_batch()
+    optimizer = tied_lm.build_optimizer(model.parameters())
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = loss_fn(model(**inputs), target)
+        loss = tied_lm.loss_fn(model(ids), target)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses
-
-
-def _table_and_split():
-    inputs, target = get_batch()
-    table = trace.candidates(build_model(), inputs, loss_fn=loss_fn, target=target, repeats=1)
-    return table, [table["name"].tolist().index("transformer.h.1")]
 
 
 def test_the_split_names_the_copies_of_a_tied_weight():
@@ -62,30 +58,20 @@ def test_a_parameter_two_stages_of_a_rank_share_is_stepped_by_one_optimizer():
     assert {id(p) for params in owned for p in params} == {id(p) for p in [*first.parameters(), *last.parameters()]}
 
 
-def test_the_exported_script_trains_a_tied_gpt2_as_the_unsplit_model_step_after_step(tmp_path):
-    """Before, step 0 agreed and step 1 did not (4.151576 against 4.149757): each copy took only
-    its own use's gradient."""
+def test_the_exported_script_trains_a_tied_lm_as_the_unsplit_model_step_after_step(tmp_path):
+    """Before, step 0 agreed and the next did not (a tied GPT-2: 4.151576 against 4.149757): each
+    copy took only its own use's gradient. (GPT-2's copies in processes: tests/test_hf.py.)"""
     from ranks import run_ranks
 
-    table, splits = _table_and_split()
+    ids, _ = tied_lm.get_batch()
+    table = trace.candidates(tied_lm.build_model(), ids, loss_fn=tied_lm.loss_fn, target=ids, repeats=1)
+    assert table["name"].tolist() == ["emb", "blocks.0", "blocks.1", "head"]
     script = tmp_path / "train_pipeline.py"
-    script.write_text(torchrun_script(table, splits, hooks="hf_default_hooks", chunks=2, schedule="1f1b",
-                                      device="cpu", steps=STEPS))
+    script.write_text(torchrun_script(table, [2], hooks="tied_lm_hooks", chunks=2, schedule="1f1b", device="cpu",
+                                      steps=STEPS))
     stdout = "".join(run_ranks(script, ["--warmup", "0"], ranks=2, pythonpath=str(ROOT / "tests")))
     losses = [float(v) for v in re.findall(r"step \d+ loss=([0-9.]+)", stdout)]
     assert losses == pytest.approx(reference_losses(), rel=2e-6)
-
-
-def test_the_processes_executor_trains_a_tied_gpt2_as_the_unsplit_model_step_after_step():
-    from pipexplore.distributed import run_processes
-
-    table, splits = _table_and_split()
-    plan = Plan(table, tuple(splits), ("cpu", "cpu"), chunks=2, schedule="1f1b", checkpoint="never",
-                executor="processes")
-    inputs, target = get_batch()
-    result = run_processes(build_model(), inputs, plan, target=target, loss_fn=loss_fn, warmup=0, repeats=STEPS,
-                           timeout=120)
-    assert result.measured_losses == pytest.approx(reference_losses(), rel=2e-6)
 
 
 def test_a_frozen_tied_weight_gets_no_gradient():
@@ -107,56 +93,19 @@ def test_a_frozen_tied_weight_gets_no_gradient():
     assert first.weight.grad is not last.weight.grad
 
 
-class TiedLM(nn.Module):
-    """An embedding and an output head sharing one weight, two blocks between (no skips, so every
-    multi-stage schedule runs it)."""
-
-    def __init__(self, vocab: int = 32, width: int = 16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
-
-
-def _tied_lm() -> TiedLM:
-    torch.manual_seed(0)
-    return TiedLM()
-
-
-def _lm_loss(output, target):
-    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
-
-
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
 def test_tied_copies_on_one_rank_or_across_ranks_train_as_one(schedule):
     """ZB-V puts the first and the last stage (embedding, head) on rank 0: their copies are summed
     there; interleaved puts them on ranks 0 and 1: summed over a group of the two."""
     from pipexplore.distributed import run_processes
 
-    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
-    table = trace.candidates(_tied_lm(), ids, loss_fn=_lm_loss, target=ids, repeats=1)
-    assert table["name"].tolist() == ["emb", "blocks.0", "blocks.1", "head"]
+    ids, _ = tied_lm.get_batch()
+    table = trace.candidates(tied_lm.build_model(), ids, loss_fn=tied_lm.loss_fn, target=ids, repeats=1)
     plan = Plan(table, (1, 2, 3), ("cpu", "cpu"), chunks=2, schedule=schedule, checkpoint="never",
                 executor="processes")
-    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    result = run_processes(_tied_lm(), ids, plan, target=ids, loss_fn=_lm_loss, optimizer=sgd, warmup=0,
-                           repeats=STEPS, timeout=120)
-    model, expected = _tied_lm(), []
-    optimizer = sgd(model.parameters())
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = _lm_loss(model(ids), ids)
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
-    assert result.measured_losses == pytest.approx(expected, rel=2e-6)
+    result = run_processes(tied_lm.build_model(), ids, plan, target=ids, loss_fn=tied_lm.loss_fn,
+                           optimizer=tied_lm.build_optimizer, warmup=0, repeats=STEPS, timeout=120)
+    assert result.measured_losses == pytest.approx(reference_losses(), rel=2e-6)
 
 
 def test_a_weight_two_stages_of_a_sequential_share_trains_as_one_in_processes():

@@ -127,8 +127,9 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     device = torch.device(job["devices"][rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    stages, params = [], []  # params: each of this rank's stages' parameters, stage by stage
-    tied: list = []  # the tied parameters' groups (traced models)
+    stages: list = []
+    # params: each of this rank's stages' own parameters; tied: the groups of the parameters stages
+    # share (pipexplore.executors.tied), summed after every backward
     traced_here = exported_here = 0
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it; a rank
@@ -143,8 +144,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]
         indices = [s for s in range(num_stages) if layout[s] == rank]
-        # a parameter in several stages (a tied embedding and head) trains as one: pipexplore.executors.tied
-        tied = tied_groups(tied_parameters(pipe), rank_of=layout.__getitem__, rank=rank)
+        tied = tied_groups(tied_parameters(pipe), rank_of=layout.__getitem__, rank=rank)  # a tied embedding, head
         for s in indices:
             stage = pipe.build_stage(s, device)
             if {s - 1, s + 1} & set(indices):
