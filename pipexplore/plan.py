@@ -44,6 +44,8 @@ RUN_GENERATED_CODE = (
 #: How a step runs: ``threads`` (the schedule executor, one worker per stage), ``autograd`` (the
 #: ``GPipe`` module: one ``backward()`` call) or ``processes`` (``torch.distributed.pipelining``).
 EXECUTORS = ("threads", "autograd", "processes")
+#: The kinds of code :meth:`Plan.to_code` writes.
+CODE_KINDS = ("gpipe", "pipelining", "schedule-csv")
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,6 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     stages: list = []
-    # params: each of this rank's stages' own parameters; tied: the groups of the parameters stages
-    # share (pipexplore.executors.tied), summed after every backward
     traced_here = exported_here = 0
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it; a rank
@@ -144,13 +142,13 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
         num_stages = pipe.num_stages
         layout = job.get("layout") or [s % world for s in range(num_stages)]
         indices = [s for s in range(num_stages) if layout[s] == rank]
-        tied = tied_groups(tied_parameters(pipe), rank_of=layout.__getitem__, rank=rank)  # a tied embedding, head
+        # parameters several stages hold (a tied embedding and head): summed after every backward
+        tied = tied_groups(tied_parameters(pipe), rank_of=layout.__getitem__, rank=rank)
         for s in indices:
             stage = pipe.build_stage(s, device)
             if {s - 1, s + 1} & set(indices):
                 _no_self_warmup(stage, rank)
             stages.append(stage)
-        params = own_parameters([list(stage.submod.parameters()) for stage in stages])
     else:
         num_stages = job["num_stages"]
         indices = sorted(job["stages"])
@@ -160,7 +158,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
             stages.append(PipelineStage(module, s, num_stages, device))
             if {s - 1, s + 1} & set(indices):
                 _no_self_warmup(stages[-1], rank)
-        params = own_parameters([list(stage.submod.parameters()) for stage in stages])
+    params = own_parameters([list(stage.submod.parameters()) for stage in stages])  # each stepped once
     spans: list = []
     for stage in stages:
         _timed(stage, spans, "forward_one_chunk", lambda *a, **k: "forward")

@@ -32,7 +32,7 @@ from pipexplore.devices import chosen_devices, device_memory, is_planned, planne
 from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.models.hf import cache_note
-from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
+from pipexplore.plan import CODE_KINDS, EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
@@ -482,7 +482,7 @@ class ExplorerState(RunLog):
         if kind == "gpipe" and self.traced:
             raise ValueError(f"GPipe takes an nn.Sequential; {type(self.model).__name__} exports as 'pipelining' "
                              "or 'torchrun'")
-        if kind not in ("gpipe", "pipelining", "schedule-csv"):
+        if kind not in CODE_KINDS:
             raise ValueError(f"unknown export kind {kind!r}: 'gpipe', 'pipelining', 'torchrun' or 'schedule-csv'")
         return plan.to_code(kind)
 
