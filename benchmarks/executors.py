@@ -21,7 +21,7 @@ from pipexplore.examples import SleepLayer as SleepFIW
 import pipexplore
 from pipexplore import timeline as tl
 from pipexplore.plan import Plan
-from pipexplore.run import run_step
+from pipexplore.executors.step import run_step
 
 
 def mlp() -> nn.Sequential:

@@ -78,7 +78,7 @@ def main() -> None:
                           f"{row['step_time'] * 1e3:.1f} ms | {startup:.2f} s | {wall:.2f} s | "
                           f"{row['predicted_step_time'] * 1e3:.1f} ms | {row['prediction_error'] * 100:+.0f} % |",
                           flush=True)
-    from pipexplore.distributed import shutdown_pool
+    from pipexplore.executors.distributed import shutdown_pool
 
     shutdown_pool()
 

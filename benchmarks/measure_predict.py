@@ -28,8 +28,8 @@ from common import machine
 import pipexplore.timeline as tl
 from pipexplore import GPipe
 from pipexplore.balance import optimal_splits
-from pipexplore.profile import profile
-from pipexplore.simulate import simulate
+from pipexplore.predict.profiler import profile
+from pipexplore.predict.simulator import simulate
 from pipexplore.splits import balance_to_splits
 
 
@@ -101,8 +101,8 @@ def large_simulation_speed() -> None:
     with the compiled loops (``pipexplore._sharing``) and with the Python ones, alternating."""
     import importlib
 
-    simulate_module = importlib.import_module("pipexplore.simulate")
-    dataflow_module = importlib.import_module("pipexplore.dataflow")
+    simulate_module = importlib.import_module("pipexplore.predict.simulator")
+    dataflow_module = importlib.import_module("pipexplore.predict.dataflow")
     compiled = simulate_module._sharing
     n, stages = 1000, 64
     rng = np.random.default_rng(0)

@@ -97,7 +97,7 @@ def tiny_gpt2():  # type: ignore[no-untyped-def]
     import torch
     import transformers
 
-    from pipexplore import trace
+    from pipexplore.models import trace
     from pipexplore.plan import Plan
 
     warnings.simplefilter("ignore")

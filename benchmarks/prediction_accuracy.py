@@ -189,8 +189,8 @@ def bubbles(schedule: str, p: int, m: int, v: int) -> tuple[float, float, float]
     import pandas as pd
 
     from pipexplore import timeline as tl
-    from pipexplore.schedule import ScheduleExecutor
-    from pipexplore.simulate import simulate
+    from pipexplore.executors.sequential import ScheduleExecutor
+    from pipexplore.predict.simulator import simulate
 
     seconds, stages = 0.04, p * v
     model = nn.Sequential(*[SleepLayer(seconds, seconds, seconds) for _ in range(stages)])

@@ -4,15 +4,7 @@ The library: ``GPipe`` (torchgpipe-compatible), ``pipexplore.skip`` (skip connec
 partitions), ``record`` (measured timelines), ``profile`` (layer tables), ``pipexplore.balance``
 (exact balancing) and ``simulate`` (predicted timelines for GPipe, 1F1B, interleaved, zero-bubble).
 """
-import importlib as _importlib
-
-# The old module paths of the moved modules are aliases for one release. Three of them share a name
-# with a function of this package: load them first, so that a later ``import pipexplore.simulate``
-# cannot rebind ``pipexplore.simulate`` (the function) to the module.
-for _old in ("flatten", "profile", "simulate"):
-    _importlib.import_module(f"pipexplore.{_old}")
-
-from pipexplore import balance, timeline  # noqa: E402
+from pipexplore import balance, timeline
 from pipexplore.checkpoint import is_checkpointing, is_recomputing
 from pipexplore.models.flatten import FlattenError, flatten
 from pipexplore.gpipe import BalanceError, GPipe

@@ -1,6 +1,6 @@
 /* The simulator's processor-sharing event loop, its graph's level sort and longest path, compiled.
  *
- * The same loop as pipexplore.simulate._sharing_loop (the reference, which runs where this module
+ * The same loop as pipexplore.predict.simulator._sharing_loop (the reference, which runs where this module
  * was not built), step for step and with the same floating-point operations in the same order, so
  * both give the same timeline bit for bit (tests compare them). Python runs it at a few µs an
  * event; a 1,000-layer × 64-stage × 256-micro-batch step on one host has ~100k events.
@@ -335,7 +335,7 @@ release:
 /* times(after, first, second, seconds, after_wait, first_wait, second_wait, start, end): the longest
  * path of a graph whose actions come in level order (every input before its user; n = none):
  * each starts when the last of its inputs' ends plus its wait is reached, and takes its seconds.
- * The same operations as pipexplore.dataflow.ActionGraph.times's array passes, action by action;
+ * The same operations as pipexplore.predict.dataflow.ActionGraph.times's array passes, action by action;
  * `end` has n + 1 places (the sentinel "no input", which ends at 0). */
 static PyObject *times(PyObject *self, PyObject *args) {
     (void)self;
@@ -453,9 +453,9 @@ release:
 }
 
 static PyMethodDef methods[] = {
-    {"run", run, METH_VARARGS, "The processor-sharing event loop (see pipexplore.simulate)."},
-    {"times", times, METH_VARARGS, "The longest path of a graph in level order (see pipexplore.dataflow)."},
-    {"levels", levels, METH_VARARGS, "Each action's level in its graph (see pipexplore.dataflow._levels)."},
+    {"run", run, METH_VARARGS, "The processor-sharing event loop (see pipexplore.predict.simulator)."},
+    {"times", times, METH_VARARGS, "The longest path of a graph in level order (see pipexplore.predict.dataflow)."},
+    {"levels", levels, METH_VARARGS, "Each action's level in its graph (see pipexplore.predict.dataflow._levels)."},
     {NULL, NULL, 0, NULL},
 };
 

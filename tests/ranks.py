@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 import pipexplore
-from pipexplore import pool
-from pipexplore.distributed import shutdown_pool
+from pipexplore.executors import pool
+from pipexplore.executors.distributed import shutdown_pool
 from pipexplore.plan import Plan
 
 

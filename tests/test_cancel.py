@@ -19,9 +19,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipexplore import profile, trace
+from pipexplore import profile
+from pipexplore.models import trace
 from pipexplore.cancel import Cancelled, CancelToken, cancel_scope
-from pipexplore.distributed import shutdown_pool
+from pipexplore.executors.distributed import shutdown_pool
 from pipexplore.executors.pool import fork_server_pid
 from pipexplore.executors.step import run_step
 from pipexplore.plan import Plan

@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipexplore.dataflow import ActionGraph, oversubscribed
-from pipexplore.simulate import schedule_graph, simulate
+from pipexplore.predict.dataflow import ActionGraph, oversubscribed
+from pipexplore.predict.simulator import schedule_graph, simulate
 
-simulate_module = importlib.import_module("pipexplore.simulate")
+simulate_module = importlib.import_module("pipexplore.predict.simulator")
 sharing_module = importlib.import_module("pipexplore.predict.sharing")  # the processor-sharing loops
 
 KEYS = ["stage", "phase", "microbatch", "lane", "device"]
@@ -254,7 +254,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import importlib
 import numpy as np, pandas as pd
-simulate_module = importlib.import_module("pipexplore.simulate")
+simulate_module = importlib.import_module("pipexplore.predict.simulator")
 assert simulate_module._sharing is None
 rng = np.random.default_rng(1)
 table = pd.DataFrame({"forward": rng.random(12), "backward": 2 * rng.random(12), "output_bytes": 1e6,

@@ -16,8 +16,8 @@ from torch import nn
 
 import pipexplore
 from models import plain_model
-from pipexplore.distributed import DistributedRunError, run_processes, shutdown_pool
-from pipexplore.run import run_step
+from pipexplore.executors.distributed import DistributedRunError, run_processes, shutdown_pool
+from pipexplore.executors.step import run_step
 
 from ranks import no_pool_left_behind  # noqa: F401  (every pool gone after the module)
 from ranks import plan_for as _plan
@@ -180,7 +180,7 @@ import copy, json, sys
 import torch
 from torch import nn
 import pipexplore
-from pipexplore.distributed import run_processes
+from pipexplore.executors.distributed import run_processes
 from pipexplore.plan import Plan
 
 print("script body ran", file=sys.stderr)

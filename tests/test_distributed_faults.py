@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models import plain_model
-from pipexplore.distributed import DistributedRunError, run_processes, shutdown_pool
+from pipexplore.executors.distributed import DistributedRunError, run_processes, shutdown_pool
 from ranks import no_pool_left_behind, port_spy  # noqa: F401  (fixtures)
 from ranks import plan_for as _plan, port_is_free as _port_is_free
 from ranks import worker_children as _children

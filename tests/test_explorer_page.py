@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipexplore import timeline as tl
-from pipexplore.profile import profile
+from pipexplore.predict.profiler import profile
 from pipexplore.widgets import explore
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.residual_view import residual_grid
@@ -475,7 +475,7 @@ def test_the_notebook_keeps_a_static_view(explorer):
 def test_large_timelines_travel_as_single_precision_blocks_at_the_right_times():
     import pandas as pd
 
-    from pipexplore.simulate import simulate
+    from pipexplore.predict.simulator import simulate
     from pipexplore.widgets.plots import TimelineView
 
     table = pd.DataFrame({"forward": [1e-3] * 8, "backward": [2e-3] * 8, "output_bytes": 0.0})

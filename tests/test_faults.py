@@ -14,8 +14,8 @@ from models import Sleep
 from pipexplore import GPipe, profile
 from pipexplore.cancel import Cancelled
 from pipexplore.plan import Plan
-from pipexplore.run import run_step
-from pipexplore.schedule import ScheduleExecutor
+from pipexplore.executors.step import run_step
+from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.timeline import record
 from pipexplore.widgets import explore
 

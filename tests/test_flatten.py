@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipexplore import GPipe, flatten
-from pipexplore.flatten import FlattenError
+from pipexplore.models.flatten import FlattenError
 
 
 class BasicBlock(nn.Module):

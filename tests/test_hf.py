@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from pipexplore import trace
+from pipexplore.models import trace
 from pipexplore.executors import forkserver, pool
 from pipexplore.plan import Plan
-from pipexplore.traced_executor import run_traced_step
+from pipexplore.executors.traced import run_traced_step
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -158,8 +158,8 @@ def test_tied_embedding_and_head_in_different_stages_train_as_one_weight():
 
 
 def test_tied_copies_stay_equal_over_optimizer_steps():
-    from pipexplore.model_inputs import first_microbatch
-    from pipexplore.traced_executor import TracedExecutor
+    from pipexplore.models.inputs import first_microbatch
+    from pipexplore.executors.traced import TracedExecutor
 
     model, inputs = gpt2(), batch()
     pipe = trace.split(copy.deepcopy(model), first_microbatch(inputs, 2), ["transformer.h.2"])
@@ -187,7 +187,7 @@ def test_tied_copies_stay_equal_over_optimizer_steps():
 # stage) is the same for every model; Llama's graph runs split in this process above.
 @pytest.mark.parametrize("name", ["gpt2"])
 def test_keyword_inputs_run_in_processes_like_the_unsplit_model(name):
-    from pipexplore.distributed import run_processes
+    from pipexplore.executors.distributed import run_processes
 
     build, prefix = MODELS[name]
     model, inputs = build(), batch()
@@ -212,7 +212,7 @@ def test_keyword_inputs_run_in_processes_like_the_unsplit_model(name):
 
 
 def test_inputs_read_by_a_later_stage_are_refused_for_processes_before_any_starts():
-    from pipexplore.distributed import run_processes
+    from pipexplore.executors.distributed import run_processes
 
     model, inputs = gpt2(), batch()
     table = trace.candidates(copy.deepcopy(model), inputs, loss_fn=model_loss, repeats=1)

@@ -80,7 +80,7 @@ def test_processes_are_predicted_to_share_cores_not_the_gil(monkeypatch):
 
     import pandas as pd
 
-    monkeypatch.setattr(importlib.import_module("pipexplore.simulate"), "host_cores", lambda: 2)
+    monkeypatch.setattr(importlib.import_module("pipexplore.predict.simulator"), "host_cores", lambda: 2)
 
     from pipexplore import simulate
     from pipexplore.timeline import step_time

@@ -52,12 +52,6 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _is_alias(path: pathlib.Path) -> bool:
-    """An old path kept for one release (it only points at the moved module)."""
-    return path.suffix == ".py" and ( "this path is an alias of it for one release" in path.read_text() or \
-        "This path re-exports both for one release" in path.read_text())
-
-
 def _layer(module: str) -> str:
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else ""
@@ -91,22 +85,15 @@ def _imports(module: str, path: pathlib.Path, *, top_level_only: bool) -> set[st
     return found
 
 
-REAL = {m: p for m, p in MODULES.items() if not _is_alias(p) and p.suffix == ".py"}
+REAL = {m: p for m, p in MODULES.items() if p.suffix == ".py"}
 
 
 @pytest.mark.parametrize("module", sorted(REAL))
 def test_imports_point_up_the_layers(module):
     layer = ORDER.index(_layer(module))
     wrong = sorted(f"{name} ({_layer(name)})" for name in _imports(module, REAL[module], top_level_only=False)
-                   if not _is_alias(MODULES[name]) and ORDER.index(_layer(name)) > layer)
+                   if ORDER.index(_layer(name)) > layer)
     assert not wrong, f"{module} ({_layer(module)}) imports from layers below it: {', '.join(wrong)}"
-
-
-def test_no_module_imports_an_old_path():
-    used = sorted(f"{module} imports {name}" for module, path in REAL.items()
-                  for name in _imports(module, path, top_level_only=False)
-                  if _is_alias(MODULES[name]) and module != "pipexplore")
-    assert not used, "; ".join(used)
 
 
 def test_no_import_closes_a_circle():
@@ -149,27 +136,3 @@ def test_no_module_is_over_500_lines():
     long = sorted(f"{p.relative_to(PACKAGE.parent)} ({n} lines)" for p in PACKAGE.rglob("*.py")
                   if (n := len(p.read_text().splitlines())) > 500)
     assert not long, "split these modules: " + ", ".join(long)
-
-
-@pytest.mark.parametrize("old,new", [
-    ("simulate", "predict.simulator"), ("profile", "predict.profiler"), ("costs", "predict.costs"),
-    ("dataflow", "predict.dataflow"), ("retime", "predict.retime"), ("residuals", "predict.residuals"),
-    ("flatten", "models.flatten"), ("model_inputs", "models.inputs"), ("schedule", "executors.sequential"),
-    ("traced_executor", "executors.traced"), ("distributed", "executors.distributed"), ("pool", "executors.pool"),
-    ("run", "executors.step"),
-])
-def test_an_old_path_is_the_moved_module(old, new):
-    """For one release, code that imported a moved module by its old path gets the module itself:
-    the same object, so private names and monkeypatching reach it."""
-    import importlib
-
-    assert importlib.import_module(f"pipexplore.{old}") is importlib.import_module(f"pipexplore.{new}")
-
-
-def test_the_old_trace_path_has_tracing_and_the_torchrun_export():
-    from pipexplore import trace
-    from pipexplore.export.torchrun import torchrun_script
-    from pipexplore.models import trace as moved
-
-    assert trace.torchrun_script is torchrun_script and trace.split is moved.split
-    assert trace.candidates is moved.candidates and trace._is_block_list is moved._is_block_list  # private too

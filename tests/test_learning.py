@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipexplore.costs import LEARNING_MEMORY, Corrections, handoff_gaps
+from pipexplore.predict.costs import LEARNING_MEMORY, Corrections, handoff_gaps
 from pipexplore.plan import Plan
 from pipexplore.timeline import step_time
 

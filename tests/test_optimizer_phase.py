@@ -12,17 +12,17 @@ import torch
 from torch import nn
 
 from pipexplore import timeline as tl
-from pipexplore.costs import Corrections
+from pipexplore.predict.costs import Corrections
 from pipexplore.executors.base import StageOptimizers
 from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.plan import Plan
-from pipexplore.run import run_step
-from pipexplore.simulate import schedule_graph, simulate
+from pipexplore.executors.step import run_step
+from pipexplore.predict.simulator import schedule_graph, simulate
 
 from models import plain_model
 from ranks import no_pool_left_behind  # noqa: F401  (every pool gone after the module)
 
-simulate_module = importlib.import_module("pipexplore.simulate")
+simulate_module = importlib.import_module("pipexplore.predict.simulator")
 sharing_module = importlib.import_module("pipexplore.predict.sharing")
 
 BACKWARD_SIDE = ("backward", "input_grad", "weight_grad")
@@ -140,7 +140,7 @@ def test_a_stage_without_parameters_still_records_its_empty_optimizer_step():
 
 @pytest.mark.slow
 def test_a_processes_run_records_each_ranks_optimizer_step_and_trains_as_one_optimizer():
-    from pipexplore.distributed import shutdown_pool
+    from pipexplore.executors.distributed import shutdown_pool
 
     torch.manual_seed(0)
     model, x, target = plain_model(), torch.randn(8, 6), torch.randn(8, 6)
@@ -266,7 +266,7 @@ def test_the_page_retimes_a_drag_with_optimizer_steps_as_simulate_does(case, tmp
 
     from test_retime import run_page, table as retime_table
 
-    from pipexplore.retime import retime_model
+    from pipexplore.predict.retime import retime_model
     from pipexplore.widgets.plots import PHASES
     from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
 

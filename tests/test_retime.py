@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 from pipexplore import timeline as tl
-from pipexplore.costs import Corrections
-from pipexplore.retime import retime_key, retime_model
-from pipexplore.simulate import simulate
+from pipexplore.predict.costs import Corrections
+from pipexplore.predict.retime import retime_key, retime_model
+from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.plots import PHASES
 from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from models import SleepFIW, plain_model, unet_model
 from pipexplore import timeline as tl
-from pipexplore.schedule import ScheduleExecutor
-from pipexplore.simulate import simulate
+from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.predict.simulator import simulate
 
 BALANCES = {  # (balance, devices) per stage count; interleaved spreads them over 2 devices
     "plain": {1: [8], 2: [4, 4], 3: [3, 3, 2], 4: [1, 2, 3, 2]},

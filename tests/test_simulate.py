@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from pipexplore.simulate import simulate, stage_costs, stage_orders
+from pipexplore.predict.simulator import simulate, stage_costs, stage_orders
 from pipexplore.timeline import activation_memory, bubble_fraction, step_time
 
 

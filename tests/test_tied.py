@@ -97,7 +97,7 @@ def test_a_frozen_tied_weight_gets_no_gradient():
 def test_tied_copies_on_one_rank_or_across_ranks_train_as_one(schedule):
     """ZB-V puts the first and the last stage (embedding, head) on rank 0: their copies are summed
     there; interleaved puts them on ranks 0 and 1: summed over a group of the two."""
-    from pipexplore.distributed import run_processes
+    from pipexplore.executors.distributed import run_processes
 
     ids, _ = tied_lm.get_batch()
     table = trace.candidates(tied_lm.build_model(), ids, loss_fn=tied_lm.loss_fn, target=ids, repeats=1)
@@ -111,7 +111,7 @@ def test_tied_copies_on_one_rank_or_across_ranks_train_as_one(schedule):
 def test_a_weight_two_stages_of_a_sequential_share_trains_as_one_in_processes():
     """An nn.Sequential's stages are sent to their ranks apart, so a weight two of them share
     arrives as two tensors: summed like a traced model's copies."""
-    from pipexplore.distributed import run_processes
+    from pipexplore.executors.distributed import run_processes
     from pipexplore.executors.tied import shared_parameters
 
     def build() -> nn.Sequential:

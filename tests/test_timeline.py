@@ -181,7 +181,7 @@ def test_actions_are_counted_per_stage_while_the_measured_steps_run(executor, sc
 
     from pipexplore import profile
     from pipexplore.plan import Plan
-    from pipexplore.run import run_step
+    from pipexplore.executors.step import run_step
     from pipexplore.timeline import COMPUTE_PHASES, counting_actions
 
     model = nn.Sequential(*[SleepFB(0.002, 0.002) for _ in range(4)])

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipexplore.simulate import simulate
+from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.plots import PHASE_COLORS, PHASES, STAGE_COLORS, TimelineView
 from pipexplore.widgets.timeline_canvas import TimelineCanvas, block_panel, blocks_of, lane_of, memory_panel
 

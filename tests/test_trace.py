@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipexplore import trace
+from pipexplore.export.torchrun import torchrun_script
+from pipexplore.models import trace
 from pipexplore.plan import Plan
 from tiny_transformer import Branchy, TinyTransformer, build_model, get_batch, loss_fn
 from ranks import assert_equals_unsplit
@@ -96,9 +97,9 @@ def test_data_dependent_control_flow_fails_with_a_clear_message():
 def test_torchrun_export_checks_its_arguments():
     table = trace.candidates(build_model(), (get_batch()[0],), repeats=1)
     with pytest.raises(ValueError, match="hooks must name an importable module"):
-        trace.torchrun_script(table, [3], hooks="not a module", chunks=4)
+        torchrun_script(table, [3], hooks="not a module", chunks=4)
     with pytest.raises(ValueError, match="the torchrun export knows"):
-        trace.torchrun_script(table, [3], hooks="m", chunks=4, schedule="async-backends")
+        torchrun_script(table, [3], hooks="m", chunks=4, schedule="async-backends")
 
 
 @pytest.mark.slow
@@ -355,7 +356,7 @@ def test_a_split_inside_blocks_traces_and_keeps_the_output():
                                                         ((2, 4), "zero-bubble", "always"),
                                                         ((1, 3, 5), "interleaved", "except_last")])
 def test_traced_transformer_in_process_equals_the_unsplit_model(tied, splits, schedule, checkpoint):
-    from pipexplore.traced_executor import run_traced_step
+    from pipexplore.executors.traced import run_traced_step
 
     torch.manual_seed(0)
     model = TinyTransformer(tied=tied)
@@ -379,7 +380,7 @@ def test_traced_transformer_in_process_equals_the_unsplit_model(tied, splits, sc
 
 
 def test_module_dict_model_split_between_its_blocks_trains_in_process():
-    from pipexplore.traced_executor import run_traced_step
+    from pipexplore.executors.traced import run_traced_step
 
     model = Titan(depth=3)
     tokens = torch.randint(0, 16, (6, 5))
@@ -402,7 +403,7 @@ def test_module_dict_model_split_between_its_blocks_trains_in_process():
 
 
 def test_traced_executor_checks_its_arguments():
-    from pipexplore.traced_executor import TracedExecutor, run_traced_step
+    from pipexplore.executors.traced import TracedExecutor, run_traced_step
 
     tokens, target = get_batch()
     pipe = trace.split(build_model(), tokens[:2], ["layers.2"])

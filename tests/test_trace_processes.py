@@ -6,8 +6,9 @@ import copy
 
 import pytest
 
-from pipexplore import trace
-from pipexplore.distributed import run_processes
+from pipexplore.export.torchrun import torchrun_script
+from pipexplore.models import trace
+from pipexplore.executors.distributed import run_processes
 from pipexplore.plan import Plan
 from ranks import assert_equals_unsplit
 from tiny_transformer import build_model, get_batch, loss_fn
@@ -34,7 +35,7 @@ def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
     (test_cluster_roundtrip.py)."""
     tokens, _ = get_batch()
     table = trace.candidates(build_model(), (tokens,), repeats=1)
-    script = trace.torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b", device="cpu")
+    script = torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b", device="cpu")
     assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
             in script)
     assert "SPLIT_POINTS = ['layers.2']" in script and "Schedule1F1B(" in script

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from models import plain_model
 from pipexplore import GPipe, validate
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
-from pipexplore.run import run_step
-from pipexplore.schedule import ScheduleExecutor
+from pipexplore.executors.step import run_step
+from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.widgets import explore
 from pipexplore.widgets.explorer import UPDATABLE
 

@@ -3,7 +3,7 @@
 Every executor is a module with ``NAME`` and ``run(job: StepJob) -> RunResult``: it builds the
 plan on its devices from a copy of ``job.model``, trains ``job.warmup`` steps, measures the next
 ones and returns the measured timeline and loss (:func:`pipexplore.executors.base.result`).
-:mod:`pipexplore.run` picks the module; no executor imports it back.
+:mod:`pipexplore.executors.step` picks the module; no executor imports it back.
 
 ====================  ==========================================================
 ``threads``           the schedule executor: F/B/I/W per stage in worker threads

@@ -1,6 +1,6 @@
 """Entry point of one pool worker process: ``python -m pipexplore.executors._worker RANK WORLD PORT FD BACKEND``.
 
-The worker is started by :class:`pipexplore.pool.WorkerPool` with a clean main module (this
+The worker is started by :class:`pipexplore.executors.pool.WorkerPool` with a clean main module (this
 one), so a user's script is never re-run in it. It joins the process group once, reports
 ``("ready", pid)`` on the pipe whose file descriptor it was given, then runs jobs until told to
 exit or until the pipe closes: each job is ``(sys_path, payload)`` where ``payload`` is the

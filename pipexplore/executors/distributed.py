@@ -1,6 +1,6 @@
 """Multi-process steps: one process per rank, running ``torch.distributed.pipelining`` schedules.
 
-The ranks are the workers of a warm pool (:mod:`pipexplore.pool`): started once with a clean
+The ranks are the workers of a warm pool (:mod:`pipexplore.executors.pool`): started once with a clean
 entry point (a user's script is never re-run in them), they meet on a free loopback port (gloo
 on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun pays no process
 start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
@@ -67,7 +67,7 @@ def default_timeout(plan: Plan, warmup: int = 1) -> float:
     """Seconds a run of ``warmup`` + 1 steps of ``plan`` may take in processes, start-up apart.
 
     ``max(30 s, 20 × (warmup + 1) × the predicted step)``; process start-up is bounded on its own
-    (:data:`pipexplore.pool.STARTUP_TIMEOUT`).
+    (:data:`pipexplore.executors.pool.STARTUP_TIMEOUT`).
 
     Example::
 
@@ -302,7 +302,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     """Run ``warmup`` + ``repeats`` steps of ``plan`` in one process per device; keep the measured
     step of median time (as the in-process executors do).
 
-    Returns a :class:`pipexplore.run.RunResult` whose timeline holds every rank's events
+    Returns a :class:`pipexplore.executors.step.RunResult` whose timeline holds every rank's events
     (``device`` is the rank's device, ``stage`` the pipeline stage), whose ``loss`` is the first
     step's and ``measured_losses`` the measured steps' (``metrics['losses']``: the kept step's, per
     micro-batch).

@@ -96,7 +96,7 @@ def pack_job(function: Callable[..., Any], kwargs: dict[str, Any]) -> bytes:
 
     Example::
 
-        payload = pack_job(pipexplore.distributed._rank_step, {"job": job})
+        payload = pack_job(pipexplore.executors.distributed._rank_step, {"job": job})
     """
     import cloudpickle
 

@@ -392,7 +392,7 @@ def shutdown_pool(keep_server: bool = False) -> None:
 
     Example::
 
-        pipexplore.distributed.shutdown_pool()
+        pipexplore.executors.distributed.shutdown_pool()
     """
     global _pool, _server, _server_refused
     acquired = _lock.acquire(timeout=10.0)  # a run still in flight at exit: stop its workers anyway

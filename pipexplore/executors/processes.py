@@ -9,7 +9,7 @@ NAME = "processes"
 
 
 def run(job: StepJob) -> RunResult:
-    """Run the plan's schedule in one process per device (see :func:`pipexplore.distributed.run_processes`)."""
+    """Run the plan's schedule in one process per device (see :func:`pipexplore.executors.distributed.run_processes`)."""
     from pipexplore.executors.distributed import run_processes
 
     plan = job.plan

@@ -40,7 +40,7 @@ def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: A
     changed: the step runs on a deep copy placed on the plan's devices. ``loss_fn(output, target)``
     defines the loss (default: :func:`synthetic_loss`); ``optimizer(parameters)`` makes the
     optimizer (default: SGD, lr=0.01). ``timeout`` (seconds, executor ``processes`` only) bounds
-    the steps in the worker processes; by default :func:`pipexplore.distributed.default_timeout`
+    the steps in the worker processes; by default :func:`pipexplore.executors.distributed.default_timeout`
     derives it from the predicted step.
 
     ``result.loss`` is the first step's (at the model's weights, before any optimizer step: the

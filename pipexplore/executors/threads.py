@@ -11,7 +11,7 @@ NAME = "threads"
 
 
 def run(job: StepJob) -> RunResult:
-    """One step of the plan's schedule through :class:`pipexplore.schedule.ScheduleExecutor`; measure."""
+    """One step of the plan's schedule through :class:`pipexplore.executors.sequential.ScheduleExecutor`; measure."""
     from pipexplore.executors.sequential import ScheduleExecutor
 
     plan = job.plan

@@ -1,6 +1,6 @@
 """Traced models in this process: the stages of torch's split, each in a worker thread, under any schedule.
 
-:func:`pipexplore.trace.split` cuts a model that is not an ``nn.Sequential`` into stage modules
+:func:`pipexplore.models.trace.split` cuts a model that is not an ``nn.Sequential`` into stage modules
 (``pipe.split_gm``'s ``submod_k``). A stage may take several values (hidden states, masks,
 positions) from several earlier stages and the model's inputs; the last stage also builds the
 model's output as the model returns it (a Hugging Face ``ModelOutput`` too) and computes the loss.
@@ -70,7 +70,7 @@ class TracedExecutor(ActionExecutor):
     """Runs training steps of a traced model's stages with an explicit pipeline schedule, in this process.
 
     Args:
-        pipe: what :func:`pipexplore.trace.split` returns (a ``torch.distributed.pipelining`` Pipe).
+        pipe: what :func:`pipexplore.models.trace.split` returns (a ``torch.distributed.pipelining`` Pipe).
         devices: one per stage (one per device for the multi-stage schedules: see
             :func:`pipexplore.executors._actions.plan_workers`); default CPU.
         chunks: micro-batches per step; the batch must divide evenly (traced graphs have fixed shapes).
@@ -321,7 +321,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
     ``repeats`` measured ones (the median step is kept).
 
     The model is split at the plan's candidate names (``plan.layer_table['name']``) by
-    :func:`pipexplore.trace.split` on the plan's first micro-batch — once per split of a model of
+    :func:`pipexplore.models.trace.split` on the plan's first micro-batch — once per split of a model of
     this shape in the session (:func:`pipexplore.models.traced_pipes.traced_pipe`: a rerun gets a
     copy of the kept pipe with the model's weights as they are) — and the stages run in worker
     threads with the plan's schedule, devices and checkpointing (:class:`TracedExecutor`).

@@ -1,4 +1,4 @@
-// Re-timing a plan in the page after a drag (see pipexplore/retime.py): the layers of the new
+// Re-timing a plan in the page after a drag (see pipexplore/predict/retime.py): the layers of the new
 // split summed per stage, the step's graph timed by the processor-sharing loop of _sharing.c
 // (the same steps: each action starts when its worker is free and its inputs are there; actions
 // on one device that ask for more than all of it slow down in proportion), and the result laid out
