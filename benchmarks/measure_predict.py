@@ -98,7 +98,7 @@ def simulation_speed() -> None:
 def large_simulation_speed() -> None:
     """1,000 layers × 64 stages × 256 micro-batches, a split moved between repeats: a device per
     stage (the graph's longest path) and every stage on one CPU host (processor sharing), each
-    with the compiled loops (``pipexplore._sharing``) and with the Python ones, alternating."""
+    with the compiled loops (``pipexplore.predict._sharing``) and with the Python ones, alternating."""
     import importlib
 
     simulate_module = importlib.import_module("pipexplore.predict.simulator")

@@ -148,7 +148,7 @@ def traced_rerun(rounds: int) -> None:
     """A tiny GPT-2 traced in 2 processes: a rerun of the same split (checked here once) against a
     rerun that traces it here again (the kept traces forgotten), interleaved; the warm pool serves both."""
     from pipexplore.executors import distributed
-    from pipexplore.models.traced_pipes import forget_traced
+    from pipexplore.models.trace.pipes import forget_traced
 
     model, ids, loss, plan = tiny_gpt2()
 

@@ -102,7 +102,7 @@ def scale() -> None:
     from pipexplore.plan import Plan
     from pipexplore.predict import search as searching
     from pipexplore.predict.simulator import SCHEDULES
-    from pipexplore.sweep import sweep
+    from pipexplore.predict.sweep import sweep
 
     plan = synthetic_plan()
     space = dict(stages=[8, 16, 32, 64], chunks=[64, 128, 256], checkpoint=["never", "except_last", "always"])

@@ -1,5 +1,5 @@
 """A traced model's rerun in this process: the kept trace copied with the model's weights
-(``pipexplore.models.traced_pipes``) against tracing it again, as every run did before.
+(``pipexplore.models.trace.pipes``) against tracing it again, as every run did before.
 
 Each round runs ``run_traced_step`` (threads executor, one warm-up step and one measured) on the
 same split twice, interleaved: once with the split's pipe kept from the round before, once after
@@ -8,7 +8,7 @@ rounds; and ``traced_pipe`` alone, the same two ways (what a rerun saves, withou
 
 ``--new-split``: a split at another block each time (what a drag of a split handle then Run step
 asks for): ``traced_pipe`` and ``run_traced_step`` with the model's export kept from the splits
-before (``pipexplore.models.marked_export``: no export, torch's splitter on the kept graph) against
+before (``pipexplore.models.trace.markers``: no export, torch's splitter on the kept graph) against
 exporting it again (``forget_traced()``), interleaved; the kept pipes are dropped either way.
 
 ``--processes``: the same split rerun through the processes executor on a warm pool of 2 ranks
@@ -37,7 +37,7 @@ from common import machine
 from pipexplore.executors.traced import run_traced_step
 from pipexplore.models.inputs import first_microbatch
 from pipexplore.models import trace
-from pipexplore.models.traced_pipes import forget_traced, traced_pipe
+from pipexplore.models.trace.pipes import forget_traced, traced_pipe
 from pipexplore.plan import Plan
 
 

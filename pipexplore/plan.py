@@ -9,7 +9,7 @@ skip routes that cross stages, its predicted timeline, and the code that reprodu
     print(plan.to_code())          # GPipe(model, balance=[...], ...)
 
 ``schedule`` is a name (:data:`PLAN_SCHEDULES`) or the path of a CSV file in torch's format
-(``schedule="my.csv"``: :mod:`pipexplore.schedule_csv`), which must schedule the plan's stages and
+(``schedule="my.csv"``: :mod:`pipexplore.schedules.csv_files`), which must schedule the plan's stages and
 chunks; its ranks are the plan's devices.
 """
 from __future__ import annotations

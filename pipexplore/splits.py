@@ -61,7 +61,7 @@ def first_runnable_layer(table: Any, executor: str, stages: int) -> int:
     stages run by ``executor``: in processes (here, or the exported script under torchrun) torch
     feeds the model's inputs to the first stage only, so a traced model's candidates that read
     them stay in it (``table.attrs["first_split"]``, measured where its stages are traced:
-    :func:`pipexplore.models.stage_inputs.first_runnable_split`). 1 for every other executor, for
+    :func:`pipexplore.models.trace.stage_inputs.first_runnable_split`). 1 for every other executor, for
     tables that do not say, and where too few layers follow for ``stages`` stages (the run then
     refuses, naming the inputs: a Hugging Face model's ``labels`` read by its last block).
 

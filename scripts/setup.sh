@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.pipexplore-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-        || [ pipexplore/_sharing.c -nt "$stamp" ]; then
+        || [ pipexplore/predict/_sharing.c -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # The CPU wheel, pinned: a loose `torch` would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -135,9 +135,9 @@ def test_device_memory_of_a_gpu_this_machine_lacks_is_unknown(monkeypatch):
         total_memory = 80 * 2**30
 
     asked = []
-    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(devices.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(devices.torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties)
     assert devices.device_memory("cuda:0") == 80 * 2**30
     assert math.isnan(devices.device_memory("cuda:1")) and math.isnan(devices.device_memory(3))
     assert asked == [0]

@@ -223,7 +223,7 @@ def csv_run(hooks, tmp_path_factory):
     rank with ``--record`` and, beside it, torch's profiler (``--profile``): the CSV runs through
     torch's runtime schedule, which labels each action in the trace. Then the CSV is deleted, as on
     another machine, where an explorer of its own loads the run."""
-    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules.csv_files import write_csv
     from pipexplore.schedules import rank_orders
 
     module, folder = hooks

@@ -122,7 +122,7 @@ def test_dead_names_are_gone():
 
 
 def test_a_sweep_leaves_out_chunks_the_batch_does_not_split_into_exactly():
-    from pipexplore.sweep import sweep
+    from pipexplore.predict.sweep import sweep
     from pipexplore.validate import splits_exactly
 
     plan = Plan(fitted(batch=5), (2,), ("cpu", "cpu"), chunks=1, batch=5)

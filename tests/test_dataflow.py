@@ -141,7 +141,7 @@ def test_stages_that_leave_the_host_free_are_timed_as_a_graph(monkeypatch):
 
 def test_the_compiled_loop_is_built():
     # setup.py builds it (optional, so an install without a compiler still works, more slowly)
-    assert simulate_module._sharing is not None, "pipexplore._sharing was not built: pip install -e . with a C compiler"
+    assert simulate_module._sharing is not None, "pipexplore.predict._sharing was not built: pip install -e . with a C compiler"
     assert sharing_module._sharing is simulate_module._sharing
 
 
@@ -240,7 +240,7 @@ def test_the_compiled_longest_path_refuses_a_graph_out_of_level_order():
 
 
 def test_without_the_compiled_module_simulate_runs_the_python_loops_with_the_same_timeline():
-    # An install without a C compiler has no pipexplore._sharing: the same timelines, in Python.
+    # An install without a C compiler has no pipexplore.predict._sharing: the same timelines, in Python.
     import json
     import subprocess
     import sys
@@ -249,7 +249,7 @@ def test_without_the_compiled_module_simulate_runs_the_python_loops_with_the_sam
 import importlib.abc, json, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "pipexplore._sharing":
+        if name == "pipexplore.predict._sharing":
             raise ImportError("no compiled loop in this install")
 sys.meta_path.insert(0, Block())
 import importlib

@@ -17,7 +17,7 @@ from pipexplore import timeline as tl
 from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.plan import Plan
 from pipexplore.predict.simulator import simulate
-from pipexplore.schedule_csv import load_csv, parse_csv_text, to_csv_text, write_csv
+from pipexplore.schedules.csv_files import load_csv, parse_csv_text, to_csv_text, write_csv
 from pipexplore import schedules
 from pipexplore.schedules import actions, csv_schedule, rank_orders, worker_orders
 

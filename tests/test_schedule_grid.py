@@ -66,7 +66,7 @@ def test_the_page_fills_the_grid_when_opened_follows_the_plan_and_links_the_hove
 
 def test_a_csv_schedule_set_in_code_never_passes_through_another_plan(tmp_path, monkeypatch):
     from pipexplore.runs import roundtrip
-    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules.csv_files import write_csv
     from pipexplore.schedules import rank_orders
 
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from pipexplore.predict.search import SEARCH_COLUMNS, layer_bytes, search
 from pipexplore.predict.simulator import SCHEDULES as SIMULATED
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over, stage_bytes
-from pipexplore.sweep import SWEEP_COLUMNS, balanced_splits
+from pipexplore.predict.sweep import SWEEP_COLUMNS, balanced_splits
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -322,7 +322,7 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
 
 
 def test_a_csv_schedule_is_searched_at_the_shape_its_file_runs(tmp_path):
-    from pipexplore.schedule_csv import write_csv
+    from pipexplore.schedules.csv_files import write_csv
     from pipexplore.schedules import rank_orders
 
     path = str(write_csv(rank_orders("1f1b", 2, 4), tmp_path / "ours.csv"))

@@ -1,4 +1,4 @@
-"""Which stages read the model's inputs (pipexplore.models.stage_inputs), and the splits that keep
+"""Which stages read the model's inputs (pipexplore.models.trace.stage_inputs), and the splits that keep
 them in the first stage where a plan runs in processes: torch feeds the inputs to stage 0 only, so
 balance, sweep and search propose no split that the processes executor (or the exported torchrun
 script) would refuse."""
@@ -15,11 +15,11 @@ import transformers  # the test extra
 from pipexplore.balance import optimal_splits
 from pipexplore.executors.distributed import _check_traced_split
 from pipexplore.models import trace
-from pipexplore.models.stage_inputs import first_runnable_split, input_readers, inputs_past_first_stage
+from pipexplore.models.trace.stage_inputs import first_runnable_split, input_readers, inputs_past_first_stage
 from pipexplore.plan import Plan
 from pipexplore.predict.search import search
 from pipexplore.splits import first_runnable_layer
-from pipexplore.sweep import sweep
+from pipexplore.predict.sweep import sweep
 from pipexplore.widgets import layer_table as layers
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -49,7 +49,7 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     ``traced_pipes``): another split, other input shapes or a changed model is traced again. Each
     rank of the warm pool keeps its pipes the same way."""
     import pipexplore.models.trace as tracing
-    from pipexplore.models.traced_pipes import forget_traced
+    from pipexplore.models.trace.pipes import forget_traced
 
     forget_traced()  # (the module's tests before this one traced this split)
     model = build_model()

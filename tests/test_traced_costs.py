@@ -1,4 +1,4 @@
-"""A traced model is profiled as the stages its runs execute (pipexplore.models.traced_costs): each
+"""A traced model is profiled as the stages its runs execute (pipexplore.models.trace.costs): each
 candidate's traced stage timed beside its own module, the difference added to the profile, once a
 session per model shape; a model that cannot be traced keeps its modules' times and says why."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from pipexplore.models import trace, traced_costs, traced_pipes
+from pipexplore.models import trace
+from pipexplore.models.trace import costs as traced_costs, pipes as traced_pipes
 from tiny_transformer import Branchy, TinyTransformer, get_batch, loss_fn
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]

@@ -1,4 +1,4 @@
-"""Traced splits kept for the session (``pipexplore.models.traced_pipes``): a rerun is not traced
+"""Traced splits kept for the session (``pipexplore.models.trace.pipes``): a rerun is not traced
 again, runs the model's weights as they are, and the kept pipes hold no weights."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import pipexplore.models.trace as tracing
 from pipexplore.executors.traced import run_traced_step
-from pipexplore.models import traced_pipes
+from pipexplore.models.trace import pipes as traced_pipes
 from pipexplore.plan import Plan
 from ranks import assert_equals_unsplit, traced_tiny_transformer
 from tiny_transformer import loss_fn

@@ -40,7 +40,7 @@ from pipexplore.checkpoint import (enable_checkpointing, enable_recomputing, res
 from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
-from pipexplore.saved import SavedBytes
+from pipexplore.timeline.saved import SavedBytes
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
                                   worker_devices, worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream

@@ -7,7 +7,7 @@ start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run 
 stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
 lambdas and closures included); a traced model is split by torch's tracer in each rank, once per
 split of a model of its shape while the pool is warm (a rerun copies the rank's kept pipe, a new
-split splits the rank's kept export of the model: :mod:`pipexplore.models.traced_pipes`;
+split splits the rank's kept export of the model: :mod:`pipexplore.models.trace.pipes`;
 ``metrics['traced_ranks']`` counts the ranks that traced, ``metrics['exported_ranks']`` those of
 them that exported the model).
 Each rank builds its stage(s) with ``PipelineStage`` and runs
@@ -132,7 +132,7 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     if job.get("traced") is not None:
         # A traced model: every rank traces the same split and builds its own stages from it; a rank
         # of the warm pool keeps the pipe (traced_pipes), so a rerun of the split copies it instead.
-        from pipexplore.models import traced_pipes
+        from pipexplore.models.trace import pipes as traced_pipes
 
         traced = job["traced"]
         before, exported_before = traced_pipes.traces, traced_pipes.exports
@@ -245,11 +245,11 @@ def _load_schedule_csv(schedule: Any, text: str, format: str) -> None:
 def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
     """Trace here first, so that a model that cannot be traced, or whose later stages read the
     model's inputs themselves, fails fast and clearly, before any process starts. Once per split
-    of a model of this shape in the session (:func:`pipexplore.models.traced_pipes.traced_graph`:
+    of a model of this shape in the session (:func:`pipexplore.models.trace.pipes.traced_graph`:
     another split, other input shapes, or a model whose modules, parameters, buffers or config
     changed is traced anew; a split that failed is never kept); the ranks trace it anyway."""
-    from pipexplore.models.stage_inputs import inputs_past_first_stage
-    from pipexplore.models.traced_pipes import traced_graph
+    from pipexplore.models.trace.stage_inputs import inputs_past_first_stage
+    from pipexplore.models.trace.pipes import traced_graph
 
     late = inputs_past_first_stage(traced_graph(model, mb_args, points, mb_kwargs=mb_kwargs))
     if late:

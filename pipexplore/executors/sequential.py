@@ -31,7 +31,7 @@ from pipexplore.devices import as_device
 from pipexplore.executors._actions import PHASE, ActionExecutor, StageState, StepResult, check_options, plan_workers
 from pipexplore.gpipe import split_module, verify_balance, verify_module
 from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
-from pipexplore.saved import tensor_bytes
+from pipexplore.timeline.saved import tensor_bytes
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.skippable import verify_skippables

@@ -39,7 +39,7 @@ from pipexplore.devices import as_device
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
-from pipexplore.saved import tensor_bytes
+from pipexplore.timeline.saved import tensor_bytes
 from pipexplore.schedules import SCHEDULES, is_multi_stage
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
@@ -322,7 +322,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
 
     The model is split at the plan's candidate names (``plan.layer_table['name']``) by
     :func:`pipexplore.models.trace.split` on the plan's first micro-batch — once per split of a model of
-    this shape in the session (:func:`pipexplore.models.traced_pipes.traced_pipe`: a rerun gets a
+    this shape in the session (:func:`pipexplore.models.trace.pipes.traced_pipe`: a rerun gets a
     copy of the kept pipe with the model's weights as they are) — and the stages run in worker
     threads with the plan's schedule, devices and checkpointing (:class:`TracedExecutor`).
     ``sample`` is a tensor, a tuple of positional inputs or a dict of keyword inputs;
@@ -335,7 +335,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         result = run_traced_step(gpt2, {"input_ids": ids, "labels": ids}, plan, loss_fn=lambda out, _: out.loss)
         result.loss, result.timeline
     """
-    from pipexplore.models.traced_pipes import traced_pipe
+    from pipexplore.models.trace.pipes import traced_pipe
 
     if plan.executor == "autograd":
         raise ValueError(f"the autograd executor (the GPipe module) takes an nn.Sequential, not "

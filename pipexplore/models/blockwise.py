@@ -28,7 +28,7 @@ from pipexplore.models.meta import Call, capture, layout, rows_of, without_kv_ca
 from pipexplore.models.opcount import count_call
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
-from pipexplore.saved import SavedBytes
+from pipexplore.timeline.saved import SavedBytes
 
 __all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs"]
 

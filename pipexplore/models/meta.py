@@ -36,7 +36,7 @@ from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
                                        flop_counter, storage_key, storage_keys, tensor_bytes)
-from pipexplore.models.trace import candidate_modules
+from pipexplore.models.trace.candidates import candidate_modules
 
 __all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS"]
 

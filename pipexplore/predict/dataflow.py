@@ -10,7 +10,7 @@ as soon as its worker is free and its inputs are there::
 micro-batches, checkpointing, the executor's workers), not on any cost. :class:`ActionGraph` builds
 that graph once (its inputs wired by array lookups) and, when first timed, sorts its actions level
 by level (every input of a level sits in an earlier one; Kahn's order, in C where
-``pipexplore._sharing`` was built), so :meth:`ActionGraph.times` times a whole step with a few
+``pipexplore.predict._sharing`` was built), so :meth:`ActionGraph.times` times a whole step with a few
 array operations per level: a drag that moves a split re-times the same graph. Where the timed step does ask a device for more
 than all of it (stages sharing a host's cores or a GPU, at once), :func:`oversubscribed` says so,
 and the event loop of :func:`pipexplore.simulate` models the slowdown instead.
@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 try:  # the compiled longest path (built by setup.py); the array passes below where it was not
-    from pipexplore import _sharing
+    from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 
@@ -180,7 +180,7 @@ class ActionGraph:
         """Start and end of every action: ``seconds`` each takes, the time between the end of its
         first (second) input and when it may start (copies, hand-offs), and the ``gap`` a worker
         leaves between two of its actions. One pass of array operations per level, or (where
-        ``pipexplore._sharing`` was built and ``compiled``) one pass in C in the same level order:
+        ``pipexplore.predict._sharing`` was built and ``compiled``) one pass in C in the same level order:
         the same operations, the same times bit for bit."""
         n = len(self)
         order, after, first, second, levels = self._by_level
@@ -211,7 +211,7 @@ class ActionGraph:
 
 def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray, compiled: bool = True) -> np.ndarray:
     """Each action's level: one more than the highest of its inputs' (Kahn's order), in C where
-    ``pipexplore._sharing`` was built and ``compiled``, else in Python (the same levels: tests)."""
+    ``pipexplore.predict._sharing`` was built and ``compiled``, else in Python (the same levels: tests)."""
     none = len(after)
     if _sharing is not None and compiled:
         level = np.empty(none, dtype=np.int64)

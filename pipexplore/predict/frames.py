@@ -16,7 +16,7 @@ import pandas as pd
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, KINDS, RECOMPUTE, ActionGraph
 from pipexplore.predict.sharing import Records
 from pipexplore.schedules import PHASES
-from pipexplore.timeline import lexsort
+from pipexplore.timeline.metrics import lexsort
 
 __all__ = ["PHASE_NAMES", "KIND_PHASES", "graph_frame", "records_frame", "timeline_frame", "held_activations"]
 

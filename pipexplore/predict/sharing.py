@@ -6,7 +6,7 @@ the same rate, and ends when the device's clock has advanced by its seconds. The
 action when its worker is free and its inputs (plus the copy and the hand-off) have arrived,
 and emits each action, and each copy before a forward, as it ends (:class:`Records`).
 
-The loop is compiled (``pipexplore/_sharing.c``, built at install) and written here in Python
+The loop is compiled (``pipexplore/predict/_sharing.c``, built at install) and written here in Python
 (:func:`sharing_loop`): the reference the compiled one equals bit for bit (tests), and what runs
 where no compiler was found. :func:`pipexplore.predict.simulator.simulate` runs it only where
 some device can be asked for more than all of it (:func:`may_oversubscribe`); elsewhere the
@@ -23,7 +23,7 @@ import numpy as np
 from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, ActionGraph
 
 try:  # the compiled loop; the Python one runs where it was not built
-    from pipexplore import _sharing
+    from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 
@@ -62,7 +62,7 @@ def processor_sharing(graph: ActionGraph, costs: ActionCosts, gap: float, resour
     if not compiled:
         return sharing_loop(graph, costs, gap, resource)
     if _sharing is None:
-        raise RuntimeError("pipexplore._sharing (the compiled event loop) was not built with this install")
+        raise RuntimeError("pipexplore.predict._sharing (the compiled event loop) was not built with this install")
     n = len(graph)
     device, devices, lanes_at, lane_list = loop_layout(graph, resource)
     out_action = np.empty(2 * n, dtype=np.int64)

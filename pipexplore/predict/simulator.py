@@ -17,7 +17,7 @@ Where no device is ever asked for more than all of it at once (a device per stag
 leave the host free), the step is the longest path of the schedule's dependency graph, which is
 cached per shape and timed level by level (:mod:`pipexplore.predict.dataflow`); otherwise an event loop
 runs the processor sharing (:mod:`pipexplore.predict.sharing`). Both give the same timeline where
-both apply (tests). Both are compiled (``pipexplore/_sharing.c``, built at install) and also
+both apply (tests). Both are compiled (``pipexplore/predict/_sharing.c``, built at install) and also
 written in Python: the reference the compiled ones equal bit for bit (tests), and what runs where
 no compiler was found.
 
@@ -49,7 +49,7 @@ from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
 try:  # the compiled loops; where they were not built (or ``_sharing`` is set to None), the Python ones run
-    from pipexplore import _sharing
+    from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
     _sharing = None
 

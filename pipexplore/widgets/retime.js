@@ -132,7 +132,7 @@ function actionCosts(m, points) {
   return { seconds, share, copy, firstWait, secondWait };
 }
 
-// The processor-sharing loop (pipexplore/_sharing.c's run): rows in the order it emits them.
+// The processor-sharing loop (pipexplore/predict/_sharing.c's run): rows in the order it emits them.
 function shareLoop(m, c) {
   const n = m.actions, Q = m.queue_len.length, S = m.stages, free = m.free, gap = m.gap;
   const { first, second, stage, kind, lanes_at: lanesAt, lanes } = m;

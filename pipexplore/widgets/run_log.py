@@ -359,8 +359,8 @@ class RunLog:
     def sweep(self: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
               schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
         """Predict every combination (each with its balanced split), ranked by predicted step time;
-        with ``measure=k`` the top ``k`` rows are also run (see :func:`pipexplore.sweep.sweep`)."""
-        from pipexplore.sweep import sweep
+        with ``measure=k`` the top ``k`` rows are also run (see :func:`pipexplore.predict.sweep.sweep`)."""
+        from pipexplore.predict.sweep import sweep
 
         plan, more_gpus = self._what_if(schedules)
         table = sweep(plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,

@@ -36,7 +36,7 @@ from pipexplore.plan import CODE_KINDS, EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
-from pipexplore.models import traced_costs
+from pipexplore.models.trace import costs as traced_costs
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets import layer_table as layers
 from pipexplore.widgets.header import parse_bytes, plan_figures
@@ -67,7 +67,7 @@ class ExplorerState(RunLog):
     Every argument is checked on entry (a ``ValueError``/``TypeError`` naming it), before anything
     is profiled; then the layers are profiled (unless a ``layer_table`` is given) and the plan is
     balanced by time where no ``splits`` are given. A traced model is profiled as the stages its runs
-    execute (:mod:`pipexplore.models.traced_costs`: one more trace); ``profile_stages=False`` times its
+    execute (:mod:`pipexplore.models.trace.costs`: one more trace); ``profile_stages=False`` times its
     modules only, sooner (a 6-block GPT-2 on 2 CPU cores: ~0.8 s, not ~3 s), its first prediction shorter.
 
     Example::

@@ -19,7 +19,7 @@ import pandas as pd
 import traitlets
 
 from pipexplore.devices import is_planned, node_of
-from pipexplore.timeline import lexsort
+from pipexplore.timeline.metrics import lexsort
 
 __all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
            "lane_labels", "retime_panel"]

@@ -22,12 +22,12 @@ kept pipes.
 A split at other points of a model of a kept shape is not exported again either: the first split
 exports the model with a marker at every module a stage may begin at, and that export is kept
 (its weights on the meta device; :data:`KEPT_EXPORTS`); a new split removes the other markers and
-runs torch's splitter on the kept graph (:mod:`pipexplore.models.marked_export`; :data:`exports`
+runs torch's splitter on the kept graph (:mod:`pipexplore.models.trace.markers`; :data:`exports`
 counts the exports). A drag of a split handle then costs the splitter, not torch.export: a
 tiny GPT-2's new split 0.41 s against 0.88 s, GPT-2 small's 2.0 s against 3.1 s
 (``benchmarks/traced_rerun.py --new-split``). Where the markers cannot all go (one inside a region
 export keeps apart), the split is traced at its own points, as :func:`~pipexplore.models.trace.split` does.
-The profile of a traced model's stages splits it here too (:func:`pipexplore.models.traced_costs.
+The profile of a traced model's stages splits it here too (:func:`pipexplore.models.trace.costs.
 traced_extra`), so an explorer's first run splits the export its profile made (a tiny GPT-2's
 first run after ``explore()``: 1.1–1.2 s against 1.8–1.9 s).
 
@@ -47,6 +47,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pipexplore.models.trace.candidates import TraceError
+from pipexplore.models.trace.markers import MarkersMoved, marks_for
+from pipexplore.models.trace.split import split_marked
+
 #: How many splits are kept (the least recently used leaves first).
 KEPT_SPLITS = 8
 
@@ -56,7 +60,7 @@ _kept: "collections.OrderedDict[tuple[Any, ...], tuple[Any, list[tuple[torch.Ten
 #: How many models' exports are kept, each serving every split of its model (the least recently used leaves first).
 KEPT_EXPORTS = 2
 #: split_key without its points → the model's export marked for every split (weights on meta):
-#: :class:`~pipexplore.models.marked_export.MarkedExport`
+#: :class:`~pipexplore.models.trace.markers.MarkedExport`
 _exports: "collections.OrderedDict[tuple[Any, ...], Any]" = collections.OrderedDict()
 #: Runs in the background (the explorer's) and in the foreground may look splits up at once.
 _lock = threading.Lock()
@@ -168,8 +172,6 @@ def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_
     pipe's skeleton. Returns (the pipe, holding the model's tensors or copies of them as
     :func:`traced_pipe` says, its skeleton)."""
     global traces, exports
-    from pipexplore.models.marked_export import MarkersMoved, marks_for
-    from pipexplore.models.trace import TraceError, split_marked
 
     base = key[1:]  # the split key without its points: what the export depends on
     with _lock:

@@ -38,8 +38,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
-__all__ = ["CsvSchedule", "FORMATS", "COMPUTE", "COMMS", "load_csv", "parse_csv_text", "to_csv_text", "write_csv",
-           "is_csv_path"]
+__all__ = [
+    "CsvSchedule", "FORMATS", "COMPUTE", "COMMS", "load_csv", "parse_csv_text", "to_csv_text", "write_csv",
+    "is_csv_path"
+]
 
 #: The formats torch reads (``compute_only``: compute actions and idle cells; ``compute_comms``:
 #: every action written out); ``auto`` reads ``compute_comms`` where a cell holds a communication action.

@@ -11,7 +11,7 @@ markers removed, handed to torch's splitter (``Pipe.from_tracing``) in place of 
 inputs or outputs, recorded where forward made it), so the stages are what an export marked at
 the split points alone would give.
 
-:func:`pipexplore.models.traced_pipes.traced_pipe` keeps one per model shape and micro-batch
+:func:`pipexplore.models.trace.pipes.traced_pipe` keeps one per model shape and micro-batch
 shape, its weights on the meta device (no memory: :meth:`MarkedExport.detached`); the pipe of a
 split made from it takes the model's tensors as a kept split's does.
 
@@ -30,6 +30,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import fx, nn
+
+from pipexplore.models.trace.candidates import GRANULARITIES, candidate_modules
 
 __all__ = ["MarkedExport", "MarkersMoved", "marks_for", "mark_beginnings", "keep_markers", "exporting"]
 
@@ -97,7 +99,6 @@ class MarkedExport:
 def marks_for(model: nn.Module, points: Sequence[str]) -> list[str]:
     """Where an export that serves every split marks: ``points`` and the candidate modules of both
     granularities (:func:`~pipexplore.models.trace.candidate_modules`)."""
-    from pipexplore.models.trace import GRANULARITIES, candidate_modules
 
     found = dict.fromkeys(points)
     for granularity in GRANULARITIES:

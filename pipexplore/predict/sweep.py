@@ -1,15 +1,17 @@
-"""What-if sweeps: predict every combination of stages, chunks, schedules and checkpoint modes."""
+"""What-if sweeps: predict every combination of stages, chunks, schedules and checkpoint modes.
+
+This module imports no plan: ``plan`` is any object with :class:`pipexplore.plan.Plan`'s methods.
+"""
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
-from pipexplore.plan import Plan
 from pipexplore.predict.costs import layer_times
 from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
 from pipexplore.splits import first_runnable_layer
@@ -21,7 +23,7 @@ SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint",
                  "bubble", "throughput", "peak_memory", "peak_memory_per_stage"]
 
 
-def balanced_splits(plan: Plan, stages: int) -> list[int]:
+def balanced_splits(plan: Any, stages: int) -> list[int]:
     """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
     per-layer costs at its micro-batch size (forward + backward, and recompute where its runs
     recompute: :func:`pipexplore.predict.costs.layer_times`), among those its executor can run
@@ -30,7 +32,7 @@ def balanced_splits(plan: Plan, stages: int) -> list[int]:
     return optimal_splits(layer_times(plan).tolist(), stages, first=first)
 
 
-def sweep(plan: Plan, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
+def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
           checkpoint: Sequence[str] = (), devices_for: Optional[Callable[[int], Sequence[str]]] = None) -> pd.DataFrame:
     """Predict every combination, each with its balanced split, ranked by predicted step time.
 

@@ -1,15 +1,11 @@
-"""Devices by name: ``as_device`` checks one, ``stage_devices`` picks them for a plan's stages, and
-devices the user may not have, planned from the catalogue (:mod:`pipexplore.catalogue`:
-``DeviceSpec``, memory, bandwidths, peak FLOP/s, links; re-exported here): ``"H100"`` names a
-planned device, ``"H100:3"`` the fourth GPU of a planned cluster, and the links between them.
-
-Part of the vocabulary every layer shares; it imports only :mod:`pipexplore.validate` and the catalogue.
+"""Devices by name: ``as_device`` checks one of this machine, ``stage_devices`` picks them for a plan's
+stages, and devices the user may not have are planned from the catalogue: ``"H100"`` names a planned
+device, ``"H100:3"`` the fourth GPU of a planned cluster (:func:`planned_devices` numbers them, node by node).
 
 Example::
 
     spec = device_spec("H100")                     # the catalogue's H100 SXM 80GB
     devices = planned_devices(["H100"] * 16, gpus_per_node=8)   # ('H100:0', …, 'H100:15')
-    link_seconds_per_byte("H100:7", "H100:8", 8)   # across nodes: 1 / 50e9 (InfiniBand NDR)
     register_device(DeviceSpec("MyGPU", 24 * GiB, 1e12, {"float32": 40e12, "bfloat16": 160e12}))
 """
 from __future__ import annotations
@@ -18,16 +14,14 @@ import functools
 import math
 import re
 from typing import Any, Optional, Sequence, Union
-
 import torch
-
 from pipexplore import validate
-from pipexplore.catalogue import ALIASES, CATALOGUE, DeviceSpec, GiB, dtype_name  # noqa: F401 (re-exported)
+from pipexplore.devices.catalogue import ALIASES, CATALOGUE, DeviceSpec
 
-__all__ = ["Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
-           "ALIASES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
-           "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices",
-           "catalogue_kind", "device_kind"]
+__all__ = [
+    "Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "device_spec", "register_device",
+    "is_planned", "planned_devices", "node_of", "present_device", "chosen_devices", "catalogue_kind", "device_kind"
+]
 
 Device = Union[torch.device, int, str]
 
@@ -220,44 +214,6 @@ def node_of(device: Device, gpus_per_node: int = 8) -> int:
     if not is_planned(device):
         return 0
     return _index(str(device)) // per_node
-
-
-def _pair(a: str, b: str, gpus_per_node: int) -> tuple[bool, bool, DeviceSpec, DeviceSpec]:
-    """Whether ``a`` and ``b`` are the same device, the same node, and their specs."""
-    for device in (a, b):
-        if not is_planned(device):
-            raise ValueError(f"{device!r} is not a planned device: link costs are for catalogue devices "
-                             "('H100:0'); devices of this machine are measured, not planned")
-    x, y = device_spec(a), device_spec(b)
-    if a.strip() == b.strip() or (x.name == y.name and _index(a) == _index(b)):
-        return True, True, x, y
-    return False, node_of(a, gpus_per_node) == node_of(b, gpus_per_node), x, y
-
-
-def link_seconds_per_byte(a: str, b: str, gpus_per_node: int = 8) -> float:
-    """Seconds per byte sent from planned device ``a`` to ``b``: 0 on the same device,
-    ``1 / intra_node_bandwidth`` on the same node (NVLink, xGMI or PCIe; the slower of the two
-    ends), ``1 / inter_node_bandwidth`` across nodes (the GPU's share of InfiniBand/RoCE)."""
-    same, same_node, x, y = _pair(a, b, gpus_per_node)
-    if same:
-        return 0.0
-    if same_node:
-        return 1.0 / min(x.intra_node_bandwidth, y.intra_node_bandwidth)
-    return 1.0 / min(x.inter_node_bandwidth, y.inter_node_bandwidth)
-
-
-def link_latency(a: str, b: str, gpus_per_node: int = 8) -> float:
-    """Seconds per message from planned device ``a`` to ``b`` beyond its bytes: 0 on the same
-    device, the spec's ``intra_node_latency`` (~3 µs: a peer-to-peer send's setup over NVLink) on
-    the same node, its ``inter_node_latency`` (~8 µs: RDMA plus the send/receive's handshake)
-    across nodes; the larger of the two ends'."""
-    same, same_node, x, y = _pair(a, b, gpus_per_node)
-    if same:
-        return 0.0
-    if same_node:
-        return max(x.intra_node_latency, y.intra_node_latency)
-    return max(x.inter_node_latency, y.inter_node_latency)
-
 
 def device_memory(device: Device) -> float:
     """Bytes of memory a stage's device holds: a planned device's from the catalogue, a CUDA
