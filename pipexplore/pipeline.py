@@ -12,7 +12,7 @@ from typing import Callable, ContextManager, Generator, Iterable, Optional, Sequ
 import torch
 from torch import Tensor, nn
 
-from pipexplore import timeline as _timeline
+from pipexplore.timeline import recorder as _recording
 from pipexplore.cancel import check_cancelled
 from pipexplore.checkpoint import Checkpointing, RNGGuard, is_recomputing
 from pipexplore.copy import Copy, Wait
@@ -60,17 +60,17 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
 
 
 @contextmanager
-def _stream_span(recorder: "_timeline.Recorder", stage: int, device: torch.device, microbatch: int, phase: str,
+def _stream_span(recorder: "_recording.Recorder", stage: int, device: torch.device, microbatch: int, phase: str,
                  stream: AbstractStream) -> Generator[None, None, None]:
     with use_stream(stream), recorder.span(stage, device, microbatch, phase):
         yield
 
 
-def _open(recorder: "_timeline.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
+def _open(recorder: "_recording.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
     return lambda: recorder.open_backward(stage, microbatch, device)
 
 
-def _close(recorder: "_timeline.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
+def _close(recorder: "_recording.Recorder", stage: int, microbatch: int, device: torch.device) -> Callable[[], None]:
     return lambda: recorder.close_backward(stage, microbatch, device)
 
 
@@ -94,7 +94,7 @@ class Pipeline:
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
         self.rng_locks = list(rng_locks) if rng_locks is not None else [None] * len(partitions)
-        self.recorder = _timeline.active_recorder()
+        self.recorder = _recording.active_recorder()
 
     def run(self) -> None:
         """Run every (micro-batch, partition) task in the clock order's dependencies, but each as
@@ -255,7 +255,7 @@ class Pipeline:
             closes = None if recorder is None else _close(recorder, j, i, self.devices[j])
             wait(batch, self.copy_streams[j][i], streams[j], closes)
         elif recorder is not None:
-            batch[0] = _timeline.mark_backward_end(recorder, batch[0], j, i)
+            batch[0] = _recording.mark_backward_end(recorder, batch[0], j, i)
         task = self._task(batch, i, j, streams[j], skip_tracker)
         task.key = (i, j)
         task.then = self._then
@@ -270,7 +270,7 @@ class Pipeline:
             opens = None if recorder is None else _open(recorder, j, i, self.devices[j])
             wait(batch, streams[j], self.copy_streams[j][i], opens)
         elif recorder is not None:
-            batch[0] = _timeline.mark_backward_start(recorder, batch[0], j, i)
+            batch[0] = _recording.mark_backward_start(recorder, batch[0], j, i)
         # Joined last, the recomputation runs first in backward, overlapping the gradient's copy.
         with use_device(self.devices[j]):
             task.finalize(batch)

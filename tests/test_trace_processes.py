@@ -8,6 +8,7 @@ import pytest
 
 from pipexplore.export.torchrun import torchrun_script
 from pipexplore.models import trace
+from pipexplore.models.trace import pipes as traced_pipes
 from pipexplore.executors.distributed import run_processes
 from pipexplore.plan import Plan
 from ranks import assert_equals_unsplit
@@ -48,7 +49,6 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     once per split of a model of this shape in the session (the pipes traced are kept:
     ``traced_pipes``): another split, other input shapes or a changed model is traced again. Each
     rank of the warm pool keeps its pipes the same way."""
-    import pipexplore.models.trace as tracing
     from pipexplore.models.trace.pipes import forget_traced
 
     forget_traced()  # (the module's tests before this one traced this split)
@@ -56,13 +56,13 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     tokens, target = get_batch()
     table = trace.candidates(copy.deepcopy(model), (tokens,), repeats=1)
     traced_here = []
-    original = tracing.split_marked
+    original = traced_pipes.split_marked
 
     def counting(*args, **kwargs):
         traced_here.append(kwargs.get("mb_kwargs"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tracing, "split_marked", counting)
+    monkeypatch.setattr(traced_pipes, "split_marked", counting)
     plan = Plan(table, (3,), ("cpu", "cpu"), chunks=4, schedule="gpipe", executor="processes")
     run = lambda p, x=tokens, y=target: run_processes(model, x, p, target=y, loss_fn=loss_fn, warmup=0)  # noqa: E731
     first = run(plan)

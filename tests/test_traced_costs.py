@@ -42,14 +42,14 @@ def stage_clock(monkeypatch):
 def one_ms_candidates(monkeypatch):
     """trace.candidates giving 1 ms forward and backward for every candidate (the hooks' timing
     left out: what the profile adds to it is what these tests check)."""
-    real = trace.candidates
+    real = traced_costs.candidates
 
     def candidates(model, sample, **options):
         table = real(model, sample, **{**options, "repeats": 1, "warmup": 0})
         table["forward"] = table["backward"] = 1e-3
         return table
 
-    monkeypatch.setattr(trace, "candidates", candidates)
+    monkeypatch.setattr(traced_costs, "candidates", candidates)
 
 
 def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage_clock):
@@ -67,8 +67,8 @@ def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(sta
                                                                               monkeypatch):
     traced = []
     traced_pipes.forget_traced()
-    real = trace.split_marked
-    monkeypatch.setattr(trace, "split_marked", lambda model, mb_args, points, **o: traced.append(mb_args) or real(
+    real = traced_pipes.split_marked
+    monkeypatch.setattr(traced_pipes, "split_marked", lambda model, mb_args, points, **o: traced.append(mb_args) or real(
         model, mb_args, points, **o))
     tokens, target = get_batch()
     table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
@@ -91,13 +91,13 @@ def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(sta
 
 def test_a_model_shape_is_traced_once_a_session(monkeypatch):
     calls = []
-    real = trace.split_marked
+    real = traced_pipes.split_marked
 
     def counting(model, mb_args, split_points, **options):
         calls.append(tuple(split_points))
         return real(model, mb_args, split_points, **options)
 
-    monkeypatch.setattr(trace, "split_marked", counting)
+    monkeypatch.setattr(traced_pipes, "split_marked", counting)
     traced_pipes.forget_traced()
     tokens, _ = get_batch()
     first = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)

@@ -22,13 +22,13 @@ def traces(monkeypatch):
     export: a split of a kept export is a split traced, without exporting the model again)."""
     traced_pipes.forget_traced()
     calls: list[list[str]] = []
-    original = tracing.split_marked
+    original = traced_pipes.split_marked
 
     def counting(model, mb_args, split_points, **kwargs):
         calls.append(list(split_points))
         return original(model, mb_args, split_points, **kwargs)
 
-    monkeypatch.setattr(tracing, "split_marked", counting)
+    monkeypatch.setattr(traced_pipes, "split_marked", counting)
     yield calls
     traced_pipes.forget_traced()
 

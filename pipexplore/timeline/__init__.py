@@ -1,7 +1,7 @@
 """Timelines: what a pipeline did, one row per event, as a DataFrame; metrics and Chrome traces from it.
 
 The same schema (:mod:`~pipexplore.timeline.schema`) whatever made the timeline: CUDA events or the
-host clock (:mod:`~pipexplore.timeline.record`), other processes, the simulator. Every view and
+host clock (:mod:`~pipexplore.timeline.recorder`), other processes, the simulator. Every view and
 metric (:mod:`~pipexplore.timeline.metrics`) works on all of them; :func:`to_chrome_trace` writes one
 for Perfetto.
 
@@ -21,7 +21,7 @@ from pipexplore.timeline.metrics import (
                                          step_time,
                                          throughput,
 )
-from pipexplore.timeline.record import (
+from pipexplore.timeline.recorder import (
                                          ActionCounter,
                                          Recorder,
                                          active_recorder,

@@ -19,7 +19,10 @@ import torch
 
 from pipexplore.timeline.schema import COLUMNS, COMPUTE_PHASES, empty_timeline
 
-__all__ = ["Recorder", "record", "active_recorder", "thread_in_this_context", "ActionCounter", "counting_actions"]
+__all__ = [
+    "Recorder", "record", "active_recorder", "thread_in_this_context", "ActionCounter", "counting_actions",
+    "mark_backward_start", "mark_backward_end",
+]
 
 Mark = Union[int, "torch.cuda.Event"]
 
