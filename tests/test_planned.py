@@ -195,11 +195,13 @@ def test_a_layer_whose_flops_cannot_be_counted_is_named_and_timed_as_a_lower_bou
 @pytest.mark.timing  # learns from timings: run apart from the parallel workers
 def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkeypatch):
     """A planned kind that this machine has (here: a spec of this CPU, found as present) times the
-    model's blocks on it, one at a time, and learns the efficiency the catalogue's defaults guess."""
+    model's blocks on it, one at a time, and learns the efficiency that reproduces them. The spec
+    is 100× faster than any 2-core CPU, so the catalogue's guess is far off by construction, never
+    right by chance; what is learnt is held against the very timings it was learnt from."""
     import pipexplore.devices as devices
     from pipexplore.devices import DeviceSpec, register_device
 
-    register_device(DeviceSpec("ThisCPU", memory_bytes=2**34, memory_bandwidth=2e10, peak_flops={"float32": 1e11},
+    register_device(DeviceSpec("ThisCPU", memory_bytes=2**34, memory_bandwidth=2e12, peak_flops={"float32": 1e13},
                                kernel_overhead=5e-6), replace=True)
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
@@ -227,14 +229,58 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     took = at_microbatch(measured)
     ratio = float((at_microbatch(planned) / took).median())
     guess = float((at_microbatch(guessed) / took).median())
-    assert 0.67 < ratio < 1.5, (at_microbatch(planned).tolist(), took.tolist(), state.all_notes())  # near the blocks
-    assert abs(math.log(ratio)) < abs(math.log(guess))  # and nearer than the catalogue's guess for this spec
+    assert guess < 0.2  # the made-up spec's guess: far too fast
+    assert 0.87 < ratio < 1.15, (at_microbatch(planned).tolist(), took.tolist(), state.all_notes())  # the blocks
     # An optimizer step over the largest block, made real here, taught the bandwidth a step reaches:
     # every trained layer's update scales by it alike (the counted bytes stay).
     assert re.search(r"an optimizer step \d+% of it", learnt[0]), learnt[0]
     trained = planned["grad_bytes"] > 0
     scale = (planned["optimizer"] / guessed["optimizer"])[trained]
     assert scale.round(9).nunique() == 1 and (planned["optimizer"][~trained] == 0).all()
+
+
+def test_the_roofline_learns_from_the_blocks_as_timed_not_from_the_loss_after_the_last(monkeypatch):
+    """The blocks are timed alone; the last layer's kind also counts the loss run after its block.
+    Blocks that take exactly what a known efficiency gives their own operators teach that
+    efficiency back: every block is planned at its timed seconds, the loss is not taken as part
+    of what was timed (it was: the plan came out 7–14 % short of the blocks it learnt from)."""
+    import pipexplore.devices as devices
+    import pipexplore.models.blockwise as blockwise
+    from pipexplore.devices import DeviceSpec, register_device
+    from pipexplore.models.meta import count_layers
+    from pipexplore.predict.roofline import Efficiency, op_seconds
+
+    spec = register_device(DeviceSpec("ExactCPU", memory_bytes=2**34, memory_bandwidth=2e10,
+                                      peak_flops={"float32": 1e11}, kernel_overhead=5e-6), replace=True)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
+        sample = torch.empty(64, 256)
+    counted = count_layers(model, sample, microbatch_rows=32)
+    ops = counted.attrs["ops"]
+    assert ops["outside"].any() and not ops["outside"].all()  # the loss, after the last block
+    assert set(ops.loc[ops["outside"], "kind"]) == {counted["kind"].iloc[-1]}
+    truth = Efficiency(flops=0.4, bandwidth=0.5)
+    block = ops[~ops["outside"]]
+    seconds = op_seconds(block, spec, 32, efficiency=truth)
+    per_kind = block.assign(s=seconds).groupby(["kind", "phase"])["s"].sum()
+
+    def timed_alone(model, sample, **options):  # each block exactly the truth's seconds, nothing outside
+        kinds = counted["kind"].to_numpy()
+        table = counted[["name", "kind"]].copy()
+        for phase in ("forward", "backward"):
+            table[f"{phase}_a"] = [per_kind[(kind, phase)] for kind in kinds]
+            table[f"{phase}_b"] = 0.0
+        return table
+
+    monkeypatch.setattr(devices, "present_device", lambda spec: torch.device("cpu"))
+    monkeypatch.setattr(blockwise, "profile_blockwise", timed_alone)
+    monkeypatch.setattr(blockwise, "materialise", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("no")))
+    planned = ExplorerState(model, sample, devices=["ExactCPU"] * 2, chunks=2).layer_table
+    for phase in ("forward", "backward"):
+        at = planned[f"{phase}_a"] + 32 * planned[f"{phase}_b"]
+        want = [per_kind[(kind, phase)] for kind in counted["kind"]]
+        assert at.iloc[:-1].tolist() == pytest.approx(want[:-1], rel=1e-6)  # every block as it was timed
+        assert at.iloc[-1] > want[-1]  # the last with its loss on top
 
 
 def test_an_optimizer_step_that_does_not_fit_the_present_device_leaves_the_documented_fraction(monkeypatch):

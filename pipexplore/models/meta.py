@@ -308,7 +308,8 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     ``phase`` (``forward``/``backward``), ``op``, ``dtype``, ``flops``, ``fixed_bytes`` (parameter
     reads and parameter-gradient writes: they do not scale with rows), ``row_bytes`` (other bytes
     read and written: they do), ``grad`` (backward kernels: ``input`` when an input's gradient needs
-    it, ``weight`` when only parameters' gradients do), counted at ``ops.attrs["rows"]`` rows.
+    it, ``weight`` when only parameters' gradients do), ``outside`` (run outside the block, by the model
+    around it: a mask, the loss; a timing of the block alone has none of these), counted at ``ops.attrs["rows"]`` rows.
     """
     batch = sample_rows(sample)
     rows = batch if microbatch_rows is None else int(microbatch_rows)
@@ -357,7 +358,8 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         records = count.records * calls + extra
         if kind not in done:
             done.add(kind)
-            ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}} for r in records]
+            ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": n >= len(records) - len(extra)}
+                    for n, r in enumerate(records)]
         uncounted = sorted({r["op"] for r in records if r["uncounted"]})
         if uncounted:
             notes.append(f"{name} ({type(module).__name__}): no FLOP formula for {', '.join(uncounted)}: its FLOPs "
@@ -379,7 +381,7 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     if reads:
         notes.append(f"{reads} value(s) read from meta tensors (a Python branch on a tensor, .item()) were taken as "
                      "True/1: data-dependent paths may differ from a real run")
-    frame = pd.DataFrame(ops, columns=OP_COLUMNS)
+    frame = pd.DataFrame(ops, columns=[*OP_COLUMNS, "outside"]).astype({"outside": bool})
     frame.attrs["rows"] = rows
     out = pd.DataFrame(table, columns=COUNT_COLUMNS)
     out.attrs.update(batch=batch, rows=(rows,), source="counted", ops=frame, notes=notes, granularity=granularity)
