@@ -37,6 +37,7 @@ def unload_ipython_extension(ipython) -> None:  # type: ignore[no-untyped-def]
 
     unload(ipython)
 
+
 __all__ = [
     "GPipe", "BalanceError", "SplitError", "is_checkpointing", "is_recomputing",
     "record", "profile", "backward_split", "simulate", "balance", "timeline", "balance_to_splits", "splits_to_balance",

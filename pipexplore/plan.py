@@ -289,14 +289,6 @@ class Plan:
     def with_splits(self, splits: Sequence[int]) -> "Plan":
         return replace(self, splits=tuple(splits))
 
-    def with_balance(self, balance: Sequence[int]) -> "Plan":
-        from pipexplore.splits import balance_to_splits
-
-        if sum(balance) != self.num_layers:
-            raise SplitError(f"balance {list(balance)} sums to {sum(balance)} "
-                             f"but the model has {self.num_layers} layers")
-        return self.with_splits(balance_to_splits(balance))
-
     def with_options(self, **changes: object) -> "Plan":
         return replace(self, **changes)  # type: ignore[arg-type]
 

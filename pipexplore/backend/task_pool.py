@@ -120,10 +120,6 @@ class TaskPool:
         with self._lock:
             self._closed = None
 
-    @property
-    def pending_rows(self) -> int:
-        return self._rows
-
     def oldest_submitted(self) -> Optional[float]:
         """When the oldest pending task came in (``perf_counter`` seconds), or None."""
         with self._lock:

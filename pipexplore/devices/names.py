@@ -215,6 +215,7 @@ def node_of(device: Device, gpus_per_node: int = 8) -> int:
         return 0
     return _index(str(device)) // per_node
 
+
 def device_memory(device: Device) -> float:
     """Bytes of memory a stage's device holds: a planned device's from the catalogue, a CUDA
     device's total; NaN for the CPU (what it may use is the host's, shared by every stage) and for

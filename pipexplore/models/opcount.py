@@ -321,9 +321,6 @@ class Count:
     def uncounted(self) -> list[str]:
         return sorted({r["op"] for r in self.records if r["uncounted"]})
 
-    def frame_rows(self, kind: str) -> list[dict[str, Any]]:
-        return [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}} for r in self.records]
-
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (any pytree), each storage once."""

@@ -140,10 +140,6 @@ class CsvSchedule:
             raise ValueError(refusal)
         return self
 
-    def to_text(self) -> str:
-        """The compute actions in torch's ``compute_only`` format (no idle cells)."""
-        return to_csv_text(self.actions)
-
 
 def load_csv(path: Union[str, "os.PathLike[str]"], format: str = "compute_only") -> CsvSchedule:
     """Read and check a schedule in torch's CSV format (see the module docstring).

@@ -27,5 +27,7 @@ COLUMNS = ["run", "stage", "device", "microbatch", "phase", "start", "end", "sou
 #: A stage's work (busy time, the bubble, actions counted); not copies, sends, receives.
 COMPUTE_PHASES = ("forward", "backward", "recompute", "input_grad", "weight_grad", "optimizer")
 OPTIMIZER_MICROBATCH = -1  # an ``optimizer`` event's micro-batch: it belongs to none
+
+
 def empty_timeline() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype="float64" if c in ("start", "end") else "object") for c in COLUMNS})

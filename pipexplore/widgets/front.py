@@ -34,6 +34,7 @@ class FrontChart(anywidget.AnyWidget):
     svg = traitlets.Unicode("").tag(sync=True)
     picked = traitlets.Int(-1).tag(sync=True)
 
+
 _W, _H, _LEFT, _BOTTOM, _TOP, _RIGHT = 640, 360, 70, 44, 16, 16
 
 

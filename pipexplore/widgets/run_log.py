@@ -41,7 +41,6 @@ def run_summary(row: dict[str, Any]) -> str:
     return text
 
 
-
 def refuse_planned(plan: Plan) -> None:
     """Refuse to run a plan for planned devices, saying why and what to do instead.
 
@@ -53,6 +52,7 @@ def refuse_planned(plan: Plan) -> None:
         raise RuntimeError(f"this plan is for planned devices ({devices[0]} … {devices[-1]}, {len(set(devices))} "
                            f"on {plan.nodes} node{'s' if plan.nodes > 1 else ''}), which are not on this machine: "
                            "export it (ex.export('torchrun')) and run it there under torchrun")
+
 
 class RunLog:
     """Runs of the current plan, and what is read from them (a part of ``ExplorerState``)."""

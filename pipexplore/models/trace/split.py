@@ -32,6 +32,7 @@ SCHEDULE_CLASSES = dict(TORCH_CLASSES)
 MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
                "ScheduleLoopedBFS", "ScheduleDualPipeV", "_PipelineScheduleRuntime"}
 
+
 def split(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
           mb_kwargs: Optional[dict[str, Any]] = None) -> Any:
     """Split ``model`` into pipeline stages with torch's tracer, each stage beginning at a split point.
@@ -73,7 +74,6 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     as an autocast block), or ``exported`` has no marker at a split point: split without it then.
     """
     from torch.distributed.pipelining import pipeline
-
 
     args, kwargs = call_inputs(mb_args)
     kwargs.update(mb_kwargs or {})
