@@ -1,7 +1,7 @@
 """The package's layers: each module imports only its own layer and the layers above it, no import
 closes a circle, and no module grows past 500 lines.
 
-The layers, top to bottom (see README.md, "The package's layers")::
+The layers, top to bottom (see docs/architecture.md)::
 
     vocabulary  splits validate cancel background host timeline/ schedules/ devices/
     engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/ loss
@@ -54,7 +54,7 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else ""
     if top not in LAYER_OF:
-        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in tests/test_layers.py and README.md")
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in tests/test_layers.py and docs/architecture.md")
     return LAYER_OF[top]
 
 
