@@ -15,13 +15,16 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 from torch import nn
 
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 from pipexplore.widgets.run_log import RUN_COLUMNS
 from pipexplore.widgets.state import UPDATABLE, ExplorerState
 from pipexplore.widgets.view import ExplorerView
 
 __all__ = ["Explorer", "explore", "RUN_COLUMNS", "UPDATABLE"]
+
+#: What :meth:`Explorer.to_plotly` draws.
+PLOTLY_KINDS = ("timelines", "memory", "residuals")
 
 #: Which panel of the view holds each widget the explorer exposes (``explorer.w_run``, ``explorer.bar``, …).
 PANEL_OF = {
@@ -291,6 +294,40 @@ class Explorer:
             explorer.to_html("report.html")
         """
         return self.view.write_report(path)
+
+    def to_plotly(self, what: str = "timelines") -> Any:
+        """A plotly ``Figure`` of what the page draws, for a notebook or dashboard of your own
+        (:mod:`pipexplore.widgets.figures`): ``'timelines'``, the current plan's prediction above the
+        latest run's measured step (before a run: the prediction only); ``'memory'``, the activation
+        memory each stage holds (with the latest run's where it measured it, and the memory cap);
+        ``'residuals'``, each action of the latest run against its prediction (a ``ValueError``
+        before a run). Needs plotly (``pip install 'pipexplore[plotly]'``): an ``ImportError`` says so.
+
+        Example::
+
+            explorer.to_plotly("memory").show()
+        """
+        if what not in PLOTLY_KINDS:
+            raise ValueError(f"to_plotly draws 'timelines', 'memory' or 'residuals', not {what!r}")
+        from pipexplore.widgets import figures
+
+        figures.require_plotly()
+        predicted = self.timeline("predicted")
+        measured: Optional[pd.DataFrame] = None
+        missing = ""
+        try:
+            measured = self.timeline("measured")
+        except LookupError as exc:  # no run yet, or no timeline kept
+            missing = str(exc)
+        run = f"run {measured['run'].iloc[0]}" if measured is not None and len(measured) else "run"
+        if what == "timelines":
+            return figures.timelines_figure(predicted, measured, samples=batch_size(self.sample),
+                                            names=("predicted", f"measured, {run}"))
+        if what == "memory":
+            return figures.memory_figure(predicted, measured, cap=self.memory_cap)
+        if measured is None:
+            raise ValueError(f"to_plotly('residuals') compares a run with its prediction: {missing}")
+        return figures.residuals_figure(self.residuals(), title=run)
 
     def close(self) -> None:
         """Stop a background run (:meth:`cancel`) and close the page's widgets. ipywidgets keeps

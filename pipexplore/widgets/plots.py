@@ -10,7 +10,7 @@ from pipexplore import timeline as tl
 from pipexplore.widgets import timeline_canvas as canvas
 
 __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "TimelineView", "Scene", "timeline_figure",
-           "summary", "lanes", "memory_scale"]
+           "summary", "lanes", "memory_scale", "held_memory"]
 
 PHASE_COLORS = {
     "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
@@ -51,6 +51,20 @@ def lanes(frame: Optional[pd.DataFrame]) -> list[str]:
     if frame is None or frame.empty:
         return []
     return canvas.lane_labels(canvas.lane_of(frame)[0])
+
+
+def held_memory(frame: pd.DataFrame) -> pd.DataFrame:
+    """``stage, time, bytes``: the activation memory of ``frame``'s rows that say it (its ``memory``
+    column), time in seconds from the step's start, by stage then time (what the memory panel draws).
+
+    Example::
+
+        held_memory(plan.predicted).groupby("stage")["bytes"].max()    # each stage's predicted peak
+    """
+    said = frame["memory"].notna()
+    memory = tl.activation_memory(frame if said.all() else frame[said])
+    memory["time"] -= frame["start"].min()  # from the step's start
+    return memory
 
 
 def memory_scale(peak_bytes: float) -> tuple[float, str]:
@@ -218,10 +232,7 @@ class TimelineView:
         kept in ``slot`` while the frame is the same."""
         cached = getattr(self, slot, (None, None))
         if cached[0] is not frame:
-            said = frame["memory"].notna()
-            memory = tl.activation_memory(frame if said.all() else frame[said])
-            memory["time"] -= frame["start"].min()  # from the step's start
-            cached = (frame, memory)
+            cached = (frame, held_memory(frame))
             setattr(self, slot, cached)
         return cached[1]
 
