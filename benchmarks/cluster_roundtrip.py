@@ -94,7 +94,7 @@ def roundtrip_of(runs: int, world: int) -> list[float]:
             began = time.perf_counter()
             row = explorer.run(executor="torchrun", nodes=2)
             wall = time.perf_counter() - began
-            result = explorer.state.result_of(row["run"])
+            result = explorer.state.log.result_of(row["run"])
             errors.append(float(row["prediction_error"]))
             print(f"| {name} | {k + 1}{' (first)' if k == 0 else ''} | {wall:.1f} | "
                   f"{result.metrics['wall_seconds']:.1f} | {row['step_time'] * 1e3:.1f} | "

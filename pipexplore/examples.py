@@ -12,11 +12,12 @@ processes (and ``torchrun``) can rebuild them.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 from torch import nn
 
-from pipexplore.skip import Namespace, pop, skippable, stash
+from pipexplore.skip import Namespace, Skippable, pop, skippable, stash
 
 __all__ = ["TinyTransformer", "BranchyTransformer", "build_model", "get_batch", "loss_fn", "unet", "SleepLayer",
            "RowCostLayer", "VOCAB", "WIDTH", "DEPTH", "SEQ"]
@@ -110,11 +111,12 @@ class Up(nn.Module):
 def unet(width: int = 64, depth: int = 3, features: int = 16) -> nn.Sequential:
     """``Linear, Down×depth, Linear, Up×depth, Linear``: skips nested like a U-Net's."""
     spaces = [Namespace() for _ in range(depth)]
+    # cast: @skippable makes Down and Up Skippables, which mypy cannot see (it keeps a decorated class as written)
     return nn.Sequential(
         nn.Linear(features, width),
-        *[Down(width).isolate(ns) for ns in spaces],
+        *[cast(Skippable, Down(width)).isolate(ns) for ns in spaces],
         nn.Linear(width, width),
-        *[Up(width).isolate(ns) for ns in reversed(spaces)],
+        *[cast(Skippable, Up(width)).isolate(ns) for ns in reversed(spaces)],
         nn.Linear(width, features),
     )
 

@@ -70,7 +70,7 @@ def verify_module(module: nn.Sequential) -> None:
                                  "it in one child (e.g. an nn.Sequential of them), so that one partition holds it")
 
 
-def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
+def verify_balance(module: nn.Sequential, balance: Iterable[float]) -> list[int]:
     """``balance`` as a list of ints that partitions ``module``: whole numbers (integral floats are
     taken, as torchgpipe takes them; ``3.5`` is refused, not truncated), each at least 1, summing to
     its layers. An empty module takes the empty balance.
@@ -85,18 +85,18 @@ def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
             for b in items):
         raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}: give e.g. "
                         f"balance=[{len(module) // 2}, {len(module) - len(module) // 2}]")
-    balance = [int(b) for b in items]  # integral floats, as torchgpipe takes them
-    if not balance and len(module):
+    counts = [int(b) for b in items]  # integral floats, as torchgpipe takes them
+    if not counts and len(module):
         raise BalanceError("balance is empty: give one layer count per partition, e.g. balance=[2, 2], "
                            "or compute one with pipexplore.balance.balance_by_time")
-    if sum(balance) != len(module):
-        raise BalanceError(f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers: "
+    if sum(counts) != len(module):
+        raise BalanceError(f"balance {counts} sums to {sum(counts)} but the module has {len(module)} layers: "
                            "give layer counts that add up to the module's layers, or compute them with "
                            "pipexplore.balance.balance_by_time")
-    for j, b in enumerate(balance):
+    for j, b in enumerate(counts):
         if b <= 0:
-            raise BalanceError(f"balance {balance}: partition {j} has {b} layers; every partition needs at least 1")
-    return balance
+            raise BalanceError(f"balance {counts}: partition {j} has {b} layers; every partition needs at least 1")
+    return counts
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int],
@@ -176,23 +176,27 @@ class GPipe(nn.Module):
         self.devices = resolved[: len(balance)]
         self.balance = balance
         self._copy_streams: list[list[AbstractStream]] = []
-        self._skip_layout: SkipLayout = inspect_skip_layout(list(self.partitions))
+        self._skip_layout: SkipLayout = inspect_skip_layout(self._sequentials())
         self._rng_locks = rng_locks(list(self.partitions), self.devices)
 
+    def _sequentials(self) -> list[nn.Sequential]:
+        """The partitions, each an ``nn.Sequential`` (an ``nn.ModuleList`` types its items as plain modules)."""
+        return cast(list[nn.Sequential], list(self.partitions))  # cast: split_module made each an nn.Sequential
+
     def __len__(self) -> int:
-        return sum(len(p) for p in self.partitions)
+        return sum(len(p) for p in self._sequentials())
 
     def __getitem__(self, index: int) -> nn.Module:
         if index < 0:
             index += len(self)
-        for partition in self.partitions:
+        for partition in self._sequentials():
             if index < len(partition):
                 return cast(nn.Module, partition[index])
             index -= len(partition)
         raise IndexError("layer index out of range")
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self.partitions:
+        for partition in self._sequentials():
             yield from partition
 
     # GPipe places the partitions; moving them as a whole would break that.
@@ -230,7 +234,7 @@ class GPipe(nn.Module):
         if not self.devices:
             return input  # an empty nn.Sequential is the identity
         batches = microbatch.scatter(input, self.chunks)
-        pipeline = Pipeline(batches, list(self.partitions), self.devices, self._ensure_copy_streams(),
+        pipeline = Pipeline(batches, self._sequentials(), self.devices, self._ensure_copy_streams(),
                             self._skip_layout, self.checkpoint_stop(len(batches)), self._rng_locks)
         pipeline.run()
         return microbatch.gather(batches)

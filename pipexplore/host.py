@@ -161,6 +161,7 @@ def as_stage_worker(work: Callable[[], T]) -> T:
         while worker.is_alive():
             worker.join(0.05)
     except BaseException:  # the caller interrupted (Ctrl+C, the kernel's interrupt): the work stops too
+        assert worker.ident is not None  # set once start() returned
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(KeyboardInterrupt))
         worker.join()
         raise

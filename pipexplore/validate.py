@@ -102,7 +102,8 @@ def valid_chunks(batch: int, around: int, count: int = 8) -> list[int]:
         valid_chunks(10, 8)    # [3, 4, 5, 10, ...]: 6..9 give 5 micro-batches of 2 rows
     """
     exact = functools.partial(splits_exactly, batch)
-    below, above = [], []
+    below: list[int] = []
+    above: list[int] = []
     c = min(around, batch)
     while c >= 1 and len(below) < count // 2 + 1:
         if exact(c):
@@ -457,3 +458,23 @@ def interleaved_devices(stages: int, devices: Sequence[Any], chunks: int) -> lis
     if chunks % p:
         raise ValueError(f"interleaved needs chunks ({chunks}) to be a multiple of the device count ({p})")
     return [devices[s % p] for s in range(stages)]
+
+
+def training_data(batch_target: Any, loss_fn: Any, optimizer: Any, *, rows: int) -> None:
+    """What a step trains on beside its sample, checked together: a target of the sample's ``rows``,
+    and the loss and optimizer factories, each callable where given.
+
+    Raises:
+        TypeError, ValueError: naming the argument that is wrong, and what it should be.
+    """
+    target(batch_target, rows)
+    optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
+    optional_callable(optimizer, "optimizer", "optimizer(parameters) returning a torch.optim.Optimizer")
+
+
+def first_chunks(value: Optional[int], batch: int, given: Optional[int] = None) -> int:
+    """The micro-batches a first plan runs: ``value`` checked against the ``batch``'s rows; else
+    what a schedule file ``given`` says; else 4, or the most a small batch splits into exactly."""
+    if value is None:
+        value = given if given is not None else max(c for c in valid_chunks(batch, 4) if c <= 4)
+    return chunks(value, batch=batch)

@@ -6,7 +6,7 @@ import threading
 from contextlib import contextmanager
 from queue import SimpleQueue
 from types import TracebackType
-from typing import Callable, Generator, Optional, Union
+from typing import Callable, Generator, Optional, Union, cast
 
 import torch
 
@@ -62,12 +62,13 @@ def _worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device) -> Non
             if not isinstance(task, Task):  # a pipeline's poke: start this partition's next task
                 task()
                 continue
+            payload: Union[Batch, ExcInfo]
             try:
                 ok, payload = True, task.compute()
             except BaseException:
-                ok, payload = False, sys.exc_info()
+                ok, payload = False, cast(ExcInfo, sys.exc_info())  # in an except block: never (None, None, None)
             if task.then is not None:
-                task.then(task, ok, payload)  # type: ignore[arg-type]
+                task.then(task, ok, payload)
             elif ok:
                 out_queue.put((True, (task, payload)))  # type: ignore[arg-type]
             else:

@@ -198,12 +198,12 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     assert [value for _, value in explorer.w_run_on.options] == ["", "1", "2"]
     explorer.w_run_on.value = "2"
     explorer.w_run.click()
-    explorer.state._thread.join(300)
-    assert not explorer.state.running and len(explorer.runs) == 1, explorer.state.notes
+    explorer.state.runner._thread.join(300)
+    assert not explorer.state.runner.running and len(explorer.runs) == 1, explorer.state.notes
     row = explorer.runs.iloc[-1]
     assert row["executor"] == "torchrun" and row["schedule"] == "interleaved" and row["ranks"] == 2
     assert row["nodes"] == 2
-    result = explorer.state.result_of(row["run"])
+    result = explorer.state.log.result_of(row["run"])
     ranks = result.metrics["rank_table"]
     assert ranks.loc[1, "offset_start"] == pytest.approx(5.0, abs=5e-3)
     assert ranks.loc[1, "offset_end"] == pytest.approx(5.0, abs=5e-3)
@@ -248,12 +248,12 @@ def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, csv_run):
     module = hooks[0]
     explorer = _explorer(module, devices="cpu,cpu")
     row = explorer.load_run(work / "run")
-    ran = explorer.state.result_of(row["run"]).plan
+    ran = explorer.state.log.result_of(row["run"]).plan
     assert ran.schedule == str(work / "run" / "schedule.csv")
     assert (work / "run" / "schedule.csv").read_text() == text
     assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
     # two agents of one rank on this machine share its cores (torchrun itself would give each all of them)
-    ranks = explorer.state.result_of(row["run"]).metrics["rank_table"]
+    ranks = explorer.state.log.result_of(row["run"]).metrics["rank_table"]
     assert ranks["threads"].tolist() == [_shared_threads(2)] * 2
     # each on cores of its own (the launcher's PIPEXPLORE_RANK_CORES, kept to by the exported script)
     assert ranks["cores"].tolist() == _rank_cores(2)
@@ -269,7 +269,7 @@ def test_the_exported_script_traces_with_the_profiler_beside_the_recorder(hooks,
     explorer = _explorer(hooks[0], devices="cpu,cpu")
     row = explorer.load_run(work / "traces")
     assert row["executor"] == "torchrun"
-    traced = explorer.state.result_of(row["run"]).timeline
+    traced = explorer.state.log.result_of(row["run"]).timeline
     key = ["stage", "phase", "microbatch"]
     spans = [t[t["phase"].isin(["forward", "backward"])].set_index(key) for t in (recorded, traced)]
     assert sorted(spans[0].index) == sorted(spans[1].index) and len(spans[0]) == 2 * 4 * 2
@@ -325,7 +325,7 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
     explorer = _explorer(hooks[0])
     before = tl.step_time(explorer.plan.predict())
     row = explorer.load_run(copy)
-    result = explorer.state.result_of(row["run"])
+    result = explorer.state.log.result_of(row["run"])
     assert result.plan.devices[:4] == ("H100:0", "H100:1", "H100:2", "H100:3") and result.plan.gpus_per_node == 2
     assert result.plan.device_kind == "H100" and explorer.plan.device_kind is None
     assert result.plan.checkpoint == result.plan.run_checkpoint == "always"  # predicted as it ran
@@ -344,8 +344,8 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
                                  optimizer=module.build_optimizer, chunks=4, schedule="1f1b",
                                  devices=["H100"] * 4, gpus_per_node=2)
     row = planned.load_run(directory)
-    assert planned.state.result_of(row["run"]).plan.devices[:4] == ("cpu",) * 4
-    assert planned.state.result_of(row["run"]).plan.checkpoint == "never"  # exported for here: none applied
+    assert planned.state.log.result_of(row["run"]).plan.devices[:4] == ("cpu",) * 4
+    assert planned.state.log.result_of(row["run"]).plan.checkpoint == "never"  # exported for here: none applied
     assert "H100" not in planned.plan.corrections.kinds and planned.plan.corrections.runs == 1
     # GPUs of this machine (every rank on this host, as the page's own torchrun runs them) are this
     # machine's: the run teaches its plans, not the H100 plans
@@ -353,7 +353,7 @@ def test_a_run_on_catalogued_gpus_teaches_plans_for_them_and_not_this_machines(r
         _edit(copy / f"rank-{rank}.json", lambda payload: payload.update(host=socket.gethostname()))
     explorer = _explorer(hooks[0])
     row = explorer.load_run(copy)
-    assert explorer.state.result_of(row["run"]).plan.device_kind is None
+    assert explorer.state.log.result_of(row["run"]).plan.device_kind is None
     assert explorer.plan.corrections.runs == 1 and not explorer.plan.corrections.kinds
 
 

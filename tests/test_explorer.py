@@ -150,7 +150,7 @@ def test_a_failing_run_shows_the_error_and_keeps_plan_and_runs():
 
 def test_run_button_runs_in_the_background(explorer):
     explorer.w_run.click()
-    explorer.state.thread.join(timeout=60)
+    explorer.state.runner.thread.join(timeout=60)
     assert len(explorer.runs) == 1
     assert "run 0: step" in explorer.w_status.value
 

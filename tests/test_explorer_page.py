@@ -149,7 +149,7 @@ def test_hovering_a_layer_shades_its_stage_and_a_block_names_its_layers(explorer
     assert _panel(explorer, 0)["stage_layers"] == [[0, 1], [2, 4], [5, 7]]
     measured = _panel(explorer, 1)
     assert measured["stage_layers"] == [[0, 1], [2, 4], [5, 7]] and measured["other_name"] == "predicted for this run"
-    result = explorer.state.shown_result()
+    result = explorer.state.log.shown_result()
     spans = {(r.stage, r.microbatch, r.phase): (r.end - r.start) * 1e3 for r in result.predicted.itertuples()}
     names = [p["name"] for p in explorer.figure.scene["phases"]]
     blocks = blocks_of(measured)
@@ -368,11 +368,11 @@ def test_during_a_run_the_button_cancels_it():
         assert ex.w_progress.layout.display == ""
         ex.w_run.click()  # Cancel
         _GATE["release"].set()
-        ex.state.thread.join(30)
+        ex.state.runner.thread.join(30)
     finally:
         _GATE["armed"] = False
         _GATE["release"].set()
-    assert not ex.state.thread.is_alive()
+    assert not ex.state.runner.thread.is_alive()
     assert "run cancelled" in ex.w_status.value and ex.runs.empty
     assert ex.w_run.description == "Run step" and ex.w_progress.layout.display == "none"
 

@@ -82,8 +82,8 @@ def explorer(request):
 def test_default_config_runs_in_two_stages_like_the_unsplit_model(explorer):
     model, inputs, target, loss_fn, state = explorer
     assert state.plan.num_stages == 2
-    row = state.run()
-    assert row["executor"] == "threads" and set(state.timeline("measured")["stage"]) == {0, 1}
+    row = state.runner.run()
+    assert row["executor"] == "threads" and set(state.log.measured_timeline()["stage"]) == {0, 1}
     assert row["loss"] == pytest.approx(reference_loss(model, inputs, loss_fn, target), rel=1e-5, abs=1e-6)
 
 
@@ -92,7 +92,7 @@ def test_a_default_gpt2_without_a_loss_runs_the_synthetic_loss_of_its_logits():
     (a dict); the synthetic loss is the mean square of its logits, as the unsplit model's."""
     model, inputs = gpt2(), batch(labels=False)
     state = explored(model, inputs)
-    row = state.run()
+    row = state.runner.run()
     with torch.no_grad():
         logits = copy.deepcopy(model)(**inputs, use_cache=False).logits
     assert row["loss"] == pytest.approx(logits.float().pow(2).mean().item(), rel=1e-5)
@@ -154,8 +154,8 @@ def test_a_default_gpt2_runs_in_processes_like_the_unsplit_model():
     names = [str(n) for n in state.layer_table["name"]]
     assert state.layer_table.attrs["first_split"] == names.index("transformer.drop")
     assert state.plan.splits[0] >= names.index("transformer.drop")
-    row = state.run(timeout=120)
-    assert row["executor"] == "processes" and set(state.timeline("measured")["stage"]) == {0, 1}
+    row = state.runner.run(timeout=120)
+    assert row["executor"] == "processes" and set(state.log.measured_timeline()["stage"]) == {0, 1}
     assert row["loss"] == pytest.approx(reference_loss(model, inputs, logits_loss, target), rel=1e-5, abs=1e-6)
     assert model.config.use_cache is True
 

@@ -15,6 +15,7 @@ import transformers  # the test extra (declared: a missing one fails)
 
 from pipexplore.devices import device_spec, link_seconds_per_byte
 from pipexplore.predict.simulator import simulate
+from pipexplore.widgets import what_if
 from pipexplore.widgets.state import ExplorerState
 
 HIDDEN, FFN, VOCAB, SEQ, BATCH = 64, 128, 256, 16, 8
@@ -97,10 +98,10 @@ def test_moving_a_split_re_predicts_and_more_stages_plan_more_gpus(state):
 def test_running_a_planned_plan_is_refused_and_keeps_the_plan(state):
     plan = state.plan
     with pytest.raises(RuntimeError, match=r"planned devices \(H100:0 … H100:3, 4 on 2 nodes\).*export it"):
-        state.run()
+        state.runner.run()
     with pytest.raises(RuntimeError, match="planned devices"):
-        state.run_async()
-    assert state.plan is plan and state.runs.empty and state.thread is None
+        state.runner.run_async()
+    assert state.plan is plan and state.runs.empty and state.runner.thread is None
 
 
 def test_devices_cannot_switch_between_planned_and_here(state):
@@ -143,14 +144,14 @@ def test_a_meta_sequential_is_planned_too():
 
 def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
     plan = state.plan
-    table = state.sweep(stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
+    table = what_if.sweep(state, stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
     assert len(table) == 8 and table["predicted_step_time"].is_monotonic_increasing and (table["predicted_step_time"] > 0).all()
     assert all(str(d).startswith("H100:") for devices in table["devices"] for d in
                (devices.split(",") if isinstance(devices, str) else devices))
     with pytest.raises(RuntimeError, match="planned devices"):
-        state.sweep(stages=[2], measure=1)
+        what_if.sweep(state, stages=[2], measure=1)
     assert state.plan == plan and state.runs.empty
-    eight = state.sweep(stages=[8], chunks=[8], schedules=["1f1b"])
+    eight = what_if.sweep(state, stages=[8], chunks=[8], schedules=["1f1b"])
     assert eight["devices"].iloc[0] == ",".join(f"H100:{k}" for k in range(8))  # more stages, more GPUs
 
 

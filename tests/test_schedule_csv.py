@@ -327,7 +327,7 @@ def test_the_explorer_takes_a_csv_schedule_and_exports_it(tmp_path):
     script = state.export("torchrun", hooks="my_hooks")
     assert "load_schedule_csv(schedule)" in script and "STAGES_OF_RANK = [[0, 3], [1, 2]]" in script
     compile(script, "train_pipeline.py", "exec")
-    assert state.run()["loss"] > 0
+    assert state.runner.run()["loss"] > 0
     with pytest.raises(ValueError, match="does not fit the plan: expected 2 micro-batches"):
         state.update(chunks=2)
     gpipe = ExplorerState(model, torch.randn(8, 6), devices=["cpu", "cpu"], chunks=2, splits=[4], calibrate=False)

@@ -10,6 +10,7 @@ from torch import nn
 
 from pipexplore.cancel import Cancelled
 from pipexplore.predict.profiler import profile
+from pipexplore.widgets.header import plan_difference
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -123,35 +124,35 @@ def test_an_attempt_that_fails_shows_the_error_and_keeps_the_plan(state):
 
 def test_a_run_is_a_row_and_a_timeline_and_is_told(state):
     heard = _heard(state)
-    row = state.run()
+    row = state.runner.run()
     assert heard == ["runs", "status"] and row["run"] == 0 and row["finite"]
     assert state.status.text.startswith("run 0: step") and not state.status.busy
-    assert state.runs["run"].tolist() == [0] and state.kept_runs() == [0]
-    assert state.shown_result() is state.result_of(0)
+    assert state.runs["run"].tolist() == [0] and state.log.kept_runs() == [0]
+    assert state.log.shown_result() is state.log.result_of(0)
     # the loss at the plan's weights (the unsplit model's), the measured steps' losses beside it
     with torch.no_grad():
         unsplit = float(state.model(state.sample).pow(2).mean())
     assert state.runs.loc[0, "loss"] == pytest.approx(unsplit, rel=1e-5)
     measured = state.runs.loc[0, "measured_losses"]
     assert len(measured) == 3 and all(loss < unsplit for loss in measured)
-    assert set(state.timeline("measured")["run"]) == {0}
-    assert state.plan_difference(state.result_of(0).plan) == ""
+    assert set(state.log.measured_timeline()["run"]) == {0}
+    assert plan_difference(state.plan, state.log.result_of(0).plan) == ""
     state.update(chunks=4)
-    assert state.plan_difference(state.result_of(0).plan) == "not the current plan: chunks 2 → 4"
+    assert plan_difference(state.plan, state.log.result_of(0).plan) == "not the current plan: chunks 2 → 4"
     state.restore(0)
     assert state.plan.chunks == 2 and state.status.text.startswith("restored the plan of run 0")
     with pytest.raises(LookupError, match="run 5 is not in explorer.runs"):
         state.restore(5)
     state.clear_runs()
-    assert state.runs.empty and state.shown_result() is None
+    assert state.runs.empty and state.log.shown_result() is None
 
 
 def test_showing_and_comparing_runs_and_the_memory_cap_are_told(state):
-    state.run()
-    state.run()
+    state.runner.run()
+    state.runner.run()
     heard = _heard(state)
     state.show(0, compare=1)
-    assert (state.shown_run, state.compare_run) == (0, 1) and state.run_number(state.shown_result()) == 0
+    assert (state.log.shown_run, state.log.compare_run) == (0, 1) and state.log.run_number(state.log.shown_result()) == 0
     state.memory_cap = "1 KiB"
     assert state.memory_cap == 1024.0
     assert heard == ["shown", "shown"]
@@ -173,19 +174,19 @@ def test_a_background_run_is_running_until_its_last_word_and_cancel_records_noth
     state = ExplorerState(nn.Sequential(Slow(0.05), Slow(0.05), Slow(0.05), Slow(0.05)), torch.randn(8, 6),
                           devices=["cpu", "cpu"], chunks=2, splits=[2], calibrate=False, layer_table=table)
     running: list[bool] = []
-    state.subscribe(lambda change: change == "status" and running.append(state.running))
-    thread = state.run_async()
-    assert state.running and state.status.busy and state.thread is thread
+    state.subscribe(lambda change: change == "status" and running.append(state.runner.running))
+    thread = state.runner.run_async()
+    assert state.runner.running and state.status.busy and state.runner.thread is thread
     with pytest.raises(RuntimeError, match="already in progress"):
-        state.run_async()
+        state.runner.run_async()
     time.sleep(0.2)
     started = time.monotonic()
-    assert state.cancel(timeout=10)
+    assert state.runner.cancel(timeout=10)
     assert time.monotonic() - started < 5
-    assert not state.running and state.runs.empty and state.status.text.startswith("run cancelled")
+    assert not state.runner.running and state.runs.empty and state.status.text.startswith("run cancelled")
     assert running[0] is True and running[-1] is False
     assert not [t for t in threading.enumerate() if t.name.startswith("pipexplore-run")]
-    assert not state.cancel()  # nothing to cancel now
+    assert not state.runner.cancel()  # nothing to cancel now
 
 
 def test_run_and_cancel_raise_cancelled_in_a_cancel_scope():
@@ -195,13 +196,13 @@ def test_run_and_cancel_raise_cancelled_in_a_cancel_scope():
     token = CancelToken()
     token.cancel()
     with cancel_scope(token), pytest.raises(Cancelled):
-        state.run()
+        state.runner.run()
     assert state.runs.empty
 
 
 def test_a_cancel_that_comes_as_the_step_ends_records_nothing(monkeypatch):
     from pipexplore.cancel import CancelToken, cancel_scope
-    from pipexplore.widgets import run_log
+    from pipexplore.widgets import runner as run_log
 
     state = _state()
     token = CancelToken()
@@ -214,5 +215,5 @@ def test_a_cancel_that_comes_as_the_step_ends_records_nothing(monkeypatch):
 
     monkeypatch.setattr(run_log, "run_step", step_then_cancel)
     with cancel_scope(token), pytest.raises(Cancelled):
-        state.run()
-    assert state.runs.empty and state.kept_runs() == []
+        state.runner.run()
+    assert state.runs.empty and state.log.kept_runs() == []

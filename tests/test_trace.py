@@ -132,8 +132,9 @@ def test_explorer_takes_a_traced_model():
 def test_a_traced_model_is_profiled_on_its_first_stages_device(monkeypatch, device):
     # As a Sequential's layers are: the model and its inputs as given sit on the CPU, and an H100
     # showed GPT-2 planned from CPU seconds (first predictions 2.5-4x its runs).
+    from pipexplore.devices.placement import Placement
     from pipexplore.models import trace as trace_module
-    from pipexplore.widgets import layer_table
+    from pipexplore.models.profile import profile_model
 
     seen = {}
 
@@ -145,13 +146,12 @@ def test_a_traced_model_is_profiled_on_its_first_stages_device(monkeypatch, devi
     monkeypatch.setattr(trace_module, "candidates_in_rows", fake)
     stages = [device] * 2
     if device == "meta":  # no GPU here: where the first stage's device is read, it is meta
-        monkeypatch.setattr(layer_table, "profile_device", lambda options: torch.device("meta"))
+        monkeypatch.setattr(Placement, "profiling_device", property(lambda self: torch.device("meta")))
         stages = ["cpu"] * 2
     tokens, target = get_batch()
     model = TinyTransformer()
-    options = dict(granularity="blocks", repeats=1, stages=True, device=stages[0])
     with pytest.raises(RuntimeError, match="profiled"):
-        layer_table.profile_layers(model, {"input_ids": tokens}, options, chunks=4, devices=stages, target=target)
+        profile_model(model, {"input_ids": tokens}, devices=stages, chunks=4, repeats=1, target=target)
     where = torch.device(device)
     assert seen == {"model": where, "sample": {"input_ids": where}, "target": where}
     assert next(model.parameters()).device == torch.device("cpu")  # the user's model stays where it was
@@ -166,7 +166,7 @@ def test_explorer_stays_usable_when_tracing_fails():
     assert any(note.startswith("The profile times BranchyTransformer's own modules, not the stages its runs trace "
                                "(TraceError: could not trace") for note in ex.state.notes)  # on the page
     ex.w_run.click()
-    ex.state.thread.join(timeout=120)
+    ex.state.runner.thread.join(timeout=120)
     assert "TraceError: could not trace BranchyTransformer" in ex.w_status.value
     assert ex.splits == [2] and ex.runs.empty
     ex.splits = [3]  # still usable

@@ -183,7 +183,7 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
     # own copy (given away) is the one whose blocks are timed; only the traced one is made here.
     import copy
 
-    from pipexplore.widgets.layer_table import profile_layers
+    from pipexplore.models.profile import profile_model
 
     copies = []
     real = copy.deepcopy
@@ -196,9 +196,8 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
     monkeypatch.setattr(traced_costs.copy, "deepcopy", counting)
     traced_pipes.forget_traced()  # (a kept pipe of this shape would be copied, not traced on a copy)
     tokens, target = get_batch()
-    options = dict(granularity="blocks", repeats=1, stages=True, device="cpu")
-    table = profile_layers(TinyTransformer(), tokens, options, chunks=4, devices=["cpu", "cpu"], target=target,
-                           loss_fn=loss_fn)
+    table = profile_model(TinyTransformer(), tokens, devices=["cpu", "cpu"], chunks=4, repeats=1, target=target,
+                          loss_fn=loss_fn)
     assert "stage_extra" in table.attrs
     assert copies == ["TinyTransformer", "TinyTransformer"]  # the explorer's copy, then the one traced
     copies.clear()

@@ -261,12 +261,12 @@ EXPLORE_BAD = st.one_of(
 @given(case=EXPLORE_BAD)
 @FEW
 def test_explore_refuses_each_bad_argument_naming_it_before_profiling(case, monkeypatch):
-    import pipexplore.widgets.layer_table as layer_table
+    import pipexplore.models.profile as profiling
 
     def never(*args, **kwargs):
         raise AssertionError("profiled before the arguments were checked")
 
-    monkeypatch.setattr(layer_table, "profile", never)
+    monkeypatch.setattr(profiling, "profile", never)
     name, value = case
     arguments = dict(devices=["cpu", "cpu"], chunks=4, splits=[4])
     sample = torch.randn(12, 6)

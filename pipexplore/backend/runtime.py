@@ -97,7 +97,7 @@ class Runtime:
         while not self._stop.is_set():
             now = time.perf_counter()
             ready = [(pool.ready_at(), name, kind, pool) for name, kind, pool in pools]
-            waiting = [entry for entry in ready if entry[0] is not None]
+            waiting = [(at, name, kind, pool) for at, name, kind, pool in ready if at is not None]
             due = [entry for entry in waiting if entry[0] <= now]
             if not due:
                 with condition:

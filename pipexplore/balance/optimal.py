@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -40,7 +40,7 @@ def largest_stage(costs: Sequence[float], splits: Sequence[int]) -> float:
     return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
 
 
-def join_first(values: Sequence[float], first: int) -> np.ndarray:
+def join_first(values: Union[Sequence[float], np.ndarray], first: int) -> np.ndarray:
     """``values`` (one per layer) with layers ``0 … first-1`` as one, their sum: the layers no later
     stage may begin at (:func:`pipexplore.splits.first_runnable_layer`), for a split search that
     then adds ``first - 1`` to every split it finds. ``values`` as they are for ``first`` ≤ 1.
@@ -49,11 +49,11 @@ def join_first(values: Sequence[float], first: int) -> np.ndarray:
 
         join_first([1, 2, 3, 4], 3)    # array([6., 4.])
     """
-    values = np.asarray(values, dtype=np.float64)
-    return np.r_[values[:first].sum(), values[first:]] if first > 1 else values
+    array = np.asarray(values, dtype=np.float64)
+    return np.r_[array[:first].sum(), array[first:]] if first > 1 else array
 
 
-def optimal_splits(costs: Sequence[float], partitions: int, *, first: int = 1) -> list[int]:
+def optimal_splits(costs: Union[Sequence[float], np.ndarray], partitions: int, *, first: int = 1) -> list[int]:
     """The split points of the contiguous partition of ``costs`` into ``partitions`` stages whose
     largest stage sum is smallest (exactly); among the partitions that reach it, the one with the
     smallest sum of squared stage sums, so that the other stages are as even as they can be.

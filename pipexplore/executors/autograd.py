@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
+
+from torch import nn
 
 from pipexplore.executors.base import RunResult, StageOptimizers, StepJob, measure, result, synthetic_loss
 from pipexplore import validate
@@ -16,7 +19,8 @@ NAME = "autograd"
 def run(job: StepJob) -> RunResult:
     """Train a copy of the model through ``GPipe(...)`` as the plan says; measure."""
     plan = job.plan
-    pipe = GPipe(copy.deepcopy(job.model), plan.balance, devices=list(plan.devices[: plan.num_stages]),
+    model = cast(nn.Sequential, copy.deepcopy(job.model))  # cast: executor_for sends only an nn.Sequential here
+    pipe = GPipe(model, plan.balance, devices=list(plan.devices[: plan.num_stages]),
                  chunks=plan.chunks, checkpoint=plan.checkpoint)
     pipe.train()
     loss_fn = job.loss_fn or synthetic_loss

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ def run(job: StepJob) -> RunResult:
                          "move the split points so that every stash and its pop share a stage")
     if not torch.is_tensor(sample):
         raise TypeError("expert backends take one tensor per stage: give a tensor sample, not a tuple")
-    layers = list(copy.deepcopy(model))
+    layers = list(cast(nn.Sequential, copy.deepcopy(model)))  # cast: a Sequential's layers (list() refuses others)
     points = [0, *plan.splits, len(layers)]
     devices = plan.stage_devices
     backends = []

@@ -54,7 +54,7 @@ class StageOptimizers:
                  devices: Sequence[Any]) -> None:
         if len(stage_parameters) != len(devices):
             raise ValueError(f"{len(stage_parameters)} stages' parameters, but {len(devices)} devices")
-        owned = own_parameters(stage_parameters)
+        owned = own_parameters(list(stage_parameters))
         self.devices = [torch.device(d) for d in devices]
         self.optimizers = [make_optimizer(factory, params) if params else None for params in owned]
 
@@ -70,7 +70,7 @@ class StageOptimizers:
             start = recorder.mark(device) if recorder is not None else None
             if optimizer is not None:
                 optimizer.step()
-            if recorder is not None:
+            if recorder is not None and start is not None:  # (start is marked where there is a recorder)
                 recorder.add(stage, device, tl.OPTIMIZER_MICROBATCH, "optimizer", start, recorder.mark(device))
 
 

@@ -87,7 +87,7 @@ def check_timeout(timeout: Any) -> Optional[float]:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__} {timeout!r}")
-    if not (math.isfinite(timeout) and timeout > 0):
+    if not (math.isfinite(timeout) and timeout > 0):  # type: ignore[operator]  # (typeshed's Real has no __gt__)
         raise ValueError(f"timeout must be a positive, finite number of seconds (or None for the default derived "
                          f"from the predicted step), not {timeout!r}")
     return float(timeout)
@@ -401,9 +401,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
 
     steps = []  # each measured step: (its time, its timeline, its micro-batches' losses)
     for k in range(repeats):
-        rows = [(run, stage, device, chunk, phase, start, end, "measured")
+        records = [(run, stage, device, chunk, phase, start, end, "measured")
                 for payload in outputs for stage, device, chunk, phase, start, end in payload["steps"][k]]
-        frame = pd.DataFrame(rows, columns=COLUMNS)
+        frame = pd.DataFrame(records, columns=COLUMNS)
         if len(frame):  # every rank's clock is the host's (one machine): one origin for the step
             origin = frame["start"].min()
             frame["start"] -= origin

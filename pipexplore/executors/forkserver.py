@@ -427,8 +427,9 @@ def serve(fd: int, preload: Sequence[str] = PRELOAD, parent: Optional[int] = Non
         os._exit(0)
     control.send(pickle.dumps(("ready", os.getpid())))
     children: set[int] = set()
+    watched: list[socket.socket | int] = [control, wake_read]
     while True:
-        ready = select.select([control, wake_read], [], [], PARENT_POLL)[0]
+        ready = select.select(watched, [], [], PARENT_POLL)[0]
         if os.getppid() != parent:
             os._exit(0)  # the caller is gone; the children see this server gone and leave too
         if wake_read in ready:

@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 from pipexplore.cancel import Cancelled, CancelToken, current_token
 from pipexplore.executors import forkserver
@@ -256,10 +256,11 @@ class WorkerPool:
             end = grace_end or deadline
             # (a timed wait even without a token: a Ctrl+C that another thread of this process took is
             # raised here only when this thread runs Python again: see _actions.join_workers)
-            for connection in wait(list(pending), timeout=min(end - now, CANCEL_POLL)):
-                rank = pending.pop(connection)  # type: ignore[call-overload]
+            # cast: wait returns some of the objects it was given, here the ranks' connections
+            for connection in cast(list[Connection], wait(list(pending), timeout=min(end - now, CANCEL_POLL))):
+                rank = pending.pop(connection)
                 try:
-                    status, payload = connection.recv()  # type: ignore[union-attr]
+                    status, payload = connection.recv()
                 except (EOFError, OSError, pickle.UnpicklingError):
                     failures.append(("died", rank, None))  # exited (or was killed) without reporting
                     continue

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -13,7 +13,7 @@ from torch import nn
 from pipexplore import background
 from pipexplore.host import host_cores
 from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps, microbatch_rows, stage_seconds
-from pipexplore.executors.base import StepJob
+from pipexplore.executors.base import OptimizerFactory, StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 
@@ -118,8 +118,9 @@ def _probe_step(module: Any, plan: Plan, layers: nn.Sequential, table: pd.DataFr
     probe_plan = Plan(table, splits=tuple(range(1, len(layers))), devices=tuple(devices), chunks=chunks,
                       checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                       executor=plan.executor, batch=chunks)
+    # cast: _NoUpdate is no torch.optim.Optimizer, but has all the executors call of one (zero_grad, step)
     measured = module.run(StepJob(layers, torch.randn(chunks, 1), probe_plan, warmup=1, repeats=repeats,
-                                  optimizer=_NoUpdate)).timeline
+                                  optimizer=cast(OptimizerFactory, _NoUpdate))).timeline
     return probe_plan, measured
 
 

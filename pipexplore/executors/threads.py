@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
+
+from torch import nn
 
 from pipexplore.executors.base import RunResult, StepJob, synthetic_loss, train_and_measure
 
@@ -15,7 +18,8 @@ def run(job: StepJob) -> RunResult:
     from pipexplore.executors.sequential import ScheduleExecutor
 
     plan = job.plan
-    executor = ScheduleExecutor(copy.deepcopy(job.model), plan.balance, devices=list(plan.devices[: plan.num_devices]),
+    model = cast(nn.Sequential, copy.deepcopy(job.model))  # cast: executor_for sends only an nn.Sequential here
+    executor = ScheduleExecutor(model, plan.balance, devices=list(plan.devices[: plan.num_devices]),
                                 chunks=plan.chunks, schedule=plan.schedule, checkpoint=plan.checkpoint,
                                 loss_fn=job.loss_fn or synthetic_loss)
     return train_and_measure(executor, plan, job.sample, job.target, job.optimizer, warmup=job.warmup, run=job.run,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, fx, nn
@@ -218,7 +218,8 @@ class TracedExecutor(ActionExecutor):
             if all(d is None for d in deltas):
                 continue
             for p, o in zip(params, old):
-                total = sum(d.to(p.device) for d in deltas if d is not None)
+                # cast: some delta is a tensor (were all None, the group was skipped), so the sum is one
+                total = cast(Tensor, sum(d.to(p.device) for d in deltas if d is not None))
                 p.grad = total if o is None else o + total
 
     # ---- actions ------------------------------------------------------------------------
@@ -236,9 +237,12 @@ class TracedExecutor(ActionExecutor):
             # in the recomputation, so every floating value asks for one.
             needs_grad = torch.is_tensor(value) and (value.is_floating_point() if checkpointed else value.requires_grad)
             state.needs_grad[node] = needs_grad
+
+            def wrap(copy: Any, needs_grad: bool = needs_grad) -> tuple[Any, bool]:
+                return copy, needs_grad
+
             for consumer in consumers:
-                self._send(self._box(("act", node, consumer, i)), value, stage, consumer, i,
-                           lambda copy, needs_grad=needs_grad: (copy, needs_grad))
+                self._send(self._box(("act", node, consumer, i)), value, stage, consumer, i, wrap)
         if checkpointed:
             state.produced, state.loss = {}, None  # recomputed before backward
 
@@ -310,7 +314,12 @@ class TracedExecutor(ActionExecutor):
 
 def _nodes_in(value: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg(value, lambda n: found.append(n) or n)
+
+    def keep(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg(value, keep)
     return found
 
 

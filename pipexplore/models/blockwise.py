@@ -263,9 +263,9 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     rows = []
     for k in order:
         name, module = cap.blocks[k]
-        call = cap.calls.get(k)
-        m = measured[call.signature] if call is not None else None
-        calls = call.calls if call is not None else 0
+        called = cap.calls.get(k)
+        m = measured[called.signature] if called is not None else None
+        calls = called.calls if called is not None else 0
         (fa, fb), (ba, bb) = (m["forward"], m["backward"]) if m else ((0.0, 0.0), (0.0, 0.0))
         stash, pop = routes[k]
         rows.append({
@@ -281,7 +281,7 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
             "share_forward": m["share_forward"] if m else 0.0, "share_backward": m["share_backward"] if m else 0.0,
             "input_grad_ratio": math.nan, "weight_grad_ratio": math.nan, "checkpointed_ratio": 1.0,
             "spread": m["spread"] if m else 0.0,
-            "kind": kind_names[call.signature] if call is not None else "", "order": position[k]})
+            "kind": kind_names[called.signature] if called is not None else "", "order": position[k]})
     table = pd.DataFrame(rows, columns=LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS + ["kind", "order"])
     table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target_device), source="blockwise", notes=notes,
                        backward_split=False)

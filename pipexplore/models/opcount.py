@@ -341,7 +341,7 @@ def count_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], fixed: Op
     parameters and buffers). Gradients are returned by autograd, never accumulated into ``.grad``."""
     fixed = storage_keys(module) if fixed is None else fixed
     args, kwargs, wrt = fresh_inputs(args, kwargs)
-    params = [p for p in module.parameters() if p.requires_grad]
+    params: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
     counter = flop_counter()
     recorder = OpRecorder(counter, "forward")
     saved = SavedBytes(fixed)

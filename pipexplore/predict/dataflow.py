@@ -33,7 +33,7 @@ import numpy as np
 try:  # the compiled longest path (built by setup.py); the array passes below where it was not
     from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
-    _sharing = None
+    _sharing = None  # type: ignore[assignment]  # mypy types an imported module as never None
 
 __all__ = ["ActionGraph", "oversubscribed", "KINDS", "FORWARD", "BACKWARD", "RECOMPUTE", "INPUT_GRAD", "WEIGHT_GRAD",
            "OPTIMIZER", "OPTIMIZER_MICRO"]
@@ -76,14 +76,14 @@ class ActionGraph:
     def build(cls, queues: Sequence[Sequence[Action]], stages: int, grad_kind: str = "B") -> "ActionGraph":
         """The graph of ``queues`` (one per worker). ``grad_kind``: what carries the gradient to the
         stage before (``I`` for zero-bubble), or else, for a micro-batch that stage runs whole, ``B``."""
-        queues = tuple(tuple(q) for q in queues)
-        actions = [a for q in queues for a in q]
+        queued = tuple(tuple(q) for q in queues)
+        actions = [a for q in queued for a in q]
         none = len(actions)
-        lane = np.repeat(np.arange(len(queues), dtype=np.int64), [len(q) for q in queues])
+        lane = np.repeat(np.arange(len(queued), dtype=np.int64), [len(q) for q in queued])
         # Actions are numbered queue after queue: the worker's previous action is the number before.
         after = np.arange(-1, none - 1, dtype=np.int64)
-        ends = np.cumsum([0, *map(len, queues)])
-        busy = np.array([len(q) > 0 for q in queues], dtype=bool)
+        ends = np.cumsum([0, *map(len, queued)])
+        busy = np.array([len(q) > 0 for q in queued], dtype=bool)
         after[ends[:-1][busy]] = none
         stage_of, kind_of, micro_of = (list(column) for column in zip(*actions)) if actions else ([], [], [])
         stage = np.array(stage_of, dtype=np.int64)
@@ -132,7 +132,7 @@ class ActionGraph:
         steps = np.flatnonzero(kind == OPTIMIZER)
         stepped = last_backward[stage[steps]]
         first[steps[stepped >= 0]] = stepped[stepped >= 0]
-        return cls(queues=queues, stage=stage, kind=kind, micro=micro, lane=lane, after=after, first=first,
+        return cls(queues=queued, stage=stage, kind=kind, micro=micro, lane=lane, after=after, first=first,
                    second=second, heads=ends[:-1][busy], tails=ends[1:][busy] - 1)
 
     def __len__(self) -> int:
@@ -189,8 +189,8 @@ class ActionGraph:
         end = np.zeros(n + 1)
         start = np.empty(n)
         if _sharing is not None and compiled:  # the same operations, action by action in C
-            _sharing.times(after, first, second, *(np.ascontiguousarray(a, dtype=np.float64) for a in
-                                                   (seconds, after_wait, first_wait, second_wait)), start, end)
+            f64 = [np.ascontiguousarray(a, dtype=np.float64) for a in (seconds, after_wait, first_wait, second_wait)]
+            _sharing.times(after, first, second, f64[0], f64[1], f64[2], f64[3], start, end)
         else:
             for lo, hi in levels:
                 t = end[after[lo:hi]]
@@ -215,7 +215,8 @@ def _levels(after: np.ndarray, first: np.ndarray, second: np.ndarray, compiled: 
     none = len(after)
     if _sharing is not None and compiled:
         level = np.empty(none, dtype=np.int64)
-        placed = _sharing.levels(*(np.ascontiguousarray(a, dtype=np.int64) for a in (after, first, second)), level)
+        i64 = [np.ascontiguousarray(a, dtype=np.int64) for a in (after, first, second)]
+        placed = _sharing.levels(i64[0], i64[1], i64[2], level)
     else:
         level, placed = _python_levels(after, first, second)
     if placed != none:

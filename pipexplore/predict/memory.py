@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -88,7 +88,8 @@ def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> f
     return sized / (probe.numel() * probe.element_size())
 
 
-def stage_memory(table: pd.DataFrame, splits: Sequence[int], *, peak_activations: Sequence[float],
+def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
+                 peak_activations: Union[Sequence[float], np.ndarray],
                  optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
                  capacity: Sequence[float] = ()) -> pd.DataFrame:
     """Per stage of ``table`` split at ``splits``: parameter, gradient, optimizer and peak

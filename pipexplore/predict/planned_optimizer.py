@@ -48,6 +48,7 @@ class _Passes(TorchDispatchMode):
 
     def __init__(self, param: torch.Tensor) -> None:
         super().__init__()
+        assert param.grad is not None  # the probe is given its gradient before it is counted
         self.storages = (param.untyped_storage().data_ptr(), param.grad.untyped_storage().data_ptr())
         self.passes = [0, 0, 0]
 

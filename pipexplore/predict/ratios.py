@@ -45,6 +45,7 @@ def contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any
         backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
 
     def twin(barrier: threading.Barrier, timers: tuple[_Timer, _Timer]) -> None:
+        torch.set_num_threads(threads_count)  # the caller's, in this new thread
         try:
             barrier.wait()
             for _ in range(3):  # the middle call is the one both threads run through at once
@@ -58,9 +59,7 @@ def contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any
         for _ in range(2):
             call(*alone)
         barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=lambda pair=pair: (torch.set_num_threads(threads_count),
-                                                               twin(barrier, pair)), daemon=True)
-                   for pair in twins]
+        threads = [threading.Thread(target=twin, args=(barrier, pair), daemon=True) for pair in twins]
         for t in threads:
             t.start()
         for t in threads:

@@ -97,7 +97,8 @@ class Efficiency:
     def __post_init__(self) -> None:
         values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
         if isinstance(self.flops, Mapping):
-            object.__setattr__(self, "flops", MappingProxyType({dtype_name(k): float(v) for k, v in values.items()}))
+            flops = {dtype_name(k): float(v) for k, v in self.flops.items()}
+            object.__setattr__(self, "flops", MappingProxyType(flops))
         for key, value in {**values, "bandwidth": self.bandwidth, "optimizer": self.optimizer}.items():
             if value is not None and not 0 < float(value) <= 2:
                 raise ValueError(f"efficiency {key} is a fraction of peak (0 < … ≤ 2), got {value}")

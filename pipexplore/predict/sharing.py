@@ -25,7 +25,7 @@ from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD, ActionGra
 try:  # the compiled loop; the Python one runs where it was not built
     from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
-    _sharing = None
+    _sharing = None  # type: ignore[assignment]  # mypy types an imported module as never None
 
 __all__ = ["ActionCosts", "Records", "processor_sharing", "sharing_loop", "loop_layout", "may_oversubscribe"]
 
@@ -135,7 +135,9 @@ def sharing_loop(graph: ActionGraph, costs: ActionCosts, gap: float, resource: l
     running: dict[int, tuple] = {}  # queue -> (resource, share, start, action)
     # Queues to look at now; queues waiting for a time: when (``timed``), and those times as a
     # heap (an entry whose queue has since been given another time, or none, is skipped).
-    dirty, timed, wakes = set(range(Q)), {}, []
+    dirty = set(range(Q))
+    timed: dict[int, float] = {}  # queue -> when
+    wakes: list[tuple[float, int]] = []  # (when, queue)
     order = 0
     remaining = none
     now = 0.0

@@ -51,7 +51,7 @@ from pipexplore.validate import interleaved_devices, valid_chunks
 try:  # the compiled loops; where they were not built (or ``_sharing`` is set to None), the Python ones run
     from pipexplore.predict import _sharing
 except ImportError:  # pragma: no cover - depends on the install
-    _sharing = None
+    _sharing = None  # type: ignore[assignment]  # mypy types an imported module as never None
 
 __all__ = ["SCHEDULES", "COSTED", "PHASE_NAMES", "simulate", "prepare_step", "Setup", "loop_layout",
            "stage_orders", "stage_costs", "schedule_graph", "host_cores", "worker_devices"]

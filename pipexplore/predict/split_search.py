@@ -31,7 +31,7 @@ Exact for this objective (tests: equal to brute force over every split). Where n
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -98,8 +98,8 @@ class StageMemory:
     gradients, optimizer state), ``act`` (saved for backward) and ``inp`` (what a stage starting
     there receives); per stage its ``shares`` (:func:`held_shares`) and ``caps`` (bytes)."""
 
-    def __init__(self, static: Sequence[float], act: Sequence[float], inp: Sequence[float],
-                 shares: Sequence[np.ndarray], caps: Sequence[float]) -> None:
+    def __init__(self, static: Union[Sequence[float], np.ndarray], act: Union[Sequence[float], np.ndarray],
+                 inp: Union[Sequence[float], np.ndarray], shares: Sequence[np.ndarray], caps: Sequence[float]) -> None:
         self.static = np.concatenate([[0.0], np.cumsum(np.asarray(static, dtype=float))])
         self.act = np.concatenate([[0.0], np.cumsum(np.asarray(act, dtype=float))])
         self.inp = np.asarray(inp, dtype=float)
@@ -266,7 +266,7 @@ def _threshold(prefix: np.ndarray, memory: StageMemory, stages: int, lower: floa
 
 
 def least_over(time: Sequence[float], memory: StageMemory, rounds: int = 5,
-               balanced: Optional[Sequence[int]] = None) -> tuple[list[int], float]:
+               balanced: Optional[list[int]] = None) -> tuple[list[int], float]:
     """Where no split fits: the split whose largest excess over its stage's cap is least (to
     about a millionth of it), and that excess in bytes. Among those, the fastest is not sought."""
     stages = len(memory.caps)

@@ -41,7 +41,7 @@ import math
 import pathlib
 import re
 import warnings
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union, cast
 
 import pandas as pd
 
@@ -183,7 +183,7 @@ class _Rank:
         self.flow_starts: dict[Any, int] = {}
         self.flow_ends: dict[tuple[Any, Any, int], Any] = {}
         self.kernels: list[tuple[int, int, Any, Any, Any, Any]] = []  # start, end, corr, device, pid, tid
-        self.first = None
+        self.first: Optional[int] = None  # the earliest event, None in a trace with none
         for event in data["traceEvents"]:
             if not isinstance(event, dict) or "ts" not in event or event.get("ph") == "M":
                 continue
@@ -210,10 +210,10 @@ class _Rank:
                     self.steps.append((start, end, int(match.group(1))))
                     continue
                 try:
-                    labels = parse_label(name)
+                    labels = parse_label(name) or []
                 except TraceError as exc:
                     raise TraceError(f"{path}: {exc}") from None
-                for k, label in enumerate(labels or ()):
+                for k, label in enumerate(labels):
                     self.actions.append((start, end, label, len(labels) > 1))
                     self.keys.append((name, k))
         order = sorted(range(len(self.actions)), key=lambda k: (self.actions[k][0], -self.actions[k][1], k))
@@ -274,8 +274,9 @@ def _step_of(rank: _Rank) -> list[Optional[int]]:
     seen: dict[tuple[str, int], int] = {}
     out = []
     for key in rank.keys:
-        out.append(seen.get(key, 0))
-        seen[key] = out[-1] + 1
+        count = seen.get(key, 0)
+        out.append(count)
+        seen[key] = count + 1
     return out
 
 
@@ -369,7 +370,9 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
     timeline = timeline.sort_values(["start", "rank", "stage"], kind="stable").reset_index(drop=True)
     _warn_if_incomplete(timeline, directory)
     timeline.attrs.update({
-        "rank_start": {r: (t.first + round(offsets.get(r, 0.0) * 1e9)) / 1e9 for r, t in sorted(ranks.items())},
+        # cast: every rank is labelled (checked above), so its trace has events and a first one
+        "rank_start": {r: (cast(int, t.first) + round(offsets.get(r, 0.0) * 1e9)) / 1e9
+                       for r, t in sorted(ranks.items())},
         "origin": origin / 1e9,
         "clock": "Kineto timestamps are each host's clock (µs since the epoch); the ranks are put on one axis "
                  "assuming the hosts' clocks agree" + (f", shifted by {offsets} s" if offsets else

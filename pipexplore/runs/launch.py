@@ -223,7 +223,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
     environment.setdefault("OMP_NUM_THREADS", str(core_share(world)))
     blocks = [rank_cores(rank, world) for rank in range(world)]
     if all(blocks):  # each rank on cores of its own (the exported script keeps to them)
-        environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks))
+        environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks if block))
     token = current_token()
     outs = [folder / f"agent-{n}.out" for n in range(nodes)]
     errs = [folder / f"agent-{n}.err" for n in range(nodes)]

@@ -244,8 +244,8 @@ def _check(path: str, format: str, text: str, rows: list[tuple[int, list[tuple[i
     if missing:
         raise ValueError(f"stage {missing[0]} appears on no rank: stages are numbered from 0 with none missing "
                          f"(found {', '.join(map(str, sorted(home)))})")
-    for rank, order in enumerate(comms):
-        for stage, kind, micro, step in order:
+    for rank, sent in enumerate(comms):
+        for stage, kind, micro, step in sent:
             if home.get(stage, (rank,))[0] != rank or stage >= stages:
                 held = f"rank {home[stage][0]} holds it" if stage in home else f"the stages are 0 … {stages - 1}"
                 raise ValueError(f"rank {rank}, step {step}: {_name((stage, kind, micro))} names stage {stage}, "

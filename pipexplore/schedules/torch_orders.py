@@ -129,7 +129,7 @@ def dualpipev_order(rank: int, ranks: int, m: int) -> Order:
     ``I`` then, later, ``W``."""
     down, up = rank, 2 * ranks - 1 - rank
     order: Order = []
-    count: dict[tuple[str, int], int] = defaultdict(int)
+    count: dict[tuple[int, str], int] = defaultdict(int)
     weights: list[tuple[int, int]] = []  # (stage, micro-batch) whose W is still to run
 
     def add(stage: int, kind: str) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pipexplore.microbatch import TensorOrTensors, batch_size
 from pipexplore.plan import Plan
+from pipexplore.widgets import what_if
 from pipexplore.widgets.run_log import RUN_COLUMNS
 from pipexplore.widgets.state import UPDATABLE, ExplorerState
 from pipexplore.widgets.view import ExplorerView
@@ -113,7 +114,7 @@ class Explorer:
 
     @property
     def keep_timelines(self) -> int:
-        return self.state.keep_timelines
+        return self.state.log.keep_timelines
 
     # ---- the plan -------------------------------------------------------------------------
     @property
@@ -184,15 +185,15 @@ class Explorer:
         the plan's), or ``'torchrun'``: the exported script under ``nodes`` torchrun node agents
         here, its recording loaded back (as :meth:`load_run`); ``timeout`` bounds a ``'processes'``
         or ``'torchrun'`` run. Errors propagate; the plan and earlier runs are kept."""
-        return self.state.run(executor, timeout=timeout, nodes=nodes)
+        return self.state.runner.run(executor, timeout=timeout, nodes=nodes)
 
     def load_run(self, directory: Any) -> pd.Series:
         """Add a run the exported script recorded (``--record DIR``, on any cluster) to :attr:`runs`."""
-        return self.state.load_run(directory)
+        return self.state.runner.load_run(directory)
 
     def run_async(self, executor: Optional[str] = None, **options: Any) -> threading.Thread:
         """Start :meth:`run` in a background thread (what the button does); returns the thread."""
-        return self.state.run_async(executor, **options)
+        return self.state.runner.run_async(executor, **options)
 
     def cancel(self, timeout: float = 60.0) -> bool:
         """Stop the background run: nothing of it is recorded, the plan and earlier runs are kept.
@@ -203,7 +204,7 @@ class Explorer:
             explorer.run_async()
             explorer.cancel()          # True; explorer.runs as before
         """
-        return self.state.cancel(timeout)
+        return self.state.runner.cancel(timeout)
 
     @property
     def runs(self) -> pd.DataFrame:
@@ -217,8 +218,17 @@ class Explorer:
 
     def timeline(self, kind: str = "predicted", run: Optional[int] = None) -> pd.DataFrame:
         """``'predicted'``: the current plan's; ``'measured'``: the latest run's, or run ``run``'s
-        while it is among the last ``keep_timelines`` runs."""
-        return self.state.timeline(kind, run)
+        while it is among the last ``keep_timelines`` runs.
+
+        Raises:
+            ValueError: another ``kind``.
+            LookupError: no run yet, or that run's timeline is no longer kept.
+        """
+        if kind == "predicted":
+            return self.state.plan.predicted
+        if kind != "measured":
+            raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+        return self.state.log.measured_timeline(run)
 
     def restore(self, run: int) -> Plan:
         """Make the plan of run ``run`` (its number in :attr:`runs`) the current plan again.
@@ -231,7 +241,7 @@ class Explorer:
 
     def residuals(self, run: int = -1) -> pd.DataFrame:
         """Each action of a run (default: the latest) against its prediction."""
-        return self.state.residuals(run)
+        return self.state.log.residuals(run)
 
     def sweep(self, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
               checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
@@ -243,7 +253,7 @@ class Explorer:
             table = explorer.sweep(stages=[2, 3, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"], measure=3)
             explorer.apply(table.iloc[0])
         """
-        return self.state.sweep(stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
+        return what_if.sweep(self.state, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
                                 measure=measure)
 
     def search(self, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
@@ -262,13 +272,13 @@ class Explorer:
                                     schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
             explorer.apply(table.iloc[0])
         """
-        return self.state.search(memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
+        return what_if.search(self.state, memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
                                  checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers)
 
     def apply(self, row: Any) -> Plan:
         """Make a row of :meth:`sweep` or :meth:`search` the current plan, or a mapping of some of
         their plan columns (the others kept): ``ex.apply({"splits": [2, 4]})``."""
-        return self.state.apply(row)
+        return what_if.apply(self.state, row)
 
     # ---- export ---------------------------------------------------------------------------
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
@@ -340,7 +350,7 @@ class Explorer:
             explorer.close()
             explorer = pipexplore.explore(bigger_model, sample)
         """
-        self.state.cancel()
+        self.state.runner.cancel()
         self.view.close()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:

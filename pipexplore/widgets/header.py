@@ -10,7 +10,8 @@ import pandas as pd
 from pipexplore import timeline as tl
 from pipexplore.plan import Plan
 
-__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes"]
+__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes",
+           "plan_difference"]
 
 
 def format_bytes(n: float) -> str:
@@ -176,3 +177,14 @@ def parse_bytes(value: Any, name: str = "memory_cap", *, strict: bool = True) ->
         raise ValueError(f"{name} must be a number of bytes > 0 or a size such as '2 GiB' or '512 MiB' (or None for no "
                          f"cap), got {value!r}")
     return number
+
+
+def plan_difference(plan: Plan, other: Plan) -> str:
+    """'' when ``other`` is ``plan``, else what differs (for the measured panel's title)."""
+    changes = [f"{name} {theirs} → {ours}" for name, theirs, ours in (
+        ("splits", splits_text(other.splits), splits_text(plan.splits)), ("chunks", other.chunks, plan.chunks),
+        ("schedule", other.schedule, plan.schedule), ("checkpoint", other.checkpoint, plan.checkpoint),
+        ("executor", other.executor, plan.executor),
+        ("devices", ",".join(other.devices[: other.num_devices]), ",".join(plan.devices[: plan.num_devices])))
+        if theirs != ours]
+    return ("not the current plan: " + ", ".join(changes)) if changes else ""

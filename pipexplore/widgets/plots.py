@@ -8,6 +8,7 @@ import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.widgets import timeline_canvas as canvas
+from pipexplore.widgets.protocol import BlockPanel, MemoryPanel, TimelineScene
 
 __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "TimelineView", "Scene", "timeline_figure",
            "summary", "lanes", "memory_scale", "held_memory"]
@@ -132,7 +133,8 @@ class TimelineView:
         #: What was predicted for the run in the measured panel (its blocks' hover shows it).
         self.measured_prediction: Optional[pd.DataFrame] = None
         self._summaries: dict[int, tuple[pd.DataFrame, str]] = {}
-        self._panels: dict[int, dict[str, Any]] = {}  # the block panels, kept until their rows change
+        # the block panels (1, 2: BlockPanel) and the memory panel (3: MemoryPanel), kept until their rows change
+        self._panels: dict[int, Any] = {}
         self._retime_key = ""  # the plan shape the page may re-time (see :meth:`retime`)
         self.figure: Any = canvas.TimelineCanvas() if widget else Scene()
         if widget:
@@ -255,6 +257,7 @@ class TimelineView:
         page re-times only with a model whose key is its scene's)."""
         self._retime_key = key
         if model is not None and isinstance(self.figure, canvas.TimelineCanvas):
+            # (a protocol.RetimePayload: retime_model's fields, the key, and the panel)
             self.figure.retime = {**model, "panel": canvas.retime_panel(lane_stage, PHASES, model)}
 
     def highlight(self, stage: Optional[int]) -> None:
@@ -272,9 +275,10 @@ class TimelineView:
                 self.measured, PHASES, empty=self.measured_empty,
                 stage_layers=self.measured_stage_layers, other=self.measured_prediction,
                 other_name="predicted for this run")
-        panels = [self._panels[1] | {"title": self._predicted_text(), "role": "predicted",
-                                     "title_parts": [f"{self.names[0]}: ", self._predicted_suffix()]},
-                  self._panels[2] | {"title": measured_text, "warning": measured_warning}]
+        panels: list[BlockPanel | MemoryPanel] = [
+            self._panels[1] | {"title": self._predicted_text(), "role": "predicted",
+                               "title_parts": [f"{self.names[0]}: ", self._predicted_suffix()]},
+            self._panels[2] | {"title": measured_text, "warning": measured_warning}]
         if self.memory:
             if 3 in rows or 3 not in self._panels:
                 self._panels[3] = self._memory_panel()
@@ -284,12 +288,13 @@ class TimelineView:
         shown = set()
         for row in (1, 2):
             shown.update(np.flatnonzero(np.bincount(np.frombuffer(self._panels[row]["phase"], np.uint8))).tolist())
-        self.figure.scene = {
+        scene: TimelineScene = {
             "panels": panels, "phases": canvas.phase_table(PHASE_COLORS, PHASE_LETTERS),
             "legend": [k for k in range(len(PHASES)) if k in shown],
             "x_range": self.x_range, "splits": ",".join(str(s) for s in self.splits),
             "measured_ms": tl.step_time(self.measured) * 1e3 if self.measured is not None else 0.0,
             "retime_key": self._retime_key}
+        self.figure.scene = scene
 
     def _memory_scale(self, peaks: pd.DataFrame) -> tuple[float, str]:
         """The divisor and unit of the memory panel: its largest peak's (predicted or measured),
@@ -312,7 +317,7 @@ class TimelineView:
             return None
         return self._held(measured, "_measured_memory_of")
 
-    def _memory_panel(self) -> dict[str, Any]:
+    def _memory_panel(self) -> MemoryPanel:
         peaks = self.peaks()
         memory = self._memory() if len(peaks) else pd.DataFrame({"stage": [], "time": [], "bytes": []})
         scale, unit = self._memory_scale(peaks)

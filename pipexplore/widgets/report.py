@@ -9,7 +9,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Union
 
 from pipexplore.microbatch import batch_size
-from pipexplore.widgets.header import plan_text, short_plan_text
+from pipexplore.widgets.header import plan_text, short_plan_text, plan_difference
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas, residual_state
 from pipexplore.widgets.runs_view import runs_html
@@ -124,13 +124,13 @@ def report_html(state: "ExplorerState", strip_view: str = "time") -> str:
     from pipexplore.widgets.panels.status import header_of
 
     plan = state.plan
-    result = state.shown_result()
+    result = state.log.shown_result()
     view = TimelineView(plan.predicted, result.timeline if result is not None else None,
                         batch_size(state.sample), widget=False, memory_cap=state.memory_cap)
     view.show(splits=plan.splits, predicted_title=short_plan_text(plan),
-              measured_title=(f"run {state.run_number(result)} · {short_plan_text(result.plan)}"
+              measured_title=(f"run {state.log.run_number(result)} · {short_plan_text(result.plan)}"
                               if result is not None else ""),
-              measured_warning=state.plan_difference(result.plan) if result is not None else "")
+              measured_warning=plan_difference(state.plan, result.plan) if result is not None else "")
     splits = ",".join(map(str, plan.splits))
     scripts = "".join(_module_script(name, widget) for name, widget in _WIDGETS.items())
     widget_css = "".join(dict.fromkeys(str(widget._css) for widget in _WIDGETS.values()))  # shared once
@@ -150,10 +150,10 @@ def report_html(state: "ExplorerState", strip_view: str = "time") -> str:
                      f" class='pipexplore-timeline' data-splits='{splits}'"),
     ]
     if result is not None:
-        grid = residual_state(residuals(result.predicted, result.timeline), f"run {state.run_number(result)}")
+        grid = residual_state(residuals(result.predicted, result.timeline), f"run {state.log.run_number(result)}")
         parts += ["<h2>residuals</h2>", _widget_html("residuals", "pipexplore-residuals-figure", {"grid": grid})]
     runs = state.runs
-    parts += ["<h2>runs</h2>", runs_html(runs, shown_run=state.run_number(result), uuid="pipexplore-report-runs")]
+    parts += ["<h2>runs</h2>", runs_html(runs, shown_run=state.log.run_number(result), uuid="pipexplore-report-runs")]
     kinds = [("pipelining", "torch.distributed.pipelining"),
              ("torchrun", f"torchrun --standalone --nproc-per-node {plan.num_devices}")]
     if not state.traced:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Optional
+from typing import Optional
 
 import anywidget
 import numpy as np
@@ -10,6 +10,7 @@ import pandas as pd
 import traitlets
 
 from pipexplore.widgets.plots import PHASES
+from pipexplore.widgets.protocol import ResidualGrid
 from pipexplore.widgets.timeline_canvas import CANVAS_CSS
 
 __all__ = ["residual_grid", "residual_state", "ResidualCanvas"]
@@ -38,7 +39,7 @@ def _title(grid: pd.DataFrame, title: str) -> str:
             f"(median |error| {median:.0f} %)")
 
 
-def residual_state(table: Optional[pd.DataFrame], title: str = "") -> dict[str, Any]:
+def residual_state(table: Optional[pd.DataFrame], title: str = "") -> ResidualGrid:
     """What :class:`ResidualCanvas` draws for ``table`` (per-action residuals; ``None``: no run
     yet): ``title``, ``rows``, ``columns`` and the errors in percent as float32 bytes."""
     grid = residual_grid(table) if table is not None else pd.DataFrame()
@@ -65,7 +66,7 @@ class ResidualCanvas(anywidget.AnyWidget):
 
     def show(self, table: Optional[pd.DataFrame], title: str = "") -> None:
         """Draw ``table`` (per-action residuals, :func:`pipexplore.predict.residuals.residuals`; ``None``: no run yet)."""
-        self.grid = residual_state(table, title)
+        self.grid = dict(residual_state(table, title))
 
     def cells(self) -> np.ndarray:
         """The errors drawn, in percent, one row per entry of ``grid['rows']``."""

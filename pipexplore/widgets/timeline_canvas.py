@@ -11,7 +11,7 @@ the panels; :func:`blocks_of` reads a block panel back as a DataFrame.
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 import anywidget
 import numpy as np
@@ -20,6 +20,7 @@ import traitlets
 
 from pipexplore.devices import is_planned, node_of
 from pipexplore.timeline.metrics import lexsort
+from pipexplore.widgets.protocol import BlockPanel, MemoryPanel, MemoryPeak, MemorySeries, RetimePanel, ScenePhase
 
 __all__ = ["TimelineCanvas", "CANVAS_CSS", "block_panel", "memory_panel", "blocks_of", "phase_table", "lane_of",
            "lane_labels", "retime_panel"]
@@ -89,7 +90,7 @@ class TimelineCanvas(anywidget.AnyWidget):
     hovered = traitlets.Unicode("").tag(sync=True)
 
 
-def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[dict[str, str]]:
+def phase_table(colors: Mapping[str, str], letters: Mapping[str, str]) -> list[ScenePhase]:
     """The phases a scene knows, in code order: name, colour and the letter on a block."""
     return [{"name": name, "color": color, "letter": letters.get(name, "")} for name, color in colors.items()]
 
@@ -117,7 +118,7 @@ def lane_labels(pairs: Sequence[tuple[int, str]]) -> list[str]:
 
 def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: str = "", warning: str = "",
                 empty: str = "", stage_layers: Sequence[tuple[int, int]] = (),
-                other: Optional[pd.DataFrame] = None, other_name: str = "") -> dict[str, Any]:
+                other: Optional[pd.DataFrame] = None, other_name: str = "") -> BlockPanel:
     """A panel of blocks: one lane per (stage, device), stage 0 first, times in ms from the step's start.
 
     Lanes of planned devices (a prediction whose ``attrs['gpus_per_node']`` says how many a node
@@ -135,7 +136,7 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
                              "lane_stage": [], "offsets": [0], "stage_layers": [list(b) for b in stage_layers],
                              "other_name": other_name, "count": 0}
     if frame is None or frame.empty:
-        return panel | {key: b"" for key in ("start", "end", "phase", "micro")} | {"micro_bytes": 2}
+        return cast(BlockPanel, panel | {key: b"" for key in ("start", "end", "phase", "micro")} | {"micro_bytes": 2})
     pairs, lane = lane_of(frame)
     origin = float(frame["start"].min())
     start = (frame["start"].to_numpy(dtype=float) - origin) * 1e3
@@ -166,10 +167,10 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
         panel["extra"] = [f"batch of {r} rows from {t} tasks, waited {w * 1e3:.2f} ms" for r, t, w in
                           zip(frame["batch_size"].to_numpy()[order], frame["tasks"].to_numpy()[order],
                               frame["wait"].to_numpy()[order])]
-    return panel
+    return cast(BlockPanel, panel)  # (built up in steps: the protocol test holds its keys)
 
 
-def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> dict[str, Any]:
+def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> RetimePanel:
     """How the page lays out a re-timed step (:mod:`pipexplore.predict.retime`) as :func:`block_panel` lays
     out the plan's (``lane_stage``: each lane's stage, as :func:`lane_of` pairs them): each stage's
     lane, how many lanes, the phase code of each of the graph's kinds and of a copy, the
@@ -185,7 +186,7 @@ def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mappin
             "bubble_key": model["bubble_key"]}
 
 
-def _memory_series(memory: pd.DataFrame, colors: Sequence[str], scale: float) -> list[dict[str, Any]]:
+def _memory_series(memory: pd.DataFrame, colors: Sequence[str], scale: float) -> list[MemorySeries]:
     stages = memory["stage"].to_numpy()
     times = (memory["time"].to_numpy(dtype=float) * 1e3).astype(np.float32)
     values = (memory["bytes"].to_numpy(dtype=float) / scale).astype(np.float32)
@@ -197,14 +198,14 @@ def _memory_series(memory: pd.DataFrame, colors: Sequence[str], scale: float) ->
 
 def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str], *, scale: float, unit: str,
                  cap: Optional[float] = None, title: str = "", warning: str = "",
-                 measured: Optional[pd.DataFrame] = None) -> dict[str, Any]:
+                 measured: Optional[pd.DataFrame] = None) -> MemoryPanel:
     """A panel of step lines, one per stage: ``memory`` has ``stage``, ``time`` (s) and ``bytes``
     after each change, sorted by stage; ``peaks`` one row per stage (``stage``, ``time``, ``bytes``,
     ``over_cap``). Values travel divided by ``scale`` and are labelled ``unit``. ``measured``: the
     same columns from a run (time from its step's start), drawn dashed beside the prediction."""
     series = _memory_series(memory, colors, scale)
-    marks = [{"stage": int(s), "t": float(t) * 1e3, "v": float(v) / scale, "over": bool(o)}
-             for s, t, v, o in zip(peaks["stage"], peaks["time"], peaks["bytes"], peaks["over_cap"])]
+    marks: list[MemoryPeak] = [{"stage": int(s), "t": float(t) * 1e3, "v": float(v) / scale, "over": bool(o)}
+                               for s, t, v, o in zip(peaks["stage"], peaks["time"], peaks["bytes"], peaks["over_cap"])]
     measured_series = _memory_series(measured, colors, scale) if measured is not None and len(measured) else []
     most_measured = float(measured["bytes"].max()) / scale if measured_series else 0.0
     top = max([m["v"] for m in marks] + [cap / scale if cap is not None else 0.0, most_measured])

@@ -103,7 +103,7 @@ class ExplorerView:
         from pipexplore.widgets.static import strip_svg, timeline_svg
 
         state, bar = self.state, self.stages.bar
-        result = state.shown_result()
+        result = state.log.shown_result()
         measured = result.timeline if result is not None else None
         x_max = self.timelines.timelines.x_range[1]
         splits = list(state.plan.splits)
@@ -112,6 +112,6 @@ class ExplorerView:
                 + self.stages.w_stages.value
                 + "<div class='pipexplore-timeline' data-splits='" + ",".join(map(str, splits)) + "'>"
                 + timeline_svg(state.plan.predicted, "predicted: " + plan_text(state.plan), x_max_ms=x_max)
-                + timeline_svg(measured, "measured" + (f": run {state.run_number(result)} · {plan_text(result.plan)}"
+                + timeline_svg(measured, "measured" + (f": run {state.log.run_number(result)} · {plan_text(result.plan)}"
                                                        if result is not None else ""), x_max_ms=x_max)
                 + "</div>" + self.runs.w_runs.value + "</div>")

@@ -167,12 +167,14 @@ def traced_extra(model: nn.Module, sample: Any, names: Sequence[str], *, repeats
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k, block in enumerate(blocks):
-            if own_inputs[k] is None or k >= len(stages) or stage_inputs[k] is None:
+            own_input = own_inputs[k]
+            stage_input = stage_inputs[k] if k < len(stages) else None
+            if own_input is None or stage_input is None:
                 forward.append(0.0)
                 backward.append(0.0)
                 continue
-            mine = isolated_seconds(block, *own_inputs[k], repeats=repeats, warmup=warmup)
-            traced = isolated_seconds(stages[k][1], *stage_inputs[k], repeats=repeats, warmup=warmup)
+            mine = isolated_seconds(block, *own_input, repeats=repeats, warmup=warmup)
+            traced = isolated_seconds(stages[k][1], *stage_input, repeats=repeats, warmup=warmup)
             forward.append(traced[0] - mine[0])
             backward.append(traced[1] - mine[1])
     first_split = first_runnable_split(pipe)
@@ -344,7 +346,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
         unused = [blocks[k][0] for k in range(len(blocks)) if k not in order]
         order += [k for k in range(len(blocks)) if k not in order]
         warnings.warn(f"blocks not called in forward: {unused}", stacklevel=2)
-    shared = {k: [] for k in range(len(blocks))}
+    shared: dict[int, list[str]] = {k: [] for k in range(len(blocks))}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     for pid, ks in owners.items():
         if len(set(ks)) > 1:

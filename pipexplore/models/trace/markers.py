@@ -183,10 +183,10 @@ def exporting(exported: Optional[MarkedExport], captured: dict[str, Any], model:
 
         if exported is not None:
             exported.attach(model)
-        Pipe._trace_with_export = staticmethod(export)
+        Pipe._trace_with_export = staticmethod(export)  # type: ignore[method-assign]
         try:
             yield
         finally:
-            Pipe._trace_with_export = original
+            Pipe._trace_with_export = original  # type: ignore[method-assign]
             if exported is not None:
                 exported.detached()

@@ -142,7 +142,7 @@ def _copy_with(pipe: Any, tensors: list[tuple[torch.Tensor, str]], source: dict[
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by FQN (a tied one under each of its names)."""
-    source = dict(model.named_parameters(remove_duplicate=False))
+    source: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     source.update(model.named_buffers(remove_duplicate=False))
     return source
 

@@ -138,7 +138,7 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
         raise TraceError(f"split point(s) {twice} would begin {max(order.count(f) for f in twice)} stages each: "
                          "forward calls them more than once (a shared module); split at a module that forward "
                          "calls once")
-    pipe.output_spec = captured.get("output_spec")
+    pipe.output_spec = captured.get("output_spec")  # type: ignore[assignment]  # (torch: Tensor | Module only)
     run_generated_code(pipe.split_gm)
     if exported is None and "program" in captured:
         exported = markers.MarkedExport(captured["program"], tuple(order), frozenset(marks))
@@ -158,8 +158,8 @@ def run_generated_code(module: nn.Module) -> int:
     switched = 0
     for submodule in module.modules():
         if getattr(submodule, "_run_with_interpreter", None) is True and \
-                all(node.name != "self" for node in submodule.graph.nodes):
-            submodule._run_with_interpreter = False
+                all(node.name != "self" for node in submodule.graph.nodes):  # type: ignore[union-attr]
+            submodule._run_with_interpreter = False  # type: ignore[assignment]  # (torch: Tensor | Module only)
             switched += 1
     return switched
 

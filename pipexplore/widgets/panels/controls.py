@@ -139,7 +139,7 @@ class ControlsPanel:
             finally:
                 self._syncing = False
         elif change == "status":
-            running = self.state.running
+            running = self.state.runner.running
             if running and self.w_run.description != "Cancel":
                 self.w_run.description, self.w_run.icon, self.w_run.button_style = "Cancel", "stop", "danger"
                 self.w_run.tooltip = ("stop the run: its workers stop after their current action; "
@@ -148,19 +148,19 @@ class ControlsPanel:
                 self.w_run.description, self.w_run.icon, self.w_run.button_style = "Run step", "play", "primary"
                 self.w_run.tooltip = RUN_TOOLTIP
             self.w_run.disabled = self.state.plan.planned
-            self.w_run_on.disabled = self.state.running or self.state.plan.planned
+            self.w_run_on.disabled = self.state.runner.running or self.state.plan.planned
 
     def _on_run_clicked(self, _: Any) -> None:
         state = self.state
-        if state.running:
+        if state.runner.running:
             state.say("cancelling: the workers stop after their current action…", busy=True)
-            state.cancel(timeout=0)
+            state.runner.cancel(timeout=0)
             return
         nodes = self.w_run_on.value
         try:
             if nodes:
-                state.run_async("torchrun", nodes=int(nodes))
+                state.runner.run_async("torchrun", nodes=int(nodes))
             else:
-                state.run_async()
+                state.runner.run_async()
         except Exception as exc:
             state.show_error(exc)

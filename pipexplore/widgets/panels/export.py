@@ -37,9 +37,9 @@ class ExportPanel:
         state, kind = self.state, self.w_export_kind.value
         try:
             if kind == "chrome-trace":
-                result = state.shown_result()
+                result = state.log.shown_result()
                 frame = result.timeline if result is not None else state.plan.predicted
-                what = f"run {state.run_number(result)}" if result is not None else "the predicted step"
+                what = f"run {state.log.run_number(result)}" if result is not None else "the predicted step"
                 self.show_code(json.dumps(tl.to_chrome_trace(frame), indent=1),
                                f"Chrome trace of {what}: save as .json, open in ui.perfetto.dev or chrome://tracing")
             elif kind == "html":

@@ -68,7 +68,7 @@ class RunsPanel:
         self.w_show_run.observe(self._on_show_run, names="value")
         self.w_compare.observe(self._on_compare, names="value")
         self.w_sort.observe(self._on_sort, names="value")
-        self.w_restore.on_click(lambda _: state.attempt(lambda: state.restore(state.run_number(state.shown_result()))))
+        self.w_restore.on_click(lambda _: state.attempt(lambda: state.restore(state.log.run_number(state.log.shown_result()))))
         self.tools = W.HBox([self.w_show_run, self.w_restore, self.w_compare, self.w_sort])
         self.tools.add_class("pipexplore-controls")
         self.refresh("runs")
@@ -79,15 +79,15 @@ class RunsPanel:
 
     def _on_compare(self, change: dict[str, Any]) -> None:
         if not self._choosing:
-            self.state.show(self.state.shown_run, compare=None if change["new"] == -1 else int(change["new"]))
+            self.state.show(self.state.log.shown_run, compare=None if change["new"] == -1 else int(change["new"]))
 
     def _on_sort(self, change: dict[str, Any]) -> None:
         self.sort = str(change["new"])
         self._refresh_table()
 
     def _refresh_table(self) -> None:
-        rows = self.state.run_rows()
-        shown = self.state.run_number(self.state.shown_result())
+        rows = self.state.log.rows()
+        shown = self.state.log.run_number(self.state.log.shown_result())
         latest = rows[-RUNS_SHOWN:]
         self.w_runs.value = runs_html(pd.DataFrame(latest, columns=RUN_COLUMNS), earlier=len(rows) - len(latest),
                                       sort_by=self.sort, descending=self.sort == "throughput", shown_run=shown,
@@ -98,16 +98,16 @@ class RunsPanel:
             return
         state = self.state
         self._refresh_table()
-        kept = state.kept_runs()
+        kept = state.log.kept_runs()
         self._choosing = True
         try:
             self.w_show_run.options = [("latest", -1)] + [(f"run {n}", n) for n in reversed(kept)]
-            self.w_show_run.value = state.shown_run if state.shown_run in kept else -1
+            self.w_show_run.value = state.log.shown_run if state.log.shown_run in kept else -1
             self.w_compare.options = [("—", -1)] + [(f"run {n}", n) for n in reversed(kept)]
-            self.w_compare.value = state.compare_run if state.compare_run in kept else -1
+            self.w_compare.value = state.log.compare_run if state.log.compare_run in kept else -1
         finally:
             self._choosing = False
-        shown = state.run_number(state.shown_result())
+        shown = state.log.run_number(state.log.shown_result())
         self.w_restore.disabled = shown is None
         self.w_restore.description = "Restore this plan" if shown is None else f"Restore run {shown}'s plan"
         self._refresh_compare()
@@ -115,12 +115,12 @@ class RunsPanel:
     def _refresh_compare(self) -> None:
         """Two runs side by side: their figures and plans in a table, their timelines on one time axis."""
         state = self.state
-        a, b = state.shown_result(), state.result_of(state.compare_run)
+        a, b = state.log.shown_result(), state.log.result_of(state.log.compare_run)
         if a is None or b is None or a is b:
             self.w_compare_box.children = []
             return
-        rows = {row["run"]: row for row in state.run_rows()}
-        first, second = rows.get(state.run_number(a), {}), rows.get(state.run_number(b), {})
+        rows = {row["run"]: row for row in state.log.rows()}
+        first, second = rows.get(state.log.run_number(a), {}), rows.get(state.log.run_number(b), {})
         view = self._compare_view
         if view is None:  # one view for every comparison: its widget is redrawn, not replaced
             view = self._compare_view = TimelineView(samples=batch_size(state.sample), memory=False)

@@ -13,6 +13,7 @@ from pipexplore.plan import Plan
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.panels.controls import FieldMessages
 from pipexplore.widgets.plots import STAGE_COLORS
+from pipexplore.widgets.protocol import StripLayer, StripSkip
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.state import ExplorerState
 
@@ -22,9 +23,9 @@ HINT = ("drag a handle (or focus it and use ←/→) · double-click a layer bou
         "Delete (or drag it off the strip) removes one")
 
 
-def layer_cells(table: pd.DataFrame) -> list[dict[str, Any]]:
+def layer_cells(table: pd.DataFrame) -> list[StripLayer]:
     """The strip's cells: a layer's name, type, time, parameter and activation bytes, and its label."""
-    rows = []
+    rows: list[StripLayer] = []
     for row in table.itertuples(index=False):
         seconds = float(row.forward + row.backward)
         rows.append({"name": str(row.name), "type": str(row.type), "time": seconds,
@@ -34,7 +35,7 @@ def layer_cells(table: pd.DataFrame) -> list[dict[str, Any]]:
     return rows
 
 
-def skip_arcs(plan: Plan) -> list[dict[str, Any]]:
+def skip_arcs(plan: Plan) -> list[StripSkip]:
     """The strip's arcs: each skip route from its stash layer to its pop layer."""
     return [{"name": r.name, "from": r.stash_layer, "to": r.pop_layer} for r in plan.skip_routes]
 

@@ -22,7 +22,7 @@ TICK_SECONDS = 0.25
 def header_of(state: ExplorerState) -> str:
     """The header's HTML: the model and plan, predicted figures, and the last run against them."""
     title = f"{len(state.layer_table)} layers · batch {batch_size(state.sample)} · {plan_text(state.plan)}"
-    rows = state.run_rows()
+    rows = state.log.rows()
     plan = state.plan
     planned = (f"{len(set(plan.devices))} × {plan.devices[0].split(':')[0]} on {plan.nodes} node"
                f"{'s' if plan.nodes > 1 else ''}") if plan.planned else ""
@@ -57,9 +57,9 @@ class StatusPanel:
         if change in ("plan", "status"):
             self._show_status()
         if change == "status":
-            if self.state.running and not self._ticking:
+            if self.state.runner.running and not self._ticking:
                 self._start_ticking()
-            elif not self.state.running:
+            elif not self.state.runner.running:
                 self.w_progress.layout.display = "none"
 
     def _show_status(self, progress: str = "") -> None:
@@ -89,11 +89,11 @@ class StatusPanel:
         per_stage = actions_per_stage(state.plan.predicted, steps=3)
 
         def tick() -> None:
-            if not state.running:
+            if not state.runner.running:
                 self._ticking = False
                 return
             elapsed = time.monotonic() - started
-            counter = state.counter
+            counter = state.runner.counter
             done = counter.done() if counter is not None else {}
             total = sum(per_stage.values())
             if done and total:  # the measured steps' actions, as the stages do them

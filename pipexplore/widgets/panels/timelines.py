@@ -12,9 +12,10 @@ from pipexplore import background
 from pipexplore import timeline as tl
 from pipexplore.microbatch import batch_size
 from pipexplore.predict.costs import stage_bounds
-from pipexplore.widgets.header import format_bytes, parse_bytes, short_plan_text
+from pipexplore.widgets.header import format_bytes, parse_bytes, short_plan_text, plan_difference
 from pipexplore.widgets.panels.controls import COMPACT, FieldMessages
 from pipexplore.widgets.plots import TimelineView
+from pipexplore.widgets.protocol import DrawnMessage
 from pipexplore.widgets.residual_view import ResidualCanvas
 from pipexplore.widgets.schedule_grid import ScheduleGrid, schedule_rows
 from pipexplore.widgets.state import ExplorerState
@@ -86,8 +87,10 @@ class TimelinesPanel:
         """The page drew the explorer's first timeline: now import what a first run needs (torch's
         optimizers, the pipelining helpers: ~1.5 s) in the background, while the explorer is
         looked at; a run waits for it. Not before: beside the import, the kernel would put the
-        explorer on the screen ~1 s later."""
-        if isinstance(content, dict) and content.get("event") == "drawn":
+        explorer on the screen ~1 s later. ``content``: a :class:`~pipexplore.widgets.protocol.DrawnMessage`
+        (its keys exactly; anything else is ignored)."""
+        if isinstance(content, dict) and content.keys() == DrawnMessage.__required_keys__ \
+                and content["event"] == "drawn":
             from pipexplore.widgets.plots import warm_up_runs
 
             background.start(warm_up_runs, "pipexplore-warm-up-runs")
@@ -129,11 +132,11 @@ class TimelinesPanel:
         state = self.state
         plan = state.plan
         layers = len(state.layer_table)
-        result = state.shown_result()
+        result = state.log.shown_result()
         measured: dict[str, Any] = {"clear_measured": True}
         if result is not None:
-            measured = dict(measured=result.timeline, measured_title=f"run {state.run_number(result)} · "
-                            f"{short_plan_text(result.plan)}", measured_warning=state.plan_difference(result.plan),
+            measured = dict(measured=result.timeline, measured_title=f"run {state.log.run_number(result)} · "
+                            f"{short_plan_text(result.plan)}", measured_warning=plan_difference(state.plan, result.plan),
                             measured_prediction=result.predicted,
                             measured_stage_layers=stage_layers(result.plan.splits, layers))
         self.send_retime()  # before the scene, which names it
@@ -154,9 +157,9 @@ class TimelinesPanel:
         from pipexplore.predict.residuals import residuals
 
         state = self.state
-        result = state.shown_result()
+        result = state.log.shown_result()
         table = residuals(result.predicted, result.timeline) if result is not None else None
-        title = f"run {state.run_number(result)}" if result is not None else ""
+        title = f"run {state.log.run_number(result)}" if result is not None else ""
         if self.residual_figure is None:
             self.residual_figure = ResidualCanvas()
             self.w_residuals.children = [self.residual_figure]

@@ -1,0 +1,40 @@
+"""The code that reproduces a plan: a ``GPipe(...)``, a ``torch.distributed.pipelining`` split spec and
+schedule, a standalone ``torchrun`` script, or the schedule as torch's CSV file.
+
+Example::
+
+    print(plan_code(plan, "torchrun", hooks="train_hooks"))     # python -m torch.distributed.run ... it
+"""
+from __future__ import annotations
+
+from pipexplore.export.torchrun import torchrun_script
+from pipexplore.plan import CODE_KINDS, Plan
+
+__all__ = ["plan_code", "EXPORT_KINDS"]
+
+#: What a plan exports as.
+EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv")
+
+
+def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_name: str = "the model",
+              hooks: str = "train_hooks", steps: int = 1) -> str:
+    """Code that reproduces ``plan``'s split: ``'gpipe'`` (a ``GPipe(...)``, ``nn.Sequential`` models),
+    ``'pipelining'`` (a ``torch.distributed.pipelining`` split spec and schedule), ``'torchrun'`` (a
+    standalone script importing ``build_model()``, ``get_batch()`` and ``loss_fn()`` from the ``hooks``
+    module, running ``steps`` steps) or ``'schedule-csv'`` (the plan's schedule in torch's CSV format,
+    the text of a file for ``schedule="my.csv"`` or torch's ``_load_csv``). ``traced``: the model is
+    not an ``nn.Sequential`` (it is split by torch's tracer), named ``model_name`` in a refusal.
+
+    Raises:
+        ValueError: a kind this model cannot export, or an unknown kind (the kinds named).
+    """
+    if kind == "torchrun":
+        return torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
+                               schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",
+                               devices=plan.num_devices, device=plan.device_type, checkpoint=plan.export_checkpoint)
+    if kind == "gpipe" and traced:
+        raise ValueError(f"GPipe takes an nn.Sequential; {model_name} exports as 'pipelining' or 'torchrun'")
+    if kind not in CODE_KINDS:
+        known = ", ".join(map(repr, EXPORT_KINDS[:-1])) + f" or {EXPORT_KINDS[-1]!r}"
+        raise ValueError(f"unknown export kind {kind!r}: {known}")
+    return plan.to_code(kind)

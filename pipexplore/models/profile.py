@@ -1,0 +1,208 @@
+"""Profiling any model: one entry that picks the path its devices and its kind call for.
+
+=======================  ================================================================
+planned devices          counted on the meta device and costed by the catalogue's roofline
+(``"H100"`` × 16)        (:func:`planned_layers`), its efficiency learnt where a device of
+                         the kind is here
+a model on meta          timed block by block, each kind of block once
+                         (:func:`pipexplore.models.blockwise.profile_blockwise`)
+not an ``nn.Sequential`` its candidate blocks timed where they run in the model, as the
+                         stages torch's tracer builds (:func:`pipexplore.models.trace.candidates_in_rows`)
+an ``nn.Sequential``     each layer timed (:func:`pipexplore.profile`)
+=======================  ================================================================
+
+Every path costs the layers at a micro-batch of ``chunks`` and at the whole batch, with the
+intra-op threads each CPU stage runs with, so that what is predicted is what runs. The devices are
+resolved once (:class:`pipexplore.devices.placement.Placement`). Progress is a callback
+``progress(done, total)``: the explorer gives it a bar in the notebook, a script what it likes.
+
+Example::
+
+    table = profile_model(model, sample, devices=["H100"] * 16, gpus_per_node=8, chunks=8)
+    table = profile_model(nn.Sequential(...), torch.randn(64, 128), chunks=4, progress=print)
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from typing import Any, Callable, Optional, Sequence, Union
+
+import pandas as pd
+import torch
+from torch import nn
+
+from pipexplore import devices as devices_here
+from pipexplore import validate
+from pipexplore.devices import device_spec
+from pipexplore.devices.placement import Placement, place
+from pipexplore.host import sharing_cores, stage_threads
+from pipexplore.microbatch import TensorOrTensors, batch_size, to_device
+from pipexplore.models import blockwise, trace
+from pipexplore.models.meta import count_layers
+from pipexplore.predict.memory import optimizer_traffic
+from pipexplore.predict import planned_optimizer
+from pipexplore.predict.profiler import backward_split, profile
+from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs
+
+__all__ = ["profile_model", "planned_layers", "with_backward_split", "on_meta", "costed_rows"]
+
+Progress = Callable[[int, int], None]
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` (any of its parameters or buffers) is on the meta device: built without weights."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def costed_rows(batch: int, chunks: int) -> list[int]:
+    """The micro-batch sizes a table is costed at: a micro-batch of ``chunks`` and the whole batch."""
+    return sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
+
+
+def profile_model(model: nn.Module, sample: TensorOrTensors, *,
+                  devices: Union[Placement, Sequence[Any], None] = None, gpus_per_node: int = 8, chunks: int = 1,
+                  granularity: str = "blocks", repeats: int = 3, profile_stages: bool = True,
+                  split_backward: bool = True, loss_fn: Any = None, target: Any = None, optimizer: Any = None,
+                  mixed_precision: bool = False, progress: Optional[Progress] = None) -> pd.DataFrame:
+    """The layer table of ``model`` on ``sample`` (one row per layer or traced candidate: names,
+    forward and backward seconds as ``a + b·n`` in the rows ``n`` of a micro-batch, bytes, skip
+    routes), by the path the devices and the model call for (the module docstring).
+
+    ``devices``: the plan's devices (names, or a :class:`~pipexplore.devices.placement.Placement`),
+    planned from the catalogue or present here; None: this machine's. ``chunks``: the micro-batches
+    the plan runs (the table is costed at that micro-batch and at the whole batch). ``optimizer``
+    (a factory of the runs' optimizer, default SGD) steps each layer's parameters (the
+    ``optimizer`` column). ``split_backward``: measure the input/weight-gradient split
+    (zero-bubble schedules run their backward as those two passes). ``profile_stages``: a traced
+    model's blocks timed as its traced stages too. ``progress(done, total)``: called as layers are
+    timed (an ``nn.Sequential``'s).
+
+    Raises:
+        ValueError: the sample does not fit the model (naming the layer that refused it), a model
+            on the meta device with no devices named, devices of several kinds.
+    """
+    placement = devices if isinstance(devices, Placement) else place(devices, gpus_per_node=gpus_per_node)
+    chunks = validate.integer(chunks, "chunks")
+    if placement.planned:
+        return planned_layers(model, sample, chunks=chunks, devices=placement.devices, granularity=granularity,
+                              repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer,
+                              mixed_precision=mixed_precision)
+    device = placement.profiling_device
+    if on_meta(model):
+        if not placement.given:
+            raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan "
+                             "it for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here "
+                             "to time its blocks one at a time")
+        return blockwise.profile_blockwise(model, sample, device=device,
+                                           microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats,
+                                           granularity=granularity)
+    threads = stage_threads(placement.devices)
+    if not isinstance(model, nn.Sequential):
+        # on the device the first stage runs on, as a Sequential's layers are (the model as given
+        # may sit on the CPU: runs move each stage to its device)
+        with sharing_cores(threads):
+            table = trace.candidates_in_rows(copy.deepcopy(model).to(device), to_device(sample, device), chunks=chunks,
+                                       granularity=granularity, loss_fn=loss_fn, target=to_device(target, device),
+                                       repeats=repeats, optimizer=optimizer, as_stages=profile_stages, owned=True)
+        table.attrs["threads"] = threads or torch.get_num_threads()
+        return table
+    profiled = copy.deepcopy(model)
+    with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
+        return profile(profiled, sample, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),
+                       device=device, progress=progress, threads=threads, split_backward=split_backward,
+                       optimizer=optimizer)
+
+
+def planned_layers(model: nn.Module, sample: TensorOrTensors, *, chunks: int, devices: Sequence[str],
+                   granularity: str = "blocks", repeats: int = 3, loss_fn: Any = None, target: Any = None,
+                   optimizer: Any = None, mixed_precision: bool = False) -> pd.DataFrame:
+    """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
+    layer's FLOPs, bytes and kernels counted on the meta device (no weights materialised, each
+    kind of identical layer once) and costed as the catalogue's roofline of the device; the
+    ``optimizer`` column is the step's bytes (:func:`pipexplore.predict.memory.optimizer_traffic`)
+    over the device's memory bandwidth.
+
+    Raises:
+        ValueError: the devices are of several kinds (a plan costs one kind at a time).
+    """
+    kinds = list(dict.fromkeys(device_spec(d).name for d in devices))
+    if len(kinds) > 1:
+        raise ValueError(f"devices: a plan is costed for one kind of device, got {', '.join(kinds)}: plan each kind "
+                         "in an explorer of its own")
+    batch = batch_size(sample)
+    rows = costed_rows(batch, chunks)
+    counted = count_layers(model, sample, granularity=granularity, microbatch_rows=rows[0],
+                           loss_fn=loss_fn, target=target)
+    ops = counted.attrs["ops"]
+    unknown = ops["flops"].isna()
+    if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
+        ops = ops.assign(flops=ops["flops"].fillna(0.0))
+    efficiency, learnt = _learnt_efficiency(model, sample, counted, ops, kinds[0], rows, granularity=granularity,
+                                            repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency)
+    spec = device_spec(kinds[0])
+    table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / (
+        spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec))
+    notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
+    lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
+    if lower:
+        notes.append(f"Layer{'s' if len(lower) > 1 else ''} {', '.join(lower)}: FLOPs unknown (an operator without a "
+                     "FLOP formula); their planned time counts bytes and kernel launches only, a lower bound.")
+    table.attrs["notes"] = notes
+    return table
+
+
+def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, counted: pd.DataFrame, ops: pd.DataFrame,
+                       kind: str, rows: Sequence[int], *, granularity: str, repeats: int, loss_fn: Any, target: Any,
+                       optimizer: Any = None) -> tuple[Any, str]:
+    """Where a device of the planned kind is here: the model's blocks timed on it one at a time, its
+    caches flushed before each call (:func:`pipexplore.models.blockwise.profile_blockwise`), teach
+    the roofline its efficiency, and the optimizer stepping the largest block made real there the
+    bandwidth an optimizer step reaches (:func:`pipexplore.predict.planned_optimizer.optimizer_bandwidth`);
+    a note says what it learnt. Elsewhere the catalogue's documented defaults stand: ``(None, '')``."""
+    here = devices_here.present_device(kind)
+    if here is None:
+        return None, ""
+    timed = blockwise.profile_blockwise(model, sample, device=here, microbatch_rows=list(rows), repeats=repeats,
+                              granularity=granularity, loss_fn=loss_fn, target=target, cold_cache=True)
+    at = float(ops.attrs["rows"])
+    per_kind = pd.DataFrame({"kind": counted["kind"].to_numpy(),
+                             "forward": (timed["forward_a"] + timed["forward_b"] * at).to_numpy(),
+                             "backward": (timed["backward_a"] + timed["backward_b"] * at).to_numpy()})
+    # The blocks were timed alone: a kind's ops run outside its block (the loss after the last) are not in its time.
+    learnt = fit_efficiency(ops[~ops["outside"]], per_kind.groupby("kind").median(), kind, at)
+    spec = device_spec(kind)
+    largest_name = str(counted["name"].iloc[int(counted["grad_bytes"].to_numpy().argmax())])
+    largest = dict(model.named_modules()).get(largest_name)
+    stepped = ""
+    if largest is not None and counted["grad_bytes"].max() > 0:
+        try:  # a block, its copy, their gradients and states: where they do not fit, the default stands
+            real = blockwise.materialise(largest, here)
+            try:
+                bandwidth = planned_optimizer.optimizer_bandwidth(real, optimizer, spec)
+                learnt = dataclasses.replace(learnt, optimizer=min(2.0, bandwidth))
+                stepped = f", an optimizer step {learnt.optimizer_for(spec):.0%} of it"
+            finally:
+                real.to_empty(device=torch.device("meta"))
+                del real
+        except torch.OutOfMemoryError as error:
+            stepped = (f" (an optimizer step over {largest_name} did not fit there, "
+                       f"{str(error).splitlines()[0][:80]}: its documented fraction stands)")
+        finally:
+            if here.type == "cuda":
+                torch.cuda.empty_cache()
+    return learnt, (f"The roofline's efficiency was learnt on {here} here, a {spec.name}: "
+                    f"{learnt.flops_for('bfloat16', spec):.0%} of peak FLOP/s and {learnt.bandwidth_for(spec):.0%} "
+                    f"of memory bandwidth{stepped} (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
+                    f"{spec.bandwidth_efficiency:.0%}).")
+
+
+def with_backward_split(model: nn.Module, sample: TensorOrTensors, table: pd.DataFrame, *,
+                        device: torch.device, repeats: int = 3) -> pd.DataFrame:
+    """``table`` with its input/weight-gradient split measured (zero-bubble runs its backward as
+    those two passes); ``table`` itself where it has one, or for traced models."""
+    if table.attrs.get("backward_split", True) or not isinstance(model, nn.Sequential):
+        return table
+    profiled = copy.deepcopy(model).to(device)
+    return backward_split(profiled, sample, table, repeats=repeats)

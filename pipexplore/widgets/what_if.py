@@ -1,0 +1,110 @@
+"""What if: the explorer's plan swept over stages, chunks, schedules and checkpointing, searched for
+the fastest plan that fits, and a row of either applied.
+
+Functions of an explorer's state (:class:`pipexplore.widgets.state.ExplorerState`); the predicting
+is :func:`pipexplore.predict.sweep.sweep`'s and :func:`pipexplore.predict.search.search`'s.
+
+Example::
+
+    table = sweep(state, stages=[2, 4], chunks=[4, 8])
+    apply(state, table.iloc[0])
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import pandas as pd
+
+from pipexplore.devices import planned_devices
+from pipexplore.plan import Plan
+from pipexplore.predict.search import search as search_plans
+from pipexplore.predict.sweep import sweep as sweep_plans
+from pipexplore.schedules import splits_backward
+from pipexplore.widgets.header import parse_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipexplore.widgets.state import ExplorerState
+
+__all__ = ["sweep", "search", "apply"]
+
+
+def _starting_plan(state: ExplorerState, schedules: Sequence[str]) -> tuple[Plan, Optional[Callable[[int], Any]]]:
+    """The plan a sweep or search starts from (its table with the input/weight-gradient split
+    measured where a schedule asked for splits the backward), and the devices for ``n`` stages
+    where they are planned: more GPUs of the kind, never two stages on one (None: the sweep's own)."""
+    if any(map(splits_backward, schedules)) and state.with_backward_split() is not state.plan.layer_table:
+        state.change_plan(lambda plan: replace(plan, layer_table=state.layer_table))
+    plan = state.plan
+    if not plan.planned:
+        return plan, None
+    kind = plan.devices[0].split(":")[0]
+    return plan, lambda n: planned_devices([kind] * n, plan.gpus_per_node)
+
+
+def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
+          schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
+    """Predict every combination (each with its balanced split), ranked by predicted step time;
+    with ``measure=k`` the top ``k`` rows are also run, and the plan put back afterwards."""
+    plan, more_gpus = _starting_plan(state, schedules)
+    table = sweep_plans(plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
+                        devices_for=more_gpus)
+    if measure > 0 and not table.empty:
+        previous = state.plan
+        measured = []
+        try:
+            for _, row in table.head(measure).iterrows():
+                apply(state, row)
+                measured.append(float(state.runner.run()["step_time"]))
+        finally:
+            state.change_plan(lambda plan: previous.with_options(corrections=plan.corrections))
+        table["measured_step_time"] = measured + [math.nan] * (len(table) - len(measured))
+        order = pd.Series(measured).rank(method="first").astype(int).tolist()
+        table["measured_rank"] = order + [pd.NA] * (len(table) - len(measured))
+    return table
+
+
+def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
+           schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
+           workers: Optional[int] = None) -> pd.DataFrame:
+    """Every combination with the fastest split whose every device holds the plan within
+    ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
+
+    Raises:
+        ValueError: a bad ``memory_cap``; nothing fits (the closest plan named, and by how many
+            bytes it is over).
+    """
+    cap = parse_bytes(memory_cap, "memory_cap")
+    plan, more_gpus = _starting_plan(state, schedules)
+    return search_plans(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules,
+                        checkpoint=checkpoint, virtual_stages=virtual_stages, devices_for=more_gpus,
+                        optimizer=state.optimizer, mixed_precision=state.mixed_precision, workers=workers)
+
+
+def apply(state: ExplorerState, row: Any) -> Plan:
+    """Make a row of :func:`sweep` or :func:`search` the current plan; or a mapping of some of
+    their plan columns (``splits``, ``chunks``, ``schedule``, ``checkpoint``, ``devices``,
+    ``virtual_stages``), the others kept from the current plan: ``apply(state, {"splits": [2, 4]})``.
+
+    Raises:
+        ValueError: a mapping with none of those columns, or a plan they make that is refused.
+    """
+    now = state.plan
+    current = {"splits": now.splits, "chunks": now.chunks, "schedule": now.schedule, "checkpoint": now.checkpoint,
+               "devices": now.devices, "virtual_stages": now.virtual_stages}
+    given = [key for key in current if key in row]
+    if not given:
+        raise ValueError(f"apply takes a row of sweep() or search(), or a mapping of some of "
+                         f"{', '.join(current)}; got {list(row.keys())}")
+    values = {key: row[key] if key in given else current[key] for key in current}
+    devices = values["devices"]
+    devices = str(devices).split(",") if isinstance(devices, str) else list(devices)
+    virtual = int(values["virtual_stages"] or 1)
+    more = {"virtual_stages": virtual} if virtual > 1 else {}
+    plan = now.with_options(splits=tuple(int(s) for s in values["splits"]), chunks=int(values["chunks"]),
+                            schedule=str(values["schedule"]), checkpoint=str(values["checkpoint"]),
+                            devices=tuple(devices), **more)
+    if plan.executor == "autograd" and plan.schedule != "gpipe":
+        plan = plan.with_options(executor="threads")
+    return state.change_plan(lambda _: plan)
