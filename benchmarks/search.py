@@ -75,7 +75,7 @@ def sweep_best_that_fits(plan, table: pd.DataFrame, cap: float, optimizer) -> tu
 
     for _, row in table.iterrows():
         n, devices = int(row["stages"]), row["devices"].split(",")
-        peaks = np.asarray(row["peak_memory_per_stage"], dtype=float)  # sweep's: activations per stage
+        peaks = np.asarray(row["activation_bytes_per_stage"], dtype=float)  # sweep's: activations per stage
         fixed = stage_memory(plan.layer_table, row["splits"], peak_activations=peaks,
                              optimizer=optimizer)["peak_bytes"].to_numpy() - peaks
         virtual = {"virtual_stages": plan.virtual_stages} if len(devices) < n else {}
@@ -160,7 +160,7 @@ def scale() -> None:
         chosen, memory = sweep_best_that_fits(plan, swept, cap, optimizer)
         text = (f"  cap {cap / GIB:.0f} GiB: search's best {best['stages']} stages, {best['chunks']} chunks, "
                 f"{best['schedule']}, checkpoint {best['checkpoint']}: {best['step_time']:.3f} s, "
-                f"{best['peak_memory'] / GIB:.1f} GiB ({int(table['fits'].sum())} of {len(table)} fit, "
+                f"{best['peak_bytes'] / GIB:.1f} GiB ({int(table['fits'].sum())} of {len(table)} fit, "
                 f"{int(table['pareto'].sum())} on the front); ")
         if chosen is None:
             print(text + "no plan of sweep's fits")
@@ -220,7 +220,7 @@ def ranking(name: str, build, device: str = "cpu") -> dict[str, float]:
     calibrating = ex.run()  # the one calibrating run
     first = (len(ex.plan.splits) + 1, ex.plan.chunks, ex.plan.schedule, tuple(ex.plan.splits))
     table = ex.search(stages=[2, 3, 4], chunks=[2, 4, 8], schedules=["gpipe", "1f1b"])
-    predicted = table["step_time"].to_numpy()
+    predicted = table["predicted_step_time"].to_numpy()
     measured = np.zeros((PASSES, len(table)))
     at_run = np.zeros((PASSES, len(table)))
     load = os.getloadavg()[0]

@@ -309,7 +309,7 @@ def test_sweep_ranks_every_combination_and_a_row_applies():
     assert len(table) == 3 * 2 * 3 * 2
     assert table["predicted_step_time"].is_monotonic_increasing
     assert table["rank"].tolist() == list(range(1, len(table) + 1))
-    assert all(len(peaks) == n for peaks, n in zip(table["peak_memory_per_stage"], table["stages"], strict=True))
+    assert all(len(peaks) == n for peaks, n in zip(table["activation_bytes_per_stage"], table["stages"], strict=True))
     # Fixed-cost layers: fewer, larger micro-batches and more stages win.
     best = table.iloc[0]
     assert best["stages"] == 3 and best["chunks"] == 2

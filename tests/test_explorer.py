@@ -292,15 +292,15 @@ def test_stage_table_shows_predicted_peak_activations_per_stage(explorer):
     assert table["stage"].tolist() == [0, 1, 2] and table["layers"].tolist() == ["0–1", "2–5", "6–8"]
     from pipexplore.timeline import activation_memory
     expected = activation_memory(explorer.plan.predicted).groupby("stage")["bytes"].max().tolist()
-    assert table["peak activations (predicted)"].tolist() == expected and all(v > 0 for v in expected)
+    assert table["activation_bytes"].tolist() == expected and all(v > 0 for v in expected)
     assert "peak act. (predicted)" in explorer.w_stages.value
     explorer.update(checkpoint="never")
-    never = explorer.stage_table()["peak activations (predicted)"]
+    never = explorer.stage_table()["activation_bytes"]
     explorer.update(checkpoint="always")
-    always = explorer.stage_table()["peak activations (predicted)"]
+    always = explorer.stage_table()["activation_bytes"]
     assert (always < never).all()  # checkpointing keeps inputs, not activations
     explorer.run()
-    measured = explorer.stage_table()["peak memory (measured)"]
+    measured = explorer.stage_table()["measured_peak_bytes"]
     if not torch.cuda.is_available():
         assert measured.isna().all()  # the CPU reports no peak: shown as "–"
 

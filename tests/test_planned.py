@@ -139,7 +139,7 @@ def test_a_meta_sequential_is_planned_too():
     assert (table["forward_flops"] == 2 * 32 * 256 * 256).all()
     assert state.plan.devices == ("A100-80GB:0", "A100-80GB:1", "A100-80GB:2") or \
         state.plan.devices == ("A100:0", "A100:1", "A100:2")
-    assert math.isfinite(state.figures()["step_time"])
+    assert math.isfinite(state.figures()["predicted_step_time"])
 
 
 def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
@@ -189,7 +189,7 @@ def test_a_layer_whose_flops_cannot_be_counted_is_named_and_timed_as_a_lower_bou
     state = ExplorerState(model, sample, devices=["H100"] * 2, chunks=2)
     table = state.layer_table
     assert math.isnan(table["forward_flops"][1]) and table["uncounted"][1] == "pipexplore_test.mystery_mm"
-    assert table["forward"][1] > 0 and math.isfinite(state.figures()["step_time"])  # bytes and launches
+    assert table["forward"][1] > 0 and math.isfinite(state.figures()["predicted_step_time"])  # bytes and launches
     assert any("Layer 1 (1): FLOPs unknown" in note and "lower bound" in note for note in state.all_notes())
 
 

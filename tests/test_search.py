@@ -129,19 +129,19 @@ def test_a_memory_cap_moves_the_split_and_what_does_not_fit_gives_way():
     free = search(plan, stages=[4], chunks=[4], schedules=["1f1b"], checkpoint=["never"])
     assert free["fits"].all() and free["splits"].iloc[0] == balanced_splits(plan, 4)
     # a cap the balanced split's first stage (4 micro-batches in flight) exceeds, a smaller first stage does not
-    cap = free["peak_memory"].iloc[0] * 0.85
+    cap = free["peak_bytes"].iloc[0] * 0.85
     capped = search(plan, memory_cap=cap, stages=[4], chunks=[4], schedules=["1f1b"], checkpoint=["never"])
     row = capped.iloc[0]
-    assert row["fits"] and row["peak_memory"] <= cap and row["splits"] != free["splits"].iloc[0]
+    assert row["fits"] and row["peak_bytes"] <= cap and row["splits"] != free["splits"].iloc[0]
     assert row["splits"][0] < free["splits"].iloc[0][0]  # the first stage, which holds the most, got smaller
-    assert row["step_time"] >= free["step_time"].iloc[0]
-    assert max(row["peak_memory_per_stage"]) == row["peak_memory"] == max(row["peak_memory_per_device"])
+    assert row["predicted_step_time"] >= free["predicted_step_time"].iloc[0]
+    assert max(row["peak_bytes_per_stage"]) == row["peak_bytes"] == max(row["peak_bytes_per_device"])
     # the memory per stage is stage_memory's of the predicted peaks
     predicted = plan.with_splits(row["splits"]).predicted.groupby("stage")["memory"].max()
     from pipexplore.predict.memory import stage_memory
 
     expected = stage_memory(plan.layer_table, row["splits"], peak_activations=predicted.tolist())["peak_bytes"]
-    assert row["peak_memory_per_stage"] == pytest.approx(expected.tolist())
+    assert row["peak_bytes_per_stage"] == pytest.approx(expected.tolist())
 
 
 def test_stages_that_share_a_device_share_its_cap():
@@ -149,23 +149,23 @@ def test_stages_that_share_a_device_share_its_cap():
     plan = _gpu_plan().with_options(devices=("cpu",) * 4)
     table = search(plan, stages=[4], chunks=[4], schedules=["1f1b"], checkpoint=["never"])
     row = table.iloc[0]
-    assert row["devices"] == "cpu,cpu,cpu,cpu" and len(row["peak_memory_per_device"]) == 1
-    assert sum(row["peak_memory_per_stage"]) >= row["peak_memory"] > max(row["peak_memory_per_stage"])
+    assert row["devices"] == "cpu,cpu,cpu,cpu" and len(row["peak_bytes_per_device"]) == 1
+    assert sum(row["peak_bytes_per_stage"]) >= row["peak_bytes"] > max(row["peak_bytes_per_stage"])
 
 
 def test_the_table_has_sweeps_columns_fits_and_the_pareto_front():
     plan = _gpu_plan()
     options = dict(stages=[2, 4], chunks=[2, 4, 8], schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
-    cap = float(search(plan, **options)["peak_memory"].median())
+    cap = float(search(plan, **options)["peak_bytes"].median())
     table = search(plan, memory_cap=cap, **options)
     assert list(table.columns) == SEARCH_COLUMNS and set(SWEEP_COLUMNS) <= set(table.columns)
     assert len(table) == 24 and table["rank"].tolist() == list(range(1, 25))
-    assert (table["step_time"] == table["predicted_step_time"]).all()
-    assert table["fits"].tolist() == (table["peak_memory"] <= cap).tolist()
+    assert "step_time" not in table  # one name a figure: the predicted step is predicted_step_time
+    assert table["fits"].tolist() == (table["peak_bytes"] <= cap).tolist()
     assert table["fits"].any() and not table["fits"].all()
     fitting = table[table["fits"]]
-    assert table["fits"].iloc[: len(fitting)].all() and fitting["step_time"].is_monotonic_increasing
-    step, peak = table["step_time"].to_numpy(), table["peak_memory"].to_numpy()
+    assert table["fits"].iloc[: len(fitting)].all() and fitting["predicted_step_time"].is_monotonic_increasing
+    step, peak = table["predicted_step_time"].to_numpy(), table["peak_bytes"].to_numpy()
     for k in range(len(table)):
         dominated = any(step[j] <= step[k] and peak[j] <= peak[k] and (step[j] < step[k] or peak[j] < peak[k])
                         for j in range(len(table)))
@@ -173,7 +173,7 @@ def test_the_table_has_sweeps_columns_fits_and_the_pareto_front():
     assert table["pareto"].any()
     # checkpointing holds less: its fastest plan needs less than the fastest plan without
     never, always = (table[table["checkpoint"] == mode] for mode in ("never", "always"))
-    assert always["peak_memory"].min() < never["peak_memory"].min()
+    assert always["peak_bytes"].min() < never["peak_bytes"].min()
 
 
 def test_the_collector_is_paused_while_plans_are_predicted_and_put_back_after(monkeypatch):
@@ -207,7 +207,7 @@ def test_the_collector_is_paused_while_plans_are_predicted_and_put_back_after(mo
 def test_nothing_that_fits_is_refused_with_the_closest_plan_and_how_far_over():
     plan = _gpu_plan()
     options = dict(stages=[2, 4], chunks=[4], schedules=["gpipe", "1f1b"], checkpoint=["always"])
-    least = search(plan, **options)["peak_memory"].min()
+    least = search(plan, **options)["peak_bytes"].min()
     with pytest.raises(ValueError, match=r"no plan fits memory_cap .*: the closest is 4 stages \(splits \[.*\]\), "
                                          r"4 chunks, .*, checkpoint always, .* at its peak, [0-9,]+ bytes \(.* [KMG]iB\) over"):
         search(plan, memory_cap=least * 0.5, **options)
@@ -230,7 +230,7 @@ def test_apply_makes_a_row_the_current_plan():
         assert (plan.schedule, plan.checkpoint) == (row["schedule"], row["checkpoint"])
         assert plan.num_devices * row["virtual_stages"] == plan.num_stages
         assert ",".join(plan.devices[: plan.num_devices]) == row["devices"]
-        assert float(tl_step(plan)) == pytest.approx(row["step_time"])
+        assert float(tl_step(plan)) == pytest.approx(row["predicted_step_time"])
 
 
 
@@ -284,11 +284,11 @@ def test_the_search_works_on_a_planned_plan():
     row = table.iloc[0]
     what_if.apply(state, row)
     assert state.plan.planned and list(state.plan.splits) == row["splits"]
-    assert state.stage_table()["peak_bytes"].tolist() == pytest.approx(row["peak_memory_per_stage"])
-    cap = float(table["peak_memory"].median())
+    assert state.stage_table()["peak_bytes"].tolist() == pytest.approx(row["peak_bytes_per_stage"])
+    cap = float(table["peak_bytes"].median())
     capped = what_if.search(state, memory_cap=cap, stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"],
                           checkpoint=["never", "always"])
-    assert capped["fits"].any() and (capped.loc[capped["fits"], "peak_memory"] <= cap).all()
+    assert capped["fits"].any() and (capped.loc[capped["fits"], "peak_bytes"] <= cap).all()
 
 
 def test_the_front_is_drawn_and_its_panel_applies_a_plan():
@@ -297,7 +297,7 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
     state = _state()
     plan = _gpu_plan()
     options = dict(stages=[2, 4], chunks=[2, 4, 8], schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
-    cap = float(search(plan, **options)["peak_memory"].median())
+    cap = float(search(plan, **options)["peak_bytes"].median())
     table = search(plan, memory_cap=cap, **options)
     svg = front_svg(table)
     assert svg.count("class='plan") == len(table) and svg.count("class='plan pareto'") == int(table["pareto"].sum())
@@ -336,7 +336,7 @@ def test_a_csv_schedule_is_searched_at_the_shape_its_file_runs(tmp_path):
     mine = table[table["schedule"] == path]
     assert mine[["stages", "chunks"]].values.tolist() == [[2, 4]]  # the file's stages and micro-batches only
     same = table[(table["schedule"] == "1f1b") & (table["stages"] == 2) & (table["chunks"] == 4)]
-    assert mine["step_time"].iloc[0] == same["step_time"].iloc[0]  # the file holds 1F1B's orders
+    assert mine["predicted_step_time"].iloc[0] == same["predicted_step_time"].iloc[0]  # the file holds 1F1B's orders
     left = [line for line in table.attrs["left_out"] if path in line]
     assert len(left) == 3 and all("does not fit the plan" in line for line in left)
     assert any("expected 3 stages (the plan's stages), got 2 stages in the file" in line for line in left)

@@ -164,7 +164,7 @@ def test_showing_and_comparing_runs_and_the_memory_cap_are_told(state):
 def test_the_stage_table_peaks_are_the_prediction(state):
     table = state.stage_table()
     assert table["stage"].tolist() == [0, 1] and table["layers"].tolist() == ["0–2", "3–5"]
-    assert table["peak activations (predicted)"].tolist() == state.figures()["peak_memory_per_stage"]
+    assert table["activation_bytes"].tolist() == state.figures()["activation_bytes_per_stage"]
 
 
 def test_a_background_run_is_running_until_its_last_word_and_cancel_records_nothing():

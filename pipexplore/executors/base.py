@@ -207,7 +207,7 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTens
         "step_time": step_seconds,
         "bubble": tl.bubble_fraction(measured),
         "throughput": tl.throughput(measured, batch_size(sample)),
-        "peak_memory": max((v for d, v in peak.items() if d in used), default=math.nan),
+        "peak_bytes": max((v for d, v in peak.items() if d in used), default=math.nan),
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
         "loss": loss,

@@ -49,15 +49,16 @@ __all__ = ["search", "SEARCH_COLUMNS", "layer_bytes"]
 #: Actions (stages × chunks, summed over the combinations) from which a search runs in two processes.
 _PARALLEL_ACTIONS = 200_000
 
-#: The columns of :func:`search`: a sweep's (:data:`pipexplore.predict.sweep.SWEEP_COLUMNS`), with
-#: ``peak_memory`` the largest device's training memory (bytes: parameters, gradients, optimizer
-#: state and activations at their peak), ``virtual_stages`` (stages per device), ``step_time``
-#: (the predicted step, seconds), each device's peak, how far the largest excess is over the
-#: cap (``over_cap``, bytes; negative: room left), ``fits`` and ``pareto`` (no other plan is as
-#: fast and as small, and better in one).
+#: The columns of :func:`search`: a sweep's (:data:`pipexplore.predict.sweep.SWEEP_COLUMNS`: the
+#: predicted step in seconds, ``activation_bytes`` the largest stage's peak of activations held), with
+#: ``virtual_stages`` (stages per device), ``peak_bytes`` the largest device's training memory (bytes:
+#: parameters, gradients, optimizer state and activations at their peak; the stage table's
+#: ``peak_bytes``), per stage and per device, how far the largest excess is over the cap
+#: (``over_cap``, bytes; negative: room left), ``fits`` and ``pareto`` (no other plan is as fast and as
+#: small, and better in one).
 SEARCH_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint", "virtual_stages", "devices",
-                  "predicted_step_time", "bubble", "throughput", "peak_memory", "peak_memory_per_stage",
-                  "step_time", "peak_memory_per_device", "over_cap", "fits", "pareto"]
+                  "predicted_step_time", "bubble", "throughput", "activation_bytes", "activation_bytes_per_stage",
+                  "peak_bytes", "peak_bytes_per_stage", "peak_bytes_per_device", "over_cap", "fits", "pareto"]
 
 
 def layer_bytes(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]] = None,
@@ -194,13 +195,13 @@ def search(plan: Any, *, memory_cap: Optional[float] = None, stages: Sequence[in
     if result.empty:
         raise ValueError("no combination can run: " + "; ".join(left_out[:5])
                          + (f" (and {len(left_out) - 5} more)" if len(left_out) > 5 else ""))
-    result["pareto"] = _pareto(result["step_time"].to_numpy(), result["peak_memory"].to_numpy())
+    result["pareto"] = _pareto(result["predicted_step_time"].to_numpy(), result["peak_bytes"].to_numpy())
     if not result["fits"].any():
         closest = result.loc[result["over_cap"].idxmin()]
         raise ValueError(f"no plan fits memory_cap {_gib(memory_cap) if memory_cap else 'of the devices'}: the "
-                         f"closest is {_describe(closest)}, {_gib(closest['peak_memory'])} at its peak, "
+                         f"closest is {_describe(closest)}, {_gib(closest['peak_bytes'])} at its peak, "
                          f"{closest['over_cap']:,.0f} bytes ({_gib(closest['over_cap'])}) over")
-    result = result.sort_values(["fits", "step_time", "peak_memory"], ascending=[False, True, True],
+    result = result.sort_values(["fits", "predicted_step_time", "peak_bytes"], ascending=[False, True, True],
                                 kind="stable").reset_index(drop=True)
     result.insert(0, "rank", range(1, len(result) + 1))
     result.attrs["left_out"] = left_out
@@ -256,7 +257,7 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
         "checkpoint": candidate.checkpoint, "virtual_stages": n // candidate.num_devices,
         "devices": ",".join(candidate.devices[: candidate.num_devices]), "predicted_step_time": step,
         "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(candidate.schedule)),
-        "throughput": (batch / step) if batch and step > 0 else math.nan, "step_time": step,
+        "throughput": (batch / step) if batch and step > 0 else math.nan,
         "peak_activations": peaks.tolist(),
         "device_activations": (dict(zip(stage_device, peaks.tolist())) if len(set(stage_device)) == n
                                else _device_activations(predicted, stage_device, n)),
@@ -278,8 +279,9 @@ def _with_memory(row: dict[str, Any], job: tuple[str, Any, dict[str, float]], co
     device_peak = {d: float(sum(fixed[s] for s in range(len(stage_device)) if stage_device[s] == d) + activations[d])
                    for d in device_cap}
     over = max(device_peak[d] - device_cap[d] for d in device_cap)
-    return {**row, "peak_memory": max(device_peak.values()), "peak_memory_per_stage": [float(v) for v in totals],
-            "peak_memory_per_device": list(device_peak.values()),
+    return {**row, "activation_bytes": float(peaks.max()), "activation_bytes_per_stage": [float(v) for v in peaks],
+            "peak_bytes": max(device_peak.values()), "peak_bytes_per_stage": [float(v) for v in totals],
+            "peak_bytes_per_device": list(device_peak.values()),
             "over_cap": over if math.isfinite(over) else -math.inf, "fits": bool(over <= 0)}
 
 

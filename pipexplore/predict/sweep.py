@@ -20,7 +20,7 @@ from pipexplore.validate import splits_exactly
 __all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
 
 SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint", "devices", "predicted_step_time",
-                 "bubble", "throughput", "peak_memory", "peak_memory_per_stage"]
+                 "bubble", "throughput", "activation_bytes", "activation_bytes_per_stage"]
 
 
 def balanced_splits(plan: Any, stages: int) -> list[int]:
@@ -44,8 +44,8 @@ def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), 
     Combinations a schedule cannot run, or with more stages than layers or chunks the batch's rows
     do not split into exactly (``torch.chunk``: 5 rows in 4 chunks make 3), are left out.
 
-    Columns: :data:`SWEEP_COLUMNS` (seconds, bytes, samples per second); ``peak_memory`` is the
-    largest stage's predicted activation memory, ``peak_memory_per_stage`` each stage's.
+    Columns: :data:`SWEEP_COLUMNS` (seconds, bytes, samples per second); ``activation_bytes`` is
+    the largest stage's predicted peak of activations held, ``activation_bytes_per_stage`` each stage's.
 
     Example::
 
@@ -89,10 +89,10 @@ def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), 
             "devices": ",".join(candidate.devices[: candidate.num_devices]), "predicted_step_time": step,
             "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(schedule)),
             "throughput": (batch / step) if batch and step > 0 else math.nan,
-            "peak_memory": float(peaks.max()) if len(peaks) else math.nan,
-            "peak_memory_per_stage": [float(v) for v in peaks.tolist()],
+            "activation_bytes": float(peaks.max()) if len(peaks) else math.nan,
+            "activation_bytes_per_stage": [float(v) for v in peaks.tolist()],
         })
     table = pd.DataFrame(rows, columns=SWEEP_COLUMNS[1:])
-    table = table.sort_values(["predicted_step_time", "peak_memory"], kind="stable").reset_index(drop=True)
+    table = table.sort_values(["predicted_step_time", "activation_bytes"], kind="stable").reset_index(drop=True)
     table.insert(0, "rank", range(1, len(table) + 1))
     return table

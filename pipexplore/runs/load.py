@@ -366,7 +366,7 @@ def run_result(recorded: RecordedRun, plan: Plan, *, samples: int, run: Any = 0)
     finite_peaks = [float(p) for p in peaks if p is not None]
     out.metrics.update(
         executor="torchrun", nodes=recorded.nodes, ranks=recorded.world, hosts=",".join(recorded.hosts),
-        peak_memory=max(finite_peaks) if finite_peaks else math.nan, clock_residual=recorded.clock_residual,
+        peak_bytes=max(finite_peaks) if finite_peaks else math.nan, clock_residual=recorded.clock_residual,
         rank_table=recorded.rank_table(), steps_measured=len(recorded.steps), directory=str(recorded.directory),
         losses=recorded.losses.get(int(kept["step"].iloc[0]), []), untaught=untaught(recorded))
     return out

@@ -262,7 +262,7 @@ class Explorer:
         """Every combination, each with the fastest split whose every device holds it within
         ``memory_cap`` (bytes or ``'80 GiB'``: parameters, gradients, optimizer state and the
         activations its schedule holds; None: each device's memory), predicted; the plans that
-        fit first, by predicted step, with ``step_time``, ``peak_memory``, ``fits`` and
+        fit first, by predicted step, with ``predicted_step_time``, ``peak_bytes``, ``fits`` and
         ``pareto``. Nothing fits: a ``ValueError`` naming the closest plan and how far over it is.
         Apply a row with :meth:`apply`.
 

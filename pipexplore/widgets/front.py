@@ -53,8 +53,8 @@ def front_svg(table: pd.DataFrame, memory_cap: Optional[float] = None) -> str:
     if table.empty:
         return "<svg class='pipexplore-front' xmlns='http://www.w3.org/2000/svg'></svg>"
     gib = 2.0 ** 30
-    memory = table["peak_memory"].to_numpy(dtype=float) / gib
-    step = table["step_time"].to_numpy(dtype=float) * 1e3
+    memory = table["peak_bytes"].to_numpy(dtype=float) / gib
+    step = table["predicted_step_time"].to_numpy(dtype=float) * 1e3
     x_max = max(float(memory.max()), (cap or 0.0) / gib) * 1.05 or 1.0
     y_max = float(step.max()) * 1.05 or 1.0
 
@@ -84,10 +84,10 @@ def front_svg(table: pd.DataFrame, memory_cap: Optional[float] = None) -> str:
         parts.append(f"<line class='cap' x1='{x(cap / gib):.1f}' x2='{x(cap / gib):.1f}' y1='{_TOP}' "
                      f"y2='{_H - _BOTTOM}' stroke='#d62728' stroke-dasharray='6 4'><title>memory cap "
                      f"{cap / gib:.2f} GiB</title></line>")
-    front = table[table["pareto"]].sort_values("peak_memory")
+    front = table[table["pareto"]].sort_values("peak_bytes")
     if len(front) > 1:
         points = " ".join(f"{x(m / gib):.1f},{y(s * 1e3):.1f}"
-                          for m, s in zip(front["peak_memory"], front["step_time"]))
+                          for m, s in zip(front["peak_bytes"], front["predicted_step_time"]))
         parts.append(f"<polyline class='front' points='{points}' fill='none' stroke='#444' stroke-width='1.5'/>")
     for k, row in table.iterrows():
         color = STAGE_COLORS[schedules.index(row["schedule"]) % len(STAGE_COLORS)]

@@ -75,21 +75,21 @@ def short_plan_text(plan: Plan) -> str:
 
 def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
     """The predicted figures of a plan: ``step_time`` (s), ``bubble`` (fraction; by device for
-    interleaved), ``throughput`` (samples/s), ``peak_memory_per_stage`` (bytes, one per stage).
+    interleaved), ``throughput`` (samples/s), ``activation_bytes_per_stage`` (bytes, one per stage).
 
     Example::
 
-        plan_figures(explorer.plan, samples=64)["step_time"]
+        plan_figures(explorer.plan, samples=64)["predicted_step_time"]
     """
     predicted = plan.predicted
     step = tl.step_time(predicted)
     samples = samples if samples is not None else plan.batch
     peaks = (predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float))
     return {
-        "step_time": step,
+        "predicted_step_time": step,
         "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(plan.schedule)),
         "throughput": (samples / step) if samples and step > 0 else math.nan,
-        "peak_memory_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
+        "activation_bytes_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
     }
 
 
@@ -109,7 +109,7 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
 
         header_html("12 layers · batch 64", plan_figures(plan, 64), last_run=explorer.runs.iloc[-1])
     """
-    peaks = list(figures["peak_memory_per_stage"])
+    peaks = list(figures["activation_bytes_per_stage"])
     over = [k for k, v in enumerate(peaks) if memory_cap is not None and v > memory_cap]
     largest = max(peaks, default=math.nan)
     if len(peaks) <= 8:
@@ -122,7 +122,7 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
                 f"the cap of {format_bytes(memory_cap)}</span>"
                 if over else f"under the cap of {format_bytes(memory_cap)}")
     cards = [
-        _card("predicted step" + (" (planned)" if planned else ""), f"{figures['step_time'] * 1e3:.2f} ms"),
+        _card("predicted step" + (" (planned)" if planned else ""), f"{figures['predicted_step_time'] * 1e3:.2f} ms"),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
         _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
         _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),

@@ -16,10 +16,10 @@ RUNS_VIEW_COLUMNS = {
     "run": "run", "executor": "executor", "schedule": "schedule", "splits": "splits", "chunks": "chunks",
     "checkpoint": "checkpoint", "devices": "devices", "step_time": "step ms", "predicted_step_time": "predicted ms",
     "prediction_error": "error %", "bubble": "bubble %", "throughput": "samples/s", "startup_seconds": "startup s",
-    "peak_memory": "peak memory", "loss": "loss", "finite": "finite",
+    "peak_bytes": "peak memory", "loss": "loss", "finite": "finite",
 }
 #: What the runs table can be sorted by (a column of ``explorer.runs``).
-SORT_KEYS = ("run", "step_time", "prediction_error", "bubble", "throughput", "peak_memory")
+SORT_KEYS = ("run", "step_time", "prediction_error", "bubble", "throughput", "peak_bytes")
 
 
 def error_color(error: Any) -> str:
@@ -69,7 +69,7 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
         "step_time": lambda v: f"{v * 1e3:.2f}", "predicted_step_time": lambda v: f"{v * 1e3:.2f}",
         "prediction_error": lambda v: f"{v * 100:+.1f}", "bubble": lambda v: f"{v * 100:.1f}",
         "throughput": lambda v: f"{v:,.0f}", "startup_seconds": lambda v: f"{v:.2f}",
-        "peak_memory": format_bytes, "loss": lambda v: f"{v:.5g}",
+        "peak_bytes": format_bytes, "loss": lambda v: f"{v:.5g}",
     }
     styler = frame.style.format({k: f for k, f in formats.items() if k in frame}, na_rep="–")
     styler = styler.relabel_index([RUNS_VIEW_COLUMNS[c] for c in columns], axis="columns")

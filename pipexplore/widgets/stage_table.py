@@ -20,13 +20,15 @@ __all__ = ["stage_table", "shared_parameters"]
 
 def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, float], optimizer: Any = None,
                 mixed_precision: bool = False, memory_cap: Optional[float] = None) -> pd.DataFrame:
-    """Per stage of ``plan``: device, layers, time, parameters, activations, predicted peak activation
-    memory (``peaks``, a stage's), the measured peak of its device (``measured``, by device, where the
-    device reports it), and the training memory that decides whether it fits
-    (:func:`pipexplore.predict.memory.stage_memory`): ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``
-    (the user's optimizer), peak ``activation_bytes`` as the schedule holds them, ``peak_bytes``, the
-    device's ``capacity`` and ``fits`` (within it, and activations within ``memory_cap`` where one is set).
-    """
+    """Per stage of ``plan``: ``device``, ``layers``, ``compute_seconds`` (its forward and backward a
+    step), ``microbatch_activation_bytes`` (what one micro-batch's layers output), the training memory
+    that decides whether it fits (:func:`pipexplore.predict.memory.stage_memory`): ``param_bytes``,
+    ``grad_bytes``, ``optimizer_bytes`` (the user's optimizer), ``activation_bytes`` (``peaks``: the
+    peak the schedule holds), ``peak_bytes``, the device's ``capacity`` and ``fits`` (within it, and
+    activations within ``memory_cap`` where one is set); and ``measured_peak_bytes``, its device's peak
+    in a run (``measured``, by device, where the device reports it). Bytes and seconds, as every
+    table of pipexplore gives them (:meth:`pipexplore.widgets.explorer.Explorer.search`'s ``peak_bytes``
+    is this table's largest)."""
     stages = plan.stages
     memory = stage_memory(plan.layer_table, plan.splits, peak_activations=peaks, optimizer=optimizer,
                           mixed_precision=mixed_precision, capacity=[device_memory(d) for d in stages["device"]])
@@ -35,10 +37,10 @@ def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, fl
     return pd.DataFrame({
         "stage": stages["stage"], "device": stages["device"],
         "layers": [f"{a}–{b}" for a, b in zip(stages["first_layer"], stages["last_layer"])],
-        "fwd+bwd": stages["forward"] + stages["backward"], "params": stages["param_bytes"],
-        "activations": stages["activation_bytes"], "peak activations (predicted)": peaks,
-        "peak memory (measured)": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
+        "compute_seconds": stages["forward"] + stages["backward"],
+        "microbatch_activation_bytes": stages["activation_bytes"],
         **{column: memory[column].to_numpy() for column in MEMORY_COLUMNS},
+        "measured_peak_bytes": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
     })
 
 

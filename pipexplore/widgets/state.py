@@ -476,7 +476,7 @@ class ExplorerState:
         """Per stage: what it holds, takes and needs, beside what the shown run measured
         (:func:`pipexplore.widgets.stage_table.stage_table`)."""
         result = self.log.shown_result()
-        return stage_table(self._plan, self.figures()["peak_memory_per_stage"],
+        return stage_table(self._plan, self.figures()["activation_bytes_per_stage"],
                            measured=result.timeline.attrs.get("peak_memory", {}) if result is not None else {},
                            optimizer=self.optimizer, mixed_precision=self.mixed_precision,
                            memory_cap=self._memory_cap)

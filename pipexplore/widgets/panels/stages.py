@@ -63,7 +63,7 @@ def stages_html(state: ExplorerState) -> str:
     table = state.stage_table()
     plan = state.plan
     crossing = [r for r in plan.skip_routes if r.crosses]
-    measured_known = table["peak memory (measured)"].notna().any()
+    measured_known = table["measured_peak_bytes"].notna().any()
     nodes = plan.gpus_per_node if plan.planned else None
 
     def size(v: float) -> str:
@@ -79,12 +79,12 @@ def stages_html(state: ExplorerState) -> str:
         of = "" if math.isnan(row.capacity) else f" / {format_bytes(row.capacity)}"
         rows.append(f"<tr class='{'pipexplore-over' if over else ''}'><td>{swatch}{stage}</td>"
                     f"<td>{html.escape(device)}{node}</td><td>{row.layers}</td>"
-                    f"<td>{row[3] * 1e3:.2f} ms{' (planned)' if nodes else ''}</td><td>{size(row.param_bytes)}</td>"
+                    f"<td>{row.compute_seconds * 1e3:.2f} ms{' (planned)' if nodes else ''}</td><td>{size(row.param_bytes)}</td>"
                     f"<td>{size(row.grad_bytes)}</td><td>{size(row.optimizer_bytes)}</td>"
                     f"<td>{size(row.activation_bytes)}</td>"
                     f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(row.peak_bytes)}{of}"
                     f"{' does not fit' if over else ''}</td>"
-                    + (f"<td>{size(row[7])}</td>" if measured_known else "") + "</tr>")
+                    + (f"<td>{size(row.measured_peak_bytes)}</td>" if measured_known else "") + "</tr>")
     skips = (f"{len(crossing)} of {len(plan.skip_routes)} skip routes cross stages (copied)"
              if plan.skip_routes else "no skip routes")
     shared = state.shared_parameters()

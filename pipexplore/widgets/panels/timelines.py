@@ -141,7 +141,7 @@ class TimelinesPanel:
                             measured_stage_layers=stage_layers(result.plan.splits, layers))
         self.send_retime()  # before the scene, which names it
         figures = state.figures()
-        numbers = (f"step {figures['step_time'] * 1e3:.1f} ms · bubble {figures['bubble'] * 100:.1f} %"
+        numbers = (f"step {figures['predicted_step_time'] * 1e3:.1f} ms · bubble {figures['bubble'] * 100:.1f} %"
                    + (f" · {figures['throughput']:,.0f} samples/s" if not math.isnan(figures["throughput"]) else ""))
         self.timelines.show(predicted=plan.predicted, splits=plan.splits, predicted_title="the current plan",
                             predicted_summary=numbers, stage_layers=stage_layers(plan.splits, layers),
