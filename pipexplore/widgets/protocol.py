@@ -270,9 +270,10 @@ class FrontChartState(TypedDict):
     picked: int
 
 
-#: Fields the kernel sends that no ``.js`` file reads (the kernel's own use, or for tests), by type.
+#: Fields the kernel sends that no ``.js`` file reads, by type: ``timeline_canvas.retime_panel``
+#: reads the first four to build ``panel`` (whose own ``bubble_key`` and ``micro_bytes`` the page
+#: reads); nothing reads ``stage_device``.
 NOT_READ_BY_PAGE: dict[str, frozenset[str]] = {
-    # retime_panel reads these to build ``panel`` (whose own bubble_key and micro_bytes the page reads)
     "RetimeModel": frozenset({"micro_batches", "optimizer", "kind_names", "bubble_key", "stage_device"}),
     "RetimePayload": frozenset({"micro_batches", "optimizer", "kind_names", "bubble_key", "stage_device"}),
 }
