@@ -205,3 +205,30 @@ def test_inspect_skip_layout_routes():
 def test_stash_and_pop_layers_have_parameters():
     assert len(list(StashLinear(4).parameters())) == 2
     assert len(list(PopLinear(4).parameters())) == 2
+
+
+def test_a_layer_that_stashes_none_is_profiled_and_its_backward_split_measured():
+    """``stash(name, None)`` is allowed (torchgpipe's tests do it): the profile and the input/weight
+    gradient split skip the None, as the pipeline does, rather than failing on ``None.requires_grad``."""
+    import pipexplore
+
+    @skippable(stash=["maybe"])
+    class StashNone(nn.Module):
+        def forward(self, x):
+            yield stash("maybe", None)
+            return x
+
+    @skippable(pop=["maybe"])
+    class PopNone(nn.Module):
+        def forward(self, x):
+            skip = yield pop("maybe")
+            assert skip is None
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), StashNone(), PopNone(), nn.Linear(4, 4))
+    sample = torch.randn(8, 4)
+    table = pipexplore.profile(model, sample, repeats=1, max_repeats=1)
+    assert len(table) == 4 and (table["forward"] > 0).all()
+    assert table["output_bytes"][1] == table["output_bytes"][2]  # the None adds no bytes
+    split = pipexplore.backward_split(model, sample, table, repeats=1)
+    assert split["input_grad_ratio"].notna().all()

@@ -86,7 +86,7 @@ class _LayerRun:
         self.forward, self.backward = _Timer(target, flush), _Timer(target, flush)
         self.saved = SavedBytes(layer)
         self.output: Any = None
-        self.stashed: dict[Any, Tensor] = {}
+        self.stashed: dict[Any, Optional[Tensor]] = {}
 
     def call(self, timed: bool) -> None:
         tracker = _popping(self.skips)
@@ -98,7 +98,8 @@ class _LayerRun:
 
         output = self.forward(run_forward) if timed else run_forward()
         stashed = {key: t for key, t in tracker.tensors.items() if key not in self.skips}
-        outs = [t for t in tensors_in(output) + list(stashed.values()) if t.requires_grad]
+        # (a layer may stash None: nothing to differentiate there)
+        outs = [t for t in tensors_in(output) + list(stashed.values()) if t is not None and t.requires_grad]
 
         def run_backward() -> None:
             if outs:
@@ -158,7 +159,7 @@ def _chain(module: nn.Sequential, value: TensorOrTensors, target: torch.device,
         if isinstance(layer, Skippable):
             for ns_name in layer.poppable():
                 skips.pop(ns_name, None)
-        skips.update({key: t.detach() for key, t in run.stashed.items()})
+        skips.update({key: None if t is None else t.detach() for key, t in run.stashed.items()})
         value = _detach(run.output)
     return chain
 
@@ -235,7 +236,7 @@ def _profile_rows(module: nn.Sequential, value: TensorOrTensors, target: torch.d
             "name": run.name,
             "type": type(layer).__name__,
             "param_bytes": _bytes(list(layer.parameters())),
-            "output_bytes": _bytes(tensors_in(run.output)) + _bytes(list(run.stashed.values())),
+            "output_bytes": _bytes(tensors_in(run.output)) + _bytes([t for t in run.stashed.values() if t is not None]),
             "saved_bytes": run.saved.total,
             "forward": forward,
             "backward": backward if backward_ran else 0.0,

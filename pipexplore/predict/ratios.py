@@ -41,7 +41,7 @@ def contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any
         tracker = _popping(skips)
         with use_skip_tracker(tracker), torch.enable_grad():
             output = forward(lambda: layer(_detach(value)))
-        outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t.requires_grad]
+        outs = [t for t in tensors_in(output) + list(tracker.tensors.values()) if t is not None and t.requires_grad]
         backward(lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs]) if outs else None)
 
     def twin(barrier: threading.Barrier, timers: tuple[_Timer, _Timer]) -> None:
@@ -114,8 +114,8 @@ def split_backward(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Te
             with use_skip_tracker(tracker), torch.enable_grad():
                 output = layer(leaf)
             outs = [t for t in tensors_in(output) + [t for k, t in tracker.tensors.items() if k not in skips]
-                    if t.requires_grad]
-            inputs = [t for t in tensors_in(leaf) + popped if t.requires_grad]
+                    if t is not None and t.requires_grad]  # (a layer may stash None)
+            inputs = [t for t in tensors_in(leaf) + popped if t is not None and t.requires_grad]
             if not outs or not inputs:
                 return math.nan, math.nan
             _, groups = timers[0](lambda: stage_backward_input(outs, [torch.ones_like(t) for t in outs], inputs,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -165,11 +165,11 @@ def fit_columns(table: pd.DataFrame, tables: Sequence[pd.DataFrame], rows: Seque
         table[f"{phase}_b"] = [b for _, b in fits]
 
 
-def popping(skips: dict[Any, Tensor]) -> SkipTracker:
+def popping(skips: Mapping[Any, Optional[Tensor]]) -> SkipTracker:
     """A skip tracker holding fresh leaves of ``skips``: what a layer that pops them reads, as if
-    the layers before it had just stashed them."""
+    the layers before it had just stashed them (a stashed None stays None)."""
     tracker = SkipTracker()
-    tracker.tensors.update({key: detach(t) for key, t in skips.items()})  # type: ignore[misc]
+    tracker.tensors.update({key: None if t is None else detach(t) for key, t in skips.items()})  # type: ignore[misc]
     return tracker
 
 

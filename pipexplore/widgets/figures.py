@@ -13,8 +13,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from pipexplore.widgets.plots import (PHASE_COLORS, PHASE_LETTERS, PHASES, STAGE_COLORS, held_memory, memory_scale,
-                                     summary)
+from pipexplore.widgets.plots import (
+    PHASE_COLORS,
+    PHASE_LETTERS,
+    PHASES,
+    STAGE_COLORS,
+    held_memory,
+    memory_scale,
+    summary,
+)
 from pipexplore.widgets.residual_view import residual_grid, residual_state
 from pipexplore.widgets.timeline_canvas import lane_labels, lane_of
 

@@ -4,7 +4,6 @@ The table itself comes from :func:`pipexplore.models.profile.profile_model`.
 """
 from __future__ import annotations
 
-
 import pandas as pd
 import torch
 

@@ -9,7 +9,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Union
 
 from pipexplore.microbatch import batch_size
-from pipexplore.widgets.header import plan_text, short_plan_text, plan_difference
+from pipexplore.widgets.header import plan_difference, plan_text, short_plan_text
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas, residual_state
 from pipexplore.widgets.runs_view import runs_html
@@ -119,7 +119,6 @@ def report_html(state: "ExplorerState", strip_view: str = "time") -> str:
         pathlib.Path("report.html").write_text(report_html(explorer.state))
     """
     from pipexplore.predict.residuals import residuals
-
     from pipexplore.widgets.panels.stages import layer_cells, skip_arcs, stage_totals, stages_html
     from pipexplore.widgets.panels.status import header_of
 

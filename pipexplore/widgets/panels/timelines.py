@@ -12,7 +12,7 @@ from pipexplore import background
 from pipexplore import timeline as tl
 from pipexplore.microbatch import batch_size
 from pipexplore.predict.costs import stage_bounds
-from pipexplore.widgets.header import format_bytes, parse_bytes, short_plan_text, plan_difference
+from pipexplore.widgets.header import format_bytes, parse_bytes, plan_difference, short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT, FieldMessages
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.protocol import DrawnMessage
