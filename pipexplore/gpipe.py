@@ -172,7 +172,7 @@ class GPipe(nn.Module):
 
         resolved = default_devices(len(balance)) if devices is None else [
             _as_device(d) for d in validate.devices(devices)]
-        self.partitions = cast(nn.ModuleList, nn.ModuleList(split_module(module, balance, resolved)))
+        self.partitions = nn.ModuleList(split_module(module, balance, resolved))
         self.devices = resolved[: len(balance)]
         self.balance = balance
         self._copy_streams: list[list[AbstractStream]] = []
@@ -191,7 +191,7 @@ class GPipe(nn.Module):
             index += len(self)
         for partition in self._sequentials():
             if index < len(partition):
-                return cast(nn.Module, partition[index])
+                return partition[index]
             index -= len(partition)
         raise IndexError("layer index out of range")
 
@@ -215,7 +215,7 @@ class GPipe(nn.Module):
                 raise MOVING_DENIED
             if torch.is_tensor(args[0]):
                 raise MOVING_DENIED
-        return cast("GPipe", super().to(*args, **kwargs))
+        return super().to(*args, **kwargs)
 
     def _ensure_copy_streams(self) -> list[list[AbstractStream]]:
         if not self._copy_streams:

@@ -7,10 +7,12 @@ from typing import Callable, Iterator, Sequence, Union, cast
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "check", "scatter", "gather", "to_device", "tensors_in", "batch_size", "TensorOrTensors"]
+__all__ = ["Batch", "check", "scatter", "gather", "to_device", "tensors_in", "batch_size", "TensorOrTensors", "Sample"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
+#: A mini-batch as a user holds it: a tensor, a tuple of tensors, or a dict of keyword inputs (a traced model's).
+Sample = Union[Tensor, Tensors, typing.Mapping[str, typing.Any]]
 
 
 class Batch:
@@ -125,7 +127,7 @@ def scatter(input: TensorOrTensors, chunks: int) -> list[Batch]:
         a, b = scatter((torch.zeros(2, 1), torch.zeros(4, 2)), chunks=2)   # rows 1 and 2 each
     """
     if torch.is_tensor(input):
-        return [Batch(x) for x in cast(Tensor, input).chunk(chunks)]
+        return [Batch(x) for x in input.chunk(chunks)]
     tensors = cast(Sequence[Tensor], input)
     columns = [x.chunk(chunks) for x in tensors]
     counts = {len(column) for column in columns}
@@ -157,12 +159,12 @@ def tensors_in(value: typing.Any) -> list[Tensor]:
     return []
 
 
-def batch_size(value: TensorOrTensors) -> int:
+def batch_size(value: Sample) -> int:
     """Rows of a mini-batch: dim 0 of the tensor, of the first tensor of a tuple, or of the first
     tensor of a dict of keyword inputs (a traced model's ``{'input_ids': ..., ...}``)."""
-    if isinstance(value, dict):
-        return int(tensors_in(value)[0].size(0))
-    return int((value if torch.is_tensor(value) else value[0]).size(0))
+    if isinstance(value, typing.Mapping):
+        return int(tensors_in(dict(value))[0].size(0))
+    return int((value if isinstance(value, Tensor) else value[0]).size(0))
 
 
 def to_device(value: typing.Any, device: torch.device) -> typing.Any:

@@ -98,11 +98,12 @@ class DeviceSpec:
                 raise ValueError(f"{self.name}: {key} must be a {kind} finite number, got {value!r}")
         if "float32" not in peaks:
             raise ValueError(f"{self.name}: peak_flops needs at least 'float32', got {sorted(peaks)}")
-        for key, value in (("flops_efficiency", self.flops_efficiency),
-                           ("bandwidth_efficiency", self.bandwidth_efficiency),
-                           ("optimizer_efficiency", self.optimizer_efficiency)):
-            if value is not None and not 0 < value <= 2:
-                raise ValueError(f"{self.name}: {key} is a fraction of peak (0 < … ≤ 2), got {value}")
+        fractions: tuple[tuple[str, Optional[float]], ...] = (
+            ("flops_efficiency", self.flops_efficiency), ("bandwidth_efficiency", self.bandwidth_efficiency),
+            ("optimizer_efficiency", self.optimizer_efficiency))
+        for key, fraction in fractions:
+            if fraction is not None and not 0 < fraction <= 2:
+                raise ValueError(f"{self.name}: {key} is a fraction of peak (0 < … ≤ 2), got {fraction}")
         object.__setattr__(self, "peak_flops", MappingProxyType(peaks))
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
 

@@ -89,7 +89,7 @@ def _split(device: str) -> tuple[str, int | None]:
 
 
 def _known() -> str:
-    aliases = {}
+    aliases: dict[str, list[str]] = {}
     for alias, key in ALIASES.items():
         aliases.setdefault(key, []).append(alias)
     return ", ".join(f"{k} (also {', '.join(aliases[k])})" if k in aliases else k for k in CATALOGUE)

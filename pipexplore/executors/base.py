@@ -15,7 +15,7 @@ from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.executors.tied import own_parameters
 from pipexplore.loss import synthetic_loss
-from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.microbatch import Sample, TensorOrTensors, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
@@ -80,7 +80,7 @@ class StepJob:
     mini-batch, the plan, and how to train."""
 
     model: nn.Module
-    sample: TensorOrTensors
+    sample: Sample
     plan: Plan
     target: Any = None
     loss_fn: Optional[LossFn] = None
@@ -193,7 +193,7 @@ def all_finite(parameters: Any) -> bool:
                    for t in (p, p.grad) if t is not None and t.is_floating_point())
 
 
-def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: TensorOrTensors, used: set[str],
+def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: Sample, used: set[str],
            parameters: Any = None, measured_losses: Sequence[float] = ()) -> RunResult:
     """A measured step with its metrics and the plan's prediction beside it: ``loss`` the first
     step's, ``measured_losses`` the measured steps' (``metrics['measured_losses']`` too); ``finite``

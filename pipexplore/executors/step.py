@@ -8,7 +8,7 @@ from torch import nn
 from pipexplore.executors import autograd, backends, processes, threads
 from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult, StepJob, synthetic_loss
 from pipexplore import background, validate
-from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["RunResult", "run_step", "synthetic_loss", "executor_for"]
@@ -28,7 +28,7 @@ def executor_for(model: nn.Module, plan: Plan) -> Any:
     return {"threads": threads, "autograd": autograd, "processes": processes}[plan.executor]
 
 
-def run_step(model: nn.Module, sample: TensorOrTensors, plan: Plan, *, target: Any = None,
+def run_step(model: nn.Module, sample: Sample, plan: Plan, *, target: Any = None,
              loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
              warmup: int = 1, run: Any = 0, repeats: int = 3, timeout: Optional[float] = None) -> RunResult:
     """Train a copy of ``model`` for ``warmup`` steps as ``plan`` says, then measure ``repeats``

@@ -348,9 +348,9 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     table = []
     for k in order:
         name, module = cap.blocks[k]
-        call = cap.calls.get(k)
-        base, count = counts[call.signature] if call is not None else (f"{type(module).__name__}-uncalled", Count())
-        calls = call.calls if call is not None else 0
+        called = cap.calls.get(k)
+        base, count = counts[called.signature] if called is not None else (f"{type(module).__name__}-uncalled", Count())
+        calls = called.calls if called is not None else 0
         extra = outside.get(k, [])
         kind = base if calls == 1 else f"{base}x{calls}"
         if extra or outside_saved.get(k):
@@ -369,7 +369,7 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         shared = sorted({names.get(id(p), "?") for p in module.parameters() if len(set(owners[id(p)])) > 1})
         table.append({
             "name": name, "type": type(module).__name__, "kind": kind, "params": params, "param_bytes": param_bytes,
-            "grad_bytes": grad_bytes, "output_bytes": (call.output_bytes if call else 0) * scale,
+            "grad_bytes": grad_bytes, "output_bytes": (called.output_bytes if called else 0) * scale,
             "saved_bytes": (count.saved_bytes * calls + outside_saved.get(k, 0)) * scale,
             **{f"{phase}_flops": sum(r["flops"] for r in records if r["phase"] == phase) * scale
                for phase in ("forward", "backward")},

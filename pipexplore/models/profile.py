@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypedDict, Union, cast
 
 import pandas as pd
 import torch
@@ -37,7 +37,7 @@ from pipexplore import validate
 from pipexplore.devices import device_spec
 from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
-from pipexplore.microbatch import TensorOrTensors, batch_size, to_device
+from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
 from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
@@ -45,9 +45,18 @@ from pipexplore.predict import planned_optimizer
 from pipexplore.predict.profiler import backward_split, profile
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs
 
-__all__ = ["profile_model", "planned_layers", "with_backward_split", "on_meta", "costed_rows"]
+__all__ = ["profile_model", "ProfileOptions", "planned_layers", "with_backward_split", "on_meta", "costed_rows"]
 
 Progress = Callable[[int, int], None]
+
+
+class ProfileOptions(TypedDict):
+    """How :func:`profile_model` times layers, as an explorer keeps them for every profile it makes."""
+
+    granularity: str
+    repeats: int
+    profile_stages: bool
+    mixed_precision: bool
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -60,7 +69,7 @@ def costed_rows(batch: int, chunks: int) -> list[int]:
     return sorted({max(1, -(-batch // chunks)) if chunks > 1 else max(1, batch // 2), batch})
 
 
-def profile_model(model: nn.Module, sample: TensorOrTensors, *,
+def profile_model(model: nn.Module, sample: Sample, *,
                   devices: Union[Placement, Sequence[Any], None] = None, gpus_per_node: int = 8, chunks: int = 1,
                   granularity: str = "blocks", repeats: int = 3, profile_stages: bool = True,
                   split_backward: bool = True, loss_fn: Any = None, target: Any = None, optimizer: Any = None,
@@ -107,14 +116,14 @@ def profile_model(model: nn.Module, sample: TensorOrTensors, *,
                                        repeats=repeats, optimizer=optimizer, as_stages=profile_stages, owned=True)
         table.attrs["threads"] = threads or torch.get_num_threads()
         return table
-    profiled = copy.deepcopy(model)
+    profiled, layers_input = copy.deepcopy(model), cast(TensorOrTensors, sample)  # (a dict feeds traced models only)
     with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
-        return profile(profiled, sample, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),
+        return profile(profiled, layers_input, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),
                        device=device, progress=progress, threads=threads, split_backward=split_backward,
                        optimizer=optimizer)
 
 
-def planned_layers(model: nn.Module, sample: TensorOrTensors, *, chunks: int, devices: Sequence[str],
+def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Sequence[str],
                    granularity: str = "blocks", repeats: int = 3, loss_fn: Any = None, target: Any = None,
                    optimizer: Any = None, mixed_precision: bool = False) -> pd.DataFrame:
     """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
@@ -153,7 +162,7 @@ def planned_layers(model: nn.Module, sample: TensorOrTensors, *, chunks: int, de
     return table
 
 
-def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, counted: pd.DataFrame, ops: pd.DataFrame,
+def _learnt_efficiency(model: nn.Module, sample: Sample, counted: pd.DataFrame, ops: pd.DataFrame,
                        kind: str, rows: Sequence[int], *, granularity: str, repeats: int, loss_fn: Any, target: Any,
                        optimizer: Any = None) -> tuple[Any, str]:
     """Where a device of the planned kind is here: the model's blocks timed on it one at a time, its
@@ -198,11 +207,11 @@ def _learnt_efficiency(model: nn.Module, sample: TensorOrTensors, counted: pd.Da
                     f"{spec.bandwidth_efficiency:.0%}).")
 
 
-def with_backward_split(model: nn.Module, sample: TensorOrTensors, table: pd.DataFrame, *,
+def with_backward_split(model: nn.Module, sample: Sample, table: pd.DataFrame, *,
                         device: torch.device, repeats: int = 3) -> pd.DataFrame:
     """``table`` with its input/weight-gradient split measured (zero-bubble runs its backward as
     those two passes); ``table`` itself where it has one, or for traced models."""
     if table.attrs.get("backward_split", True) or not isinstance(model, nn.Sequential):
         return table
     profiled = copy.deepcopy(model).to(device)
-    return backward_split(profiled, sample, table, repeats=repeats)
+    return backward_split(profiled, cast(TensorOrTensors, sample), table, repeats=repeats)  # (not a dict: a Sequential's)

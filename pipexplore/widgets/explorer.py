@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 from torch import nn
 
-from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
 from pipexplore.widgets import what_if
 from pipexplore.widgets.run_log import RUN_COLUMNS
@@ -64,7 +64,7 @@ class Explorer:
         print(explorer.export("gpipe"))
     """
 
-    def __init__(self, model: nn.Module, sample: TensorOrTensors, **options: Any) -> None:
+    def __init__(self, model: nn.Module, sample: Sample, **options: Any) -> None:
         #: Model, layer table, plan, runs and status (no widgets).
         self.state = ExplorerState(model, sample, **options)
         #: The page, subscribed to the state.
@@ -85,7 +85,7 @@ class Explorer:
         return self.state.model
 
     @property
-    def sample(self) -> TensorOrTensors:
+    def sample(self) -> Sample:
         return self.state.sample
 
     @property
@@ -361,7 +361,7 @@ class Explorer:
         return bundle
 
 
-def explore(model: nn.Module, sample: TensorOrTensors, **options: Any) -> Explorer:
+def explore(model: nn.Module, sample: Sample, **options: Any) -> Explorer:
     """Build an :class:`Explorer` for ``model`` on ``sample`` (one mini-batch); display it by returning it.
 
     Takes every option :class:`~pipexplore.widgets.state.ExplorerState` takes (``target``,

@@ -137,7 +137,7 @@ class TimelineView:
         self._panels: dict[int, Any] = {}
         self._retime_key = ""  # the plan shape the page may re-time (see :meth:`retime`)
         self.figure: Any = canvas.TimelineCanvas() if widget else Scene()
-        if widget:
+        if isinstance(self.figure, canvas.TimelineCanvas):
             self.figure.add_class("pipexplore-timeline")
         self.show(predicted=predicted, measured=measured)
 
@@ -181,10 +181,10 @@ class TimelineView:
         if splits is not None:
             self.splits = list(splits)
         if stage_layers is not None and list(stage_layers) != list(self.stage_layers):
-            self.stage_layers = [tuple(b) for b in stage_layers]
+            self.stage_layers = [(int(b[0]), int(b[1])) for b in stage_layers]
             rows.add(1)
         if measured_stage_layers is not None and list(measured_stage_layers) != list(self.measured_stage_layers):
-            self.measured_stage_layers = [tuple(b) for b in measured_stage_layers]
+            self.measured_stage_layers = [(int(b[0]), int(b[1])) for b in measured_stage_layers]
             rows.add(2)
         if measured_prediction is not None and measured_prediction is not self.measured_prediction:
             self.measured_prediction = measured_prediction
@@ -208,7 +208,7 @@ class TimelineView:
         if self.predicted is None or self.predicted.empty or "memory" not in self.predicted:
             return pd.DataFrame(columns=columns)
         memory = self._memory()
-        cached = getattr(self, "_peaks_of", (None, None))
+        cached: tuple[Any, Any] = getattr(self, "_peaks_of", (None, None))
         if cached[0] is not memory:
             # Each stage's first row of the most bytes (the memory is sorted by stage, then time):
             # per run of a stage its maximum, then the first row that reaches it.

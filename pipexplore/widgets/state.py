@@ -31,9 +31,9 @@ from pipexplore.devices.placement import devices_for, place
 from pipexplore.executors.base import LossFn, OptimizerFactory
 from pipexplore.export.code import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
-from pipexplore.microbatch import TensorOrTensors, batch_size
+from pipexplore.microbatch import Sample, batch_size
 from pipexplore.models.hf import cache_note
-from pipexplore.models.profile import on_meta, profile_model, with_backward_split
+from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split
 from pipexplore.models.trace import costs as traced_costs
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.costs import Corrections
@@ -96,7 +96,7 @@ class ExplorerState:
         state.runner.run()                  # a real step; a row in state.runs
     """
 
-    def __init__(self, model: nn.Module, sample: TensorOrTensors, *, target: Any = None,
+    def __init__(self, model: nn.Module, sample: Sample, *, target: Any = None,
                  loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
                  devices: Optional[Sequence[str]] = None, chunks: Optional[int] = None,
                  checkpoint: str = "except_last", schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
@@ -129,15 +129,14 @@ class ExplorerState:
         if self.planned and executor == "threads":
             executor = "processes"  # planned GPUs run a process each (torchrun), not threads of this one
         if splits is not None and not self.traced:
-            splits = validate.splits(splits, len(model))
+            splits = validate.splits(splits, len(model) if isinstance(model, nn.Sequential) else 0)
         if layer_table is not None and not isinstance(layer_table, pd.DataFrame):
             raise TypeError(f"layer_table must be a pandas DataFrame (from pipexplore.profile_model) or None, got "
                             f"{type(layer_table).__name__}")
         #: How the layers are profiled (:func:`~pipexplore.models.profile.profile_model`'s options).
-        self.profile_options = dict(granularity=granularity,
-                                    repeats=validate.integer(profile_repeats, "profile_repeats", minimum=1),
-                                    profile_stages=validate.boolean(profile_stages, "profile_stages"),
-                                    mixed_precision=self.mixed_precision)
+        self.profile_options = ProfileOptions(
+            granularity=granularity, repeats=validate.integer(profile_repeats, "profile_repeats", minimum=1),
+            profile_stages=validate.boolean(profile_stages, "profile_stages"), mixed_precision=self.mixed_precision)
         #: Whether runs teach the predictions (the executor's own costs, corrections per action).
         self.calibrate = validate.boolean(calibrate, "calibrate")
         keep_timelines = validate.integer(keep_timelines, "keep_timelines", minimum=0)

@@ -207,7 +207,7 @@ def memory_panel(memory: pd.DataFrame, peaks: pd.DataFrame, colors: Sequence[str
     marks: list[MemoryPeak] = [{"stage": int(s), "t": float(t) * 1e3, "v": float(v) / scale, "over": bool(o)}
                                for s, t, v, o in zip(peaks["stage"], peaks["time"], peaks["bytes"], peaks["over_cap"])]
     measured_series = _memory_series(measured, colors, scale) if measured is not None and len(measured) else []
-    most_measured = float(measured["bytes"].max()) / scale if measured_series else 0.0
+    most_measured = float(measured["bytes"].max()) / scale if measured is not None and measured_series else 0.0
     top = max([m["v"] for m in marks] + [cap / scale if cap is not None else 0.0, most_measured])
     return {"kind": "memory", "title": title, "warning": warning, "unit": unit, "series": series, "peaks": marks,
             "measured_series": measured_series, "cap": cap / scale if cap is not None else None, "y_max": top}

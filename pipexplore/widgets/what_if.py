@@ -97,7 +97,7 @@ def apply(state: ExplorerState, row: Any) -> Plan:
     if not given:
         raise ValueError(f"apply takes a row of sweep() or search(), or a mapping of some of "
                          f"{', '.join(current)}; got {list(row.keys())}")
-    values = {key: row[key] if key in given else current[key] for key in current}
+    values: dict[str, Any] = {key: row[key] if key in given else current[key] for key in current}
     devices = values["devices"]
     devices = str(devices).split(",") if isinstance(devices, str) else list(devices)
     virtual = int(values["virtual_stages"] or 1)
