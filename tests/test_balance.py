@@ -242,7 +242,10 @@ def test_profile_table():
 def test_profile_times_follow_the_layers():
     model = nn.Sequential(Sleep(0.001), Sleep(0.02))
     table = profile(model, torch.ones(2, 1), repeats=3)
-    assert table.loc[1, "forward"] >= 0.02 and table.loc[0, "forward"] < 0.02
+    # (calibration scales every layer alike to the whole model's time: a sleep's lateness may move
+    # each a little either way; their ratio, ~15 slept, stays)
+    assert table.loc[1, "forward"] >= 0.95 * 0.02 and table.loc[0, "forward"] < 0.02
+    assert table.loc[1, "forward"] > 5 * table.loc[0, "forward"]
 
 
 def test_profile_errors():

@@ -21,9 +21,23 @@ from pipexplore.widgets.explorer import explore
 # Measures time (sleeps, spans, bounds in seconds): run alone, not beside other tests (scripts/test.sh).
 pytestmark = pytest.mark.timing
 
-#: How late a sleep can wake on a busy machine (it never wakes early): what sleep-timed costs may
-#: carry beyond the slept time.
+#: How late a sleep can wake at least (it never wakes early): what sleep-timed costs may carry
+#: beyond the slept time; the machine's own, measured now, where it is more (``sleep_lateness``).
 SLEEP_LATENESS = 1.5e-3
+
+
+@pytest.fixture(scope="module")
+def sleep_lateness() -> float:
+    """How late a 4 ms sleep wakes on this machine now: twice the worst of 20, at least
+    :data:`SLEEP_LATENESS` (a fixed allowance is tuned to one machine; 3 ms has been seen)."""
+    import time
+
+    late = []
+    for _ in range(20):
+        begun = time.perf_counter()
+        time.sleep(0.004)
+        late.append(time.perf_counter() - begun - 0.004)
+    return max(SLEEP_LATENESS, 2 * max(late))
 
 
 def test_microbatch_rows_follow_torch_chunk():
@@ -33,19 +47,19 @@ def test_microbatch_rows_follow_torch_chunk():
             assert microbatch_rows(batch, chunks) == expected
 
 
-def test_fixed_cost_layers_predict_the_same_time_at_every_micro_batch_size():
+def test_fixed_cost_layers_predict_the_same_time_at_every_micro_batch_size(sleep_lateness):
     model = nn.Sequential(*[SleepLayer(0.004, 0.002, 0.002) for _ in range(2)])
     table = profile(model, torch.randn(64, 4), microbatch_rows=[8, 64], repeats=3)
     small, large = layer_seconds(table, 8, "forward"), layer_seconds(table, 64, "forward")
     # The same 4 ms at both sizes, within a sleep's lateness.
-    assert (np.abs(small - large) < SLEEP_LATENESS).all(), (small, large)
+    assert (np.abs(small - large) < sleep_lateness).all(), (small, large)
     assert (np.minimum(small, large) >= 0.95 * 0.004).all(), (small, large)
     assert (table["forward_a"] > 0.003).all()  # the cost is per call, not per row
     # The old way (whole batch ÷ chunks) would predict an eighth of it.
     assert (small > 0.5 * 0.004).all()
 
 
-def test_a_line_in_the_rows_holds_at_an_unprofiled_size():
+def test_a_line_in_the_rows_holds_at_an_unprofiled_size(sleep_lateness):
     per_call, per_row = np.array([0.002, 0.001]), np.array([0.0004, 0.0002])
     model = nn.Sequential(*[RowCostLayer(a, b) for a, b in zip(per_call, per_row)])
     table = profile(model, torch.randn(64, 4), microbatch_rows=[8, 64], repeats=5, calibrate=False)
@@ -56,7 +70,7 @@ def test_a_line_in_the_rows_holds_at_an_unprofiled_size():
     for phase, times in (("forward", 1), ("backward", 2)):
         a, b = table[f"{phase}_a"].to_numpy(), table[f"{phase}_b"].to_numpy()
         assert np.allclose(b, times * per_row, rtol=0.25), (phase, b)
-        assert (a >= 0.95 * times * per_call).all() and (a <= times * per_call + SLEEP_LATENESS).all(), (phase, a)
+        assert (a >= 0.95 * times * per_call).all() and (a <= times * per_call + sleep_lateness).all(), (phase, a)
         # Never profiled at these sizes; at 2 rows a cost proportional to the rows, from the nearest
         # profiled size, would be 0.65 and 1.3 ms for the second layer's 1.4 and 2.8 ms.
         for rows in (2, 128):
@@ -69,8 +83,11 @@ def test_profile_warms_up_so_identical_layers_cost_alike_and_balance_evenly():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
     table = profile(model, torch.randn(64, 256), microbatch_rows=[16, 64], repeats=5)
-    total = table["forward"] + table["backward"]
-    assert (total / total.median()).between(0.8, 1.2).all(), total.tolist()
+    # each layer timed on its own (pooled, identical layers share one timing and cannot differ);
+    # a layer timed cold, without a warm-up, takes several times its warm time
+    each = profile(model, torch.randn(64, 256), microbatch_rows=[16, 64], repeats=5, same_work_once=False)
+    total = each["forward"] + each["backward"]
+    assert (total / total.median()).between(0.7, 1.4).all(), total.tolist()
     assert "spread" in table and (table["spread"] >= 0).all()
     ex = explore(model, torch.randn(64, 256), layer_table=table, devices=["cpu", "cpu"], chunks=4)
     assert ex.balance("time") == [4]
@@ -86,8 +103,8 @@ def test_a_models_repeated_blocks_are_timed_together_and_their_ratios_measured_o
     measured = []
     real = profiling._contended_slowdown
     monkeypatch.setattr(profiling, "_contended_slowdown", lambda layer, *a: measured.append(layer) or real(layer, *a))
-    model = nn.Sequential(SleepLayer(0.001, 0.001, 0.001), SleepLayer(0.001, 0.001, 0.001),
-                          SleepLayer(0.002, 0.001, 0.001),  # another sleep: other work
+    model = nn.Sequential(SleepLayer(0.004, 0.001, 0.001), SleepLayer(0.004, 0.001, 0.001),
+                          SleepLayer(0.008, 0.001, 0.001),  # another sleep: other work (4 ms of lateness allowed)
                           nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 16, bias=False))
     table = profile(model, torch.randn(4, 8), microbatch_rows=[2, 4])
     assert [model[k] for k in (0, 2, 3, 5, 6)] == measured  # the first of each kind, once
@@ -303,7 +320,9 @@ def test_corrections_rescale_each_stage_and_phase_and_measure_the_dispatch_gap()
 
 
 def test_sweep_ranks_every_combination_and_a_row_applies():
-    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, calibrate=False)
+    # the table profiling would give without noise: which plan wins is the sweep's to find, not the machine's
+    ex = explore(_sleepy_model(), torch.randn(16, 4), devices=["cpu", "cpu"], chunks=4, calibrate=False,
+                 layer_table=_sleepy_table().assign(type="SleepLayer"))
     table = ex.sweep(stages=[1, 2, 3], chunks=[2, 4], schedules=["gpipe", "1f1b", "zero-bubble"],
                      checkpoint=["never", "always"])
     assert len(table) == 3 * 2 * 3 * 2
@@ -398,19 +417,21 @@ def test_zero_bubble_first_stage_runs_its_whole_backward_in_i_and_teaches_the_ot
     assert step_time(learnt.with_options(schedule="1f1b").predicted) == pytest.approx(runs_as, rel=0.01)
 
 
-def test_profile_waits_for_the_extensions_background_imports_before_timing():
+def test_profile_waits_for_the_extensions_background_imports_before_timing(monkeypatch):
     # %load_ext pipexplore and a built explorer import in background threads; a layer timed beside
     # them would hold their share of the interpreter, so the profile starts timing once they are done.
     import threading
-    import time
 
     from pipexplore import background
 
-    finished = threading.Event()
+    finished, waited = threading.Event(), threading.Event()
 
-    def imports() -> None:
-        time.sleep(1.5)  # longer than this profile takes
+    def imports() -> None:  # ends only once someone waits for it: a profile that does not wait sees it running
+        waited.wait(30)
         finished.set()
+
+    real_wait = background.wait
+    monkeypatch.setattr(background, "wait", lambda *a, **k: waited.set() or real_wait(*a, **k))
 
     name = f"test-imports-{id(finished)}"
     thread = background.start(imports, name)
@@ -457,23 +478,24 @@ def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_hos
         turns, _ = profiling._contended_slowdown(_HoldsTheInterpreter(), x, {}, torch.device("cpu"), 3, 0.02)
     finally:
         sys.setswitchinterval(interval)
-    free, _ = profiling._contended_slowdown(SleepLayer(0.002, 0.001, 0.001), x, {}, torch.device("cpu"), 3, 0.004)
+    free, _ = profiling._contended_slowdown(SleepLayer(0.02, 0.01, 0.01), x, {}, torch.device("cpu"), 3, 0.04)
     # Taking turns: ~2, one waits while the other holds the interpreter; free: ~1, both sleep at
     # once. One bound halfway for both: 0.3 from the turns seen (1.83–2.03 in 15 runs on an idle
     # machine, 1.88–2.13 in 15 beside three busy processes) and 0.2 from the sleeps' (0.94–1.10,
     # and 1.30 once for 10 ms sleeps beside two busy processes: a late wake-up in the twins'
-    # middle calls).
+    # middle calls: the free twins sleep 20 ms, so 3 ms of it is 1.15 at most).
     assert turns > 1.5, turns
     assert free < 1.5, free
 
 
 class _CheaperWithoutAutograd(nn.Module):
-    """Sleeps 4 ms in a forward with autograd, 2 ms without (a checkpointed micro-batch's)."""
+    """Sleeps 20 ms in a forward with autograd, 10 ms without (a checkpointed micro-batch's): long
+    enough that a late wake-up (1.5 ms) keeps the ratio inside its band."""
 
     def forward(self, x):
         import time
 
-        time.sleep(0.004 if torch.is_grad_enabled() else 0.002)
+        time.sleep(0.02 if torch.is_grad_enabled() else 0.01)
         return x * 1.0
 
 

@@ -201,12 +201,16 @@ def test_interrupting_the_caller_of_a_stage_worker_stops_its_work_and_leaves_no_
 
     from pipexplore.host import as_stage_worker
 
+    working = threading.Event()
+
     def long_work():
+        working.set()
         for _ in range(3000):  # 30 s unless interrupted
             time.sleep(0.01)
         return "finished"
 
-    timer = threading.Timer(0.3, _thread.interrupt_main)
+    # Ctrl+C once the work runs (not after a fixed delay, which a slow start could outlast)
+    timer = threading.Thread(target=lambda: working.wait(30) and _thread.interrupt_main(), name="test-ctrl-c")
     timer.start()
     started = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):

@@ -42,7 +42,8 @@ def test_the_timer_flushes_before_each_call_outside_its_time(slow_flushes: list[
     for _ in range(3):
         timer(lambda: None)
     assert len(slow_flushes) == 3
-    assert max(timer.wall) < SLOW_FLUSH / 2
+    # (the median: one preemption may hold one call; a flush inside the timed call would hold all)
+    assert sorted(timer.wall)[1] < SLOW_FLUSH / 2
     plain = Timer(torch.device("cpu"))
     plain(lambda: None)
     assert len(slow_flushes) == 3
