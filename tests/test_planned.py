@@ -357,3 +357,37 @@ def test_profiling_on_a_planned_device_is_refused_with_what_to_do():
 
     with pytest.raises(ValueError, match=r"'H100' is a planned device .* explore\(model, sample, devices=\['H100'\] \* N\)"):
         profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), device="H100")
+
+
+def test_a_dropout_after_the_embedding_is_planned_on_meta_as_the_nothing_it_runs():
+    """GPT-NeoX (as its config class's defaults give it, 4 layers) has a dropout of p = 0 after its
+    embedding: counted on meta it runs no operator. Its kind has no operator rows, and the plan
+    costs it nothing rather than refusing the kind (before: "layer kinds ['Dropout-1'] are not in
+    the ops frame")."""
+    with torch.device("meta"):
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(num_hidden_layers=4))
+    ids = torch.zeros(8, 128, dtype=torch.long, device="meta")
+    state = ExplorerState(model, ids, devices=["H100"] * 4, gpus_per_node=8, chunks=4)
+    table = state.layer_table
+    dropout = table[table["type"] == "Dropout"]
+    assert len(dropout) == 1 and (dropout[["forward", "backward"]] == 0).all().all()
+    assert (table.loc[table["type"] == "GPTNeoXLayer", "forward"] > 0).all()
+    step = state.figures()["predicted_step_time"]
+    assert math.isfinite(step) and step > 0
+    moved = list(state.plan.splits)
+    moved[-1] += 1
+    state.update(splits=moved)  # a moved split, re-predicted
+    assert math.isfinite(state.figures()["predicted_step_time"]) and state.figures()["predicted_step_time"] != step
+
+
+def test_a_kind_the_count_never_saw_is_still_refused():
+    from pipexplore.predict.roofline import planned_layer_costs
+
+    ops = pd.DataFrame({"kind": ["A"], "phase": ["forward"], "op": ["mm"], "dtype": ["float32"], "flops": [1e6],
+                        "fixed_bytes": [0.0], "row_bytes": [1e3], "grad": [""]})
+    ops.attrs.update(rows=4, kinds=["A", "Idle"])
+    table = pd.DataFrame({"name": ["a", "idle", "b"], "kind": ["A", "Idle", "B"]})
+    with pytest.raises(ValueError, match=r"layer kinds \['B'\] are not in the ops frame"):
+        planned_layer_costs(table, ops, "H100", batch=8, microbatch_rows=4)
+    planned = planned_layer_costs(table.iloc[:2], ops, "H100", batch=8, microbatch_rows=4)
+    assert planned["forward"].tolist()[1] == 0.0 and planned["forward"].tolist()[0] > 0

@@ -383,6 +383,8 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
                      "True/1: data-dependent paths may differ from a real run")
     frame = pd.DataFrame(ops, columns=[*OP_COLUMNS, "outside"]).astype({"outside": bool})
     frame.attrs["rows"] = rows
+    # every kind counted, those that ran no operator too (a dropout of p = 0 is the identity): no rows, no cost
+    frame.attrs["kinds"] = list(dict.fromkeys(row["kind"] for row in table))
     out = pd.DataFrame(table, columns=COUNT_COLUMNS)
     out.attrs.update(batch=batch, rows=(rows,), source="counted", ops=frame, notes=notes, granularity=granularity)
     return out

@@ -277,7 +277,9 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
     if "kind" not in table:
         raise ValueError("the layer table needs a 'kind' column naming each layer's kind in the ops frame")
     _checked(ops)
-    known = set(ops["kind"])
+    # (a kind the count saw run no operator, ``ops.attrs["kinds"]``, costs nothing: a dropout of p = 0)
+    operating = set(ops["kind"])
+    known = operating | set(ops.attrs.get("kinds", ()))
     unknown = [k for k in dict.fromkeys(table["kind"]) if k not in known]
     if unknown:
         raise ValueError(f"layer kinds {unknown} are not in the ops frame (it has {sorted(map(str, known))})")
@@ -288,6 +290,7 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
     x = np.asarray(points, dtype=float)
     out = table.copy()
     layer_kind = out["kind"].to_numpy()
+    idle = ~np.isin(layer_kind, list(operating))  # layers whose kind runs no operator
     for phase in PHASES:
         t = np.stack([frame[phase].to_numpy(dtype=float) for frame in per_size], axis=1)  # kinds × sizes
         if len(points) == 2:
@@ -301,15 +304,15 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
                 coef, *_ = np.linalg.lstsq(design, t[finite].T, rcond=None)
                 a[finite], b[finite] = coef[0], coef[1]
         fit_a, fit_b = pd.Series(a, index=kinds), pd.Series(b, index=kinds)
-        out[f"{phase}_a"] = fit_a.reindex(layer_kind).to_numpy()
-        out[f"{phase}_b"] = fit_b.reindex(layer_kind).to_numpy()
+        out[f"{phase}_a"] = np.where(idle, 0.0, fit_a.reindex(layer_kind).to_numpy())
+        out[f"{phase}_b"] = np.where(idle, 0.0, fit_b.reindex(layer_kind).to_numpy())
         out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
     out["share_forward"] = 1.0
     out["share_backward"] = 1.0
     first = op_seconds(ops, spec, sizes[0], efficiency=efficiency).to_numpy()
     i_ratio, w_ratio = _grad_ratios(ops, first, kinds)
-    out["input_grad_ratio"] = pd.Series(i_ratio, index=kinds).reindex(layer_kind).to_numpy()
-    out["weight_grad_ratio"] = pd.Series(w_ratio, index=kinds).reindex(layer_kind).to_numpy()
+    out["input_grad_ratio"] = np.where(idle, 0.5, pd.Series(i_ratio, index=kinds).reindex(layer_kind).to_numpy())
+    out["weight_grad_ratio"] = np.where(idle, 0.5, pd.Series(w_ratio, index=kinds).reindex(layer_kind).to_numpy())
     out["checkpointed_ratio"] = 1.0
     out["spread"] = 0.0
     out.attrs = {**table.attrs, "batch": int(batch), "rows": tuple(sizes), "device_spec": spec.name,
