@@ -5,6 +5,7 @@ the notes, and the user's config untouched."""
 from __future__ import annotations
 
 import copy
+import math
 import logging
 import pathlib
 
@@ -196,3 +197,22 @@ def test_the_exported_script_names_the_inputs_a_later_stage_would_read(tmp_path)
     assert "attention_mask" in exported["late_inputs"](late)
     assert exported["late_inputs"](trace.split(copy.deepcopy(model), micro, ["transformer.h.1"])) == []
     assert "later stages read the model's inputs" in script
+
+
+def falcon() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_a_traces_own_constants_are_kept_and_a_falcon_runs_like_the_unsplit_model(executor):
+    """Falcon's attention builds tensors in its forward, which torch.export lifts into constants
+    of the traced stage (``lifted_tensor_0``) that no parameter or buffer of the model holds: the
+    kept pipe keeps them (before: "'NoneType' object has no attribute 'detach'" in every run)."""
+    model, inputs, target = falcon(), batch(labels=False), batch()["labels"]
+    state = explored(model, inputs, loss_fn=logits_loss, target=target, executor=executor)
+    row = state.runner.run()
+    assert row["loss"] == pytest.approx(reference_loss(model, inputs, logits_loss, target), rel=1e-5, abs=1e-6)
+    again = state.runner.run()  # from the kept pipe, not traced again
+    assert math.isfinite(again["loss"])

@@ -147,18 +147,26 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return source
 
 
-def _on_meta(tensor: torch.Tensor, _: Any) -> torch.Tensor:
+def _on_meta(tensor: torch.Tensor, current: Optional[torch.Tensor]) -> torch.Tensor:
+    """The skeleton's tensor: on meta where the model holds it; a constant the trace made (torch.export
+    lifts a ``torch.tensor(...)`` built in forward into ``lifted_tensor_0``), which no model holds,
+    kept as it is."""
+    if current is None:
+        return tensor.detach().clone()
     meta = torch.empty_like(tensor, device="meta")
     return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
 
 
-def _from_model(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    value = current.detach().clone()
+def _from_model(tensor: torch.Tensor, current: Optional[torch.Tensor]) -> torch.Tensor:
+    """A copy of the model's tensor (of the trace's own constant where the model holds none)."""
+    value = (tensor if current is None else current).detach().clone()
     return nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
 
 
-def _the_models(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """The model's own tensor (a Parameter where the pipe has one)."""
+def _the_models(tensor: torch.Tensor, current: Optional[torch.Tensor]) -> torch.Tensor:
+    """The model's own tensor (a Parameter where the pipe has one); a copy of the trace's own constant."""
+    if current is None:
+        return tensor.detach().clone()
     if isinstance(tensor, nn.Parameter) and not isinstance(current, nn.Parameter):
         return nn.Parameter(current, requires_grad=tensor.requires_grad)
     return current
@@ -199,7 +207,7 @@ def _trace_and_keep(key: tuple[Any, ...], model: nn.Module, mb_args: Any, split_
             # cannot be traced there fails here as trace.split says)
             pipe = split_marked(model if owned else copy.deepcopy(model), mb_args, list(split_points),
                                 mb_kwargs=mb_kwargs)[0]
-    skeleton = _copy_with(pipe, _stage_tensors(pipe), {}, _on_meta)
+    skeleton = _copy_with(pipe, _stage_tensors(pipe), _model_tensors(model), _on_meta)
     if reused and not owned:  # copies of the model's tensors, not the tensors themselves
         pipe = _copy_with(skeleton, _stage_tensors(skeleton), _model_tensors(model), _from_model)
     if marked is not None:
@@ -248,7 +256,7 @@ def traced_pipe(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     if kept is not None:
         source = _model_tensors(model)
         skeleton, tensors = kept
-        if all(fqn in source for _, fqn in tensors):
+        if all(fqn in source or not tensor.is_meta for tensor, fqn in tensors):  # (the trace's constants kept)
             return _copy_with(skeleton, tensors, source, _the_models if owned else _from_model)
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs, owned)[0]
 
