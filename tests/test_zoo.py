@@ -1,0 +1,111 @@
+"""The transformers zoo, planned on meta: architectures built from their own config class's defaults
+(only the number of layers cut to 4), planned for catalogue GPUs with block candidates, a finite
+predicted step, and a moved split predicted again. Decoder-only LMs of every family (dense, tied and
+untied heads, parallel residual, ALiBi, rotary, sliding window, multi-query, mixture of experts with
+routed and shared experts, multi-latent attention), encoders (a masked LM, an image classifier) and
+encoder-decoders (whose decoder reads the encoder's output across stages)."""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+import transformers  # the test extra
+
+from pipexplore.widgets.state import ExplorerState
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+#: name: (config class, model class, the config's number of layers cut to 4, what it stands for)
+ZOO = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=4)),  # dense, tied head, learned positions
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_hidden_layers=4)),  # parallel residual
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_layer=4)),  # parallel residual, partial rotary
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_hidden_layers=4)),  # multi-query
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=4)),  # rotary, untied head
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=4)),  # sliding window, GQA
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_hidden_layers=4)),  # routed experts
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_hidden_layers=4)),  # routed + shared experts
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=4)),  # q/k norms
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_hidden_layers=4)),  # parallel attention and MLP
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=4)),  # fused qkv
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_hidden_layers=4)),  # tied, scaled embedding
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_hidden_layers=4)),  # sliding and global, soft cap
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=4)),  # ALiBi
+    "mpt": ("MptConfig", "MptForCausalLM", dict(n_layers=4)),  # ALiBi, no bias
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(num_hidden_layers=4)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_layer=4)),  # multi-query
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_hidden_layers=4)),  # partial rotary
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_hidden_layers=4)),  # sliding window
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_hidden_layers=4)),  # non-parametric norms
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",  # multi-latent attention, shared experts
+                    dict(num_hidden_layers=4, first_k_dense_replace=1)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_hidden_layers=4)),  # parallel, tied
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_hidden_layers=4)),  # scaled residuals
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_layer=4)),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(num_hidden_layers=4)),  # encoder, masked LM
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(num_hidden_layers=4)),
+    "vit": ("ViTConfig", "ViTForImageClassification", dict(num_hidden_layers=4)),  # image classifier
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(num_layers=4, num_decoder_layers=4)),  # enc-dec
+    "bart": ("BartConfig", "BartForConditionalGeneration", dict(encoder_layers=4, decoder_layers=4)),  # enc-dec
+}
+MOE = {"mixtral", "qwen2_moe", "deepseek_v3"}
+
+
+def on_meta(name: str):
+    config_class, model_class, layers = ZOO[name]
+    config = getattr(transformers, config_class)(**layers)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, model_class)(config)
+    if name == "vit":
+        sample = torch.empty(8, 3, config.image_size, config.image_size, device="meta")
+    elif name in ("t5", "bart"):
+        ids = torch.zeros(8, 128, dtype=torch.long, device="meta")
+        sample = {"input_ids": ids, "decoder_input_ids": ids}
+    else:
+        sample = torch.zeros(8, 128, dtype=torch.long, device="meta")
+    return model, sample
+
+
+def test_the_zoo_holds_every_family_the_issue_names():
+    assert len(ZOO) >= 25 and MOE <= set(ZOO) and {"bert", "vit", "t5", "bart", "bloom", "falcon"} <= set(ZOO)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_planned_on_meta_for_catalogue_gpus(name):
+    model, sample = on_meta(name)
+    state = ExplorerState(model, sample, devices=["H100"] * 4, gpus_per_node=8, chunks=4)
+    table = state.layer_table
+    assert all(p.is_meta for p in model.parameters())  # nothing made real
+    assert len(table) >= 5 and state.plan.num_stages == 4
+    blocks = table[table["forward_flops"] > 0]
+    assert len(blocks) >= 4 and not table["forward_flops"].isna().any(), table[["name", "forward_flops"]]
+    step = state.figures()["predicted_step_time"]
+    assert math.isfinite(step) and step > 0
+    moved = list(state.plan.splits)
+    moved[0] += 1 if moved[0] + 1 < moved[1] else -1
+    state.update(splits=moved)
+    assert math.isfinite(state.figures()["predicted_step_time"])
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_a_mixture_of_experts_counts_its_experts(name):
+    """Their experts run torch's grouped GEMM, whose meta kernel takes bfloat16 only: counted as if
+    in it, with its own FLOP formula (2·rows·k·n a group), a decoder layer's experts dominate it."""
+    model, sample = on_meta(name)
+    from pipexplore.models.meta import count_layers
+
+    counted = count_layers(model, sample, microbatch_rows=2)
+    ops = counted.attrs["ops"]
+    grouped = ops[ops["op"] == "aten._grouped_mm"]
+    assert len(grouped) and (grouped["flops"] > 0).all() and (grouped["dtype"] == "float32").all()
+    config = model.config
+    rows = 2 * 128 * config.num_experts_per_tok  # every token, once per expert it is routed to
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    expected = 2 * rows * config.hidden_size * width * 3  # gate, up and down projections
+    forward = grouped[(grouped["phase"] == "forward") & (grouped["kind"] == grouped["kind"].iloc[-1])]
+    assert forward["flops"].sum() == pytest.approx(expected, rel=1e-9)
