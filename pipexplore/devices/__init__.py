@@ -2,7 +2,8 @@
 
 :mod:`~pipexplore.devices.names` reads a device's name (present or planned, ``"H100:3"``),
 :mod:`~pipexplore.devices.catalogue` holds the specs to plan for (:class:`DeviceSpec`), and
-:mod:`~pipexplore.devices.links` what a byte or a message costs between two planned devices.
+:mod:`~pipexplore.devices.links` what a byte or a message costs between two planned devices, and
+:mod:`~pipexplore.devices.mesh` how ranks sit on a mesh of tensor, context, data and pipeline parallelism.
 Part of the vocabulary every layer shares; it imports only :mod:`pipexplore.validate`.
 
 Example::
@@ -12,6 +13,7 @@ Example::
 """
 from pipexplore.devices.catalogue import ALIASES, CATALOGUE, DTYPES, DeviceSpec, GiB, dtype_name
 from pipexplore.devices.links import link_latency, link_seconds_per_byte
+from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.names import (NO_GPU_NOTE, Device, as_device, catalogue_kind, chosen_devices, device_kind,
                                       device_memory, device_spec, is_planned, node_of, planned_devices,
                                       present_device, register_device, stage_devices)

@@ -1,0 +1,65 @@
+"""What a collective costs over a group of planned devices: the ring algorithm over the group's links.
+
+NCCL's ring moves, per rank, ``2(n−1)/n`` of the tensor for an all-reduce (a reduce-scatter, then an
+all-gather) and ``(n−1)/n`` for an all-gather or a reduce-scatter (``bytes`` is the whole tensor:
+the gathered output, the scattered input), in ``2(n−1)`` or ``(n−1)`` steps, each paying the link's
+latency. A ring is as fast as its slowest hop: a group inside one node runs at the intra-node link
+(NVLink), one across nodes at the inter-node link (InfiniBand: the GPU's share of its node's NICs)::
+
+    seconds = factor · bytes · seconds_per_byte(slowest hop) + steps · latency(slowest hop)
+
+    all_reduce       factor 2(n−1)/n   steps 2(n−1)
+    all_gather       factor  (n−1)/n   steps  (n−1)
+    reduce_scatter   factor  (n−1)/n   steps  (n−1)
+
+Example::
+
+    collective_seconds("all_reduce", 64 * 2**20, ["H100:0", "H100:1", "H100:2", "H100:3"], gpus_per_node=8)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pipexplore.devices import link_latency, link_seconds_per_byte
+
+__all__ = ["KINDS", "ring_seconds", "collective_seconds", "slowest_hop"]
+
+#: The collectives costed, with the ring's share of the tensor each rank moves and its steps, per n.
+KINDS = {
+    "all_reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all_gather": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "reduce_scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+}
+
+
+def ring_seconds(kind: str, nbytes: float, ranks: int, seconds_per_byte: float, latency: float = 0.0) -> float:
+    """Seconds of ``kind`` over a ring of ``ranks`` on links of ``seconds_per_byte`` and ``latency``
+    a step (the module docstring's formula); 0 on one rank.
+
+    Raises:
+        ValueError: an unknown kind (the known ones named), a negative size, fewer than one rank.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}: {', '.join(KINDS)}")
+    if nbytes < 0 or ranks < 1:
+        raise ValueError(f"a collective moves bytes ≥ 0 over ranks ≥ 1, got {nbytes} bytes over {ranks}")
+    if ranks == 1:
+        return 0.0
+    share, steps = KINDS[kind]
+    return share(ranks) * nbytes * seconds_per_byte + steps(ranks) * latency
+
+
+def slowest_hop(devices: Sequence[str], gpus_per_node: int = 8) -> tuple[float, float]:
+    """The seconds a byte and the latency of the slowest hop of a ring through ``devices`` (planned
+    devices, in ring order, the last back to the first)."""
+    if len(devices) < 2:
+        return 0.0, 0.0
+    hops = list(zip(devices, [*devices[1:], devices[0]]))
+    return (max(link_seconds_per_byte(a, b, gpus_per_node) for a, b in hops),
+            max(link_latency(a, b, gpus_per_node) for a, b in hops))
+
+
+def collective_seconds(kind: str, nbytes: float, devices: Sequence[str], gpus_per_node: int = 8) -> float:
+    """Seconds of ``kind`` moving ``nbytes`` over the group of planned ``devices`` (a ring in their order)."""
+    per_byte, latency = slowest_hop(devices, gpus_per_node)
+    return ring_seconds(kind, nbytes, len(devices), per_byte, latency)
