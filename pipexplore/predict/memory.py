@@ -27,8 +27,8 @@ import pandas as pd
 __all__ = ["optimizer_state_ratio", "optimizer_traffic", "stage_memory", "MEMORY_COLUMNS"]
 
 #: The columns :func:`stage_memory` adds, in bytes (``fits``: whether ``peak_bytes`` is within the capacity).
-MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes", "capacity",
-                  "fits"]
+MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "gathered_bytes", "activation_bytes", "peak_bytes",
+                  "capacity", "fits"]
 
 #: State tensors per parameter of the ``torch.optim`` classes whose state is known without a step.
 _KNOWN_STATES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "RMSprop": 1,
@@ -88,24 +88,41 @@ def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> f
     return sized / (probe.numel() * probe.element_size())
 
 
+#: How data-parallel replicas hold the training state: ``ddp`` replicated (gradients all-reduced),
+#: ``zero1`` the optimizer's state (and fp32 master weights) sharded across the replicas (Megatron-LM's
+#: distributed optimizer), ``fsdp`` parameters, gradients and optimizer state sharded (FSDP2).
+DATA_PARALLEL = ("ddp", "zero1", "fsdp")
+
+
 def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
                  peak_activations: Union[Sequence[float], np.ndarray],
                  optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
-                 capacity: Sequence[float] = ()) -> pd.DataFrame:
-    """Per stage of ``table`` split at ``splits``: parameter, gradient, optimizer and peak
-    activation bytes, their sum ``peak_bytes``, the ``capacity`` of the stage's device (NaN:
-    unknown) and whether the stage ``fits`` it (True where the capacity is unknown).
+                 capacity: Sequence[float] = (), tp: int = 1, dp: int = 1, data_parallel: str = "ddp",
+                 sequence_parallel: bool = True, reshard_after_forward: bool = True) -> pd.DataFrame:
+    """Per stage of ``table`` split at ``splits``, on one GPU of its mesh: parameter, gradient,
+    optimizer and peak activation bytes, FSDP's ``gathered_bytes``, their sum ``peak_bytes``, the
+    ``capacity`` of the stage's device (NaN: unknown) and whether the stage ``fits`` it (True where
+    the capacity is unknown).
 
     ``peak_activations``: what the schedule holds at its peak per stage (the predicted
-    timeline's ``memory``). Gradients are the table's ``grad_bytes`` where it has them (parameters
-    that train), else its ``param_bytes``. ``mixed_precision``: 2 bytes a parameter, 4 of fp32
-    gradient, 4 of fp32 master weight and the state in fp32 (the table's ``params`` counts, else
-    parameter bytes / 2).
+    timeline's ``memory``, for the whole stage). Gradients are the table's ``grad_bytes`` where it
+    has them (parameters that train), else its ``param_bytes``. ``mixed_precision``: 2 bytes a
+    parameter, 4 of fp32 gradient, 4 of fp32 master weight and the state in fp32 (the table's
+    ``params`` counts, else parameter bytes / 2).
+
+    On a mesh: ``tp`` ranks shard every stage's parameters, gradients and state, and with
+    ``sequence_parallel`` all its activations (Korthikanti et al. 2022, Table 2: ``34/t``; without
+    it, which tensors each rank keeps whole depends on the block, and is refused here rather than
+    guessed: a share of a GPT block's would miss a Llama's); ``dp`` replicas shard what
+    ``data_parallel`` (:data:`DATA_PARALLEL`) says: ``zero1`` the optimizer's state and the fp32
+    master weights (Megatron-LM's 6 + 12/d bytes a parameter with mixed-precision Adam), ``fsdp``
+    everything, each GPU then gathering the parameters it computes with: one layer at a time with
+    ``reshard_after_forward`` (the stage's largest), else the whole stage's.
 
     Example::
 
         stage_memory(table, [40], peak_activations=[3e9, 1e9], optimizer=torch.optim.AdamW,
-                     capacity=[80e9, 80e9])
+                     capacity=[80e9, 80e9], tp=8, dp=4, data_parallel="zero1")
     """
     from pipexplore.predict.costs import stage_sums  # the same sums the stage costs use
 
@@ -125,11 +142,31 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     activations = np.asarray(list(peak_activations), dtype=float)
     if len(activations) != len(params):
         raise ValueError(f"peak_activations has {len(activations)} values for {len(params)} stages")
-    peak = params + grads + states + activations
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+    for value, name in ((tp, "tp"), (dp, "dp")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")
+    raw = _column(table, "param_bytes", n)
+    raw_stage = stage_sums(raw, points)
+    held = params / np.where(raw_stage > 0, raw_stage, 1.0)  # bytes held a byte of the table's parameters
+    largest = np.maximum.reduceat(raw, points[:-1]) * held if n else np.zeros(len(params))
+    params, grads, states, largest = params / tp, grads / tp, states / tp, largest / tp
+    if data_parallel == "zero1":  # the optimizer's state sharded (with mixed precision: the fp32 master copy too)
+        states = states / dp
+    gathered = np.zeros(len(params))
+    if data_parallel == "fsdp":
+        gathered = largest if reshard_after_forward else params.copy()
+        params, grads, states = params / dp, grads / dp, states / dp
+    if tp > 1 and not sequence_parallel:
+        raise ValueError("tensor parallelism without sequence parallelism: which activations each rank keeps whole "
+                         "is not counted yet; plan it with sequence_parallel=True, as Megatron-LM's large runs do")
+    activations = activations / tp
+    peak = params + grads + states + gathered + activations
     caps = np.asarray(list(capacity) if len(capacity) else [math.nan] * len(params), dtype=float)
     return pd.DataFrame({"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
-                         "activation_bytes": activations, "peak_bytes": peak, "capacity": caps,
-                         "fits": np.isnan(caps) | (peak <= caps)})
+                         "gathered_bytes": gathered, "activation_bytes": activations, "peak_bytes": peak,
+                         "capacity": caps, "fits": np.isnan(caps) | (peak <= caps)})
 
 
 def _column(table: pd.DataFrame, name: str, n: int) -> np.ndarray:
