@@ -109,3 +109,20 @@ def test_a_mixture_of_experts_counts_its_experts(name):
     expected = 2 * rows * config.hidden_size * width * 3  # gate, up and down projections
     forward = grouped[(grouped["phase"] == "forward") & (grouped["kind"] == grouped["kind"].iloc[-1])]
     assert forward["flops"].sum() == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_an_encoder_decoder_without_decoder_inputs_is_refused_naming_them(name):
+    model, sample = on_meta(name)
+    with pytest.raises(ValueError, match=r"is an encoder-decoder: its decoder needs decoder_input_ids of shape "
+                                         r"\(batch, target length\) \(or labels.*the sample has input_ids$"):
+        ExplorerState(model, {"input_ids": sample["input_ids"]}, devices=["H100"] * 2, chunks=2)
+    assert ExplorerState(model, sample, devices=["H100"] * 2, chunks=2).plan.num_stages == 2  # with them: planned
+
+
+def test_an_image_model_given_token_ids_is_refused_naming_its_input():
+    model, _ = on_meta("vit")
+    ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"ViTForImageClassification takes images: pixel_values of shape "
+                                         r"\(batch, 3, 224, 224\), floating; the sample is a int64 tensor of shape \(8, 64\)"):
+        ExplorerState(model, ids, devices=["H100"] * 2, chunks=2)

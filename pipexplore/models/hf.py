@@ -17,11 +17,13 @@ The exported torchrun script builds its own model and turns the cache off with
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
+
+import torch
 
 from torch import nn
 
-__all__ = ["cached_configs", "cache_off", "cache_note", "EXPORT_SOURCE"]
+__all__ = ["cached_configs", "cache_off", "cache_note", "input_refusal", "EXPORT_SOURCE"]
 
 
 def cached_configs(model: nn.Module) -> list[tuple[str, Any]]:
@@ -60,6 +62,36 @@ def cache_note(model: nn.Module) -> str:
     configs = "config has" if len(found) == 1 else "configs have"
     return (f"{', '.join(holders)} {configs} use_cache=True: training never uses the KV cache, so the traced step "
             "runs with use_cache=False.")
+
+
+#: What an encoder-decoder's decoder can be fed from (``labels``: the model shifts them into its inputs).
+_DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+
+
+def input_refusal(model: nn.Module, sample: Any) -> str:
+    """Why a Hugging Face model cannot run on ``sample``, naming the input it lacks and its shape
+    ('' where it can, or where ``model`` is not a Hugging Face model): an encoder-decoder given no
+    decoder inputs; a model of images (``main_input_name`` ``pixel_values``) given token ids.
+
+    Example::
+
+        input_refusal(t5, {"input_ids": ids})   # "T5ForConditionalGeneration is an encoder-decoder: ..."
+    """
+    config, main = getattr(model, "config", None), getattr(model, "main_input_name", None)
+    if config is None or not isinstance(main, str):
+        return ""
+    name = type(model).__name__
+    given = set(sample) if isinstance(sample, Mapping) else {main}
+    if getattr(config, "is_encoder_decoder", False) and not given & set(_DECODER_INPUTS):
+        return (f"{name} is an encoder-decoder: its decoder needs decoder_input_ids of shape (batch, target length) "
+                f"(or labels, which it shifts into them); the sample has {', '.join(sorted(given))}")
+    first = sample.get(main) if isinstance(sample, Mapping) else sample
+    if main == "pixel_values" and isinstance(first, torch.Tensor) and (first.dim() != 4 or
+                                                                      not first.is_floating_point()):
+        channels, size = getattr(config, "num_channels", 3), getattr(config, "image_size", "height")
+        return (f"{name} takes images: pixel_values of shape (batch, {channels}, {size}, {size}), floating; "
+                f"the sample is a {str(first.dtype).replace('torch.', '')} tensor of shape {tuple(first.shape)}")
+    return ""
 
 
 #: The exported script's own copy of :func:`cache_off` (it imports no pipexplore): the model it

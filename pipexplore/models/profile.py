@@ -39,6 +39,7 @@ from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
+from pipexplore.models.hf import input_refusal
 from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
@@ -88,9 +89,13 @@ def profile_model(model: nn.Module, sample: Sample, *,
     timed (an ``nn.Sequential``'s).
 
     Raises:
-        ValueError: the sample does not fit the model (naming the layer that refused it), a model
-            on the meta device with no devices named, devices of several kinds.
+        ValueError: the sample does not fit the model (naming the layer that refused it, or the input a
+            Hugging Face model lacks and its shape), a model on the meta device with no devices named,
+            devices of several kinds.
     """
+    refusal = input_refusal(model, sample)
+    if refusal:
+        raise ValueError(refusal)
     placement = devices if isinstance(devices, Placement) else place(devices, gpus_per_node=gpus_per_node)
     chunks = validate.integer(chunks, "chunks")
     if placement.planned:
