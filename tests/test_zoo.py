@@ -126,3 +126,69 @@ def test_an_image_model_given_token_ids_is_refused_naming_its_input():
     with pytest.raises(ValueError, match=r"ViTForImageClassification takes images: pixel_values of shape "
                                          r"\(batch, 3, 224, 224\), floating; the sample is a int64 tensor of shape \(8, 64\)"):
         ExplorerState(model, ids, devices=["H100"] * 2, chunks=2)
+
+
+#: Tiny widths for the runs with real weights (each config class takes the ones it knows).
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+            n_embd=32, n_head=4, d_model=32, d_ff=64, num_heads=4, d_kv=8, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, head_dim=8, image_size=32, patch_size=8, rotary_dim=8, pad_token_id=0)
+#: Where the tiny widths need one more word: multi-latent attention has no grouped key/value heads.
+TINY_FOR = {"deepseek_v3": dict(num_key_value_heads=4)}
+
+
+def tiny(name: str):
+    """The architecture at tiny widths with real weights (2 layers), eval mode (dropout off, to
+    compare), and a sample of 4 rows."""
+    import inspect
+
+    config_class, model_class, layers = ZOO[name]
+    cls = getattr(transformers, config_class)
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    options = {k: v for k, v in {**TINY, **TINY_FOR.get(name, {})}.items() if k in accepted}
+    config = cls(**options, **{key: 2 if "layer" in key else value for key, value in layers.items()})
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return model, torch.randn(4, 3, 32, 32, generator=generator)
+    ids = torch.randint(1, 128, (4, 8), generator=generator)
+    return model, ({"input_ids": ids, "decoder_input_ids": ids} if name in ("t5", "bart") else ids)
+
+
+def unsplit_loss(model, sample) -> float:
+    """The unsplit model's synthetic loss (no loss_fn given: the mean square of every floating output)."""
+    import copy
+
+    from pipexplore.loss import synthetic_loss
+
+    copied = copy.deepcopy(model)
+    extra = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    with torch.no_grad():
+        output = copied(**sample, **extra) if isinstance(sample, dict) else copied(sample, **extra)
+    return synthetic_loss(output).item()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_runs_on_two_cpu_stages_with_the_unsplit_models_loss(name):
+    model, sample = tiny(name)
+    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False)
+    assert state.plan.num_stages == 2 and state.traced
+    row = state.runner.run()
+    assert row["executor"] == "threads"
+    assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "bloom"])
+def test_runs_in_processes_with_the_unsplit_models_loss(name):
+    """One process a stage (torch.distributed.pipelining): a dense decoder, a mixture of experts, ALiBi."""
+    model, sample = tiny(name)
+    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False,
+                          executor="processes")
+    row = state.runner.run()
+    assert row["executor"] == "processes"
+    assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
