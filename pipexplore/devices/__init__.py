@@ -22,6 +22,6 @@ __all__ = [
     "Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
     "ALIASES", "DTYPES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
     "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices", "catalogue_kind",
-    "device_kind"
+    "device_kind", "Mesh",
 ]
 

@@ -15,7 +15,7 @@ from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.executors.tied import own_parameters
 from pipexplore.loss import synthetic_loss
-from pipexplore.microbatch import Sample, TensorOrTensors, batch_size
+from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
