@@ -156,14 +156,15 @@ def as_stage_worker(work: Callable[[], T]) -> T:
             outcome["error"] = exc
 
     worker = threading.Thread(target=context.run, args=(run,), name="pipexplore-stage-worker", daemon=True)
-    worker.start()
-    try:
+    try:  # (start() inside: an interrupt that comes as the work begins, before start() returns, stops it too)
+        worker.start()
         while worker.is_alive():
             worker.join(0.05)
     except BaseException:  # the caller interrupted (Ctrl+C, the kernel's interrupt): the work stops too
-        assert worker.ident is not None  # set once start() returned
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(KeyboardInterrupt))
-        worker.join()
+        if worker.ident is not None:  # started
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                       ctypes.py_object(KeyboardInterrupt))
+            worker.join()
         raise
     if "error" in outcome:
         raise outcome["error"]
