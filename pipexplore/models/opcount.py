@@ -130,9 +130,11 @@ _BF16_ONLY_ON_META = {aten._grouped_mm.default} if hasattr(aten, "_grouped_mm") 
 def _meta_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``; an operator of :data:`_BF16_ONLY_ON_META` on meta tensors of
     another floating dtype runs in bfloat16 and its output takes their dtype."""
+    if func not in _BF16_ONLY_ON_META:  # (every operator passes here: the lookup first, the flattening after)
+        return func(*args, **kwargs)
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-    if func not in _BF16_ONLY_ON_META or not tensors or tensors[0].device.type != "meta" \
-            or tensors[0].dtype == torch.bfloat16 or not tensors[0].is_floating_point():
+    if not tensors or tensors[0].device.type != "meta" or tensors[0].dtype == torch.bfloat16 \
+            or not tensors[0].is_floating_point():
         return func(*args, **kwargs)
     dtype = tensors[0].dtype
     as_bf16 = tree_map(lambda v: v.to(torch.bfloat16) if isinstance(v, Tensor) and v.is_floating_point() else v,

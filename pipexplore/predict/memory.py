@@ -128,7 +128,8 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
 
     n = len(table)
     points = [0, *splits, n]
-    params = stage_sums(_column(table, "param_bytes", n), points)
+    raw = _column(table, "param_bytes", n)
+    params = raw_stage = stage_sums(raw, points)
     grads = stage_sums(_column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n),
                        points)
     ratio = optimizer_state_ratio(optimizer)
@@ -147,8 +148,6 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     for value, name in ((tp, "tp"), (dp, "dp")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")
-    raw = _column(table, "param_bytes", n)
-    raw_stage = stage_sums(raw, points)
     held = params / np.where(raw_stage > 0, raw_stage, 1.0)  # bytes held a byte of the table's parameters
     largest = np.maximum.reduceat(raw, points[:-1]) * held if n else np.zeros(len(params))
     params, grads, states, largest = params / tp, grads / tp, states / tp, largest / tp
