@@ -22,6 +22,9 @@ import pandas as pd
 
 from pipexplore import validate
 from pipexplore.devices import device_kind, is_planned, node_of
+from pipexplore.devices.mesh import Mesh
+from pipexplore.predict.memory import DATA_PARALLEL
+from pipexplore.predict.mesh_costs import mesh_layer_table
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import (TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped,
@@ -106,6 +109,16 @@ class Plan:
     corrections: Corrections = field(default_factory=Corrections, compare=False, repr=False)
     #: Planned devices per node (``'H100:0'`` … ``'H100:7'`` on node 0): which copies cross nodes.
     gpus_per_node: int = 8
+    #: The device mesh (:class:`~pipexplore.devices.mesh.Mesh`, or ``{"tp": 4, "pp": 8, "dp": 2}``)
+    #: over ``devices`` (all of them, in rank order); None: every device a pipeline rank.
+    mesh: Optional[Mesh] = None
+    #: How data-parallel replicas share the training state: ``ddp``, ``zero1`` or ``fsdp``
+    #: (:data:`pipexplore.predict.memory.DATA_PARALLEL`).
+    data_parallel: str = "ddp"
+    #: Activations (and the sends between stages) divided across the tensor-parallel ranks.
+    sequence_parallel: bool = True
+    #: FSDP: parameters freed after each forward and gathered again (FSDP2's name).
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -132,13 +145,58 @@ class Plan:
         if self.executor == "autograd" and self.schedule != "gpipe":
             raise ValueError(f"the autograd executor (the GPipe module) runs only the gpipe schedule, "
                              f"not {self.schedule!r}: choose executor 'threads'")
+        self._check_mesh()
         needed = self.num_devices
         if len(self.devices) < needed:
             raise SplitError(f"{self.num_stages} stages need {needed} devices but {len(self.devices)} are chosen "
                              f"({', '.join(self.devices)}): add devices or remove split points (splits "
                              f"{list(self.splits)})")
 
+    def _check_mesh(self) -> None:
+        """The mesh, its data parallelism and the table it costs checked against each other."""
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"unknown data_parallel {self.data_parallel!r}: {', '.join(DATA_PARALLEL)} "
+                             "(replicated, optimizer state sharded, everything sharded)")
+        for name in ("sequence_parallel", "reshard_after_forward"):
+            validate.boolean(getattr(self, name), name)
+        counted_tp = int(self.layer_table.attrs.get("tp", 1))
+        if self.mesh is None:
+            if counted_tp != 1:
+                raise ValueError(f"the layer table is one tensor-parallel rank's of tp={counted_tp}: give the plan a "
+                                 f"mesh with tp={counted_tp}")
+            return
+        mesh = self.mesh if isinstance(self.mesh, Mesh) else Mesh.of(self.mesh, len(self.devices))
+        object.__setattr__(self, "mesh", mesh)
+        if mesh.size != len(self.devices):
+            raise ValueError(f"the mesh has {mesh.size} ranks but the plan has {len(self.devices)} devices")
+        if mesh.cp > 1:
+            raise ValueError(f"cp={mesh.cp}: context parallelism is placed in the mesh but its step is not costed yet; "
+                             "plan cp=1 and the same sequence length")
+        if mesh.tp != counted_tp:
+            raise ValueError(f"the mesh has tp={mesh.tp} but the layer table counts a rank of tp={counted_tp}: "
+                             f"profile the model with tp={mesh.tp} (explore(..., mesh=...) does)")
+        if mesh.tp > 1 and not self.sequence_parallel:
+            raise ValueError("tensor parallelism without sequence parallelism: which activations each rank keeps whole "
+                             "is not counted yet; plan it with sequence_parallel=True, as Megatron-LM's large runs do")
+        if mesh.pp != self.num_devices:
+            expected = mesh.pp * (self.virtual_stages if is_multi_stage(self.schedule) else 1)
+            raise SplitError(f"the mesh has pp={mesh.pp} pipeline ranks but the plan's {self.num_stages} stages run "
+                             f"on {self.num_devices}: split the model into {expected} stages, or change the mesh's pp")
+
     # -- derived ------------------------------------------------------------------------
+    @property
+    def pipeline_devices(self) -> list[str]:
+        """The device of each pipeline rank: with a mesh, its first tensor- and data-parallel rank's
+        (rank ``mesh.rank(pp=r)``: the farthest apart, as ranks are placed); else the first
+        :attr:`num_devices` devices."""
+        if self.mesh is None:
+            return list(self.devices[: self.num_devices])
+        return [self.devices[self.mesh.rank(pp=r)] for r in range(self.mesh.pp)]
+
+    @property
+    def mesh_or_pipeline(self) -> Mesh:
+        """The plan's mesh, or every pipeline rank alone (``Mesh(pp=…)``)."""
+        return self.mesh if self.mesh is not None else Mesh(pp=self.num_devices)
     @property
     def num_layers(self) -> int:
         return len(self.layer_table)
@@ -183,7 +241,7 @@ class Plan:
         """The kind of device its runs teach and its predictions use corrections of
         (:meth:`~pipexplore.predict.costs.Corrections.for_kind`): None for this machine's own devices,
         else the catalogue name of its planned ones (``'H100'``)."""
-        return device_kind(self.devices[: self.num_devices])
+        return device_kind(self.pipeline_devices)
 
     @property
     def learnt(self) -> Corrections:
@@ -195,16 +253,17 @@ class Plan:
         """Nodes the plan's devices span (``gpus_per_node`` planned devices a node; 1 otherwise)."""
         if not self.planned:
             return 1
-        return len({node_of(d, self.gpus_per_node) for d in self.devices[: self.num_devices]})
+        used = self.devices if self.mesh is not None else self.pipeline_devices
+        return len({node_of(d, self.gpus_per_node) for d in used})
 
     @property
     def stage_devices(self) -> list[str]:
         """The device of each stage: round-robin, in a V for zbv and dualpipev (device ``d`` holds
         stages ``d`` and ``2p − 1 − d``), or on the rank a CSV schedule puts it."""
-        p = self.num_devices
+        p, ranks = self.num_devices, self.pipeline_devices
         if is_csv(self.schedule) or is_v_shaped(self.schedule):
-            return [self.devices[r] for r in stage_ranks(self.schedule, self.num_stages, p)]
-        return [self.devices[s % p] for s in range(self.num_stages)]
+            return [ranks[r] for r in stage_ranks(self.schedule, self.num_stages, p)]
+        return [ranks[s % p] for s in range(self.num_stages)]
 
     @property
     def balance(self) -> list[int]:
@@ -232,14 +291,25 @@ class Plan:
         ``async-backends`` is predicted as a fill-drain pipeline with a worker per stage (it does
         not model how the pools merge micro-batches into batches).
         """
-        return simulate(self.layer_table, list(self.splits), **{**self.simulate_options(), **kwargs})
+        return simulate(self.rank_table, list(self.splits), **{**self.simulate_options(), **kwargs})
+
+    @cached_property
+    def rank_table(self) -> pd.DataFrame:
+        """The layer table as a pipeline rank of the mesh runs it (its data-parallel collectives,
+        FSDP's gathers: :func:`pipexplore.predict.mesh_costs.mesh_layer_table`); without a mesh, the
+        layer table itself."""
+        if self.mesh is None:
+            return self.layer_table
+        return mesh_layer_table(self.layer_table, self.mesh, self.devices, gpus_per_node=self.gpus_per_node,
+                                data_parallel=self.data_parallel, sequence_parallel=self.sequence_parallel,
+                                reshard_after_forward=self.reshard_after_forward)
 
     def simulate_options(self) -> dict[str, Any]:
         """The options :meth:`predict` gives :func:`pipexplore.simulate` for this plan."""
         backends = self.schedule == "async-backends"
         options: dict[str, Any] = dict(chunks=self.chunks, schedule="gpipe" if backends else self.schedule,
                                        checkpoint=self.run_checkpoint,
-                                       devices=list(self.devices[: self.num_devices]),
+                                       devices=self.pipeline_devices,
                                        virtual_stages=self.virtual_stages)
         options["executor"] = self.predict_executor
         options["action_overhead"] = self.action_overhead

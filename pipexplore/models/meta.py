@@ -20,10 +20,11 @@ once (:func:`pipexplore.models.opcount.count_call`), its counts shared by the id
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 import torch
@@ -32,13 +33,15 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import tensors_in
+from pipexplore.models import sharded
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
                                        flop_counter, storage_key, storage_keys, tensor_bytes)
 from pipexplore.models.trace.candidates import candidate_modules
 
-__all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS"]
+__all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS",
+           "RANK_COLUMNS"]
 
 COUNT_COLUMNS = ["name", "type", "kind", "params", "param_bytes", "grad_bytes", "output_bytes", "saved_bytes",
                  "forward_flops", "backward_flops", "forward_kernels", "backward_kernels", "uncounted", "stash", "pop",
@@ -276,7 +279,8 @@ def _params(module: nn.Module) -> tuple[int, int, int]:
 
 @without_kv_cache
 def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", microbatch_rows: Optional[int] = None,
-                 loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+                 loss_fn: Any = None, target: Any = None, tp: int = 1,
+                 tp_plan: Optional[dict[str, str]] = None) -> pd.DataFrame:
     """Count what each layer of ``model`` does on ``sample`` (one mini-batch as the model takes it:
     a tensor, a tuple of positional inputs or a dict of keyword inputs), without running it for
     real: on a model built under ``torch.device("meta")`` with a meta sample nothing is allocated
@@ -320,12 +324,16 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     scale = batch / rows
     notes: list[str] = []
     counts: dict[tuple, tuple[str, Count]] = {}
-    for k in cap.order:
-        call = cap.calls[k]
-        if call.signature not in counts:
-            module = cap.blocks[k][1]
-            counts[call.signature] = (f"{type(module).__name__}-{len(counts)}",
-                                      count_call(module, call.args, call.kwargs))
+    ranks: dict[tuple, tuple[Count, int]] = {}  # a tensor-parallel rank's count of each kind, its parameter bytes
+    with _rank_counting(model, tp, tp_plan) as rank_count:
+        for k in cap.order:
+            call = cap.calls[k]
+            if call.signature not in counts:
+                name, module = cap.blocks[k]
+                counts[call.signature] = (f"{type(module).__name__}-{len(counts)}",
+                                          count_call(module, call.args, call.kwargs))
+                if rank_count is not None:
+                    ranks[call.signature] = rank_count(name, module, call)
     order, position, routes = layout(cap)
     never = [cap.blocks[k][0] for k in order if k not in cap.calls]
     if never:
@@ -355,7 +363,8 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         kind = base if calls == 1 else f"{base}x{calls}"
         if extra or outside_saved.get(k):
             kind = f"{kind}+outside:{name}"
-        records = count.records * calls + extra
+        rank, rank_bytes = ranks.get(called.signature, (count, None)) if called is not None else (count, None)
+        records = rank.records * calls + extra
         if kind not in done:
             done.add(kind)
             ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": n >= len(records) - len(extra)}
@@ -376,7 +385,12 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
             **{f"{phase}_kernels": sum(1 for r in records if r["phase"] == phase) for phase in ("forward", "backward")},
             "uncounted": ",".join(uncounted), "stash": ",".join(stash), "pop": ",".join(pop),
             "stash_keys": ",".join(stash), "pop_keys": ",".join(pop), "shared": ",".join(shared),
-            "order": position[k]})
+            "order": position[k],
+            **({"rank_forward_flops": (rank.flops("forward") * calls + sum(r["flops"] for r in extra
+                                                                            if r["phase"] == "forward")) * scale,
+                "rank_backward_flops": (rank.flops("backward") * calls + sum(r["flops"] for r in extra
+                                                                              if r["phase"] == "backward")) * scale,
+                "rank_param_bytes": rank_bytes if rank_bytes is not None else param_bytes} if ranks else {})})
     reads = cap.meta_reads + sum(c.meta_reads for _, c in counts.values())
     if reads:
         notes.append(f"{reads} value(s) read from meta tensors (a Python branch on a tensor, .item()) were taken as "
@@ -385,6 +399,36 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     frame.attrs["rows"] = rows
     # every kind counted, those that ran no operator too (a dropout of p = 0 is the identity): no rows, no cost
     frame.attrs["kinds"] = list(dict.fromkeys(row["kind"] for row in table))
-    out = pd.DataFrame(table, columns=COUNT_COLUMNS)
-    out.attrs.update(batch=batch, rows=(rows,), source="counted", ops=frame, notes=notes, granularity=granularity)
+    out = pd.DataFrame(table, columns=COUNT_COLUMNS + (RANK_COLUMNS if ranks else []))
+    out.attrs.update(batch=batch, rows=(rows,), source="counted", ops=frame, notes=notes, granularity=granularity,
+                     tp=tp)
     return out
+
+
+#: The columns a count for a tensor-parallel rank adds (:func:`count_layers` with ``tp > 1``).
+RANK_COLUMNS = ["rank_forward_flops", "rank_backward_flops", "rank_param_bytes"]
+
+
+@contextlib.contextmanager
+def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]]) -> Iterator[Any]:
+    """For ``tp > 1``: a function counting one kind as a tensor-parallel rank computes it (its
+    count, its parameter bytes a rank), over a fake group of ``tp`` ranks held while counting;
+    None for ``tp == 1``. The plan is checked first (:func:`pipexplore.models.sharded.check_plan`)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp is a whole number of ranks from 1, got {tp!r}")
+    if tp == 1:
+        yield None
+        return
+    plan = sharded.tensor_parallel_plan(model, tp_plan)
+    sharded.check_plan(model, plan, tp)
+    with sharded.fake_group(tp) as mesh:
+        def rank_count(name: str, module: nn.Module, call: Call) -> tuple[Count, int]:
+            args, kwargs = sharded.on_meta(call.args, call.kwargs)
+            try:
+                rank_module = sharded.shard(module, name, plan, mesh)
+                return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
+            except (RuntimeError, TypeError, ValueError):  # a replicated input did not suit it: each projection's own
+                rank_module = sharded.shard(module, name, plan, mesh, gather_once=False)
+                return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
+
+        yield rank_count

@@ -22,14 +22,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop, sdpa_flop
 
 __all__ = ["AsOnGPU", "OpRecorder", "SavedBytes", "Count", "count_call", "storage_key", "storage_keys", "fresh_inputs",
            "flop_counter", "classify", "tensor_bytes", "is_uncounted", "EXTRA_FORMULAS",
            "OP_COLUMNS"]
 
 aten = torch.ops.aten
-OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad"]
+OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective"]
 
 #: Operators that ask about a tensor rather than compute: never a kernel, not recorded.
 _METADATA = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
@@ -38,7 +38,8 @@ _METADATA = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, ate
              torch.ops.prim.layout.default, aten.is_strides_like_format.default,
              aten.is_non_overlapping_and_dense.default, aten.sym_is_contiguous.default}
 #: Operators that allocate or relabel memory without a kernel of their own.
-_NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
+_NO_KERNEL = {"_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd",
+              "aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
               "aten.empty_permuted", "aten.detach", "aten.lift_fresh", "aten._unsafe_view", "aten._reshape_alias",
               "aten.alias", "aten.set_", "aten.resize_", "aten._local_scalar_dense"}
 #: Names of operators that do matmul-like work: without a FLOP formula their cost is unknown, not 0.
@@ -70,6 +71,53 @@ EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _raw(sdpa_fl
                   **({aten._grouped_mm: _raw(_grouped_mm_flop)} if hasattr(aten, "_grouped_mm") else {})}
 
 
+def is_distributed(types: Any) -> bool:
+    """Whether an operator is dispatched on a distributed tensor (``DTensor``): left to its own
+    dispatch, whose operators on each rank's local shard are the ones counted (a tensor-parallel
+    rank's work, not the whole tensor's)."""
+    return any(getattr(t, "__module__", "").startswith("torch.distributed.tensor") for t in types)
+
+
+def is_shape_propagation(types: Any) -> bool:
+    """Whether an operator runs on fake tensors: ``DTensor``'s sharding propagation runs the whole
+    operator so, for its output's shape only (no rank's work: run, not counted)."""
+    return any(getattr(t, "__module__", "") == "torch._subclasses.fake_tensor" for t in types)
+
+
+#: The collectives torch's functional collectives run (``torch.distributed.tensor`` and FSDP2 call
+#: them), by the name :mod:`pipexplore.predict.collectives` costs them under, with the argument whose
+#: bytes are the collective's whole tensor: the gathered output of an all-gather, the scattered input
+#: of a reduce-scatter, the tensor of an all-reduce.
+COLLECTIVES = {"_c10d_functional.all_reduce": ("all_reduce", "input"),
+               "_c10d_functional.all_reduce_coalesced": ("all_reduce", "input"),
+               "_c10d_functional.all_gather_into_tensor": ("all_gather", "output"),
+               "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather", "output"),
+               "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", "input"),
+               "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", "input"),
+               "_c10d_functional.all_to_all_single": ("all_to_all", "input")}
+
+
+class _LocalFlops(_FlopCounterMode):
+    """FlopCounterMode's dispatch mode, counting a distributed tensor's operators on its local
+    shard only (each rank's FLOPs), as :class:`OpRecorder` records them."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_distributed(types):
+            return NotImplemented
+        if is_shape_propagation(types):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _RankFlopCounter(FlopCounterMode):
+    def __enter__(self) -> "_RankFlopCounter":
+        self.flop_counts.clear()
+        self.mod_tracker.__enter__()
+        self.mode = _LocalFlops(self)
+        self.mode.__enter__()
+        return self
+
+
 class _Global:
     """FlopCounterMode's module tracker, left out: we attribute operators to modules ourselves, and its
     backward hooks refuse ``torch.autograd.grad`` (\"A leaf node was passed to _will_engine_execute_node\")."""
@@ -83,8 +131,9 @@ class _Global:
 
 
 def flop_counter() -> FlopCounterMode:
-    """A ``FlopCounterMode`` with :data:`EXTRA_FORMULAS`, counting globally (no module tracker)."""
-    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
+    """A ``FlopCounterMode`` with :data:`EXTRA_FORMULAS`, counting globally (no module tracker), a
+    distributed tensor's operators on its local shard (:func:`is_distributed`)."""
+    counter = _RankFlopCounter(display=False, custom_mapping=EXTRA_FORMULAS)
     counter.mod_tracker = _Global()  # type: ignore[assignment]
     return counter
 
@@ -165,6 +214,10 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if is_distributed(types):
+            return NotImplemented  # counted as its local operators
+        if is_shape_propagation(types):
+            return func(*args, **kwargs)
         if func is aten._local_scalar_dense.default and args[0].device.type == "meta":
             self.meta_reads += 1
             return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
@@ -179,9 +232,10 @@ class OpRecorder(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         kernel = not view and op not in _NO_KERNEL and bool(outs or any(r.alias_info for r in returns))
         flops = float(self._flops() - before)
-        uncounted = kernel and flops == 0 and func.overloadpacket not in (self.counter.flop_registry
-                                                                          if self.counter else {}) \
-            and is_uncounted(func)
+        collective = COLLECTIVES.get(op)
+        registry = self.counter.flop_registry if self.counter else {}
+        uncounted = (collective is None and kernel and flops == 0 and func.overloadpacket not in registry
+                     and is_uncounted(func))
         seen: set[int] = set()
         reads = []
         for t in ins:
@@ -189,11 +243,16 @@ class OpRecorder(TorchDispatchMode):
                 seen.add(id(t))
                 reads.append((storage_key(t), _extent(t)))
         typed = ins or outs
+        if collective is not None and kernel:  # its whole tensor's bytes, costed over its group's links
+            whole = (ins if collective[1] == "input" else outs)[:1]
+            reads, kernel = [(storage_key(t), t.numel() * t.element_size()) for t in whole], True
+            outs = []
         self.records.append({
             "phase": self.phase, "op": op, "dtype": str(typed[0].dtype).replace("torch.", "") if typed else "",
             "flops": math.nan if uncounted else flops, "uncounted": uncounted, "kernel": kernel,
             "reads": reads if kernel else [], "writes": [(storage_key(t), _extent(t)) for t in outs] if kernel else [],
             "segment": self.where() if self.where is not None else None, "keep": outs,
+            "collective": collective[0] if collective is not None else "",
         })
         return out
 

@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Optional, Sequence, TypedDict, Union, cast
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -44,7 +45,8 @@ from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
 from pipexplore.predict.profiler import backward_split, profile
-from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs
+from pipexplore.predict.collectives import slowest_hop
+from pipexplore.predict.roofline import Efficiency, Group, fit_efficiency, planned_layer_costs
 
 __all__ = ["profile_model", "ProfileOptions", "planned_layers", "with_backward_split", "on_meta", "costed_rows"]
 
@@ -74,7 +76,8 @@ def profile_model(model: nn.Module, sample: Sample, *,
                   devices: Union[Placement, Sequence[Any], None] = None, gpus_per_node: int = 8, chunks: int = 1,
                   granularity: str = "blocks", repeats: int = 3, profile_stages: bool = True,
                   split_backward: bool = True, loss_fn: Any = None, target: Any = None, optimizer: Any = None,
-                  mixed_precision: bool = False, progress: Optional[Progress] = None) -> pd.DataFrame:
+                  mixed_precision: bool = False, progress: Optional[Progress] = None, tp: int = 1,
+                  tp_plan: Optional[dict[str, str]] = None) -> pd.DataFrame:
     """The layer table of ``model`` on ``sample`` (one row per layer or traced candidate: names,
     forward and backward seconds as ``a + b·n`` in the rows ``n`` of a micro-batch, bytes, skip
     routes), by the path the devices and the model call for (the module docstring).
@@ -86,7 +89,8 @@ def profile_model(model: nn.Module, sample: Sample, *,
     ``optimizer`` column). ``split_backward``: measure the input/weight-gradient split
     (zero-bubble schedules run their backward as those two passes). ``profile_stages``: a traced
     model's blocks timed as its traced stages too. ``progress(done, total)``: called as layers are
-    timed (an ``nn.Sequential``'s).
+    timed (an ``nn.Sequential``'s). ``tp``: planned devices only, each stage tensor-parallel over
+    ``tp`` ranks: the costs are one rank's, its collectives included (:func:`planned_layers`).
 
     Raises:
         ValueError: the sample does not fit the model (naming the layer that refused it, or the input a
@@ -101,7 +105,11 @@ def profile_model(model: nn.Module, sample: Sample, *,
     if placement.planned:
         return planned_layers(model, sample, chunks=chunks, devices=placement.devices, granularity=granularity,
                               repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer,
-                              mixed_precision=mixed_precision)
+                              mixed_precision=mixed_precision, tp=tp, tp_plan=tp_plan,
+                              gpus_per_node=placement.gpus_per_node)
+    if tp != 1:
+        raise ValueError(f"tp={tp}: tensor parallelism is planned for devices from the catalogue "
+                         "(devices=['H100'] * 16, mesh={'tp': 4, 'pp': 4}); runs here keep each stage on one device")
     device = placement.profiling_device
     if on_meta(model):
         if not placement.given:
@@ -130,15 +138,21 @@ def profile_model(model: nn.Module, sample: Sample, *,
 
 def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Sequence[str],
                    granularity: str = "blocks", repeats: int = 3, loss_fn: Any = None, target: Any = None,
-                   optimizer: Any = None, mixed_precision: bool = False) -> pd.DataFrame:
+                   optimizer: Any = None, mixed_precision: bool = False, tp: int = 1,
+                   tp_plan: Optional[dict[str, str]] = None, gpus_per_node: int = 8) -> pd.DataFrame:
     """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
     layer's FLOPs, bytes and kernels counted on the meta device (no weights materialised, each
     kind of identical layer once) and costed as the catalogue's roofline of the device; the
     ``optimizer`` column is the step's bytes (:func:`pipexplore.predict.memory.optimizer_traffic`)
     over the device's memory bandwidth.
 
+    ``tp > 1``: each kind counted as one tensor-parallel rank computes it
+    (:func:`pipexplore.models.meta.count_layers`), its collectives costed over the group of the
+    first ``tp`` devices (ranks ``0 … tp−1``, placed inside a node first); ``attrs["tp"]``.
+
     Raises:
-        ValueError: the devices are of several kinds (a plan costs one kind at a time).
+        ValueError: the devices are of several kinds (a plan costs one kind at a time), or a
+            tensor-parallel plan that cannot shard the model (:func:`pipexplore.models.sharded.check_plan`).
     """
     kinds = list(dict.fromkeys(device_spec(d).name for d in devices))
     if len(kinds) > 1:
@@ -147,17 +161,27 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
     batch = batch_size(sample)
     rows = costed_rows(batch, chunks)
     counted = count_layers(model, sample, granularity=granularity, microbatch_rows=rows[0],
-                           loss_fn=loss_fn, target=target)
+                           loss_fn=loss_fn, target=target, tp=tp, tp_plan=tp_plan)
     ops = counted.attrs["ops"]
     unknown = ops["flops"].isna()
     if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
         ops = ops.assign(flops=ops["flops"].fillna(0.0))
     efficiency, learnt = _learnt_efficiency(model, sample, counted, ops, kinds[0], rows, granularity=granularity,
                                             repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer)
-    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency)
+    group = None
+    if tp > 1:
+        if len(devices) < tp:
+            raise ValueError(f"tp={tp} needs {tp} devices, got {len(devices)}")
+        group = Group(tp, *slowest_hop(list(devices[:tp]), gpus_per_node))
+    table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency,
+                                group=group)
     spec = device_spec(kinds[0])
     table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / (
         spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec))
+    if tp > 1:  # a rank steps its shard of each layer's parameters
+        whole = table["param_bytes"].to_numpy(dtype=float)
+        held = table["rank_param_bytes"].to_numpy(dtype=float) / np.maximum(whole, 1)
+        table["optimizer"] *= np.where(whole > 0, held, 1.0)
     notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
     lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
     if lower:

@@ -18,11 +18,15 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import pandas as pd
 
 from pipexplore.devices import link_latency, link_seconds_per_byte
 
-__all__ = ["KINDS", "ring_seconds", "collective_seconds", "slowest_hop"]
+__all__ = ["KINDS", "Group", "ring_seconds", "collective_seconds", "slowest_hop", "collectives_of",
+           "ops_collective_seconds"]
 
 #: The collectives costed, with the ring's share of the tensor each rank moves and its steps, per n.
 KINDS = {
@@ -63,3 +67,41 @@ def collective_seconds(kind: str, nbytes: float, devices: Sequence[str], gpus_pe
     """Seconds of ``kind`` moving ``nbytes`` over the group of planned ``devices`` (a ring in their order)."""
     per_byte, latency = slowest_hop(devices, gpus_per_node)
     return ring_seconds(kind, nbytes, len(devices), per_byte, latency)
+
+
+class Group(NamedTuple):
+    """The group an ops frame's collectives run over: its ranks and its slowest hop's seconds a byte
+    and latency (:func:`pipexplore.predict.collectives.slowest_hop`)."""
+
+    ranks: int
+    seconds_per_byte: float
+    latency: float
+
+
+def collectives_of(ops: pd.DataFrame) -> np.ndarray:
+    """Each op's collective (``""`` for a kernel)."""
+    if "collective" not in ops:
+        return np.full(len(ops), "", dtype=object)
+    return ops["collective"].fillna("").astype(str).to_numpy()
+
+
+def ops_collective_seconds(ops: pd.DataFrame, rows: float, group: Optional[Group]) -> np.ndarray:
+    """Each collective's ring seconds at ``rows`` rows over ``group`` (0 for a kernel).
+
+    Raises:
+        ValueError: the frame has collectives and no group is given.
+    """
+    names = collectives_of(ops)
+    out = np.zeros(len(ops))
+    if not (names != "").any():
+        return out
+    if group is None:
+        raise ValueError("the ops frame has collectives (a tensor-parallel rank's) but no group to cost them over: "
+                         "give group=Group(ranks, seconds_per_byte, latency)")
+    scale = float(rows) / float(ops.attrs["rows"])
+    nbytes = ops["fixed_bytes"].to_numpy(dtype=float) + ops["row_bytes"].to_numpy(dtype=float) * scale
+    for i in np.flatnonzero(names != ""):
+        kind = "all_reduce" if names[i] == "all_to_all" else names[i]
+        share = 0.5 if names[i] == "all_to_all" else 1.0  # an all-to-all moves (n−1)/n of its tensor, once
+        out[i] = ring_seconds(kind, share * nbytes[i], group.ranks, group.seconds_per_byte, group.latency)
+    return out

@@ -34,6 +34,10 @@ The ops frame, one row per operator of each kind and phase:
 ``grad``       optional: ``"input"`` or ``"weight"`` for backward ops (zero-bubble's I and W)
 ``kernels``    optional: launches per op (default 1; 0 for an op that moves nothing and computes
                nothing: a view)
+``collective`` optional: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
+               for a collective a tensor-parallel rank runs (its bytes the whole tensor's), ``""``
+               for a kernel. A collective costs the ring over its group's links
+               (:func:`pipexplore.predict.collectives.ring_seconds`), not the roofline.
 =============  ==================================================================================
 
 ``ops.attrs["rows"]``: the rows of the micro-batch it was counted at; flops and row bytes scale
@@ -57,6 +61,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.devices import DeviceSpec, device_spec, dtype_name
+from pipexplore.predict.collectives import Group, collectives_of, ops_collective_seconds
 
 __all__ = ["OPS_COLUMNS", "Efficiency", "op_seconds", "kind_seconds", "planned_layer_costs", "fit_efficiency"]
 
@@ -178,25 +183,28 @@ def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
     if "kernels" in ops:  # where the frame says
         given = ops["kernels"].to_numpy(dtype=float)
         kernels = np.where(np.isnan(given), kernels, given)
-    return kernels * spec.kernel_overhead, compute, memory
+    kernel = collectives_of(ops) == ""  # a collective is costed over its links (ops_collective_seconds)
+    return kernels * spec.kernel_overhead * kernel, compute * kernel, memory * kernel
 
 
 def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
-               efficiency: Optional[Efficiency] = None) -> pd.Series:
+               efficiency: Optional[Efficiency] = None, group: Optional[Group] = None) -> pd.Series:
     """Each operator's seconds on ``spec`` at a micro-batch of ``rows`` rows (index of ``ops``):
     ``kernel_overhead + max(flops·(rows/r0) / (peak[dtype]·eff_flops) + small_kernel, (fixed_bytes +
     row_bytes·(rows/r0)) / (bandwidth·eff_bw))``, with ``r0 = ops.attrs["rows"]`` (``small_kernel`` only
     where ``flops > 0``; 0 by default), plus ``1 − overlap`` of the shorter term (0 by default). NaN
-    where the flops (or bytes) are NaN.
+    where the flops (or bytes) are NaN. A collective (``collective`` column) costs the ring over
+    ``group``'s links instead, its bytes the whole tensor's at ``rows``.
 
     Raises:
-        ValueError: the frame lacks a column or ``attrs["rows"]``, or an op's dtype has no peak
-            on the device (float8 on an A100).
+        ValueError: the frame lacks a column or ``attrs["rows"]``, an op's dtype has no peak
+            on the device (float8 on an A100), or it has collectives and no ``group``.
     """
     spec = device_spec(spec)
     launch, compute, memory = _terms(ops, spec, rows, efficiency)
     overlap = (efficiency if efficiency is not None else Efficiency()).overlap_for(spec)
-    return pd.Series(launch + _combined(compute, memory, overlap), index=ops.index, name="seconds")
+    comm = ops_collective_seconds(ops, rows, group)
+    return pd.Series(launch + _combined(compute, memory, overlap) + comm, index=ops.index, name="seconds")
 
 
 def _sum_by_kind(ops: pd.DataFrame, seconds: np.ndarray) -> pd.DataFrame:
@@ -214,10 +222,10 @@ def _sum_by_kind(ops: pd.DataFrame, seconds: np.ndarray) -> pd.DataFrame:
 
 
 def kind_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
-                 efficiency: Optional[Efficiency] = None) -> pd.DataFrame:
+                 efficiency: Optional[Efficiency] = None, group: Optional[Group] = None) -> pd.DataFrame:
     """Per layer kind (index ``kind``): ``forward`` and ``backward`` seconds at ``rows`` rows, the
     sums of :func:`op_seconds` (NaN where any op is; 0 for a phase with no ops)."""
-    return _sum_by_kind(ops, op_seconds(ops, spec, rows, efficiency=efficiency).to_numpy())
+    return _sum_by_kind(ops, op_seconds(ops, spec, rows, efficiency=efficiency, group=group).to_numpy())
 
 
 def _sizes(microbatch_rows: Union[int, Sequence[int]], batch: int) -> list[int]:
@@ -251,7 +259,7 @@ def _grad_ratios(ops: pd.DataFrame, seconds: np.ndarray, kinds: Sequence[Any]) -
 
 def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, *, batch: int,
                         microbatch_rows: Union[int, Sequence[int]],
-                        efficiency: Optional[Efficiency] = None) -> pd.DataFrame:
+                        efficiency: Optional[Efficiency] = None, group: Optional[Group] = None) -> pd.DataFrame:
     """``table`` (one row per layer, a ``kind`` column naming kinds of ``ops``) with the cost
     columns the simulator reads, from the roofline on ``spec``: planned layers predict exactly
     like profiled ones (:func:`pipexplore.predict.costs.layer_seconds`).
@@ -267,6 +275,12 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
     ``input_grad_ratio``/``weight_grad_ratio`` from the ops' ``grad`` marks at the first size
     (0.5 each where unmarked), ``checkpointed_ratio`` 1, ``spread`` 0. The table's byte columns
     (``output_bytes``, ``saved_bytes``, ``param_bytes``, …) are kept as given.
+
+    An ops frame counted on a tensor-parallel rank (:mod:`pipexplore.models.sharded`) holds its
+    collectives: each costs the ring over ``group`` (the tensor-parallel group's links), on the
+    critical path of its phase as Megatron-LM's and torch's tensor parallelism run them; the
+    columns ``forward_comm``/``backward_comm`` hold those seconds at the whole ``batch`` (their
+    share of ``forward``/``backward``).
 
     ``attrs``: ``batch``, ``rows`` (the sizes), ``device_spec`` (the spec's name), ``source = "planned"``.
 
@@ -285,7 +299,7 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
         raise ValueError(f"layer kinds {unknown} are not in the ops frame (it has {sorted(map(str, known))})")
     sizes = _sizes(microbatch_rows, batch)
     points = sizes if len(sizes) > 1 else [0, sizes[0]]
-    per_size = [kind_seconds(ops, spec, n, efficiency=efficiency) for n in points]
+    per_size = [kind_seconds(ops, spec, n, efficiency=efficiency, group=group) for n in points]
     kinds = list(per_size[0].index)
     x = np.asarray(points, dtype=float)
     out = table.copy()
@@ -309,7 +323,10 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
         out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
     out["share_forward"] = 1.0
     out["share_backward"] = 1.0
-    first = op_seconds(ops, spec, sizes[0], efficiency=efficiency).to_numpy()
+    first = op_seconds(ops, spec, sizes[0], efficiency=efficiency, group=group).to_numpy()
+    comm = _sum_by_kind(ops, ops_collective_seconds(ops, batch, group))
+    for phase in PHASES:
+        out[f"{phase}_comm"] = np.where(idle, 0.0, comm[phase].reindex(layer_kind).fillna(0.0).to_numpy())
     i_ratio, w_ratio = _grad_ratios(ops, first, kinds)
     out["input_grad_ratio"] = np.where(idle, 0.5, pd.Series(i_ratio, index=kinds).reindex(layer_kind).to_numpy())
     out["weight_grad_ratio"] = np.where(idle, 0.5, pd.Series(w_ratio, index=kinds).reindex(layer_kind).to_numpy())

@@ -28,10 +28,14 @@ def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, fl
     activations within ``memory_cap`` where one is set); and ``measured_peak_bytes``, its device's peak
     in a run (``measured``, by device, where the device reports it). Bytes and seconds, as every
     table of pipexplore gives them (:meth:`pipexplore.widgets.explorer.Explorer.search`'s ``peak_bytes``
-    is this table's largest)."""
+    is this table's largest). With a mesh, a row is one GPU of its pipeline rank: its shard of the
+    training state, as the mesh and ``data_parallel`` hold it."""
     stages = plan.stages
+    mesh = plan.mesh_or_pipeline
     memory = stage_memory(plan.layer_table, plan.splits, peak_activations=peaks, optimizer=optimizer,
-                          mixed_precision=mixed_precision, capacity=[device_memory(d) for d in stages["device"]])
+                          mixed_precision=mixed_precision, capacity=[device_memory(d) for d in stages["device"]],
+                          tp=mesh.tp, dp=mesh.dp, data_parallel=plan.data_parallel,
+                          sequence_parallel=plan.sequence_parallel, reshard_after_forward=plan.reshard_after_forward)
     if memory_cap is not None:
         memory["fits"] &= memory["activation_bytes"] <= memory_cap
     return pd.DataFrame({

@@ -27,6 +27,7 @@ from torch import nn
 
 from pipexplore import validate
 from pipexplore.devices import chosen_devices, is_planned
+from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import devices_for, place
 from pipexplore.executors.base import LossFn, OptimizerFactory
 from pipexplore.export.code import plan_code
@@ -37,6 +38,7 @@ from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, wi
 from pipexplore.models.trace import costs as traced_costs
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.costs import Corrections
+from pipexplore.predict.memory import DATA_PARALLEL
 from pipexplore.schedules import CsvSchedule, csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets import layer_table as layers
@@ -103,7 +105,9 @@ class ExplorerState:
                  layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3, executor: str = "threads",
                  calibrate: bool = True, granularity: str = "blocks", keep_timelines: int = 20,
                  memory_cap: Any = None, gpus_per_node: int = 8, mixed_precision: bool = False,
-                 profile_stages: bool = True) -> None:
+                 profile_stages: bool = True, mesh: Any = None, data_parallel: str = "ddp",
+                 sequence_parallel: bool = True, reshard_after_forward: bool = False,
+                 tp_plan: Optional[dict[str, str]] = None) -> None:
         # 1. What the user gave, checked where it enters: nothing is profiled before all of it holds.
         self._memory_cap = parse_bytes(memory_cap, "memory_cap")
         #: Whether the model is split by torch's tracer (not an ``nn.Sequential``: split at candidate modules).
@@ -120,6 +124,20 @@ class ExplorerState:
             raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan it "
                              "for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here to "
                              "time its blocks one at a time")
+        #: The device mesh over the planned devices (None: every device a pipeline rank), and how
+        #: its ranks share the work: ``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``,
+        #: and the tensor-parallel plan given (else the model's own).
+        self.mesh: Optional[Mesh] = None
+        if mesh is not None:
+            if not self.placement.planned:
+                raise ValueError("mesh: a mesh is planned for devices from the catalogue (devices=['H100'] * 64, "
+                                 "gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'dp': 2}); runs here are one device a stage")
+            self.mesh = Mesh.of(mesh, len(self.placement.devices))
+        self.mesh_options = dict(data_parallel=data_parallel, sequence_parallel=sequence_parallel,
+                                 reshard_after_forward=reshard_after_forward)
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+        self.tp_plan = tp_plan
         # 3. The schedule, its micro-batches and the executor.
         schedule = validate.schedule(schedule, PLAN_SCHEDULES, csv=True)
         file = csv_schedule(schedule) if is_csv(schedule) else None  # a file says its stages, ranks and chunks
@@ -152,7 +170,7 @@ class ExplorerState:
         #: Notes the page shows above the status line.
         self.notes: list[str] = self._first_notes(granularity)
         # 6. The first plan: the splits given, else balanced by time; its executor's own costs probed.
-        splits = self._first_splits(splits, file, executor)
+        splits = self._first_splits(splits, file, executor, schedule)
         plan_devices, note = self.placement.for_stages(file.ranks if file else len(splits) + 1)
         self.notes += [note] if note else []
         #: What the executor probes measured (:func:`pipexplore.executors.probe.probe_kind` of each).
@@ -164,7 +182,8 @@ class ExplorerState:
         self.status = Status()
         self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(plan_devices), chunks,
                                                     checkpoint, schedule, executor=executor,
-                                                    batch=batch_size(sample), gpus_per_node=self.gpus_per_node))
+                                                    batch=batch_size(sample), gpus_per_node=self.gpus_per_node,
+                                                    mesh=self.mesh, **self.mesh_options))
         #: The last error shown ('' after a change that worked).
         self.last_error = ""
         # 7. Its runs: none yet, and what makes them.
@@ -173,12 +192,51 @@ class ExplorerState:
         #: What runs the plan, here or under torchrun (:class:`~pipexplore.widgets.runner.Runner`).
         self.runner = Runner(self)
 
-    def _profile(self, chunks: int, split_backward: bool) -> pd.DataFrame:
-        """The layer table, profiled for this explorer's devices (in a notebook, with a progress bar)."""
+    def _profile(self, chunks: int, split_backward: bool, tp: Optional[int] = None) -> pd.DataFrame:
+        """The layer table, profiled for this explorer's devices (in a notebook, with a progress bar);
+        with a mesh, one tensor-parallel rank's of ``tp`` (default: the mesh's)."""
+        tp = tp if tp is not None else (self.mesh.tp if self.mesh is not None else 1)
         with profile_progress() as progress:
             return profile_model(self.model, self.sample, devices=self.placement, chunks=chunks,
                                  split_backward=split_backward, loss_fn=self.loss_fn, target=self.target,
-                                 optimizer=self.optimizer, progress=progress, **self.profile_options)
+                                 optimizer=self.optimizer, progress=progress, tp=tp, tp_plan=self.tp_plan,
+                                 **self.profile_options)
+
+    def table_for_tp(self, tp: int) -> pd.DataFrame:
+        """The layer table of one tensor-parallel rank of ``tp`` (counted once per ``tp``, on meta)."""
+        if int(self.layer_table.attrs.get("tp", 1)) == tp:
+            return self.layer_table
+        tables = self.__dict__.setdefault("_tp_tables", {})
+        if tp not in tables:
+            tables[tp] = self._profile(self._plan.chunks, False, tp=tp)
+        return tables[tp]
+
+    def set_mesh(self, mesh: Any, **options: Any) -> Plan:
+        """Plan the mesh ``mesh`` (``{"tp": 4, "pp": 8, "dp": 2}`` over the plan's devices) with
+        ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``): its rank's
+        layers counted for its ``tp``, its ``pp`` stages balanced by time. Refused (the plan kept)
+        where the mesh does not fit the devices or cannot shard the model.
+
+        Raises:
+            ValueError: what was wrong, named; the plan stays as it was.
+        """
+        unknown = sorted(set(options) - set(self.mesh_options))
+        if unknown:
+            raise TypeError(f"set_mesh() takes {', '.join(self.mesh_options)}, not {', '.join(unknown)}")
+        if not self.planned:
+            raise ValueError("mesh: a mesh is planned for devices from the catalogue; this explorer runs here")
+        plan = self._plan
+        chosen = Mesh.of(mesh, len(plan.devices))
+        table = self.table_for_tp(chosen.tp)
+        stages = chosen.pp * (plan.virtual_stages if is_multi_stage(plan.schedule) else 1)
+        if stages > len(table):
+            raise ValueError(f"pp={chosen.pp} needs {stages} stages but the model has {len(table)} layers")
+        splits = layers.balanced_splits(table, stages, "time", plan.executor)
+        changed = self.change_plan(lambda p: replace(p, layer_table=table, splits=tuple(splits), mesh=chosen,
+                                                     **{**self.mesh_options, **options}))
+        self.mesh, self.layer_table = chosen, table
+        self.mesh_options.update(options)
+        return changed
 
     def _first_notes(self, granularity: str) -> list[str]:
         """What the page first says: the loss it times, how a traced model is split, what a plan on
@@ -196,13 +254,16 @@ class ExplorerState:
             notes.append(layers.planned_note(self.placement))
         return notes + list(self.layer_table.attrs.get("notes", []))  # e.g. layers whose FLOPs could not be counted
 
-    def _first_splits(self, splits: Optional[Sequence[int]], file: Optional[CsvSchedule], executor: str) -> list[int]:
+    def _first_splits(self, splits: Optional[Sequence[int]], file: Optional[CsvSchedule], executor: str,
+                      schedule: str = "gpipe") -> list[int]:
         """The splits given (checked against the table), else the stages of the devices (or of the
         CSV file) balanced by time."""
         count = len(self.layer_table)
         if splits is not None:
             return list(validate.splits(splits, count))
         stages = min(count, file.stages if file else len(self.placement.devices))
+        if self.mesh is not None:  # its pipeline ranks, each a stage (or the schedule's stages a rank)
+            stages = min(count, self.mesh.pp * (2 if is_multi_stage(schedule) else 1))
         return layers.balanced_splits(self.layer_table, stages, "time", executor)
 
     @property

@@ -1,0 +1,111 @@
+"""What a mesh adds to a pipeline rank's step: data parallelism's collectives, FSDP's gathers, sends.
+
+The layer table of a plan with a mesh is one tensor-parallel rank's (its compute and its
+tensor-parallel collectives: :mod:`pipexplore.models.sharded`). What the other dimensions add is
+costed here over each group's links (:mod:`pipexplore.predict.collectives`), where torch's runtime
+puts it:
+
+=================  ===========================================================================================
+``ddp``            gradients all-reduced over the data-parallel group at the step's end (after each stage's
+                   last backward, before its optimizer step; exposed, as in torch's pipelining runtime,
+                   which reduces a stage's gradients once its micro-batches are done)
+``zero1``          gradients reduce-scattered, the optimizer steps its ``1/dp`` shard, the updated
+                   parameters all-gathered (Megatron-LM's distributed optimizer)
+``fsdp``           ``REDUCE_GRAD``: gradients reduce-scattered at the step's end; ``UNSHARD``: parameters
+                   all-gathered. With ``reshard_after_forward=False`` (torchtitan's choice under a pipeline)
+                   once a step, counted at its end; with ``True`` every micro-batch's forward and backward
+                   gathers each layer again, prefetched behind the layer before (FSDP2 overlaps them): only
+                   what a gather takes beyond its layer's compute is exposed
+=================  ===========================================================================================
+
+A layer's share of a step-end collective is its bytes' share; each 25 MiB bucket (DDP's and
+Megatron-LM's bucket size) pays the ring's latency once, so a step-end collective is not charged a
+layer's worth of latencies. The sends between stages carry ``1/tp`` of a micro-batch's activations
+where sequence parallelism leaves them divided across the tensor-parallel ranks.
+
+:func:`mesh_layer_table` turns a rank's table into one the simulator reads as it reads any: the
+step-end collectives join each stage's ``optimizer`` action, the exposed gathers its forward and
+backward, and the columns ``dp_seconds``/``gather_seconds`` say which is which.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from pipexplore.devices.mesh import Mesh
+from pipexplore.predict.collectives import ring_seconds, slowest_hop
+
+__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS"]
+
+#: Bytes a gradient bucket holds (DDP's ``bucket_cap_mb=25``): a step-end collective's latency is paid per bucket.
+BUCKET_BYTES = 25 * 2**20
+#: The columns :func:`mesh_layer_table` adds, seconds per layer: step-end data-parallel collectives
+#: (``dp_seconds``), FSDP's exposed gathers a micro-batch (``gather_seconds``).
+MESH_COLUMNS = ["dp_seconds", "gather_seconds"]
+
+
+def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
+    """Seconds of ``kind`` for each layer's ``nbytes`` over the group ``devices``: bytes at the slowest
+    hop's rate, its latency once per bucket (each layer its bytes' share of them)."""
+    per_byte, latency = slowest_hop(devices, gpus_per_node)
+    n = len(devices)
+    if n < 2:
+        return np.zeros(len(nbytes))
+    steps = ring_seconds(kind, 0.0, n, 0.0, latency)  # the latency one collective pays
+    return np.array([ring_seconds(kind, float(b), n, per_byte, 0.0) for b in nbytes]) + steps * nbytes / BUCKET_BYTES
+
+
+def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *, gpus_per_node: int = 8,
+                     data_parallel: str = "ddp", sequence_parallel: bool = True, reshard_after_forward: bool = False,
+                     mixed_precision: bool = False) -> pd.DataFrame:
+    """``table`` (one tensor-parallel rank's layers; its ``rank_param_bytes`` where counted so) as the
+    pipeline rank of ``mesh`` over ``devices`` (all of the mesh's, rank order) runs them (the module
+    docstring): ``optimizer`` (seconds at the step's end) plus the data-parallel collectives and the
+    optimizer's ``1/dp`` share where its state is sharded; ``forward_a``/``backward_a`` plus FSDP's
+    exposed gathers; ``output_bytes`` divided by ``tp`` with sequence parallelism; and the columns
+    of :data:`MESH_COLUMNS`. Gradients move in the parameters' dtype, in fp32 with ``mixed_precision``.
+    """
+    from pipexplore.predict.memory import DATA_PARALLEL
+
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+    out = table.copy()
+    n = len(out)
+    whole = out["param_bytes"].to_numpy(dtype=float) if "param_bytes" in out else np.zeros(n)
+    params = out["rank_param_bytes"].to_numpy(dtype=float) if "rank_param_bytes" in out else whole / mesh.tp
+    trained = (out["grad_bytes"].to_numpy(dtype=float) / np.maximum(whole, 1.0)) if "grad_bytes" in out else 1.0
+    grads = params * trained
+    if mixed_precision:  # fp32 gradients, 16-bit parameters
+        grads = grads * 2.0
+    dp_group = [devices[r] for r in mesh.group("dp", 0)]
+    step_end = np.zeros(n)
+    gathers = np.zeros(n)
+    if mesh.dp > 1:
+        if data_parallel == "ddp":
+            step_end = _ring("all_reduce", grads, dp_group, gpus_per_node)
+        else:  # the gradients reduce-scattered; zero1 then gathers the updated parameters, FSDP its next unshard
+            step_end = _ring("reduce_scatter", grads, dp_group, gpus_per_node)
+            gather = _ring("all_gather", params, dp_group, gpus_per_node)
+            if data_parallel == "fsdp" and reshard_after_forward:
+                gathers = gather
+            else:
+                step_end = step_end + gather
+        if data_parallel in ("zero1", "fsdp") and "optimizer" in out:
+            out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / mesh.dp
+    if "optimizer" in out:
+        out["optimizer"] = out["optimizer"].to_numpy(dtype=float) + step_end
+    if gathers.any():  # each micro-batch's forward and backward gather each layer, behind the layer before
+        for phase in ("forward", "backward"):
+            compute = out[f"{phase}_a"].to_numpy(dtype=float) + out[f"{phase}_b"].to_numpy(dtype=float) * (
+                float(table.attrs.get("rows", (1,))[0]))
+            exposed = np.maximum(0.0, gathers - np.roll(compute, 1))
+            exposed[0] = gathers[0]
+            out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + exposed
+    if sequence_parallel and mesh.tp > 1 and "output_bytes" in out:
+        out["output_bytes"] = out["output_bytes"].to_numpy(dtype=float) / mesh.tp
+    out["dp_seconds"] = step_end
+    out["gather_seconds"] = gathers
+    out.attrs = dict(table.attrs)
+    return out
