@@ -364,11 +364,12 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         if extra or outside_saved.get(k):
             kind = f"{kind}+outside:{name}"
         rank, rank_bytes = ranks.get(called.signature, (count, None)) if called is not None else (count, None)
-        records = rank.records * calls + extra
-        if kind not in done:
+        records = count.records * calls + extra
+        if kind not in done:  # the ops frame: a tensor-parallel rank's operators, where counted so
             done.add(kind)
-            ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": n >= len(records) - len(extra)}
-                    for n, r in enumerate(records)]
+            counted = rank.records * calls + extra
+            ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": n >= len(counted) - len(extra)}
+                    for n, r in enumerate(counted)]
         uncounted = sorted({r["op"] for r in records if r["uncounted"]})
         if uncounted:
             notes.append(f"{name} ({type(module).__name__}): no FLOP formula for {', '.join(uncounted)}: its FLOPs "
@@ -428,7 +429,15 @@ def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]])
                 rank_module = sharded.shard(module, name, plan, mesh)
                 return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
             except (RuntimeError, TypeError, ValueError):  # a replicated input did not suit it: each projection's own
+                pass
+            try:
                 rank_module = sharded.shard(module, name, plan, mesh, gather_once=False)
                 return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
+            except (RuntimeError, TypeError, ValueError) as error:
+                raise ValueError(
+                    f"{name} ({type(module).__name__}) does not run sharded by the tensor-parallel plan at tp={tp}: "
+                    f"{str(error).splitlines()[0][:160]}. Its code computes with the whole model's shapes (a head "
+                    "count read from its config, say); models whose code runs on a rank's shard carry a "
+                    "base_model_tp_plan in their config, or plan tp=1") from None
 
         yield rank_count

@@ -46,9 +46,11 @@ __all__ = ["STYLES", "tensor_parallel_plan", "style_of", "check_plan", "check_he
 #: applied: ``colwise`` ``ColwiseParallel()``, ``colwise_gather`` ``ColwiseParallel(output_layouts=Replicate())``,
 #: ``rowwise`` ``RowwiseParallel()``, ``rowwise_from_replicated`` ``RowwiseParallel(input_layouts=Replicate())``
 #: (an embedding's vocabulary sharded). ``packed_*``: a fused projection (q|k|v, gate|up) sharded as one
-#: (the same bytes and FLOPs a rank); ``replicated_with_grad_allreduce`` and ``replicate``: parameters
+#: (the same bytes and FLOPs a rank); ``rowwise_split_input``: rowwise, its input already split (torch's
+#: default); ``replicated_with_grad_allreduce`` and ``replicate``: parameters
 #: whole on every rank (a norm's), nothing applied.
 STYLES = {"colwise": "colwise", "packed_colwise": "colwise", "rowwise": "rowwise", "packed_rowwise": "rowwise",
+          "rowwise_split_input": "rowwise",
           "colwise_gather_output": "colwise_gather", "embedding_rowwise": "rowwise_from_replicated",
           "replicated_with_grad_allreduce": "", "replicate": ""}
 _COLWISE = {"colwise", "packed_colwise", "colwise_gather_output"}

@@ -1,0 +1,152 @@
+"""A plan with a mesh: each pipeline rank a tensor-parallel rank's costs, the data-parallel
+collectives and FSDP's gathers where torch's runtime puts them (ring costs over the group's links),
+a GPU's shard of the training state, and every mismatch refused with the plan kept."""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pipexplore.devices import Mesh
+from pipexplore.models.profile import profile_model
+from pipexplore.plan import Plan
+from pipexplore.predict.collectives import ring_seconds, slowest_hop
+from pipexplore.predict.mesh_costs import BUCKET_BYTES
+from pipexplore.splits import SplitError
+from pipexplore.widgets.state import ExplorerState
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+DEVICES = tuple(f"H100:{i}" for i in range(8))
+
+
+def llama(layers: int = 4):
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=1024, intermediate_size=2816,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlamaForCausalLM(config)
+
+
+SAMPLE = torch.zeros(8, 256, dtype=torch.long, device="meta")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    model = llama()
+    return {tp: profile_model(model, SAMPLE, devices=DEVICES, gpus_per_node=4, chunks=4, tp=tp,
+                              optimizer=torch.optim.AdamW) for tp in (1, 2)}
+
+
+def plan(tables, mesh, **options):
+    tp = mesh.get("tp", 1)
+    return Plan(tables[tp], splits=(3,), devices=DEVICES, chunks=4, schedule="1f1b", executor="processes", batch=8,
+                gpus_per_node=4, mesh=mesh, **options)
+
+
+def test_each_pipeline_rank_runs_on_its_first_tensor_and_data_parallel_rank(tables):
+    p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    assert p.mesh == Mesh(tp=2, pp=2, dp=2)
+    assert p.pipeline_devices == ["H100:0", "H100:4"] and p.stage_devices == ["H100:0", "H100:4"]
+    assert p.nodes == 2
+    assert set(p.predicted["device"]) == {"H100:0", "H100:4"}  # the send between them crosses the nodes
+
+
+def _step_end(p, kind_bytes, kinds):
+    per_byte, latency = slowest_hop([p.devices[r] for r in p.mesh.group("dp", 0)], p.gpus_per_node)
+    n = p.mesh.dp
+    return sum(ring_seconds(kind, b, n, per_byte, 0.0) + ring_seconds(kind, 0.0, n, 0.0, latency) * b / BUCKET_BYTES
+               for kind in kinds for b in kind_bytes)
+
+
+def test_data_parallel_collectives_are_the_ring_over_the_data_parallel_group(tables):
+    single = plan(tables, {"tp": 2, "pp": 2, "dp": 2})  # ddp: the gradients all-reduced
+    table = tables[2]
+    grads = table["rank_param_bytes"].to_numpy(dtype=float)  # every parameter trains
+    assert single.rank_table["dp_seconds"].sum() == pytest.approx(_step_end(single, grads, ["all_reduce"]))
+    zero1 = plan(tables, {"tp": 2, "pp": 2, "dp": 2}, data_parallel="zero1")  # reduce-scatter, then all-gather
+    assert zero1.rank_table["dp_seconds"].sum() == pytest.approx(
+        _step_end(zero1, grads, ["reduce_scatter", "all_gather"]))
+    assert zero1.rank_table["optimizer"].sum() == pytest.approx(  # a rank steps half the state
+        table["optimizer"].sum() / 2 + zero1.rank_table["dp_seconds"].sum())
+    # each stage's update holds its layers' step-end collectives, after its last backward
+    predicted = single.predicted
+    updates = predicted[predicted["phase"] == "optimizer"].sort_values("stage")
+    spans = (updates["end"] - updates["start"]).to_numpy()
+    stage_sums = [single.rank_table["dp_seconds"].iloc[:3].sum(), single.rank_table["dp_seconds"].iloc[3:].sum()]
+    base = [table["optimizer"].iloc[:3].sum(), table["optimizer"].iloc[3:].sum()]
+    assert spans == pytest.approx(np.add(base, stage_sums))
+
+
+def test_fsdp_gathers_behind_the_layer_before_where_it_reshards_after_forward(tables):
+    kept = plan(tables, {"tp": 2, "pp": 2, "dp": 2}, data_parallel="fsdp")
+    assert (kept.rank_table["gather_seconds"] == 0).all()  # gathered once a step, at its end
+    resharded = plan(tables, {"tp": 2, "pp": 2, "dp": 2}, data_parallel="fsdp", reshard_after_forward=True)
+    gathers = resharded.rank_table["gather_seconds"].to_numpy()
+    assert ((gathers > 0) == (tables[2]["rank_param_bytes"] > 0)).all()
+    added = resharded.rank_table["forward_a"].to_numpy() - tables[2]["forward_a"].to_numpy()
+    assert added[0] == pytest.approx(gathers[0])  # the first layer's gather has nothing to hide behind
+    assert (added >= 0).all() and (added <= gathers + 1e-15).all()
+
+
+def test_sends_carry_a_tp_th_of_the_activations_with_sequence_parallelism(tables):
+    p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    assert (p.rank_table["output_bytes"] * 2 == tables[2]["output_bytes"]).all()
+
+
+def test_a_gpu_holds_its_shard_of_the_training_state(tables):
+    from pipexplore.widgets.stage_table import stage_table
+
+    replicated = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    peaks = [0.0, 0.0]
+    ddp = stage_table(replicated, peaks, measured={}, optimizer=torch.optim.AdamW)
+    whole = [tables[2]["param_bytes"].iloc[:3].sum(), tables[2]["param_bytes"].iloc[3:].sum()]
+    assert ddp["param_bytes"].tolist() == pytest.approx([w / 2 for w in whole])
+    assert ddp["optimizer_bytes"].tolist() == pytest.approx([w for w in whole])  # AdamW: 2 states, /tp
+    fsdp = stage_table(replicated.with_options(data_parallel="fsdp"), peaks, measured={}, optimizer=torch.optim.AdamW)
+    assert fsdp["param_bytes"].tolist() == pytest.approx([w / 4 for w in whole])
+    assert (fsdp["gathered_bytes"] == fsdp["param_bytes"] * 2).all()  # the stage kept whole (no reshard)
+
+
+def test_what_does_not_fit_the_mesh_is_refused_by_name(tables):
+    with pytest.raises(ValueError, match=r"the mesh has tp=2 but the layer table counts a rank of tp=1"):
+        Plan(tables[1], splits=(3,), devices=DEVICES, chunks=4, mesh={"tp": 2, "pp": 2, "dp": 2})
+    with pytest.raises(ValueError, match=r"one tensor-parallel rank's of tp=2: give the plan a mesh with tp=2"):
+        Plan(tables[2], splits=(3,), devices=DEVICES[:2], chunks=4)
+    with pytest.raises(SplitError, match=r"the mesh has pp=4 pipeline ranks but the plan's 2 stages run on 2: split "
+                                         r"the model into 4 stages"):
+        plan(tables, {"tp": 2, "pp": 4})
+    with pytest.raises(ValueError, match=r"cp=2: context parallelism is placed in the mesh but its step is not costed"):
+        plan(tables, {"tp": 2, "pp": 2, "cp": 2})
+    with pytest.raises(ValueError, match=r"unknown data_parallel 'zero3': ddp, zero1, fsdp"):
+        plan(tables, {"tp": 2, "pp": 2, "dp": 2}, data_parallel="zero3")
+    with pytest.raises(ValueError, match=r"without sequence parallelism"):
+        plan(tables, {"tp": 2, "pp": 2, "dp": 2}, sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"mesh tp 2 × pp 2 = 4 ranks, but there are 8 devices: dp=2 would fill"):
+        plan(tables, {"tp": 2, "pp": 2})
+
+
+def test_the_explorer_plans_a_mesh_and_changes_it_keeping_the_plan_on_bad_input():
+    state = ExplorerState(llama(), SAMPLE, devices=["H100"] * 8, gpus_per_node=4, chunks=4, schedule="1f1b",
+                          mesh={"tp": 2, "pp": 2, "dp": 2}, data_parallel="fsdp")
+    assert state.plan.mesh == Mesh(tp=2, pp=2, dp=2) and state.plan.num_stages == 2
+    assert state.layer_table.attrs["tp"] == 2 and state.plan.data_parallel == "fsdp"
+    first = state.figures()["predicted_step_time"]
+    assert math.isfinite(first) and first > 0
+    state.set_mesh({"tp": 1, "pp": 4, "dp": 2}, data_parallel="zero1")
+    assert state.plan.num_stages == 4 and state.plan.layer_table.attrs["tp"] == 1
+    assert state.plan.data_parallel == "zero1"
+    before = state.plan
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the model's 4 key-value heads"):
+        state.set_mesh({"tp": 8, "pp": 1, "dp": 1})
+    with pytest.raises(ValueError, match=r"= 6 ranks, but there are 8 devices"):
+        state.set_mesh({"tp": 2, "pp": 3})
+    assert state.plan is before
+    with pytest.raises(ValueError, match=r"a mesh is planned for devices from the catalogue"):
+        ExplorerState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.zeros(4, 4),
+                      devices=["cpu", "cpu"], mesh={"pp": 2})
