@@ -133,7 +133,7 @@ class ExplorerState:
                 raise ValueError("mesh: a mesh is planned for devices from the catalogue (devices=['H100'] * 64, "
                                  "gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'dp': 2}); runs here are one device a stage")
             self.mesh = Mesh.of(mesh, len(self.placement.devices))
-        self.mesh_options = dict(data_parallel=data_parallel, sequence_parallel=sequence_parallel,
+        self.mesh_options: dict[str, Any] = dict(data_parallel=data_parallel, sequence_parallel=sequence_parallel,
                                  reshard_after_forward=reshard_after_forward)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
