@@ -150,3 +150,30 @@ def test_the_explorer_plans_a_mesh_and_changes_it_keeping_the_plan_on_bad_input(
     with pytest.raises(ValueError, match=r"a mesh is planned for devices from the catalogue"):
         ExplorerState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.zeros(4, 4),
                       devices=["cpu", "cpu"], mesh={"pp": 2})
+
+
+def test_the_mesh_search_ranks_every_factorisation_keeping_the_global_batch():
+    from pipexplore.predict.mesh_search import factorisations
+    from pipexplore.widgets import what_if
+
+    state = ExplorerState(llama(), SAMPLE, devices=["H100"] * 8, gpus_per_node=4, chunks=4, schedule="1f1b",
+                          mesh={"tp": 2, "pp": 2, "dp": 2}, optimizer=torch.optim.AdamW)
+    meshes = factorisations(8, 4, len(state.layer_table))
+    assert {(m.tp, m.pp, m.dp) for m in meshes} == {(tp, pp, 8 // tp // pp) for tp in (1, 2, 4)
+                                                      for pp in (1, 2, 4, 8) if 8 % (tp * pp) == 0}
+    table = what_if.search(state, mesh="auto", data_parallel=["ddp", "fsdp"], microbatch_rows=[2, 4])
+    assert (table["tp"] * table["pp"] * table["dp"] == 8).all()
+    assert ((table["chunks"] * table["microbatch_rows"] * table["dp"]) == 16).all()  # 2 replicas of 8 rows
+    assert table["fits"].iloc[0] and table["rank"].tolist() == list(range(1, len(table) + 1))
+    fitting = table[table["fits"]]
+    assert fitting["predicted_step_time"].is_monotonic_increasing
+    assert table["pareto"].any() and not table.loc[table["pareto"]].duplicated(["predicted_step_time"]).all()
+    assert any("2 rows a replica do not split into micro-batches of 4" in why  # dp=8: 2 rows each
+               for why in table.attrs["left_out"])
+    # a row's prediction is the plan's own, once applied
+    best = table.iloc[0]
+    what_if.apply(state, best)
+    assert (state.plan.mesh.tp, state.plan.mesh.pp, state.plan.mesh.dp) == (best["tp"], best["pp"], best["dp"])
+    assert state.figures()["predicted_step_time"] == pytest.approx(best["predicted_step_time"])
+    with pytest.raises(ValueError, match=r"mesh='auto'"):
+        what_if.search(state, mesh="tp4")

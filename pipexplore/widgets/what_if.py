@@ -19,6 +19,7 @@ import pandas as pd
 
 from pipexplore.devices import planned_devices
 from pipexplore.plan import Plan
+from pipexplore.predict.mesh_search import mesh_search
 from pipexplore.predict.search import search as search_plans
 from pipexplore.predict.sweep import sweep as sweep_plans
 from pipexplore.schedules import splits_backward
@@ -67,15 +68,28 @@ def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[
 
 def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
            schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
-           workers: Optional[int] = None) -> pd.DataFrame:
+           workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
+           microbatch_rows: Sequence[int] = ()) -> pd.DataFrame:
     """Every combination with the fastest split whose every device holds the plan within
     ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
+    ``mesh="auto"``: every mesh of the plan's devices instead (tp × pp × dp with each of
+    ``data_parallel``, ``microbatch_rows``, ``schedules`` and ``checkpoint``: the global batch kept;
+    :func:`pipexplore.predict.mesh_search.mesh_search`).
 
     Raises:
-        ValueError: a bad ``memory_cap``; nothing fits (the closest plan named, and by how many
-            bytes it is over).
+        ValueError: a bad ``memory_cap`` or ``mesh``; nothing fits (the closest plan named, and by
+            how many bytes it is over).
     """
     cap = parse_bytes(memory_cap, "memory_cap")
+    if mesh is not None:
+        if mesh != "auto":
+            raise ValueError(f"mesh: search every mesh with mesh='auto' (a given mesh is planned with set_mesh), "
+                             f"got {mesh!r}")
+        if not state.planned:
+            raise ValueError("mesh='auto' searches meshes of devices from the catalogue; this explorer runs here")
+        return mesh_search(state.plan, state.table_for_tp, memory_cap=cap, data_parallel=data_parallel,
+                           microbatch_rows=microbatch_rows, schedules=schedules, checkpoint=checkpoint,
+                           optimizer=state.optimizer, mixed_precision=state.mixed_precision)
     plan, more_gpus = _starting_plan(state, schedules)
     return search_plans(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules,
                         checkpoint=checkpoint, virtual_stages=virtual_stages, devices_for=more_gpus,
@@ -90,6 +104,8 @@ def apply(state: ExplorerState, row: Any) -> Plan:
     Raises:
         ValueError: a mapping with none of those columns, or a plan they make that is refused.
     """
+    if "tp" in row and "pp" in row and "dp" in row:  # a row of the mesh search: its mesh, then its plan
+        return _apply_mesh(state, row)
     now = state.plan
     current = {"splits": now.splits, "chunks": now.chunks, "schedule": now.schedule, "checkpoint": now.checkpoint,
                "devices": now.devices, "virtual_stages": now.virtual_stages}
@@ -108,3 +124,19 @@ def apply(state: ExplorerState, row: Any) -> Plan:
     if plan.executor == "autograd" and plan.schedule != "gpipe":
         plan = plan.with_options(executor="threads")
     return state.change_plan(lambda _: plan)
+
+
+def _apply_mesh(state: ExplorerState, row: Any) -> Plan:
+    """A row of the mesh search made the plan: its mesh and data parallelism (the rank's table
+    counted for its ``tp``), then its split, micro-batches, rows a replica, schedule and checkpointing."""
+    previous = state.plan
+    state.set_mesh({"tp": int(row["tp"]), "pp": int(row["pp"]), "dp": int(row["dp"])},
+                   data_parallel=str(row["data_parallel"]))
+    chunks = int(row["chunks"])
+    try:
+        return state.change_plan(lambda plan: plan.with_options(
+            splits=tuple(int(s) for s in row["splits"]), chunks=chunks, batch=chunks * int(row["microbatch_rows"]),
+            schedule=str(row["schedule"]), checkpoint=str(row["checkpoint"])))
+    except ValueError:
+        state.change_plan(lambda _: previous)
+        raise

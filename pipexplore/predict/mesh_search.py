@@ -1,0 +1,161 @@
+"""The mesh that fits and is fastest: every factorisation of the devices into tensor × pipeline ×
+data parallelism, each with its data parallelism, micro-batch, schedule and checkpointing, predicted
+and ranked.
+
+The global batch stays the plan's (``dp`` replicas of its ``batch`` rows): a mesh of ``dp'``
+replicas runs ``global / dp'`` rows a replica (it must divide), in micro-batches of the rows asked
+for. ``tp`` runs over the divisors of ``gpus_per_node`` (a tensor-parallel group inside a node; what
+the model refuses — heads ``tp`` does not divide, no plan — is left out, named), ``pp`` over what
+leaves a whole ``dp``, at most one stage a layer. Each candidate is split by time (its rank's costs,
+:func:`pipexplore.balance.optimal_splits`), predicted (:meth:`pipexplore.plan.Plan.predict`) and its
+memory a GPU counted as the stage table counts it (:func:`pipexplore.predict.memory.stage_memory`:
+the mesh's shards, the schedule's activations at their peak); ``fits`` where every GPU holds it
+within ``memory_cap`` (default: the device's memory). Fitting meshes first, each group by predicted
+step; ``pareto`` marks the meshes no other beats on both step and memory.
+
+This module imports no plan: ``plan`` is any object with :class:`pipexplore.plan.Plan`'s methods.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from pipexplore import timeline as tl
+from pipexplore.balance import optimal_splits
+from pipexplore.devices import device_memory
+from pipexplore.devices.mesh import Mesh
+from pipexplore.predict.memory import stage_memory
+from pipexplore.schedules import is_multi_stage
+
+__all__ = ["mesh_search", "MESH_SEARCH_COLUMNS", "factorisations"]
+
+#: The columns of :func:`mesh_search`: the mesh and its options, the predicted step (seconds) for the
+#: global batch, its bubble, ``throughput`` (global rows a second), ``peak_bytes`` (the fullest GPU's
+#: training memory), ``fits``, ``pareto``, and ``notes`` (what the mesh does that large runs avoid).
+MESH_SEARCH_COLUMNS = ["rank", "tp", "pp", "dp", "data_parallel", "microbatch_rows", "chunks", "schedule",
+                       "checkpoint", "splits", "predicted_step_time", "bubble", "throughput", "peak_bytes",
+                       "peak_bytes_per_stage", "fits", "pareto", "notes"]
+
+
+def factorisations(devices: int, gpus_per_node: int, layers: int) -> list[Mesh]:
+    """Every mesh of ``devices`` ranks with ``tp`` dividing ``gpus_per_node`` and at most ``layers``
+    pipeline stages (tp fastest, then pp, dp: the fewest pipeline stages first)."""
+    meshes = []
+    for tp in (d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and devices % d == 0):
+        rest = devices // tp
+        for pp in (p for p in range(1, min(rest, layers) + 1) if rest % p == 0):
+            meshes.append(Mesh(tp=tp, pp=pp, dp=rest // pp))
+    return meshes
+
+
+def _balanced(table: pd.DataFrame, stages: int) -> list[int]:
+    costs = (table["forward"] + table["backward"]).to_numpy(dtype=float)
+    return optimal_splits(costs.tolist(), stages) if stages > 1 else []
+
+
+def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_cap: Optional[float] = None,
+                data_parallel: Sequence[str] = (), microbatch_rows: Sequence[int] = (), schedules: Sequence[str] = (),
+                checkpoint: Sequence[str] = (), optimizer: Optional[Callable[[Any], Any]] = None,
+                mixed_precision: bool = False) -> pd.DataFrame:
+    """Every mesh of the plan's devices (the module docstring) with each choice, predicted and
+    ranked. Empty choices keep the plan's own (its micro-batch rows: ``batch / chunks``).
+    ``table_for(tp)``: the layer table of one tensor-parallel rank of ``tp`` (it may refuse with a
+    ``ValueError``). Left out, each with why, in ``table.attrs['left_out']``.
+
+    Columns: :data:`MESH_SEARCH_COLUMNS`.
+
+    Raises:
+        ValueError: nothing can run; or nothing fits (the closest mesh named, with its peak).
+    """
+    current = plan.mesh_or_pipeline
+    batch = int(plan.batch or plan.layer_table.attrs.get("batch"))
+    global_rows = batch * current.dp
+    devices = list(plan.devices)
+    rows_choices = list(microbatch_rows) or [max(1, batch // plan.chunks)]
+    left_out: list[str] = []
+    tables: dict[int, Optional[pd.DataFrame]] = {}
+    rows = []
+    for mesh in factorisations(len(devices), plan.gpus_per_node, plan.num_layers):
+        if mesh.tp not in tables:
+            try:
+                tables[mesh.tp] = table_for(mesh.tp)
+            except ValueError as error:
+                tables[mesh.tp] = None
+                left_out.append(f"tp={mesh.tp}: {str(error).splitlines()[0]}")
+        table = tables[mesh.tp]
+        if table is None:
+            continue
+        if global_rows % mesh.dp:
+            left_out.append(f"{_name(mesh)}: the global batch of {global_rows} rows does not split into {mesh.dp} "
+                            "replicas")
+            continue
+        replica = global_rows // mesh.dp
+        for dp_kind, mb, schedule, mode in itertools.product(data_parallel or [plan.data_parallel], rows_choices,
+                                                             schedules or [plan.schedule],
+                                                             checkpoint or [plan.checkpoint]):
+            name = f"{_name(mesh)}, {dp_kind}, micro-batches of {mb} rows, {schedule}, checkpoint {mode}"
+            if replica % mb:
+                left_out.append(f"{name}: {replica} rows a replica do not split into micro-batches of {mb}")
+                continue
+            stages = mesh.pp * (plan.virtual_stages if is_multi_stage(schedule) else 1)
+            if stages > len(table):
+                left_out.append(f"{name}: {stages} stages for {len(table)} layers")
+                continue
+            try:
+                candidate = plan.with_options(layer_table=table, splits=tuple(_balanced(table, stages)), mesh=mesh,
+                                              data_parallel=dp_kind, chunks=replica // mb, batch=replica,
+                                              schedule=schedule, checkpoint=mode)
+                predicted = candidate.predict()
+            except ValueError as error:  # the plan or the simulator refuses it
+                left_out.append(f"{name}: {str(error).splitlines()[0]}")
+                continue
+            rows.append(_row(candidate, predicted, mesh, mb, global_rows, memory_cap, optimizer, mixed_precision))
+    result = pd.DataFrame(rows, columns=MESH_SEARCH_COLUMNS[1:])
+    if result.empty:
+        raise ValueError("no mesh can run: " + "; ".join(left_out[:5]))
+    peak = result["peak_bytes"].to_numpy(dtype=float)
+    step = result["predicted_step_time"].to_numpy(dtype=float)
+    result["pareto"] = [not bool(((step <= s) & (peak <= p) & ((step < s) | (peak < p))).any())
+                        for s, p in zip(step, peak)]
+    if not result["fits"].any():
+        closest = result.loc[result["peak_bytes"].idxmin()]
+        raise ValueError(f"no mesh fits: the smallest is tp={closest['tp']} pp={closest['pp']} dp={closest['dp']} "
+                         f"({closest['data_parallel']}) at {closest['peak_bytes'] / 2**30:.1f} GiB a GPU")
+    result = result.sort_values(["fits", "predicted_step_time", "peak_bytes"], ascending=[False, True, True],
+                                kind="stable").reset_index(drop=True)
+    result.insert(0, "rank", range(1, len(result) + 1))
+    result.attrs["left_out"] = left_out
+    result.attrs["memory_cap"] = memory_cap
+    return result
+
+
+def _name(mesh: Mesh) -> str:
+    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}"
+
+
+def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_rows: int,
+         memory_cap: Optional[float], optimizer: Any, mixed_precision: bool) -> dict[str, Any]:
+    """One candidate's figures: its step and bubble, its memory a GPU and whether it fits."""
+    step = tl.step_time(predicted)
+    peaks = np.zeros(candidate.num_stages)
+    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].to_numpy(dtype=float))
+    capacity = [float(memory_cap) if memory_cap is not None else device_memory(d) for d in candidate.stage_devices]
+    held = stage_memory(candidate.layer_table, list(candidate.splits), peak_activations=peaks, optimizer=optimizer,
+                        mixed_precision=mixed_precision, capacity=capacity, tp=mesh.tp, dp=mesh.dp,
+                        data_parallel=candidate.data_parallel, sequence_parallel=candidate.sequence_parallel,
+                        reshard_after_forward=candidate.reshard_after_forward)
+    per_device: dict[str, float] = {}
+    for device, peak in zip(candidate.stage_devices, held["peak_bytes"]):
+        per_device[device] = per_device.get(device, 0.0) + float(peak)  # an interleaved rank holds its stages
+    fits = all(per_device[d] <= cap or math.isnan(cap) for d, cap in zip(candidate.stage_devices, capacity))
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "data_parallel": candidate.data_parallel,
+            "microbatch_rows": mb, "chunks": candidate.chunks, "schedule": candidate.schedule,
+            "checkpoint": candidate.checkpoint, "splits": list(candidate.splits), "predicted_step_time": step,
+            "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(candidate.schedule)),
+            "throughput": global_rows / step if step > 0 else math.nan, "peak_bytes": max(per_device.values()),
+            "peak_bytes_per_stage": held["peak_bytes"].tolist(), "fits": bool(fits),
+            "notes": "; ".join(mesh.notes(candidate.gpus_per_node))}
