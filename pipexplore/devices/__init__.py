@@ -15,13 +15,13 @@ from pipexplore.devices.catalogue import ALIASES, CATALOGUE, DTYPES, DeviceSpec,
 from pipexplore.devices.links import link_latency, link_seconds_per_byte
 from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.names import (NO_GPU_NOTE, Device, as_device, catalogue_kind, chosen_devices, device_kind,
-                                      device_memory, device_spec, is_planned, node_of, planned_devices,
+                                      device_memory, device_spec, devices_text, is_planned, node_of, planned_devices,
                                       present_device, register_device, stage_devices)
 
 __all__ = [
     "Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "DeviceSpec", "GiB", "CATALOGUE",
     "ALIASES", "DTYPES", "device_spec", "register_device", "is_planned", "planned_devices", "node_of",
     "link_seconds_per_byte", "link_latency", "dtype_name", "present_device", "chosen_devices", "catalogue_kind",
-    "device_kind", "Mesh",
+    "device_kind", "Mesh", "devices_text",
 ]
 

@@ -51,7 +51,7 @@ class Mesh:
                                  f"got {value!r}")
 
     @classmethod
-    def of(cls, spec: Optional[Mapping[str, Any]], devices: int) -> "Mesh":
+    def of(cls, spec: Optional[Any], devices: int) -> "Mesh":
         """The mesh a user asks for (``{"tp": 4, "pp": 8, "dp": 2}``; a dimension left out is 1;
         None: every device a pipeline stage), checked against the number of ``devices``.
 
@@ -61,6 +61,8 @@ class Mesh:
         """
         if spec is None:
             return cls(pp=devices)
+        if isinstance(spec, Mesh):
+            spec = {dim: getattr(spec, dim) for dim in DIMS}
         if not isinstance(spec, Mapping):
             raise ValueError(f"mesh is a mapping of tp, pp, dp and cp to their ranks ({{'tp': 4, 'pp': 8}}), "
                              f"got {spec!r}")

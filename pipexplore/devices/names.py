@@ -20,7 +20,8 @@ from pipexplore.devices.catalogue import ALIASES, CATALOGUE, DeviceSpec
 
 __all__ = [
     "Device", "as_device", "stage_devices", "device_memory", "NO_GPU_NOTE", "device_spec", "register_device",
-    "is_planned", "planned_devices", "node_of", "present_device", "chosen_devices", "catalogue_kind", "device_kind"
+    "is_planned", "planned_devices", "node_of", "present_device", "chosen_devices", "catalogue_kind", "device_kind",
+    "devices_text"
 ]
 
 Device = Union[torch.device, int, str]
@@ -276,6 +277,9 @@ def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...
         ValueError: a device that is neither here nor in the catalogue (the catalogue listed), or
             a mix of both.
     """
+    counted = re.fullmatch(r"\s*(\d+)\s*[×x*]\s*([\w.-]+)\s*(,.*)?", devices) if isinstance(devices, str) else None
+    if counted is not None:  # '64 × H100' (what the page shows of many planned devices; ', 8 nodes' ignored)
+        devices = [counted.group(2)] * int(counted.group(1))
     names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else devices
     if isinstance(names, Sequence) and any(is_planned(d) for d in names):
         return planned_devices(names, gpus_per_node)
@@ -284,3 +288,19 @@ def chosen_devices(devices: Sequence[Any], gpus_per_node: int) -> tuple[str, ...
     except ValueError as exc:
         raise ValueError(f"{exc}; or plan devices you do not have by name from the catalogue: "
                          f"{', '.join(CATALOGUE)} (e.g. devices=['H100'] * 16, gpus_per_node=8)") from None
+
+
+def devices_text(devices: Sequence[str], gpus_per_node: int = 8) -> str:
+    """Devices as a person reads them: planned ones of one kind as a count (``'64 × H100, 8 nodes'``),
+    others as their list (``'cpu,cpu'``).
+
+    Example::
+
+        devices_text(planned_devices(["H100"] * 64, 8), 8)   # '64 × H100, 8 nodes'
+    """
+    names = [str(d) for d in devices]
+    kinds = {d.split(":")[0] for d in names}
+    if len(names) > 1 and len(kinds) == 1 and all(is_planned(d) for d in names):
+        nodes = len({node_of(d, gpus_per_node) for d in names})
+        return f"{len(names)} × {kinds.pop()}" + (f", {nodes} nodes" if nodes > 1 else "")
+    return ",".join(names)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["call_inputs", "sample_rows", "microbatches", "first_microbatch", "model_output"]
+__all__ = ["call_inputs", "sample_rows", "microbatches", "first_microbatch", "model_output", "tokens_per_sample"]
 
 
 def call_inputs(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -117,3 +117,12 @@ def model_output(flat: Any, spec: Any) -> Any:
 
         return tree_unflatten(leaves, spec)
     return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def tokens_per_sample(sample: Any) -> int:
+    """Tokens a sample holds where the sample is token ids (``(rows, sequence)`` integers, or a
+    mapping with ``input_ids``): its sequence length; else 1."""
+    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        return int(ids.shape[1])
+    return 1

@@ -8,10 +8,11 @@ from typing import Any, Mapping, Optional
 import pandas as pd
 
 from pipexplore import timeline as tl
+from pipexplore.devices import device_spec, devices_text
 from pipexplore.plan import Plan
 
 __all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes",
-           "plan_difference"]
+           "plan_difference", "mesh_text", "plan_devices_text", "model_flops_utilisation"]
 
 
 def format_bytes(n: float) -> str:
@@ -31,16 +32,32 @@ def format_bytes(n: float) -> str:
 
 
 def plan_text(plan: Plan) -> str:
-    """The plan in one line: splits, chunks, schedule, checkpoint, executor and devices.
+    """The plan in one line: splits, chunks, schedule, checkpoint, executor and devices (a count
+    of planned ones), and its mesh where it has one.
 
     Example::
 
         plan_text(explorer.plan)
         # 'splits [4, 8] · chunks 4 · gpipe · checkpoint except_last · threads on cpu,cpu,cpu'
     """
-    devices = ",".join(plan.devices[: plan.num_devices])
+    devices = plan_devices_text(plan)
     return (f"splits {splits_text(plan.splits)} · chunks {plan.chunks} · {plan.schedule} · "
-            f"checkpoint {plan.checkpoint}{_not_run(plan)} · {plan.executor} on {devices}")
+            f"checkpoint {plan.checkpoint}{_not_run(plan)}{mesh_text(plan, ' · ')} · {plan.executor} on {devices}")
+
+
+def plan_devices_text(plan: Plan) -> str:
+    """The devices the plan uses: all of its mesh's, else one a pipeline rank; planned ones as a count."""
+    used = plan.devices if plan.mesh is not None else plan.devices[: plan.num_devices]
+    return devices_text(used, plan.gpus_per_node)
+
+
+def mesh_text(plan: Plan, before: str = "") -> str:
+    """``'tp 4 · pp 8 · dp 2 (fsdp)'`` for a plan with a mesh (after ``before``), else ''."""
+    mesh = plan.mesh
+    if mesh is None:
+        return ""
+    dims = " · ".join(f"{dim} {getattr(mesh, dim)}" for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or mesh.cp > 1)
+    return f"{before}{dims} ({plan.data_parallel})"
 
 
 def _not_run(plan: Any) -> str:
@@ -70,12 +87,15 @@ def short_plan_text(plan: Plan) -> str:
 
         short_plan_text(explorer.plan)   # 'splits [4, 8] · 4 chunks · gpipe'
     """
-    return f"splits {splits_text(plan.splits)} · {plan.chunks} chunks · {plan.schedule}"
+    return f"splits {splits_text(plan.splits)} · {plan.chunks} chunks · {plan.schedule}{mesh_text(plan, ' · ')}"
 
 
-def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
+def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: int = 1) -> dict[str, Any]:
     """The predicted figures of a plan: ``step_time`` (s), ``bubble`` (fraction; by device for
     interleaved), ``throughput`` (samples/s), ``activation_bytes_per_stage`` (bytes, one per stage).
+    A plan for catalogue devices adds, a GPU: ``gpus`` (all of its mesh's), ``mfu`` (the model's
+    FLOPs a step, forward and backward without recomputation, over the step and the GPUs' peak in
+    the model's compute dtype) and ``tokens_per_second_per_gpu`` (``tokens_per_sample`` a sample).
 
     Example::
 
@@ -85,12 +105,45 @@ def plan_figures(plan: Plan, samples: Optional[int] = None) -> dict[str, Any]:
     step = tl.step_time(predicted)
     samples = samples if samples is not None else plan.batch
     peaks = (predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float))
-    return {
+    figures = {
         "predicted_step_time": step,
         "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(plan.schedule)),
         "throughput": (samples / step) if samples and step > 0 else math.nan,
         "activation_bytes_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
     }
+    if plan.planned:
+        mesh = plan.mesh_or_pipeline
+        gpus = mesh.size
+        replicas_samples = (samples or 0) * mesh.dp
+        figures["gpus"] = gpus
+        figures["mfu"] = model_flops_utilisation(plan, step)
+        figures["tokens_per_second_per_gpu"] = (replicas_samples * tokens_per_sample / step / gpus
+                                                if step > 0 else math.nan)
+    return figures
+
+
+def model_flops_utilisation(plan: Plan, step: float) -> float:
+    """The model's FLOPs of a step (the layer table's forward and backward, at the plan's batch, for
+    every replica) over ``step`` seconds and the peak of all the mesh's GPUs in the model's compute
+    dtype (the dtype of its costliest operators); NaN where the table has no FLOPs."""
+    table = plan.layer_table
+    if "forward_flops" not in table:
+        return math.nan
+    flops = float((table["forward_flops"] + table["backward_flops"]).sum())
+    own = table.attrs.get("batch")
+    if own and plan.batch:
+        flops *= plan.batch / own
+    ops = table.attrs.get("ops")
+    dtype = "bfloat16"
+    if isinstance(ops, pd.DataFrame) and len(ops) and ops["flops"].sum() > 0:
+        dtype = str(ops.groupby("dtype")["flops"].sum().idxmax())
+    mesh = plan.mesh_or_pipeline
+    spec = device_spec(plan.devices[0])
+    try:
+        peak = spec.peak(dtype)
+    except ValueError:
+        return math.nan
+    return flops * mesh.dp / step / (peak * mesh.size) if step > 0 and math.isfinite(flops) else math.nan
 
 
 def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
@@ -127,6 +180,12 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
         _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),
     ]
+    if "mfu" in figures:  # planned GPUs: what each of them does
+        peak_gpu = figures.get("peak_bytes_per_gpu", math.nan)
+        mfu = figures["mfu"]
+        cards.append(_card(f"a GPU of {figures['gpus']}", "–" if math.isnan(mfu) else f"MFU {mfu * 100:.1f} %",
+                           f"{figures['tokens_per_second_per_gpu']:,.0f} tokens/s · peak memory "
+                           f"{format_bytes(peak_gpu)}"))
     if last_run is not None:
         error = last_run.get("prediction_error", math.nan)
         bad = isinstance(error, float) and not math.isnan(error) and abs(error) > 0.25
@@ -184,7 +243,7 @@ def plan_difference(plan: Plan, other: Plan) -> str:
     changes = [f"{name} {theirs} → {ours}" for name, theirs, ours in (
         ("splits", splits_text(other.splits), splits_text(plan.splits)), ("chunks", other.chunks, plan.chunks),
         ("schedule", other.schedule, plan.schedule), ("checkpoint", other.checkpoint, plan.checkpoint),
-        ("executor", other.executor, plan.executor),
-        ("devices", ",".join(other.devices[: other.num_devices]), ",".join(plan.devices[: plan.num_devices])))
+        ("executor", other.executor, plan.executor), ("mesh", mesh_text(other) or "none", mesh_text(plan) or "none"),
+        ("devices", plan_devices_text(other), plan_devices_text(plan)))
         if theirs != ours]
     return ("not the current plan: " + ", ".join(changes)) if changes else ""

@@ -2,8 +2,8 @@
 
 :class:`ExplorerState` imports neither ipywidgets nor anywidget: it is the explorer without a page,
 and every behaviour of the explorer is tested on it. Its parts: :attr:`~ExplorerState.placement`
-(the devices), :attr:`~ExplorerState.log` (the runs kept) and :attr:`~ExplorerState.runner` (what
-runs the plan). A view subscribes to its changes::
+(the devices), :attr:`~ExplorerState.meshes` (the mesh over them), :attr:`~ExplorerState.log` (the
+runs kept) and :attr:`~ExplorerState.runner` (what runs the plan). A view subscribes to its changes::
 
     state.subscribe(lambda change: ...)     # change: 'plan' | 'runs' | 'status' | 'shown'
 
@@ -13,6 +13,10 @@ added or the runs were cleared. ``status``: the status line, or whether a run is
 
 Changes happen under one lock, from any thread (a background run finishes in its own), and
 subscribers are called under it.
+
+Why one module: every method here changes the one plan under that lock and tells the subscribers;
+what is a concept of its own (devices, the mesh, runs, the runner, sweeps, the stage table, the
+exported code) is already a part or a function elsewhere, and this class only routes to it.
 """
 from __future__ import annotations
 
@@ -34,14 +38,15 @@ from pipexplore.export.code import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
 from pipexplore.microbatch import Sample, batch_size
 from pipexplore.models.hf import cache_note
+from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split
 from pipexplore.models.trace import costs as traced_costs
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.costs import Corrections
-from pipexplore.predict.memory import DATA_PARALLEL
 from pipexplore.schedules import CsvSchedule, csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets import layer_table as layers
+from pipexplore.widgets.mesh_choice import MeshChoice
 from pipexplore.widgets.header import parse_bytes, plan_figures, plan_text
 from pipexplore.widgets.progress import profile_progress
 from pipexplore.widgets.run_log import RUN_COLUMNS, RunLog
@@ -124,20 +129,11 @@ class ExplorerState:
             raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan it "
                              "for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here to "
                              "time its blocks one at a time")
-        #: The device mesh over the planned devices (None: every device a pipeline rank), and how
-        #: its ranks share the work: ``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``,
-        #: and the tensor-parallel plan given (else the model's own).
-        self.mesh: Optional[Mesh] = None
-        if mesh is not None:
-            if not self.placement.planned:
-                raise ValueError("mesh: a mesh is planned for devices from the catalogue (devices=['H100'] * 64, "
-                                 "gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'dp': 2}); runs here are one device a stage")
-            self.mesh = Mesh.of(mesh, len(self.placement.devices))
-        self.mesh_options: dict[str, Any] = dict(data_parallel=data_parallel, sequence_parallel=sequence_parallel,
-                                 reshard_after_forward=reshard_after_forward)
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-        self.tp_plan = tp_plan
+        #: The mesh over the planned devices and how its replicas share the work
+        #: (:class:`~pipexplore.widgets.mesh_choice.MeshChoice`).
+        self.meshes = MeshChoice(mesh, self.placement, data_parallel=data_parallel,
+                                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
+                                 tp_plan=tp_plan)
         # 3. The schedule, its micro-batches and the executor.
         schedule = validate.schedule(schedule, PLAN_SCHEDULES, csv=True)
         file = csv_schedule(schedule) if is_csv(schedule) else None  # a file says its stages, ranks and chunks
@@ -183,7 +179,7 @@ class ExplorerState:
         self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(plan_devices), chunks,
                                                     checkpoint, schedule, executor=executor,
                                                     batch=batch_size(sample), gpus_per_node=self.gpus_per_node,
-                                                    mesh=self.mesh, **self.mesh_options))
+                                                    mesh=self.mesh, **self.meshes.options))
         #: The last error shown ('' after a change that worked).
         self.last_error = ""
         # 7. Its runs: none yet, and what makes them.
@@ -195,48 +191,36 @@ class ExplorerState:
     def _profile(self, chunks: int, split_backward: bool, tp: Optional[int] = None) -> pd.DataFrame:
         """The layer table, profiled for this explorer's devices (in a notebook, with a progress bar);
         with a mesh, one tensor-parallel rank's of ``tp`` (default: the mesh's)."""
-        tp = tp if tp is not None else (self.mesh.tp if self.mesh is not None else 1)
+        tp = tp if tp is not None else self.meshes.tp
         with profile_progress() as progress:
             return profile_model(self.model, self.sample, devices=self.placement, chunks=chunks,
                                  split_backward=split_backward, loss_fn=self.loss_fn, target=self.target,
-                                 optimizer=self.optimizer, progress=progress, tp=tp, tp_plan=self.tp_plan,
+                                 optimizer=self.optimizer, progress=progress, tp=tp, tp_plan=self.meshes.tp_plan,
                                  **self.profile_options)
 
     def table_for_tp(self, tp: int) -> pd.DataFrame:
         """The layer table of one tensor-parallel rank of ``tp`` (counted once per ``tp``, on meta)."""
-        if int(self.layer_table.attrs.get("tp", 1)) == tp:
-            return self.layer_table
-        tables = self.__dict__.setdefault("_tp_tables", {})
-        if tp not in tables:
-            tables[tp] = self._profile(self._plan.chunks, False, tp=tp)
-        return tables[tp]
+        return self.meshes.table_for(tp, self.layer_table, lambda n: self._profile(self._plan.chunks, False, tp=n))
 
     def set_mesh(self, mesh: Any, **options: Any) -> Plan:
         """Plan the mesh ``mesh`` (``{"tp": 4, "pp": 8, "dp": 2}`` over the plan's devices) with
         ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``): its rank's
-        layers counted for its ``tp``, its ``pp`` stages balanced by time. Refused (the plan kept)
-        where the mesh does not fit the devices or cannot shard the model.
+        layers counted for its ``tp``, its ``pp`` stages balanced by time
+        (:meth:`~pipexplore.widgets.mesh_choice.MeshChoice.replanned`).
 
         Raises:
             ValueError: what was wrong, named; the plan stays as it was.
         """
-        unknown = sorted(set(options) - set(self.mesh_options))
-        if unknown:
-            raise TypeError(f"set_mesh() takes {', '.join(self.mesh_options)}, not {', '.join(unknown)}")
-        if not self.planned:
-            raise ValueError("mesh: a mesh is planned for devices from the catalogue; this explorer runs here")
-        plan = self._plan
-        chosen = Mesh.of(mesh, len(plan.devices))
-        table = self.table_for_tp(chosen.tp)
-        stages = chosen.pp * (plan.virtual_stages if is_multi_stage(plan.schedule) else 1)
-        if stages > len(table):
-            raise ValueError(f"pp={chosen.pp} needs {stages} stages but the model has {len(table)} layers")
-        splits = layers.balanced_splits(table, stages, "time", plan.executor)
-        changed = self.change_plan(lambda p: replace(p, layer_table=table, splits=tuple(splits), mesh=chosen,
-                                                     **{**self.mesh_options, **options}))
-        self.mesh, self.layer_table = chosen, table
-        self.mesh_options.update(options)
+        plan = self.meshes.replanned(self._plan, mesh, self.table_for_tp, **options)
+        changed = self.change_plan(lambda _: plan)
+        self.meshes.take(changed)
+        self.layer_table = changed.layer_table
         return changed
+
+    @property
+    def mesh(self) -> Optional[Mesh]:
+        """The plan's mesh (None: every device a pipeline rank)."""
+        return self.meshes.mesh
 
     def _first_notes(self, granularity: str) -> list[str]:
         """What the page first says: the loss it times, how a traced model is split, what a plan on
@@ -252,6 +236,7 @@ class ExplorerState:
             notes += [note for note in [cache_note(self.model)] if note]  # a config's use_cache=True, off
         if self.planned:
             notes.append(layers.planned_note(self.placement))
+        notes += self.meshes.notes(self.gpus_per_node)
         return notes + list(self.layer_table.attrs.get("notes", []))  # e.g. layers whose FLOPs could not be counted
 
     def _first_splits(self, splits: Optional[Sequence[int]], file: Optional[CsvSchedule], executor: str,
@@ -437,8 +422,11 @@ class ExplorerState:
         """The current plan's predicted figures (step, bubble, throughput, peaks), once per plan."""
         plan, figures = self._figures_of
         if plan is not self._plan:
-            figures = plan_figures(self._plan, batch_size(self.sample))
+            figures = plan_figures(self._plan, self._plan.batch or batch_size(self.sample), tokens_per_sample(self.sample))
             self._figures_of = (self._plan, figures)
+            if self._plan.planned:  # the fullest GPU's training memory, as the stage table counts it
+                table = self.stage_table()
+                figures["peak_bytes_per_gpu"] = float(table.groupby("device")["peak_bytes"].sum().max())
         return figures
 
     @property
@@ -554,3 +542,4 @@ class ExplorerState:
     def module_fqns_per_model_part(self) -> list[list[str]]:
         """The current split as torchtitan's ``module_fqns_per_model_part``."""
         return module_fqns_per_model_part(self.layer_table, list(self._plan.splits))
+

@@ -4,12 +4,16 @@ and the messages shown beside fields."""
 from __future__ import annotations
 
 import html
+import re
 from typing import Any, Callable
 
 import ipywidgets as W
 
-from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
+from pipexplore.devices.mesh import DIMS
+from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
+from pipexplore.predict.memory import DATA_PARALLEL
 from pipexplore.schedules import is_csv
+from pipexplore.widgets.header import plan_devices_text
 from pipexplore.widgets.state import ExplorerState
 
 __all__ = ["FieldMessages", "ControlsPanel", "COMPACT"]
@@ -23,10 +27,32 @@ def _schedules(current: str) -> list[str]:
     return list(PLAN_SCHEDULES) + ([current] if is_csv(current) else [])
 
 
+def _mesh_value(plan: Plan) -> str:
+    """The mesh field's text: ``'tp 4 pp 8 dp 2'`` ('' without a mesh)."""
+    mesh = plan.mesh
+    if mesh is None:
+        return ""
+    return " ".join(f"{dim} {getattr(mesh, dim)}" for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or mesh.cp > 1)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``'tp 4 pp 8 dp 2'`` (or ``'tp=4, pp=8, dp=2'``) as ``{"tp": 4, "pp": 8, "dp": 2}``.
+
+    Raises:
+        ValueError: text that is not dimensions and sizes.
+    """
+    words = re.findall(r"([a-z]+)\s*[=:]?\s*(\d+)", str(text).lower())
+    rest = re.sub(r"([a-z]+)\s*[=:]?\s*(\d+)|[\s,·×x*]", "", str(text).lower())
+    if not words or rest:
+        raise ValueError(f"mesh: write its dimensions and sizes, 'tp 4 pp 8 dp 2' ({', '.join(DIMS)}), got {text!r}")
+    return {dim: int(size) for dim, size in words}
+
+
 class FieldMessages:
     """A message beside each field (hidden while empty): what was refused, or what followed."""
 
-    NAMES = ("stages", "chunks", "checkpoint", "schedule", "executor", "devices", "memory_cap", "export")
+    NAMES = ("stages", "chunks", "checkpoint", "schedule", "executor", "devices", "mesh", "data_parallel",
+             "memory_cap", "export")
 
     def __init__(self) -> None:
         self.boxes = {name: W.HTML("", layout=W.Layout(display="none")).add_class("pipexplore-field-error")
@@ -75,8 +101,16 @@ class ControlsPanel:
                                      style=COMPACT, layout=W.Layout(width="180px"))
         self.w_executor = W.Dropdown(options=list(EXECUTORS), value=plan.executor, description="executor",
                                      style=COMPACT, layout=W.Layout(width="150px"))
-        self.w_devices = W.Text(value=",".join(plan.devices), description="devices", continuous_update=False,
+        self.w_devices = W.Text(value=plan_devices_text(plan), description="devices", continuous_update=False,
                                 style=COMPACT, layout=W.Layout(width="210px"))
+        # The mesh over planned devices: tensor × pipeline × data parallelism and how replicas share state.
+        shown = W.Layout(width="170px", display="" if plan.planned else "none")
+        self.w_mesh = W.Text(value=_mesh_value(plan), description="mesh", continuous_update=False, style=COMPACT,
+                             layout=shown, placeholder="tp 4 pp 8 dp 2",
+                             tooltip="tensor × pipeline × data parallelism over the devices: 'tp 8 pp 4 dp 2'")
+        self.w_data_parallel = W.Dropdown(options=list(DATA_PARALLEL), value=plan.data_parallel,
+                                          description="data parallel", style=COMPACT,
+                                          layout=W.Layout(width="190px", display="" if plan.planned else "none"))
         self.w_run = W.Button(description="Run step", button_style="primary", icon="play", tooltip=RUN_TOOLTIP,
                               layout=W.Layout(width="110px"))
         # Where the step runs: the plan's executor, or the exported script under torchrun node
@@ -94,17 +128,20 @@ class ControlsPanel:
                                   "(ex.export('torchrun')) and run it there")
         self.box = W.HBox([self.w_stage_count, fields["stages"], self.w_chunks, fields["chunks"], self.w_checkpoint,
                            fields["checkpoint"], self.w_schedule, fields["schedule"], self.w_executor,
-                           fields["executor"], self.w_devices, fields["devices"], self.w_run, self.w_run_on])
+                           fields["executor"], self.w_devices, fields["devices"], self.w_mesh, fields["mesh"],
+                           self.w_data_parallel, fields["data_parallel"], self.w_run, self.w_run_on])
         self.box.add_class("pipexplore-controls")
 
     def _fields(self) -> list[tuple[W.ValueWidget, str]]:
         return [(self.w_stage_count, "stages"), (self.w_chunks, "chunks"), (self.w_checkpoint, "checkpoint"),
-                (self.w_schedule, "schedule"), (self.w_executor, "executor"), (self.w_devices, "devices")]
+                (self.w_schedule, "schedule"), (self.w_executor, "executor"), (self.w_devices, "devices"),
+                (self.w_mesh, "mesh"), (self.w_data_parallel, "data_parallel")]
 
     def _current(self, name: str) -> Any:
         plan = self.state.plan
         return {"chunks": plan.chunks, "checkpoint": plan.checkpoint, "schedule": plan.schedule,
-                "executor": plan.executor, "devices": ",".join(plan.devices), "stages": plan.num_stages}[name]
+                "executor": plan.executor, "devices": plan_devices_text(plan), "stages": plan.num_stages,
+                "mesh": _mesh_value(plan), "data_parallel": plan.data_parallel}[name]
 
     def _applier(self, name: str) -> Callable[[Any], str]:
         state = self.state
@@ -117,6 +154,14 @@ class ControlsPanel:
                 return ""  # the plan's own value, written back: nothing to do
             if name == "stages":
                 self.fields.set("devices", state.set_stage_count(value), error=False)
+                return ""
+            if name == "mesh":
+                state.set_mesh(parse_mesh(value))
+                return "; ".join(state.plan.mesh_or_pipeline.notes(state.gpus_per_node))
+            if name == "data_parallel":
+                if state.plan.mesh is None:
+                    raise ValueError("data parallel: give the plan a mesh first (mesh 'tp 1 pp 4 dp 2')")
+                state.set_mesh(state.plan.mesh, data_parallel=value)
                 return ""
             state.update(**{name: value})
             plan = state.plan

@@ -17,7 +17,8 @@ from pipexplore.widgets.protocol import StripLayer, StripSkip
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.state import ExplorerState
 
-__all__ = ["StagesPanel", "layer_cells", "skip_arcs", "stage_nodes", "stage_totals", "stages_html"]
+__all__ = ["StagesPanel", "layer_cells", "skip_arcs", "stage_nodes", "stage_totals", "stages_html", "memory_bar",
+           "MEMORY_KINDS"]
 
 HINT = ("drag a handle (or focus it and use ←/→) · double-click a layer boundary to add a split · "
         "Delete (or drag it off the strip) removes one")
@@ -55,6 +56,25 @@ def stage_totals(plan: Plan, view: str) -> list[str]:
     return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
 
 
+#: The kinds of training memory a GPU holds, as the stage view stacks them, with their colours.
+MEMORY_KINDS = (("param_bytes", "parameters", "#4c78a8"), ("grad_bytes", "gradients", "#f58518"),
+                ("optimizer_bytes", "optimizer", "#54a24b"), ("gathered_bytes", "gathered", "#b279a2"),
+                ("activation_bytes", "activations", "#e45756"))
+
+
+def memory_bar(row: Any, scale: float) -> str:
+    """One GPU's training memory stacked by kind (:data:`MEMORY_KINDS`), its width ``peak / scale``
+    of the cell, each part titled with its kind and bytes."""
+    parts = []
+    for column, label, colour in MEMORY_KINDS:
+        value = float(getattr(row, column))
+        if value > 0 and scale > 0:
+            parts.append(f"<span class='pipexplore-memory-part' title='{label} {format_bytes(value)}' "
+                         f"style='display:inline-block;height:10px;width:{100 * value / scale:.2f}%;"
+                         f"background:{colour}'></span>")
+    return f"<div class='pipexplore-memory-bar' style='width:160px;white-space:nowrap'>{''.join(parts)}</div>"
+
+
 def stages_html(state: ExplorerState) -> str:
     """The stage view: a row per stage with its training memory (parameters, gradients, optimizer
     state, peak activations, their sum against the device's memory: stages that do not fit
@@ -65,6 +85,9 @@ def stages_html(state: ExplorerState) -> str:
     crossing = [r for r in plan.skip_routes if r.crosses]
     measured_known = table["measured_peak_bytes"].notna().any()
     nodes = plan.gpus_per_node if plan.planned else None
+    gathered = bool((table["gathered_bytes"] > 0).any())
+    capacity = table["capacity"].to_numpy(dtype=float)
+    scale = float(capacity.max()) if plan.planned and (capacity == capacity).all() else float(table["peak_bytes"].max())
 
     def size(v: float) -> str:
         return "–" if math.isnan(v) else format_bytes(v)
@@ -81,9 +104,11 @@ def stages_html(state: ExplorerState) -> str:
                     f"<td>{html.escape(device)}{node}</td><td>{row.layers}</td>"
                     f"<td>{row.compute_seconds * 1e3:.2f} ms{' (planned)' if nodes else ''}</td><td>{size(row.param_bytes)}</td>"
                     f"<td>{size(row.grad_bytes)}</td><td>{size(row.optimizer_bytes)}</td>"
-                    f"<td>{size(row.activation_bytes)}</td>"
+                    + (f"<td>{size(row.gathered_bytes)}</td>" if gathered else "")
+                    + f"<td>{size(row.activation_bytes)}</td>"
                     f"<td class='{'pipexplore-over' if over else ''}'>{'⚠ ' if over else ''}{size(row.peak_bytes)}{of}"
                     f"{' does not fit' if over else ''}</td>"
+                    + (f"<td>{memory_bar(row, scale)}</td>" if nodes else "")
                     + (f"<td>{size(row.measured_peak_bytes)}</td>" if measured_known else "") + "</tr>")
     skips = (f"{len(crossing)} of {len(plan.skip_routes)} skip routes cross stages (copied)"
              if plan.skip_routes else "no skip routes")
@@ -98,7 +123,10 @@ def stages_html(state: ExplorerState) -> str:
                  "fewer micro-batches in flight<br>" + skips)
     return ("<div class='pipexplore-stages-view'><table class='pipexplore-stages'><thead><tr><th>stage</th>"
             "<th>device</th><th>layers</th><th>fwd+bwd</th><th>params</th><th>grads</th><th>optimizer</th>"
-            "<th>peak act. (predicted)</th><th>peak memory (predicted)</th>"
+            + ("<th>gathered (FSDP)</th>" if gathered else "")
+            + "<th>peak act. (predicted)</th><th>peak memory (predicted)</th>"
+            + ("<th>a GPU, by kind: " + " ".join(f"<span style='color:{c}'>■</span> {label}"
+                                                for _, label, c in MEMORY_KINDS) + "</th>" if nodes else "")
             + ("<th>peak memory (measured)</th>" if measured_known else "")
             + "</tr></thead><tbody>" + "".join(rows)
             + f"</tbody></table></div><div class='pipexplore-note'>{skips}</div>")
