@@ -177,3 +177,52 @@ def test_the_mesh_search_ranks_every_factorisation_keeping_the_global_batch():
     assert state.figures()["predicted_step_time"] == pytest.approx(best["predicted_step_time"])
     with pytest.raises(ValueError, match=r"mesh='auto'"):
         what_if.search(state, mesh="tp4")
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_fsdp_bytes_are_what_fully_shard_moves_on_a_fake_group(reshard):
+    """FSDP2's ``fully_shard`` on torch's fake process group (4 replicas, a tiny Llama's blocks on
+    the CPU): each layer's parameters all-gathered whole once a step (twice, forward and backward,
+    where it reshards after forward) and its gradients reduce-scattered once: the bytes
+    :func:`pipexplore.predict.mesh_costs.mesh_layer_table` costs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    blocks = list(model.model.layers)
+    block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    moved: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name == "c10d._allgather_base_":
+                moved["all_gather"].append(args[0].numel() * args[0].element_size())  # the gathered whole
+            elif name == "c10d._reduce_scatter_base_":
+                moved["reduce_scatter"].append(args[1].numel() * args[1].element_size())  # the whole, scattered
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        ids = torch.randint(0, 128, (2, 16))
+        with Collectives(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hidden = model.model.embed_tokens(ids)
+            position = model.model.rotary_emb(hidden, torch.arange(16)[None])
+            for block in blocks:
+                hidden = block(hidden, position_embeddings=position, attention_mask=None)
+            hidden.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    gathers = 2 if reshard else 1
+    assert sorted(moved["all_gather"]) == sorted(block_bytes * gathers)
+    assert sorted(moved["reduce_scatter"]) == sorted(block_bytes)
