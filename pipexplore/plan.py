@@ -24,7 +24,7 @@ from pipexplore import validate
 from pipexplore.devices import device_kind, is_planned, node_of
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.memory import DATA_PARALLEL
-from pipexplore.predict.mesh_costs import mesh_layer_table
+from pipexplore.predict.mesh_costs import collective_rows, mesh_layer_table
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import (TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped,
@@ -287,11 +287,23 @@ class Plan:
 
     def predict(self, **kwargs: object) -> pd.DataFrame:
         """The predicted timeline of one step (see :func:`pipexplore.simulate`); ``kwargs`` override.
+        With a mesh, a pipeline rank's, and its collectives as rows of their own (phase
+        ``collective``, columns ``collective`` and ``exposed``:
+        :func:`pipexplore.predict.mesh_costs.collective_rows`).
 
         ``async-backends`` is predicted as a fill-drain pipeline with a worker per stage (it does
         not model how the pools merge micro-batches into batches).
         """
-        return simulate(self.rank_table, list(self.splits), **{**self.simulate_options(), **kwargs})
+        options = {**self.simulate_options(), **kwargs}
+        frame = simulate(self.rank_table, list(self.splits), **options)
+        if self.mesh is None:
+            return frame
+        batch = options.get("batch") or self.rank_table.attrs.get("batch")
+        extra = collective_rows(frame, self.rank_table, list(self.splits), batch=int(batch), chunks=options["chunks"],
+                                data_parallel=self.data_parallel)
+        joined = pd.concat([frame.assign(collective="", exposed=False), extra], ignore_index=True)
+        joined.attrs = frame.attrs
+        return joined
 
     @cached_property
     def rank_table(self) -> pd.DataFrame:

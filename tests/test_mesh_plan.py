@@ -54,7 +54,37 @@ def test_each_pipeline_rank_runs_on_its_first_tensor_and_data_parallel_rank(tabl
     assert p.mesh == Mesh(tp=2, pp=2, dp=2)
     assert p.pipeline_devices == ["H100:0", "H100:4"] and p.stage_devices == ["H100:0", "H100:4"]
     assert p.nodes == 2
-    assert set(p.predicted["device"]) == {"H100:0", "H100:4"}  # the send between them crosses the nodes
+    compute = p.predicted[p.predicted["phase"] != "collective"]
+    assert set(compute["device"]) == {"H100:0", "H100:4"}  # the send between them crosses the nodes
+
+
+def test_a_ranks_collectives_have_a_lane_of_their_own_and_are_said_exposed(tables):
+    from pipexplore.predict.costs import stage_sums
+    from pipexplore.widgets.plots import lanes
+
+    p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    predicted = p.predicted
+    collectives = predicted[predicted["phase"] == "collective"]
+    assert set(collectives["device"]) == {"H100:0 · collectives", "H100:4 · collectives"}
+    assert lanes(predicted) == ["stage 0 · H100:0", "stage 0 · H100:0 · collectives", "stage 1 · H100:4",
+                                "stage 1 · H100:4 · collectives"]
+    assert collectives["exposed"].all() and set(collectives["collective"]) == {"tp all_reduce", "dp all_reduce"}
+    table, points = p.rank_table, [0, 3, len(p.rank_table)]
+    forward = predicted[predicted["phase"] == "forward"].set_index(["stage", "microbatch"])
+    tp = collectives[collectives["collective"] == "tp all_reduce"]
+    first = tp[(tp["stage"] == 0) & (tp["microbatch"] == 0)].iloc[0]  # the first forward's, at its end
+    expected = stage_sums(table["forward_comm"].to_numpy(), points)[0] / table.attrs["batch"] * 2  # 2 rows
+    assert first["end"] - first["start"] == pytest.approx(expected)
+    assert first["end"] == forward.loc[(0, 0), "end"]
+    dp = collectives[collectives["collective"] == "dp all_reduce"].set_index("stage")
+    for stage in (0, 1):
+        assert dp.loc[stage, "end"] - dp.loc[stage, "start"] == pytest.approx(
+            stage_sums(table["dp_seconds"].to_numpy(), points)[stage])
+    # a collective is no stage's compute: the bubble and the step are the compute's
+    from pipexplore import timeline as tl
+    compute = predicted[predicted["phase"] != "collective"]
+    assert tl.step_time(predicted) == tl.step_time(compute)
+    assert tl.bubble_fraction(predicted) == pytest.approx(tl.bubble_fraction(compute))
 
 
 def _step_end(p, kind_bytes, kinds):

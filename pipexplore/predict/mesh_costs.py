@@ -37,7 +37,7 @@ import pandas as pd
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import ring_seconds, slowest_hop
 
-__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS"]
+__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "COLLECTIVE_LANE"]
 
 #: Bytes a gradient bucket holds (DDP's ``bucket_cap_mb=25``): a step-end collective's latency is paid per bucket.
 BUCKET_BYTES = 25 * 2**20
@@ -109,3 +109,64 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     out["gather_seconds"] = gathers
     out.attrs = dict(table.attrs)
     return out
+
+
+#: What a collective row's device says after the rank's device: its lane of its own, under the rank's.
+COLLECTIVE_LANE = " · collectives"
+_TP_PHASE = {"forward": "forward_comm", "recompute": "forward_comm", "backward": "backward_comm",
+             "input_grad": "backward_comm"}
+
+
+def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequence[int], *, batch: int,
+                    chunks: int, data_parallel: str) -> pd.DataFrame:
+    """The collectives of a predicted step of a mesh's pipeline rank, one row each (phase
+    ``collective``, on the device ``'<device> · collectives'``: a lane of its own under the rank's),
+    ``collective`` naming it and ``exposed`` whether the step waits for it (every one here: the
+    tensor-parallel all-reduces sit inside their action, at its end, as Megatron-LM's and torch's
+    run them on the critical path; the step-end data-parallel collectives open the stage's update;
+    FSDP's gathers show the part their layer before did not hide). ``table``: the rank's
+    (:func:`mesh_layer_table`); seconds a micro-batch scale with its rows."""
+    from pipexplore.predict.costs import microbatch_rows, stage_sums
+
+    points = [0, *splits, len(table)]
+    rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
+
+    def per_stage(column: str) -> np.ndarray:
+        values = table[column].to_numpy(dtype=float) if column in table else np.zeros(len(table))
+        return stage_sums(values, points)
+
+    whole = float(table.attrs.get("batch") or batch)
+    comm = {column: per_stage(column) / whole for column in ("forward_comm", "backward_comm")}  # a row's seconds
+    step_end = per_stage("dp_seconds")
+    gathers = per_stage("gather_seconds")
+    dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
+               "fsdp": "fsdp reduce_scatter + all_gather"}[data_parallel]
+    stage = predicted["stage"].to_numpy()
+    micro = predicted["microbatch"].to_numpy()
+    phase = predicted["phase"].to_numpy()
+    start = predicted["start"].to_numpy(dtype=float)
+    end = predicted["end"].to_numpy(dtype=float)
+    out: list[tuple] = []
+    for i in range(len(predicted)):
+        s, p = int(stage[i]), str(phase[i])
+        if p in _TP_PHASE and int(micro[i]) >= 0:
+            seconds = comm[_TP_PHASE[p]][s] * rows[int(micro[i]) % len(rows)]
+            if seconds > 0:
+                out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce"))
+            if gathers[s] > 0 and p in ("forward", "backward"):
+                out.append((i, start[i], min(end[i], start[i] + gathers[s]), "fsdp all_gather"))
+        elif p == "optimizer" and step_end[s] > 0:
+            out.append((i, start[i], min(end[i], start[i] + step_end[s]), dp_name))
+    if not out:
+        return predicted.iloc[:0].assign(collective=pd.Series(dtype=object), exposed=pd.Series(dtype=bool))
+    index = [o[0] for o in out]
+    frame = predicted.iloc[index].copy()
+    frame["device"] = frame["device"].astype(str) + COLLECTIVE_LANE
+    frame["phase"] = "collective"
+    frame["start"] = [o[1] for o in out]
+    frame["end"] = [o[2] for o in out]
+    frame["collective"] = [o[3] for o in out]
+    frame["exposed"] = True
+    if "memory" in frame:
+        frame["memory"] = np.nan
+    return frame.reset_index(drop=True)

@@ -142,7 +142,7 @@ def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_ro
     """One candidate's figures: its step and bubble, its memory a GPU and whether it fits."""
     step = tl.step_time(predicted)
     peaks = np.zeros(candidate.num_stages)
-    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].to_numpy(dtype=float))
+    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].fillna(0.0).to_numpy(dtype=float))
     capacity = [float(memory_cap) if memory_cap is not None else device_memory(d) for d in candidate.stage_devices]
     held = stage_memory(candidate.layer_table, list(candidate.splits), peak_activations=peaks, optimizer=optimizer,
                         mixed_precision=mixed_precision, capacity=capacity, tp=mesh.tp, dp=mesh.dp,

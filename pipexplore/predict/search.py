@@ -251,7 +251,7 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
     predicted = planned.predict()
     step = tl.step_time(predicted)
     peaks = np.zeros(n)
-    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].to_numpy(dtype=float))
+    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].fillna(0.0).to_numpy(dtype=float))
     return {
         "stages": n, "splits": list(planned.splits), "chunks": candidate.chunks, "schedule": candidate.schedule,
         "checkpoint": candidate.checkpoint, "virtual_stages": n // candidate.num_devices,

@@ -7,7 +7,8 @@ processes, the simulator):
 ``device``     where it ran (``'cpu'``, ``'cuda:0'``)
 ``microbatch`` the micro-batch index (``-1`` for an ``optimizer`` step: it belongs to none)
 ``phase``      ``forward``, ``backward``, ``recompute``, ``copy``, ``optimizer`` (each stage's
-               update; also ``input_grad``, ``weight_grad``, ``send``, ``recv``)
+               update; also ``input_grad``, ``weight_grad``, ``send``, ``recv``, and ``collective``
+               for a mesh's collectives, on their own lane: the device ``'<device> · collectives'``)
 ``start``      seconds from the step's origin
 ``end``        seconds from the step's origin
 ``source``     ``measured`` or ``predicted``

@@ -16,7 +16,7 @@ __all__ = ["PHASE_COLORS", "PHASE_LETTERS", "PHASES", "STAGE_COLORS", "TimelineV
 PHASE_COLORS = {
     "forward": "#4e79a7", "backward": "#e15759", "recompute": "#f28e2b", "copy": "#9c9c9c",
     "input_grad": "#ff9d9a", "weight_grad": "#b07aa1", "send": "#76b7b2", "recv": "#59a14f",
-    "optimizer": "#edc948",
+    "optimizer": "#edc948", "collective": "#8c8c3c",
 }
 PHASES = list(PHASE_COLORS)
 #: The letter on a block (with its micro-batch), where it fits: F3, B3, I3, W3, R3; U for a stage's
