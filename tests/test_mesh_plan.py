@@ -256,3 +256,14 @@ def test_fsdp_bytes_are_what_fully_shard_moves_on_a_fake_group(reshard):
     gathers = 2 if reshard else 1
     assert sorted(moved["all_gather"]) == sorted(block_bytes * gathers)
     assert sorted(moved["reduce_scatter"]) == sorted(block_bytes)
+
+
+def test_an_export_that_would_drop_the_mesh_is_refused_by_name(tables):
+    from pipexplore.export.code import plan_code
+
+    p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    for kind in ("torchrun", "pipelining", "gpipe"):
+        with pytest.raises(ValueError, match=r"mesh \(tp 2 · pp 2 · dp 2\) is planned, but the .* export writes "
+                                             r"pipeline ranks only"):
+            plan_code(p, kind, traced=True)
+    assert "0F0" in plan_code(p, "schedule-csv")  # the pipeline's schedule is the mesh's

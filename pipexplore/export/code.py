@@ -28,6 +28,11 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
     Raises:
         ValueError: a kind this model cannot export, or an unknown kind (the kinds named).
     """
+    mesh = plan.mesh
+    if mesh is not None and kind != "schedule-csv" and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
+        raise ValueError(f"the plan's mesh (tp {mesh.tp} · pp {mesh.pp} · dp {mesh.dp}) is planned, but the {kind!r} "
+                         "export writes pipeline ranks only: its tensor and data parallelism would be dropped. Export "
+                         "the pipeline of a mesh with tp=1 and dp=1, or 'schedule-csv' for its schedule")
     if kind == "torchrun":
         return torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
                                schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",

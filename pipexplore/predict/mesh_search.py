@@ -33,10 +33,10 @@ from pipexplore.schedules import is_multi_stage
 
 __all__ = ["mesh_search", "MESH_SEARCH_COLUMNS", "factorisations"]
 
-#: The columns of :func:`mesh_search`: the mesh and its options, the predicted step (seconds) for the
-#: global batch, its bubble, ``throughput`` (global rows a second), ``peak_bytes`` (the fullest GPU's
+#: The columns of :func:`mesh_search`: the mesh, its pipeline's stages and its options, the predicted
+#: step (seconds) for the global batch, its bubble, ``throughput`` (global rows a second), ``peak_bytes`` (the fullest GPU's
 #: training memory), ``fits``, ``pareto``, and ``notes`` (what the mesh does that large runs avoid).
-MESH_SEARCH_COLUMNS = ["rank", "tp", "pp", "dp", "data_parallel", "microbatch_rows", "chunks", "schedule",
+MESH_SEARCH_COLUMNS = ["rank", "tp", "pp", "dp", "stages", "data_parallel", "microbatch_rows", "chunks", "schedule",
                        "checkpoint", "splits", "predicted_step_time", "bubble", "throughput", "peak_bytes",
                        "peak_bytes_per_stage", "fits", "pareto", "notes"]
 
@@ -60,9 +60,10 @@ def _balanced(table: pd.DataFrame, stages: int) -> list[int]:
 def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_cap: Optional[float] = None,
                 data_parallel: Sequence[str] = (), microbatch_rows: Sequence[int] = (), schedules: Sequence[str] = (),
                 checkpoint: Sequence[str] = (), optimizer: Optional[Callable[[Any], Any]] = None,
-                mixed_precision: bool = False) -> pd.DataFrame:
-    """Every mesh of the plan's devices (the module docstring) with each choice, predicted and
-    ranked. Empty choices keep the plan's own (its micro-batch rows: ``batch / chunks``).
+                mixed_precision: bool = False, meshes: Sequence[Mesh] = ()) -> pd.DataFrame:
+    """Every mesh of the plan's devices (the module docstring; ``meshes``: these only) with each
+    choice, predicted and ranked. Empty choices keep the plan's own (its micro-batch rows:
+    ``batch / chunks``).
     ``table_for(tp)``: the layer table of one tensor-parallel rank of ``tp`` (it may refuse with a
     ``ValueError``). Left out, each with why, in ``table.attrs['left_out']``.
 
@@ -79,7 +80,7 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
     left_out: list[str] = []
     tables: dict[int, Optional[pd.DataFrame]] = {}
     rows = []
-    for mesh in factorisations(len(devices), plan.gpus_per_node, plan.num_layers):
+    for mesh in meshes or factorisations(len(devices), plan.gpus_per_node, plan.num_layers):
         if mesh.tp not in tables:
             try:
                 tables[mesh.tp] = table_for(mesh.tp)
@@ -152,7 +153,8 @@ def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_ro
     for device, peak in zip(candidate.stage_devices, held["peak_bytes"]):
         per_device[device] = per_device.get(device, 0.0) + float(peak)  # an interleaved rank holds its stages
     fits = all(per_device[d] <= cap or math.isnan(cap) for d, cap in zip(candidate.stage_devices, capacity))
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "data_parallel": candidate.data_parallel,
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "stages": candidate.num_stages,
+            "data_parallel": candidate.data_parallel,
             "microbatch_rows": mb, "chunks": candidate.chunks, "schedule": candidate.schedule,
             "checkpoint": candidate.checkpoint, "splits": list(candidate.splits), "predicted_step_time": step,
             "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(candidate.schedule)),

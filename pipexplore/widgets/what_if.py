@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import pandas as pd
 
-from pipexplore.devices import planned_devices
+from pipexplore.devices import Mesh, planned_devices
 from pipexplore.plan import Plan
 from pipexplore.predict.mesh_search import mesh_search
 from pipexplore.predict.search import search as search_plans
@@ -48,6 +48,8 @@ def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[
           schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
     """Predict every combination (each with its balanced split), ranked by predicted step time;
     with ``measure=k`` the top ``k`` rows are also run, and the plan put back afterwards."""
+    if state.plan.mesh is not None:  # its stages are pipeline ranks: the devices left replicate the pipeline
+        return _on_the_mesh(state, stages, chunks, schedules, checkpoint, None)
     plan, more_gpus = _starting_plan(state, schedules)
     table = sweep_plans(plan, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
                         devices_for=more_gpus)
@@ -90,6 +92,8 @@ def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int
         return mesh_search(state.plan, state.table_for_tp, memory_cap=cap, data_parallel=data_parallel,
                            microbatch_rows=microbatch_rows, schedules=schedules, checkpoint=checkpoint,
                            optimizer=state.optimizer, mixed_precision=state.mixed_precision)
+    if state.plan.mesh is not None:
+        return _on_the_mesh(state, stages, chunks, schedules, checkpoint, cap)
     plan, more_gpus = _starting_plan(state, schedules)
     return search_plans(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules,
                         checkpoint=checkpoint, virtual_stages=virtual_stages, devices_for=more_gpus,
@@ -140,3 +144,24 @@ def _apply_mesh(state: ExplorerState, row: Any) -> Plan:
     except ValueError:
         state.change_plan(lambda _: previous)
         raise
+
+
+def _on_the_mesh(state: ExplorerState, stages: Sequence[int], chunks: Sequence[int], schedules: Sequence[str],
+                 checkpoint: Sequence[str], cap: Optional[float]) -> pd.DataFrame:
+    """A sweep or search of a plan with a mesh: ``stages`` are pipeline ranks (the mesh's tensor
+    parallelism kept, the devices left replicating the pipeline), ``chunks`` a replica's
+    micro-batches; the global batch kept (:func:`pipexplore.predict.mesh_search.mesh_search`)."""
+    plan = state.plan
+    mesh = plan.mesh
+    assert mesh is not None
+    count = len(plan.devices)
+    meshes = [Mesh(tp=mesh.tp, pp=n, dp=count // (mesh.tp * n)) for n in (stages or [mesh.pp])
+              if n >= 1 and count % (mesh.tp * n) == 0]
+    if not meshes:
+        raise ValueError(f"stages {list(stages)}: none leaves a whole number of replicas of tp={mesh.tp} on "
+                         f"{count} devices")
+    batch = int(plan.batch or plan.layer_table.attrs.get("batch"))
+    rows = sorted({batch // m for m in chunks if m >= 1 and batch % m == 0}) if chunks else []
+    return mesh_search(plan, state.table_for_tp, memory_cap=cap, data_parallel=[plan.data_parallel],
+                       microbatch_rows=rows, schedules=schedules, checkpoint=checkpoint, optimizer=state.optimizer,
+                       mixed_precision=state.mixed_precision, meshes=meshes)
