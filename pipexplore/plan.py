@@ -170,8 +170,14 @@ class Plan:
         if mesh.size != len(self.devices):
             raise ValueError(f"the mesh has {mesh.size} ranks but the plan has {len(self.devices)} devices")
         if mesh.cp > 1:
-            raise ValueError(f"cp={mesh.cp}: context parallelism is placed in the mesh but its step is not costed yet; "
-                             "plan cp=1 and the same sequence length")
+            if "kv_bytes" not in self.layer_table:
+                raise ValueError(f"cp={mesh.cp}: context parallelism gathers each attention layer's keys and values, "
+                                 "and this layer table does not say their widths (a model whose config names "
+                                 "num_key_value_heads and head_dim, planned on catalogue devices, does)")
+            tokens = int(self.layer_table.attrs.get("tokens_per_sample", 0))
+            if tokens and tokens % (2 * mesh.cp):
+                raise ValueError(f"cp={mesh.cp}: each sequence is split into 2·cp = {2 * mesh.cp} chunks, balanced "
+                                 f"across the ranks, and {tokens} tokens do not split so")
         if mesh.tp != counted_tp:
             raise ValueError(f"the mesh has tp={mesh.tp} but the layer table counts a rank of tp={counted_tp}: "
                              f"profile the model with tp={mesh.tp} (explore(..., mesh=...) does)")

@@ -151,8 +151,14 @@ def test_what_does_not_fit_the_mesh_is_refused_by_name(tables):
     with pytest.raises(SplitError, match=r"the mesh has pp=4 pipeline ranks but the plan's 2 stages run on 2: split "
                                          r"the model into 4 stages"):
         plan(tables, {"tp": 2, "pp": 4})
-    with pytest.raises(ValueError, match=r"cp=2: context parallelism is placed in the mesh but its step is not costed"):
-        plan(tables, {"tp": 2, "pp": 2, "cp": 2})
+    without = tables[2].drop(columns=["kv_bytes"])
+    without.attrs = dict(tables[2].attrs)
+    with pytest.raises(ValueError, match=r"cp=2: context parallelism gathers each attention layer's keys and values"):
+        Plan(without, splits=(3,), devices=DEVICES, chunks=4, mesh={"tp": 2, "pp": 2, "cp": 2})
+    odd = tables[2].copy()
+    odd.attrs = {**tables[2].attrs, "tokens_per_sample": 258}
+    with pytest.raises(ValueError, match=r"cp=2: each sequence is split into 2·cp = 4 chunks.* 258 tokens"):
+        Plan(odd, splits=(3,), devices=DEVICES, chunks=4, mesh={"tp": 2, "pp": 2, "cp": 2})
     with pytest.raises(ValueError, match=r"unknown data_parallel 'zero3': ddp, zero1, fsdp"):
         plan(tables, {"tp": 2, "pp": 2, "dp": 2}, data_parallel="zero3")
     with pytest.raises(ValueError, match=r"without sequence parallelism"):
@@ -267,3 +273,51 @@ def test_an_export_that_would_drop_the_mesh_is_refused_by_name(tables):
                                              r"pipeline ranks only"):
             plan_code(p, kind, traced=True)
     assert "0F0" in plan_code(p, "schedule-csv")  # the pipeline's schedule is the mesh's
+
+
+def test_context_parallelism_leaves_a_rank_a_cp_th_of_the_tokens_and_gathers_keys_and_values(tables):
+    from pipexplore.widgets.stage_table import stage_table
+
+    whole = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
+    split = plan(tables, {"tp": 2, "pp": 2, "cp": 2})
+    ours, theirs = split.rank_table, whole.rank_table
+    attends = tables[2]["kv_bytes"].to_numpy() > 0
+    assert attends.sum() == 4  # the four decoder layers
+    batch = tables[2].attrs["batch"]
+    kv_row = tables[2]["kv_bytes"].to_numpy() / 2 / batch  # a row's keys and values, a tensor-parallel rank's
+    per_byte, latency = slowest_hop([split.devices[r] for r in split.mesh.group("cp", 0)], split.gpus_per_node)
+    gather = ring_seconds("all_gather", 1.0, 2, per_byte, 0.0) * kv_row
+    assert ours["forward_b"].to_numpy() == pytest.approx(tables[2]["forward_b"].to_numpy() / 2 + gather)
+    assert ours["backward_b"].to_numpy() == pytest.approx(tables[2]["backward_b"].to_numpy() / 2 + gather)
+    assert ours["forward_a"].to_numpy() == pytest.approx(tables[2]["forward_a"].to_numpy() + attends * latency)
+    assert (ours["saved_bytes"] * 2 == tables[2]["saved_bytes"]).all()
+    assert ours["cp_seconds"].to_numpy() == pytest.approx(2 * gather * batch)
+    # the gradients are reduced over the dp · cp ranks holding the same parameters: here the cp pair
+    assert ours["dp_seconds"].sum() == pytest.approx(theirs["dp_seconds"].sum())
+    names = set(split.predicted["collective"])
+    assert {"cp all_gather K,V", "cp reduce_scatter dK,dV", "tp all_reduce", "dp all_reduce"} <= names
+    peaks = [1e9, 1e9]
+    memory = stage_table(split.with_options(data_parallel="zero1"), peaks, measured={}, optimizer=torch.optim.AdamW)
+    replicated = stage_table(whole.with_options(data_parallel="zero1"), peaks, measured={},
+                             optimizer=torch.optim.AdamW)
+    assert memory["activation_bytes"].tolist() == pytest.approx([1e9 / 4, 1e9 / 4])  # / tp / cp
+    assert memory["optimizer_bytes"].tolist() == pytest.approx(replicated["optimizer_bytes"].tolist())  # / (dp·cp)
+
+
+def test_the_mesh_search_adds_context_parallelism_where_asked():
+    from pipexplore.predict.mesh_search import factorisations
+    from pipexplore.widgets import what_if
+
+    plain = factorisations(8, 4, 10)
+    assert all(m.cp == 1 for m in plain)
+    both = factorisations(8, 4, 10, cp=(1, 2))
+    assert set(both) == set(plain) | {Mesh(tp=tp, pp=pp, dp=8 // (tp * pp * 2), cp=2) for tp in (1, 2, 4)
+                                      for pp in (1, 2, 4) if 8 % (tp * pp * 2) == 0}
+    state = ExplorerState(llama(), SAMPLE, devices=["H100"] * 8, gpus_per_node=4, chunks=4, schedule="1f1b",
+                          mesh={"tp": 2, "pp": 2, "dp": 2})
+    table = what_if.search(state, mesh="auto", cp=[1, 2])
+    assert set(table["cp"]) == {1, 2} and (table["tp"] * table["pp"] * table["dp"] * table["cp"] == 8).all()
+    with_cp = table[table["cp"] == 2].iloc[0]
+    what_if.apply(state, with_cp)
+    assert state.plan.mesh.cp == 2
+    assert state.figures()["predicted_step_time"] == pytest.approx(with_cp["predicted_step_time"])

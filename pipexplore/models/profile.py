@@ -40,7 +40,9 @@ from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
+from pipexplore.models import sharded
 from pipexplore.models.hf import input_refusal
+from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
@@ -182,6 +184,11 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
         whole = table["param_bytes"].to_numpy(dtype=float)
         held = table["rank_param_bytes"].to_numpy(dtype=float) / np.maximum(whole, 1)
         table["optimizer"] *= np.where(whole > 0, held, 1.0)
+    tokens = tokens_per_sample(sample)
+    kv = sharded.key_value_bytes(model, ops, table["kind"], tokens)
+    if kv is not None:  # what context parallelism gathers: each attention layer's keys and values, whole batch
+        table["kv_bytes"] = kv * batch
+    table.attrs["tokens_per_sample"] = tokens
     notes = list(counted.attrs.get("notes", [])) + ([learnt] if learnt else [])
     lower = [f"{k} ({name})" for k, (name, missing) in enumerate(zip(table["name"], table["uncounted"])) if missing]
     if lower:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 __all__ = ["STYLES", "tensor_parallel_plan", "style_of", "check_plan", "check_heads", "fake_group", "shard", "on_meta",
-           "rank_param_bytes"]
+           "rank_param_bytes", "key_value_bytes"]
 
 #: The plan's styles this counts, by the name Hugging Face's plans give them, with the torch style
 #: applied: ``colwise`` ``ColwiseParallel()``, ``colwise_gather`` ``ColwiseParallel(output_layouts=Replicate())``,
@@ -241,3 +241,26 @@ def rank_param_bytes(module: nn.Module) -> int:
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
+
+
+def key_value_bytes(model: nn.Module, ops: Any, kinds: Any, tokens: int) -> Optional[Any]:
+    """Per layer (``kinds``: each layer's kind in ``ops``), the bytes of the keys and values its
+    attention computes a row of ``tokens`` tokens, whole (every key-value head), in the model's
+    dtype: what context parallelism gathers across its ranks (Llama 3's all-gather of K and V).
+    A layer attends where its kind runs an attention operator (``scaled_dot_product``, or a
+    softmax); the widths come from the model's config (``num_key_value_heads`` × ``head_dim``).
+    None where the config does not say them."""
+    import numpy as np
+
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not (isinstance(kv_heads, int) and isinstance(head_dim, int)):
+        return None
+    param = next(iter(model.parameters()), None)
+    size = param.element_size() if param is not None and param.is_floating_point() else 4
+    attends = set(ops.loc[ops["op"].str.contains("scaled_dot_product|attention|_softmax", regex=True), "kind"])
+    per_row = 2 * kv_heads * head_dim * tokens * size
+    return np.array([per_row if kind in attends else 0 for kind in kinds], dtype=float)

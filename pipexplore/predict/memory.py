@@ -98,7 +98,7 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
                  peak_activations: Union[Sequence[float], np.ndarray],
                  optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
                  capacity: Sequence[float] = (), tp: int = 1, dp: int = 1, data_parallel: str = "ddp",
-                 sequence_parallel: bool = True, reshard_after_forward: bool = True) -> pd.DataFrame:
+                 sequence_parallel: bool = True, reshard_after_forward: bool = True, cp: int = 1) -> pd.DataFrame:
     """Per stage of ``table`` split at ``splits``, on one GPU of its mesh: parameter, gradient,
     optimizer and peak activation bytes, FSDP's ``gathered_bytes``, their sum ``peak_bytes``, the
     ``capacity`` of the stage's device (NaN: unknown) and whether the stage ``fits`` it (True where
@@ -117,7 +117,9 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     ``data_parallel`` (:data:`DATA_PARALLEL`) says: ``zero1`` the optimizer's state and the fp32
     master weights (Megatron-LM's 6 + 12/d bytes a parameter with mixed-precision Adam), ``fsdp``
     everything, each GPU then gathering the parameters it computes with: one layer at a time with
-    ``reshard_after_forward`` (the stage's largest), else the whole stage's.
+    ``reshard_after_forward`` (the stage's largest), else the whole stage's. ``cp`` context-parallel
+    ranks each hold ``1/cp`` of every sequence's activations, and shard the state with the replicas
+    (``zero1``, ``fsdp`` over ``dp · cp`` ranks: they hold the same parameters).
 
     Example::
 
@@ -145,22 +147,23 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
         raise ValueError(f"peak_activations has {len(activations)} values for {len(params)} stages")
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-    for value, name in ((tp, "tp"), (dp, "dp")):
+    for value, name in ((tp, "tp"), (dp, "dp"), (cp, "cp")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")
     held = params / np.where(raw_stage > 0, raw_stage, 1.0)  # bytes held a byte of the table's parameters
     largest = np.maximum.reduceat(raw, points[:-1]) * held if n else np.zeros(len(params))
     params, grads, states, largest = params / tp, grads / tp, states / tp, largest / tp
+    replicas = dp * cp  # the ranks holding the same parameters
     if data_parallel == "zero1":  # the optimizer's state sharded (with mixed precision: the fp32 master copy too)
-        states = states / dp
+        states = states / replicas
     gathered = np.zeros(len(params))
     if data_parallel == "fsdp":
         gathered = largest if reshard_after_forward else params.copy()
-        params, grads, states = params / dp, grads / dp, states / dp
+        params, grads, states = params / replicas, grads / replicas, states / replicas
     if tp > 1 and not sequence_parallel:
         raise ValueError("tensor parallelism without sequence parallelism: which activations each rank keeps whole "
                          "is not counted yet; plan it with sequence_parallel=True, as Megatron-LM's large runs do")
-    activations = activations / tp
+    activations = activations / (tp * cp)
     peak = params + grads + states + gathered + activations
     caps = np.asarray(list(capacity) if len(capacity) else [math.nan] * len(params), dtype=float)
     return pd.DataFrame({"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,

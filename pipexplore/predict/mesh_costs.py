@@ -18,6 +18,14 @@ puts it:
                    what a gather takes beyond its layer's compute is exposed
 =================  ===========================================================================================
 
+Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
+Llama 3 and torchtitan balance causal attention) leaves a rank ``1/cp`` of every layer's work that
+grows with the tokens (the fitted per-row seconds, the activations, the tensor-parallel
+collectives' bytes) and adds, in each attention layer, Llama 3's all-gather of the keys and values
+over the ``cp`` group forward and the reduce-scatter of their gradients backward (``cp_seconds``),
+exposed. Gradients are then reduced, and ``zero1``/``fsdp`` state sharded, over the ``dp · cp``
+ranks that hold the same parameters.
+
 A layer's share of a step-end collective is its bytes' share; each 25 MiB bucket (DDP's and
 Megatron-LM's bucket size) pays the ring's latency once, so a step-end collective is not charged a
 layer's worth of latencies. The sends between stages carry ``1/tp`` of a micro-batch's activations
@@ -42,8 +50,9 @@ __all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows"
 #: Bytes a gradient bucket holds (DDP's ``bucket_cap_mb=25``): a step-end collective's latency is paid per bucket.
 BUCKET_BYTES = 25 * 2**20
 #: The columns :func:`mesh_layer_table` adds, seconds per layer: step-end data-parallel collectives
-#: (``dp_seconds``), FSDP's exposed gathers a micro-batch (``gather_seconds``).
-MESH_COLUMNS = ["dp_seconds", "gather_seconds"]
+#: (``dp_seconds``), FSDP's gathers a micro-batch (``gather_seconds``), context parallelism's
+#: gathers of keys and values, forward and backward, for the whole batch (``cp_seconds``).
+MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds"]
 
 
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
@@ -79,10 +88,15 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     grads = params * trained
     if mixed_precision:  # fp32 gradients, 16-bit parameters
         grads = grads * 2.0
-    dp_group = [devices[r] for r in mesh.group("dp", 0)]
+    replicas = mesh.dp * mesh.cp  # the ranks holding the same parameters
+    dp_group = [devices[r] for r in range(mesh.size)
+                if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
     step_end = np.zeros(n)
     gathers = np.zeros(n)
-    if mesh.dp > 1:
+    context = np.zeros(n)
+    if mesh.cp > 1:
+        out, context = _context_parallel(out, mesh, devices, gpus_per_node)
+    if replicas > 1:
         if data_parallel == "ddp":
             step_end = _ring("all_reduce", grads, dp_group, gpus_per_node)
         else:  # the gradients reduce-scattered; zero1 then gathers the updated parameters, FSDP its next unshard
@@ -93,7 +107,7 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
             else:
                 step_end = step_end + gather
         if data_parallel in ("zero1", "fsdp") and "optimizer" in out:
-            out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / mesh.dp
+            out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / replicas
     if "optimizer" in out:
         out["optimizer"] = out["optimizer"].to_numpy(dtype=float) + step_end
     if gathers.any():  # each micro-batch's forward and backward gather each layer, behind the layer before
@@ -103,12 +117,47 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
             exposed = np.maximum(0.0, gathers - np.roll(compute, 1))
             exposed[0] = gathers[0]
             out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + exposed
+            out[f"{phase}_gather_exposed"] = exposed
     if sequence_parallel and mesh.tp > 1 and "output_bytes" in out:
         out["output_bytes"] = out["output_bytes"].to_numpy(dtype=float) / mesh.tp
     out["dp_seconds"] = step_end
     out["gather_seconds"] = gathers
+    out["cp_seconds"] = context
     out.attrs = dict(table.attrs)
     return out
+
+
+def _context_parallel(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
+                      gpus_per_node: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """``table`` as one of ``mesh.cp`` context-parallel ranks runs it (the module docstring), and
+    each layer's seconds of key-value gathers for the whole batch."""
+    out = table.copy()
+    cp = mesh.cp
+    for phase in ("forward", "backward"):
+        if f"{phase}_b" in out:
+            out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) / cp
+        if f"{phase}_comm" in out:
+            out[f"{phase}_comm"] = out[f"{phase}_comm"].to_numpy(dtype=float) / cp
+    for column in ("output_bytes", "saved_bytes"):
+        if column in out:
+            out[column] = out[column].to_numpy(dtype=float) / cp
+    batch = float(table.attrs.get("batch") or 1)
+    kv = (out["kv_bytes"].to_numpy(dtype=float) / mesh.tp if "kv_bytes" in out else np.zeros(len(out))) / batch
+    group = [devices[r] for r in mesh.group("cp", 0)]
+    per_byte, latency = slowest_hop(group, gpus_per_node)
+    gather_row = ring_seconds("all_gather", 1.0, cp, per_byte, 0.0) * kv  # a row's keys and values, whole
+    scatter_row = ring_seconds("reduce_scatter", 1.0, cp, per_byte, 0.0) * kv
+    attends = kv > 0
+    out["forward_b"] = out["forward_b"].to_numpy(dtype=float) + gather_row
+    out["backward_b"] = out["backward_b"].to_numpy(dtype=float) + scatter_row
+    out["forward_a"] = out["forward_a"].to_numpy(dtype=float) + attends * ring_seconds("all_gather", 0.0, cp, 0.0,
+                                                                                        latency)
+    out["backward_a"] = out["backward_a"].to_numpy(dtype=float) + attends * ring_seconds("reduce_scatter", 0.0, cp,
+                                                                                          0.0, latency)
+    for phase in ("forward", "backward"):
+        if phase in out:
+            out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
+    return out, (gather_row + scatter_row) * batch
 
 
 #: What a collective row's device says after the rank's device: its lane of its own, under the rank's.
@@ -121,10 +170,11 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
                     chunks: int, data_parallel: str) -> pd.DataFrame:
     """The collectives of a predicted step of a mesh's pipeline rank, one row each (phase
     ``collective``, on the device ``'<device> · collectives'``: a lane of its own under the rank's),
-    ``collective`` naming it and ``exposed`` whether the step waits for it (every one here: the
-    tensor-parallel all-reduces sit inside their action, at its end, as Megatron-LM's and torch's
-    run them on the critical path; the step-end data-parallel collectives open the stage's update;
-    FSDP's gathers show the part their layer before did not hide). ``table``: the rank's
+    ``collective`` naming it and ``exposed`` whether the step waits for it: the tensor-parallel
+    all-reduces sit inside their action, at its end, as Megatron-LM's and torch's run them on the
+    critical path; context parallelism's key-value gathers open their action; the step-end
+    data-parallel collectives open the stage's update; FSDP's gathers are split into the part the
+    layer before did not hide (exposed) and the part it did (not exposed). ``table``: the rank's
     (:func:`mesh_layer_table`); seconds a micro-batch scale with its rows."""
     from pipexplore.predict.costs import microbatch_rows, stage_sums
 
@@ -139,6 +189,8 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     comm = {column: per_stage(column) / whole for column in ("forward_comm", "backward_comm")}  # a row's seconds
     step_end = per_stage("dp_seconds")
     gathers = per_stage("gather_seconds")
+    exposed_gathers = {phase: per_stage(f"{phase}_gather_exposed") for phase in ("forward", "backward")}
+    context = per_stage("cp_seconds") / 2 / whole  # a row's key-value gather (forward) or scatter (backward)
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter + all_gather"}[data_parallel]
     stage = predicted["stage"].to_numpy()
@@ -150,13 +202,21 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     for i in range(len(predicted)):
         s, p = int(stage[i]), str(phase[i])
         if p in _TP_PHASE and int(micro[i]) >= 0:
-            seconds = comm[_TP_PHASE[p]][s] * rows[int(micro[i]) % len(rows)]
+            size = rows[int(micro[i]) % len(rows)]
+            seconds = comm[_TP_PHASE[p]][s] * size
             if seconds > 0:
-                out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce"))
-            if gathers[s] > 0 and p in ("forward", "backward"):
-                out.append((i, start[i], min(end[i], start[i] + gathers[s]), "fsdp all_gather"))
+                out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce", True))
+            if context[s] > 0:
+                name = "cp all_gather K,V" if _TP_PHASE[p] == "forward_comm" else "cp reduce_scatter dK,dV"
+                out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
+            if gathers[s] > 0 and p in ("forward", "backward"):  # the part the layer before did not hide first
+                shown = min(exposed_gathers[p][s], gathers[s])
+                if shown > 0:
+                    out.append((i, start[i], min(end[i], start[i] + shown), "fsdp all_gather", True))
+                if gathers[s] > shown:
+                    out.append((i, start[i] + shown, min(end[i], start[i] + gathers[s]), "fsdp all_gather", False))
         elif p == "optimizer" and step_end[s] > 0:
-            out.append((i, start[i], min(end[i], start[i] + step_end[s]), dp_name))
+            out.append((i, start[i], min(end[i], start[i] + step_end[s]), dp_name, True))
     if not out:
         return predicted.iloc[:0].assign(collective=pd.Series(dtype=object), exposed=pd.Series(dtype=bool))
     index = [o[0] for o in out]
@@ -166,7 +226,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     frame["start"] = [o[1] for o in out]
     frame["end"] = [o[2] for o in out]
     frame["collective"] = [o[3] for o in out]
-    frame["exposed"] = True
+    frame["exposed"] = [o[4] for o in out]
     if "memory" in frame:
         frame["memory"] = np.nan
     return frame.reset_index(drop=True)

@@ -34,21 +34,24 @@ from pipexplore.schedules import is_multi_stage
 __all__ = ["mesh_search", "MESH_SEARCH_COLUMNS", "factorisations"]
 
 #: The columns of :func:`mesh_search`: the mesh, its pipeline's stages and its options, the predicted
-#: step (seconds) for the global batch, its bubble, ``throughput`` (global rows a second), ``peak_bytes`` (the fullest GPU's
-#: training memory), ``fits``, ``pareto``, and ``notes`` (what the mesh does that large runs avoid).
-MESH_SEARCH_COLUMNS = ["rank", "tp", "pp", "dp", "stages", "data_parallel", "microbatch_rows", "chunks", "schedule",
-                       "checkpoint", "splits", "predicted_step_time", "bubble", "throughput", "peak_bytes",
+#: step (seconds) for the global batch, its bubble, ``throughput`` (global rows a second),
+#: ``peak_bytes`` (the fullest GPU's training memory), ``fits``, ``pareto``, and ``notes`` (what
+#: the mesh does that large runs avoid).
+MESH_SEARCH_COLUMNS = ["rank", "tp", "pp", "dp", "cp", "stages", "data_parallel", "microbatch_rows", "chunks",
+                       "schedule", "checkpoint", "splits", "predicted_step_time", "bubble", "throughput", "peak_bytes",
                        "peak_bytes_per_stage", "fits", "pareto", "notes"]
 
 
-def factorisations(devices: int, gpus_per_node: int, layers: int) -> list[Mesh]:
-    """Every mesh of ``devices`` ranks with ``tp`` dividing ``gpus_per_node`` and at most ``layers``
-    pipeline stages (tp fastest, then pp, dp: the fewest pipeline stages first)."""
+def factorisations(devices: int, gpus_per_node: int, layers: int, cp: Sequence[int] = (1,)) -> list[Mesh]:
+    """Every mesh of ``devices`` ranks with ``tp`` dividing ``gpus_per_node``, each of ``cp`` (context
+    parallelism: as asked) and at most ``layers`` pipeline stages (tp fastest, then cp, pp, dp: the
+    fewest pipeline stages first)."""
     meshes = []
     for tp in (d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and devices % d == 0):
-        rest = devices // tp
-        for pp in (p for p in range(1, min(rest, layers) + 1) if rest % p == 0):
-            meshes.append(Mesh(tp=tp, pp=pp, dp=rest // pp))
+        for context in (c for c in cp if c >= 1 and devices % (tp * c) == 0):
+            rest = devices // (tp * context)
+            for pp in (p for p in range(1, min(rest, layers) + 1) if rest % p == 0):
+                meshes.append(Mesh(tp=tp, pp=pp, dp=rest // pp, cp=context))
     return meshes
 
 
@@ -60,10 +63,10 @@ def _balanced(table: pd.DataFrame, stages: int) -> list[int]:
 def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_cap: Optional[float] = None,
                 data_parallel: Sequence[str] = (), microbatch_rows: Sequence[int] = (), schedules: Sequence[str] = (),
                 checkpoint: Sequence[str] = (), optimizer: Optional[Callable[[Any], Any]] = None,
-                mixed_precision: bool = False, meshes: Sequence[Mesh] = ()) -> pd.DataFrame:
+                mixed_precision: bool = False, meshes: Sequence[Mesh] = (), cp: Sequence[int] = ()) -> pd.DataFrame:
     """Every mesh of the plan's devices (the module docstring; ``meshes``: these only) with each
     choice, predicted and ranked. Empty choices keep the plan's own (its micro-batch rows:
-    ``batch / chunks``).
+    ``batch / chunks``; its mesh's ``cp``).
     ``table_for(tp)``: the layer table of one tensor-parallel rank of ``tp`` (it may refuse with a
     ``ValueError``). Left out, each with why, in ``table.attrs['left_out']``.
 
@@ -80,7 +83,7 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
     left_out: list[str] = []
     tables: dict[int, Optional[pd.DataFrame]] = {}
     rows = []
-    for mesh in meshes or factorisations(len(devices), plan.gpus_per_node, plan.num_layers):
+    for mesh in meshes or factorisations(len(devices), plan.gpus_per_node, plan.num_layers, cp or [current.cp]):
         if mesh.tp not in tables:
             try:
                 tables[mesh.tp] = table_for(mesh.tp)
@@ -135,7 +138,7 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
 
 
 def _name(mesh: Mesh) -> str:
-    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}"
+    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}" + (f" cp={mesh.cp}" if mesh.cp > 1 else "")
 
 
 def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_rows: int,
@@ -146,14 +149,14 @@ def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_ro
     np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].fillna(0.0).to_numpy(dtype=float))
     capacity = [float(memory_cap) if memory_cap is not None else device_memory(d) for d in candidate.stage_devices]
     held = stage_memory(candidate.layer_table, list(candidate.splits), peak_activations=peaks, optimizer=optimizer,
-                        mixed_precision=mixed_precision, capacity=capacity, tp=mesh.tp, dp=mesh.dp,
+                        mixed_precision=mixed_precision, capacity=capacity, tp=mesh.tp, dp=mesh.dp, cp=mesh.cp,
                         data_parallel=candidate.data_parallel, sequence_parallel=candidate.sequence_parallel,
                         reshard_after_forward=candidate.reshard_after_forward)
     per_device: dict[str, float] = {}
     for device, peak in zip(candidate.stage_devices, held["peak_bytes"]):
         per_device[device] = per_device.get(device, 0.0) + float(peak)  # an interleaved rank holds its stages
     fits = all(per_device[d] <= cap or math.isnan(cap) for d, cap in zip(candidate.stage_devices, capacity))
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "stages": candidate.num_stages,
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "stages": candidate.num_stages,
             "data_parallel": candidate.data_parallel,
             "microbatch_rows": mb, "chunks": candidate.chunks, "schedule": candidate.schedule,
             "checkpoint": candidate.checkpoint, "splits": list(candidate.splits), "predicted_step_time": step,

@@ -422,7 +422,8 @@ class ExplorerState:
         """The current plan's predicted figures (step, bubble, throughput, peaks), once per plan."""
         plan, figures = self._figures_of
         if plan is not self._plan:
-            figures = plan_figures(self._plan, self._plan.batch or batch_size(self.sample), tokens_per_sample(self.sample))
+            samples = self._plan.batch or batch_size(self.sample)
+            figures = plan_figures(self._plan, samples, tokens_per_sample(self.sample))
             self._figures_of = (self._plan, figures)
             if self._plan.planned:  # the fullest GPU's training memory, as the stage table counts it
                 table = self.stage_table()

@@ -150,7 +150,8 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     # 11 bytes a block (0.7 MB at 1,000 × 64 × 256).
     wide = len(micro) and (micro.max() >= 2**16 or micro.min() < 0)
     per_node = frame.attrs.get("gpus_per_node")
-    if per_node and all(is_planned(d.split(" · ")[0]) for _, d in pairs):  # (a rank's collectives lane too)  # planned devices: which node each lane is on
+    # planned devices (a rank's collectives lane too): which node each lane is on
+    if per_node and all(is_planned(d.split(" · ")[0]) for _, d in pairs):
         panel["lane_node"] = [node_of(d.split(" · ")[0], per_node) for _, d in pairs]
     panel.update(
         lanes=lane_labels(pairs), lane_stage=[int(s) for s, _ in pairs],

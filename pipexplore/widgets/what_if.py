@@ -71,11 +71,11 @@ def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[
 def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
            schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
            workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
-           microbatch_rows: Sequence[int] = ()) -> pd.DataFrame:
+           microbatch_rows: Sequence[int] = (), cp: Sequence[int] = ()) -> pd.DataFrame:
     """Every combination with the fastest split whose every device holds the plan within
     ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
     ``mesh="auto"``: every mesh of the plan's devices instead (tp × pp × dp with each of
-    ``data_parallel``, ``microbatch_rows``, ``schedules`` and ``checkpoint``: the global batch kept;
+    ``data_parallel``, ``microbatch_rows``, ``schedules``, ``checkpoint`` and ``cp``: the global batch kept;
     :func:`pipexplore.predict.mesh_search.mesh_search`).
 
     Raises:
@@ -91,7 +91,7 @@ def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int
             raise ValueError("mesh='auto' searches meshes of devices from the catalogue; this explorer runs here")
         return mesh_search(state.plan, state.table_for_tp, memory_cap=cap, data_parallel=data_parallel,
                            microbatch_rows=microbatch_rows, schedules=schedules, checkpoint=checkpoint,
-                           optimizer=state.optimizer, mixed_precision=state.mixed_precision)
+                           optimizer=state.optimizer, mixed_precision=state.mixed_precision, cp=cp)
     if state.plan.mesh is not None:
         return _on_the_mesh(state, stages, chunks, schedules, checkpoint, cap)
     plan, more_gpus = _starting_plan(state, schedules)
@@ -134,7 +134,7 @@ def _apply_mesh(state: ExplorerState, row: Any) -> Plan:
     """A row of the mesh search made the plan: its mesh and data parallelism (the rank's table
     counted for its ``tp``), then its split, micro-batches, rows a replica, schedule and checkpointing."""
     previous = state.plan
-    state.set_mesh({"tp": int(row["tp"]), "pp": int(row["pp"]), "dp": int(row["dp"])},
+    state.set_mesh({"tp": int(row["tp"]), "pp": int(row["pp"]), "dp": int(row["dp"]), "cp": int(row.get("cp", 1))},
                    data_parallel=str(row["data_parallel"]))
     chunks = int(row["chunks"])
     try:
@@ -155,8 +155,8 @@ def _on_the_mesh(state: ExplorerState, stages: Sequence[int], chunks: Sequence[i
     mesh = plan.mesh
     assert mesh is not None
     count = len(plan.devices)
-    meshes = [Mesh(tp=mesh.tp, pp=n, dp=count // (mesh.tp * n)) for n in (stages or [mesh.pp])
-              if n >= 1 and count % (mesh.tp * n) == 0]
+    meshes = [Mesh(tp=mesh.tp, pp=n, dp=count // (mesh.tp * mesh.cp * n), cp=mesh.cp) for n in (stages or [mesh.pp])
+              if n >= 1 and count % (mesh.tp * mesh.cp * n) == 0]
     if not meshes:
         raise ValueError(f"stages {list(stages)}: none leaves a whole number of replicas of tp={mesh.tp} on "
                          f"{count} devices")
