@@ -248,3 +248,22 @@ def test_each_zoo_plan_shards_every_module_it_names(name):
             weight = modules[sub].weight
             assert isinstance(weight, DTensor) and isinstance(weight.placements[0], Shard), sub
             assert weight.to_local().numel() * 2 == weight.numel(), sub
+
+
+@pytest.mark.parametrize("on_meta", [True, False])
+def test_causal_attention_counts_half_the_square(on_meta):
+    """A causal kernel skips the blocks above the diagonal (FlashAttention-2's count): half of torch's
+    formula, forward and backward, on meta (the memory-efficient kernel) and on the CPU (flash)."""
+    from pipexplore.models.opcount import AsOnGPU, flop_counter
+
+    device = "meta" if on_meta else "cpu"
+    query = torch.randn(2, 4, 64, 16, device=device, requires_grad=True)
+    counts = {}
+    for causal in (False, True):
+        counter = flop_counter()
+        with counter, (AsOnGPU() if on_meta else warnings.catch_warnings()):
+            out = torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=causal)
+            out.sum().backward()
+        counts[causal] = sorted(counter.flop_counts["Global"].values())
+    assert counts[False][0] == 4 * 2 * 4 * 64 * 64 * 16  # forward: two matmuls of the square
+    assert [c * 2 for c in counts[True]] == counts[False]

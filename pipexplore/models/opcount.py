@@ -64,10 +64,31 @@ def _grouped_mm_flop(a: Tensor, b: Tensor, *args: Any, out_val: Any = None, **kw
     return 2 * out_val.numel() * a.shape[-1]
 
 
-#: FLOP formulas FlopCounterMode lacks: PyTorch's CPU flash attention, counted as its CUDA kin; the
+def _causal(formula: Any, at: int, query: int = 0) -> Any:
+    """``formula`` (torch's attention FLOPs, every query against every key) halved where the call
+    is causal (its ``is_causal``: argument ``at``, or by keyword) over as many queries (argument
+    ``query``) as keys (the one after it): a causal kernel (FlashAttention's, the memory-efficient one) skips the
+    blocks above the diagonal, half of them (FlashAttention-2's count of causal attention)."""
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        flops = formula(*args, out_val=out_val, **kwargs)
+        causal = kwargs.get("is_causal", args[at] if len(args) > at else False)
+        q, k = args[query], args[query + 1]
+        square = hasattr(q, "shape") and hasattr(k, "shape") and q.shape[-2] == k.shape[-2]
+        return flops // 2 if causal and square else flops
+
+    counted._get_raw = True  # type: ignore[attr-defined]
+    return counted
+
+
+#: FLOP formulas FlopCounterMode lacks or counts otherwise: PyTorch's CPU flash attention, counted as
+#: its CUDA kin; causal attention as its kernels compute it (half the square, :func:`_causal`); the
 #: grouped GEMM of mixture-of-experts layers.
-EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _raw(sdpa_flop),
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(sdpa_backward_flop),
+EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _causal(sdpa_flop, 4),
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _causal(sdpa_backward_flop, 7, 1),
+                  aten._scaled_dot_product_efficient_attention: _causal(sdpa_flop, 6),
+                  aten._scaled_dot_product_efficient_attention_backward: _causal(sdpa_backward_flop, 11, 1),
+                  aten._scaled_dot_product_flash_attention: _causal(sdpa_flop, 4),
+                  aten._scaled_dot_product_flash_attention_backward: _causal(sdpa_backward_flop, 11, 1),
                   **({aten._grouped_mm: _raw(_grouped_mm_flop)} if hasattr(aten, "_grouped_mm") else {})}
 
 
