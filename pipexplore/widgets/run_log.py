@@ -24,7 +24,7 @@ from pipexplore.predict.residuals import residuals
 
 __all__ = ["RunLog", "RUN_COLUMNS", "run_summary", "refuse_planned"]
 
-RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "step_time",
+RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "mesh", "step_time",
                "startup_seconds", "bubble", "throughput", "peak_bytes", "predicted_step_time", "prediction_error",
                "loss", "measured_losses", "finite", "nodes", "ranks", "hosts"]
 
