@@ -29,6 +29,7 @@ from pipexplore.balance import optimal_splits
 from pipexplore.devices import device_memory
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.memory import stage_memory
+from pipexplore.predict.search import pareto_front, ranked
 from pipexplore.schedules import is_multi_stage
 
 __all__ = ["mesh_search", "MESH_SEARCH_COLUMNS", "factorisations"]
@@ -121,20 +122,13 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
     result = pd.DataFrame(rows, columns=MESH_SEARCH_COLUMNS[1:])
     if result.empty:
         raise ValueError("no mesh can run: " + "; ".join(left_out[:5]))
-    peak = result["peak_bytes"].to_numpy(dtype=float)
-    step = result["predicted_step_time"].to_numpy(dtype=float)
-    result["pareto"] = [not bool(((step <= s) & (peak <= p) & ((step < s) | (peak < p))).any())
-                        for s, p in zip(step, peak)]
+    result["pareto"] = pareto_front(result["predicted_step_time"].to_numpy(dtype=float),
+                                    result["peak_bytes"].to_numpy(dtype=float))
     if not result["fits"].any():
         closest = result.loc[result["peak_bytes"].idxmin()]
         raise ValueError(f"no mesh fits: the smallest is tp={closest['tp']} pp={closest['pp']} dp={closest['dp']} "
                          f"({closest['data_parallel']}) at {closest['peak_bytes'] / 2**30:.1f} GiB a GPU")
-    result = result.sort_values(["fits", "predicted_step_time", "peak_bytes"], ascending=[False, True, True],
-                                kind="stable").reset_index(drop=True)
-    result.insert(0, "rank", range(1, len(result) + 1))
-    result.attrs["left_out"] = left_out
-    result.attrs["memory_cap"] = memory_cap
-    return result
+    return ranked(result, left_out, memory_cap)
 
 
 def _name(mesh: Mesh) -> str:

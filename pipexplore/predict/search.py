@@ -44,7 +44,7 @@ from pipexplore.predict.split_search import StageMemory, capped_splits, held_sha
 from pipexplore.splits import first_runnable_layer
 from pipexplore.validate import splits_exactly
 
-__all__ = ["search", "SEARCH_COLUMNS", "layer_bytes"]
+__all__ = ["search", "SEARCH_COLUMNS", "layer_bytes", "ranked", "pareto_front"]
 
 #: Actions (stages × chunks, summed over the combinations) from which a search runs in two processes.
 _PARALLEL_ACTIONS = 200_000
@@ -195,12 +195,18 @@ def search(plan: Any, *, memory_cap: Optional[float] = None, stages: Sequence[in
     if result.empty:
         raise ValueError("no combination can run: " + "; ".join(left_out[:5])
                          + (f" (and {len(left_out) - 5} more)" if len(left_out) > 5 else ""))
-    result["pareto"] = _pareto(result["predicted_step_time"].to_numpy(), result["peak_bytes"].to_numpy())
+    result["pareto"] = pareto_front(result["predicted_step_time"].to_numpy(), result["peak_bytes"].to_numpy())
     if not result["fits"].any():
         closest = result.loc[result["over_cap"].idxmin()]
         raise ValueError(f"no plan fits memory_cap {_gib(memory_cap) if memory_cap else 'of the devices'}: the "
                          f"closest is {_describe(closest)}, {_gib(closest['peak_bytes'])} at its peak, "
                          f"{closest['over_cap']:,.0f} bytes ({_gib(closest['over_cap'])}) over")
+    return ranked(result, left_out, memory_cap)
+
+
+def ranked(result: pd.DataFrame, left_out: list[str], memory_cap: Optional[float]) -> pd.DataFrame:
+    """``result``'s rows ranked: those that fit first, each group by predicted step then peak
+    memory, numbered from 1 (``rank``); ``attrs``: ``left_out`` and ``memory_cap``."""
     result = result.sort_values(["fits", "predicted_step_time", "peak_bytes"], ascending=[False, True, True],
                                 kind="stable").reset_index(drop=True)
     result.insert(0, "rank", range(1, len(result) + 1))
@@ -348,7 +354,7 @@ def _capacity(device: str) -> float:
     return memory if math.isfinite(memory) else math.inf
 
 
-def _pareto(step: np.ndarray, peak: np.ndarray) -> np.ndarray:
+def pareto_front(step: np.ndarray, peak: np.ndarray) -> np.ndarray:
     """Whether no other row is at least as fast and as small, and better in one."""
     no_worse = (step[None, :] <= step[:, None]) & (peak[None, :] <= peak[:, None])
     better = (step[None, :] < step[:, None]) | (peak[None, :] < peak[:, None])
