@@ -192,3 +192,46 @@ def test_a_device_the_trace_burned_in_positionally_is_moved_to_the_ranks():
     assert stage(torch.empty(2, 4, device="meta")).device.type == "meta"
     namespace["place_graph_devices"](stage, torch.device("meta"), torch.device("meta"))  # nothing to move
     assert _devices_in(stage) == {"meta"}
+
+
+LLAMA_HOOKS = '''
+import torch
+import transformers
+from torch.nn import functional as F
+
+
+def build_model():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def get_batch():
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    return ids, ids
+
+
+def loss_fn(output, target):  # the model's output as it returns it: a ModelOutput
+    return F.cross_entropy(output["logits"].flatten(0, 1), target.flatten())
+'''
+
+
+def test_the_exported_scripts_loss_sees_the_model_output_as_the_explorer_does(tmp_path):
+    """One loss function, one output structure, wherever it runs: a traced Hugging Face model's
+    exported script hands loss_fn a ModelOutput, and its first loss equals the unsplit model's."""
+    from ranks import run_ranks
+
+    (tmp_path / "llama_hooks.py").write_text(LLAMA_HOOKS)
+    namespace: dict = {}
+    exec(LLAMA_HOOKS, namespace)  # noqa: S102
+    model = namespace["build_model"]()
+    ids, target = namespace["get_batch"]()
+    expected = namespace["loss_fn"](model(ids), target).item()
+    state = ExplorerState(model, ids, target=target, loss_fn=namespace["loss_fn"], devices=["cpu", "cpu"], chunks=2,
+                          schedule="1f1b", calibrate=False, profile_repeats=1)
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(state.export("torchrun", hooks="llama_hooks"))
+    outputs = run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
+    loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
+    assert loss == pytest.approx(expected, rel=1e-5)

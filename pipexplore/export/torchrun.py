@@ -88,6 +88,29 @@ def late_inputs(pipe):
                    and int(str(user.target).rsplit("_", 1)[1]) > 0}})
 
 
+def model_output(flat, spec):
+    """The output as the model returns it (a ModelOutput, a dict, a tuple …), rebuilt from the last
+    stage's flat outputs with the structure the tracer recorded: what loss_fn sees in the explorer."""
+    leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+    if spec is not None and spec.num_leaves == len(leaves):
+        return tree_unflatten(leaves, spec)
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def traced(model, args, kwargs):
+    """torch's pipeline of the model split at SPLIT_POINTS, and the structure of the model's output
+    (torch's own annotation of the split points, then its tracer, whose graph records it)."""
+    annotate_split_points(model, {{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
+    captured = {{}}
+
+    def keep_output_spec(gm):
+        captured["spec"] = getattr(getattr(getattr(gm.graph, "_codegen", None), "pytree_info", None), "out_spec", None)
+        return gm
+
+    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_policy=keep_output_spec)
+    return pipe, captured.get("spec")
+
+
 def on_meta(model) -> bool:
     """Whether build_model() built the model on the meta device (no weights anywhere yet)."""
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -138,9 +161,7 @@ def main() -> None:
     # (a model on the meta device is traced on meta inputs: nothing of it is computed here)
     first = lambda value: value.chunk(CHUNKS)[0].to("meta" if meta else value.device) \\
         if torch.is_tensor(value) else value  # noqa: E731
-    pipe = pipeline(model, mb_args=tuple(first(a) for a in args),
-                    mb_kwargs={{k: first(v) for k, v in model_kwargs.items()}} or None,
-                    split_spec={{fqn: SplitPoint.BEGINNING for fqn in SPLIT_POINTS}})
+    pipe, output_spec = traced(model, tuple(first(a) for a in args), {{k: first(v) for k, v in model_kwargs.items()}})
     late = late_inputs(pipe)
     if late:
         raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late}} themselves, "
@@ -164,7 +185,9 @@ def main() -> None:
             materialize(stage.submod, device, hooks)
     for stage in stages:
         checkpoint_stage(stage, CHUNKS, CHECKPOINT)
-    schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=hooks.loss_fn){csv_load}
+    # loss_fn sees the model's output as the model returns it (a ModelOutput: out.logits, out["logits"])
+    loss_fn = lambda output, target: hooks.loss_fn(model_output(output, output_spec), target)  # noqa: E731
+    schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
     # (a tensor two stages of this rank share, tied, is stepped by the first one's optimizer only)
@@ -227,6 +250,9 @@ if __name__ == "__main__":
 
 
 _RUN_GENERATED_CODE = textwrap.indent(RUN_GENERATED_CODE, "    ")
+#: What the script imports to trace the split and rebuild the model's output from the last stage's.
+_TRACING_IMPORTS = ("\nfrom torch.distributed.pipelining._IR import annotate_split_points"
+                    "\nfrom torch.utils._pytree import tree_unflatten")
 
 #: The exported script's activation checkpointing (also run by the tests, as it stands here).
 CHECKPOINT_SOURCE = '''def checkpoint_stage(stage, chunks, mode):
@@ -350,7 +376,8 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
         checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         device=device,
-        schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}",
+        schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}"
+                        + _TRACING_IMPORTS,
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
         stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
         else "list(range(rank, pipe.num_stages, world))", v_warmup=_V_WARMUP if is_v_shaped(schedule) else "")
@@ -373,6 +400,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
         schedule_import=("from torch.distributed.pipelining import SplitPoint, pipeline\n"
-                         "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"),
+                         "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"
+                         + _TRACING_IMPORTS),
         stage_arg="stages", stage_indices="STAGES_OF_RANK[rank]  # the stages the schedule file gives this rank",
         v_warmup=_V_WARMUP if adjacent else "")
