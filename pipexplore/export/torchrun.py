@@ -232,7 +232,7 @@ def main() -> None:
                 optimizer.step()
         if last:
             loss = sum(l.item() for l in losses) / len(losses)
-            print(f"step {{step}} loss={{loss:.6f}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
+            print(f"step {{step}} loss={{loss:.9g}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
         if profiler is not None:
             profiler.step()
     if recorder is not None:
