@@ -237,3 +237,19 @@ def test_the_exported_torchrun_script_runs_with_the_unsplit_models_loss(name, tm
     outputs = run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
     loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
     assert loss == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_a_tied_embedding_is_a_candidate_where_forward_calls_it(name):
+    """T5's and BART's ``shared`` embedding is also their encoder's and decoder's ``embed_tokens``:
+    it is a candidate once, as ``encoder.embed_tokens`` (forward never calls ``shared`` by that name),
+    and the blocks are profiled as the stages their runs trace, no fallback warned."""
+    model, sample = tiny(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False)
+    names = list(state.layer_table["name"])
+    embedding = "encoder.embed_tokens" if name == "t5" else "model.encoder.embed_tokens"
+    assert embedding in names and not any(n.endswith("shared") for n in names)
+    assert not any(n.endswith("dropout") for n in names)  # T5's stacks call theirs again and again
+    assert state.layer_table.attrs.get("stage_extra")  # profiled as the traced stages

@@ -88,4 +88,16 @@ def candidate_modules(model: nn.Module, granularity: str = "blocks") -> list[tup
                 opened += [(f"{name}.{key}", element) for key, element in child.named_children()] if lists \
                     else [(name, child)]
         found = opened
-    return found
+    return _once_each(found)
+
+
+def _once_each(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Each module once: a module registered under several names (T5's and BART's ``shared``
+    embedding is also their encoder's and decoder's ``embed_tokens``) is a candidate under the first
+    name inside the model's parts, where forward calls it (``encoder.embed_tokens``), not the top
+    attribute forward never calls by that name."""
+    names: dict[int, list[str]] = {}
+    for name, module in found:
+        names.setdefault(id(module), []).append(name)
+    kept = {key: next((n for n in aliases if "." in n), aliases[0]) for key, aliases in names.items()}
+    return [(name, module) for name, module in found if kept[id(module)] == name]

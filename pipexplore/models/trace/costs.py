@@ -217,6 +217,15 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+def _tied_aliases(blocks: list[tuple[str, nn.Module]], called: list[int]) -> set[int]:
+    """The candidates forward never called whose every parameter is one a called candidate holds
+    (T5's and BART's ``shared`` embedding, whose weight their encoder's ``embed_tokens`` holds and
+    forward calls): not a split point, and their weights are counted where they are used."""
+    used = {id(p) for k in called for p in blocks[k][1].parameters()}
+    return {k for k, (_, module) in enumerate(blocks) if k not in called
+            and (params := list(module.parameters())) and all(id(p) in used for p in params)}
+
+
 def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, Any]] = None,
                granularity: str = "blocks", loss_fn: Any = None, target: Any = None, repeats: int = 3,
                warmup: int = 1, optimizer: Any = None, time_optimizer: bool = True) -> pd.DataFrame:
@@ -234,7 +243,10 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
     gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
     candidates (an output consumed by a later, non-adjacent candidate), and ``shared`` naming
-    parameters used by several candidates (tied weights). Times are medians over ``repeats``.
+    parameters used by several candidates (tied weights). A candidate forward never calls whose
+    weights a called one holds (a tied alias: T5's ``shared``) is left out. Times are medians over
+    ``repeats``. So is a candidate without parameters that forward calls more than once a pass (a
+    shared dropout): it can begin no stage, and its work stays in the stage around it.
     ``optimizer``: seconds of one step of ``optimizer(parameters)`` (the factory a run uses;
     default SGD, lr 0.01) over the candidate's parameters, timed on copies of them
     (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`; a tied weight counts in every
@@ -274,8 +286,11 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
         synchronize(device)
         return time.perf_counter()
 
+    calls: dict[int, int] = {}
+
     def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         k = index[id(module)]
+        calls[k] = calls.get(k, 0) + 1
         if k not in order:
             order.append(k)
         position = order.index(k)
@@ -342,9 +357,22 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
             producer.clear()
             for handle in handles:
                 handle.remove()
-    if len(order) < len(blocks):
-        unused = [blocks[k][0] for k in range(len(blocks)) if k not in order]
-        order += [k for k in range(len(blocks)) if k not in order]
+    tied_aliases = _tied_aliases(blocks, order)  # never called by their own name, their weights another's
+    # A module forward calls several times a pass (T5's stacks apply one dropout again and again)
+    # begins no stage: torch's splitter cannot cut at it. Its work stays in the stage around it.
+    passes = warmup + repeats
+    repeated = [k for k in order if calls.get(k, 0) > passes and not list(blocks[k][1].parameters())]
+    if repeated:  # a value it made or read is the stage's around it: the candidate before it in order
+        kept = [k for k in order if k not in repeated]
+        around = {k: max((j for j in kept if order.index(j) < order.index(k)), key=order.index, default=kept[0])
+                  for k in repeated}
+        moved = {(around.get(src, src), around.get(dst, dst)) for src, dst in edges}
+        edges = {(src, dst) for src, dst in moved if kept.index(src) < kept.index(dst) - 1}
+        order = kept
+    tied_aliases |= set(repeated)
+    if len(order) + len(tied_aliases) < len(blocks):
+        unused = [blocks[k][0] for k in range(len(blocks)) if k not in order and k not in tied_aliases]
+        order += [k for k in range(len(blocks)) if k not in order and k not in tied_aliases]
         warnings.warn(f"blocks not called in forward: {unused}", stacklevel=2)
     shared: dict[int, list[str]] = {k: [] for k in range(len(blocks))}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
