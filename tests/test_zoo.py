@@ -253,3 +253,27 @@ def test_a_tied_embedding_is_a_candidate_where_forward_calls_it(name):
     assert embedding in names and not any(n.endswith("shared") for n in names)
     assert not any(n.endswith("dropout") for n in names)  # T5's stacks call theirs again and again
     assert state.layer_table.attrs.get("stage_extra")  # profiled as the traced stages
+
+
+def test_a_large_model_here_is_timed_block_by_block_each_kind_once(monkeypatch):
+    """A model whose step is too costly for whole passes here (the threshold lowered to take GPT-2
+    of four identical blocks as one) is timed block by block with its own weights, each kind of
+    identical block once; a note says so with the timing's spread; it runs with the unsplit loss."""
+    from pipexplore.models import blockwise, profile
+
+    monkeypatch.setattr(profile, "BLOCKWISE_STEP_FLOPS", 0.0)
+    timed: list[str] = []
+    real_time_kind = blockwise._time_kind
+    monkeypatch.setattr(blockwise, "_time_kind", lambda block, *a, **k: timed.append(type(block).__name__)
+                        or real_time_kind(block, *a, **k))
+    small, sample = tiny("gpt2")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(type(small.config)(**{**small.config.to_dict(), "n_layer": 4})).eval()
+    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False)
+    table = state.layer_table
+    assert table.attrs["source"] == "blockwise" and timed.count("GPT2Block") == 1
+    assert (table[table["type"] == "GPT2Block"]["forward"].nunique() == 1)  # one timing, every block
+    assert any("4 × GPT2Block (spread" in note for note in state.notes)
+    assert (table["optimizer"] > 0).any()
+    row = state.runner.run()
+    assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)

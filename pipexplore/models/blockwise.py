@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from typing import Any, Optional, Sequence, Union
 
 import pandas as pd
@@ -30,7 +31,12 @@ from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.timeline.saved import SavedBytes
 
-__all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs"]
+__all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs", "LONG_KIND", "meta_copy"]
+
+#: Seconds of timed calls beyond which a kind is timed once a size, not ``repeats`` times: a
+#: block whose forward and backward take seconds (a 50k-word head on a CPU) is not noisy enough
+#: to need more, and the profile's time goes to it.
+LONG_KIND = 3.0
 
 
 def available_memory(device: torch.device) -> Optional[int]:
@@ -56,9 +62,12 @@ def available_memory(device: torch.device) -> Optional[int]:
 
 def materialise(block: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``block`` with real, finite parameters and buffers on ``device`` (the original is
-    left as it is): ``to_empty``, then floating tensors ``normal_(0, 0.02)`` (biases zeros),
+    left as it is): a real block's own weights; a block on meta ``to_empty``, then floating tensors
+    ``normal_(0, 0.02)`` (biases zeros),
     integer ones zeros, boolean ones True, then ``reset_parameters()`` of the submodules that have
     it. Values do not change the timings; they only must not overflow."""
+    if not any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+        return copy.deepcopy(block).to(device)  # a real block: its own weights (a router's choices follow them)
     real = copy.deepcopy(block).to_empty(device=device)
     with torch.no_grad():
         for name, t in [*real.named_parameters(), *real.named_buffers()]:
@@ -131,14 +140,18 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
                repeats: int, warmup: int, cold_cache: bool = False) -> dict[str, Any]:
     """Forward and backward seconds of ``block`` at each size, and its bytes at the largest."""
     walls: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+    long_kind = False  # a call takes seconds (LONG_KIND): timed once a size
     cpu = {"forward": 0.0, "backward": 0.0}
     result: dict[str, Any] = {"finite": True}
     flush = CacheFlush(device) if cold_cache else None
     for rows in sizes:
         args, kwargs, wrt = block_inputs(call, rows, captured_rows, device, block)
         timers = {"forward": Timer(device, flush), "backward": Timer(device, flush)}
-        untimed = max(warmup, 1)  # the first call also measures the bytes
-        for step in range(untimed + repeats):
+        # the first call also measures the bytes; a long kind is warm after its first size
+        untimed = 0 if long_kind else max(warmup, 1)
+        times = 1 if long_kind else repeats
+        step = 0
+        while step < untimed + times:
             first, timed = step == 0, step >= untimed
             saved = SavedBytes(block)
 
@@ -146,6 +159,7 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
                 with torch.enable_grad(), saved.hooks():
                     return block(*args, **kwargs)
 
+            began = time.perf_counter()
             output = timers["forward"](run_forward) if timed else run_forward()
             outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if first and rows == sizes[-1]:
@@ -159,10 +173,13 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
             timers["backward"](run_backward) if timed else run_backward()
+            if first and rows == sizes[0] and (time.perf_counter() - began) * repeats > LONG_KIND:
+                long_kind, times = True, 1  # seconds a call: once a size is enough, the time goes to it
             block.zero_grad(set_to_none=True)
             for leaf in wrt:
                 leaf.grad = None
             del output, outs
+            step += 1
         for phase, timer in timers.items():
             walls[phase].append(timer.wall)
             cpu[phase] += timer.cpu
@@ -183,7 +200,7 @@ def _gib(n: float) -> str:
 def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch.device] = "cpu",
                       microbatch_rows: Optional[Sequence[int]] = None, repeats: int = 3, warmup: int = 1,
                       granularity: str = "blocks", loss_fn: Any = None, target: Any = None,
-                      cold_cache: bool = False) -> pd.DataFrame:
+                      cold_cache: bool = False, real_model: Optional[nn.Module] = None) -> pd.DataFrame:
     """Time each layer of ``model`` (an ``nn.Sequential``'s layers, else the candidate blocks of
     :func:`pipexplore.models.trace.candidate_modules`) on ``device``, one distinct kind at a time,
     for a model bigger than the device or built on meta: the whole model is never on the device.
@@ -204,7 +221,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     row, ``share_forward``/``share_backward`` (CPU: CPU time over wall time over the cores; other
     devices 1), ``spread``; ``input_grad_ratio``/``weight_grad_ratio`` NaN (unmeasured),
     ``checkpointed_ratio`` 1. Plus ``kind`` and ``order``. What runs outside the blocks (masks,
-    the loss) is not timed. ``table.attrs``: ``rows``, ``batch``, ``device``, ``source``
+    the loss) is not timed. ``real_model``: the real model ``model`` (then a meta copy of it) stands
+    for: each kind is timed with its first block's own weights, copied to ``device``. ``table.attrs``: ``rows``, ``batch``, ``device``, ``source``
     (``"blockwise"``), ``notes``.
     """
     target_device = torch.device(device)
@@ -243,9 +261,10 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
                 f"microbatch_rows, or at granularity='children'")
     measured: dict[tuple, dict[str, Any]] = {}
     notes: list[str] = []
+    real = dict(real_model.named_modules()) if real_model is not None else {}
     for signature, k in kinds.items():
         name, module = cap.blocks[k]
-        block = materialise(module, target_device)
+        block = materialise(real.get(name, module), target_device)
         try:
             measured[signature] = _time_kind(block, cap.calls[k], sizes, largest, target_device, repeats, warmup,
                                              cold_cache)
@@ -286,3 +305,15 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     table.attrs.update(rows=tuple(sizes), batch=batch, device=str(target_device), source="blockwise", notes=notes,
                        backward_split=False)
     return table
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """``model``'s structure with every parameter and buffer on the meta device (tied ones still
+    tied): a forward of it costs no memory and no arithmetic; the model itself is left as it is."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)

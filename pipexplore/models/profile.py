@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pipexplore import devices as devices_here
 from pipexplore import validate
@@ -122,6 +123,9 @@ def profile_model(model: nn.Module, sample: Sample, *,
                                            microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats,
                                            granularity=granularity)
     threads = stage_threads(placement.devices)
+    if not isinstance(model, nn.Sequential) and step_flops(model, sample) > BLOCKWISE_STEP_FLOPS:
+        return _each_kind_once(model, sample, device=device, chunks=chunks, granularity=granularity,
+                               repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer, threads=threads)
     if not isinstance(model, nn.Sequential):
         # on the device the first stage runs on, as a Sequential's layers are (the model as given
         # may sit on the CPU: runs move each stage to its device)
@@ -136,6 +140,51 @@ def profile_model(model: nn.Module, sample: Sample, *,
         return profile(profiled, layers_input, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),
                        device=device, progress=progress, threads=threads, split_backward=split_backward,
                        optimizer=optimizer)
+
+
+#: FLOPs of one training step (6 · parameters · tokens) beyond which a model that is not an
+#: ``nn.Sequential`` is timed here block by block, each kind of identical block once
+#: (:func:`_each_kind_once`), not in passes of the whole model: GPT-2 small on 8 × 256 tokens
+#: (1.5e12) took 188 s and 9.6 GiB in whole passes on a 2-core CPU; tiny models stay whole.
+BLOCKWISE_STEP_FLOPS = 2e11
+
+
+def step_flops(model: nn.Module, sample: Sample) -> float:
+    """A training step's FLOPs as 6 · parameters · tokens (rows where the sample is not token ids)."""
+    params = sum(p.numel() for p in model.parameters())
+    return 6.0 * params * batch_size(sample) * tokens_per_sample(sample)
+
+
+def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, chunks: int, granularity: str,
+                    repeats: int, loss_fn: Any, target: Any, optimizer: Any, threads: Optional[int]) -> pd.DataFrame:
+    """A large model here, timed block by block with its own weights, each kind of identical block
+    once (:func:`pipexplore.models.blockwise.profile_blockwise`): its kinds' inputs from one forward
+    of a meta copy (random values of their shapes),
+    each kind's forward and backward at the micro-batch and the whole batch, the optimizer's step
+    over each kind's parameters once; a note says how many blocks shared each timing and its spread."""
+    on_meta_too = lambda value: torch.empty_like(value, device="meta") if torch.is_tensor(value) else value  # noqa: E731
+    with sharing_cores(threads):  # (its blocks' inputs from a forward on meta: nothing computed, nothing held)
+        table = blockwise.profile_blockwise(
+            blockwise.meta_copy(model), tree_map(on_meta_too, sample), device=device,
+            microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats, granularity=granularity,
+            loss_fn=loss_fn, target=tree_map(on_meta_too, target), real_model=model,
+            cold_cache=True)  # (a step streams every block's weights: none is in cache when it runs)
+        modules = dict(model.named_modules())
+        from pipexplore.predict.optimizer_cost import optimizer_seconds
+
+        table["optimizer"] = optimizer_seconds([modules[str(name)] for name in table["name"]], optimizer,
+                                               repeats=repeats)
+    counts = table[table["kind"] != ""].groupby("kind", sort=False)
+    shared = [f"{len(rows)} × {rows['type'].iloc[0]} (spread {rows['spread'].iloc[0]:.0%})"
+              for _, rows in counts if len(rows) > 1]
+    table.attrs["notes"] = [*table.attrs.get("notes", []),
+                            f"{type(model).__name__} is timed block by block with its own weights, each kind once: "
+                            + ", ".join(shared) + " (a step of it is "
+                            f"{step_flops(model, sample) / 1e12:.1f} TFLOP here: whole passes would take minutes)"
+                            if shared else ""]
+    table.attrs["notes"] = [n for n in table.attrs["notes"] if n]
+    table.attrs["threads"] = threads or torch.get_num_threads()
+    return table
 
 
 def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Sequence[str],
