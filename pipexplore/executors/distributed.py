@@ -248,10 +248,17 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
     of a model of this shape in the session (:func:`pipexplore.models.trace.pipes.traced_graph`:
     another split, other input shapes, or a model whose modules, parameters, buffers or config
     changed is traced anew; a split that failed is never kept); the ranks trace it anyway."""
-    from pipexplore.models.trace.stage_inputs import inputs_past_first_stage
+    from pipexplore.models.trace.stage_inputs import inputs_past_first_stage, outputs_before_last_stage
     from pipexplore.models.trace.pipes import traced_graph
 
-    late = inputs_past_first_stage(traced_graph(model, mb_args, points, mb_kwargs=mb_kwargs))
+    graph = traced_graph(model, mb_args, points, mb_kwargs=mb_kwargs)
+    early = outputs_before_last_stage(graph)
+    if early:
+        raise ValueError(f"{type(model).__name__} returns values that stages before the last make "
+                         f"({', '.join(early)}), and torch's pipelining gives loss_fn the last stage's outputs only, so the loss would "
+                         "differ from the model's: run in this process (executor='threads'), whose loss sees the "
+                         "whole output")
+    late = inputs_past_first_stage(graph)
     if late:
         listed = ", ".join(f"{name!r} (stage {stage})" for name, stage in late.items())
         raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "

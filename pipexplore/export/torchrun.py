@@ -11,6 +11,7 @@ from pipexplore import validate
 from pipexplore.executors.tied import SOURCE as TIED_SOURCE
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+from pipexplore.models.trace.split import CONTIGUOUS_SOURCE
 from pipexplore.plan import RUN_GENERATED_CODE
 from pipexplore.schedules import csv_schedule, is_csv, is_v_shaped
 
@@ -71,6 +72,9 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 
 
 {cache_off}
+
+
+{contiguous_source}
 
 {checkpoint_source}
 {csv_block}
@@ -162,6 +166,7 @@ def main() -> None:
     first = lambda value: value.chunk(CHUNKS)[0].to("meta" if meta else value.device) \\
         if torch.is_tensor(value) else value  # noqa: E731
     pipe, output_spec = traced(model, tuple(first(a) for a in args), {{k: first(v) for k, v in model_kwargs.items()}})
+    contiguous_boundaries(pipe.split_gm)  # gloo sends and receives contiguous tensors only
     late = late_inputs(pipe)
     if late:
         raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late}} themselves, "
@@ -250,6 +255,9 @@ if __name__ == "__main__":
 
 
 _RUN_GENERATED_CODE = textwrap.indent(RUN_GENERATED_CODE, "    ")
+#: Every value a stage sends or receives laid out contiguously
+#: (:func:`pipexplore.models.trace.split.contiguous_boundaries`; a value of ``format``, taken as it is).
+_CONTIGUOUS = CONTIGUOUS_SOURCE
 #: What the script imports to trace the split and rebuild the model's output from the last stage's.
 _TRACING_IMPORTS = ("\nfrom torch.distributed.pipelining._IR import annotate_split_points"
                     "\nfrom torch.utils._pytree import tree_unflatten")
@@ -372,7 +380,7 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, csv_block="", csv_load="",
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS, csv_block="", csv_load="",
         checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         device=device,
@@ -394,7 +402,7 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
     return _SCRIPT.format(
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
-        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, device=device,
+        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS, device=device,
         checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),

@@ -222,7 +222,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     devices 1), ``spread``; ``input_grad_ratio``/``weight_grad_ratio`` NaN (unmeasured),
     ``checkpointed_ratio`` 1. Plus ``kind`` and ``order``. What runs outside the blocks (masks,
     the loss) is not timed. ``real_model``: the real model ``model`` (then a meta copy of it) stands
-    for: each kind is timed with its first block's own weights, copied to ``device``. ``table.attrs``: ``rows``, ``batch``, ``device``, ``source``
+    for: each kind is timed with its first block's own weights, copied to ``device``.
+    ``table.attrs``: ``rows``, ``batch``, ``device``, ``source``
     (``"blockwise"``), ``notes``.
     """
     target_device = torch.device(device)

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import warnings
@@ -139,6 +140,7 @@ def split_marked(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
                          "forward calls them more than once (a shared module); split at a module that forward "
                          "calls once")
     pipe.output_spec = captured.get("output_spec")  # type: ignore[assignment]  # (torch: Tensor | Module only)
+    contiguous_boundaries(pipe.split_gm)
     run_generated_code(pipe.split_gm)
     if exported is None and "program" in captured:
         exported = markers.MarkedExport(captured["program"], tuple(order), frozenset(marks))
@@ -162,6 +164,44 @@ def run_generated_code(module: nn.Module) -> int:
             submodule._run_with_interpreter = False  # type: ignore[assignment]  # (torch: Tensor | Module only)
             switched += 1
     return switched
+
+
+def contiguous_boundaries(split_gm) -> int:
+    """Every value a stage receives or sends laid out contiguously: torch's stages receive into
+    buffers of the traced value's strides, and gloo sends and receives contiguous tensors only (a
+    transposed or expanded value at a boundary, as BERT's, ViT's, OPT's or T5's, otherwise fails
+    with "input tensor has to be contiguous"). Returns how many values were changed."""
+    import torch
+
+    changed = 0
+    for name, stage in split_gm.named_children():
+        graph = getattr(stage, "graph", None)
+        if not name.startswith("submod_") or graph is None:
+            continue
+        for node in graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "placeholder" and torch.is_tensor(value) and not value.is_contiguous():
+                node.meta["val"] = value.contiguous()
+                changed += 1
+            if node.op == "output":
+                outputs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+                made = []
+                for out in outputs:
+                    value = out.meta.get("val") if hasattr(out, "meta") else None
+                    if torch.is_tensor(value) and not value.is_contiguous():
+                        with graph.inserting_before(node):
+                            out = graph.call_method("contiguous", (out,))
+                        out.meta["val"] = value.contiguous()
+                        changed += 1
+                    made.append(out)
+                node.args = (type(node.args[0])(made) if isinstance(node.args[0], (tuple, list)) else made[0],)
+        if changed:
+            stage.recompile()
+    return changed
+
+
+#: The source of :func:`contiguous_boundaries`, which the exported torchrun script holds too.
+CONTIGUOUS_SOURCE = inspect.getsource(contiguous_boundaries)
 
 
 def skip_routes_of(pipe: Any) -> list[tuple[int, int]]:

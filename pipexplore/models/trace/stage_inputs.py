@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["input_readers", "inputs_past_first_stage", "first_runnable_split"]
+__all__ = ["input_readers", "inputs_past_first_stage", "first_runnable_split", "outputs_before_last_stage"]
 
 
 def input_readers(pipe: Any) -> dict[str, list[int]]:
@@ -44,3 +44,38 @@ def first_runnable_split(pipe: Any) -> int:
     the first candidate a second stage may begin at so that no later stage reads a model input,
     one past the last candidate that reads one (1 where only the first does)."""
     return 1 + max((s for stages in input_readers(pipe).values() for s in stages), default=0)
+
+
+def outputs_before_last_stage(split_gm: Any) -> list[str]:
+    """The model's outputs a stage before the last makes (an encoder's last hidden state, returned
+    beside the decoder's logits), by the value's name: torch's stages hand loss_fn the last stage's
+    outputs only."""
+    import torch.fx as fx
+
+    graph = getattr(split_gm, "split_gm", split_gm).graph
+    stages = [n for n in graph.nodes if n.op == "call_module" and str(n.target).startswith("submod_")]
+    if not stages:
+        return []
+    last = max(stages, key=lambda n: int(str(n.target).rsplit("_", 1)[1]))
+    output = next(n for n in graph.nodes if n.op == "output")
+    early = []
+    for value in _leaves(output.args):
+        source = value
+        while source.op == "call_function" and source.args and isinstance(source.args[0], fx.Node):
+            source = source.args[0]  # getitem of a stage's outputs: that stage
+        if source.op == "call_module" and source is not last:
+            early.append(value.name)
+    return early
+
+
+def _leaves(args: Any) -> list[Any]:
+    import torch.fx as fx
+
+    found: list[Any] = []
+
+    def keep(node: Any) -> Any:
+        found.append(node)
+        return node
+
+    fx.node.map_arg(args, keep)
+    return found
