@@ -124,7 +124,8 @@ def test_an_image_model_given_token_ids_is_refused_naming_its_input():
     model, _ = on_meta("vit")
     ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match=r"ViTForImageClassification takes images: pixel_values of shape "
-                                         r"\(batch, 3, 224, 224\), floating; the sample is a int64 tensor of shape \(8, 64\)"):
+                                         r"\(batch, 3, 224, 224\), floating; "
+                                         r"the sample is a int64 tensor of shape \(8, 64\)"):
         ExplorerState(model, ids, devices=["H100"] * 2, chunks=2)
 
 
@@ -183,72 +184,6 @@ def test_runs_on_two_cpu_stages_with_the_unsplit_models_loss(name):
     assert row["executor"] == "threads"
     assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
 
-
-#: What the processes executor refuses, by name: an encoder-decoder returns its encoder's last hidden
-#: state beside the logits, which torch's stages never hand loss_fn (the last stage's outputs only).
-REFUSED_IN_PROCESSES = {"t5": "returns values that stages before the last make",
-                        "bart": "returns values that stages before the last make"}
-
-
-@pytest.mark.parametrize("name", sorted(ZOO))
-def test_runs_in_processes_with_the_unsplit_models_loss(name):
-    """One process a stage (torch.distributed.pipelining, gloo): every value crossing a stage laid
-    out contiguously (BERT's, ViT's, OPT's, GPT-J's and CodeGen's failed before with "input tensor
-    has to be contiguous"), the first loss the unsplit model's; or refused by name."""
-    model, sample = tiny(name)
-    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False,
-                          executor="processes", profile_stages=False)
-    if name in REFUSED_IN_PROCESSES:
-        with pytest.raises(ValueError, match=REFUSED_IN_PROCESSES[name]):
-            state.runner.run()
-        return
-    row = state.runner.run()
-    assert row["executor"] == "processes"
-    assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
-
-
-#: A hooks module for the exported script: the zoo's tiny model by name, its sample, the synthetic loss.
-ZOO_HOOKS = '''
-import sys
-import torch
-sys.path.insert(0, {root!r})
-from tests.test_zoo import tiny
-from pipexplore.loss import synthetic_loss
-
-NAME = {name!r}
-
-
-def build_model():
-    return tiny(NAME)[0]
-
-
-def get_batch():
-    return tiny(NAME)[1], torch.zeros(4)  # (torch splits a target into the micro-batches: one a row)
-
-
-def loss_fn(output, target):
-    return synthetic_loss(output)
-'''
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert"])
-def test_the_exported_torchrun_script_runs_with_the_unsplit_models_loss(name, tmp_path):
-    """The plan exported for torchrun (two ranks, gloo on the CPU): its first loss is the unsplit model's."""
-    import pathlib
-
-    from ranks import run_ranks
-
-    model, sample = tiny(name)
-    hooks = f"zoo_{name}_hooks"
-    (tmp_path / f"{hooks}.py").write_text(ZOO_HOOKS.format(root=str(pathlib.Path(__file__).parent.parent),
-                                                          name=name))
-    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False,
-                          profile_stages=False, executor="processes")
-    script = tmp_path / "train_pipeline.py"
-    script.write_text(state.export("torchrun", hooks=hooks))
-    outputs = run_ranks(script, ["--device", "cpu"], ranks=2, pythonpath=str(tmp_path))
-    loss = float(outputs[1].split("step 0 loss=")[1].split()[0])
-    assert loss == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("name", ["t5", "bart"])
