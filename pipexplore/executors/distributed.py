@@ -255,9 +255,9 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
     early = outputs_before_last_stage(graph)
     if early:
         raise ValueError(f"{type(model).__name__} returns values that stages before the last make "
-                         f"({', '.join(early)}), and torch's pipelining gives loss_fn the last stage's outputs only, so the loss would "
-                         "differ from the model's: run in this process (executor='threads'), whose loss sees the "
-                         "whole output")
+                         f"({', '.join(early)}), and torch's pipelining gives loss_fn the last stage's outputs "
+                         "only, so the loss would differ from the model's: run in this process "
+                         "(executor='threads'), whose loss sees the whole output")
     late = inputs_past_first_stage(graph)
     if late:
         listed = ", ".join(f"{name!r} (stage {stage})" for name, stage in late.items())

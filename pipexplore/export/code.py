@@ -7,17 +7,20 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Any
+
+from pipexplore.export.megatron import megatron_arguments
 from pipexplore.export.torchrun import torchrun_script
 from pipexplore.plan import CODE_KINDS, Plan
 
 __all__ = ["plan_code", "EXPORT_KINDS"]
 
 #: What a plan exports as.
-EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv")
+EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv", "megatron")
 
 
 def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_name: str = "the model",
-              hooks: str = "train_hooks", steps: int = 1) -> str:
+              hooks: str = "train_hooks", steps: int = 1, config: Any = None) -> str:
     """Code that reproduces ``plan``'s split: ``'gpipe'`` (a ``GPipe(...)``, ``nn.Sequential`` models),
     ``'pipelining'`` (a ``torch.distributed.pipelining`` split spec and schedule), ``'torchrun'`` (a
     standalone script importing ``build_model()``, ``get_batch()`` and ``loss_fn()`` from the ``hooks``
@@ -28,6 +31,8 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
     Raises:
         ValueError: a kind this model cannot export, or an unknown kind (the kinds named).
     """
+    if kind == "megatron":  # the whole mesh, as Megatron-LM's arguments (the model's shape from ``config``)
+        return megatron_arguments(plan, config=config)
     mesh = plan.mesh
     if mesh is not None and kind != "schedule-csv" and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
         raise ValueError(f"the plan's mesh (tp {mesh.tp} · pp {mesh.pp} · dp {mesh.dp}) is planned, but the {kind!r} "

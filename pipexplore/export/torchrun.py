@@ -380,7 +380,8 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _SCRIPT.format(
         stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
         filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS, csv_block="", csv_load="",
+        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS,
+        csv_block="", csv_load="",
         checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         device=device,
@@ -402,7 +403,8 @@ def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunk
     return _SCRIPT.format(
         stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
         world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
-        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS, device=device,
+        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
+        contiguous_source=_CONTIGUOUS, device=device,
         checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
         run_generated_code=_RUN_GENERATED_CODE,
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),

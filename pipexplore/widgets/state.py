@@ -537,7 +537,7 @@ class ExplorerState:
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
         """Code that reproduces the current split (:func:`pipexplore.export.code.plan_code`)."""
         return plan_code(self._plan, kind, traced=self.traced, model_name=type(self.model).__name__, hooks=hooks,
-                         steps=steps)
+                         steps=steps, config=getattr(self.model, "config", None))
 
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:

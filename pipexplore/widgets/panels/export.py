@@ -16,7 +16,8 @@ __all__ = ["ExportPanel", "KINDS"]
 
 #: What the export menu offers: (label, kind).
 KINDS = [("GPipe", "gpipe"), ("torch pipelining", "pipelining"), ("torchrun script", "torchrun"),
-         ("schedule CSV (torch)", "schedule-csv"), ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
+         ("schedule CSV (torch)", "schedule-csv"), ("Megatron-LM arguments", "megatron"),
+         ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
 
 
 class ExportPanel:
