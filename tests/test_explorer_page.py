@@ -421,7 +421,7 @@ class _Page(html.parser.HTMLParser):
 
 def test_export_offers_every_kind_with_its_code(explorer):
     assert [value for _, value in explorer.w_export_kind.options] == [
-        "gpipe", "pipelining", "torchrun", "schedule-csv", "chrome-trace", "html"]
+        "gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "chrome-trace", "html"]
     explorer.w_export_kind.value = "gpipe"
     explorer.w_export.click()
     assert explorer.w_code.code == explorer.export("gpipe") and "balance=[2, 3, 3]" in explorer.w_code.code
@@ -432,6 +432,9 @@ def test_export_offers_every_kind_with_its_code(explorer):
     explorer.w_export.click()
     assert explorer.w_code.code == explorer.export("schedule-csv")
     assert explorer.w_code.code.splitlines()[0].startswith("0F0,")  # rank 0 first, torch's notation
+    explorer.w_export_kind.value = "megatron"  # an nn.Sequential is no model Megatron-LM builds: said beside it
+    explorer.w_export.click()
+    assert "is not one this export writes" in explorer.view.fields["export"].value and not explorer.w_code.code
     explorer.w_export_kind.value = "chrome-trace"
     explorer.w_export.click()
     trace = json.loads(explorer.w_code.code)

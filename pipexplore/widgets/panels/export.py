@@ -50,7 +50,8 @@ class ExportPanel:
             else:
                 titles = {"gpipe": "GPipe", "pipelining": "torch.distributed.pipelining",
                           "torchrun": f"a script for torchrun --standalone --nproc-per-node {state.plan.num_devices}",
-                          "schedule-csv": "the schedule in torch's CSV format: save as .csv, then schedule='that.csv'"}
+                          "schedule-csv": "the schedule in torch's CSV format: save as .csv, then schedule='that.csv'",
+                          "megatron": "Megatron-LM's arguments: append them to pretrain_gpt.py's command line"}
                 self.show_code(state.export(kind), titles[kind])
             self.fields.set("export", "")
         except Exception as exc:
