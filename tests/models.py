@@ -149,3 +149,17 @@ class SleepFB(nn.Module):
 
 
 from pipexplore.examples import SleepLayer as SleepFIW  # noqa: E402,F401  (layers of known cost)
+
+
+def meta_llama(layers: int, *, heads: int, kv_heads: int = 4, hidden: int = 1024, ffn: int = 2816,
+               vocab: int = 4096) -> nn.Module:
+    """A Hugging Face Llama of these widths on the meta device (no weights): the mesh tests' model."""
+    import warnings
+
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlamaForCausalLM(config)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from models import meta_llama
 from pipexplore.export.megatron import megatron_layout
 from pipexplore.widgets.state import ExplorerState
 
@@ -16,11 +17,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 def llama(layers: int = 8):
-    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=1024, intermediate_size=2816,
-                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM(config)
+    return meta_llama(layers, heads=16)
 
 
 IDS = torch.zeros(16, 512, dtype=torch.long, device="meta")

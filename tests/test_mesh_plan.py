@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from models import meta_llama
 from pipexplore.devices import Mesh
 from pipexplore.models.profile import profile_model
 from pipexplore.plan import Plan
@@ -26,11 +27,7 @@ DEVICES = tuple(f"H100:{i}" for i in range(8))
 
 
 def llama(layers: int = 4):
-    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=1024, intermediate_size=2816,
-                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM(config)
+    return meta_llama(layers, heads=8)
 
 
 SAMPLE = torch.zeros(8, 256, dtype=torch.long, device="meta")
