@@ -31,7 +31,7 @@ from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.timeline.saved import SavedBytes
 
-__all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs", "LONG_KIND", "meta_copy"]
+__all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs", "LONG_KIND"]
 
 #: Seconds of timed calls beyond which a kind is timed once a size, not ``repeats`` times: a
 #: block whose forward and backward take seconds (a 50k-word head on a CPU) is not noisy enough
@@ -221,7 +221,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     row, ``share_forward``/``share_backward`` (CPU: CPU time over wall time over the cores; other
     devices 1), ``spread``; ``input_grad_ratio``/``weight_grad_ratio`` NaN (unmeasured),
     ``checkpointed_ratio`` 1. Plus ``kind`` and ``order``. What runs outside the blocks (masks,
-    the loss) is not timed. ``real_model``: the real model ``model`` (then a meta copy of it) stands
+    the loss) is not timed. ``real_model``: the real model ``model`` (then its
+    :func:`~pipexplore.models.opcount.meta_copy`) stands
     for: each kind is timed with its first block's own weights, copied to ``device``.
     ``table.attrs``: ``rows``, ``batch``, ``device``, ``source``
     (``"blockwise"``), ``notes``.
@@ -307,14 +308,3 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
                        backward_split=False)
     return table
 
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """``model``'s structure with every parameter and buffer on the meta device (tied ones still
-    tied): a forward of it costs no memory and no arithmetic; the model itself is left as it is."""
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in memo:
-            empty = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
-                                if isinstance(tensor, nn.Parameter) else empty)
-    return copy.deepcopy(model, memo)

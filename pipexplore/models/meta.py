@@ -37,7 +37,7 @@ from pipexplore.models import sharded
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
-                                       flop_counter, storage_key, storage_keys, tensor_bytes)
+                                       flop_counter, on_meta, storage_key, storage_keys, tensor_bytes)
 from pipexplore.models.trace.candidates import candidate_modules
 
 __all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS",
@@ -424,7 +424,7 @@ def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]])
     sharded.check_plan(model, plan, tp)
     with sharded.fake_group(tp) as mesh:
         def rank_count(name: str, module: nn.Module, call: Call) -> tuple[Count, int]:
-            args, kwargs = sharded.on_meta(call.args, call.kwargs)
+            args, kwargs = on_meta((call.args, call.kwargs))
             try:
                 rank_module = sharded.shard(module, name, plan, mesh)
                 return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)

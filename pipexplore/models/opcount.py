@@ -11,6 +11,7 @@ once. :func:`count_call` runs one module's forward and backward so and returns a
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_bac
 
 __all__ = ["AsOnGPU", "OpRecorder", "SavedBytes", "Count", "count_call", "storage_key", "storage_keys", "fresh_inputs",
            "flop_counter", "classify", "tensor_bytes", "is_uncounted", "EXTRA_FORMULAS",
-           "OP_COLUMNS"]
+           "OP_COLUMNS", "on_meta", "meta_copy"]
 
 aten = torch.ops.aten
 OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective"]
@@ -391,6 +392,30 @@ def _efficient_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: O
         query, key, value, attn_mask, grad, dropout_p, is_causal and attn_mask is None, scale=scale)[0]
 
 
+def on_meta(value: Any) -> Any:
+    """``value`` (any pytree) with every tensor as a meta tensor of its shape, dtype and
+    ``requires_grad``: what a count or a capture runs on, costing no memory and no arithmetic."""
+    def move(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.device.type != "meta":
+            return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        return t
+
+    return tree_map(move, value)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """``model``'s structure with every parameter and buffer on the meta device (tied ones still
+    tied): a forward of it costs no memory and no arithmetic; the model itself is left as it is,
+    and its weights are not copied."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
 def fresh_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], list[Tensor]]:
     """Copies of a call's inputs, each a leaf (one copy per tensor object): on meta new empty
     tensors of the same shape and strides, else clones; floating ones require grad where the
@@ -403,12 +428,12 @@ def fresh_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, 
         if not isinstance(t, Tensor):
             return t
         if id(t) not in copies:
-            copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if t.is_meta \
+            made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if t.is_meta \
                 else t.detach().clone()
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                copy.requires_grad_(True)
-                wrt.append(copy)
-            copies[id(t)] = copy
+                made.requires_grad_(True)
+                wrt.append(made)
+            copies[id(t)] = made
         return copies[id(t)]
 
     new_args, new_kwargs = tree_unflatten([fresh(t) for t in leaves], spec)

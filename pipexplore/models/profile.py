@@ -32,7 +32,6 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from pipexplore import devices as devices_here
 from pipexplore import validate
@@ -41,7 +40,8 @@ from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
-from pipexplore.models import sharded
+from pipexplore.models import opcount, sharded
+from pipexplore.models.opcount import meta_copy
 from pipexplore.models.hf import input_refusal
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.meta import count_layers
@@ -162,12 +162,11 @@ def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, c
     of a meta copy (random values of their shapes),
     each kind's forward and backward at the micro-batch and the whole batch, the optimizer's step
     over each kind's parameters once; a note says how many blocks shared each timing and its spread."""
-    on_meta_too = lambda value: torch.empty_like(value, device="meta") if torch.is_tensor(value) else value  # noqa: E731
     with sharing_cores(threads):  # (its blocks' inputs from a forward on meta: nothing computed, nothing held)
         table = blockwise.profile_blockwise(
-            blockwise.meta_copy(model), tree_map(on_meta_too, sample), device=device,
+            meta_copy(model), opcount.on_meta(sample), device=device,
             microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats, granularity=granularity,
-            loss_fn=loss_fn, target=tree_map(on_meta_too, target), real_model=model,
+            loss_fn=loss_fn, target=opcount.on_meta(target), real_model=model,
             cold_cache=True)  # (a step streams every block's weights: none is in cache when it runs)
         modules = dict(model.named_modules())
         from pipexplore.predict.optimizer_cost import optimizer_seconds
@@ -177,12 +176,11 @@ def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, c
     counts = table[table["kind"] != ""].groupby("kind", sort=False)
     shared = [f"{len(rows)} × {rows['type'].iloc[0]} (spread {rows['spread'].iloc[0]:.0%})"
               for _, rows in counts if len(rows) > 1]
-    table.attrs["notes"] = [*table.attrs.get("notes", []),
-                            f"{type(model).__name__} is timed block by block with its own weights, each kind once: "
-                            + ", ".join(shared) + " (a step of it is "
-                            f"{step_flops(model, sample) / 1e12:.1f} TFLOP here: whole passes would take minutes)"
-                            if shared else ""]
-    table.attrs["notes"] = [n for n in table.attrs["notes"] if n]
+    if shared:
+        table.attrs["notes"] = [*table.attrs.get("notes", []),
+                                f"{type(model).__name__} is timed block by block with its own weights, each kind "
+                                f"once: {', '.join(shared)} (a step of it is {step_flops(model, sample) / 1e12:.1f} "
+                                "TFLOP here: whole passes would take minutes)"]
     table.attrs["threads"] = threads or torch.get_num_threads()
     return table
 

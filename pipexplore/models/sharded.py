@@ -22,7 +22,7 @@ operators on each rank's local shard, and the collectives ``DTensor`` runs (with
     check_plan(model, plan, tp=4)                          # refuses what cannot be sharded so
     with fake_group(4) as mesh:
         rank_block = shard(block, "model.layers.0", plan, mesh)
-        count = count_call(rank_block, *on_meta(args, kwargs))
+        count = count_call(rank_block, *on_meta((args, kwargs)))  # opcount.on_meta
 
 Sequence parallelism changes no FLOP and no ring's bytes (each all-reduce of a block's activations
 becomes a reduce-scatter and an all-gather of the same tensor: Korthikanti et al. 2022); what it
@@ -31,15 +31,15 @@ divides is the activations a rank keeps, counted by :func:`pipexplore.predict.me
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-__all__ = ["STYLES", "tensor_parallel_plan", "style_of", "check_plan", "check_heads", "fake_group", "shard", "on_meta",
+from pipexplore.models.opcount import meta_copy
+
+__all__ = ["STYLES", "tensor_parallel_plan", "style_of", "check_plan", "check_heads", "fake_group", "shard",
            "rank_param_bytes", "key_value_bytes"]
 
 #: The plan's styles this counts, by the name Hugging Face's plans give them, with the torch style
@@ -54,7 +54,6 @@ STYLES = {"colwise": "colwise", "packed_colwise": "colwise", "rowwise": "rowwise
           "colwise_gather_output": "colwise_gather", "embedding_rowwise": "rowwise_from_replicated",
           "replicated_with_grad_allreduce": "", "replicate": ""}
 _COLWISE = {"colwise", "packed_colwise", "colwise_gather_output"}
-_ROWWISE = {"rowwise", "packed_rowwise", "embedding_rowwise"}
 
 
 def tensor_parallel_plan(model: nn.Module, tp_plan: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -201,8 +200,7 @@ def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, ga
     module holding column-sharded projections takes its input replicated once (the module docstring)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    rank_block = copy.deepcopy(block).to_empty(device="meta") if any(
-        t.device.type != "meta" for t in [*block.parameters(), *block.buffers()]) else copy.deepcopy(block)
+    rank_block = meta_copy(block)
     styles: dict[str, Any] = {}
     parents: set[str] = set()
     for sub, _ in rank_block.named_modules():
@@ -222,16 +220,6 @@ def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, ga
             if parent and not isinstance(modules[parent], (nn.Linear, nn.Embedding)):
                 modules[parent].register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
     return rank_block
-
-
-def on_meta(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """A call's inputs as meta tensors of the same shapes, dtypes and ``requires_grad``."""
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
-        return value
-
-    return tree_map(move, (args, kwargs))
 
 
 def rank_param_bytes(module: nn.Module) -> int:

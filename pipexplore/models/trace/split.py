@@ -178,6 +178,7 @@ def contiguous_boundaries(split_gm) -> int:
         graph = getattr(stage, "graph", None)
         if not name.startswith("submod_") or graph is None:
             continue
+        before = changed
         for node in graph.nodes:
             value = node.meta.get("val")
             if node.op == "placeholder" and torch.is_tensor(value) and not value.is_contiguous():
@@ -195,7 +196,7 @@ def contiguous_boundaries(split_gm) -> int:
                         changed += 1
                     made.append(out)
                 node.args = (type(node.args[0])(made) if isinstance(node.args[0], (tuple, list)) else made[0],)
-        if changed:
+        if changed > before:  # (a stage left as it was keeps its code)
             stage.recompile()
     return changed
 
