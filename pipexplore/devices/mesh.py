@@ -80,6 +80,12 @@ class Mesh:
             raise ValueError(f"mesh {product} = {mesh.size} ranks, but there are {devices} devices{hint}")
         return mesh
 
+    def describe(self, joiner: str = " · ") -> str:
+        """The mesh as a person reads it, ``'tp 4 · pp 8 · dp 2'`` (``cp`` where it is above 1); the
+        page's mesh field reads it back with ``joiner=" "``."""
+        shown = [dim for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or self.cp > 1]
+        return joiner.join(f"{dim} {getattr(self, dim)}" for dim in shown)
+
     @property
     def size(self) -> int:
         """Ranks in all: tp · cp · dp · pp."""

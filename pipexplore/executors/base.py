@@ -112,8 +112,7 @@ class RunResult:
             "splits": list(self.plan.splits), "chunks": self.plan.chunks, "checkpoint": self.plan.checkpoint,
             "schedule": self.plan.schedule, "executor": self.plan.executor,
             "devices": ",".join(self.plan.devices[: self.plan.num_devices]),
-            "mesh": (" ".join(f"{d} {getattr(self.plan.mesh, d)}" for d in ("tp", "pp", "dp", "cp"))
-                     + f" {self.plan.data_parallel}") if self.plan.mesh is not None else "",
+            "mesh": f"{self.plan.mesh.describe()} ({self.plan.data_parallel})" if self.plan.mesh is not None else "",
             **self.metrics,
         }
 

@@ -35,7 +35,7 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
         return megatron_arguments(plan, config=config)
     mesh = plan.mesh
     if mesh is not None and kind != "schedule-csv" and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
-        raise ValueError(f"the plan's mesh (tp {mesh.tp} · pp {mesh.pp} · dp {mesh.dp}) is planned, but the {kind!r} "
+        raise ValueError(f"the plan's mesh ({mesh.describe()}) is planned, but the {kind!r} "
                          "export writes pipeline ranks only: its tensor and data parallelism would be dropped. Export "
                          "the pipeline of a mesh with tp=1 and dp=1, or 'schedule-csv' for its schedule")
     if kind == "torchrun":

@@ -126,7 +126,6 @@ def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int]
     sequence = sequence or int(table.attrs.get("tokens_per_sample", 0)) or None
     if sequence:
         lines += [f"--seq-length {sequence}", f"--max-position-embeddings {sequence}"]
-    mesh_text = f"tp {mesh.tp} · pp {mesh.pp} · dp {mesh.dp}" + (f" · cp {mesh.cp}" if mesh.cp > 1 else "")
-    head = (f"# Megatron-LM arguments for pretrain_gpt.py, from a pipexplore plan: {mesh_text} "
+    head = (f"# Megatron-LM arguments for pretrain_gpt.py, from a pipexplore plan: {mesh.describe()} "
             f"({plan.data_parallel}), {plan.schedule}, {plan.chunks} micro-batches a replica\n")
     return head + " \\\n".join(lines) + "\n"

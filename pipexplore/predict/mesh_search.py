@@ -95,14 +95,14 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
         if table is None:
             continue
         if global_rows % mesh.dp:
-            left_out.append(f"{_name(mesh)}: the global batch of {global_rows} rows does not split into {mesh.dp} "
+            left_out.append(f"{mesh.describe()}: the global batch of {global_rows} rows does not split into {mesh.dp} "
                             "replicas")
             continue
         replica = global_rows // mesh.dp
         for dp_kind, mb, schedule, mode in itertools.product(data_parallel or [plan.data_parallel], rows_choices,
                                                              schedules or [plan.schedule],
                                                              checkpoint or [plan.checkpoint]):
-            name = f"{_name(mesh)}, {dp_kind}, micro-batches of {mb} rows, {schedule}, checkpoint {mode}"
+            name = f"{mesh.describe()}, {dp_kind}, micro-batches of {mb} rows, {schedule}, checkpoint {mode}"
             if replica % mb:
                 left_out.append(f"{name}: {replica} rows a replica do not split into micro-batches of {mb}")
                 continue
@@ -129,10 +129,6 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
         raise ValueError(f"no mesh fits: the smallest is tp={closest['tp']} pp={closest['pp']} dp={closest['dp']} "
                          f"({closest['data_parallel']}) at {closest['peak_bytes'] / 2**30:.1f} GiB a GPU")
     return ranked(result, left_out, memory_cap)
-
-
-def _name(mesh: Mesh) -> str:
-    return f"tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}" + (f" cp={mesh.cp}" if mesh.cp > 1 else "")
 
 
 def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_rows: int,

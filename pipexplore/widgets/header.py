@@ -56,8 +56,7 @@ def mesh_text(plan: Plan, before: str = "") -> str:
     mesh = plan.mesh
     if mesh is None:
         return ""
-    dims = " · ".join(f"{dim} {getattr(mesh, dim)}" for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or mesh.cp > 1)
-    return f"{before}{dims} ({plan.data_parallel})"
+    return f"{before}{mesh.describe()} ({plan.data_parallel})"
 
 
 def _not_run(plan: Any) -> str:

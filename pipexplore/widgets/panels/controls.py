@@ -32,7 +32,7 @@ def _mesh_value(plan: Plan) -> str:
     mesh = plan.mesh
     if mesh is None:
         return ""
-    return " ".join(f"{dim} {getattr(mesh, dim)}" for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or mesh.cp > 1)
+    return mesh.describe(" ")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
