@@ -51,6 +51,11 @@ EXECUTORS = ("threads", "autograd", "processes")
 CODE_KINDS = ("gpipe", "pipelining", "schedule-csv")
 
 
+#: What :attr:`Plan.rank_table` is made of: a plan changed elsewhere keeps its rank table.
+_RANK_TABLE_FIELDS = {"layer_table", "mesh", "devices", "gpus_per_node", "data_parallel", "sequence_parallel",
+                      "reshard_after_forward"}
+
+
 @dataclass(frozen=True)
 class SkipRoute:
     """A skip tensor from the layer that stashes it to the layer that pops it."""
@@ -375,10 +380,14 @@ class Plan:
 
     # -- changes ------------------------------------------------------------------------
     def with_splits(self, splits: Sequence[int]) -> "Plan":
-        return replace(self, splits=tuple(splits))
+        return self.with_options(splits=tuple(splits))
 
     def with_options(self, **changes: object) -> "Plan":
-        return replace(self, **changes)  # type: ignore[arg-type]
+        changed = replace(self, **changes)  # type: ignore[arg-type]
+        if "rank_table" in self.__dict__ and not set(changes) & _RANK_TABLE_FIELDS:
+            # the same rank costs (one table: the page re-times a moved split with it)
+            changed.__dict__["rank_table"] = self.__dict__["rank_table"]
+        return changed
 
     # -- export -------------------------------------------------------------------------
     def split_spec(self) -> dict[str, str]:

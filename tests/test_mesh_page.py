@@ -86,3 +86,27 @@ def test_the_stage_view_stacks_a_gpus_memory_by_kind(explorer):
         if first[column] > 0:
             from pipexplore.widgets.header import format_bytes
             assert f"title='{label} {format_bytes(first[column])}'" in page
+
+
+def test_a_drag_is_re_timed_on_the_page_with_the_ranks_costs_or_left_to_the_kernel_under_fsdp(explorer):
+    from pipexplore.predict.retime import retime_key, retime_model
+
+    state, panel = explorer.state, explorer.view.timelines
+    panel.drawn = True  # as once the page has drawn its first picture
+    figure = panel.timelines.figure
+    controls = explorer.view.controls
+    controls.w_data_parallel.value = "ddp"
+    panel.send_retime()
+    plan = state.plan
+    key = retime_key(plan.rank_table, plan.splits, plan.simulate_options())
+    assert panel.timelines._retime_key == key and figure.retime["key"] == key
+    # the page's model costs the rank as the kernel does: the step-end all-reduce in each update
+    options = plan.simulate_options()
+    assert figure.retime["seconds"] == retime_model(plan.rank_table, list(plan.splits), **options)["seconds"]
+    assert figure.retime["seconds"] != retime_model(plan.layer_table, list(plan.splits), **options)["seconds"]
+    state.set_splits([plan.splits[0] + 1, *plan.splits[1:]])
+    panel.send_retime()
+    assert panel.timelines._retime_key == key  # a moved split keeps the shape: the page re-times it itself
+    controls.w_data_parallel.value = "fsdp"
+    panel.send_retime()
+    assert panel.timelines._retime_key == ""  # FSDP's gathers are placed by torch's lowering, in the kernel

@@ -11,11 +11,14 @@ puts it:
                    which reduces a stage's gradients once its micro-batches are done)
 ``zero1``          gradients reduce-scattered, the optimizer steps its ``1/dp`` shard, the updated
                    parameters all-gathered (Megatron-LM's distributed optimizer)
-``fsdp``           ``REDUCE_GRAD``: gradients reduce-scattered at the step's end; ``UNSHARD``: parameters
-                   all-gathered. With ``reshard_after_forward=False`` (torchtitan's choice under a pipeline)
-                   once a step, counted at its end; with ``True`` every micro-batch's forward and backward
-                   gathers each layer again, prefetched behind the layer before (FSDP2 overlaps them): only
-                   what a gather takes beyond its layer's compute is exposed
+``fsdp``           ``REDUCE_GRAD``: gradients reduce-scattered after the stage's last backward; ``UNSHARD``:
+                   parameters all-gathered. Both placed as torch's own lowering places them
+                   (:mod:`pipexplore.predict.fsdp_actions`: ``unshard_seconds``, ``reduce_grad_seconds``).
+                   With ``reshard_after_forward=False`` (torchtitan's choice under a pipeline) a stage is
+                   gathered when torch's runtime issues its ``UNSHARD`` (once a step for ranks of up to
+                   three stages); with ``True`` every micro-batch's forward and backward gathers each
+                   layer again, prefetched behind the layer before (FSDP2 overlaps them): only what a
+                   gather takes beyond its layer's compute is exposed
 =================  ===========================================================================================
 
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
@@ -51,8 +54,10 @@ __all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows"
 BUCKET_BYTES = 25 * 2**20
 #: The columns :func:`mesh_layer_table` adds, seconds per layer: step-end data-parallel collectives
 #: (``dp_seconds``), FSDP's gathers a micro-batch (``gather_seconds``), context parallelism's
-#: gathers of keys and values, forward and backward, for the whole batch (``cp_seconds``).
-MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds"]
+#: gathers of keys and values, forward and backward, for the whole batch (``cp_seconds``); FSDP's
+#: gather of the layer where torch's runtime issues ``UNSHARD`` (``unshard_seconds``) and the part of
+#: ``dp_seconds`` that is its ``REDUCE_GRAD`` (``reduce_grad_seconds``): the simulator places both.
+MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds", "reduce_grad_seconds"]
 
 
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
@@ -93,6 +98,7 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
                 if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
     step_end = np.zeros(n)
     gathers = np.zeros(n)
+    unshard = np.zeros(n)
     context = np.zeros(n)
     if mesh.cp > 1:
         out, context = _context_parallel(out, mesh, devices, gpus_per_node)
@@ -102,10 +108,12 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
         else:  # the gradients reduce-scattered; zero1 then gathers the updated parameters, FSDP its next unshard
             step_end = _ring("reduce_scatter", grads, dp_group, gpus_per_node)
             gather = _ring("all_gather", params, dp_group, gpus_per_node)
-            if data_parallel == "fsdp" and reshard_after_forward:
+            if data_parallel == "zero1":
+                step_end = step_end + gather
+            elif reshard_after_forward:
                 gathers = gather
             else:
-                step_end = step_end + gather
+                unshard = gather
         if data_parallel in ("zero1", "fsdp") and "optimizer" in out:
             out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / replicas
     if "optimizer" in out:
@@ -123,6 +131,8 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     out["dp_seconds"] = step_end
     out["gather_seconds"] = gathers
     out["cp_seconds"] = context
+    out["unshard_seconds"] = unshard
+    out["reduce_grad_seconds"] = step_end if data_parallel == "fsdp" else np.zeros(n)
     out.attrs = dict(table.attrs)
     return out
 
@@ -160,6 +170,42 @@ def _context_parallel(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
     return out, (gather_row + scatter_row) * batch
 
 
+def _placed_rows(predicted: pd.DataFrame, placed: tuple) -> list[tuple]:
+    """Rows for FSDP's ``UNSHARD``s and ``REDUCE_GRAD``s where the simulator placed them (its
+    ``attrs['fsdp']``: :func:`pipexplore.predict.simulator.simulate`): a gather issued at the step's
+    start ends at its release time, exposed where its use waited for it; one issued mid-step sits
+    before its use, its exposed part at the use's start; a reduce-scatter follows its stage's last
+    backward, exposed where its rank's compute did not hide all of it."""
+    if not placed:
+        return []
+    keys = list(zip(predicted["stage"].tolist(), predicted["phase"].tolist(), predicted["microbatch"].tolist()))
+    where = {key: i for i, key in enumerate(keys)}
+    start, end = predicted["start"].to_numpy(dtype=float), predicted["end"].to_numpy(dtype=float)
+    rows: list[tuple] = []
+    for record in placed:
+        i = where.get(record[2])
+        if i is None:
+            continue
+        seconds = float(record[3])
+        if seconds <= 0:  # a stage without parameters gathers nothing
+            continue
+        if record[0] == "unshard":
+            release, exposed = record[4], float(record[5])
+            if release is not None:
+                waited = bool(start[i] <= release + 1e-12 * max(1.0, release) and release > 0)
+                rows.append((i, release - seconds, release, "fsdp all_gather (UNSHARD)", waited))
+            else:
+                if seconds > exposed:
+                    rows.append((i, start[i] - (seconds - exposed), start[i], "fsdp all_gather (UNSHARD)", False))
+                if exposed > 0:
+                    rows.append((i, start[i], start[i] + exposed, "fsdp all_gather (UNSHARD)", True))
+        else:
+            hidden = float(record[4])
+            exposed = hidden < seconds * (1 - 1e-9)
+            rows.append((i, end[i], end[i] + seconds, "fsdp reduce_scatter (REDUCE_GRAD)", exposed))
+    return rows
+
+
 #: What a collective row's device says after the rank's device: its lane of its own, under the rank's.
 COLLECTIVE_LANE = " · collectives"
 _TP_PHASE = {"forward": "forward_comm", "recompute": "forward_comm", "backward": "backward_comm",
@@ -192,7 +238,10 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     exposed_gathers = {phase: per_stage(f"{phase}_gather_exposed") for phase in ("forward", "backward")}
     context = per_stage("cp_seconds") / 2 / whole  # a row's key-value gather (forward) or scatter (backward)
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
-               "fsdp": "fsdp reduce_scatter + all_gather"}[data_parallel]
+               "fsdp": "fsdp reduce_scatter"}[data_parallel]
+    placed = predicted.attrs.get("fsdp") or ()
+    if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
+        step_end = step_end - per_stage("reduce_grad_seconds")
     stage = predicted["stage"].to_numpy()
     micro = predicted["microbatch"].to_numpy()
     phase = predicted["phase"].to_numpy()
@@ -217,6 +266,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
                     out.append((i, start[i] + shown, min(end[i], start[i] + gathers[s]), "fsdp all_gather", False))
         elif p == "optimizer" and step_end[s] > 0:
             out.append((i, start[i], min(end[i], start[i] + step_end[s]), dp_name, True))
+    out += _placed_rows(predicted, placed)
     if not out:
         return predicted.iloc[:0].assign(collective=pd.Series(dtype=object), exposed=pd.Series(dtype=bool))
     index = [o[0] for o in out]

@@ -108,8 +108,12 @@ class TimelinesPanel:
 
         plan = self.state.plan
         options = plan.simulate_options()
+        table = plan.rank_table  # a mesh's pipeline rank's costs (the layer table's without one)
+        if any(column in table and table[column].any() for column in ("unshard_seconds", "reduce_grad_seconds")):
+            self.timelines.retime("")  # FSDP's actions, placed by torch's lowering: the kernel re-times them
+            return
         try:
-            key = retime_key(plan.layer_table, plan.splits, options)
+            key = retime_key(table, plan.splits, options)
         except OSError:  # a CSV schedule's file gone: the page waits for the kernel, which says so
             self.timelines.retime("")
             return
@@ -117,13 +121,13 @@ class TimelinesPanel:
         if not self.drawn or key == self._retime_for[0]:
             return
         try:
-            model = retime_model(plan.layer_table, list(plan.splits), samples=batch_size(self.state.sample),
+            model = retime_model(table, list(plan.splits), samples=batch_size(self.state.sample),
                                  bubble_by=tl.bubble_by(plan.schedule), **options)
         except Exception:  # nothing the page can re-time: it waits for the kernel's scenes
             self.timelines.retime("")
             return
         # (the table and corrections are held with the key, which names them by identity)
-        self._retime_for = (key, plan.layer_table, options["corrections"])
+        self._retime_for = (key, table, options["corrections"])
         self.timelines.retime(key, {**model, "key": key}, [stage for stage, _ in lane_of(plan.predicted)[0]])
 
     def refresh_timelines(self) -> None:

@@ -1,0 +1,146 @@
+"""FSDP's actions in a pipelined step, placed where torch's pipelining runtime places them.
+
+Torch's runtime lowers a schedule's compute actions for FSDP with its own passes:
+``_add_unshard_reshard`` issues a stage's ``UNSHARD`` (the all-gather of its parameters, async)
+before the compute that is the first of the next three stages the rank works on, and its
+``RESHARD`` once the stage leaves that window; ``_add_reduce_grad`` issues a stage's
+``REDUCE_GRAD`` (its gradients' reduce-scatter) right after its last backward-side action. Those
+passes run here, on each worker's queue of the predicted step, so that the prediction gathers as
+often as torch does (once a step for a rank of one to three stages; again after each eviction for
+more) and waits where torch waits:
+
+- an ``UNSHARD`` issued before the rank's first compute starts at the step's start; the gathers of
+  one rank run one after another (one all-gather stream) and the stage's first use may not start
+  before its gather is done (a release time: a later stage's gather hides behind its wait for its
+  input);
+- an ``UNSHARD`` issued later is hidden by the rank's compute between its issue and the stage's use;
+  what it takes beyond that is added to the use;
+- a rank's ``REDUCE_GRAD``s run one after another (one reduce-scatter stream), each once its stage's
+  last backward is done, behind the compute the rank still has (the backwards of its other
+  stages; its idle time is not counted): what outlasts the rank's compute stays in the updates.
+
+:func:`fsdp_placement` gives what the simulator adds; the timeline's collective rows are drawn from
+its :class:`Unshard` and :class:`ReduceGrad` records.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["lowered", "fsdp_placement", "FsdpPlacement", "Unshard", "ReduceGrad"]
+
+_COMPUTE = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
+
+
+def lowered(queue: Sequence[tuple[int, str, int]], microbatches: int) -> list[tuple[int, str, int]]:
+    """``queue`` (a worker's ``(stage, kind, micro-batch)``, compute kinds ``F``/``B``/``I``/``W``; others
+    are left out) with the ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` actions torch's own lowering
+    adds (micro-batch ``-1``)."""
+    from torch.distributed.pipelining.schedules import (_Action, _add_reduce_grad, _add_unshard_reshard,
+                                                        _ComputationType)
+
+    letter = {getattr(_ComputationType, name): kind for kind, name in _COMPUTE.items()}
+    actions = [_Action(s, getattr(_ComputationType, _COMPUTE[k]), i) for s, k, i in queue if k in _COMPUTE]
+    out = []
+    for action in _add_reduce_grad(_add_unshard_reshard(actions), microbatches):  # type: ignore[arg-type]
+        if action is None:
+            continue
+        kind = letter.get(action.computation_type, action.computation_type.name)
+        micro = action.microbatch_index
+        out.append((action.stage_index, kind, -1 if micro is None else int(micro)))
+    return out
+
+
+class Unshard(NamedTuple):
+    """A stage's ``UNSHARD``: on worker ``lane``, issued before action ``issued`` (a graph action
+    number) and first used by action ``use``; ``at_start``: issued before the worker's first compute
+    (timed from the step's start, ``release`` after it); else ``hidden``/``exposed`` seconds."""
+    stage: int
+    lane: int
+    issued: int
+    use: int
+    seconds: float
+    at_start: bool
+    release: float
+    exposed: float
+
+
+class ReduceGrad(NamedTuple):
+    """A stage's ``REDUCE_GRAD``: after action ``after`` (its last backward-side one) on worker
+    ``lane``; ``hidden`` of its ``seconds`` behind the rank's compute after it."""
+    stage: int
+    lane: int
+    after: int
+    seconds: float
+    hidden: float
+
+
+class FsdpPlacement(NamedTuple):
+    """What the simulator adds to a step's actions (arrays over the graph's actions): ``release``,
+    the earliest start an action's gather allows (from the step's start); ``extra``, seconds a use
+    waits for a gather issued mid-step; ``optimizer_less``, per stage, the seconds of its
+    ``REDUCE_GRAD`` its rank's later compute hides (taken off its update)."""
+    release: np.ndarray
+    extra: np.ndarray
+    optimizer_less: np.ndarray
+    unshards: list[Unshard]
+    reduces: list[ReduceGrad]
+
+
+def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np.ndarray, microbatches: int,
+                   lanes: Sequence[int] | None = None) -> FsdpPlacement:
+    """FSDP's ``UNSHARD``s and ``REDUCE_GRAD``s over ``graph`` (a
+    :class:`~pipexplore.predict.dataflow.ActionGraph`) placed by torch's lowering of each worker's
+    queue (``lanes``: the workers lowered, default all), for ``took`` (each action's seconds),
+    ``unshard`` (per stage, seconds of its all-gather) and ``reduce_grad`` (per stage, seconds of
+    its reduce-scatter)."""
+    n = len(graph)
+    release, extra = np.zeros(n), np.zeros(n)
+    less = np.zeros(len(unshard))
+    unshards: list[Unshard] = []
+    reduces: list[ReduceGrad] = []
+    starts = np.cumsum([0, *map(len, graph.queues)])
+    for lane, queue in enumerate(graph.queues):
+        base = int(starts[lane])
+        if lanes is not None and lane not in lanes:
+            continue
+        number = {action: base + j for j, action in enumerate(queue)}
+        computes = [a for a in queue if a[1] in _COMPUTE]
+        seconds = {a: float(took[number[a]]) for a in computes}
+        steps = lowered(queue, microbatches)
+        clock = np.concatenate([[0.0], np.cumsum([seconds[a] for a in computes])])  # compute done before each
+        total = float(clock[-1])
+        stream = 0.0  # when the worker's all-gather stream is free, for gathers issued at the start
+        scatter = 0.0  # when its reduce-scatter stream is, on the compute's clock (its idle time left out)
+        seen_compute = 0  # compute actions before the current point
+        pending: dict[int, tuple[int, float]] = {}  # stage -> (compute index it was issued before, done)
+        for position, (s, kind, i) in enumerate(steps):
+            if kind == "UNSHARD":
+                at_start = seen_compute == 0
+                if at_start:
+                    stream += float(unshard[s])
+                pending[s] = (seen_compute, stream if at_start else float(unshard[s]))
+            elif kind == "REDUCE_GRAD":  # on the reduce-scatter stream, one after another, behind the compute
+                after = computes[seen_compute - 1]
+                exposed_before = max(0.0, scatter - total)
+                scatter = max(scatter, clock[seen_compute]) + float(reduce_grad[s])
+                hidden = float(reduce_grad[s]) - (max(0.0, scatter - total) - exposed_before)
+                less[s] += hidden
+                reduces.append(ReduceGrad(s, lane, number[after], float(reduce_grad[s]), hidden))
+            elif kind in _COMPUTE:
+                action = computes[seen_compute]
+                if s in pending:
+                    issued, value = pending.pop(s)
+                    use = number[action]
+                    if issued == 0:  # timed from the step's start: a release time
+                        release[use] = max(release[use], value)
+                        unshards.append(Unshard(s, lane, number[computes[0]], use, float(unshard[s]), True, value,
+                                                0.0))
+                    else:
+                        between = float(clock[seen_compute] - clock[issued])
+                        exposed = max(0.0, value - between)
+                        extra[use] += exposed
+                        unshards.append(Unshard(s, lane, number[computes[issued]], use, value, False, 0.0, exposed))
+                seen_compute += 1
+    return FsdpPlacement(release, extra, less, unshards, reduces)
