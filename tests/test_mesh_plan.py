@@ -265,11 +265,15 @@ def test_an_export_that_would_drop_the_mesh_is_refused_by_name(tables):
     from pipexplore.export.code import plan_code
 
     p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
-    for kind in ("torchrun", "pipelining", "gpipe"):
+    for kind in ("pipelining", "gpipe"):
         with pytest.raises(ValueError, match=r"mesh \(tp 2 · pp 2 · dp 2\) is planned, but the .* export writes "
                                              r"pipeline ranks only"):
             plan_code(p, kind, traced=True)
     assert "0F0" in plan_code(p, "schedule-csv")  # the pipeline's schedule is the mesh's
+    # the torchrun script runs the whole mesh (tests/test_mesh_torchrun.py), its context parallelism refused
+    assert "MESH = {'pp': 2, 'dp': 2, 'tp': 2}" in plan_code(p, "torchrun", traced=True, tp_plan={"x": "colwise"})
+    with pytest.raises(ValueError, match=r"cp=2 \(context parallelism\), which it would drop"):
+        plan_code(plan(tables, {"tp": 2, "pp": 2, "cp": 2}), "torchrun", traced=True, tp_plan={"x": "colwise"})
 
 
 def test_context_parallelism_leaves_a_rank_a_cp_th_of_the_tokens_and_gathers_keys_and_values(tables):

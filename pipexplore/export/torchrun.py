@@ -2,18 +2,20 @@
 torchtitan's ``module_fqns_per_model_part``."""
 from __future__ import annotations
 
+import inspect
 import textwrap
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import pandas as pd
 
 from pipexplore import validate
 from pipexplore.executors.tied import SOURCE as TIED_SOURCE
+from pipexplore.export.mesh_parts import MESH_SOURCE, full_state
 from pipexplore.models.hf import EXPORT_SOURCE
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
 from pipexplore.models.trace.split import CONTIGUOUS_SOURCE
 from pipexplore.plan import RUN_GENERATED_CODE
-from pipexplore.schedules import csv_schedule, is_csv, is_v_shaped
+from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped
 
 __all__ = ["torchrun_script", "module_fqns_per_model_part"]
 
@@ -27,7 +29,7 @@ def module_fqns_per_model_part(table: pd.DataFrame, splits: Sequence[int]) -> li
 
 _SCRIPT = '''"""Pipeline training with torch.distributed.pipelining, exported by pipexplore.
 
-{stages} stages ({schedule}, {chunks} micro-batches per step), split at {split_points}.
+{stages} stages ({schedule}, {chunks} micro-batches per step), split at {split_points}.{mesh_doc}
 Run on one machine:   torchrun --standalone --nproc-per-node {world} {filename}
 On N nodes of M ranks (N x M = {world}), on each node:
   torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
@@ -54,6 +56,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 {schedule_import}
 
 HOOKS = {hooks!r}
@@ -69,6 +72,7 @@ DEVICE = {device!r}
 LAYERS = {layers!r}
 # The same split for torchtitan's pipeline config:
 MODULE_FQNS_PER_MODEL_PART = {fqns!r}
+{mesh_constants}
 
 
 {cache_off}
@@ -77,6 +81,7 @@ MODULE_FQNS_PER_MODEL_PART = {fqns!r}
 {contiguous_source}
 
 {checkpoint_source}
+{mesh_source}
 {csv_block}
 def call_inputs(inputs):
     """The model's inputs as get_batch() gives them: (positional, keyword)."""
@@ -128,6 +133,43 @@ def materialize(module, device, hooks) -> None:
         hooks.init_stage(module)
 
 
+def replica_batch(get_batch, replica, replicas):
+    """get_batch() for one data-parallel replica: given replica= and replicas= where it takes them
+    (each replica its own share of the global batch), else as it is."""
+    import inspect
+
+    taken = inspect.signature(get_batch).parameters
+    return get_batch(replica=replica, replicas=replicas) if "replica" in taken else get_batch()
+
+
+def traced_stages(model, args, model_kwargs, indices, stages_of, ranks, pp_rank, rank, device, group, meta, hooks):
+    """This rank's stages of the model traced by torch's pipelining and split at SPLIT_POINTS (the
+    model's inputs as given: on the meta device where the model is), the structure of the model's
+    output, and the tied parameters its stages share with others."""
+    traced_on = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+    # (a model on the meta device is traced on meta inputs: nothing of it is computed here)
+    first = lambda value: value.chunk(CHUNKS)[0].to("meta" if meta else value.device) \\
+        if torch.is_tensor(value) else value  # noqa: E731
+    pipe, output_spec = traced(model, tuple(first(a) for a in args), {{k: first(v) for k, v in model_kwargs.items()}})
+    contiguous_boundaries(pipe.split_gm)  # gloo sends and receives contiguous tensors only
+    late = late_inputs(pipe)
+    if late:
+        raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late}} themselves, "
+                         "but torch's stages feed them to the first stage only: begin the second stage at a later "
+                         "block (SPLIT_POINTS; the explorer's balance does for processes plans), or read them in "
+                         "loss_fn")
+{run_generated_code}
+    # A parameter in several stages (a tied embedding and head) trains as one: its copies' gradients summed.
+    tied = tied_groups(tied_parameters(pipe), rank_of=lambda s: next(r for r in range(ranks) if s in stages_of(r)),
+                       rank=pp_rank)
+    stages = [pipe.build_stage(s, device, group=group) for s in indices]{v_warmup}
+    for stage in stages:
+        place_graph_devices(stage.submod, traced_on, device)
+        if meta:  # this rank's stages made real, nothing else of the model
+            materialize(stage.submod, device, hooks)
+    return stages, pipe.num_stages, output_spec, tied
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -135,6 +177,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="trace every rank's steps with torch.profiler into DIR")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=DEVICE, help="where ranks run (default: DEVICE)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not recorded (default 1 of 2 or more)")
+    parser.add_argument("--save", metavar="DIR", help="write the trained parameters into DIR, a file a stage "
+                        "(stage{{N}}.pt: the model's names to whole tensors)")
     options = parser.parse_args()
     warmup = options.warmup if options.warmup is not None else min(1, options.steps - 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -153,51 +197,63 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # The device mesh (pp x dp x tp; a world that is not the mesh's refused), or pipeline ranks alone.
+    mesh = make_mesh(MESH, device.type, world) if MESH else None
+    ranks, pp_rank = (MESH["pp"], mesh["pp"].get_local_rank()) if mesh else (world, rank)
+    dp_rank, tp_rank = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) if mesh else (0, 0)
     model = without_kv_cache(hooks.build_model())
     meta = on_meta(model)
-    traced_on = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
     if meta and not callable(getattr(hooks, "init_stage", None)):
         raise SystemExit(f"rank {{rank}}: build_model() gave a model on the meta device, so each rank makes only its "
                          f"own stages real: {{HOOKS}} must define init_stage(module), which fills a stage's parameters "
                          "and buffers by name")
-    inputs, target = hooks.get_batch()
+    inputs, target = replica_batch(hooks.get_batch, dp_rank, MESH["dp"] if mesh else 1)
     args, model_kwargs = call_inputs(inputs)
-    # (a model on the meta device is traced on meta inputs: nothing of it is computed here)
-    first = lambda value: value.chunk(CHUNKS)[0].to("meta" if meta else value.device) \\
-        if torch.is_tensor(value) else value  # noqa: E731
-    pipe, output_spec = traced(model, tuple(first(a) for a in args), {{k: first(v) for k, v in model_kwargs.items()}})
-    contiguous_boundaries(pipe.split_gm)  # gloo sends and receives contiguous tensors only
-    late = late_inputs(pipe)
-    if late:
-        raise SystemExit(f"rank {{rank}}: later stages read the model's inputs {{late}} themselves, "
-                         "but torch's stages feed them to the first stage only: begin the second stage at a later "
-                         "block (SPLIT_POINTS; the explorer's balance does for processes plans), or read them in "
-                         "loss_fn")
-    to_device = lambda value: value.to(device) if torch.is_tensor(value) else value  # noqa: E731
-    args, model_kwargs = tuple(map(to_device, args)), {{k: to_device(v) for k, v in model_kwargs.items()}}
-{run_generated_code}
+
     def stages_of(rank):
         return {stage_indices}
 
-    indices = stages_of(rank)
-    # A parameter in several stages (a tied embedding and head) trains as one: its copies' gradients summed.
-    tied = tied_groups(tied_parameters(pipe), rank_of=lambda s: next(r for r in range(world) if s in stages_of(r)),
-                       rank=rank)
-    stages = [pipe.build_stage(s, device) for s in indices]{v_warmup}
+    indices = stages_of(pp_rank)
+    if mesh and MESH["tp"] > 1:  # tensor parallelism shards the model's own modules: each stage cut from them
+        if meta:
+            raise SystemExit("tensor parallelism here shards a model with its weights: build_model() gives one on "
+                             "the meta device")
+        if len(indices) != 1:
+            raise SystemExit(f"tensor parallelism here runs one stage a pipeline rank; {{SCHEDULE}} runs several")
+        stage_names = MODULE_FQNS_PER_MODEL_PART[indices[0]]
+        part = cut_stage(model, stage_names, indices[0] == 0, indices[0] == len(SPLIT_POINTS))
+        tensor_parallel(part.to(device), mesh["tp"], TP_PLAN)
+        stages = [PipelineStage(part, indices[0], len(SPLIT_POINTS) + 1, device, group=mesh["pp"].get_group())]
+        num_stages, tied = len(SPLIT_POINTS) + 1, {{}}
+        kept = getattr(part, "output_type", None)  # a causal LM's output class (an nn.Sequential's is a tensor)
+        output_of = (lambda output: kept["type"](logits=output)) if kept is not None else (lambda output: output)
+    else:
+        stages, num_stages, output_spec, tied = traced_stages(
+            model, args, model_kwargs, indices, stages_of, ranks, pp_rank, rank, device,
+            mesh["pp"].get_group() if mesh else None, meta, hooks)
+        output_of = lambda output: model_output(output, output_spec)  # noqa: E731
+    if mesh and tied and (MESH["dp"] > 1 or MESH["tp"] > 1):
+        raise SystemExit("the model ties parameters across stages (an embedding and its head): their gradients are "
+                         "summed between pipeline ranks, which this script does not do beside tensor or data "
+                         "parallelism; untie them (tie_word_embeddings=False) or plan dp=1 and tp=1")
+    to_device = lambda value: value.to(device) if torch.is_tensor(value) else value  # noqa: E731
+    args, model_kwargs = tuple(map(to_device, args)), {{k: to_device(v) for k, v in model_kwargs.items()}}
     for stage in stages:
-        place_graph_devices(stage.submod, traced_on, device)
-        if meta:  # this rank's stages made real, nothing else of the model
-            materialize(stage.submod, device, hooks)
-    for stage in stages:
+        if mesh and MESH["dp"] > 1:  # the replicas share the stage as DATA_PARALLEL says
+            data_parallel(stage.submod, mesh["dp"], DATA_PARALLEL, RESHARD_AFTER_FORWARD)
         checkpoint_stage(stage, CHUNKS, CHECKPOINT)
     # loss_fn sees the model's output as the model returns it (a ModelOutput: out.logits, out["logits"])
-    loss_fn = lambda output, target: hooks.loss_fn(model_output(output, output_spec), target)  # noqa: E731
+    loss_fn = lambda output, target: hooks.loss_fn(output_of(output), target)  # noqa: E731
     schedule = {schedule_class}({stage_arg}, n_microbatches=CHUNKS, loss_fn=loss_fn){csv_load}
     build_optimizer = getattr(hooks, "build_optimizer", None) or (lambda params: torch.optim.SGD(params, lr=0.01))
     # One optimizer per stage, as each stage owns its parameters.
     # (a tensor two stages of this rank share, tied, is stepped by the first one's optimizer only)
     optimizers = [build_optimizer(params) if params else None
                   for params in own_parameters([list(stage.submod.parameters()) for stage in stages])]
+    zero1 = bool(mesh) and DATA_PARALLEL == "zero1" and MESH["dp"] > 1
+    if zero1:  # each replica steps its share of the optimizer state (ZeRO-1)
+        optimizers = [zero1_optimizer(list(stage.submod.parameters()), optimizer, mesh["dp"].get_group())
+                      if optimizer is not None else None for stage, optimizer in zip(stages, optimizers)]
     recorder = None
     if options.record:
         from pipexplore.runs.record import RankRecorder
@@ -205,10 +261,10 @@ def main() -> None:
         recorder = RankRecorder(options.record, stages, device, warmup=warmup, plan=dict(
             split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
             schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
-            schedule_class="{schedule_class}", stages=pipe.num_stages, model=type(model).__name__, hooks=HOOKS,
-            checkpoint=CHECKPOINT,
+            schedule_class="{schedule_class}", stages=num_stages, model=type(model).__name__, hooks=HOOKS,
+            checkpoint=CHECKPOINT, mesh=MESH, coordinates=dict(pp=pp_rank, dp=dp_rank, tp=tp_rank),
             steps=options.steps, optimizer=type(next(filter(None, optimizers), None)).__name__))
-    last = pipe.num_stages - 1 in indices
+    last = num_stages - 1 in indices
     profiler = None
     for step in range(options.steps):
         if options.profile and step == warmup:  # traced from here: one ProfilerStep#N a step
@@ -229,6 +285,9 @@ def main() -> None:
         else:
             schedule.step(**kwargs)
         sum_tied_grads(tied, {{s: stage.submod for s, stage in zip(indices, stages)}})
+        if zero1:  # ZeRO-1: the gradients averaged over the replicas before each steps its share
+            reduce_gradients([p for stage in stages for p in stage.submod.parameters()], mesh["dp"].get_group(),
+                             MESH["dp"])
         if recorder is not None:
             recorder.optimizer_steps(zip(stages, optimizers))
             recorder.end_step(step, losses)
@@ -237,7 +296,12 @@ def main() -> None:
                 optimizer.step()
         if last:
             loss = sum(l.item() for l in losses) / len(losses)
-            print(f"step {{step}} loss={{loss:.9g}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
+            if mesh and MESH["dp"] > 1:  # the global batch's loss: the replicas' averaged
+                total = torch.tensor([loss], dtype=torch.float64, device=device)
+                dist.all_reduce(total, group=mesh["dp"].get_group())
+                loss = total.item() / MESH["dp"]
+            if dp_rank == 0 and tp_rank == 0:
+                print(f"step {{step}} loss={{loss:.9g}} time={{(time.perf_counter() - began) * 1e3:.3f}}ms", flush=True)
         if profiler is not None:
             profiler.step()
     if recorder is not None:
@@ -246,6 +310,13 @@ def main() -> None:
         profiler.stop()
         os.makedirs(options.profile, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(options.profile, f"trace_rank{{rank}}.json"))
+    if options.save:  # every rank of a stage gathers its shards; one writes them, by the model's names
+        for index, stage in zip(indices, stages):
+            state = full_state(stage.submod)
+            if dp_rank == 0 and tp_rank == 0:
+                os.makedirs(options.save, exist_ok=True)
+                torch.save(state, os.path.join(options.save, f"stage{{index}}.pt"))
+    dist.barrier()  # no rank leaves while another still sends to it
     dist.destroy_process_group()
 
 
@@ -316,7 +387,7 @@ GRAPH_DEVICES_SOURCE = '''def place_graph_devices(module, traced, device) -> Non
             owner.recompile()
 '''
 
-_STAGE_SOURCE = "\n\n".join((CHECKPOINT_SOURCE, GRAPH_DEVICES_SOURCE, TIED_SOURCE))
+_STAGE_SOURCE = "\n\n".join((CHECKPOINT_SOURCE, GRAPH_DEVICES_SOURCE, TIED_SOURCE, inspect.getsource(full_state)))
 
 # torch 2.13 warms a traced stage's links up by sending to its neighbours' ranks, its own too where
 # they share it (a V's middle stages), which gloo cannot do: the script leaves those sends out.
@@ -350,7 +421,8 @@ def load_schedule_csv(schedule) -> None:
 
 def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str = "1f1b",
                     devices: int = 0, steps: int = 1, filename: str = "train_pipeline.py", device: str = "cuda",
-                    checkpoint: str = "never") -> str:
+                    checkpoint: str = "never", mesh: Optional[Mapping[str, int]] = None, data_parallel: str = "ddp",
+                    reshard_after_forward: bool = False, tp_plan: Optional[Mapping[str, str]] = None) -> str:
     """A standalone script for ``torchrun --nproc-per-node N`` that builds the same split and
     schedule and trains with the model, data and loss of the ``hooks`` module (a Hugging Face
     model's KV cache off, as in the explorer: :mod:`pipexplore.models.hf`).
@@ -361,56 +433,107 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     local rank where the node has GPUs, refusing a rank beyond them; else the CPU) or ``"cpu"`` (a
     plan on CPUs runs there, GPUs or not); the script's ``--device`` overrides it. ``checkpoint``:
     the plan's activation checkpointing, applied to each stage's forward per micro-batch
-    (:data:`CHECKPOINT_SOURCE`)."""
+    (:data:`CHECKPOINT_SOURCE`).
+
+    ``mesh`` (``{"pp": …, "dp": …, "tp": …}``): the script runs the whole mesh
+    (:mod:`pipexplore.export.mesh_parts`): a ``DeviceMesh`` of pp × dp × tp ranks, each stage's
+    modules sharded over tp by ``parallelize_module`` with ``tp_plan`` (the stages then cut from
+    the model by their modules, one a pipeline rank), shared by the dp replicas as
+    ``data_parallel`` says (``fsdp`` with ``reshard_after_forward``, ``ddp``, ``zero1``), torch's
+    schedule running FSDP's actions; each replica trains on its share of the global batch where
+    ``get_batch`` takes ``replica=`` and ``replicas=``, and the loss printed is the global batch's.
+
+    Raises:
+        ValueError: what the script cannot run, by name (a schedule, a mesh with context parallelism,
+            tensor parallelism without a plan, or beside several stages a rank).
+    """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device is 'cuda' or 'cpu', got {device!r}")
     validate.checkpoint(checkpoint)
+    if not hooks or not all(part.isidentifier() for part in hooks.split(".")):
+        raise ValueError(f"hooks must name an importable module (e.g. 'mypackage.train_hooks'), got {hooks!r}")
+    mesh_fields = _mesh_fields(mesh, data_parallel, reshard_after_forward, tp_plan, schedule)
+    names = [str(n) for n in table["name"]]
+    common = dict(chunks=chunks, split_points=[names[s] for s in splits], filename=filename, hooks=hooks,
+                  steps=steps, layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
+                  contiguous_source=_CONTIGUOUS, device=device, checkpoint=checkpoint,
+                  checkpoint_source=_STAGE_SOURCE, run_generated_code=_RUN_GENERATED_CODE, schedule=schedule,
+                  **mesh_fields)
+    cut = "from torch.distributed.pipelining import PipelineStage\n" if mesh and mesh.get("tp", 1) > 1 else ""
+    replicas = mesh.get("dp", 1) * mesh.get("tp", 1) if mesh else 1
     if is_csv(schedule):
-        return _csv_script(table, splits, hooks=hooks, chunks=chunks, schedule=schedule, devices=devices,
-                           steps=steps, filename=filename, device=device, checkpoint=checkpoint)
+        return _csv_script(table, splits, devices=devices, replicas=replicas, cut=cut, **common)
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun export knows {', '.join(SCHEDULE_CLASSES)} and CSV schedule files; not "
                          f"{schedule!r}")
-    if not hooks or not all(part.isidentifier() for part in hooks.split(".")):
-        raise ValueError(f"hooks must name an importable module (e.g. 'mypackage.train_hooks'), got {hooks!r}")
-    names = [str(n) for n in table["name"]]
     schedule_class = SCHEDULE_CLASSES[schedule]
     stages = len(splits) + 1
-    world = devices or (stages // 2 if is_v_shaped(schedule) else stages)
+    world = (devices or (stages // 2 if is_v_shaped(schedule) else stages)) * replicas
     return _SCRIPT.format(
-        stages=stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits], world=world,
-        filename=filename, hooks=hooks, schedule_class=schedule_class, steps=steps, layers=names,
-        fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE, contiguous_source=_CONTIGUOUS,
-        csv_block="", csv_load="",
-        checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
-        run_generated_code=_RUN_GENERATED_CODE,
-        device=device,
-        schedule_import=f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}"
+        stages=stages, world=world, schedule_class=schedule_class, csv_block="", csv_load="",
+        schedule_import=cut + f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}"
                         + _TRACING_IMPORTS,
         stage_arg="stages" if schedule_class in MULTI_STAGE else "stages[0]",
-        stage_indices="[rank, 2 * world - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
-        else "list(range(rank, pipe.num_stages, world))", v_warmup=_V_WARMUP if is_v_shaped(schedule) else "")
+        stage_indices="[rank, 2 * ranks - 1 - rank]  # a V: two stages per rank" if is_v_shaped(schedule)
+        else "list(range(rank, len(SPLIT_POINTS) + 1, ranks))", v_warmup=_V_WARMUP if is_v_shaped(schedule) else "",
+        **common)
 
 
-def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, chunks: int, schedule: str, devices: int,
-                steps: int, filename: str, device: str, checkpoint: str) -> str:
+_KINDS = {"ddp": "DDP (torch's replicate: gradients all-reduced)",
+          "zero1": "ZeRO-1 (gradients all-reduced, the optimizer state sharded)",
+          "fsdp": "FSDP2 (fully_shard: parameters, gradients and optimizer state sharded)"}
+
+
+def _mesh_fields(mesh: Optional[Mapping[str, int]], data_parallel: str, reshard_after_forward: bool,
+                 tp_plan: Optional[Mapping[str, str]], schedule: str) -> dict[str, str]:
+    """The script's mesh: its docstring's line, its constants and the source it runs (none without a mesh)."""
+    if not mesh:
+        return dict(mesh_doc="", mesh_source="",
+                    mesh_constants="MESH = None  # pipeline ranks alone: every rank a pipeline rank")
+    shape = {d: int(mesh.get(d, 1)) for d in ("pp", "dp", "tp")}
+    if int(mesh.get("cp", 1)) > 1:
+        raise ValueError(f"the script runs pp, dp and tp; this mesh has cp={mesh['cp']} (context parallelism), "
+                         "which it would drop: export the mesh with cp=1, or Megatron-LM's arguments")
+    if data_parallel not in _KINDS:
+        raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(_KINDS)}")
+    if shape["tp"] > 1:
+        if not tp_plan:
+            raise ValueError(f"tp={shape['tp']}: the script needs the tensor-parallel plan the explorer counted "
+                             "(tp_plan=), none was given")
+        if is_csv(schedule) or is_multi_stage(schedule):
+            raise ValueError(f"with tensor parallelism the script runs one stage a pipeline rank, and {schedule} "
+                             "runs several: choose gpipe, 1f1b, or plan tp=1")
+    doc = (f"\nThe mesh: pp {shape['pp']} x dp {shape['dp']} x tp {shape['tp']} ranks (tensor-parallel ranks "
+           f"numbered fastest), replicas sharing each stage by {_KINDS[data_parallel]};\nget_batch(replica=, "
+           "replicas=) gives each replica its share of the global batch where it takes them.")
+    constants = (
+        "# The device mesh: pp x dp x tp ranks (tensor-parallel ranks numbered fastest, then data-parallel);\n"
+        "# torchrun starts their product.\n"
+        f"MESH = {shape!r}\n"
+        "# How the replicas share a stage: \"ddp\" (gradients all-reduced), \"zero1\" (the optimizer state sharded\n"
+        "# too), \"fsdp\" (FSDP2: parameters, gradients and optimizer state sharded).\n"
+        f"DATA_PARALLEL = {data_parallel!r}\n"
+        f"RESHARD_AFTER_FORWARD = {bool(reshard_after_forward)!r}  # FSDP2's: gather again for the backward\n"
+        "# Tensor parallelism: the plan the explorer counted (module-name patterns, * an index, to styles).\n"
+        f"TP_PLAN = {dict(tp_plan or {})!r}\n")
+    return dict(mesh_doc=doc, mesh_constants=constants, mesh_source=MESH_SOURCE + "\n")
+
+
+def _csv_script(table: pd.DataFrame, splits: Sequence[int], *, devices: int, replicas: int, cut: str,
+                **common: object) -> str:
     """:func:`torchrun_script` for a CSV schedule file (checked against the split and chunks first)."""
-    names = [str(n) for n in table["name"]]
-    file = csv_schedule(schedule).check_fits(stages=len(splits) + 1, microbatches=chunks,
-                                             ranks=devices or None)
+    chunks = common["chunks"]
+    assert isinstance(chunks, int)
+    file = csv_schedule(str(common["schedule"])).check_fits(stages=len(splits) + 1, microbatches=chunks,
+                                                              ranks=devices or None)
     ranks = file.rank_stages
     adjacent = any(s + 1 in stages for stages in ranks for s in stages)  # passed within a rank: no self warm-up
     return _SCRIPT.format(
-        stages=file.stages, schedule=schedule, chunks=chunks, split_points=[names[s] for s in splits],
-        world=file.ranks, filename=filename, hooks=hooks, schedule_class="_PipelineScheduleRuntime", steps=steps,
-        layers=names, fqns=module_fqns_per_model_part(table, splits), cache_off=EXPORT_SOURCE,
-        contiguous_source=_CONTIGUOUS, device=device,
-        checkpoint=checkpoint, checkpoint_source=_STAGE_SOURCE,
-        run_generated_code=_RUN_GENERATED_CODE,
+        stages=file.stages, world=file.ranks * replicas, schedule_class="_PipelineScheduleRuntime",
         csv_block=_CSV_BLOCK.format(text=file.text, format=file.format, rank_stages=ranks),
         csv_load="\n    load_schedule_csv(schedule)  # the order of every rank, from SCHEDULE_CSV",
-        schedule_import=("from torch.distributed.pipelining import SplitPoint, pipeline\n"
+        schedule_import=(cut + "from torch.distributed.pipelining import SplitPoint, pipeline\n"
                          "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"
                          + _TRACING_IMPORTS),
         stage_arg="stages", stage_indices="STAGES_OF_RANK[rank]  # the stages the schedule file gives this rank",
-        v_warmup=_V_WARMUP if adjacent else "")
+        v_warmup=_V_WARMUP if adjacent else "", **common)

@@ -194,6 +194,18 @@ def _replicated_input(mesh: Any) -> Any:
     return hook
 
 
+def _input_shard(tp: int) -> Any:
+    """A forward pre-hook that hands a row-sharded module counted on its own its rank's ``1/tp`` of
+    its input's last dimension (what the column-sharded layer before leaves a rank)."""
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        if args and isinstance(args[0], torch.Tensor) and not hasattr(args[0], "placements"):
+            x = args[0]
+            return (x.narrow(-1, 0, x.shape[-1] // tp), *args[1:])
+        return args
+
+    return hook
+
+
 def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, gather_once: bool = True) -> nn.Module:
     """A copy of ``block`` (named ``name`` in its model) on the meta device, its modules that
     ``plan`` names sharded over ``mesh`` by torch's ``parallelize_module``; ``gather_once``: each
@@ -210,8 +222,11 @@ def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, ga
         styles[sub] = _torch_style(style)
         if style in _COLWISE and sub:
             parents.add(sub.rpartition(".")[0])
-    if "" in styles:
-        return parallelize_module(rank_block, mesh, styles[""])
+    if "" in styles:  # the block is one sharded module (a Sequential's layer)
+        sharded = parallelize_module(rank_block, mesh, styles[""])
+        if STYLES[style_of(plan, name) or ""] == "rowwise":  # its input is its rank's shard of the layer before's
+            sharded.register_forward_pre_hook(_input_shard(mesh.size()), prepend=True)
+        return sharded
     if styles:
         parallelize_module(rank_block, mesh, styles)
     if gather_once:

@@ -536,8 +536,11 @@ class ExplorerState:
 
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
         """Code that reproduces the current split (:func:`pipexplore.export.code.plan_code`)."""
+        from pipexplore.models.sharded import tensor_parallel_plan
+
         return plan_code(self._plan, kind, traced=self.traced, model_name=type(self.model).__name__, hooks=hooks,
-                         steps=steps, config=getattr(self.model, "config", None))
+                         steps=steps, config=getattr(self.model, "config", None),
+                         tp_plan=tensor_parallel_plan(self.model, self.meshes.tp_plan))
 
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:

@@ -1,0 +1,111 @@
+"""The exported torchrun script of a plan with a mesh runs the whole mesh: pp × dp (FSDP2, DDP,
+ZeRO-1) and pp × tp (torch's parallelize_module with the plan the explorer counted), here on four
+gloo ranks on the CPU. Three steps each: every loss the unsplit model's on the global batch, and
+every parameter after them the unsplit model's after three steps of the same optimizer."""
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+
+import pytest
+import torch
+
+import mesh_hooks
+from pipexplore import explore
+from pipexplore.export.torchrun import torchrun_script
+from ranks import run_ranks
+
+TESTS = str(__import__("pathlib").Path(__file__).parent)
+STEPS, CHUNKS = 3, 2
+
+
+def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsplit model's loss on the global batch (its micro-batches' mean) at each step, and its
+    parameters after the steps."""
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.global_batch(replicas)
+    optimizer = mesh_hooks.build_optimizer(model.parameters())
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = torch.stack([mesh_hooks.loss_fn(model(x), y) for x, y in
+                            zip(inputs.chunk(replicas * CHUNKS), target.chunk(replicas * CHUNKS))]).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def plan_for_the_cluster(mesh: dict, data_parallel: str):
+    """The explorer's plan of the hooks' model for four H100s with ``mesh``."""
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    options = dict(tp_plan=mesh_hooks.SEQUENTIAL_TP_PLAN) if mesh_hooks.kind() == "sequential" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return explore(model, inputs, devices=["H100"] * 4, gpus_per_node=8, chunks=CHUNKS, schedule="1f1b",
+                       mesh=mesh, data_parallel=data_parallel, loss_fn=mesh_hooks.loss_fn, target=target,
+                       optimizer=torch.optim.SGD, **options)
+
+
+CASES = {
+    "llama pp 2 x dp 2, fsdp": ("llama", {"pp": 2, "dp": 2}, "fsdp"),
+    "llama pp 2 x dp 2, ddp": ("llama", {"pp": 2, "dp": 2}, "ddp"),
+    "llama pp 2 x tp 2": ("llama", {"pp": 2, "tp": 2}, "ddp"),
+    "sequential pp 2 x dp 2, zero1": ("sequential", {"pp": 2, "dp": 2}, "zero1"),
+    "sequential pp 2 x tp 2": ("sequential", {"pp": 2, "tp": 2}, "ddp"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_exported_script_trains_the_mesh_as_the_unsplit_model(case, tmp_path, monkeypatch):
+    model, mesh, data_parallel = CASES[case]
+    monkeypatch.setenv("MESH_HOOKS_MODEL", model)
+    ex = plan_for_the_cluster(mesh, data_parallel)
+    script = ex.export("torchrun", hooks="mesh_hooks", steps=STEPS)
+    assert f"MESH = {{'pp': 2, 'dp': {mesh.get('dp', 1)}, 'tp': {mesh.get('tp', 1)}}}" in script
+    assert f"DATA_PARALLEL = {data_parallel!r}" in script
+    path = tmp_path / "train_mesh.py"
+    path.write_text(script)
+    saved = tmp_path / "trained"
+    stdout = "".join(run_ranks(path, ["--device", "cpu", "--save", saved], ranks=4, pythonpath=TESTS))
+    losses = [float(v) for v in re.findall(r"step \d+ loss=([0-9.]+)", stdout)]
+    expected, parameters = reference(mesh.get("dp", 1))
+    assert losses == pytest.approx(expected, rel=1e-5), stdout
+    trained = {}
+    for stage in range(2):
+        trained.update(torch.load(saved / f"stage{stage}.pt"))
+    assert sorted(trained) == sorted(parameters)
+    initial = dict(mesh_hooks.build_model().named_parameters())
+    assert max((parameters[n] - initial[n]).abs().max().item() for n in parameters) > 1e-2  # the steps moved them
+    for name, value in parameters.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
+def test_a_script_started_with_another_world_size_is_refused_with_the_ranks_to_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
+    table = plan_for_the_cluster({"pp": 2, "dp": 2}, "ddp").layer_table
+    path = tmp_path / "train_mesh.py"
+    path.write_text(torchrun_script(table, [4], hooks="mesh_hooks", chunks=CHUNKS, device="cpu",
+                                    mesh={"pp": 2, "dp": 2, "tp": 1}))
+    with pytest.raises(AssertionError, match=r"the mesh pp 2 x dp 2 x tp 1 runs on 4 ranks, but torchrun "
+                                             r"started 2: start 4"):
+        run_ranks(path, ranks=2, pythonpath=TESTS, timeout=120)
+
+
+def test_what_the_script_cannot_run_is_refused_at_export_by_name():
+    table = __import__("pandas").DataFrame({"name": ["a", "b", "c"]})
+    with pytest.raises(ValueError, match="cp=2 .context parallelism., which it would drop"):
+        torchrun_script(table, [1], hooks="h", chunks=2, mesh={"pp": 2, "dp": 1, "tp": 1, "cp": 2})
+    with pytest.raises(ValueError, match="tp=2: the script needs the tensor-parallel plan"):
+        torchrun_script(table, [1], hooks="h", chunks=2, mesh={"pp": 2, "dp": 1, "tp": 2})
+    with pytest.raises(ValueError, match="runs one stage a pipeline rank, and interleaved runs several"):
+        torchrun_script(table, [1], hooks="h", chunks=2, schedule="interleaved", mesh={"pp": 1, "dp": 1, "tp": 2},
+                        tp_plan={"a": "colwise"})
+    with pytest.raises(ValueError, match="unknown data_parallel 'zero3'"):
+        torchrun_script(table, [1], hooks="h", chunks=2, mesh={"pp": 2, "dp": 2, "tp": 1}, data_parallel="zero3")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
