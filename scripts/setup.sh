@@ -15,5 +15,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     # The CPU wheel, pinned: a loose `torch` would pull a multi-GB CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
     .venv/bin/python -m pip install -q -e ".[test]"
+    # torchtitan's config dataclasses and parsing rules check the exported torchtitan command
+    # (tests/test_torchtitan_export.py); its training dependencies (datasets, wandb, triton kernels) are
+    # not needed for that, and are left out.
+    .venv/bin/python -m pip install -q --no-deps "torchtitan==0.3.0"
     touch "$stamp"
 fi

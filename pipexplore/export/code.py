@@ -11,12 +11,13 @@ from typing import Any, Mapping, Optional
 
 from pipexplore.export.megatron import megatron_arguments
 from pipexplore.export.torchrun import torchrun_script
+from pipexplore.export.torchtitan import torchtitan_command
 from pipexplore.plan import CODE_KINDS, Plan
 
 __all__ = ["plan_code", "EXPORT_KINDS"]
 
 #: What a plan exports as.
-EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv", "megatron")
+EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "torchtitan")
 
 
 def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_name: str = "the model",
@@ -37,6 +38,8 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
     """
     if kind == "megatron":  # the whole mesh, as Megatron-LM's arguments (the model's shape from ``config``)
         return megatron_arguments(plan, config=config)
+    if kind == "torchtitan":  # the whole mesh, as torchtitan's trainer command (its model from ``config``)
+        return torchtitan_command(plan, config=config)
     mesh = plan.mesh
     if mesh is not None and kind not in ("schedule-csv", "torchrun") and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
         raise ValueError(f"the plan's mesh ({mesh.describe()}) is planned, but the {kind!r} "

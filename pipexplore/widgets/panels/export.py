@@ -17,6 +17,7 @@ __all__ = ["ExportPanel", "KINDS"]
 #: What the export menu offers: (label, kind).
 KINDS = [("GPipe", "gpipe"), ("torch pipelining", "pipelining"), ("torchrun script", "torchrun"),
          ("schedule CSV (torch)", "schedule-csv"), ("Megatron-LM arguments", "megatron"),
+         ("torchtitan command", "torchtitan"),
          ("Chrome trace", "chrome-trace"), ("HTML report", "html")]
 
 
@@ -49,9 +50,11 @@ class ExportPanel:
                 state.say(f"wrote {path}")
             else:
                 titles = {"gpipe": "GPipe", "pipelining": "torch.distributed.pipelining",
-                          "torchrun": f"a script for torchrun --standalone --nproc-per-node {state.plan.num_devices}",
+                          "torchrun": "a script for torchrun --standalone --nproc-per-node "
+                                      f"{state.plan.mesh_or_pipeline.size if state.plan.mesh else state.plan.num_devices}",
                           "schedule-csv": "the schedule in torch's CSV format: save as .csv, then schedule='that.csv'",
-                          "megatron": "Megatron-LM's arguments: append them to pretrain_gpt.py's command line"}
+                          "megatron": "Megatron-LM's arguments: append them to pretrain_gpt.py's command line",
+                          "torchtitan": "torchtitan's trainer with the plan's mesh and split: run it on each node"}
                 self.show_code(state.export(kind), titles[kind])
             self.fields.set("export", "")
         except Exception as exc:
