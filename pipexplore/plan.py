@@ -208,6 +208,7 @@ class Plan:
     def mesh_or_pipeline(self) -> Mesh:
         """The plan's mesh, or every pipeline rank alone (``Mesh(pp=…)``)."""
         return self.mesh if self.mesh is not None else Mesh(pp=self.num_devices)
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_table)

@@ -51,7 +51,7 @@ class ExportPanel:
             else:
                 titles = {"gpipe": "GPipe", "pipelining": "torch.distributed.pipelining",
                           "torchrun": "a script for torchrun --standalone --nproc-per-node "
-                                      f"{state.plan.mesh_or_pipeline.size if state.plan.mesh else state.plan.num_devices}",
+                                      f"{state.plan.mesh_or_pipeline.size}",
                           "schedule-csv": "the schedule in torch's CSV format: save as .csv, then schedule='that.csv'",
                           "megatron": "Megatron-LM's arguments: append them to pretrain_gpt.py's command line",
                           "torchtitan": "torchtitan's trainer with the plan's mesh and split: run it on each node"}
