@@ -58,18 +58,34 @@ CASES = {
 }
 
 
+_RUNS: dict[str, tuple] = {}
+
+
+def run_case(case: str, folder) -> tuple[str, object, object]:
+    """Run ``case``'s exported script on four gloo ranks (once a session): its stdout, the folder
+    of its trained parameters and the directory it recorded into."""
+    if case not in _RUNS:
+        model, mesh, data_parallel = CASES[case]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MESH_HOOKS_MODEL", model)
+            ex = plan_for_the_cluster(mesh, data_parallel)
+            script = ex.export("torchrun", hooks="mesh_hooks", steps=STEPS)
+            assert f"MESH = {{'pp': 2, 'dp': {mesh.get('dp', 1)}, 'tp': {mesh.get('tp', 1)}}}" in script
+            assert f"DATA_PARALLEL = {data_parallel!r}" in script
+            path = folder / "train_mesh.py"
+            path.write_text(script)
+            saved, record = folder / "trained", folder / "run"
+            stdout = "".join(run_ranks(path, ["--device", "cpu", "--save", saved, "--record", record, "--warmup", "1"],
+                                       ranks=4, pythonpath=TESTS))
+        _RUNS[case] = (stdout, saved, record)
+    return _RUNS[case]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_exported_script_trains_the_mesh_as_the_unsplit_model(case, tmp_path, monkeypatch):
+def test_the_exported_script_trains_the_mesh_as_the_unsplit_model(case, tmp_path_factory, monkeypatch):
     model, mesh, data_parallel = CASES[case]
     monkeypatch.setenv("MESH_HOOKS_MODEL", model)
-    ex = plan_for_the_cluster(mesh, data_parallel)
-    script = ex.export("torchrun", hooks="mesh_hooks", steps=STEPS)
-    assert f"MESH = {{'pp': 2, 'dp': {mesh.get('dp', 1)}, 'tp': {mesh.get('tp', 1)}}}" in script
-    assert f"DATA_PARALLEL = {data_parallel!r}" in script
-    path = tmp_path / "train_mesh.py"
-    path.write_text(script)
-    saved = tmp_path / "trained"
-    stdout = "".join(run_ranks(path, ["--device", "cpu", "--save", saved], ranks=4, pythonpath=TESTS))
+    stdout, saved, _ = run_case(case, tmp_path_factory.mktemp("mesh"))
     losses = [float(v) for v in re.findall(r"step \d+ loss=([0-9.]+)", stdout)]
     expected, parameters = reference(mesh.get("dp", 1))
     assert losses == pytest.approx(expected, rel=1e-5), stdout
@@ -81,6 +97,50 @@ def test_the_exported_script_trains_the_mesh_as_the_unsplit_model(case, tmp_path
     assert max((parameters[n] - initial[n]).abs().max().item() for n in parameters) > 1e-2  # the steps moved them
     for name, value in parameters.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
+@pytest.mark.parametrize("case", ["llama pp 2 x dp 2, fsdp", "sequential pp 2 x tp 2"])
+def test_every_rank_is_brought_back_one_timeline_a_pipeline_rank_and_the_replicas_spread(case, tmp_path_factory,
+                                                                                         monkeypatch):
+    from pipexplore.runs.load import read_run
+
+    model, mesh, _ = CASES[case]
+    monkeypatch.setenv("MESH_HOOKS_MODEL", model)
+    _, _, record = run_case(case, tmp_path_factory.mktemp("mesh"))
+    run = read_run(record)
+    assert run.world == 4 and run.plan["mesh"] == {"pp": 2, "dp": mesh.get("dp", 1), "tp": mesh.get("tp", 1)}
+    places = [(r["coordinates"]["pp"], r["coordinates"]["dp"], r["coordinates"]["tp"]) for r in run.ranks]
+    assert places == sorted(places, key=lambda p: (p[0], p[1], p[2]))  # tensor-parallel ranks numbered fastest
+    for step in run.steps:  # the first replica's pipeline ranks, each stage's actions once
+        assert set(step["rank"]) == {0, 2}
+        assert len(step[step["phase"] == "forward"]) == 2 * CHUNKS
+        assert (step["replica_spread"] >= 0).all() and step["replica_spread"].notna().all()
+    expected, _ = reference(mesh.get("dp", 1))
+    assert run.measured_losses == pytest.approx(expected[1:], rel=1e-5)  # the global batch's, after --warmup 1
+
+
+def test_a_run_directory_missing_a_rank_or_from_another_mesh_is_refused_by_name(tmp_path_factory, monkeypatch):
+    import json
+    import shutil
+
+    from pipexplore.runs.load import RunDirectoryError, read_run
+
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
+    _, _, record = run_case("sequential pp 2 x tp 2", tmp_path_factory.mktemp("mesh"))
+    partial = tmp_path_factory.mktemp("partial") / "run"
+    shutil.copytree(record, partial)
+    (partial / "rank-3.json").unlink()
+    with pytest.raises(RunDirectoryError, match=r"lacks rank-3.json \(pp 1, dp 0, tp 1\) of the 4 ranks' files"):
+        read_run(partial)
+    other = tmp_path_factory.mktemp("other") / "run"
+    shutil.copytree(record, other)
+    payload = json.loads((other / "rank-1.json").read_text())
+    payload["coordinates"] = {"pp": 1, "dp": 0, "tp": 0}
+    (other / "rank-1.json").write_text(json.dumps(payload))
+    with pytest.raises(RunDirectoryError, match=r"rank-1.json was recorded at .*'pp': 1.*, but rank 1 of the run's "
+                                                r"mesh \(tp 2 · pp 2 · dp 1\) is at pp 0, dp 0, tp 1: the file is "
+                                                r"from another mesh"):
+        read_run(other)
 
 
 def test_a_script_started_with_another_world_size_is_refused_with_the_ranks_to_start(tmp_path, monkeypatch):

@@ -258,11 +258,12 @@ def main() -> None:
     if options.record:
         from pipexplore.runs.record import RankRecorder
 
-        recorder = RankRecorder(options.record, stages, device, warmup=warmup, plan=dict(
+        recorder = RankRecorder(options.record, stages, device, warmup=warmup,
+                                coordinates=dict(pp=pp_rank, dp=dp_rank, tp=tp_rank) if mesh else None, plan=dict(
             split_points=SPLIT_POINTS, layers=LAYERS, chunks=CHUNKS, schedule=SCHEDULE,
             schedule_csv=globals().get("SCHEDULE_CSV"),  # a CSV schedule's text: the run holds what it ran
             schedule_class="{schedule_class}", stages=num_stages, model=type(model).__name__, hooks=HOOKS,
-            checkpoint=CHECKPOINT, mesh=MESH, coordinates=dict(pp=pp_rank, dp=dp_rank, tp=tp_rank),
+            checkpoint=CHECKPOINT, mesh=MESH, data_parallel=globals().get("DATA_PARALLEL"),
             steps=options.steps, optimizer=type(next(filter(None, optimizers), None)).__name__))
     last = num_stages - 1 in indices
     profiler = None

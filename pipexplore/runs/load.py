@@ -209,10 +209,12 @@ def read_run(directory: Any) -> RecordedRun:
     world = int(plan["world"])
     if plan_id(plan) != plan.get("plan_id"):
         raise RunDirectoryError(f"{PLAN_FILE} was changed after the run: its fields no longer match its digest")
+    mesh = _mesh(plan)
     expected = {rank_file(r) for r in range(world)}
     missing = sorted(expected - {p.name for p in ranks_here}, key=lambda n: int(n[5:-5]))
     if missing:
-        raise RunDirectoryError(f"{path} lacks {', '.join(missing)} of the {world} ranks' files: "
+        named = [f"{name} ({_place(mesh, int(name[5:-5]))})" if mesh else name for name in missing]
+        raise RunDirectoryError(f"{path} lacks {', '.join(named)} of the {world} ranks' files: "
                                 f"{'that rank' if len(missing) == 1 else 'those ranks'} did not finish or the file "
                                 "was not copied back; nothing was loaded")
     stray = sorted({p.name for p in ranks_here} - expected)
@@ -223,10 +225,15 @@ def read_run(directory: Any) -> RecordedRun:
     for r in range(world):
         payload = _read(path / rank_file(r), "rank")
         _check_rank(r, payload, plan)
+        if mesh is not None:
+            _check_place(r, payload, mesh)
         ranks.append(payload)
-    held = sorted(s for r in ranks for s in r["stages"])
-    if held != list(range(int(plan["stages"]))):
-        raise RunDirectoryError(f"the ranks' files hold stages {held}, not each of the plan's {plan['stages']} once")
+    for replica in _replicas(ranks, mesh):  # (a mesh: each replica of the pipeline holds every stage once)
+        held = sorted(s for r in replica for s in r["stages"])
+        if held != list(range(int(plan["stages"]))):
+            which = f" of replica {_replica_text(replica[0])}" if mesh else ""
+            raise RunDirectoryError(f"the ranks' files{which} hold stages {held}, not each of the plan's "
+                                    f"{plan['stages']} once")
     measured = [[int(s["step"]) for s in r["steps"]] for r in ranks]
     if any(m != measured[0] for m in measured):
         odd = next(r for r, m in enumerate(measured) if m != measured[0])
@@ -236,6 +243,13 @@ def read_run(directory: Any) -> RecordedRun:
     origin0 = int(ranks[0]["clock"]["origin_ns"])
     rows = [(rank["rank"], rank["host"], *event) for rank in ranks for event in _aligned(rank, origin0)]
     events = pd.DataFrame(rows, columns=["rank", "host", "step", "stage", "microbatch", "phase", "start", "end"])
+    spread = None
+    if mesh is not None:  # the timeline is the first replica's; the others' spread, a column beside it
+        first = {r["rank"] for r in ranks if not (r["coordinates"]["dp"] or r["coordinates"]["tp"])}
+        took = events.assign(took=events["end"] - events["start"])
+        keys = ["step", "stage", "microbatch", "phase"]
+        spread = took.groupby(keys)["took"].agg(lambda t: float(t.max() - t.min())).rename("replica_spread")
+        events = events[events["rank"].isin(first)]
     steps = []
     for step, frame in events.groupby("step", sort=True):
         # The step begins with its first computation (stage 0's first forward); a rank that came to
@@ -245,9 +259,59 @@ def read_run(directory: Any) -> RecordedRun:
         origin = frame.loc[compute, "start"].min() if compute.any() else frame["start"].min()
         frame["start"] = (frame["start"] - origin).clip(lower=0.0)
         frame["end"] = (frame["end"] - origin).clip(lower=0.0)
+        if spread is not None:
+            frame = frame.join(spread, on=["step", "stage", "microbatch", "phase"])
         steps.append(frame.sort_values(["start", "stage"]).reset_index(drop=True))
-    losses = {int(k): [float(x) for x in v] for rank in ranks for k, v in rank.get("losses", {}).items()}
+    losses: dict[int, list[float]] = {}
+    for rank in ranks:  # a mesh: every replica's micro-batches (the global batch's), each once (its tp rank 0)
+        if mesh is None or not rank["coordinates"]["tp"]:
+            for k, v in rank.get("losses", {}).items():
+                losses[int(k)] = ([] if mesh is None else losses.get(int(k), [])) + [float(x) for x in v]
     return RecordedRun(path, plan, ranks, steps, losses)
+
+
+def _mesh(plan: dict[str, Any]) -> Any:
+    """The run's mesh (:class:`~pipexplore.devices.Mesh`), or None for pipeline ranks alone."""
+    shape = plan.get("mesh")
+    if not shape:
+        return None
+    from pipexplore.devices.mesh import Mesh
+
+    mesh = Mesh(**{d: int(v) for d, v in shape.items() if d in ("pp", "dp", "tp", "cp")})
+    if mesh.size != int(plan["world"]):
+        raise RunDirectoryError(f"{PLAN_FILE} says the mesh {mesh.describe()} ({mesh.size} ranks), but the run's "
+                                f"world was {plan['world']}")
+    return mesh
+
+
+def _place(mesh: Any, rank: int) -> str:
+    """Rank ``rank``'s place in ``mesh`` in words ('pp 1, dp 0, tp 1')."""
+    where = mesh.coordinates(rank)
+    return ", ".join(f"{d} {where[d]}" for d in ("pp", "dp", "tp"))
+
+
+def _check_place(rank: int, payload: dict[str, Any], mesh: Any) -> None:
+    """Refuse a rank's file whose place in the mesh is not the rank's (a file from another mesh)."""
+    where = payload.get("coordinates") or {}
+    expected = mesh.coordinates(rank)
+    if any(int(where.get(d, -1)) != expected[d] for d in ("pp", "dp", "tp")):
+        raise RunDirectoryError(f"{rank_file(rank)} was recorded at {where or 'no place in a mesh'}, but rank {rank} "
+                                f"of the run's mesh ({mesh.describe()}) is at {_place(mesh, rank)}: the file is from "
+                                "another mesh; a directory holds one run")
+
+
+def _replicas(ranks: list[dict[str, Any]], mesh: Any) -> list[list[dict[str, Any]]]:
+    """The ranks in groups that each hold the whole pipeline once: all of them, or a mesh's (dp, tp) replicas."""
+    if mesh is None:
+        return [ranks]
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for rank in ranks:
+        groups.setdefault((rank["coordinates"]["dp"], rank["coordinates"]["tp"]), []).append(rank)
+    return list(groups.values())
+
+
+def _replica_text(rank: dict[str, Any]) -> str:
+    return f"dp {rank['coordinates']['dp']}, tp {rank['coordinates']['tp']}"
 
 
 def run_kind(recorded: RecordedRun) -> str | None:
@@ -357,7 +421,8 @@ def run_result(recorded: RecordedRun, plan: Plan, *, samples: int, run: Any = 0)
     kept = steps[len(steps) // 2]
     stage_devices = plan.stage_devices
     frame = kept.assign(run=run, device=[stage_devices[s] for s in kept["stage"]], source="measured")
-    frame = frame[COLUMNS + ["rank", "host"]].reset_index(drop=True)
+    frame = frame[COLUMNS + ["rank", "host"] + (["replica_spread"] if "replica_spread" in frame else [])]
+    frame = frame.reset_index(drop=True)
     peaks = [r.get("peak_memory") for r in recorded.ranks]
     frame.attrs["peak_memory"] = {f"{r['device']}@rank{r['rank']}": p for r, p in zip(recorded.ranks, peaks) if p}
     measured_losses = recorded.measured_losses

@@ -119,12 +119,13 @@ class RankRecorder:
     writes ``rank-{rank}.json`` (rank 0 also ``plan.json``) in ``directory`` on :meth:`finish`.
 
     ``plan``: what the script ran (``split_points``, ``layers``, ``chunks``, ``schedule``,
-    ``stages``, ``world``, ``model``, …). Constructing it is a collective (every rank, once the
+    ``stages``, ``world``, ``model``, and for a mesh ``mesh`` and ``data_parallel``, …);
+    ``coordinates``: the rank's place in that mesh (``{"pp": …, "dp": …, "tp": …}``). Constructing it is a collective (every rank, once the
     process group is up): it agrees on a run id and measures the clocks.
     """
 
     def __init__(self, directory: Any, stages: Sequence[Any], device: Any, *, warmup: int,
-                 plan: dict[str, Any]) -> None:
+                 plan: dict[str, Any], coordinates: Optional[dict[str, int]] = None) -> None:
         import torch.distributed as dist
 
         self.directory = pathlib.Path(directory)
@@ -140,6 +141,7 @@ class RankRecorder:
         dist.broadcast_object_list(box, src=0, group=self._group)
         self.run_id = str(box[0])
         self.plan = {**plan, "world": self.world}
+        self.coordinates = dict(coordinates) if coordinates else None  # the rank's place in the plan's mesh
         self.plan_id = plan_id(self.plan)
         self.clock: dict[str, Any] = {"origin_ns": self._origin_ns, "shift_injected": self._shift / 1e9}
         self._sync("start")
@@ -342,7 +344,7 @@ class RankRecorder:
             "steps": steps, "losses": {str(k): v for k, v in sorted(self._losses.items())},
             "peak_memory": peak, "peak_rss": rss, "threads": torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "coordinates": self.coordinates,
         }
         path = self.directory / rank_file(self.rank)
         write_json(path, payload)
