@@ -120,8 +120,9 @@ class RankRecorder:
 
     ``plan``: what the script ran (``split_points``, ``layers``, ``chunks``, ``schedule``,
     ``stages``, ``world``, ``model``, and for a mesh ``mesh`` and ``data_parallel``, …);
-    ``coordinates``: the rank's place in that mesh (``{"pp": …, "dp": …, "tp": …}``). Constructing it is a collective (every rank, once the
-    process group is up): it agrees on a run id and measures the clocks.
+    ``coordinates``: the rank's place in that mesh (``{"pp": …, "dp": …, "tp": …}``). Constructing
+    it is a collective (every rank, once the process group is up): it agrees on a run id and
+    measures the clocks.
     """
 
     def __init__(self, directory: Any, stages: Sequence[Any], device: Any, *, warmup: int,
