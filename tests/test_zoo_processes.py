@@ -1,7 +1,7 @@
-"""The transformers zoo in other processes: every architecture with tiny real weights run one process
-a stage (torch.distributed.pipelining, gloo), and some through the exported torchrun script, each
-first loss the unsplit model's; what cannot run so refused by name. (A file of its own: the suite's
-workers take a file each.)"""
+"""The transformers zoo through the exported torchrun script: some architectures with tiny real
+weights, two ranks (gloo), each first loss the unsplit model's. (A file of its own: the suite's
+workers take a file each. Every architecture's run one process a stage is in test_zoo.py, where it
+reuses the export its run on two CPU stages made.)"""
 from __future__ import annotations
 
 import logging
@@ -9,35 +9,9 @@ import logging
 import pytest
 
 from pipexplore.widgets.state import ExplorerState
-from tests.test_zoo import ZOO, tiny, unsplit_loss
+from tests.test_zoo import tiny, unsplit_loss
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-#: What the processes executor refuses, by name: an encoder-decoder returns its encoder's last hidden
-#: state beside the logits, which torch's stages never hand loss_fn (the last stage's outputs only);
-#: or, where the balanced split (from measured times) begins the second stage before the decoder
-#: reads its inputs, those inputs, which torch's stages feed to the first stage only.
-ENCODER_DECODER = (r"returns values that stages before the last make|"
-                   r"later stages read 'decoder_input_ids' \(stage 1\)")
-REFUSED_IN_PROCESSES = {"t5": ENCODER_DECODER, "bart": ENCODER_DECODER}
-
-
-@pytest.mark.parametrize("name", sorted(ZOO))
-def test_runs_in_processes_with_the_unsplit_models_loss(name):
-    """One process a stage (torch.distributed.pipelining, gloo): every value crossing a stage laid
-    out contiguously (BERT's, ViT's, OPT's, GPT-J's and CodeGen's failed before with "input tensor
-    has to be contiguous"), the first loss the unsplit model's; or refused by name."""
-    model, sample = tiny(name)
-    state = ExplorerState(model, sample, devices=["cpu", "cpu"], chunks=2, profile_repeats=1, calibrate=False,
-                          executor="processes", profile_stages=False)
-    if name in REFUSED_IN_PROCESSES:
-        with pytest.raises(ValueError, match=REFUSED_IN_PROCESSES[name]):
-            state.runner.run()
-        return
-    row = state.runner.run()
-    assert row["executor"] == "processes"
-    assert row["loss"] == pytest.approx(unsplit_loss(model, sample), rel=1e-5, abs=1e-7)
 
 
 #: A hooks module for the exported script: the zoo's tiny model by name, its sample, the synthetic loss.

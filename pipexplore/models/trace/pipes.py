@@ -47,6 +47,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pipexplore.models.inputs import call_inputs
 from pipexplore.models.trace.candidates import TraceError
 from pipexplore.models.trace.markers import MarkersMoved, marks_for
 from pipexplore.models.trace.split import split_marked
@@ -102,7 +103,8 @@ def split_key(model: nn.Module, mb_args: Any, mb_kwargs: Optional[dict[str, Any]
     """What a trace of ``model`` split at ``points`` on these inputs depends on (the module's doc)."""
     first: dict[int, int] = {}  # tied weights: where each tensor was seen first
     classes = {type(module) for module in model.modules()}
-    return (tuple(points), input_shapes(mb_args), input_shapes(mb_kwargs or {}),
+    args, kwargs = call_inputs(mb_args)  # (a tensor and a tuple of it are the same call)
+    return (tuple(points), input_shapes(args), input_shapes({**kwargs, **(mb_kwargs or {})}),
             tuple((name, type(module).__module__, type(module).__qualname__, module.training)
                   for name, module in model.named_modules()),
             tuple(sorted(((f"{cls.__module__}.{cls.__qualname__}", class_code(cls)) for cls in classes),
