@@ -340,6 +340,8 @@ class Plan:
         options["corrections"] = self.learnt
         if self.planned:
             options["gpus_per_node"] = self.gpus_per_node
+        elif self.mesh is not None and self.mesh.size > self.mesh.pp:  # replicas of each stage share this machine
+            options["replicas"] = self.mesh.size // self.mesh.pp
         if self.batch is not None:
             options["batch"] = self.batch
         return options

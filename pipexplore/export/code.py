@@ -14,7 +14,7 @@ from pipexplore.export.torchrun import torchrun_script
 from pipexplore.export.torchtitan import torchtitan_command
 from pipexplore.plan import CODE_KINDS, Plan
 
-__all__ = ["plan_code", "EXPORT_KINDS"]
+__all__ = ["plan_code", "EXPORT_KINDS", "mesh_options"]
 
 #: What a plan exports as.
 EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "torchtitan")
@@ -49,7 +49,7 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
         return torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
                                schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",
                                devices=plan.num_devices, device=plan.device_type,
-                               checkpoint=plan.export_checkpoint, **_mesh_options(plan, tp_plan))
+                               checkpoint=plan.export_checkpoint, **mesh_options(plan, tp_plan))
     if kind == "gpipe" and traced:
         raise ValueError(f"GPipe takes an nn.Sequential; {model_name} exports as 'pipelining' or 'torchrun'")
     if kind not in CODE_KINDS:
@@ -58,7 +58,7 @@ def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_na
     return plan.to_code(kind)
 
 
-def _mesh_options(plan: Plan, tp_plan: Optional[Mapping[str, str]]) -> dict[str, Any]:
+def mesh_options(plan: Plan, tp_plan: Optional[Mapping[str, str]]) -> dict[str, Any]:
     """What the torchrun script of a plan with a mesh runs: the mesh, its data parallelism and the
     tensor-parallel plan (none without a mesh)."""
     mesh = plan.mesh

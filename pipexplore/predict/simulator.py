@@ -173,7 +173,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
              batch: Optional[int] = None, corrections: Optional[Corrections] = None,
-             run: Union[int, str] = "predicted", gpus_per_node: int = 8) -> pd.DataFrame:
+             run: Union[int, str] = "predicted", gpus_per_node: int = 8, replicas: int = 1) -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
@@ -214,6 +214,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
             fit, no ``batch``; refused for the others, whose seconds follow from the rows).
         cpu_stages_overlap: CPU stages never slow each other (layers that leave the CPU free:
             sleeps, I/O, waits on other machines), whatever the table says of their shares.
+        replicas: copies of each stage that run its actions at the same time on the same host
+            (a mesh's data-parallel replicas, ranks of this machine): each action asks for that
+            many times its share of the host's cores, and each rank of ``processes`` for its own.
 
     Example::
 
@@ -225,7 +228,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                    copy_cost=copy_cost, virtual_stages=virtual_stages, executor=executor,
                    cpu_stages_overlap=cpu_stages_overlap, per_microbatch=per_microbatch,
                    action_overhead=action_overhead, batch=batch, corrections=corrections,
-                   gpus_per_node=gpus_per_node)
+                   gpus_per_node=gpus_per_node, replicas=replicas)
     layer_table, graph, costs = setup.layer_table, setup.graph, setup.costs
     splits, stage_device, resource, executor = setup.splits, setup.stage_device, setup.resource, setup.executor
     sizes, distinct, fractions = setup.sizes, setup.distinct, setup.fractions
@@ -251,7 +254,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                 whole = stage_seconds(layer_table, splits, size, "backward", whole_scale)[0]
                 seconds[(kind, rows)][0] = whole + extra[kind] if kind == "I" else 0.0
             wanted = np.clip(stage_shares(layer_table, splits, size, phase, default=1.0), 0.0, 1.0)
-            demand[(kind, rows)] = np.minimum(wanted, setup.share_cap)
+            demand[(kind, rows)] = np.minimum(wanted, setup.share_cap) * setup.replicas
     # A step's first backward of each stage allocates the parameters' gradients; the later ones
     # accumulate into them, as the profile's backward is timed: ``fresh_grads`` seconds once a step.
     fresh = stage_sums(fresh_gradient_seconds(layer_table, corrections.scale(learnt, "backward")
@@ -313,6 +316,7 @@ class Setup(NamedTuple):
     copy_rates: list[float]  # seconds per byte over each stage boundary
     fit: bool
     batch: Optional[int]
+    replicas: Union[np.ndarray, float] = 1.0  # per stage: copies of its actions at once on its device (host meshes)
 
     def layer_rows(self, rows: float) -> float:
         """The size a layer table's costs are read at for a micro-batch of ``rows`` rows (a table
@@ -325,7 +329,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
                  copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
                  cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
                  batch: Optional[int] = None, corrections: Optional[Corrections] = None,
-                 gpus_per_node: int = 8) -> Setup:
+                 gpus_per_node: int = 8, replicas: int = 1) -> Setup:
     """:func:`simulate`'s arguments checked, and what they fix for every split of the same stage
     count (what :mod:`pipexplore.predict.retime` hands a page to re-time a drag with)."""
     if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
@@ -400,7 +404,9 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
 
     host = np.array([_is_host(d) for d in stage_device])
     cores = host_cores()
-    rank_share = max(1, cores // S) / cores
+    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
+        raise ValueError(f"replicas must be a whole number ≥ 1, got {replicas!r}")
+    rank_share = max(1, cores // (S * replicas)) / cores
     share_cap = np.ones(S)
     if executor == "processes":
         # A process per stage: no GIL between them, and each keeps at most its own intra-op
@@ -417,7 +423,8 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
                  resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
-                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1], gpus_per_node) for b in range(S - 1)], fit, batch)
+                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1], gpus_per_node) for b in range(S - 1)], fit, batch,
+                 np.where(host, float(replicas), 1.0))
 
 
 def _chunks_refusal(chunks: int, batch: int, made: int, rows: int, given: bool) -> str:

@@ -393,7 +393,8 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
             f"{len(recorded_layers)} layers there, {len(names)} here)")
     splits = tuple(names.index(str(point)) for point in plan["split_points"])
     world, stages = int(plan["world"]), int(plan["stages"])
-    devices = tuple(base.devices[: base.num_devices])
+    mesh = _mesh(plan)
+    devices = tuple(base.devices[: base.mesh_or_pipeline.size])
     # GPUs of this machine (every rank ran here: the page's own torchrun) are this machine's kind
     kind = run_kind(recorded) if set(recorded.hosts) != {socket.gethostname()} else None
     options: dict[str, Any] = {}
@@ -406,9 +407,12 @@ def plan_of(recorded: RecordedRun, layer_table: pd.DataFrame, base: Plan) -> Pla
         # the ranks' own devices: never planned ones of a kind the run did not run on
         devices = tuple("cpu" if r["device"] == "cpu" else f"cuda:{r['rank']}" for r in recorded.ranks)
     options.update(splits=splits, chunks=int(plan["chunks"]), schedule=_schedule_ran(recorded), devices=devices,
-                   executor="processes", checkpoint=_checkpoint_ran(recorded))
-    if stages > world:  # stages per rank (interleaved, a V)
-        options["virtual_stages"] = stages // world
+                   executor="processes", checkpoint=_checkpoint_ran(recorded), mesh=mesh)
+    if mesh is not None:  # the mesh the run ran, its replicas sharing each stage as it did
+        options["data_parallel"] = str(plan.get("data_parallel") or "ddp")
+    ranks = mesh.pp if mesh is not None else world
+    if stages > ranks:  # stages per rank (interleaved, a V)
+        options["virtual_stages"] = stages // ranks
     return base.with_options(**options)
 
 

@@ -72,7 +72,8 @@ def load_result(directory: Any, layer_table: pd.DataFrame, plan: Plan, *, sample
 def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: int, target: Any = None,
                     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, optimizer: Any = None,
                     run: Any = 0, warmup: int = 2, repeats: int = 10, timeout: Optional[float] = None,
-                    progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None) -> RunResult:
+                    progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None,
+                  tp_plan: Optional[dict[str, str]] = None) -> RunResult:
     """Export ``plan`` as the ``torchrun`` script, run it under ``nodes`` node agents on this
     machine (``plan.num_devices / nodes`` ranks each, gloo on CPUs) with ``--record``, and load the
     run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does; the
@@ -82,14 +83,16 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     by value (cloudpickle) in a hooks module written to a temporary directory, removed afterwards
     (``keep``: a directory to record into and keep instead). ``timeout``: seconds for the whole
     run (default: :data:`STARTUP_SECONDS` plus the processes executor's default for the steps).
-    ``metrics['printed_losses']`` holds each step's loss as the script printed it.
+    ``metrics['printed_losses']`` holds each step's loss as the script printed it. A plan with a
+    mesh runs all its ranks (``tp_plan``: the tensor-parallel plan it was counted with), each
+    replica on the sample.
 
     Raises:
         ValueError: a plan or sample the exported script cannot run, or ``nodes`` not dividing its ranks.
         pipexplore.runs.launch.TorchrunError: a rank failed (named: rank, host, exit code) or the run timed out.
         pipexplore.cancel.Cancelled: cancelled; every agent and rank is stopped, nothing is loaded.
     """
-    world = plan.num_devices
+    world = plan.mesh_or_pipeline.size
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world % nodes:
         raise ValueError(f"nodes must be a whole number that divides the plan's {world} ranks, got {nodes!r}")
     if not is_csv(plan.schedule) and plan.schedule not in SCHEDULE_CLASSES:
@@ -104,6 +107,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
+    from pipexplore.export.code import mesh_options
     from pipexplore.export.torchrun import torchrun_script
 
     if timeout is None:
@@ -116,8 +120,9 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         assert hooks == HOOKS_MODULE
         script = folder / "train_pipeline.py"
         script.write_text(torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,
-                                          schedule=plan.schedule, devices=world, steps=warmup + repeats,
-                                          device=plan.device_type, checkpoint=plan.export_checkpoint))
+                                          schedule=plan.schedule, devices=plan.num_devices, steps=warmup + repeats,
+                                          device=plan.device_type, checkpoint=plan.export_checkpoint,
+                                          **mesh_options(plan, tp_plan)))
         check_cancelled()
         outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
                          args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,

@@ -26,8 +26,16 @@ from pipexplore.widgets import layer_table as layers
 
 __all__ = ["MeshChoice"]
 
-_NO_MESH_HERE = ("mesh: a mesh is planned for devices from the catalogue (devices=['H100'] * 64, gpus_per_node=8, "
-                 "mesh={'tp': 8, 'pp': 4, 'dp': 2}); runs here are one device a stage")
+_NO_MESH_HERE = ("mesh: on this machine's devices a mesh is pipeline and data parallelism (tp 1, cp 1; each rank "
+                 "a process of the exported torchrun script); tensor and context parallelism are planned for "
+                 "devices from the catalogue (devices=['H100'] * 64, gpus_per_node=8, mesh={'tp': 8, 'pp': 4, "
+                 "'dp': 2}), and the exported script runs tensor parallelism here too (ex.export('torchrun'))")
+
+
+def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
+    """A mesh of this machine's devices is pipeline and data parallelism only (what its runs measure)."""
+    if not placement_planned and (mesh.tp > 1 or mesh.cp > 1):
+        raise ValueError(_NO_MESH_HERE)
 
 
 class MeshChoice:
@@ -36,7 +44,7 @@ class MeshChoice:
     ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
 
     Raises:
-        ValueError: a mesh for devices here, a mesh that does not fill the devices, an unknown
+        ValueError: tensor or context parallelism on devices here, a mesh that does not fill the devices, an unknown
             ``data_parallel``, options that are not booleans.
     """
 
@@ -45,9 +53,8 @@ class MeshChoice:
                  tp_plan: Optional[dict[str, str]] = None) -> None:
         self.mesh: Optional[Mesh] = None
         if spec is not None:
-            if not placement.planned:
-                raise ValueError(_NO_MESH_HERE)
             self.mesh = Mesh.of(spec, len(placement.devices))
+            _refused_here(self.mesh, placement.planned)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
         self.options: dict[str, Any] = {
@@ -96,9 +103,8 @@ class MeshChoice:
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             raise TypeError(f"set_mesh() takes {', '.join(self.options)}, not {', '.join(unknown)}")
-        if not plan.planned:
-            raise ValueError(_NO_MESH_HERE)
         chosen = Mesh.of(spec, len(plan.devices))
+        _refused_here(chosen, plan.planned)
         table = table_for(chosen.tp)
         stages = chosen.pp * (plan.virtual_stages if is_multi_stage(plan.schedule) else 1)
         if stages > len(table):

@@ -60,7 +60,7 @@ class Runner:
         ``executor``: ``'threads'`` (the schedule executor, in this process), ``'autograd'`` (the
         ``GPipe`` module) or ``'processes'`` (one process per stage); it becomes the plan's.
         ``'torchrun'``: the exported script under ``nodes`` torchrun node agents here (see
-        :meth:`run_torchrun`; the plan's executor stays).
+        :meth:`run_torchrun`; the plan's executor stays); what a plan with a mesh runs by default.
         ``timeout`` (seconds, ``'processes'`` and ``'torchrun'``) bounds the step in the worker processes.
 
         Raises:
@@ -73,7 +73,8 @@ class Runner:
         if executor is not None:
             validate.executor(executor, (*EXECUTORS, "torchrun"))
         refuse_planned(state.plan)
-        if executor == "torchrun":
+        if executor == "torchrun" or (executor is None and state.plan.mesh is not None):
+            # (a mesh's ranks are the exported script's processes: torchrun runs them)
             return self.run_torchrun(nodes=nodes, timeout=timeout)
         if executor is not None and executor != state.plan.executor:
             state.update(executor=executor)
@@ -163,7 +164,8 @@ class Runner:
             state.say(f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
             result = torchrun_result(state.model, state.sample, plan, nodes=nodes, target=state.target,
                                      loss_fn=state.loss_fn, optimizer=state.optimizer, run=number, timeout=timeout,
-                                     progress=lambda text: state.say(text, busy=True))
+                                     progress=lambda text: state.say(text, busy=True),
+                                     tp_plan=state.tp_plan() if plan.mesh is not None else None)
             return self._keep_loaded(result, number)
 
     def load_run(self, directory: Any) -> pd.Series:

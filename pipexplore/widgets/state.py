@@ -536,11 +536,14 @@ class ExplorerState:
 
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
         """Code that reproduces the current split (:func:`pipexplore.export.code.plan_code`)."""
+        return plan_code(self._plan, kind, traced=self.traced, model_name=type(self.model).__name__, hooks=hooks,
+                         steps=steps, config=getattr(self.model, "config", None), tp_plan=self.tp_plan())
+
+    def tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan the mesh is counted with: the one given, else the model's own."""
         from pipexplore.models.sharded import tensor_parallel_plan
 
-        return plan_code(self._plan, kind, traced=self.traced, model_name=type(self.model).__name__, hooks=hooks,
-                         steps=steps, config=getattr(self.model, "config", None),
-                         tp_plan=tensor_parallel_plan(self.model, self.meshes.tp_plan))
+        return tensor_parallel_plan(self.model, self.meshes.tp_plan)
 
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:

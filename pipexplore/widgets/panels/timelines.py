@@ -109,8 +109,10 @@ class TimelinesPanel:
         plan = self.state.plan
         options = plan.simulate_options()
         table = plan.rank_table  # a mesh's pipeline rank's costs (the layer table's without one)
-        if any(column in table and table[column].any() for column in ("unshard_seconds", "reduce_grad_seconds")):
-            self.timelines.retime("")  # FSDP's actions, placed by torch's lowering: the kernel re-times them
+        if "replicas" in options or any(column in table and table[column].any()
+                                        for column in ("unshard_seconds", "reduce_grad_seconds")):
+            # FSDP's actions placed by torch's lowering, or replicas sharing this machine: the kernel re-times them
+            self.timelines.retime("")
             return
         try:
             key = retime_key(table, plan.splits, options)

@@ -1,0 +1,67 @@
+"""A mesh of this machine's devices: pipeline × data parallelism planned on the CPU (each stage's
+replicas sharing its cores), run as the exported torchrun script's ranks, loaded back beside its
+prediction; tensor parallelism here refused by name (it is planned for catalogue devices)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import mesh_hooks
+from pipexplore import explore
+
+
+def explored(mesh: dict, data_parallel: str = "ddp", **options):
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return explore(model, inputs, devices=["cpu"] * 4, chunks=2, schedule="1f1b", executor="processes",
+                       mesh=mesh, data_parallel=data_parallel, loss_fn=mesh_hooks.loss_fn, target=target,
+                       optimizer=torch.optim.SGD, **options)
+
+
+def test_each_stages_replicas_share_this_machines_cores():
+    from pipexplore.plan import Plan
+
+    ex = explored({"pp": 2, "dp": 2})
+    plan = ex.plan
+    assert plan.pipeline_devices == ["cpu", "cpu"] and plan.simulate_options()["replicas"] == 2
+    alone = Plan(plan.layer_table, splits=plan.splits, devices=("cpu", "cpu"), chunks=2, schedule="1f1b",
+                 executor="processes", batch=plan.batch)
+    predicted = plan.predicted
+    compute = predicted[predicted["phase"] != "collective"]
+    forward = lambda frame: frame[frame["phase"] == "forward"].eval("end - start").sum()  # noqa: E731
+    # two replicas of each stage, one rank a core each on two cores: an action that runs beside the
+    # other stage's runs at half speed (it ran at full speed alone on the core it had)
+    assert forward(compute) > forward(alone.predicted) * 1.2
+    dp = predicted[predicted["phase"] == "collective"]
+    assert set(dp["collective"]) == {"dp all_reduce"} and dp["exposed"].all()
+
+
+def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction():
+    ex = explored({"pp": 2, "dp": 2}, data_parallel="fsdp")
+    before = ex.plan.predicted["end"].max()
+    row = ex.run()  # a mesh's ranks are the exported script's processes: torchrun runs them
+    assert row["executor"] == "torchrun" and row["ranks"] == 4
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    first = torch.stack([mesh_hooks.loss_fn(model(x), y) for x, y in zip(inputs.chunk(2), target.chunk(2))]).mean()
+    assert row["loss"] == pytest.approx(first.item(), rel=1e-5)  # every replica on the sample: its loss
+    assert row["predicted_step_time"] == pytest.approx(before)
+    result = ex.state.log.shown_result()
+    assert result.plan.mesh == ex.plan.mesh and result.plan.data_parallel == "fsdp"
+    assert "replica_spread" in result.timeline and result.timeline["replica_spread"].notna().all()
+    assert set(result.timeline["rank"]) == {0, 2}  # the first replica's pipeline ranks
+    assert ex.plan.mesh is not None and ex.plan.mesh.dp == 2  # the plan it teaches keeps the mesh
+
+
+def test_tensor_parallelism_here_is_refused_by_name_and_the_plan_kept():
+    with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline and data parallelism"):
+        explored({"pp": 2, "tp": 2})
+    ex = explored({"pp": 2, "dp": 2})
+    before = ex.plan
+    with pytest.raises(ValueError, match=r"tensor and context parallelism are planned for devices from the catalogue"):
+        ex.state.set_mesh({"pp": 2, "tp": 2})
+    assert ex.plan is before
