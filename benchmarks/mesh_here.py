@@ -1,0 +1,51 @@
+"""A mesh of this machine's CPUs, predicted and run: pipeline × data parallelism (pp 2 × dp 2, four
+ranks on this machine's cores) of a Llama-shaped model, for each way the replicas share a stage
+(DDP, ZeRO-1, FSDP2). Each is run three times under torchrun (``ex.run()``: the exported script's
+ranks, a warm-up and ten measured steps, the median kept): the first run teaches the prediction,
+the next two are held against it. Printed: each run's measured and predicted step and the error,
+and the spread of the measured steps between the held runs (this machine's run-to-run noise).
+
+Run: ``python benchmarks/mesh_here.py``.
+"""
+from __future__ import annotations
+
+import statistics
+import warnings
+
+import torch
+import transformers
+
+import pipexplore
+from common import machine
+
+
+def model_and_batch():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000)
+    return transformers.LlamaForCausalLM(config), torch.randint(0, 1000, (8, 128))
+
+
+def main() -> None:
+    print(machine())
+    errors = []
+    for data_parallel in ("ddp", "zero1", "fsdp"):
+        model, ids = model_and_batch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b", executor="processes",
+                                    mesh={"pp": 2, "dp": 2}, data_parallel=data_parallel)
+        rows = [ex.run() for _ in range(3)]
+        held = rows[1:]
+        errors += [abs(r["prediction_error"]) for r in held]
+        steps = [r["step_time"] for r in held]
+        spread = (max(steps) - min(steps)) / statistics.mean(steps)
+        print(f"pp 2 x dp 2, {data_parallel}: " + "; ".join(
+            f"run {i + 1} measured {r['step_time'] * 1e3:.1f} ms, predicted {r['predicted_step_time'] * 1e3:.1f} ms "
+            f"({r['prediction_error']:+.1%})" for i, r in enumerate(rows)) + f"; held runs' spread {spread:.1%}",
+            flush=True)
+    print(f"held runs: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
+
+
+if __name__ == "__main__":
+    main()
