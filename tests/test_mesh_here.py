@@ -65,3 +65,32 @@ def test_tensor_parallelism_here_is_refused_by_name_and_the_plan_kept():
     with pytest.raises(ValueError, match=r"tensor and context parallelism are planned for devices from the catalogue"):
         ex.state.set_mesh({"pp": 2, "tp": 2})
     assert ex.plan is before
+
+
+def dies_on_rank_3(output, target):
+    """The hooks' loss, except on rank 3 (the last stage's second replica), which dies in its first step."""
+    import os
+
+    if os.environ.get("RANK") == "3":
+        os._exit(3)
+    return mesh_hooks.loss_fn(output, target)
+
+
+def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_reaped(monkeypatch):
+    import psutil
+
+    import pipexplore.runs.launch as launching
+    from pipexplore.runs.launch import TorchrunError
+
+    monkeypatch.setattr(launching, "FAILURE_GRACE", 1.0)
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
+    ex = explored({"pp": 2, "dp": 2})
+    ex.state.loss_fn = dies_on_rank_3
+    before = ex.plan
+    with pytest.raises(TorchrunError, match=r"rank 3 \(pp 1, dp 1, tp 0\) on host \S+ exited with code 3") as caught:
+        ex.run(executor="torchrun", nodes=2)  # two node agents of two ranks each
+    assert caught.value.rank == 3
+    assert ex.runs.empty and ex.plan is before
+    left = [p for p in psutil.Process().children(recursive=True)
+            if "pipexplore-torchrun" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left

@@ -23,7 +23,7 @@ from pipexplore.executors.distributed import default_timeout
 from pipexplore.microbatch import batch_size
 from pipexplore.models.trace import SCHEDULE_CLASSES
 from pipexplore.plan import Plan
-from pipexplore.runs.launch import HOOKS_MODULE, launch, printed_losses, write_hooks
+from pipexplore.runs.launch import HOOKS_MODULE, TorchrunError, launch, printed_losses, write_hooks
 from pipexplore.runs.load import RunDirectoryError, plan_of, read_run, run_result
 from pipexplore.runs.record import PLAN_FILE
 from pipexplore.schedules import is_csv
@@ -89,7 +89,8 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
 
     Raises:
         ValueError: a plan or sample the exported script cannot run, or ``nodes`` not dividing its ranks.
-        pipexplore.runs.launch.TorchrunError: a rank failed (named: rank, host, exit code) or the run timed out.
+        pipexplore.runs.launch.TorchrunError: a rank failed (named: rank, its place in a mesh, host, exit
+            code) or the run timed out.
         pipexplore.cancel.Cancelled: cancelled; every agent and rank is stopped, nothing is loaded.
     """
     world = plan.mesh_or_pipeline.size
@@ -124,9 +125,17 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
                                           device=plan.device_type, checkpoint=plan.export_checkpoint,
                                           **mesh_options(plan, tp_plan)))
         check_cancelled()
-        outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
-                         args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,
-                         progress=progress)
+        try:
+            outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
+                             args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,
+                             progress=progress)
+        except TorchrunError as failed:
+            if plan.mesh is None or failed.rank is None or not 0 <= failed.rank < world:
+                raise
+            where = plan.mesh.coordinates(failed.rank)  # the rank named by its place in the mesh too
+            place = ", ".join(f"{d} {where[d]}" for d in ("pp", "dp", "tp"))
+            text = str(failed).replace(f"rank {failed.rank} on host", f"rank {failed.rank} ({place}) on host", 1)
+            raise TorchrunError(text, failed.rank, failed.host, failed.exitcode) from None
         check_cancelled()
         recorded = read_run(record)
         ran = plan_of(recorded, plan.layer_table, plan)
