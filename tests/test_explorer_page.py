@@ -421,7 +421,7 @@ class _Page(html.parser.HTMLParser):
 
 def test_export_offers_every_kind_with_its_code(explorer):
     assert [value for _, value in explorer.w_export_kind.options] == [
-        "gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "chrome-trace", "html"]
+        "gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "torchtitan", "chrome-trace", "html"]
     explorer.w_export_kind.value = "gpipe"
     explorer.w_export.click()
     assert explorer.w_code.code == explorer.export("gpipe") and "balance=[2, 3, 3]" in explorer.w_code.code

@@ -192,7 +192,7 @@ def test_plans_lay_the_stages_out_and_export_them():
     from pipexplore.export.torchrun import torchrun_script
 
     script = torchrun_script(_table(), [2, 4, 6], hooks="hooks", chunks=4, schedule="dualpipev")
-    assert "ScheduleDualPipeV(stages," in script and "return [rank, 2 * world - 1 - rank]  # a V" in script
+    assert "ScheduleDualPipeV(stages," in script and "return [rank, 2 * ranks - 1 - rank]  # a V" in script
     assert "--nproc-per-node 2" in script
     compile(script, "train_pipeline.py", "exec")
 

@@ -1,5 +1,11 @@
 """Export a split as a standalone ``torchrun`` script (``torch.distributed.pipelining``), and as
-torchtitan's ``module_fqns_per_model_part``."""
+torchtitan's ``module_fqns_per_model_part``.
+
+Why one module: the script is one text, its template here, and the rest of the module fills its
+fields (a schedule's classes and stages a rank, a CSV schedule's block, a mesh's constants and the
+source it runs: :mod:`pipexplore.export.mesh_parts`); a field moved away from the template would be
+read apart from the code that uses it.
+"""
 from __future__ import annotations
 
 import inspect

@@ -20,15 +20,22 @@ more) and waits where torch waits:
   stages; its idle time is not counted): what outlasts the rank's compute stays in the updates.
 
 :func:`fsdp_placement` gives what the simulator adds; the timeline's collective rows are drawn from
-its :class:`Unshard` and :class:`ReduceGrad` records.
+its :class:`Unshard` and :class:`ReduceGrad` records. :func:`placed_fsdp` places them in a step the
+simulator costs (where the table costs ``unshard_seconds`` or ``reduce_grad_seconds``), and
+:func:`placement_record` keeps them in its timeline's attrs.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
+import pandas as pd
 
-__all__ = ["lowered", "fsdp_placement", "FsdpPlacement", "Unshard", "ReduceGrad"]
+from pipexplore.predict.costs import stage_sums
+from pipexplore.predict.dataflow import OPTIMIZER
+from pipexplore.predict.frames import PHASE_NAMES
+
+__all__ = ["lowered", "fsdp_placement", "FsdpPlacement", "Unshard", "ReduceGrad", "placed_fsdp", "placement_record"]
 
 _COMPUTE = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
 
@@ -144,3 +151,37 @@ def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np
                         unshards.append(Unshard(s, lane, number[computes[issued]], use, value, False, 0.0, exposed))
                 seen_compute += 1
     return FsdpPlacement(release, extra, less, unshards, reduces)
+
+
+def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], microbatches: int,
+                executor: str) -> Optional[FsdpPlacement]:
+    """Where the table costs FSDP's gathers once a step (``unshard_seconds``) or its step-end
+    reduce-scatter (``reduce_grad_seconds``, inside ``optimizer``), place them as torch's lowering
+    does (:mod:`pipexplore.predict.fsdp_actions`): ``costs`` get the release times, the exposed
+    gathers and the updates less what their rank hides. None where the table costs neither."""
+    columns = [table[c].to_numpy(dtype=float) if c in table else None
+               for c in ("unshard_seconds", "reduce_grad_seconds")]
+    if all(c is None or not c.any() for c in columns):
+        return None
+    unshard, reduce_grad = (stage_sums(c, points) if c is not None else np.zeros(len(points) - 1) for c in columns)
+    # autograd's backward worker runs after every forward: the gathers are the forward workers'
+    lanes = [w for w, queue in enumerate(graph.queues) if executor != "autograd" or any(k == "F" for _, k, _ in queue)]
+    placement = fsdp_placement(graph, costs.seconds, unshard, reduce_grad, microbatches, lanes)
+    none = len(graph)
+    waits = graph.second == none
+    costs.second_wait[waits] = np.maximum(costs.second_wait[waits], placement.release[waits])
+    costs.seconds[:] += placement.extra + np.where(waits, 0.0, placement.release)  # (a use with a second input)
+    steps = graph.kind == OPTIMIZER
+    costs.seconds[steps] -= placement.optimizer_less[graph.stage[steps]]
+    return placement
+
+
+def placement_record(graph: Any, placement: FsdpPlacement) -> tuple:
+    """The placement's gathers and reduce-scatters as plain tuples a timeline's attrs can carry:
+    ``("unshard", stage, (use stage, phase, micro-batch), seconds, release, exposed)`` and
+    ``("reduce_grad", stage, (after stage, phase, micro-batch), seconds, hidden)``."""
+    def action(n: int) -> tuple:
+        return (int(graph.stage[n]), PHASE_NAMES[int(graph.kind[n])], int(graph.micro[n]))
+    return tuple([("unshard", u.stage, action(u.use), u.seconds, u.release if u.at_start else None, u.exposed)
+                  for u in placement.unshards]
+                 + [("reduce_grad", r.stage, action(r.after), r.seconds, r.hidden) for r in placement.reduces])

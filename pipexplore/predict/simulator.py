@@ -25,6 +25,10 @@ The result is a timeline in the common schema with ``source='predicted'``, a ``m
 column (the activation bytes the stage holds once the event is done) and a ``lane`` column: the
 worker that runs the action (what a measured timeline's hand-offs are read against, see
 :func:`pipexplore.predict.costs.handoff_gaps`).
+
+Why one module: :func:`simulate` and :func:`prepare_step` are one computation, the second the part
+that a moved split does not change (what the page re-times a drag with); the costs, the graph, the
+processor sharing and FSDP's placement live in modules of their own.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from pipexplore.predict.dataflow import (BACKWARD, FORWARD, INPUT_GRAD, KINDS, O
                                          ActionGraph, oversubscribed)
 from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_fit, microbatch_rows, stage_seconds,
                                       stage_shares, stage_sums)
-from pipexplore.predict.fsdp_actions import FsdpPlacement, fsdp_placement
+from pipexplore.predict.fsdp_actions import placed_fsdp, placement_record
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
@@ -269,7 +273,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     size_index = np.searchsorted(distinct, sizes)
     action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop,
                                  fresh, split_backward)
-    placement = _fsdp(graph, action_costs, layer_table, [0, *splits, len(layer_table)], len(sizes), executor)
+    placement = placed_fsdp(graph, action_costs, layer_table, [0, *splits, len(layer_table)], len(sizes), executor)
     gap = setup.gap
     times = None
     # (A graph whose levels hold one action each, e.g. autograd's one backward thread for all CPU
@@ -288,7 +292,7 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     frame["memory"] = held_activations(frame, kinds, costs, np.asarray(fractions), setup.stop)
     frame.attrs["peak_memory"] = {}
     if placement is not None:
-        frame.attrs["fsdp"] = _fsdp_record(graph, placement)
+        frame.attrs["fsdp"] = placement_record(graph, placement)
     if any(is_planned(d) for d in stage_device):
         frame.attrs["gpus_per_node"] = gpus_per_node  # which planned devices share a node (the page draws it)
     return frame
@@ -491,40 +495,6 @@ def _action_costs(graph: ActionGraph, seconds: dict, demand: dict, size_index: n
     gradient = graph.second < n
     second_wait[gradient] = edge_copy[stage[gradient], micro[gradient]] + handoff
     return ActionCosts(took, asked, copy, first_wait, second_wait)
-
-
-def _fsdp(graph: ActionGraph, costs: ActionCosts, table: pd.DataFrame, points: list[int], microbatches: int,
-          executor: str) -> Optional[FsdpPlacement]:
-    """Where the table costs FSDP's gathers once a step (``unshard_seconds``) or its step-end
-    reduce-scatter (``reduce_grad_seconds``, inside ``optimizer``), place them as torch's lowering
-    does (:mod:`pipexplore.predict.fsdp_actions`): ``costs`` get the release times, the exposed
-    gathers and the updates less what their rank hides. None where the table costs neither."""
-    columns = [table[c].to_numpy(dtype=float) if c in table else None
-               for c in ("unshard_seconds", "reduce_grad_seconds")]
-    if all(c is None or not c.any() for c in columns):
-        return None
-    unshard, reduce_grad = (stage_sums(c, points) if c is not None else np.zeros(len(points) - 1) for c in columns)
-    # autograd's backward worker runs after every forward: the gathers are the forward workers'
-    lanes = [w for w, queue in enumerate(graph.queues) if executor != "autograd" or any(k == "F" for _, k, _ in queue)]
-    placement = fsdp_placement(graph, costs.seconds, unshard, reduce_grad, microbatches, lanes)
-    none = len(graph)
-    waits = graph.second == none
-    costs.second_wait[waits] = np.maximum(costs.second_wait[waits], placement.release[waits])
-    costs.seconds[:] += placement.extra + np.where(waits, 0.0, placement.release)  # (a use with a second input)
-    steps = graph.kind == KINDS.index("O")
-    costs.seconds[steps] -= placement.optimizer_less[graph.stage[steps]]
-    return placement
-
-
-def _fsdp_record(graph: ActionGraph, placement: FsdpPlacement) -> tuple:
-    """The placement's gathers and reduce-scatters as plain tuples a timeline's attrs can carry:
-    ``("unshard", stage, (use stage, phase, micro-batch), seconds, release, exposed)`` and
-    ``("reduce_grad", stage, (after stage, phase, micro-batch), seconds, hidden)``."""
-    def action(n: int) -> tuple:
-        return (int(graph.stage[n]), PHASE_NAMES[int(graph.kind[n])], int(graph.micro[n]))
-    return tuple([("unshard", u.stage, action(u.use), u.seconds, u.release if u.at_start else None, u.exposed)
-                  for u in placement.unshards]
-                 + [("reduce_grad", r.stage, action(r.after), r.seconds, r.hidden) for r in placement.reduces])
 
 
 def _longest_path(graph: ActionGraph, costs: ActionCosts, resource: list[str], gap: float,
