@@ -1,6 +1,7 @@
-"""A mesh of this machine's devices: pipeline × data parallelism planned on the CPU (each stage's
-replicas sharing its cores), run as the exported torchrun script's ranks, loaded back beside its
-prediction; tensor parallelism here refused by name (it is planned for catalogue devices)."""
+"""A mesh of this machine's devices: pipeline × data × tensor parallelism planned on the CPU (each
+stage's replicas sharing its cores, a tensor-parallel rank the measured layers at its share of their
+work), run as the exported torchrun script's ranks, loaded back beside its prediction; context
+parallelism here refused by name."""
 from __future__ import annotations
 
 import warnings
@@ -57,13 +58,37 @@ def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_it
     assert ex.plan.mesh is not None and ex.plan.mesh.dp == 2  # the plan it teaches keeps the mesh
 
 
-def test_tensor_parallelism_here_is_refused_by_name_and_the_plan_kept():
-    with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline and data parallelism"):
-        explored({"pp": 2, "tp": 2})
+def test_a_tensor_parallel_rank_here_is_the_measured_layers_at_its_share_of_their_work():
+    """pp 2 × tp 2 here: each layer's time scaled by the FLOPs a rank does of it (torch's
+    parallelize_module counted on a fake group), its all-reduces on the phase's path over gloo's
+    ring, the parameters a rank holds; run as the exported script's ranks, its loss the model's."""
+    ex = explored({"pp": 2, "tp": 2})
+    rank = ex.plan.layer_table
+    assert rank.attrs["tp"] == 2 and ex.plan.simulate_options()["replicas"] == 2
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    blocks = rank["name"].str.startswith("model.layers.").to_numpy()
+    # a block's attention and MLP projections are sharded, its norms whole: a rank holds about half of it
+    held = (rank["rank_param_bytes"] / rank["param_bytes"])[blocks]
+    assert ((held > 0.45) & (held < 0.55)).all()
+    assert (rank["forward_comm"][blocks] > 0).all() and (rank["backward_comm"][blocks] > 0).all()
+    assert rank.loc[~blocks & (rank["param_bytes"] == 0), "forward_comm"].eq(0).all()
+    tp_rows = ex.plan.predicted[ex.plan.predicted["collective"] == "tp all_reduce"]
+    assert len(tp_rows) and tp_rows["exposed"].all()
+    row = ex.run()
+    first = torch.stack([mesh_hooks.loss_fn(model(x), y) for x, y in zip(inputs.chunk(2), target.chunk(2))]).mean()
+    assert row["executor"] == "torchrun" and row["ranks"] == 4
+    assert row["loss"] == pytest.approx(first.item(), rel=1e-5)
+    assert ex.state.log.shown_result().plan.mesh.tp == 2
+
+
+def test_context_parallelism_here_is_refused_by_name_and_the_plan_kept():
+    with pytest.raises(ValueError, match=r"context parallelism is planned for devices from the catalogue"):
+        explored({"pp": 2, "cp": 2})
     ex = explored({"pp": 2, "dp": 2})
     before = ex.plan
-    with pytest.raises(ValueError, match=r"tensor and context parallelism are planned for devices from the catalogue"):
-        ex.state.set_mesh({"pp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline, data and tensor parallelism"):
+        ex.state.set_mesh({"pp": 2, "cp": 2})
     assert ex.plan is before
 
 

@@ -180,9 +180,9 @@ def test_the_explorer_plans_a_mesh_and_changes_it_keeping_the_plan_on_bad_input(
     with pytest.raises(ValueError, match=r"= 6 ranks, but there are 8 devices"):
         state.set_mesh({"tp": 2, "pp": 3})
     assert state.plan is before
-    with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline and data parallelism"):
+    with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline, data and tensor parallelism"):
         ExplorerState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.zeros(4, 4),
-                      devices=["cpu", "cpu"], mesh={"pp": 1, "tp": 2})
+                      devices=["cpu", "cpu"], mesh={"pp": 1, "cp": 2})
 
 
 def test_the_mesh_search_ranks_every_factorisation_keeping_the_global_batch():

@@ -92,8 +92,9 @@ def profile_model(model: nn.Module, sample: Sample, *,
     ``optimizer`` column). ``split_backward``: measure the input/weight-gradient split
     (zero-bubble schedules run their backward as those two passes). ``profile_stages``: a traced
     model's blocks timed as its traced stages too. ``progress(done, total)``: called as layers are
-    timed (an ``nn.Sequential``'s). ``tp``: planned devices only, each stage tensor-parallel over
-    ``tp`` ranks: the costs are one rank's, its collectives included (:func:`planned_layers`).
+    timed (an ``nn.Sequential``'s). ``tp``: each stage tensor-parallel over ``tp`` ranks: the costs
+    are one rank's, its collectives included (:func:`planned_layers`; here, the measured table
+    scaled to a rank's share: :func:`pipexplore.models.rank_here.rank_here`).
 
     Raises:
         ValueError: the sample does not fit the model (naming the layer that refused it, or the input a
@@ -110,9 +111,14 @@ def profile_model(model: nn.Module, sample: Sample, *,
                               repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer,
                               mixed_precision=mixed_precision, tp=tp, tp_plan=tp_plan,
                               gpus_per_node=placement.gpus_per_node)
-    if tp != 1:
-        raise ValueError(f"tp={tp}: tensor parallelism is planned for devices from the catalogue "
-                         "(devices=['H100'] * 16, mesh={'tp': 4, 'pp': 4}); runs here keep each stage on one device")
+    if tp != 1:  # the whole model timed here, then one rank's share of it (:mod:`pipexplore.models.rank_here`)
+        from pipexplore.models.rank_here import rank_here
+
+        whole = profile_model(model, sample, devices=placement, chunks=chunks, granularity=granularity,
+                              repeats=repeats, profile_stages=profile_stages, split_backward=split_backward,
+                              loss_fn=loss_fn, target=target, optimizer=optimizer, mixed_precision=mixed_precision,
+                              progress=progress)
+        return rank_here(model, sample, whole, tp=tp, chunks=chunks, tp_plan=tp_plan, loss_fn=loss_fn, target=target)
     device = placement.profiling_device
     if on_meta(model):
         if not placement.given:

@@ -26,15 +26,14 @@ from pipexplore.widgets import layer_table as layers
 
 __all__ = ["MeshChoice"]
 
-_NO_MESH_HERE = ("mesh: on this machine's devices a mesh is pipeline and data parallelism (tp 1, cp 1; each rank "
-                 "a process of the exported torchrun script); tensor and context parallelism are planned for "
-                 "devices from the catalogue (devices=['H100'] * 64, gpus_per_node=8, mesh={'tp': 8, 'pp': 4, "
-                 "'dp': 2}), and the exported script runs tensor parallelism here too (ex.export('torchrun'))")
+_NO_MESH_HERE = ("mesh: on this machine's devices a mesh is pipeline, data and tensor parallelism (cp 1; each rank "
+                 "a process of the exported torchrun script); context parallelism is planned for devices from the "
+                 "catalogue (devices=['H100'] * 64, gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'cp': 2})")
 
 
 def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
-    """A mesh of this machine's devices is pipeline and data parallelism only (what its runs measure)."""
-    if not placement_planned and (mesh.tp > 1 or mesh.cp > 1):
+    """A mesh of this machine's devices runs no context parallelism (the exported script has none)."""
+    if not placement_planned and mesh.cp > 1:
         raise ValueError(_NO_MESH_HERE)
 
 
@@ -44,7 +43,7 @@ class MeshChoice:
     ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
 
     Raises:
-        ValueError: tensor or context parallelism on devices here, a mesh that does not fill the devices, an unknown
+        ValueError: context parallelism on devices here, a mesh that does not fill the devices, an unknown
             ``data_parallel``, options that are not booleans.
     """
 

@@ -1,0 +1,81 @@
+"""One tensor-parallel rank of a model run here: the layer table measured on this machine, each
+layer's time scaled to the share of its work a rank does, and its collectives costed over this
+machine's links.
+
+A plan for catalogue devices costs a tensor-parallel rank with the roofline of its shard (torch's
+``parallelize_module`` on a fake process group counts it: :mod:`pipexplore.models.sharded`). Here the
+whole model's layers are timed instead (:func:`pipexplore.models.profile.profile_model`), and the
+same count says what a rank keeps of each: its forward and backward seconds scale by the rank's
+FLOPs over the whole layer's (a matmul sharded over ``tp`` ranks does ``1/tp`` of the work; a norm
+kept whole does all of it), its parameters and optimizer step by the bytes it holds, and the
+collectives ``DTensor`` runs (their bytes counted) cost gloo's ring over loopback
+(:data:`pipexplore.predict.collectives.HOST_LINK`), on the critical path of their phase
+(``forward_comm``, ``backward_comm``). A run here corrects what the scaling leaves out (a narrower
+matmul's efficiency, the ranks sharing the cores).
+
+Example::
+
+    table = profile_model(model, ids, devices=["cpu"] * 4)
+    rank = rank_here(model, ids, table, tp=2, chunks=4)
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from pipexplore.models.meta import count_layers
+from pipexplore.models.opcount import meta_copy, on_meta
+from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
+
+__all__ = ["rank_here"]
+
+
+def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, chunks: int,
+              tp_plan: Optional[dict[str, str]] = None, loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+    """``table`` (``model``'s, measured here) as one of ``tp`` tensor-parallel ranks runs it (the
+    module docstring); ``attrs["tp"]``.
+
+    Raises:
+        ValueError: a plan that cannot shard the model (as :func:`pipexplore.models.sharded.check_plan`
+            says), or a count whose layers are not the table's.
+    """
+    from pipexplore.models.profile import costed_rows
+    from pipexplore.predict.roofline import _sum_by_kind
+
+    batch = int(table.attrs.get("batch") or 0) or None
+    rows = costed_rows(batch, chunks)[0] if batch else None
+    counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=rows, loss_fn=loss_fn,
+                           target=on_meta(target) if target is not None else None, tp=tp, tp_plan=tp_plan)
+    names = [str(n) for n in table["name"]]
+    if [str(n) for n in counted["name"]] != names:
+        raise ValueError(f"tp={tp} here: the count's layers ({list(counted['name'])[:3]} …) are not the measured "
+                         f"table's ({names[:3]} …): plan the model's blocks (granularity='blocks')")
+    out = table.copy()
+    for phase in ("forward", "backward"):
+        whole = counted[f"{phase}_flops"].to_numpy(dtype=float)
+        mine = counted[f"rank_{phase}_flops"].to_numpy(dtype=float)
+        share = np.where(np.isfinite(whole) & (whole > 0), mine / np.where(whole > 0, whole, 1.0), 1.0)
+        for column in (f"{phase}_a", f"{phase}_b"):
+            out[column] = out[column].to_numpy(dtype=float) * share
+    ops = counted.attrs["ops"]
+    comm = _sum_by_kind(ops, ops_collective_seconds(ops, float(table.attrs.get("batch") or ops.attrs["rows"]),
+                                                    Group(tp, *HOST_LINK)))
+    kinds = counted["kind"].to_numpy()
+    at = float(table.attrs.get("batch") or ops.attrs["rows"])
+    for phase in ("forward", "backward"):
+        seconds = comm[phase].reindex(kinds).fillna(0.0).to_numpy() if phase in comm else np.zeros(len(out))
+        out[f"{phase}_comm"] = seconds
+        out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + seconds / at  # on the phase's path
+    for phase in ("forward", "backward"):
+        if phase in out:
+            out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * at
+    whole_bytes = counted["param_bytes"].to_numpy(dtype=float)
+    held = counted["rank_param_bytes"].to_numpy(dtype=float)
+    out["rank_param_bytes"] = held
+    if "optimizer" in out:
+        out["optimizer"] = out["optimizer"].to_numpy(dtype=float) * np.where(whole_bytes > 0,
+                                                                              held / np.maximum(whole_bytes, 1), 1.0)
+    out.attrs = {**table.attrs, "tp": int(tp)}
+    return out
