@@ -1,6 +1,6 @@
 """A mesh of this machine's CPUs, predicted and run: pipeline × data parallelism (pp 2 × dp 2, four
 ranks on this machine's cores) of a Llama-shaped model, for each way the replicas share a stage
-(DDP, ZeRO-1, FSDP2). Each is run three times under torchrun (``ex.run()``: the exported script's
+(DDP, ZeRO-1, FSDP2), and pipeline × tensor parallelism (pp 2 × tp 2). Each is run three times under torchrun (``ex.run()``: the exported script's
 ranks, a warm-up and ten measured steps, the median kept): the first run teaches the prediction,
 the next two are held against it. Printed: each run's measured and predicted step and the error,
 and the spread of the measured steps between the held runs (this machine's run-to-run noise).
@@ -29,18 +29,21 @@ def model_and_batch():
 def main() -> None:
     print(machine())
     errors = []
-    for data_parallel in ("ddp", "zero1", "fsdp"):
+    for name, mesh, data_parallel in (("pp 2 x dp 2", {"pp": 2, "dp": 2}, "ddp"),
+                                      ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "zero1"),
+                                      ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp"),
+                                      ("pp 2 x tp 2", {"pp": 2, "tp": 2}, "ddp")):
         model, ids = model_and_batch()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b", executor="processes",
-                                    mesh={"pp": 2, "dp": 2}, data_parallel=data_parallel)
+                                    mesh=mesh, data_parallel=data_parallel)
         rows = [ex.run() for _ in range(3)]
         held = rows[1:]
         errors += [abs(r["prediction_error"]) for r in held]
         steps = [r["step_time"] for r in held]
         spread = (max(steps) - min(steps)) / statistics.mean(steps)
-        print(f"pp 2 x dp 2, {data_parallel}: " + "; ".join(
+        print(f"{name}, {data_parallel if mesh.get('dp', 1) > 1 else 'no replicas'}: " + "; ".join(
             f"run {i + 1} measured {r['step_time'] * 1e3:.1f} ms, predicted {r['predicted_step_time'] * 1e3:.1f} ms "
             f"({r['prediction_error']:+.1%})" for i, r in enumerate(rows)) + f"; held runs' spread {spread:.1%}",
             flush=True)
