@@ -169,3 +169,34 @@ def test_what_the_script_cannot_run_is_refused_at_export_by_name():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_the_profilers_collectives_come_back_on_each_ranks_lane(tmp_path, monkeypatch):
+    """--profile: each rank's tensor-parallel all-reduces, as gloo labels them in torch.profiler's
+    trace, come back as rows of their own (phase 'collective', on the rank's collectives lane), each
+    of the action it began in: a row-sharded layer's forward all-reduces its output once a
+    micro-batch."""
+    from pipexplore.runs.kineto import read_traces
+
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ex = explore(model, inputs, devices=["H100"] * 4, gpus_per_node=8, chunks=CHUNKS, schedule="gpipe",
+                     mesh={"pp": 2, "tp": 2}, loss_fn=mesh_hooks.loss_fn, target=target,
+                     tp_plan=mesh_hooks.SEQUENTIAL_TP_PLAN)
+    path = tmp_path / "train_mesh.py"
+    path.write_text(ex.export("torchrun", hooks="mesh_hooks", steps=2))
+    run_ranks(path, ["--device", "cpu", "--profile", tmp_path / "traces"], ranks=4, pythonpath=TESTS)
+    timeline = read_traces(tmp_path / "traces", stages={0: 0, 1: 0, 2: 1, 3: 1})  # GPipe labels no stage
+    collectives = timeline[timeline["phase"] == "collective"]
+    assert set(collectives["collective"]) == {"all_reduce"} and set(collectives["rank"]) == {0, 1, 2, 3}
+    assert collectives["device"].str.endswith(" · collectives").all()
+    forwards = timeline[timeline["phase"] == "forward"]
+    for _, action in forwards.iterrows():  # each holds its row-sharded layer's all-reduce
+        mine = collectives[(collectives["rank"] == action["rank"]) & (collectives["microbatch"] == action["microbatch"])]
+        held = mine[(mine["start"] >= action["cpu_start"]) & (mine["start"] <= action["cpu_end"])]
+        assert len(held) >= 1, (action["rank"], action["microbatch"])
+    actions = timeline[timeline["phase"] != "collective"]
+    assert (actions["collective"] == "").all() and not actions["exposed"].any()

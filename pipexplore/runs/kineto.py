@@ -24,6 +24,11 @@ autograd engine launches backward kernels from its own thread while the schedule
 label). An action with kernels spans them (``clock='gpu'``); without, its CPU span
 (``clock='cpu'``; all of a CPU-only trace). ``cpu_start``/``cpu_end`` keep the label's span.
 
+Collectives: what a process group labels (``gloo:all_reduce``, ``nccl:reduce_scatter``: tensor- and
+data-parallel, FSDP's; not the pipeline's sends and receives) come back as rows of their own, phase
+``collective`` on the rank's collectives lane (``'<device> · collectives'``, as predicted), each of
+the action it began in (``exposed`` where that action's span holds it whole), their CPU span.
+
 Clocks: Kineto stamps events with the host's clock (µs since the epoch, or since
 ``baseTimeNanoseconds``). Ranks are put on one axis assuming the hosts' clocks agree (``offsets=``
 corrects a known skew); ``timeline.attrs['rank_start']`` reports where each rank's trace starts.
@@ -49,7 +54,12 @@ from pipexplore.timeline import COLUMNS, OPTIMIZER_MICROBATCH
 
 __all__ = ["TraceError", "Label", "parse_label", "find_traces", "is_trace", "read_traces"]
 
-EXTRA_COLUMNS = ["rank", "clock", "cpu_start", "cpu_end", "overlapped"]
+EXTRA_COLUMNS = ["rank", "clock", "cpu_start", "cpu_end", "overlapped", "collective", "exposed"]
+#: A collective as the process group labels it (``gloo:all_reduce``, ``nccl:reduce_scatter``); its
+#: point-to-point sends and receives are the pipeline's, and a barrier no data's.
+_COLLECTIVE = re.compile(r"^(gloo|nccl):(?!send$|recv$|barrier$)(\w+)$")
+#: What a collective row's device says after the rank's device: a lane of its own (as predicted).
+COLLECTIVE_LANE = " · collectives"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _NOT_LABELS = GPU_CATEGORIES + ("gpu_user_annotation", "cuda_runtime", "cuda_driver", "ac2g", "fwdbwd", "Trace")
 _PHASES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",
@@ -183,6 +193,7 @@ class _Rank:
         self.flow_starts: dict[Any, int] = {}
         self.flow_ends: dict[tuple[Any, Any, int], Any] = {}
         self.kernels: list[tuple[int, int, Any, Any, Any, Any]] = []  # start, end, corr, device, pid, tid
+        self.collectives: list[tuple[int, int, str]] = []  # start, end, collective (its CPU span)
         self.first: Optional[int] = None  # the earliest event, None in a trace with none
         for event in data["traceEvents"]:
             if not isinstance(event, dict) or "ts" not in event or event.get("ph") == "M":
@@ -208,6 +219,9 @@ class _Rank:
                 name = str(event.get("name", ""))
                 if (match := _STEP.match(name)) is not None:
                     self.steps.append((start, end, int(match.group(1))))
+                    continue
+                if (match := _COLLECTIVE.match(name)) is not None:
+                    self.collectives.append((start, end, match.group(2)))
                     continue
                 try:
                     labels = parse_label(name) or []
@@ -361,7 +375,8 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
                 "clock": "gpu" if spans else "cpu", "overlapped": overlapped,
                 "start_ns": (min(s for s, _, _ in spans) if spans else start) + shift,
                 "end_ns": (max(e for _, e, _ in spans) if spans else end) + shift,
-                "cpu_start_ns": start + shift, "cpu_end_ns": end + shift})
+                "cpu_start_ns": start + shift, "cpu_end_ns": end + shift, "collective": "", "exposed": False})
+        rows += _collective_rows(trace, step, rows, r, shift)
     origin = min(min(row["start_ns"], row["cpu_start_ns"]) for row in rows)
     for row in rows:
         for key in ("start", "end", "cpu_start", "cpu_end"):
@@ -388,6 +403,37 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
         "peak_memory": {},
     })
     return timeline
+
+
+def _collective_rows(trace: _Rank, step: int, rows: list[dict[str, Any]], rank: int,
+                     shift: int) -> list[dict[str, Any]]:
+    """The rank's collectives in profiled step ``step`` (its ``ProfilerStep`` span, else its actions')
+    as rows of their
+    own (phase ``collective`` on the rank's collectives lane, ``collective`` naming it), each of
+    the action it began in (its stage and micro-batch; ``exposed``: the action's span holds it
+    whole, the action waited for it), else of none (micro-batch -1, not exposed). Their span is the CPU's: a gloo
+    collective's whole, an NCCL one's launch."""
+    mine = [row for row in rows if row["rank"] == rank]
+    if not trace.collectives or not mine:
+        return []
+    spans = [(s + shift, e + shift) for s, e, n in trace.steps if n == step]
+    # the step's span: its ProfilerStep's, else from the rank's first action of the step to its last
+    first, last = spans[0] if spans else (min(row["cpu_start_ns"] for row in mine),
+                                          max(row["cpu_end_ns"] for row in mine))
+    out = []
+    for start, end, name in trace.collectives:
+        start, end = start + shift, end + shift
+        if not first <= start <= last:
+            continue
+        holding = [row for row in mine if row["cpu_start_ns"] <= start <= row["cpu_end_ns"]]
+        owner = min(holding, key=lambda row: row["cpu_end_ns"] - row["cpu_start_ns"]) if holding else None
+        base = owner or (mine[0] if mine else {"stage": rank, "device": "cpu", "run": None})
+        out.append({"run": base["run"], "stage": base["stage"], "microbatch": owner["microbatch"] if owner else -1,
+                    "phase": "collective", "device": f"{base['device']}{COLLECTIVE_LANE}", "source": "measured",
+                    "rank": rank, "clock": "cpu", "overlapped": False, "start_ns": start, "end_ns": end,
+                    "cpu_start_ns": start, "cpu_end_ns": end, "collective": name,
+                    "exposed": owner is not None and end <= owner["cpu_end_ns"]})
+    return out
 
 
 def _kind(label: Label) -> str:
