@@ -53,6 +53,8 @@ CASES = {
     "llama pp 2 x dp 2, fsdp": ("llama", {"pp": 2, "dp": 2}, "fsdp"),
     "llama pp 2 x dp 2, ddp": ("llama", {"pp": 2, "dp": 2}, "ddp"),
     "llama pp 2 x tp 2": ("llama", {"pp": 2, "tp": 2}, "ddp"),
+    "sequential pp 2 x dp 2, fsdp": ("sequential", {"pp": 2, "dp": 2}, "fsdp"),
+    "sequential pp 2 x dp 2, ddp": ("sequential", {"pp": 2, "dp": 2}, "ddp"),
     "sequential pp 2 x dp 2, zero1": ("sequential", {"pp": 2, "dp": 2}, "zero1"),
     "sequential pp 2 x tp 2": ("sequential", {"pp": 2, "tp": 2}, "ddp"),
 }
@@ -171,32 +173,54 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
 
 
-def test_the_profilers_collectives_come_back_on_each_ranks_lane(tmp_path, monkeypatch):
-    """--profile: each rank's tensor-parallel all-reduces, as gloo labels them in torch.profiler's
-    trace, come back as rows of their own (phase 'collective', on the rank's collectives lane), each
-    of the action it began in: a row-sharded layer's forward all-reduces its output once a
-    micro-batch."""
+def profiled(tmp_path, mesh: dict, **options):
+    """The timeline of the traces torch.profiler wrote for the Sequential's ``mesh`` (GPipe, which
+    labels each micro-batch's forward and backward) run on four gloo ranks with --profile."""
     from pipexplore.runs.kineto import read_traces
 
-    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
     model = mesh_hooks.build_model()
     inputs, target = mesh_hooks.get_batch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ex = explore(model, inputs, devices=["H100"] * 4, gpus_per_node=8, chunks=CHUNKS, schedule="gpipe",
-                     mesh={"pp": 2, "tp": 2}, loss_fn=mesh_hooks.loss_fn, target=target,
-                     tp_plan=mesh_hooks.SEQUENTIAL_TP_PLAN)
+                     mesh=mesh, loss_fn=mesh_hooks.loss_fn, target=target, **options)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "train_mesh.py"
     path.write_text(ex.export("torchrun", hooks="mesh_hooks", steps=2))
     run_ranks(path, ["--device", "cpu", "--profile", tmp_path / "traces"], ranks=4, pythonpath=TESTS)
-    timeline = read_traces(tmp_path / "traces", stages={0: 0, 1: 0, 2: 1, 3: 1})  # GPipe labels no stage
+    return read_traces(tmp_path / "traces", stages={0: 0, 1: 0, 2: 1, 3: 1})  # GPipe labels no stage
+
+
+def test_the_profilers_collectives_come_back_on_each_ranks_lane(tmp_path, monkeypatch):
+    """--profile: each rank's tensor-parallel and FSDP collectives, as torch.profiler's traces hold
+    them, come back as rows of their own (phase 'collective', on the rank's collectives lane), each
+    of the action that asked for it: a row-sharded layer's forward all-reduces its output once a
+    micro-batch; FSDP resharding after forward gathers each stage in every forward and once for the
+    backwards that follow one another (GPipe's), and reduce-scatters its gradients once, after the
+    last backward."""
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
+    timeline = profiled(tmp_path / "tp", {"pp": 2, "tp": 2}, tp_plan=mesh_hooks.SEQUENTIAL_TP_PLAN)
     collectives = timeline[timeline["phase"] == "collective"]
     assert set(collectives["collective"]) == {"all_reduce"} and set(collectives["rank"]) == {0, 1, 2, 3}
     assert collectives["device"].str.endswith(" · collectives").all()
-    forwards = timeline[timeline["phase"] == "forward"]
-    for _, action in forwards.iterrows():  # each holds its row-sharded layer's all-reduce
+    for _, action in timeline[timeline["phase"] == "forward"].iterrows():
         mine = collectives[(collectives["rank"] == action["rank"]) & (collectives["microbatch"] == action["microbatch"])]
-        held = mine[(mine["start"] >= action["cpu_start"]) & (mine["start"] <= action["cpu_end"])]
-        assert len(held) >= 1, (action["rank"], action["microbatch"])
+        assert ((mine["start"] >= action["cpu_start"]) & (mine["start"] <= action["cpu_end"])).sum() >= 1
     actions = timeline[timeline["phase"] != "collective"]
     assert (actions["collective"] == "").all() and not actions["exposed"].any()
+
+    timeline = profiled(tmp_path / "fsdp", {"pp": 2, "dp": 2}, data_parallel="fsdp", reshard_after_forward=True)
+    collectives = timeline[timeline["phase"] == "collective"]
+    gathers = collectives[collectives["collective"] == "all_gather"]
+    for _, action in timeline[timeline["phase"] == "forward"].iterrows():
+        mine = gathers[(gathers["rank"] == action["rank"]) & (gathers["microbatch"] == action["microbatch"])]
+        assert ((mine["start"] >= action["cpu_start"]) & (mine["start"] <= action["cpu_end"])).sum() >= 1
+    # the backwards gather once: torch's stage keeps a stage unsharded from one backward to the next
+    # (reshard_after_backward off until the last), whichever asks for it
+    forwards = timeline[timeline["phase"] == "forward"].groupby("rank").size()
+    assert gathers.groupby("rank").size().to_dict() == (forwards + 1).to_dict()
+    scatters = collectives[collectives["collective"] == "reduce_scatter"]
+    assert sorted(scatters["rank"]) == [0, 1, 2, 3]  # once a step, each rank its stage's gradients
+    last_backward = timeline[timeline["phase"] == "backward"].groupby("rank")["cpu_start"].max()
+    asked = scatters.set_index("rank")["start"]
+    assert all(asked[rank] >= last_backward[rank] for rank in range(4))

@@ -24,10 +24,11 @@ autograd engine launches backward kernels from its own thread while the schedule
 label). An action with kernels spans them (``clock='gpu'``); without, its CPU span
 (``clock='cpu'``; all of a CPU-only trace). ``cpu_start``/``cpu_end`` keep the label's span.
 
-Collectives: what a process group labels (``gloo:all_reduce``, ``nccl:reduce_scatter``: tensor- and
-data-parallel, FSDP's; not the pipeline's sends and receives) come back as rows of their own, phase
-``collective`` on the rank's collectives lane (``'<device> · collectives'``, as predicted), each of
-the action it began in (``exposed`` where that action's span holds it whole), their CPU span.
+Collectives (tensor- and data-parallel, FSDP's; not the pipeline's sends and receives) come back as
+rows of their own, phase ``collective`` on the rank's collectives lane (``'<device> · collectives'``,
+as predicted): each asked for by torch's ``c10d::`` operator inside an action (its stage and
+micro-batch), run by the group as it labels it (``gloo:all_reduce``, ``nccl:…``), the row from the
+asking to the running's end (``exposed`` where that action's span holds it whole).
 
 Clocks: Kineto stamps events with the host's clock (µs since the epoch, or since
 ``baseTimeNanoseconds``). Ranks are put on one axis assuming the hosts' clocks agree (``offsets=``
@@ -55,9 +56,15 @@ from pipexplore.timeline import COLUMNS, OPTIMIZER_MICROBATCH
 __all__ = ["TraceError", "Label", "parse_label", "find_traces", "is_trace", "read_traces"]
 
 EXTRA_COLUMNS = ["rank", "clock", "cpu_start", "cpu_end", "overlapped", "collective", "exposed"]
-#: A collective as the process group labels it (``gloo:all_reduce``, ``nccl:reduce_scatter``); its
+#: A collective as the process group runs it (``gloo:all_reduce``, ``nccl:reduce_scatter``); its
 #: point-to-point sends and receives are the pipeline's, and a barrier no data's.
 _COLLECTIVE = re.compile(r"^(gloo|nccl):(?!send$|recv$|barrier$)(\w+)$")
+#: A collective as the caller asks for it (torch's ``c10d::`` operator, on the calling thread), and
+#: the name it is given here.
+_ASKED = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+          "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+          "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+          "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "allreduce_coalesced_": "all_reduce"}
 #: What a collective row's device says after the rank's device: a lane of its own (as predicted).
 COLLECTIVE_LANE = " · collectives"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -193,7 +200,8 @@ class _Rank:
         self.flow_starts: dict[Any, int] = {}
         self.flow_ends: dict[tuple[Any, Any, int], Any] = {}
         self.kernels: list[tuple[int, int, Any, Any, Any, Any]] = []  # start, end, corr, device, pid, tid
-        self.collectives: list[tuple[int, int, str]] = []  # start, end, collective (its CPU span)
+        self.collectives: list[tuple[int, int, str]] = []  # start, end, collective: as the group ran it
+        self.asked: list[tuple[int, str]] = []  # start, collective: as the caller asked for it
         self.first: Optional[int] = None  # the earliest event, None in a trace with none
         for event in data["traceEvents"]:
             if not isinstance(event, dict) or "ts" not in event or event.get("ph") == "M":
@@ -222,6 +230,9 @@ class _Rank:
                     continue
                 if (match := _COLLECTIVE.match(name)) is not None:
                     self.collectives.append((start, end, match.group(2)))
+                    continue
+                if name.startswith("c10d::") and name[6:] in _ASKED:
+                    self.asked.append((start, _ASKED[name[6:]]))
                     continue
                 try:
                     labels = parse_label(name) or []
@@ -408,11 +419,12 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
 def _collective_rows(trace: _Rank, step: int, rows: list[dict[str, Any]], rank: int,
                      shift: int) -> list[dict[str, Any]]:
     """The rank's collectives in profiled step ``step`` (its ``ProfilerStep`` span, else its actions')
-    as rows of their
-    own (phase ``collective`` on the rank's collectives lane, ``collective`` naming it), each of
-    the action it began in (its stage and micro-batch; ``exposed``: the action's span holds it
-    whole, the action waited for it), else of none (micro-batch -1, not exposed). Their span is the CPU's: a gloo
-    collective's whole, an NCCL one's launch."""
+    as rows of their own (phase ``collective`` on the rank's collectives lane, ``collective``
+    naming what was asked), each of the action that asked for it (the ``c10d::`` operator's time:
+    its stage and micro-batch; micro-batch -1 where none did), from the asking to the end of the
+    group's running it (the first run of the group's not yet matched that begins once asked):
+    ``exposed`` where the action's span holds it whole, the action waited for it. A trace without
+    the callers' operators falls back on the group's spans alone."""
     mine = [row for row in rows if row["rank"] == rank]
     if not trace.collectives or not mine:
         return []
@@ -420,14 +432,21 @@ def _collective_rows(trace: _Rank, step: int, rows: list[dict[str, Any]], rank: 
     # the step's span: its ProfilerStep's, else from the rank's first action of the step to its last
     first, last = spans[0] if spans else (min(row["cpu_start_ns"] for row in mine),
                                           max(row["cpu_end_ns"] for row in mine))
+    ran = sorted((s + shift, e + shift, n) for s, e, n in trace.collectives)
+    asked = sorted((s + shift, n) for s, n in trace.asked) or [(s, n) for s, _, n in ran]
+    taken = [False] * len(ran)
     out = []
-    for start, end, name in trace.collectives:
-        start, end = start + shift, end + shift
+    for start, name in asked:
+        k = next((k for k, (s, _, _) in enumerate(ran) if not taken[k] and s >= start), None)
+        if k is None:
+            continue
+        taken[k] = True
+        end = ran[k][1]
         if not first <= start <= last:
             continue
         holding = [row for row in mine if row["cpu_start_ns"] <= start <= row["cpu_end_ns"]]
         owner = min(holding, key=lambda row: row["cpu_end_ns"] - row["cpu_start_ns"]) if holding else None
-        base = owner or (mine[0] if mine else {"stage": rank, "device": "cpu", "run": None})
+        base = owner or mine[0]
         out.append({"run": base["run"], "stage": base["stage"], "microbatch": owner["microbatch"] if owner else -1,
                     "phase": "collective", "device": f"{base['device']}{COLLECTIVE_LANE}", "source": "measured",
                     "rank": rank, "clock": "cpu", "overlapped": False, "start_ns": start, "end_ns": end,
