@@ -204,7 +204,8 @@ def test_the_profilers_collectives_come_back_on_each_ranks_lane(tmp_path, monkey
     assert set(collectives["collective"]) == {"all_reduce"} and set(collectives["rank"]) == {0, 1, 2, 3}
     assert collectives["device"].str.endswith(" · collectives").all()
     for _, action in timeline[timeline["phase"] == "forward"].iterrows():
-        mine = collectives[(collectives["rank"] == action["rank"]) & (collectives["microbatch"] == action["microbatch"])]
+        mine = collectives[(collectives["rank"] == action["rank"])
+                           & (collectives["microbatch"] == action["microbatch"])]
         assert ((mine["start"] >= action["cpu_start"]) & (mine["start"] <= action["cpu_end"])).sum() >= 1
     actions = timeline[timeline["phase"] != "collective"]
     assert (actions["collective"] == "").all() and not actions["exposed"].any()
