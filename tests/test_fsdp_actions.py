@@ -111,3 +111,18 @@ def test_without_fsdp_nothing_is_placed(table):
                 gpus_per_node=8, mesh={"pp": 2, "dp": 2}, data_parallel="ddp")
     assert "fsdp" not in plan.predicted.attrs
     assert not plan.rank_table["unshard_seconds"].any() and not plan.rank_table["reduce_grad_seconds"].any()
+
+
+@pytest.mark.parametrize("schedule, expected", [("gpipe", {0: 1, 1: 1}), ("1f1b", {0: 3, 1: 4})])
+def test_resharded_after_forward_a_backward_gathers_again_only_where_a_forward_came_since(table, schedule, expected):
+    """With reshard_after_forward every forward gathers the stage again; a backward only where a
+    forward resharded it since the stage's last backward (torch's stage keeps it unsharded from one
+    backward to the next, until the last: GPipe's backwards gather once, as the profiler's trace of
+    a run shows, tests/test_mesh_torchrun.py); 1F1B's stage 0 runs B3 right after B2."""
+    plan = fsdp(table, (5,), schedule=schedule, reshard_after_forward=True)
+    again = [r for r in plan.predicted.attrs["fsdp"] if r[0] == "regather"]
+    assert {s: sum(1 for r in again if r[1] == s) for s in (0, 1)} == expected
+    assert all(r[2][1] == "backward" for r in again)
+    rows = plan.predicted[(plan.predicted["phase"] == "collective")
+                          & (plan.predicted["collective"] == "fsdp all_gather")]
+    assert len(rows) >= 8 + sum(expected.values())  # every forward's gathers, and those backwards'

@@ -160,10 +160,11 @@ def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], 
     does (:mod:`pipexplore.predict.fsdp_actions`): ``costs`` get the release times, the exposed
     gathers and the updates less what their rank hides. None where the table costs neither."""
     columns = [table[c].to_numpy(dtype=float) if c in table else None
-               for c in ("unshard_seconds", "reduce_grad_seconds")]
+               for c in ("unshard_seconds", "reduce_grad_seconds", "backward_gather_exposed")]
     if all(c is None or not c.any() for c in columns):
         return None
-    unshard, reduce_grad = (stage_sums(c, points) if c is not None else np.zeros(len(points) - 1) for c in columns)
+    unshard, reduce_grad, regather = (stage_sums(c, points) if c is not None else np.zeros(len(points) - 1)
+                                      for c in columns)
     # autograd's backward worker runs after every forward: the gathers are the forward workers'
     lanes = [w for w, queue in enumerate(graph.queues) if executor != "autograd" or any(k == "F" for _, k, _ in queue)]
     placement = fsdp_placement(graph, costs.seconds, unshard, reduce_grad, microbatches, lanes)
@@ -173,7 +174,33 @@ def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], 
     costs.seconds[:] += placement.extra + np.where(waits, 0.0, placement.release)  # (a use with a second input)
     steps = graph.kind == OPTIMIZER
     costs.seconds[steps] -= placement.optimizer_less[graph.stage[steps]]
+    if regather.any():  # resharded after forward: a backward gathers again where a forward came since the last
+        again = _regathered(graph)
+        costs.seconds[again] += regather[graph.stage[again]]
+        placement.unshards.extend(Unshard(int(graph.stage[n]), int(graph.lane[n]), int(n), int(n),
+                                          float(regather[graph.stage[n]]), False, 0.0, -1.0) for n in again)
     return placement
+
+
+def _regathered(graph: Any) -> np.ndarray:
+    """The backward actions (``B``, ``I``) that gather their stage again with ``reshard_after_forward``:
+    those whose stage ran a forward since its last backward on their worker (torch's stage keeps
+    a stage unsharded from one backward to the next, until the last)."""
+    from pipexplore.predict.dataflow import BACKWARD, FORWARD, INPUT_GRAD
+
+    again = []
+    n = 0
+    for queue in graph.queues:
+        resharded: dict[int, bool] = {}
+        for _ in queue:
+            kind, stage = int(graph.kind[n]), int(graph.stage[n])
+            if kind == FORWARD:
+                resharded[stage] = True
+            elif kind in (BACKWARD, INPUT_GRAD) and resharded.get(stage, True):
+                again.append(n)
+                resharded[stage] = False
+            n += 1
+    return np.asarray(again, dtype=np.int64)
 
 
 def placement_record(graph: Any, placement: FsdpPlacement) -> tuple:
@@ -182,6 +209,6 @@ def placement_record(graph: Any, placement: FsdpPlacement) -> tuple:
     ``("reduce_grad", stage, (after stage, phase, micro-batch), seconds, hidden)``."""
     def action(n: int) -> tuple:
         return (int(graph.stage[n]), PHASE_NAMES[int(graph.kind[n])], int(graph.micro[n]))
-    return tuple([("unshard", u.stage, action(u.use), u.seconds, u.release if u.at_start else None, u.exposed)
-                  for u in placement.unshards]
+    return tuple([("regather" if u.exposed < 0 else "unshard", u.stage, action(u.use), u.seconds,
+                   u.release if u.at_start else None, u.exposed) for u in placement.unshards]
                  + [("reduce_grad", r.stage, action(r.after), r.seconds, r.hidden) for r in placement.reduces])

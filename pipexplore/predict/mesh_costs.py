@@ -16,9 +16,11 @@ puts it:
                    (:mod:`pipexplore.predict.fsdp_actions`: ``unshard_seconds``, ``reduce_grad_seconds``).
                    With ``reshard_after_forward=False`` (torchtitan's choice under a pipeline) a stage is
                    gathered when torch's runtime issues its ``UNSHARD`` (once a step for ranks of up to
-                   three stages); with ``True`` every micro-batch's forward and backward gathers each
-                   layer again, prefetched behind the layer before (FSDP2 overlaps them): only what a
-                   gather takes beyond its layer's compute is exposed
+                   three stages); with ``True`` every micro-batch's forward gathers each layer again,
+                   and a backward where a forward resharded the stage since its last backward (torch's
+                   stage keeps it unsharded from one backward to the next: GPipe's backwards gather
+                   once, 1F1B's each), prefetched behind the layer before (FSDP2 overlaps them): only
+                   what a gather takes beyond its layer's compute is exposed
 =================  ===========================================================================================
 
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
@@ -118,13 +120,14 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
             out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / replicas
     if "optimizer" in out:
         out["optimizer"] = out["optimizer"].to_numpy(dtype=float) + step_end
-    if gathers.any():  # each micro-batch's forward and backward gather each layer, behind the layer before
-        for phase in ("forward", "backward"):
+    if gathers.any():  # each layer gathered again, behind the layer before: every forward, and a backward
+        for phase in ("forward", "backward"):  # where a forward resharded it since (placed by the simulator)
             compute = out[f"{phase}_a"].to_numpy(dtype=float) + out[f"{phase}_b"].to_numpy(dtype=float) * (
                 float(table.attrs.get("rows", (1,))[0]))
             exposed = np.maximum(0.0, gathers - np.roll(compute, 1))
             exposed[0] = gathers[0]
-            out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + exposed
+            if phase == "forward":
+                out["forward_a"] = out["forward_a"].to_numpy(dtype=float) + exposed
             out[f"{phase}_gather_exposed"] = exposed
     if sequence_parallel and mesh.tp > 1 and "output_bytes" in out:
         out["output_bytes"] = out["output_bytes"].to_numpy(dtype=float) / mesh.tp
@@ -184,7 +187,7 @@ def _placed_rows(predicted: pd.DataFrame, placed: tuple) -> list[tuple]:
     rows: list[tuple] = []
     for record in placed:
         i = where.get(record[2])
-        if i is None:
+        if i is None or record[0] == "regather":  # (drawn with the action's other gathers)
             continue
         seconds = float(record[3])
         if seconds <= 0:  # a stage without parameters gathers nothing
@@ -240,6 +243,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
+    regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
     if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
         step_end = step_end - per_stage("reduce_grad_seconds")
     stage = predicted["stage"].to_numpy()
@@ -258,7 +262,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
             if context[s] > 0:
                 name = "cp all_gather K,V" if _TP_PHASE[p] == "forward_comm" else "cp reduce_scatter dK,dV"
                 out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
-            if gathers[s] > 0 and p in ("forward", "backward"):  # the part the layer before did not hide first
+            if gathers[s] > 0 and (p == "forward" or (p == "backward" and (s, int(micro[i])) in regathered)):
                 shown = min(exposed_gathers[p][s], gathers[s])
                 if shown > 0:
                     out.append((i, start[i], min(end[i], start[i] + shown), "fsdp all_gather", True))
