@@ -118,7 +118,8 @@ def profile_model(model: nn.Module, sample: Sample, *,
                               repeats=repeats, profile_stages=profile_stages, split_backward=split_backward,
                               loss_fn=loss_fn, target=target, optimizer=optimizer, mixed_precision=mixed_precision,
                               progress=progress)
-        return rank_here(model, sample, whole, tp=tp, chunks=chunks, tp_plan=tp_plan, loss_fn=loss_fn, target=target)
+        return rank_here(model, sample, whole, tp=tp, microbatch_rows=costed_rows(batch_size(sample), chunks)[0],
+                         tp_plan=tp_plan, loss_fn=loss_fn, target=target)
     device = placement.profiling_device
     if on_meta(model):
         if not placement.given:

@@ -16,7 +16,7 @@ matmul's efficiency, the ranks sharing the cores).
 Example::
 
     table = profile_model(model, ids, devices=["cpu"] * 4)
-    rank = rank_here(model, ids, table, tp=2, chunks=4)
+    rank = rank_here(model, ids, table, tp=2, microbatch_rows=2)
 """
 from __future__ import annotations
 
@@ -32,21 +32,18 @@ from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seco
 __all__ = ["rank_here"]
 
 
-def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, chunks: int,
+def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbatch_rows: Optional[int] = None,
               tp_plan: Optional[dict[str, str]] = None, loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
     """``table`` (``model``'s, measured here) as one of ``tp`` tensor-parallel ranks runs it (the
-    module docstring); ``attrs["tp"]``.
+    module docstring), counted at ``microbatch_rows`` rows (default: the whole batch); ``attrs["tp"]``.
 
     Raises:
         ValueError: a plan that cannot shard the model (as :func:`pipexplore.models.sharded.check_plan`
             says), or a count whose layers are not the table's.
     """
-    from pipexplore.models.profile import costed_rows
     from pipexplore.predict.roofline import _sum_by_kind
 
-    batch = int(table.attrs.get("batch") or 0) or None
-    rows = costed_rows(batch, chunks)[0] if batch else None
-    counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=rows, loss_fn=loss_fn,
+    counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
                            target=on_meta(target) if target is not None else None, tp=tp, tp_plan=tp_plan)
     names = [str(n) for n in table["name"]]
     if [str(n) for n in counted["name"]] != names:
