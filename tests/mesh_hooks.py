@@ -1,6 +1,6 @@
 """The models, data and loss of tests/test_mesh_torchrun.py, and the hooks of its exported scripts:
-a Llama of tiny width built from its config (``MESH_HOOKS_MODEL=llama``, the default) or an
-``nn.Sequential`` (``sequential``) with its tensor-parallel plan. Each replica of a mesh takes its
+a Llama of tiny width built from its config (``MESH_HOOKS_MODEL=llama``, the default; ``llama-tied``
+its head tied to its embedding) or an ``nn.Sequential`` (``sequential``) with its tensor-parallel plan. Each replica of a mesh takes its
 share of one global batch (``get_batch(replica=, replicas=)``)."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def build_model() -> nn.Module:
                              nn.Tanh(), nn.Linear(32, 4))
     config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                      max_position_embeddings=64)
+                                      max_position_embeddings=64, tie_word_embeddings=kind() == "llama-tied")
     return transformers.LlamaForCausalLM(config)
 
 

@@ -156,6 +156,15 @@ def test_a_script_started_with_another_world_size_is_refused_with_the_ranks_to_s
         run_ranks(path, ranks=2, pythonpath=TESTS, timeout=120)
 
 
+def test_a_head_tied_to_its_embedding_across_stages_is_refused_beside_tensor_parallelism(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "llama-tied")
+    path = tmp_path / "train_mesh.py"
+    path.write_text(plan_for_the_cluster({"pp": 2, "tp": 2}, "ddp").export("torchrun", hooks="mesh_hooks"))
+    with pytest.raises(AssertionError, match=r"the model ties its head to its embedding \(tie_word_embeddings\), "
+                                             r"which different stages hold"):
+        run_ranks(path, ["--device", "cpu"], ranks=4, pythonpath=TESTS, timeout=120)
+
+
 def test_what_the_script_cannot_run_is_refused_at_export_by_name():
     table = __import__("pandas").DataFrame({"name": ["a", "b", "c"]})
     with pytest.raises(ValueError, match="cp=2 .context parallelism., which it would drop"):

@@ -226,6 +226,10 @@ def main() -> None:
                              "the meta device")
         if len(indices) != 1:
             raise SystemExit(f"tensor parallelism here runs one stage a pipeline rank; {{SCHEDULE}} runs several")
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and SPLIT_POINTS:
+            raise SystemExit("the model ties its head to its embedding (tie_word_embeddings), which different "
+                             "stages hold: their gradients are summed between pipeline ranks, which this script "
+                             "does not do beside tensor parallelism; untie them or plan tp=1")
         stage_names = MODULE_FQNS_PER_MODEL_PART[indices[0]]
         part = cut_stage(model, stage_names, indices[0] == 0, indices[0] == len(SPLIT_POINTS))
         tensor_parallel(part.to(device), mesh["tp"], TP_PLAN)
