@@ -1,6 +1,7 @@
 """The models, data and loss of tests/test_mesh_torchrun.py, and the hooks of its exported scripts:
-a Llama of tiny width built from its config (``MESH_HOOKS_MODEL=llama``, the default; ``llama-tied``
-its head tied to its embedding) or an ``nn.Sequential`` (``sequential``) with its tensor-parallel plan. Each replica of a mesh takes its
+a Llama of tiny width built from its config (``MESH_HOOKS_MODEL=llama``, the default;
+``llama-tied``: its head tied to its embedding) or an ``nn.Sequential`` (``sequential``) with its
+tensor-parallel plan. Each replica of a mesh takes its
 share of one global batch (``get_batch(replica=, replicas=)``)."""
 from __future__ import annotations
 
