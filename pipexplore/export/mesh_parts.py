@@ -16,7 +16,8 @@ imported by the tests as they stand. They use torch only.
   on the first stage only, the final norm and head on the last (elsewhere identities: a middle
   stage's "logits" are its hidden states).
 - :func:`tensor_parallel`: ``parallelize_module`` with the plan the explorer counted (module-name
-  patterns, ``*`` for an index, to torch's styles).
+  patterns, ``*`` for an index, to torch's styles), read by :mod:`pipexplore.models.sharded`'s own
+  ``style_of`` and ``_torch_style`` (the script holds their source too).
 - :func:`data_parallel`: FSDP2's ``fully_shard`` (its ``reshard_after_forward``), DDP as torch's
   ``replicate`` (FSDP2's replicated sibling, which torch's pipelining stage drives as it drives
   FSDP: gradients reduced once, after the last micro-batch's backward), or ZeRO-1 (gradients
@@ -26,11 +27,12 @@ imported by the tests as they stand. They use torch only.
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from pipexplore.models.sharded import STYLES, _pattern, _torch_style, style_of
 
 __all__ = ["make_mesh", "cut_stage", "tensor_parallel", "data_parallel", "reduce_gradients", "zero1_optimizer",
            "full_state", "CUT_FAMILIES", "MESH_SOURCE"]
@@ -104,25 +106,17 @@ def cut_stage(model: Any, owned: Sequence[str], first: bool, last: bool) -> Any:
     return model
 
 
-_STYLES = {"colwise": "colwise", "packed_colwise": "colwise", "rowwise": "rowwise", "packed_rowwise": "rowwise",
-           "rowwise_split_input": "rowwise", "colwise_gather_output": "colwise_gather",
-           "embedding_rowwise": "rowwise_from_replicated"}
-
-
 def tensor_parallel(module: nn.Module, tp_mesh: Any, plan: Mapping[str, str]) -> nn.Module:
     """``module``'s modules that ``plan`` names (patterns of the model's module names, ``*`` an
-    index; styles as the explorer counts them) sharded over ``tp_mesh`` by ``parallelize_module``."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    index) sharded over ``tp_mesh`` by ``parallelize_module``, each style read as the explorer
+    counted it (:func:`pipexplore.models.sharded.style_of`, whose source the script holds too)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"colwise": ColwiseParallel(), "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
-              "rowwise": RowwiseParallel(), "rowwise_from_replicated": RowwiseParallel(input_layouts=Replicate())}
-    patterns = [(re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), _STYLES.get(s)) for p, s in plan.items()]
     chosen = {}
     for name, sub in module.named_modules():
-        style = next((s for pattern, s in patterns if pattern.match(name)), None)
-        if style and isinstance(sub, (nn.Linear, nn.Embedding)):
-            chosen[name] = styles[style]
+        style = style_of(plan, name)
+        if style and STYLES.get(style) and isinstance(sub, (nn.Linear, nn.Embedding)):
+            chosen[name] = _torch_style(style)
     return parallelize_module(module, tp_mesh, chosen) if chosen else module
 
 
@@ -201,8 +195,8 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 #: The source the exported script of a mesh holds (:func:`full_state` every script holds).
-_IMPORTS = "import inspect\nimport re\nfrom typing import Any, Mapping, Sequence\n\n"
+_IMPORTS = "import inspect\nimport re\nfrom typing import Any, Mapping, Optional, Sequence\n\n"
 MESH_SOURCE = _IMPORTS + f"CUT_FAMILIES = {CUT_FAMILIES!r}\n\n\n" + "\n\n".join(inspect.getsource(f) for f in (
-    make_mesh, PassThrough, cut_stage)) + f"\n\n_STYLES = {_STYLES!r}\n\n\n" + "\n\n".join(
-    inspect.getsource(f) for f in (tensor_parallel, data_parallel, _local, reduce_gradients, _LocalShards,
-                                   zero1_optimizer))
+    make_mesh, PassThrough, cut_stage)) + f"\n\nSTYLES = {STYLES!r}\n\n\n" + "\n\n".join(
+    inspect.getsource(f) for f in (_pattern, style_of, _torch_style, tensor_parallel, data_parallel, _local,
+                                   reduce_gradients, _LocalShards, zero1_optimizer))
