@@ -86,6 +86,12 @@ class Mesh:
         shown = [dim for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or self.cp > 1]
         return joiner.join(f"{dim} {getattr(self, dim)}" for dim in shown)
 
+    def place(self, rank: int) -> str:
+        """Rank ``rank``'s place as a person reads it, ``'pp 1, dp 0, tp 1'`` (``cp`` where above 1):
+        what a message naming a rank of the mesh says."""
+        where = self.coordinates(rank)
+        return ", ".join(f"{dim} {where[dim]}" for dim in ("pp", "dp", "tp", "cp") if dim != "cp" or self.cp > 1)
+
     @property
     def size(self) -> int:
         """Ranks in all: tp · cp · dp · pp."""

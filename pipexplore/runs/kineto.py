@@ -51,6 +51,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Union, cast
 
 import pandas as pd
 
+from pipexplore.predict.mesh_costs import COLLECTIVE_LANE
 from pipexplore.timeline import COLUMNS, OPTIMIZER_MICROBATCH
 
 __all__ = ["TraceError", "Label", "parse_label", "find_traces", "is_trace", "read_traces"]
@@ -65,8 +66,6 @@ _ASKED = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgath
           "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
           "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
           "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "allreduce_coalesced_": "all_reduce"}
-#: What a collective row's device says after the rank's device: a lane of its own (as predicted).
-COLLECTIVE_LANE = " · collectives"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _NOT_LABELS = GPU_CATEGORIES + ("gpu_user_annotation", "cuda_runtime", "cuda_driver", "ac2g", "fwdbwd", "Trace")
 _PHASES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",

@@ -213,7 +213,7 @@ def read_run(directory: Any) -> RecordedRun:
     expected = {rank_file(r) for r in range(world)}
     missing = sorted(expected - {p.name for p in ranks_here}, key=lambda n: int(n[5:-5]))
     if missing:
-        named = [f"{name} ({_place(mesh, int(name[5:-5]))})" if mesh else name for name in missing]
+        named = [f"{name} ({mesh.place(int(name[5:-5]))})" if mesh else name for name in missing]
         raise RunDirectoryError(f"{path} lacks {', '.join(named)} of the {world} ranks' files: "
                                 f"{'that rank' if len(missing) == 1 else 'those ranks'} did not finish or the file "
                                 "was not copied back; nothing was loaded")
@@ -284,19 +284,13 @@ def _mesh(plan: dict[str, Any]) -> Any:
     return mesh
 
 
-def _place(mesh: Any, rank: int) -> str:
-    """Rank ``rank``'s place in ``mesh`` in words ('pp 1, dp 0, tp 1')."""
-    where = mesh.coordinates(rank)
-    return ", ".join(f"{d} {where[d]}" for d in ("pp", "dp", "tp"))
-
-
 def _check_place(rank: int, payload: dict[str, Any], mesh: Any) -> None:
     """Refuse a rank's file whose place in the mesh is not the rank's (a file from another mesh)."""
     where = payload.get("coordinates") or {}
     expected = mesh.coordinates(rank)
     if any(int(where.get(d, -1)) != expected[d] for d in ("pp", "dp", "tp")):
         raise RunDirectoryError(f"{rank_file(rank)} was recorded at {where or 'no place in a mesh'}, but rank {rank} "
-                                f"of the run's mesh ({mesh.describe()}) is at {_place(mesh, rank)}: the file is from "
+                                f"of the run's mesh ({mesh.describe()}) is at {mesh.place(rank)}: the file is from "
                                 "another mesh; a directory holds one run")
 
 

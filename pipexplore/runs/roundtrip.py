@@ -73,7 +73,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
                     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, optimizer: Any = None,
                     run: Any = 0, warmup: int = 2, repeats: int = 10, timeout: Optional[float] = None,
                     progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None,
-                  tp_plan: Optional[dict[str, str]] = None) -> RunResult:
+                    tp_plan: Optional[dict[str, str]] = None) -> RunResult:
     """Export ``plan`` as the ``torchrun`` script, run it under ``nodes`` node agents on this
     machine (``plan.num_devices / nodes`` ranks each, gloo on CPUs) with ``--record``, and load the
     run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does; the
@@ -132,8 +132,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         except TorchrunError as failed:
             if plan.mesh is None or failed.rank is None or not 0 <= failed.rank < world:
                 raise
-            where = plan.mesh.coordinates(failed.rank)  # the rank named by its place in the mesh too
-            place = ", ".join(f"{d} {where[d]}" for d in ("pp", "dp", "tp"))
+            place = plan.mesh.place(failed.rank)  # the rank named by its place in the mesh too
             text = str(failed).replace(f"rank {failed.rank} on host", f"rank {failed.rank} ({place}) on host", 1)
             raise TorchrunError(text, failed.rank, failed.host, failed.exitcode) from None
         check_cancelled()
