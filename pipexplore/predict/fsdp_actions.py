@@ -87,12 +87,15 @@ class FsdpPlacement(NamedTuple):
     """What the simulator adds to a step's actions (arrays over the graph's actions): ``release``,
     the earliest start an action's gather allows (from the step's start); ``extra``, seconds a use
     waits for a gather issued mid-step; ``optimizer_less``, per stage, the seconds of its
-    ``REDUCE_GRAD`` its rank's later compute hides (taken off its update)."""
+    ``REDUCE_GRAD`` its rank's later compute hides (taken off its update); ``regathers``, the
+    backward actions that gather their stage again with ``reshard_after_forward`` and the seconds
+    each adds (:func:`placed_fsdp`)."""
     release: np.ndarray
     extra: np.ndarray
     optimizer_less: np.ndarray
     unshards: list[Unshard]
     reduces: list[ReduceGrad]
+    regathers: list[tuple[int, float]]
 
 
 def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np.ndarray, microbatches: int,
@@ -122,7 +125,7 @@ def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np
         scatter = 0.0  # when its reduce-scatter stream is, on the compute's clock (its idle time left out)
         seen_compute = 0  # compute actions before the current point
         pending: dict[int, tuple[int, float]] = {}  # stage -> (compute index it was issued before, done)
-        for position, (s, kind, i) in enumerate(steps):
+        for s, kind, i in steps:
             if kind == "UNSHARD":
                 at_start = seen_compute == 0
                 if at_start:
@@ -150,7 +153,7 @@ def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np
                         extra[use] += exposed
                         unshards.append(Unshard(s, lane, number[computes[issued]], use, value, False, 0.0, exposed))
                 seen_compute += 1
-    return FsdpPlacement(release, extra, less, unshards, reduces)
+    return FsdpPlacement(release, extra, less, unshards, reduces, [])
 
 
 def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], microbatches: int,
@@ -177,8 +180,7 @@ def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], 
     if regather.any():  # resharded after forward: a backward gathers again where a forward came since the last
         again = _regathered(graph)
         costs.seconds[again] += regather[graph.stage[again]]
-        placement.unshards.extend(Unshard(int(graph.stage[n]), int(graph.lane[n]), int(n), int(n),
-                                          float(regather[graph.stage[n]]), False, 0.0, -1.0) for n in again)
+        placement.regathers.extend((int(n), float(regather[graph.stage[n]])) for n in again)
     return placement
 
 
@@ -205,10 +207,12 @@ def _regathered(graph: Any) -> np.ndarray:
 
 def placement_record(graph: Any, placement: FsdpPlacement) -> tuple:
     """The placement's gathers and reduce-scatters as plain tuples a timeline's attrs can carry:
-    ``("unshard", stage, (use stage, phase, micro-batch), seconds, release, exposed)`` and
-    ``("reduce_grad", stage, (after stage, phase, micro-batch), seconds, hidden)``."""
+    ``("unshard", stage, (use stage, phase, micro-batch), seconds, release, exposed)``,
+    ``("reduce_grad", stage, (after stage, phase, micro-batch), seconds, hidden)`` and
+    ``("regather", stage, (stage, phase, micro-batch), seconds)``."""
     def action(n: int) -> tuple:
         return (int(graph.stage[n]), PHASE_NAMES[int(graph.kind[n])], int(graph.micro[n]))
-    return tuple([("regather" if u.exposed < 0 else "unshard", u.stage, action(u.use), u.seconds,
-                   u.release if u.at_start else None, u.exposed) for u in placement.unshards]
-                 + [("reduce_grad", r.stage, action(r.after), r.seconds, r.hidden) for r in placement.reduces])
+    return tuple([("unshard", u.stage, action(u.use), u.seconds, u.release if u.at_start else None, u.exposed)
+                  for u in placement.unshards]
+                 + [("reduce_grad", r.stage, action(r.after), r.seconds, r.hidden) for r in placement.reduces]
+                 + [("regather", int(graph.stage[n]), action(n), seconds) for n, seconds in placement.regathers])
