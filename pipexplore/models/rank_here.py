@@ -57,10 +57,9 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
         for column in (f"{phase}_a", f"{phase}_b"):
             out[column] = out[column].to_numpy(dtype=float) * share
     ops = counted.attrs["ops"]
-    comm = _sum_by_kind(ops, ops_collective_seconds(ops, float(table.attrs.get("batch") or ops.attrs["rows"]),
-                                                    Group(tp, *HOST_LINK)))
+    at = float(table.attrs.get("batch") or ops.attrs["rows"])  # the rows the table's whole-batch columns are at
+    comm = _sum_by_kind(ops, ops_collective_seconds(ops, at, Group(tp, *HOST_LINK)))
     kinds = counted["kind"].to_numpy()
-    at = float(table.attrs.get("batch") or ops.attrs["rows"])
     for phase in ("forward", "backward"):
         seconds = comm[phase].reindex(kinds).fillna(0.0).to_numpy() if phase in comm else np.zeros(len(out))
         out[f"{phase}_comm"] = seconds
