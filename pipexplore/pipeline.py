@@ -80,8 +80,8 @@ class Pipeline:
     It records into the ``record()`` block of the thread that makes it (none: nothing recorded),
     and stops between clock ticks when that thread's run is cancelled.
 
-    ``rng_locks[j]`` (or ``None``) is held by partition ``j`` while its forward may draw random
-    numbers, when another partition shares its device's generator (see ``checkpoint.RNGGuard``).
+    ``rng_locks[j]`` (or ``None``) is taken by each random operator of partition ``j``'s forward
+    while it draws, when another partition shares its device's generator (see ``checkpoint.RNGGuard``).
     """
 
     def __init__(self, batches: list[Batch], partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
@@ -297,7 +297,7 @@ class Pipeline:
             return Task(stream, compute=lambda: batch.call(function), finalize=None)
 
         def guarded() -> Batch:  # a drawing forward must not move the generator under another's checkpoint
-            with guard:
+            with guard.drawing():
                 return batch.call(function)
 
         return Task(stream, compute=guarded, finalize=None)

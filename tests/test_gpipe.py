@@ -165,18 +165,66 @@ def test_random_numbers_drawn_in_plain_code_replay_on_a_shared_device(checkpoint
 
 def test_rng_guard_learns_whether_a_partition_draws():
     guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
-    with guard:
+    with guard.drawing():
         torch.ones(3) * 2
     assert guard.draws is False
-    with guard:  # no longer takes the lock
-        assert not guard.lock.locked()
     drawing = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
-    with drawing:
-        assert drawing.lock.locked()
+    with drawing.drawing():
+        assert not drawing.lock.locked()  # the forward does not hold it: only a draw does
         torch.rand(3)
     assert drawing.draws is True
-    with drawing:
-        assert drawing.lock.locked()
+
+
+def test_a_draw_takes_the_devices_lock_and_the_rest_of_the_forward_does_not():
+    """Two drawing partitions on one device overlap their forwards: only their draws take turns
+    (a forward that held the lock throughout made GPT-2's stages on one host run one at a time)."""
+    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=True)
+    guard.lock.acquire()  # another partition is drawing now
+    done = threading.Event()
+
+    def forward():
+        with guard.drawing():
+            torch.ones(64, 64) @ torch.ones(64, 64)  # no draw: runs while the lock is held elsewhere
+            done.set()
+            torch.rand(3)  # waits for the lock
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert done.wait(10.0) and worker.is_alive()  # computed, then waits to draw
+    guard.lock.release()
+    worker.join(10.0)
+    assert not worker.is_alive()
+
+
+def test_a_checkpointed_forward_replays_its_draws_whatever_others_drew_meanwhile():
+    """Each checkpointed forward draws from a stream of its own (seeded from the shared
+    generator); its recomputation replays it, though other partitions drew in between; two
+    forwards' streams differ."""
+    from collections import deque
+
+    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=True)
+    first, second = deque(), deque()
+    with guard.checkpointed(first):
+        a = torch.rand(8)
+    with guard.checkpointed(second):
+        b = torch.rand(8)
+    kept = deque(first)
+    torch.rand(100)  # another partition draws from the shared generator
+    with guard.drawing():
+        torch.rand(100)
+    with guard.recomputing(second):
+        b_again = torch.rand(8)
+    with guard.recomputing(first):
+        a_again = torch.rand(8)
+    assert torch.equal(a, a_again) and torch.equal(b, b_again) and not torch.equal(a, b)
+    state = torch.get_rng_state()
+    with guard.checkpointed(deque()):
+        torch.rand(8)
+    assert not torch.equal(state, torch.get_rng_state())  # the stream's seed came from the shared generator
+    moved = torch.get_rng_state()
+    with guard.recomputing(kept):
+        torch.rand(8)
+    assert torch.equal(moved, torch.get_rng_state())  # a replay leaves the shared generator as it was
 
 
 def test_skip_tensors_are_freed_after_backward():

@@ -194,7 +194,7 @@ def test_counting_refuses_a_process_that_has_a_group_of_its_own():
 
 
 def _zoo_model(name):
-    from tests.test_zoo import ZOO
+    from tests.zoo_models import ZOO
 
     config_class, model_class, layers = ZOO[name]
     config = getattr(transformers, config_class)(**{key: 2 for key in layers})
@@ -213,7 +213,7 @@ ZOO_PLANS = {**{name: "sharded" for name in ("codegen", "cohere", "gemma", "gemm
 
 
 def test_the_zoo_plans_are_every_config_in_the_zoo_that_carries_one():
-    from tests.test_zoo import ZOO
+    from tests.zoo_models import ZOO
 
     carrying = {name for name, (config_class, _, layers) in ZOO.items()
                 if getattr(getattr(transformers, config_class)(**layers), "base_model_tp_plan", None)}

@@ -9,7 +9,8 @@ import logging
 import pytest
 
 from pipexplore.widgets.state import ExplorerState
-from tests.test_zoo import tiny, unsplit_loss
+from tests.test_zoo import unsplit_loss
+from tests.zoo_models import tiny
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -19,7 +20,7 @@ ZOO_HOOKS = '''
 import sys
 import torch
 sys.path.insert(0, {root!r})
-from tests.test_zoo import tiny
+from tests.zoo_models import tiny
 from pipexplore.loss import synthetic_loss
 
 NAME = {name!r}

@@ -22,6 +22,7 @@ raises (the layer's error, :class:`~pipexplore.cancel.Cancelled` or the interrup
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections import deque
@@ -35,8 +36,8 @@ from torch import Tensor, nn
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.checkpoint import (enable_checkpointing, enable_recomputing, restore_rng_states, rng_locks,
-                                   save_rng_states)
+from pipexplore.checkpoint import (checkpointed_draws, enable_checkpointing, enable_recomputing, replayed_draws,
+                                   rng_locks)
 from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
@@ -369,28 +370,24 @@ class ActionExecutor:
 
     # ---- forward, loss, backward ------------------------------------------------------------
     def _run(self, stage: int, i: int, state: StageState, *, recomputing: bool) -> None:
-        """The stage's forward (checkpointed: without autograd, its random state saved; recomputing:
-        that state replayed), counting the activation bytes it leaves for backward."""
+        """The stage's forward (checkpointed: without autograd, where its draws start kept;
+        recomputing: those draws replayed), counting the activation bytes it leaves for backward.
+        A stage that shares its device's random generator with others draws one operator at a
+        time under the device's lock (:class:`~pipexplore.checkpoint.RNGGuard`)."""
         checkpointed = i < self._stop
         device = self.stage_devices[stage]
         saved = SavedBytes(self.stage_modules[stage])
-        lock = self.rng_locks[stage] if checkpointed else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            with saved.hooks(), self._stage_scope(stage, i, state, recomputing):
-                if not checkpointed:
+        guard = self.rng_locks[stage]
+        with saved.hooks(), self._stage_scope(stage, i, state, recomputing):
+            if not checkpointed:
+                with guard.drawing() if guard is not None else contextlib.nullcontext():
                     self._call(stage, i, state)
-                elif not recomputing:
-                    save_rng_states(device, state.rng)
-                    with torch.no_grad(), enable_checkpointing():
-                        self._call(stage, i, state)
-                else:
-                    with restore_rng_states(device, state.rng), torch.enable_grad(), enable_recomputing():
-                        self._call(stage, i, state)
-        finally:
-            if lock is not None:
-                lock.release()
+            elif not recomputing:
+                with checkpointed_draws(device, state.rng, guard), torch.no_grad(), enable_checkpointing():
+                    self._call(stage, i, state)
+            else:
+                with replayed_draws(device, state.rng, guard), torch.enable_grad(), enable_recomputing():
+                    self._call(stage, i, state)
         grown = self._kept_bytes(stage, state) if checkpointed and not recomputing else saved.total
         state.held += grown
         self._held[stage] += grown
