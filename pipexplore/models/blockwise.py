@@ -28,6 +28,7 @@ from pipexplore.models.inputs import sample_rows
 from pipexplore.models.meta import Call, capture, layout, rows_of, without_kv_cache
 from pipexplore.models.opcount import count_call
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
+from pipexplore.predict.ratios import without_autograd_ratio
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.timeline.saved import SavedBytes
 
@@ -189,6 +190,11 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
         result[f"share_{phase}"] = 1.0 if device.type != "cpu" else \
             min(1.0, cpu[phase] / total / host_cores()) if total > 0 else 0.0
     result["spread"] = max(spread(w) for phase in walls for w in walls[phase])
+    # a checkpointed micro-batch's forward runs without autograd: its time over the forward's, at
+    # the smallest size (not always less: GPT-2's head on this CPU, 1.09)
+    args, kwargs, _ = block_inputs(call, sizes[0], captured_rows, device, block)
+    result["checkpointed_ratio"] = without_autograd_ratio(lambda: block(*args, **kwargs), device,
+                                                          1 if long_kind else repeats)
     return result
 
 
@@ -220,7 +226,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     sizes: ``forward_a``, ``forward_b``, …), ``output_bytes``/``saved_bytes`` (whole batch) and per
     row, ``share_forward``/``share_backward`` (CPU: CPU time over wall time over the cores; other
     devices 1), ``spread``; ``input_grad_ratio``/``weight_grad_ratio`` NaN (unmeasured),
-    ``checkpointed_ratio`` 1. Plus ``kind`` and ``order``. What runs outside the blocks (masks,
+    ``checkpointed_ratio`` (a forward without autograd over one with it, at the smallest size).
+    Plus ``kind`` and ``order``. What runs outside the blocks (masks,
     the loss) is not timed. ``real_model``: the real model ``model`` (then its
     :func:`~pipexplore.models.opcount.meta_copy`) stands
     for: each kind is timed with its first block's own weights, copied to ``device``.
@@ -300,7 +307,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
             "output_bytes_per_row": m["output_bytes_per_row"] if m else 0.0,
             "saved_bytes_per_row": calls * (m["saved_bytes_per_row"] if m else 0.0),
             "share_forward": m["share_forward"] if m else 0.0, "share_backward": m["share_backward"] if m else 0.0,
-            "input_grad_ratio": math.nan, "weight_grad_ratio": math.nan, "checkpointed_ratio": 1.0,
+            "input_grad_ratio": math.nan, "weight_grad_ratio": math.nan,
+            "checkpointed_ratio": m["checkpointed_ratio"] if m else 1.0,
             "spread": m["spread"] if m else 0.0,
             "kind": kind_names[called.signature] if called is not None else "", "order": position[k]})
     table = pd.DataFrame(rows, columns=LAYER_COLUMNS + ["saved_bytes"] + FIT_COLUMNS + ["kind", "order"])

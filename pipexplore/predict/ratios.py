@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +15,7 @@ from pipexplore.microbatch import TensorOrTensors, tensors_in
 from pipexplore.predict.timing import Timer as _Timer, detach as _detach, popping as _popping
 from pipexplore.skip.tracker import use_skip_tracker
 
-__all__ = ["contended_slowdown", "checkpointed_ratio", "split_backward"]
+__all__ = ["contended_slowdown", "checkpointed_ratio", "without_autograd_ratio", "split_backward"]
 
 
 def contended_slowdown(layer: nn.Module, value: TensorOrTensors, skips: dict[Any, Tensor], target: torch.device,
@@ -82,11 +82,21 @@ def checkpointed_ratio(layer: nn.Module, value: TensorOrTensors, skips: dict[Any
                         repeats: int) -> float:
     """What a checkpointed micro-batch's forward costs (without autograd: nothing kept for
     backward, as the executors run it) over the forward with autograd, timed in alternation."""
+    def forward() -> Any:
+        with use_skip_tracker(_popping(skips)):
+            return layer(_detach(value))
+
+    return without_autograd_ratio(forward, target, repeats)
+
+
+def without_autograd_ratio(forward: Callable[[], Any], target: torch.device, repeats: int) -> float:
+    """``forward()``'s time without autograd over its time with it, ``repeats`` + 1 calls of each
+    in alternation (the first of each dropped)."""
     timers = (_Timer(target), _Timer(target))
     for _ in range(repeats + 1):
         for grad, timer in zip((False, True), timers):
-            with use_skip_tracker(_popping(skips)), torch.set_grad_enabled(grad):
-                timer(lambda: layer(_detach(value)))
+            with torch.set_grad_enabled(grad):
+                timer(forward)
     without, with_grad = (statistics.median(t.wall[1:]) for t in timers)
     return without / with_grad if with_grad > 0 else 1.0
 
