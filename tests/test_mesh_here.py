@@ -92,6 +92,27 @@ def test_context_parallelism_here_is_refused_by_name_and_the_plan_kept():
     assert ex.plan is before
 
 
+def test_a_head_tied_to_its_embedding_is_refused_before_any_rank_starts(monkeypatch):
+    """Beside data (or tensor) parallelism the script does not sum a tied parameter's gradients
+    between pipeline ranks: ex.run() refuses such a model by name before it launches anything
+    (the ranks refused it too, once started: ~15 s later), the plan and runs kept."""
+    from pipexplore.runs import roundtrip
+
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "llama-tied")
+    ex = explored({"pp": 2, "dp": 2})
+    before = ex.plan
+    monkeypatch.setattr(roundtrip, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM ties model.embed_tokens.weight and lm_head.weight "
+                                         r"across stages .* untie them \(tie_word_embeddings=False\) or plan dp=1"):
+        ex.run()
+    assert ex.plan is before and ex.runs.empty
+    monkeypatch.setenv("MESH_HOOKS_MODEL", "llama")
+    untied = explored({"pp": 2, "dp": 2})  # the same model untied: nothing refused before the launch
+    from pipexplore.executors.tied import tied_across_stages
+
+    assert tied_across_stages(untied.state.model, list(untied.plan.layer_table["name"]), list(untied.plan.splits)) == []
+
+
 def dies_on_rank_3(output, target):
     """The hooks' loss, except on rank 3 (the last stage's second replica), which dies in its first step."""
     import os

@@ -88,7 +88,9 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     replica on the sample.
 
     Raises:
-        ValueError: a plan or sample the exported script cannot run, or ``nodes`` not dividing its ranks.
+        ValueError: a plan or sample the exported script cannot run (a parameter tied across stages
+            beside data or tensor parallelism, before any process starts), or ``nodes`` not
+            dividing its ranks.
         pipexplore.runs.launch.TorchrunError: a rank failed (named: rank, its place in a mesh, host, exit
             code) or the run timed out.
         pipexplore.cancel.Cancelled: cancelled; every agent and rank is stopped, nothing is loaded.
@@ -108,6 +110,16 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
+    mesh = plan.mesh
+    if mesh is not None and (mesh.dp > 1 or mesh.tp > 1):
+        from pipexplore.executors.tied import tied_across_stages
+
+        tied = tied_across_stages(model, list(plan.layer_table["name"]), list(plan.splits))
+        if tied:  # (the script's ranks would refuse it too, once started)
+            raise ValueError(f"{type(model).__name__} ties {'; '.join(tied)} across stages (an embedding and its "
+                             f"head): their gradients are summed between pipeline ranks, which the script does not "
+                             f"do beside tensor or data parallelism; untie them (tie_word_embeddings=False) or "
+                             f"plan dp=1 and tp=1")
     from pipexplore.export.code import mesh_options
     from pipexplore.export.torchrun import torchrun_script
 
