@@ -15,6 +15,37 @@ from ranks import assert_equals_unsplit
 from tiny_transformer import build_model, get_batch, loss_fn
 
 
+def test_a_split_sent_to_another_process_computes_what_it_computed():
+    """What the ranks are sent (``trace.sent``): the split, its unflattened modules and its nodes'
+    meta (the shapes torch's stage receives and sends) as they were; it computes what it computed,
+    to the bit, in a process that never traced the model."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from pipexplore.models.trace import sent
+
+    model = build_model()
+    tokens, _ = get_batch()
+    pipe = traced_pipes.traced_pipe(model, (tokens[:2],), ["layers.2"])
+    data = sent.dumps((pipe, tokens[:2]))
+    assert data is not None
+    back, _ = sent.loads(data)
+    for stage in ("submod_pp_0", "submod_pp_1"):
+        ours, theirs = (getattr(p.split_gm, stage).graph.nodes for p in (pipe, back))
+        vals = [(n.name, tuple(n.meta["val"].shape)) for n in ours if n.op == "placeholder"]
+        assert vals and vals == [(n.name, tuple(n.meta["val"].shape)) for n in theirs if n.op == "placeholder"]
+    with torch.no_grad():
+        expected = pipe(tokens[:2])[0]
+    program = ("import pickle, sys, torch\n"
+               "from pipexplore.models.trace import sent\n"
+               "pipe, tokens = sent.loads(sys.stdin.buffer.read())\n"
+               "with torch.no_grad():\n"
+               "    sys.stdout.buffer.write(pickle.dumps(pipe(tokens)[0]))\n")
+    done = subprocess.run([sys.executable, "-c", program], input=data, capture_output=True, check=True, timeout=120)
+    assert torch.equal(__import__("pickle").loads(done.stdout), expected)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("splits,ranks,schedule,chunks", [((3,), 2, "gpipe", 4), ((2, 4), 3, "1f1b", 8)])
@@ -47,8 +78,11 @@ def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
 def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     """The processes executor traces a split here before any rank starts (to refuse it early);
     once per split of a model of this shape in the session (the pipes traced are kept:
-    ``traced_pipes``): another split, other input shapes or a changed model is traced again. Each
-    rank of the warm pool keeps its pipes the same way."""
+    ``traced_pipes``): another split, other input shapes or a changed model is traced again. The
+    ranks trace nothing: each builds its stages from the split made here, sent to it
+    (``trace.sent``); where it cannot be sent, each rank traces it, and keeps it as the pipes here
+    are kept."""
+    from pipexplore.models.trace import sent
     from pipexplore.models.trace.pipes import forget_traced
 
     forget_traced()  # (the module's tests before this one traced this split)
@@ -66,7 +100,7 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     plan = Plan(table, (3,), ("cpu", "cpu"), chunks=4, schedule="gpipe", executor="processes")
     run = lambda p, x=tokens, y=target: run_processes(model, x, p, target=y, loss_fn=loss_fn, warmup=0)  # noqa: E731
     first = run(plan)
-    assert len(traced_here) == 1
+    assert len(traced_here) == 1 and first.metrics["traced_ranks"] == 0  # sent to the ranks
     again = run(plan)
     assert len(traced_here) == 1  # the same split: not traced here again
     assert again.metrics["traced_ranks"] == 0  # nor in the warm pool's ranks: each copied its kept pipe
@@ -74,12 +108,15 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     run_processes(build_model(), tokens, plan, target=target, loss_fn=loss_fn, warmup=0)
     assert len(traced_here) == 1  # another model of the same shape
     other = run(plan.with_options(splits=(2,)))
-    assert len(traced_here) == 2  # another split (from the model's kept export: not exported again)
-    assert other.metrics["traced_ranks"] == 2 and other.metrics["exported_ranks"] == 0  # from each rank's kept export
+    assert len(traced_here) == 2 and other.metrics["traced_ranks"] == 0  # another split (from the kept export)
     assert other.loss == pytest.approx(first.loss, rel=1e-5)  # the same model at the same weights
     run(plan.with_options(batch=16), *get_batch(16))
     assert len(traced_here) == 3  # micro-batches of another shape
+    monkeypatch.setattr(sent, "dumps", lambda pipe: None)  # a split that cannot be sent
+    unsent = run(plan.with_options(splits=(1,)))
+    assert unsent.metrics["traced_ranks"] == unsent.metrics["exported_ranks"] == 2  # each rank traced it
+    assert unsent.loss == pytest.approx(first.loss, rel=1e-5)
     model.head.weight.requires_grad_(False)
     changed = run(plan)
-    assert len(traced_here) == 4  # the model changed
+    assert len(traced_here) == 5  # the model changed
     assert changed.metrics["traced_ranks"] == changed.metrics["exported_ranks"] == 2  # so did the ranks' key

@@ -5,11 +5,13 @@ entry point (a user's script is never re-run in them), they meet on a free loopb
 on CPUs, NCCL on GPUs) and stay up between runs on the same devices, so a rerun pays no process
 start-up; start-up is reported apart (``metrics['startup_seconds']``). Each run ships the model's
 stages, ``loss_fn``, ``optimizer`` and batch by value with ``cloudpickle`` (notebook classes,
-lambdas and closures included); a traced model is split by torch's tracer in each rank, once per
-split of a model of its shape while the pool is warm (a rerun copies the rank's kept pipe, a new
-split splits the rank's kept export of the model: :mod:`pipexplore.models.trace.pipes`;
+lambdas and closures included); a traced model is split here (its early check) and the split is
+sent to the ranks (:mod:`pipexplore.models.trace.sent`), each of which builds its stages from it
+with the model's weights, and keeps it while the pool is warm (a rerun copies the rank's kept pipe:
+:mod:`pipexplore.models.trace.pipes`). Where the split cannot be sent, each rank splits the model by
+torch's tracer itself (a new split of a model it exported: its kept export);
 ``metrics['traced_ranks']`` counts the ranks that traced, ``metrics['exported_ranks']`` those of
-them that exported the model).
+them that exported the model.
 Each rank builds its stage(s) with ``PipelineStage`` and runs
 the torch schedule for the plan (a CSV schedule: torch's ``_PipelineScheduleRuntime`` loading
 the file, ``_load_csv``, which adds the sends and receives); it times each stage's ``forward_one_chunk``,
@@ -48,7 +50,7 @@ from pipexplore.executors.tied import (own_parameters, shared_parameters, sum_ti
 from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pack_job, preload_modules, shutdown_pool,
                                        warm_pool)
 from pipexplore.timeline import COLUMNS
-from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES
+from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES, sent
 from pipexplore.schedules import check, csv_schedule, is_csv, stage_ranks
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
@@ -130,11 +132,15 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
     stages: list = []
     traced_here = exported_here = 0
     if job.get("traced") is not None:
-        # A traced model: every rank traces the same split and builds its own stages from it; a rank
-        # of the warm pool keeps the pipe (traced_pipes), so a rerun of the split copies it instead.
+        # A traced model: every rank builds its own stages from the split the caller made and sent
+        # (or, where it could not be sent, traces the same split itself); a rank of the warm pool
+        # keeps the pipe (traced_pipes), so a rerun of the split copies it.
         from pipexplore.models.trace import pipes as traced_pipes
 
         traced = job["traced"]
+        if traced.get("split") is not None:  # the caller's split, sent: kept as this rank's (unless kept)
+            traced_pipes.keep_traced(traced["model"], traced["mb_args"], traced["split_points"],
+                                     sent.loads(traced["split"]), mb_kwargs=traced["mb_kwargs"])
         before, exported_before = traced_pipes.traces, traced_pipes.exports
         pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
                                         mb_kwargs=traced["mb_kwargs"], owned=True)  # the rank's own copy
@@ -242,12 +248,13 @@ def _load_schedule_csv(schedule: Any, text: str, format: str) -> None:
         os.unlink(path)
 
 
-def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> None:
+def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any], points: list[str]) -> Any:
     """Trace here first, so that a model that cannot be traced, or whose later stages read the
     model's inputs themselves, fails fast and clearly, before any process starts. Once per split
     of a model of this shape in the session (:func:`pipexplore.models.trace.pipes.traced_graph`:
     another split, other input shapes, or a model whose modules, parameters, buffers or config
-    changed is traced anew; a split that failed is never kept); the ranks trace it anyway."""
+    changed is traced anew; a split that failed is never kept). Returns the split (its weights on
+    the meta device), which the ranks are sent."""
     from pipexplore.models.trace.stage_inputs import inputs_past_first_stage, outputs_before_last_stage
     from pipexplore.models.trace.pipes import traced_graph
 
@@ -264,6 +271,7 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
         raise ValueError(f"torch's pipelining feeds the model's inputs to the first stage only, but later stages "
                          f"read {listed}: run in this process (executor='threads'), or leave such inputs out of the "
                          f"sample (e.g. compute the loss in loss_fn from the logits, with the labels as its target)")
+    return graph
 
 
 def _mean(losses: list[float]) -> float:
@@ -383,10 +391,11 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     if traced:  # split by torch's tracer in every rank, at the plan's candidate blocks
         names = [str(n) for n in plan.layer_table["name"]]
         mb_args, mb_kwargs = call_inputs(first_microbatch(sample, plan.chunks))
-        _check_traced_split(model, mb_args, mb_kwargs, [names[s] for s in plan.splits])
+        skeleton = _check_traced_split(model, mb_args, mb_kwargs, [names[s] for s in plan.splits])
         job["traced"] = {"model": model, "mb_args": tuple(_cpu(a) for a in mb_args),
                          "mb_kwargs": {k: _cpu(v) for k, v in mb_kwargs.items()},
-                         "split_points": [names[s] for s in plan.splits]}
+                         "split_points": [names[s] for s in plan.splits],
+                         "split": sent.dumps(skeleton)}  # (None: each rank traces the model itself)
         payloads = [_pack(job, model)] * world
     else:
         layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them

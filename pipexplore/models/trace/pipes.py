@@ -32,8 +32,9 @@ traced_extra`), so an explorer's first run splits the export its profile made (a
 first run after ``explore()``: 1.1–1.2 s against 1.8–1.9 s).
 
 The processes executor's ranks keep their own pipes the same way (:data:`traces` counts the
-traces a process made): a rerun in the warm pool copies the kept pipe in each rank instead of
-tracing the model again.
+traces a process made): the split the caller made is sent to them (:func:`keep_traced`,
+:mod:`pipexplore.models.trace.sent`), and a rank traces the model itself only where it could not
+be sent; a rerun in the warm pool copies the kept pipe.
 """
 from __future__ import annotations
 
@@ -272,6 +273,19 @@ def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     if kept is not None:
         return kept[0]
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[1]
+
+
+def keep_traced(model: nn.Module, mb_args: Any, split_points: Sequence[str], skeleton: Any, *,
+                mb_kwargs: Optional[dict[str, Any]] = None) -> None:
+    """Keep ``skeleton`` (what :func:`traced_graph` gives: the split with its weights on the meta
+    device, made by another process and sent here, :mod:`pipexplore.models.trace.sent`) as this
+    split of ``model``, unless one is kept: :func:`traced_pipe` then copies it, tracing nothing."""
+    key = split_key(model, mb_args, mb_kwargs, split_points)
+    with _lock:
+        if key not in _kept:
+            _kept[key] = (skeleton, _stage_tensors(skeleton))
+            while len(_kept) > KEPT_SPLITS:
+                _kept.popitem(last=False)
 
 
 def forget_traced(exports: bool = True) -> None:
