@@ -12,9 +12,10 @@ before (``pipexplore.models.trace.markers``: no export, torch's splitter on the 
 exporting it again (``forget_traced()``), interleaved; the kept pipes are dropped either way.
 
 ``--processes``: the same split rerun through the processes executor on a warm pool of 2 ranks
-(no warm-up step, one measured): each rank keeps the pipes it traced, so a rerun copies them;
-"traced again" discards the ranks first (``shutdown_pool(keep_server=True)``: the next pool's ranks
-are forked by the fork server in ~0.05 s, with no pipe kept), as every rerun traced before.
+(no warm-up step, one measured): each rank keeps its pipes, so a rerun copies them ("kept"); new
+ranks (``shutdown_pool(keep_server=True)``: the next pool's ranks are forked by the fork server in
+~0.05 s, with no pipe kept) are sent the split made here (``pipexplore.models.trace.sent``), or,
+with sending turned off, trace it themselves, as every first run in new ranks did before.
 
 Usage::
 
@@ -134,28 +135,33 @@ def new_split(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-
 def processes(model, ids, plan, point, loss, args) -> None:  # type: ignore[no-untyped-def]
     from pipexplore.executors.distributed import run_processes
     from pipexplore.executors.pool import shutdown_pool
+    from pipexplore.models.trace import sent
 
-    def rerun() -> tuple[float, int]:
+    sending = sent.dumps
+
+    def rerun(send: bool = True) -> tuple[float, int]:
+        sent.dumps = sending if send else (lambda pipe: None)  # type: ignore[assignment]
         started = time.perf_counter()
         result = run_processes(model, {"input_ids": ids}, plan, target=ids, loss_fn=loss, warmup=0)
         return time.perf_counter() - started, result.metrics["traced_ranks"]
 
-    rerun()  # the fork server, the pool, and each rank's first trace
-    times: dict[str, list[float]] = {"kept": [], "traced again": []}
-    traced: dict[str, set[int]] = {"kept": set(), "traced again": set()}
+    rerun()  # the fork server, the pool, the split here
+    times: dict[str, list[float]] = {"kept": [], "new ranks, sent": [], "new ranks, traced": []}
+    traced: dict[str, set[int]] = {key: set() for key in times}
     for _ in range(args.rounds):
-        seconds, ranks = rerun()
-        times["kept"].append(seconds)
-        traced["kept"].add(ranks)
-        shutdown_pool(keep_server=True)  # new ranks: nothing kept
-        seconds, ranks = rerun()
-        times["traced again"].append(seconds)
-        traced["traced again"].add(ranks)
+        for key in times:
+            if key != "kept":
+                shutdown_pool(keep_server=True)  # new ranks: nothing kept
+            seconds, ranks = rerun(send=key != "new ranks, traced")
+            times[key].append(seconds)
+            traced[key].add(ranks)
+    sent.dumps = sending
     shutdown_pool()
-    kept, again = (statistics.median(v) for v in times.values())
+    kept, fresh, again = (statistics.median(v) for v in times.values())
     print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, run_processes on 2 "
-          f"ranks, median of {args.rounds}: kept {kept:.2f} s, traced again {again:.2f} s ({again / kept:.1f}x); "
-          f"ranks that traced: {sorted(traced['kept'])} / {sorted(traced['traced again'])}")
+          f"ranks, median of {args.rounds}: kept {kept:.2f} s; new ranks sent the split {fresh:.2f} s, "
+          f"new ranks tracing it {again:.2f} s ({again / fresh:.1f}x); ranks that traced: "
+          + ", ".join(f"{key} {sorted(found)}" for key, found in traced.items()))
 
 
 if __name__ == "__main__":
