@@ -130,11 +130,19 @@ def _stage_tensors(pipe: Any) -> list[tuple[torch.Tensor, str]]:
 def _copy_with(pipe: Any, tensors: list[tuple[torch.Tensor, str]], source: dict[str, torch.Tensor],
                make: Any) -> Any:
     """A deep copy of ``pipe`` whose stage tensors are ``make(tensor, source[fqn])`` (one copy for
-    a tensor the stages share: a tied weight stays tied)."""
+    a tensor the stages share: a tied weight stays tied). Where torch's split keeps a weight apart
+    in several stages (``replicated_params``: copies, summed after backward), only the first copy
+    may be the model's own tensor (``_the_models``): the others are copies of it, as the split
+    made them (two stages of one rank holding one tensor would add its gradients twice)."""
     memo: dict[int, Any] = {}
+    given: set[int] = set()  # the model's tensors given as they are (a tied one: under either name)
     for tensor, fqn in tensors:
         if id(tensor) not in memo:
-            memo[id(tensor)] = make(tensor, source.get(fqn))
+            current = source.get(fqn)
+            apart = make is _the_models and current is not None and id(current) in given
+            memo[id(tensor)] = (_from_model if apart else make)(tensor, current)
+            if current is not None:
+                given.add(id(current))
     memo[id(memo)] = [t for t, _ in tensors]  # deepcopy's keep-alive list: the ids above stay taken
     with warnings.catch_warnings():
         # torch's own deprecated pytree class (LeafSpec) warns as the copy rebuilds the graph's
