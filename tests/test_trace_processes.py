@@ -116,7 +116,11 @@ def test_a_rerun_of_the_same_split_is_not_traced_here_again(monkeypatch):
     unsent = run(plan.with_options(splits=(1,)))
     assert unsent.metrics["traced_ranks"] == unsent.metrics["exported_ranks"] == 2  # each rank traced it
     assert unsent.loss == pytest.approx(first.loss, rel=1e-5)
+    monkeypatch.setattr(sent, "dumps", lambda pipe: b"not a pickle")  # one the ranks cannot rebuild
+    unread = run(plan.with_options(splits=(4,)))
+    assert unread.metrics["traced_ranks"] == 2 and unread.metrics["exported_ranks"] == 0  # from their kept export
+    assert unread.loss == pytest.approx(first.loss, rel=1e-5)
     model.head.weight.requires_grad_(False)
     changed = run(plan)
-    assert len(traced_here) == 5  # the model changed
+    assert len(traced_here) == 6  # the model changed
     assert changed.metrics["traced_ranks"] == changed.metrics["exported_ranks"] == 2  # so did the ranks' key

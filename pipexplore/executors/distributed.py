@@ -139,8 +139,13 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
 
         traced = job["traced"]
         if traced.get("split") is not None:  # the caller's split, sent: kept as this rank's (unless kept)
-            traced_pipes.keep_traced(traced["model"], traced["mb_args"], traced["split_points"],
-                                     sent.loads(traced["split"]), mb_kwargs=traced["mb_kwargs"])
+            try:
+                skeleton = sent.loads(traced["split"])
+            except Exception:  # (a split this rank cannot rebuild: it traces the model itself below)
+                skeleton = None
+            if skeleton is not None:
+                traced_pipes.keep_traced(traced["model"], traced["mb_args"], traced["split_points"], skeleton,
+                                         mb_kwargs=traced["mb_kwargs"])
         before, exported_before = traced_pipes.traces, traced_pipes.exports
         pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
                                         mb_kwargs=traced["mb_kwargs"], owned=True)  # the rank's own copy
