@@ -205,6 +205,13 @@ class Plan:
         return [self.devices[self.mesh.rank(pp=r)] for r in range(self.mesh.pp)]
 
     @property
+    def step_batch(self) -> Optional[int]:
+        """Rows of the mini-batch a step runs: :attr:`batch`, else the profiled sample's (None where
+        the layer table does not say)."""
+        batch = self.batch or self.layer_table.attrs.get("batch")
+        return int(batch) if batch else None
+
+    @property
     def mesh_or_pipeline(self) -> Mesh:
         """The plan's mesh, or every pipeline rank alone (``Mesh(pp=…)``)."""
         return self.mesh if self.mesh is not None else Mesh(pp=self.num_devices)

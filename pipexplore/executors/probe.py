@@ -216,7 +216,7 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     from pipexplore.executors import processes
 
     devices = plan.devices[:plan.num_devices]
-    batch = plan.batch or plan.layer_table.attrs.get("batch")
+    batch = plan.step_batch
     rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
     low, high = LOADED_SECONDS
     seconds = [float(np.clip(np.median(stage_seconds(plan.layer_table, list(plan.splits), rows, phase)), low, high))

@@ -93,7 +93,7 @@ def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int]
         raise ValueError(f"Megatron-LM runs 1F1B and its interleaved schedule, not {plan.schedule!r}: plan one of them")
     mesh = plan.mesh_or_pipeline
     table = plan.layer_table
-    rows = int(plan.batch or table.attrs.get("batch"))
+    rows = int(plan.step_batch)  # type: ignore[arg-type]
     lines = [f"--tensor-model-parallel-size {mesh.tp}", f"--pipeline-model-parallel-size {mesh.pp}"]
     if mesh.cp > 1:
         lines.append(f"--context-parallel-size {mesh.cp}")

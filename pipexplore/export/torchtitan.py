@@ -100,7 +100,7 @@ def torchtitan_command(plan: Any, *, config: Any = None, nodes: int = 0) -> str:
                          f"not {plan.schedule!r}")
     mesh = plan.mesh_or_pipeline
     table = plan.layer_table
-    rows = int(plan.batch or table.attrs.get("batch"))
+    rows = int(plan.step_batch)  # type: ignore[arg-type]
     sequence = int(table.attrs.get("tokens_per_sample", 0)) or None
     fqns = torchtitan_fqns(table, list(plan.splits))
     if any(not part for part in fqns):

@@ -77,7 +77,7 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
         ValueError: nothing can run; or nothing fits (the closest mesh named, with its peak).
     """
     current = plan.mesh_or_pipeline
-    batch = int(plan.batch or plan.layer_table.attrs.get("batch"))
+    batch = int(plan.step_batch)  # type: ignore[arg-type]
     global_rows = batch * current.dp
     devices = list(plan.devices)
     rows_choices = list(microbatch_rows) or [max(1, batch // plan.chunks)]

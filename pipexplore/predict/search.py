@@ -151,7 +151,7 @@ def search(plan: Any, *, memory_cap: Optional[float] = None, stages: Sequence[in
                                    or not memory_cap > 0):
         raise ValueError(f"memory_cap must be a number of bytes > 0 (or None: each device's memory), got {memory_cap!r}")
     table = plan.layer_table
-    batch = plan.batch or table.attrs.get("batch")
+    batch = plan.step_batch
     own = list(plan.devices) or ["cpu"]
     devices_for = devices_for or (lambda k: [own[d % len(own)] for d in range(k)])
     static, act, inp = layer_bytes(table, optimizer=optimizer, mixed_precision=mixed_precision)

@@ -52,7 +52,7 @@ def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), 
         table = sweep(plan, stages=[2, 3, 4], chunks=[4, 8, 16], schedules=["gpipe", "1f1b", "zero-bubble"])
         best = table.iloc[0]
     """
-    batch = plan.batch or plan.layer_table.attrs.get("batch")
+    batch = plan.step_batch
     own_devices = list(plan.devices) or ["cpu"]
 
     def default_devices(n: int) -> list[str]:

@@ -160,7 +160,7 @@ def _on_the_mesh(state: ExplorerState, stages: Sequence[int], chunks: Sequence[i
     if not meshes:
         raise ValueError(f"stages {list(stages)}: none leaves a whole number of replicas of tp={mesh.tp} on "
                          f"{count} devices")
-    batch = int(plan.batch or plan.layer_table.attrs.get("batch"))
+    batch = int(plan.step_batch)  # type: ignore[arg-type]
     rows = sorted({batch // m for m in chunks if m >= 1 and batch % m == 0}) if chunks else []
     return mesh_search(plan, state.table_for_tp, memory_cap=cap, data_parallel=[plan.data_parallel],
                        microbatch_rows=rows, schedules=schedules, checkpoint=checkpoint, optimizer=state.optimizer,
