@@ -426,7 +426,7 @@ class ExplorerState:
             figures = plan_figures(self._plan, samples, tokens_per_sample(self.sample))
             self._figures_of = (self._plan, figures)
             if self._plan.planned:  # the fullest GPU's training memory, as the stage table counts it
-                table = self.stage_table()
+                table = self._stage_table(figures)
                 figures["peak_bytes_per_gpu"] = float(table.groupby("device")["peak_bytes"].sum().max())
         return figures
 
@@ -524,8 +524,11 @@ class ExplorerState:
     def stage_table(self) -> pd.DataFrame:
         """Per stage: what it holds, takes and needs, beside what the shown run measured
         (:func:`pipexplore.widgets.stage_table.stage_table`)."""
+        return self._stage_table(self.figures())
+
+    def _stage_table(self, figures: dict[str, Any]) -> pd.DataFrame:
         result = self.log.shown_result()
-        return stage_table(self._plan, self.figures()["activation_bytes_per_stage"],
+        return stage_table(self._plan, figures["activation_bytes_per_stage"],
                            measured=result.timeline.attrs.get("peak_memory", {}) if result is not None else {},
                            optimizer=self.optimizer, mixed_precision=self.mixed_precision,
                            memory_cap=self._memory_cap)
