@@ -141,6 +141,33 @@ def test_dropout_recomputation_replays_the_same_mask(balance):
     assert any(m.any() for m in masks[False].values()) and not all(m.all() for m in masks[False].values())
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_schedule_executors_recomputation_replays_each_mask_on_a_shared_device(schedule):
+    """The schedule executor's stages share the CPU's generator and draw at once, each
+    checkpointed forward from a stream of its own: every recomputation draws the mask its forward
+    drew, and the masks of different micro-batches and stages differ."""
+    from pipexplore.executors.sequential import ScheduleExecutor
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+    masks: dict[bool, dict[tuple[int, float], torch.Tensor]] = {False: {}, True: {}}
+
+    def keeping(index):
+        def keep(module, args, output):
+            masks[is_recomputing()][index, round(args[0].sum().item(), 3)] = output == 0
+        return keep
+
+    executor = ScheduleExecutor(model, [2, 2], devices=["cpu", "cpu"], chunks=4, schedule=schedule,
+                                checkpoint="always")
+    for index in (1, 3):
+        executor.stage_modules[index // 2][1].register_forward_hook(keeping(index))
+    executor.step(torch.randn(32, 16))
+    assert len(masks[False]) == 8 and masks[False].keys() == masks[True].keys()
+    assert all(torch.equal(first, masks[True][key]) for key, first in masks[False].items())
+    drawn = [m for (index, _), m in masks[False].items() if index == 1]
+    assert len({tuple(m.flatten().tolist()) for m in drawn}) == len(drawn)  # a stream each: no mask repeated
+
+
 class _FunctionalDropouts(nn.Module):
     """Dropout through F.dropout in a plain module: nothing in the module says it draws."""
 
