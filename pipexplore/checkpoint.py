@@ -253,7 +253,7 @@ class RNGGuard:
     seeded from the shared generator, swapped in under the lock), which its recomputation replays:
     the same dropout masks whatever the other partitions drew meanwhile. Holding the lock for the
     whole forward, as before, made drawing forwards on one host run one at a time: GPT-2 small's
-    step on four CPU stages took 20–21 s with its dropout, 16.7 s without.
+    step on four CPU stages took 20–21 s with its dropout (16.7 s without); 16.7–18.2 s now.
 
     A partition known to draw random numbers (dropout and kin, or ``uses_rng = True``) is watched
     every time. One not known to (its forward may still call ``F.dropout`` or ``torch.rand``) is
