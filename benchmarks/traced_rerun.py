@@ -133,14 +133,14 @@ def new_split(model, ids, plan, loss, args) -> None:  # type: ignore[no-untyped-
 
 
 def processes(model, ids, plan, point, loss, args) -> None:  # type: ignore[no-untyped-def]
+    from pipexplore.executors import distributed
     from pipexplore.executors.distributed import run_processes
     from pipexplore.executors.pool import shutdown_pool
-    from pipexplore.models.trace import sent
 
-    sending = sent.dumps
+    sending = distributed._sendable
 
     def rerun(send: bool = True) -> tuple[float, int]:
-        sent.dumps = sending if send else (lambda pipe: None)  # type: ignore[assignment]
+        distributed._sendable = sending if send else (lambda skeleton: None)  # type: ignore[assignment]
         started = time.perf_counter()
         result = run_processes(model, {"input_ids": ids}, plan, target=ids, loss_fn=loss, warmup=0)
         return time.perf_counter() - started, result.metrics["traced_ranks"]
@@ -155,7 +155,7 @@ def processes(model, ids, plan, point, loss, args) -> None:  # type: ignore[no-u
             seconds, ranks = rerun(send=key != "new ranks, traced")
             times[key].append(seconds)
             traced[key].add(ranks)
-    sent.dumps = sending
+    distributed._sendable = sending
     shutdown_pool()
     kept, fresh, again = (statistics.median(v) for v in times.values())
     print(f"{'tiny GPT-2' if args.tiny else 'GPT-2 small'}, 2 stages split at {point}, run_processes on 2 "

@@ -34,6 +34,7 @@ import io
 import math
 import numbers
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -139,13 +140,14 @@ def _rank_step(rank: int, world: int, job: dict[str, Any]) -> bytes:
 
         traced = job["traced"]
         if traced.get("split") is not None:  # the caller's split, sent: kept as this rank's (unless kept)
-            try:
-                skeleton = sent.loads(traced["split"])
-            except Exception:  # (a split this rank cannot rebuild: it traces the model itself below)
-                skeleton = None
-            if skeleton is not None:
-                traced_pipes.keep_traced(traced["model"], traced["mb_args"], traced["split_points"], skeleton,
-                                         mb_kwargs=traced["mb_kwargs"])
+            def received() -> Any:
+                try:
+                    return sent.loads(traced["split"])
+                except Exception:  # (a split this rank cannot rebuild: it traces the model itself below)
+                    return None
+
+            traced_pipes.keep_traced(traced["model"], traced["mb_args"], traced["split_points"], received,
+                                     mb_kwargs=traced["mb_kwargs"])
         before, exported_before = traced_pipes.traces, traced_pipes.exports
         pipe = traced_pipes.traced_pipe(traced["model"], traced["mb_args"], traced["split_points"],
                                         mb_kwargs=traced["mb_kwargs"], owned=True)  # the rank's own copy
@@ -279,6 +281,18 @@ def _check_traced_split(model: nn.Module, mb_args: Any, mb_kwargs: dict[str, Any
     return graph
 
 
+#: Each kept split pickled once for the ranks (a rerun of it sends the same bytes); gone with the split.
+_SENT: "weakref.WeakKeyDictionary[Any, Optional[bytes]]" = weakref.WeakKeyDictionary()
+
+
+def _sendable(skeleton: Any) -> Optional[bytes]:
+    """``skeleton`` (the kept split :func:`_check_traced_split` returns) pickled for the ranks,
+    once while it is kept (:func:`pipexplore.models.trace.sent.dumps`; None: it cannot be sent)."""
+    if skeleton not in _SENT:
+        _SENT[skeleton] = sent.dumps(skeleton)
+    return _SENT[skeleton]
+
+
 def _mean(losses: list[float]) -> float:
     """The step's loss from its micro-batches' (equal sizes: torch's schedules split evenly)."""
     return sum(losses) / len(losses) if losses else float("nan")
@@ -400,7 +414,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         job["traced"] = {"model": model, "mb_args": tuple(_cpu(a) for a in mb_args),
                          "mb_kwargs": {k: _cpu(v) for k, v in mb_kwargs.items()},
                          "split_points": [names[s] for s in plan.splits],
-                         "split": sent.dumps(skeleton)}  # (None: each rank traces the model itself)
+                         "split": _sendable(skeleton)}  # (None: each rank traces the model itself)
         payloads = [_pack(job, model)] * world
     else:
         layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them

@@ -43,7 +43,7 @@ import copy
 import threading
 import types
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -283,17 +283,22 @@ def traced_graph(model: nn.Module, mb_args: Any, split_points: Sequence[str], *,
     return _trace_and_keep(key, model, mb_args, split_points, mb_kwargs)[1]
 
 
-def keep_traced(model: nn.Module, mb_args: Any, split_points: Sequence[str], skeleton: Any, *,
+def keep_traced(model: nn.Module, mb_args: Any, split_points: Sequence[str], skeleton: Callable[[], Any], *,
                 mb_kwargs: Optional[dict[str, Any]] = None) -> None:
-    """Keep ``skeleton`` (what :func:`traced_graph` gives: the split with its weights on the meta
-    device, made by another process and sent here, :mod:`pipexplore.models.trace.sent`) as this
-    split of ``model``, unless one is kept: :func:`traced_pipe` then copies it, tracing nothing."""
+    """Unless this split of ``model`` is kept: keep what ``skeleton()`` gives (what
+    :func:`traced_graph` gives: the split with its weights on the meta device, made by another
+    process and sent here, :mod:`pipexplore.models.trace.sent`; None: nothing kept), so that
+    :func:`traced_pipe` copies it, tracing nothing. ``skeleton`` is not called for a kept split."""
     key = split_key(model, mb_args, mb_kwargs, split_points)
+    if _lookup(key) is not None:
+        return
+    made = skeleton()
+    if made is None:
+        return
     with _lock:
-        if key not in _kept:
-            _kept[key] = (skeleton, _stage_tensors(skeleton))
-            while len(_kept) > KEPT_SPLITS:
-                _kept.popitem(last=False)
+        _kept.setdefault(key, (made, _stage_tensors(made)))
+        while len(_kept) > KEPT_SPLITS:
+            _kept.popitem(last=False)
 
 
 def forget_traced(exports: bool = True) -> None:
