@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["SplitError", "balance_to_splits", "splits_to_balance", "check_splits", "first_runnable_layer"]
+__all__ = ["SplitError", "balance_to_splits", "splits_to_balance", "check_splits", "first_runnable_layer",
+           "shared_parameters"]
 
 
 class SplitError(ValueError):
@@ -73,3 +74,16 @@ def first_runnable_layer(table: Any, executor: str, stages: int) -> int:
     """
     first = int(table.attrs.get("first_split", 1)) if executor == "processes" else 1
     return first if first > 1 and len(table) - first >= stages - 1 else 1
+
+
+def shared_parameters(layer_table: Any, splits: Sequence[int]) -> dict[str, list[int]]:
+    """Parameters used by blocks of more than one stage (tied weights), with those stages, as the
+    layer table's ``shared`` column names them (a table without it: none known)."""
+    if "shared" not in layer_table:
+        return {}
+    stage_of = [sum(1 for s in splits if s <= k) for k in range(len(layer_table))]
+    users: dict[str, set[int]] = {}
+    for k, names in enumerate(layer_table["shared"]):
+        for name in filter(None, str(names).split(",")):
+            users.setdefault(name, set()).add(stage_of[k])
+    return {name: sorted(st) for name, st in users.items() if len(st) > 1}

@@ -28,8 +28,7 @@ import inspect
 
 import torch
 
-__all__ = ["tied_parameters", "shared_parameters", "tied_across_stages", "tied_groups", "sum_tied_grads",
-           "own_parameters", "SOURCE"]
+__all__ = ["tied_parameters", "shared_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
 
 #: Process groups of the ranks that hold a tied parameter, kept for the default group they were
 #: made in (a warm pool's ranks run many steps and plans in one default group).
@@ -51,30 +50,6 @@ def shared_parameters(stage_modules: list) -> list:
         for name, param in module.named_parameters(remove_duplicate=False):
             holders.setdefault(id(param), []).append((stage, name))
     return [sorted(set(found)) for found in holders.values() if len({s for s, _ in found}) > 1]
-
-
-def tied_across_stages(model: torch.nn.Module, layers: list, splits: list) -> list:
-    """Before any split: the parameters of ``model`` one tensor of which two of its stages would
-    hold, each ``"first name and other name"`` (``layers``: the plan's layer names in order, each
-    a module of the model; ``splits``: where each stage after the first begins among them). A
-    parameter outside every layer is left out."""
-    bounds = [0, *splits, len(layers)]
-    stage_of = {str(layers[k]): s for s, (a, b) in enumerate(zip(bounds, bounds[1:])) for k in range(a, b)}
-
-    def holder(name: str):
-        parts = name.split(".")
-        return next((stage_of[".".join(parts[:n])] for n in range(len(parts) - 1, 0, -1)
-                     if ".".join(parts[:n]) in stage_of), None)
-
-    first: dict = {}
-    tied = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        stage = holder(name)
-        if id(param) not in first:
-            first[id(param)] = (name, stage)
-        elif stage is not None and first[id(param)][1] not in (None, stage):
-            tied.append(f"{first[id(param)][0]} and {name}")
-    return tied
 
 
 def tied_groups(tied: list, rank_of, rank: int) -> list:

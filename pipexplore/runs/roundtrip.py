@@ -27,6 +27,7 @@ from pipexplore.runs.launch import HOOKS_MODULE, TorchrunError, launch, printed_
 from pipexplore.runs.load import RunDirectoryError, plan_of, read_run, run_result
 from pipexplore.runs.record import PLAN_FILE
 from pipexplore.schedules import is_csv
+from pipexplore.splits import shared_parameters
 
 __all__ = ["load_result", "torchrun_result", "STARTUP_SECONDS", "holds_traces"]
 
@@ -111,15 +112,12 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
     mesh = plan.mesh
-    if mesh is not None and (mesh.dp > 1 or mesh.tp > 1):
-        from pipexplore.executors.tied import tied_across_stages
-
-        tied = tied_across_stages(model, list(plan.layer_table["name"]), list(plan.splits))
-        if tied:  # (the script's ranks would refuse it too, once started)
-            raise ValueError(f"{type(model).__name__} ties {'; '.join(tied)} across stages (an embedding and its "
-                             f"head): their gradients are summed between pipeline ranks, which the script does not "
-                             f"do beside tensor or data parallelism; untie them (tie_word_embeddings=False) or "
-                             f"plan dp=1 and tp=1")
+    tied = shared_parameters(plan.layer_table, plan.splits) if mesh is not None and (mesh.dp > 1 or mesh.tp > 1) else {}
+    if tied:  # (the script's ranks would refuse it too, once started)
+        named = "; ".join(f"{name} (stages {', '.join(map(str, stages))})" for name, stages in tied.items())
+        raise ValueError(f"{type(model).__name__} ties {named} across stages (an embedding and its head): their "
+                         f"gradients are summed between pipeline ranks, which the script does not do beside tensor "
+                         f"or data parallelism; untie them (tie_word_embeddings=False) or plan dp=1 and tp=1")
     from pipexplore.export.code import mesh_options
     from pipexplore.export.torchrun import torchrun_script
 

@@ -15,7 +15,7 @@ from pipexplore.devices import device_memory
 from pipexplore.plan import Plan
 from pipexplore.predict.memory import MEMORY_COLUMNS, stage_memory
 
-__all__ = ["stage_table", "shared_parameters"]
+__all__ = ["stage_table"]
 
 
 def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, float], optimizer: Any = None,
@@ -46,15 +46,3 @@ def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, fl
         **{column: memory[column].to_numpy() for column in MEMORY_COLUMNS},
         "measured_peak_bytes": [float(measured.get(str(d), math.nan)) for d in stages["device"]],
     })
-
-
-def shared_parameters(layer_table: pd.DataFrame, splits: Sequence[int]) -> dict[str, list[int]]:
-    """Parameters used by blocks of more than one stage (tied weights), with those stages."""
-    if "shared" not in layer_table:
-        return {}
-    stage_of = [sum(1 for s in splits if s <= k) for k in range(len(layer_table))]
-    users: dict[str, set[int]] = {}
-    for k, names in enumerate(layer_table["shared"]):
-        for name in filter(None, str(names).split(",")):
-            users.setdefault(name, set()).add(stage_of[k])
-    return {name: sorted(st) for name, st in users.items() if len(st) > 1}

@@ -51,7 +51,8 @@ from pipexplore.widgets.header import parse_bytes, plan_figures, plan_text
 from pipexplore.widgets.progress import profile_progress
 from pipexplore.widgets.run_log import RUN_COLUMNS, RunLog
 from pipexplore.widgets.runner import Runner
-from pipexplore.widgets.stage_table import shared_parameters, stage_table
+from pipexplore.splits import shared_parameters
+from pipexplore.widgets.stage_table import stage_table
 
 __all__ = ["ExplorerState", "Status", "RUN_COLUMNS", "UPDATABLE", "EVENTS"]
 
