@@ -80,6 +80,25 @@ def _torch_sharded_block(model, mesh):
     return block
 
 
+class _Tracker:
+    """What ``CommDebugMode`` reads of its module tracker to count collectives, and nothing more: its
+    own tracker follows every module's forward by global hooks, and fails on modules that are called
+    outside its hierarchy (transformers' kernel functions wrapped as modules, 5.25 on), leaving its
+    hooks behind. The counts, by kind and phase, need only whether autograd runs the backward."""
+
+    name, activation_checkpointing, module_parents_dict = "Global", False, {"Global": ["Global"]}
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
 def test_the_collectives_a_rank_runs_are_what_comm_debug_mode_sees_torchs_modules_run():
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -89,12 +108,15 @@ def test_the_collectives_a_rank_runs_are_what_comm_debug_mode_sees_torchs_module
               "attention_mask": None}
     with sharded.fake_group(tp) as mesh:
         reference = CommDebugMode()
+        reference.advanced_module_tracker = _Tracker()
         with reference:
             count_call(_torch_sharded_block(model, mesh), (hidden,), kwargs)
         ours = count_call(sharded.shard(model.model.layers[0], "model.layers.0", sharded.tensor_parallel_plan(model),
                                         mesh), (hidden,), kwargs)
     expected = {str(op).split(".")[-1]: n for op, n in reference.get_comm_counts().items()}
     assert expected == {"all_reduce": 4}  # Megatron-LM's f and g: one forward and one backward a half-block
+    by_phase = {phase: sum(counts.values()) for phase, counts in reference.comm_module_counts["Global"].items()}
+    assert by_phase == {"forward": 2, "backward": 2}
     seen = [r for r in ours.records if r["collective"]]
     assert len(seen) == 4 and {r["collective"] for r in seen} == {"all_reduce"}
     assert [r["phase"] for r in seen] == ["forward", "forward", "backward", "backward"]
