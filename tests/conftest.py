@@ -28,6 +28,64 @@ def _seed():
     torch.manual_seed(0)
 
 
+#: torch's process-wide module hooks (``torch.nn.modules.module``): a tracker (torch's ``ModTracker``,
+#: ``CommDebugMode``, ``FlopCounterMode``) installs some for as long as it runs.
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                 "_global_backward_pre_hooks", "_global_backward_hooks", "_global_module_registration_hooks",
+                 "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+
+
+def global_state() -> dict[str, object]:
+    """What a test could leave behind for the tests after it in the same process: torch's global
+    module hooks, dispatch and function modes, a default process group, and this process's threads."""
+    import torch.distributed as dist
+    from torch.nn.modules import module
+
+    state: dict[str, object] = {name: len(getattr(module, name, {})) for name in _GLOBAL_HOOKS}
+    state["dispatch modes"] = torch._C._len_torch_dispatch_stack()
+    state["function modes"] = torch._C._len_torch_function_stack()
+    state["process group"] = dist.is_available() and dist.is_initialized()
+    state["threads"] = {t.ident: t.name for t in threading.enumerate()}
+    return state
+
+
+#: Threads of other libraries' process-wide singletons, which live as long as the process by their
+#: design: IPython's shell (the magics' tests create it once) saves its history in one; tqdm's monitor
+#: wakes every ten seconds and ends once no progress bar is left.
+_SINGLETON_THREADS = ("IPythonHistorySavingThread", "tqdm_monitor")
+
+
+def _left_threads(before: dict, grace: float = 5.0) -> dict:
+    """Threads started since ``before`` that are still alive after up to ``grace`` seconds (a
+    stopped worker is given the time to finish)."""
+    import time
+
+    deadline = time.monotonic() + grace
+    while True:
+        left = {t.ident: t.name for t in threading.enumerate()
+                if t.ident not in before and t.name not in _SINGLETON_THREADS}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_left(request):
+    """No test leaves a global module or dispatch hook, a process group or a thread of its own behind.
+    Threads that a module's or the session's fixtures keep for their tests (a warm pool, a server)
+    are theirs: only the threads a test starts with function-scoped fixtures are held to it."""
+    before = global_state()
+    yield
+    after = global_state()
+    threads_before = before.pop("threads")
+    after.pop("threads")
+    assert after == before, f"{request.node.nodeid} left global state behind: " + ", ".join(
+        f"{key} {before[key]} -> {after[key]}" for key in before if before[key] != after[key])
+    if "leaves_threads" not in request.keywords:
+        left = _left_threads(threads_before)  # type: ignore[arg-type]
+        assert not left, f"{request.node.nodeid} left threads running: {sorted(left.values())}"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

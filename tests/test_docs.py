@@ -62,3 +62,28 @@ def test_declared_test_dependencies_are_imported_not_skipped():
                for name in re.findall(r"importorskip\(\s*['\"]([\w.]+)['\"]", path.read_text())
                if name.split(".")[0].lower() in declared]
     assert skipped == [], f"declared test dependencies skipped instead of imported: {skipped}"
+
+
+def _documented_explorer_names() -> dict[str, list[str]]:
+    """Every ``ex.NAME`` the README, docs/ and the notebooks' code show, with where it is shown."""
+    import json
+
+    texts = {path: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        texts[path] = "\n".join("".join(cell["source"]) for cell in cells)
+    names: dict[str, list[str]] = {}
+    for path, text in texts.items():
+        for name in re.findall(r"(?<![\w.])ex\.([A-Za-z_]\w*)", text):
+            names.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return names
+
+
+def test_every_explorer_name_the_docs_show_exists_on_explorer():
+    from pipexplore.widgets.explorer import PANEL_OF, Explorer
+
+    names = _documented_explorer_names()
+    assert {"run", "export", "set_mesh", "search", "runs"} <= set(names)  # the docs are read
+    missing = {name: sorted(set(where)) for name, where in names.items()
+               if not hasattr(Explorer, name) and name not in Explorer.__annotations__ and name not in PANEL_OF}
+    assert not missing, f"the docs show explorer names Explorer does not have: {missing}"

@@ -88,8 +88,10 @@ def test_context_parallelism_here_is_refused_by_name_and_the_plan_kept():
     ex = explored({"pp": 2, "dp": 2})
     before = ex.plan
     with pytest.raises(ValueError, match=r"on this machine's devices a mesh is pipeline, data and tensor parallelism"):
-        ex.state.set_mesh({"pp": 2, "cp": 2})
-    assert ex.plan is before
+        ex.set_mesh({"pp": 2, "cp": 2})  # the explorer's own method, as the guide shows it
+    assert ex.plan is before and ex.mesh == before.mesh
+    changed = ex.set_mesh({"pp": 2, "tp": 2})
+    assert ex.plan is changed and ex.mesh.tp == 2 and ex.mesh.dp == 1 and changed.num_stages == 2
 
 
 def test_a_head_tied_to_its_embedding_is_refused_before_any_rank_starts(monkeypatch):

@@ -64,12 +64,16 @@ class Explorer:
         print(explorer.export("gpipe"))
     """
 
+    #: Model, layer table, plan, runs and status (no widgets).
+    state: ExplorerState
+    #: The page, subscribed to the state.
+    view: ExplorerView
+    #: The page's root widget.
+    widget: Any
+
     def __init__(self, model: nn.Module, sample: Sample, **options: Any) -> None:
-        #: Model, layer table, plan, runs and status (no widgets).
         self.state = ExplorerState(model, sample, **options)
-        #: The page, subscribed to the state.
         self.view = ExplorerView(self.state)
-        #: The page's root widget.
         self.widget = self.view.widget
 
     def __getattr__(self, name: str) -> Any:
@@ -168,6 +172,23 @@ class Explorer:
     @memory_cap.setter
     def memory_cap(self, value: Any) -> None:
         self.state.memory_cap = value
+
+    def set_mesh(self, mesh: Any, **options: Any) -> Plan:
+        """Plan the pipeline inside the mesh ``mesh`` (``{"tp": 4, "pp": 8, "dp": 2}`` over the plan's
+        devices) with ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``):
+        each rank's layers counted for its ``tp``, the ``pp`` stages balanced by time. A wrong mesh
+        raises a ``ValueError`` naming what was wrong, and the plan stays as it was.
+
+        Example::
+
+            explorer.set_mesh({"tp": 4, "pp": 8, "dp": 2}, data_parallel="fsdp")
+        """
+        return self.state.set_mesh(mesh, **options)
+
+    @property
+    def mesh(self) -> Any:
+        """The plan's mesh (None: every device is a pipeline rank)."""
+        return self.state.mesh
 
     def stage_table(self) -> pd.DataFrame:
         """Per stage: device, layers, time, parameters, activations, predicted peak activation
