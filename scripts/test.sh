@@ -6,13 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # (-p tests.boot: loaded before pytest's plugins, it keeps nbformat's IRI grammar out of every pytest process)
-PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -p tests.boot)
+# (VENV: the environment to test, .venv by default; `make test-latest` passes .venv-latest)
+VENV=${VENV:-.venv}
+PYTEST=("$VENV/bin/python" -m pytest -q -p no:cacheprovider -p tests.boot)
 WORKERS=${PIPEXPLORE_TEST_WORKERS:-3}
 # the files that hold timing tests (the mark is named where it is used)
 TIMING_FILES=$(grep -lE "mark\.timing|^@timing" tests/test_*.py)
 status=0
 # The package's types first ([tool.mypy] in pyproject.toml says what is checked).
-.venv/bin/python -m mypy || status=$?
+"$VENV/bin/python" -m mypy || status=$?
 # The suite's processes (three workers, some thirty ranks, ten kernels) each import the package and
 # the tests: where the environment turns bytecode caches off (PYTHONDONTWRITEBYTECODE), each compiles
 # them again, and pytest rewrites every test module's asserts again (a worker's collection: 22 s of

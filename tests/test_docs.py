@@ -87,3 +87,28 @@ def test_every_explorer_name_the_docs_show_exists_on_explorer():
     missing = {name: sorted(set(where)) for name, where in names.items()
                if not hasattr(Explorer, name) and name not in Explorer.__annotations__ and name not in PANEL_OF}
     assert not missing, f"the docs show explorer names Explorer does not have: {missing}"
+
+
+def test_the_lock_pins_every_requirement_within_its_range():
+    """``requirements/test.lock`` (what ``make test`` installs) holds an exact version of every
+    requirement of the package and its test extra, inside the range ``pyproject.toml`` gives, and
+    torch as the CPU wheel's pin."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lock = {}
+    for line in (ROOT / "requirements" / "test.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            lock[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for text in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in lock, f"{requirement.name} is not in the lock"
+        assert requirement.specifier.contains(lock[name], prereleases=True), (text, lock[name])
+    assert lock["torch"] == "2.13.0" and "torchtitan" in lock
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert '--no-deps -r "$LOCK"' in setup and "LOCK=requirements/test.lock" in (ROOT / "scripts" / "pins.sh").read_text()
