@@ -17,6 +17,7 @@ from pipexplore.executors.tied import own_parameters
 from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
+from pipexplore.predict.basis import prediction_basis
 
 __all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
            "synthetic_loss", "make_optimizer", "StageOptimizers", "all_finite"]
@@ -201,6 +202,7 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: Sample, used
     says whether every loss (and, given ``parameters``, their values and gradients) is finite."""
     measured_losses = [float(x) for x in measured_losses]
     predicted = plan.predicted
+    basis = prediction_basis(plan)
     step_seconds = tl.step_time(measured)
     predicted_seconds = tl.step_time(predicted)
     peak = measured.attrs.get("peak_memory", {})
@@ -211,6 +213,9 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: Sample, used
         "peak_bytes": max((v for d, v in peak.items() if d in used), default=math.nan),
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
+        # what the prediction rested on, and the error the benchmarks measured for that kind
+        "prediction_basis": basis.kind,
+        "benchmark_error": math.nan if basis.median is None else basis.median,
         "loss": loss,
         "measured_losses": measured_losses,
         "finite": all(map(math.isfinite, [loss, *measured_losses])) and (parameters is None or all_finite(parameters)),

@@ -26,7 +26,7 @@ __all__ = ["RunLog", "RUN_COLUMNS", "run_summary", "refuse_planned"]
 
 RUN_COLUMNS = ["run", "executor", "splits", "chunks", "checkpoint", "schedule", "devices", "mesh", "step_time",
                "startup_seconds", "bubble", "throughput", "peak_bytes", "predicted_step_time", "prediction_error",
-               "loss", "measured_losses", "finite", "nodes", "ranks", "hosts"]
+               "prediction_basis", "benchmark_error", "loss", "measured_losses", "finite", "nodes", "ranks", "hosts"]
 
 
 def run_summary(row: dict[str, Any]) -> str:

@@ -15,7 +15,8 @@ __all__ = ["RUNS_VIEW_COLUMNS", "SORT_KEYS", "runs_styler", "runs_html", "error_
 RUNS_VIEW_COLUMNS = {
     "run": "run", "executor": "executor", "schedule": "schedule", "splits": "splits", "chunks": "chunks",
     "checkpoint": "checkpoint", "devices": "devices", "step_time": "step ms", "predicted_step_time": "predicted ms",
-    "prediction_error": "error %", "bubble": "bubble %", "throughput": "samples/s", "startup_seconds": "startup s",
+    "prediction_error": "error %", "prediction_basis": "predicted from", "benchmark_error": "benchmarks' error %",
+    "bubble": "bubble %", "throughput": "samples/s", "startup_seconds": "startup s",
     "peak_bytes": "peak memory", "loss": "loss", "finite": "finite",
 }
 #: What the runs table can be sorted by (a column of ``explorer.runs``).
@@ -67,7 +68,7 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
         frame["finite"] = ["yes" if f is True or f == 1 else "⚠ no" for f in frame["finite"]]
     formats = {
         "step_time": lambda v: f"{v * 1e3:.2f}", "predicted_step_time": lambda v: f"{v * 1e3:.2f}",
-        "prediction_error": lambda v: f"{v * 100:+.1f}", "bubble": lambda v: f"{v * 100:.1f}",
+        "prediction_error": lambda v: f"{v * 100:+.1f}", "benchmark_error": lambda v: f"±{v * 100:.0f}", "bubble": lambda v: f"{v * 100:.1f}",
         "throughput": lambda v: f"{v:,.0f}", "startup_seconds": lambda v: f"{v:.2f}",
         "peak_bytes": format_bytes, "loss": lambda v: f"{v:.5g}",
     }

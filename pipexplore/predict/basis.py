@@ -1,0 +1,79 @@
+"""What a prediction rests on, and how far the benchmarks found that kind of prediction from runs.
+
+Every predicted step time rests on one of three kinds of evidence:
+
+==================  ========================================================================
+``measured here``   layers timed on this machine and the executor's own costs probed, no run yet
+``learnt from runs`` the same, corrected by the runs of this plan's executor (or, for catalogue
+                    devices, by runs of that kind brought back from a cluster)
+``catalogue``       devices of the catalogue: counted operators costed from datasheet figures
+                    and documented efficiencies, nothing measured on such a device
+``catalogue, learnt from runs``  the same, corrected by runs on devices of that kind brought back
+==================  ========================================================================
+
+:data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
+(median and largest absolute error, and where: the script and its column), so that a number on
+the page says how sure it is. The figures are the benchmarks' (``benchmarks/README.md``), written
+here when the benchmark is run again.
+
+Example::
+
+    basis = prediction_basis(explorer.plan)
+    basis.kind                 # 'measured here'
+    basis.text()               # 'measured here · benchmarks: median 12 %, max 41 % (prediction_accuracy.py, first run)'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, Optional
+
+if TYPE_CHECKING:  # the plan imports the predictions; this module is read by its users
+    from pipexplore.plan import Plan
+
+__all__ = ["Basis", "BASES", "MEASURED_ERROR", "prediction_basis"]
+
+#: The kinds of evidence, in the order of how much of the prediction was measured.
+BASES = ("learnt from runs", "measured here", "catalogue, learnt from runs", "catalogue")
+
+
+@dataclass(frozen=True)
+class Basis:
+    """A prediction's ``kind`` of evidence (one of :data:`BASES`) with the benchmarks' ``median``
+    and ``largest`` absolute error for that kind (fractions) and ``source``, where they were measured."""
+
+    kind: str
+    median: Optional[float]
+    largest: Optional[float]
+    source: str
+
+    def text(self) -> str:
+        """One line for the page: the kind, then the benchmarks' errors and where they come from."""
+        if self.median is None or self.largest is None:
+            return f"{self.kind} · {self.source}"
+        return (f"{self.kind} · benchmarks: median {self.median * 100:.0f} %, max {self.largest * 100:.0f} % "
+                f"({self.source})")
+
+
+#: What the benchmarks measured, per kind of evidence: ``(median, largest, source)``. The CPU
+#: figures are ``benchmarks/prediction_accuracy.py``'s on a 2-core x86_64 machine (its columns
+#: "first run" and "same plan again", the median over its runs A–E); the catalogue's are the
+#: published runs planned from documented defaults (``benchmarks/mesh_published.py``: Narayanan
+#: et al. 2021, Table 1).
+MEASURED_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = MappingProxyType({
+    "measured here": (0.130, 0.398, "prediction_accuracy.py, first run"),
+    "learnt from runs": (0.066, 0.306, "prediction_accuracy.py, same plan again"),
+    "catalogue": (0.089, 0.17, "mesh_published.py, Narayanan et al. Table 1"),
+    "catalogue, learnt from runs": (None, None, "no benchmark has measured runs brought back from a cluster yet"),
+})
+
+
+def prediction_basis(plan: "Plan") -> Basis:
+    """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind."""
+    learnt = plan.learnt.runs > 0
+    if plan.planned:
+        kind = "catalogue, learnt from runs" if learnt else "catalogue"
+    else:
+        kind = "learnt from runs" if learnt else "measured here"
+    median, largest, source = MEASURED_ERROR[kind]
+    return Basis(kind, median, largest, source)

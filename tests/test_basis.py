@@ -1,0 +1,59 @@
+"""Every prediction says what it rests on: measured here, learnt from runs, or the catalogue's
+figures, with the error the benchmarks measured for that kind (``pipexplore.predict.basis``)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from pipexplore import explore
+from pipexplore.predict.basis import BASES, MEASURED_ERROR, prediction_basis
+
+
+def _explorer(**options):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return explore(model, torch.randn(16, 32), chunks=2, **options)
+
+
+def test_a_prediction_here_rests_on_what_was_measured_here_until_a_run_teaches_it():
+    ex = _explorer(devices=["cpu", "cpu"])
+    basis = prediction_basis(ex.plan)
+    assert basis.kind == "measured here"
+    assert (basis.median, basis.largest) == MEASURED_ERROR["measured here"][:2]
+    assert basis.text().startswith("measured here · benchmarks: median 13 %, max 40 % (prediction_accuracy.py")
+    first = ex.run()
+    assert first["prediction_basis"] == "measured here" and first["benchmark_error"] == pytest.approx(0.13)
+    assert prediction_basis(ex.plan).kind == "learnt from runs"
+    second = ex.run()
+    assert second["prediction_basis"] == "learnt from runs"
+    assert list(ex.runs["prediction_basis"]) == ["measured here", "learnt from runs"]
+
+
+def test_without_calibration_every_run_is_predicted_from_what_was_measured_here():
+    ex = _explorer(devices=["cpu", "cpu"], calibrate=False)
+    ex.run()
+    assert prediction_basis(ex.plan).kind == "measured here"
+
+
+def test_a_plan_for_catalogue_devices_rests_on_the_catalogue():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+    ex = explore(model, torch.empty(64, 1024, device="meta"), devices=["H100"] * 2, chunks=4)
+    basis = prediction_basis(ex.plan)
+    assert basis.kind == "catalogue" and "Narayanan" in basis.source
+    assert basis.median is not None and 0 < basis.median < basis.largest
+
+
+def test_every_kind_has_its_benchmark_or_says_it_has_none():
+    assert set(MEASURED_ERROR) == set(BASES)
+    for kind, (median, largest, source) in MEASURED_ERROR.items():
+        assert source
+        if median is None:
+            assert largest is None and "no benchmark" in source
+        else:
+            assert 0 < median <= largest < 1 and math.isfinite(largest)
