@@ -112,3 +112,17 @@ def test_the_lock_pins_every_requirement_within_its_range():
     assert lock["torch"] == "2.13.0" and "torchtitan" in lock
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '--no-deps -r "$LOCK"' in setup and "LOCK=requirements/test.lock" in (ROOT / "scripts" / "pins.sh").read_text()
+
+
+def test_notebooks_are_saved_stripped_and_small(tmp_path):
+    """A notebook is saved as ``scripts/strip_notebook.py`` leaves it (outputs only where nbval
+    checks them, no saved widget state or execution times), so a diff shows its code, ≤ 150 KB."""
+    import shutil
+    import sys
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert path.stat().st_size <= 150 * 1024, f"{path.name}: {path.stat().st_size} bytes"
+        copy = tmp_path / path.name
+        shutil.copy(path, copy)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "strip_notebook.py"), str(copy)], check=True)
+        assert copy.read_text() == path.read_text(), f"{path.name} is not saved stripped: scripts/strip_notebook.py"
