@@ -6,6 +6,14 @@ micro-batches, checkpointed ones holding only their input)::
 
     stage bytes = params + grads + optimizer state + peak activations
 
+Activation bytes a stage are one figure wherever they are reported (the stage table, the page's
+figures and header, the sweep, the searches): :func:`activation_peaks`, the predicted timeline's
+``memory`` at its largest. On a mesh that timeline is one GPU's: the plan's rank table
+(:func:`pipexplore.predict.mesh_costs.mesh_layer_table`) counts what a rank keeps, ``1/tp`` of
+every activation with sequence parallelism and ``1/cp`` of every sequence's with context
+parallelism; data parallelism divides none of them (each replica, under FSDP too, runs its own
+rows). :func:`microbatch_activations` is one micro-batch's part of it.
+
 Optimizer state is read from the user's optimizer, as ``torch.optim`` allocates it: a step on a
 probe parameter counts the state tensors the size of the parameter (SGD 0, SGD with momentum 1×,
 Adam/AdamW 2×, Adagrad 1× the parameters, in their dtype). Known classes are read without a step.
@@ -24,7 +32,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-__all__ = ["optimizer_state_ratio", "optimizer_traffic", "stage_memory", "MEMORY_COLUMNS"]
+__all__ = ["optimizer_state_ratio", "optimizer_traffic", "stage_memory", "MEMORY_COLUMNS", "activation_peaks",
+           "microbatch_activations"]
 
 #: The columns :func:`stage_memory` adds, in bytes (``fits``: whether ``peak_bytes`` is within the capacity).
 MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "gathered_bytes", "activation_bytes", "peak_bytes",
@@ -94,6 +103,45 @@ def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> f
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
 
 
+def activation_peaks(predicted: pd.DataFrame, stages: int) -> list[float]:
+    """Bytes of activations each of ``stages`` stages holds at its peak, on one GPU: the largest of
+    the predicted timeline's ``memory`` by stage (what its schedule keeps in flight, checkpointed
+    micro-batches holding their input; :func:`pipexplore.predict.frames.held_activations`). On a
+    mesh the timeline is a rank's, its bytes divided by ``tp · cp`` (the module docstring). 0 for a
+    stage with no memory in the timeline, NaN for every stage where it has no ``memory`` column.
+
+    Example::
+
+        activation_peaks(plan.predicted, plan.num_stages)   # [3.1e9, 2.4e9, ...]
+    """
+    if "memory" not in predicted:
+        return [math.nan] * stages
+    peaks = np.zeros(stages)
+    np.maximum.at(peaks, predicted["stage"].to_numpy(dtype=int),
+                  predicted["memory"].fillna(0.0).to_numpy(dtype=float))
+    return [float(v) for v in peaks]
+
+
+def microbatch_activations(predicted: pd.DataFrame, stages: int) -> list[float]:
+    """Bytes one micro-batch's activations take on one GPU of each of ``stages`` stages: what its
+    layers keep for backward (the rank table's ``saved_bytes``, else outputs, summed over the
+    stage) for the largest micro-batch's rows, as the simulator counts them (the timeline's
+    ``attrs['microbatch_activation_bytes']``); NaN where the timeline does not say.
+
+    Never more than the stage's :func:`activation_peaks`: every micro-batch's forward keeps all of
+    it (or, checkpointed, its recomputation brings it back before the backward), so the timeline
+    holds at least one micro-batch's whole at some moment.
+
+    Example::
+
+        microbatch_activations(plan.predicted, plan.num_stages)   # [1.0e9, 0.8e9, ...]
+    """
+    given = predicted.attrs.get("microbatch_activation_bytes")
+    if given is None or len(given) != stages:
+        return [math.nan] * stages
+    return [float(v) for v in given]
+
+
 def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
                  peak_activations: Union[Sequence[float], np.ndarray],
                  optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
@@ -104,26 +152,28 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     ``capacity`` of the stage's device (NaN: unknown) and whether the stage ``fits`` it (True where
     the capacity is unknown).
 
-    ``peak_activations``: what the schedule holds at its peak per stage (the predicted
-    timeline's ``memory``, for the whole stage). Gradients are the table's ``grad_bytes`` where it
+    ``peak_activations``: what the schedule holds at its peak per stage, on one GPU
+    (:func:`activation_peaks`: on a mesh, the rank table's bytes, already divided by ``tp · cp``),
+    taken as given. Gradients are the table's ``grad_bytes`` where it
     has them (parameters that train), else its ``param_bytes``. ``mixed_precision``: 2 bytes a
     parameter, 4 of fp32 gradient, 4 of fp32 master weight and the state in fp32 (the table's
     ``params`` counts, else parameter bytes / 2).
 
-    On a mesh: ``tp`` ranks shard every stage's parameters, gradients and state, and with
-    ``sequence_parallel`` all its activations (Korthikanti et al. 2022, Table 2: ``34/t``; without
-    it, which tensors each rank keeps whole depends on the block, and is refused here rather than
-    guessed: a share of a GPT block's would miss a Llama's); ``dp`` replicas shard what
+    On a mesh: ``tp`` ranks shard every stage's parameters, gradients and state (with
+    ``sequence_parallel``, its activations too, as the rank table counts them: Korthikanti et al.
+    2022, Table 2: ``34/t``; without it, which tensors each rank keeps whole depends on the block,
+    and is refused here rather than guessed: a share of a GPT block's would miss a Llama's); ``dp`` replicas shard what
     ``data_parallel`` (:data:`DATA_PARALLEL`) says: ``zero1`` the optimizer's state and the fp32
     master weights (Megatron-LM's 6 + 12/d bytes a parameter with mixed-precision Adam), ``fsdp``
     everything, each GPU then gathering the parameters it computes with: one layer at a time with
     ``reshard_after_forward`` (the stage's largest), else the whole stage's. ``cp`` context-parallel
-    ranks each hold ``1/cp`` of every sequence's activations, and shard the state with the replicas
-    (``zero1``, ``fsdp`` over ``dp · cp`` ranks: they hold the same parameters).
+    ranks (each holding ``1/cp`` of every sequence's activations, as the rank table counts them)
+    shard the state with the replicas (``zero1``, ``fsdp`` over ``dp · cp`` ranks: they hold the
+    same parameters).
 
     Example::
 
-        stage_memory(table, [40], peak_activations=[3e9, 1e9], optimizer=torch.optim.AdamW,
+        stage_memory(table, [40], peak_activations=[3e9 / 8, 1e9 / 8], optimizer=torch.optim.AdamW,
                      capacity=[80e9, 80e9], tp=8, dp=4, data_parallel="zero1")
     """
     from pipexplore.predict.costs import stage_sums  # the same sums the stage costs use
@@ -163,7 +213,6 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     if tp > 1 and not sequence_parallel:
         raise ValueError("tensor parallelism without sequence parallelism: which activations each rank keeps whole "
                          "is not counted yet; plan it with sequence_parallel=True, as Megatron-LM's large runs do")
-    activations = activations / (tp * cp)
     peak = params + grads + states + gathered + activations
     caps = np.asarray(list(capacity) if len(capacity) else [math.nan] * len(params), dtype=float)
     return pd.DataFrame({"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,

@@ -33,8 +33,10 @@ ranks that hold the same parameters.
 
 A layer's share of a step-end collective is its bytes' share; each 25 MiB bucket (DDP's and
 Megatron-LM's bucket size) pays the ring's latency once, so a step-end collective is not charged a
-layer's worth of latencies. The sends between stages carry ``1/tp`` of a micro-batch's activations
-where sequence parallelism leaves them divided across the tensor-parallel ranks.
+layer's worth of latencies. With sequence parallelism a rank keeps ``1/tp`` of every activation
+(Korthikanti et al. 2022, Table 2: ``34/t`` a layer): the rank table's ``saved_bytes`` and
+``output_bytes`` (the sends between stages) are divided so, and the predicted timeline's
+``memory`` is one GPU's activations (:func:`pipexplore.predict.memory.activation_peaks`).
 
 :func:`mesh_layer_table` turns a rank's table into one the simulator reads as it reads any: the
 step-end collectives join each stage's ``optimizer`` action, the exposed gathers its forward and
@@ -80,8 +82,9 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     pipeline rank of ``mesh`` over ``devices`` (all of the mesh's, rank order) runs them (the module
     docstring): ``optimizer`` (seconds at the step's end) plus the data-parallel collectives and the
     optimizer's ``1/dp`` share where its state is sharded; ``forward_a``/``backward_a`` plus FSDP's
-    exposed gathers; ``output_bytes`` divided by ``tp`` with sequence parallelism; and the columns
-    of :data:`MESH_COLUMNS`. Gradients move in the parameters' dtype, in fp32 with ``mixed_precision``.
+    exposed gathers; ``output_bytes`` and ``saved_bytes`` divided by ``tp`` with sequence parallelism
+    (and by ``cp``), so that the timeline's ``memory`` is one GPU's; and the columns of
+    :data:`MESH_COLUMNS`. Gradients move in the parameters' dtype, in fp32 with ``mixed_precision``.
     """
     from pipexplore.predict.memory import DATA_PARALLEL
 
@@ -129,8 +132,10 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
             if phase == "forward":
                 out["forward_a"] = out["forward_a"].to_numpy(dtype=float) + exposed
             out[f"{phase}_gather_exposed"] = exposed
-    if sequence_parallel and mesh.tp > 1 and "output_bytes" in out:
-        out["output_bytes"] = out["output_bytes"].to_numpy(dtype=float) / mesh.tp
+    if sequence_parallel and mesh.tp > 1:  # a rank keeps 1/tp of every activation (the counts are the model's)
+        for column in ("output_bytes", "saved_bytes"):
+            if column in out:
+                out[column] = out[column].to_numpy(dtype=float) / mesh.tp
     out["dp_seconds"] = step_end
     out["gather_seconds"] = gathers
     out["cp_seconds"] = context

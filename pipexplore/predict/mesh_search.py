@@ -21,14 +21,13 @@ import itertools
 import math
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.devices import device_memory
 from pipexplore.devices.mesh import Mesh
-from pipexplore.predict.memory import stage_memory
+from pipexplore.predict.memory import activation_peaks, stage_memory
 from pipexplore.predict.search import pareto_front, ranked
 from pipexplore.schedules import is_multi_stage
 
@@ -135,8 +134,7 @@ def _row(candidate: Any, predicted: pd.DataFrame, mesh: Mesh, mb: int, global_ro
          memory_cap: Optional[float], optimizer: Any, mixed_precision: bool) -> dict[str, Any]:
     """One candidate's figures: its step and bubble, its memory a GPU and whether it fits."""
     step = tl.step_time(predicted)
-    peaks = np.zeros(candidate.num_stages)
-    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].fillna(0.0).to_numpy(dtype=float))
+    peaks = activation_peaks(predicted, candidate.num_stages)
     capacity = [float(memory_cap) if memory_cap is not None else device_memory(d) for d in candidate.stage_devices]
     held = stage_memory(candidate.layer_table, list(candidate.splits), peak_activations=peaks, optimizer=optimizer,
                         mixed_precision=mixed_precision, capacity=capacity, tp=mesh.tp, dp=mesh.dp, cp=mesh.cp,

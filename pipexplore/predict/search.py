@@ -38,7 +38,7 @@ from pipexplore.devices import device_memory
 from pipexplore.host import host_cores
 from pipexplore.predict.costs import layer_times
 from pipexplore.predict.dataflow import KINDS
-from pipexplore.predict.memory import optimizer_state_ratio, stage_memory
+from pipexplore.predict.memory import activation_peaks, optimizer_state_ratio, stage_memory
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over
 from pipexplore.splits import first_runnable_layer
@@ -256,8 +256,7 @@ def _row(job: tuple[str, Any, dict[str, float]], context: _Context, times: dict)
     planned = candidate.with_splits([point + first - 1 for point in splits])
     predicted = planned.predict()
     step = tl.step_time(predicted)
-    peaks = np.zeros(n)
-    np.maximum.at(peaks, predicted["stage"].to_numpy(), predicted["memory"].fillna(0.0).to_numpy(dtype=float))
+    peaks = np.asarray(activation_peaks(predicted, n))
     return {
         "stages": n, "splits": list(planned.splits), "chunks": candidate.chunks, "schedule": candidate.schedule,
         "checkpoint": candidate.checkpoint, "virtual_stages": n // candidate.num_devices,

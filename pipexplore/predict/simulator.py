@@ -290,6 +290,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         records = processor_sharing(graph, action_costs, gap, resource, compiled=_sharing is not None)
         frame, kinds = records_frame(graph, records, stage_device, run)
     frame["memory"] = held_activations(frame, kinds, costs, np.asarray(fractions), setup.stop)
+    # one micro-batch's part of it (the largest's), per stage: pipexplore.predict.memory.microbatch_activations
+    frame.attrs["microbatch_activation_bytes"] = (costs["activation_bytes"].to_numpy(dtype=float)
+                                                  * max(fractions)).tolist()
     frame.attrs["peak_memory"] = {}
     if placement is not None:
         frame.attrs["fsdp"] = placement_record(graph, placement)

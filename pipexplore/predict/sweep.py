@@ -13,6 +13,7 @@ import pandas as pd
 from pipexplore import timeline as tl
 from pipexplore.balance import optimal_splits
 from pipexplore.predict.costs import layer_times
+from pipexplore.predict.memory import activation_peaks
 from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
 from pipexplore.splits import first_runnable_layer
 from pipexplore.validate import splits_exactly
@@ -83,14 +84,14 @@ def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), 
         candidate = candidate.with_options(schedule=schedule, splits=splits)
         predicted = candidate.predicted
         step = tl.step_time(predicted)
-        peaks = predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float)
+        peaks = activation_peaks(predicted, candidate.num_stages)
         rows.append({
             "stages": n, "splits": list(candidate.splits), "chunks": m, "schedule": schedule, "checkpoint": mode,
             "devices": ",".join(candidate.devices[: candidate.num_devices]), "predicted_step_time": step,
             "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(schedule)),
             "throughput": (batch / step) if batch and step > 0 else math.nan,
-            "activation_bytes": float(peaks.max()) if len(peaks) else math.nan,
-            "activation_bytes_per_stage": [float(v) for v in peaks.tolist()],
+            "activation_bytes": max(peaks) if peaks else math.nan,
+            "activation_bytes_per_stage": peaks,
         })
     table = pd.DataFrame(rows, columns=SWEEP_COLUMNS[1:])
     table = table.sort_values(["predicted_step_time", "activation_bytes"], kind="stable").reset_index(drop=True)

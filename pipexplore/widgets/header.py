@@ -10,9 +10,13 @@ import pandas as pd
 from pipexplore import timeline as tl
 from pipexplore.devices import device_spec, devices_text
 from pipexplore.plan import Plan
+from pipexplore.predict.costs import microbatch_rows
+from pipexplore.predict.memory import activation_peaks
+from pipexplore.schedules import checkpointed
 
 __all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes",
-           "plan_difference", "mesh_text", "plan_devices_text", "model_flops_utilisation"]
+           "plan_difference", "mesh_text", "plan_devices_text", "model_flops_utilisation",
+           "hardware_flops_utilisation", "recomputed_share"]
 
 
 def format_bytes(n: float) -> str:
@@ -91,10 +95,15 @@ def short_plan_text(plan: Plan) -> str:
 
 def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: int = 1) -> dict[str, Any]:
     """The predicted figures of a plan: ``step_time`` (s), ``bubble`` (fraction; by device for
-    interleaved), ``throughput`` (samples/s), ``activation_bytes_per_stage`` (bytes, one per stage).
-    A plan for catalogue devices adds, a GPU: ``gpus`` (all of its mesh's), ``mfu`` (the model's
-    FLOPs a step, forward and backward without recomputation, over the step and the GPUs' peak in
-    the model's compute dtype) and ``tokens_per_second_per_gpu`` (``tokens_per_sample`` a sample).
+    interleaved), ``throughput`` (samples/s), ``activation_bytes_per_stage`` (bytes, one per stage,
+    at its peak on one GPU: :func:`pipexplore.predict.memory.activation_peaks`, the stage table's
+    ``activation_bytes``). A plan for catalogue devices adds, a GPU: ``gpus`` (all of its mesh's),
+    ``mfu`` (model FLOPs utilisation: the model's FLOPs a step, forward and backward without
+    recomputation — PaLM's 6N a token and attention — over the step and the GPUs' peak in the
+    model's compute dtype: :func:`model_flops_utilisation`), ``hfu`` (hardware FLOPs utilisation:
+    the same with the forwards that activation checkpointing runs again, as Megatron-LM and PaLM
+    count it: :func:`hardware_flops_utilisation`) and ``tokens_per_second_per_gpu``
+    (``tokens_per_sample`` a sample).
 
     Example::
 
@@ -103,12 +112,11 @@ def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: i
     predicted = plan.predicted
     step = tl.step_time(predicted)
     samples = samples if samples is not None else plan.batch
-    peaks = (predicted.groupby("stage")["memory"].max() if "memory" in predicted else pd.Series(dtype=float))
     figures = {
         "predicted_step_time": step,
         "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(plan.schedule)),
         "throughput": (samples / step) if samples and step > 0 else math.nan,
-        "activation_bytes_per_stage": [float(peaks.get(s, math.nan)) for s in range(plan.num_stages)],
+        "activation_bytes_per_stage": activation_peaks(predicted, plan.num_stages),
     }
     if plan.planned:
         mesh = plan.mesh_or_pipeline
@@ -116,19 +124,44 @@ def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: i
         replicas_samples = (samples or 0) * mesh.dp
         figures["gpus"] = gpus
         figures["mfu"] = model_flops_utilisation(plan, step)
+        figures["hfu"] = hardware_flops_utilisation(plan, step)
         figures["tokens_per_second_per_gpu"] = (replicas_samples * tokens_per_sample / step / gpus
                                                 if step > 0 else math.nan)
     return figures
 
 
 def model_flops_utilisation(plan: Plan, step: float) -> float:
-    """The model's FLOPs of a step (the layer table's forward and backward, at the plan's batch, for
-    every replica) over ``step`` seconds and the peak of all the mesh's GPUs in the model's compute
+    """Model FLOPs utilisation (MFU): the model's FLOPs of a step (the layer table's forward and
+    backward, at the plan's batch, for every replica; no recomputation: PaLM's ``6N`` a token and
+    its attention) over ``step`` seconds and the peak of all the mesh's GPUs in the model's compute
     dtype (the dtype of its costliest operators); NaN where the table has no FLOPs."""
+    return _utilisation(plan, step, recomputed=0.0)
+
+
+def hardware_flops_utilisation(plan: Plan, step: float) -> float:
+    """Hardware FLOPs utilisation (HFU): :func:`model_flops_utilisation`'s FLOPs plus the forward
+    FLOPs activation checkpointing runs again (:func:`recomputed_share` of the forward), over the
+    same seconds and peak, as Megatron-LM and PaLM tell HFU from MFU. Equal to the MFU without
+    recomputation; with every micro-batch recomputed ``(2F + B) / (F + B)`` times it (``8/6`` where
+    a backward costs two forwards)."""
+    return _utilisation(plan, step, recomputed=recomputed_share(plan))
+
+
+def recomputed_share(plan: Plan) -> float:
+    """The share of a step's rows whose forward runs again before their backward: the checkpointed
+    micro-batches' (:attr:`pipexplore.plan.Plan.run_checkpoint`: 1 for ``always``, the rows of all
+    but the last micro-batch for ``except_last``, 0 for ``never``)."""
+    batch = plan.step_batch
+    rows = microbatch_rows(batch, plan.chunks) if batch else [1] * plan.chunks
+    return sum(rows[: checkpointed(plan.run_checkpoint, len(rows))]) / sum(rows)
+
+
+def _utilisation(plan: Plan, step: float, recomputed: float) -> float:
     table = plan.layer_table
     if "forward_flops" not in table:
         return math.nan
-    flops = float((table["forward_flops"] + table["backward_flops"]).sum())
+    forward = float(table["forward_flops"].sum())
+    flops = forward * (1.0 + recomputed) + float(table["backward_flops"].sum())
     own = table.attrs.get("batch")
     if own and plan.batch:
         flops *= plan.batch / own
@@ -149,6 +182,27 @@ def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
     return (f"<div class='pipexplore-card {cls}'><div class='pipexplore-card-label'>{html.escape(label)}</div>"
             f"<div class='pipexplore-card-value'>{value}</div>"
             + (f"<div class='pipexplore-card-note'>{note}</div>" if note else "") + "</div>")
+
+
+_MFU = "model FLOPs utilisation: the model's forward and backward FLOPs (6N a token), no recomputation"
+_HFU = "hardware FLOPs utilisation: the FLOPs run, the forwards activation checkpointing recomputes too"
+
+
+def _gpu_card(figures: Mapping[str, Any]) -> str:
+    """What a planned GPU does: its MFU and HFU (each named), tokens a second and peak memory."""
+    mfu, hfu = figures["mfu"], figures.get("hfu", math.nan)
+    if math.isnan(mfu):
+        value = "–"
+    else:
+        value = f"<span title='{html.escape(_MFU)}'>MFU {mfu * 100:.1f} %</span>"
+        if not math.isnan(hfu):
+            value += f" · <span title='{html.escape(_HFU)}'>HFU {hfu * 100:.1f} %</span>"
+    recomputes = not math.isnan(hfu) and not math.isnan(mfu) and hfu > mfu
+    what = ("MFU: model FLOPs, no recomputation; HFU: with the recomputed forwards · " if recomputes
+            else "MFU: model FLOPs (nothing recomputed: HFU = MFU) · ")
+    return _card(f"a GPU of {figures['gpus']}", value,
+                 f"{what if not math.isnan(mfu) else ''}{figures['tokens_per_second_per_gpu']:,.0f} tokens/s · "
+                 f"peak memory {format_bytes(figures.get('peak_bytes_per_gpu', math.nan))}")
 
 
 def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mapping[str, Any]] = None,
@@ -177,14 +231,11 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         _card("predicted step" + (" (planned)" if planned else ""), f"{figures['predicted_step_time'] * 1e3:.2f} ms"),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
         _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
-        _card("peak activations per stage", per_stage, cap_note, "pipexplore-card-wide"),
+        _card("peak activations per stage" + (", a GPU" if "gpus" in figures else ""), per_stage, cap_note,
+              "pipexplore-card-wide"),
     ]
     if "mfu" in figures:  # planned GPUs: what each of them does
-        peak_gpu = figures.get("peak_bytes_per_gpu", math.nan)
-        mfu = figures["mfu"]
-        cards.append(_card(f"a GPU of {figures['gpus']}", "–" if math.isnan(mfu) else f"MFU {mfu * 100:.1f} %",
-                           f"{figures['tokens_per_second_per_gpu']:,.0f} tokens/s · peak memory "
-                           f"{format_bytes(peak_gpu)}"))
+        cards.append(_gpu_card(figures))
     if last_run is not None:
         error = last_run.get("prediction_error", math.nan)
         bad = isinstance(error, float) and not math.isnan(error) and abs(error) > 0.25

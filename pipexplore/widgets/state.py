@@ -420,7 +420,9 @@ class ExplorerState:
         return [n for n in [*self.notes, layers.thread_note(self.layer_table, self._plan)] if n]
 
     def figures(self) -> dict[str, Any]:
-        """The current plan's predicted figures (step, bubble, throughput, peaks), once per plan."""
+        """The current plan's predicted figures, once per plan (:func:`pipexplore.widgets.header.plan_figures`:
+        step, bubble, throughput, each stage's peak activations on one GPU; on planned GPUs MFU and
+        HFU, tokens a second and ``peak_bytes_per_gpu``)."""
         plan, figures = self._figures_of
         if plan is not self._plan:
             samples = self._plan.batch or batch_size(self.sample)

@@ -10,6 +10,7 @@ import pandas as pd
 
 from pipexplore.devices import node_of
 from pipexplore.plan import Plan
+from pipexplore.predict.memory import activation_peaks
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.panels.controls import FieldMessages
 from pipexplore.widgets.plots import STAGE_COLORS
@@ -47,12 +48,13 @@ def stage_nodes(plan: Plan) -> list[int]:
 
 
 def stage_totals(plan: Plan, view: str) -> list[str]:
-    """Each stage's total under the strip, for the cell widths ``view`` (time, params, memory)."""
+    """Each stage's total under the strip, for the cell widths ``view`` (time, params, memory: the
+    activations it holds at its peak, on one GPU, as the header and the stage table say them)."""
     stages = plan.stages
     if view == "params":
         return [f"{format_bytes(v)} params" for v in stages["param_bytes"]]
     if view == "memory":
-        return [f"{format_bytes(v)} act." for v in stages["activation_bytes"]]
+        return [f"{format_bytes(v)} peak act." for v in activation_peaks(plan.predicted, plan.num_stages)]
     return [f"{(f + b) * 1e3:.2f} ms" for f, b in zip(stages["forward"], stages["backward"])]
 
 
