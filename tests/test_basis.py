@@ -57,3 +57,12 @@ def test_every_kind_has_its_benchmark_or_says_it_has_none():
             assert largest is None and "no benchmark" in source
         else:
             assert 0 < median <= largest < 1 and math.isfinite(largest)
+
+
+def test_the_page_says_beside_the_predicted_step_what_it_rests_on():
+    ex = _explorer(devices=["cpu", "cpu"])
+    figures = ex.state.figures()
+    assert figures["prediction_basis"] == prediction_basis(ex.plan).text()
+    assert "measured here · benchmarks: median 13 %" in ex.w_header.value
+    ex.run()
+    assert "learnt from runs · benchmarks: median" in ex.w_header.value

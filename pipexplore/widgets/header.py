@@ -10,6 +10,7 @@ import pandas as pd
 from pipexplore import timeline as tl
 from pipexplore.devices import device_spec, devices_text
 from pipexplore.plan import Plan
+from pipexplore.predict.basis import prediction_basis
 from pipexplore.predict.costs import microbatch_rows
 from pipexplore.predict.memory import activation_peaks
 from pipexplore.schedules import checkpointed
@@ -95,7 +96,9 @@ def short_plan_text(plan: Plan) -> str:
 
 def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: int = 1) -> dict[str, Any]:
     """The predicted figures of a plan: ``step_time`` (s), ``bubble`` (fraction; by device for
-    interleaved), ``throughput`` (samples/s), ``activation_bytes_per_stage`` (bytes, one per stage,
+    interleaved), ``throughput`` (samples/s), ``prediction_basis`` (what the prediction rests on and
+    the error the benchmarks measured for that kind: :func:`pipexplore.predict.basis.prediction_basis`),
+    ``activation_bytes_per_stage`` (bytes, one per stage,
     at its peak on one GPU: :func:`pipexplore.predict.memory.activation_peaks`, the stage table's
     ``activation_bytes``). A plan for catalogue devices adds, a GPU: ``gpus`` (all of its mesh's),
     ``mfu`` (model FLOPs utilisation: the model's FLOPs a step, forward and backward without
@@ -117,6 +120,7 @@ def plan_figures(plan: Plan, samples: Optional[int] = None, tokens_per_sample: i
         "bubble": tl.bubble_fraction(predicted, by=tl.bubble_by(plan.schedule)),
         "throughput": (samples / step) if samples and step > 0 else math.nan,
         "activation_bytes_per_stage": activation_peaks(predicted, plan.num_stages),
+        "prediction_basis": prediction_basis(plan).text(),
     }
     if plan.planned:
         mesh = plan.mesh_or_pipeline
@@ -228,7 +232,8 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
                 f"the cap of {format_bytes(memory_cap)}</span>"
                 if over else f"under the cap of {format_bytes(memory_cap)}")
     cards = [
-        _card("predicted step" + (" (planned)" if planned else ""), f"{figures['predicted_step_time'] * 1e3:.2f} ms"),
+        _card("predicted step" + (" (planned)" if planned else ""), f"{figures['predicted_step_time'] * 1e3:.2f} ms",
+              html.escape(figures.get("prediction_basis", ""))),
         _card("bubble", f"{figures['bubble'] * 100:.1f} %"),
         _card("throughput, samples/s", "–" if math.isnan(figures["throughput"]) else f"{figures['throughput']:,.0f}"),
         _card("peak activations per stage" + (", a GPU" if "gpus" in figures else ""), per_stage, cap_note,
