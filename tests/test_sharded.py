@@ -1,7 +1,8 @@
 """A tensor-parallel rank, counted by torch itself: each block sharded by ``parallelize_module`` on a
 fake process group, its FLOPs a rank, its collectives (equal to what ``CommDebugMode`` sees torch's
-own modules run) and its parameter bytes; the model's own ``base_model_tp_plan`` or one given; and
-every plan that cannot shard a model refused by name."""
+own modules run) and its parameter bytes; each attention at a rank's share of its heads (BLOOM's
+and Phi-3's fused projections, every zoo architecture with a plan); the model's own
+``base_model_tp_plan`` or one given; and every plan that cannot shard a model refused by name."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,9 @@ import torch.distributed as dist
 import transformers
 
 from pipexplore.models import sharded
-from pipexplore.models.meta import count_layers
+from pipexplore.models.meta import RANK_COLUMNS, count_layers
 from pipexplore.models.opcount import count_call
+from tests.zoo_models import TP_PLANS, ZOO
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -157,15 +159,128 @@ def test_a_plan_given_shards_a_model_whose_config_has_none():
     assert ((ratio > 1.98) & (ratio < 2.1)).all(), ratio  # its matmuls halve
 
 
-def test_a_model_whose_code_reads_whole_shapes_is_refused_by_name():
-    config = transformers.BloomConfig(n_layer=2, hidden_size=256, n_head=8, vocab_size=1024)
+BLOOM_ATTENTION = {"transformer.h.*.self_attention.query_key_value": "colwise",
+                   "transformer.h.*.self_attention.dense": "rowwise"}
+BLOOM_MLP = {"transformer.h.*.mlp.dense_h_to_4h": "colwise", "transformer.h.*.mlp.dense_4h_to_h": "rowwise"}
+
+
+def bloom(**shape):
+    config = transformers.BloomConfig(**{"n_layer": 2, "hidden_size": HIDDEN, "n_head": 8, "vocab_size": 1024, **shape})
     with torch.device("meta"):
-        model = transformers.BloomForCausalLM(config)
-    plan = {"transformer.h.*.self_attention.query_key_value": "colwise",
-            "transformer.h.*.self_attention.dense": "rowwise"}
-    with pytest.raises(ValueError, match=r"transformer.h.0 \(BloomBlock\) does not run sharded by the tensor-parallel "
-                                         r"plan at tp=2: .*whole model's shapes"):
-        count_layers(model, ids(), tp=2, tp_plan=plan)
+        return transformers.BloomForCausalLM(config)
+
+
+def _block_collectives(table, kind_of):
+    ops = table.attrs["ops"]
+    kind = table[table["type"] == kind_of]["kind"].iloc[0]
+    return ops[(ops["kind"] == kind) & (ops["collective"] != "")]
+
+
+def test_bloom_reshapes_by_its_rank_s_heads_and_computes_a_quarter_of_each_block_at_tp_4():
+    """BLOOM's attention views its fused query_key_value output by its head count and adds ALiBi of
+    (batch·heads) rows: on a rank's copy both are its heads/tp (Megatron-LM's heads per partition),
+    so each block computes a quarter of its matmuls and runs Megatron-LM's f and g twice."""
+    model, tp, hidden = bloom(), 4, HIDDEN
+    table = count_layers(model, ids(), tp=tp, tp_plan={**BLOOM_ATTENTION, **BLOOM_MLP})
+    blocks = table[table["type"] == "BloomBlock"]
+    assert len(blocks) == 2
+    for phase in ("forward", "backward"):
+        assert blocks[f"rank_{phase}_flops"].to_numpy() == pytest.approx(blocks[f"{phase}_flops"] / tp, rel=1e-12)
+    h = hidden
+    whole = (2 * h + 3 * h * h + 3 * h + h * h + h + 2 * h + 4 * h * h + 4 * h + 4 * h * h + h) * 4
+    held = (2 * h + (3 * h * h + 3 * h) / tp + h * h / tp + h + 2 * h + (4 * h * h + 4 * h) / tp + 4 * h * h / tp + h) * 4
+    assert (blocks["param_bytes"] == whole).all() and (blocks["rank_param_bytes"] == held).all()  # biases of rows whole
+    seen = _block_collectives(table, "BloomBlock")
+    assert list(seen["collective"]) == ["all_reduce"] * 4
+    assert list(seen["phase"]) == ["forward", "forward", "backward", "backward"]
+    assert ((seen["row_bytes"] + seen["fixed_bytes"]) == ROWS * SEQ * hidden * 4).all()  # the activations, fp32
+
+
+def test_the_issue_s_plan_for_bloom_176b_counts_at_tp_4():
+    """BLOOM-176B's shape (70 layers, 14336 wide, 112 heads, built on meta), its attention sharded
+    as the issue planned it: a rank computes a quarter of each attention and the whole MLP, all-reducing
+    the activations forward and backward once; its MLP sharded too, a quarter of each block."""
+    model = bloom(n_layer=70, hidden_size=14336, n_head=112, vocab_size=250880)
+    h, tokens, tp = 14336, 256, 4
+    sample = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    table = count_layers(model, sample, tp=tp, tp_plan=BLOOM_ATTENTION)
+    blocks = table[table["type"] == "BloomBlock"]
+    assert len(blocks) == 70 and (blocks["param_bytes"] == (12 * h * h + 13 * h) * 4).all()
+    mlp = 2 * tokens * h * 4 * h * 2  # two matmuls of h × 4h a token, forward
+    assert blocks["rank_forward_flops"].to_numpy() == pytest.approx(
+        (blocks["forward_flops"] - mlp) / tp + mlp, rel=1e-12)
+    assert blocks["rank_backward_flops"].to_numpy() == pytest.approx(
+        (blocks["backward_flops"] - 2 * mlp) / tp + 2 * mlp, rel=1e-12)  # the input's gradient and the weight's
+    seen = _block_collectives(table, "BloomBlock")
+    assert list(seen["collective"]) == ["all_reduce"] * 2 and set(seen["phase"]) == {"forward", "backward"}
+    assert ((seen["row_bytes"] + seen["fixed_bytes"]) == tokens * h * 4).all()
+    both = count_layers(model, sample, tp=tp, tp_plan={**BLOOM_ATTENTION, **BLOOM_MLP})
+    blocks = both[both["type"] == "BloomBlock"]
+    assert blocks["rank_forward_flops"].to_numpy() == pytest.approx(blocks["forward_flops"] / tp, rel=1e-12)
+    assert len(_block_collectives(both, "BloomBlock")) == 4
+
+
+def phi3(layers: int = 2):
+    config = transformers.Phi3Config(num_hidden_layers=layers, hidden_size=HIDDEN, intermediate_size=688,
+                                     num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
+                                     pad_token_id=0)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.Phi3ForCausalLM(config)
+
+
+def test_phi3s_fused_projections_count_at_a_rank_s_share():
+    """Phi-3 splits its fused qkv_proj output at its config's head counts: a rank's copy reads them at
+    its share (2 of 8 heads, 1 of 4 key-value heads at tp 4), so the fused q|k|v and gate|up its
+    own plan gathers (colwise_gather_output, then rowwise_split_input) stay a rank's quarter, as
+    a plan of colwise and rowwise shards them: a quarter of each block, Megatron-LM's f and g."""
+    model, tp = phi3(), 4
+    own = sharded.tensor_parallel_plan(model)
+    assert own["model.layers.*.self_attn.qkv_proj"] == "colwise_gather_output"
+    table = count_layers(model, ids(), tp=tp)
+    blocks = table[table["type"] == "Phi3DecoderLayer"]
+    for phase in ("forward", "backward"):
+        assert blocks[f"rank_{phase}_flops"].to_numpy() == pytest.approx(blocks[f"{phase}_flops"] / tp, rel=1e-12)
+    norms = 2 * HIDDEN * 4
+    assert (blocks["rank_param_bytes"] == (blocks["param_bytes"] - norms) / tp + norms).all()
+    seen = _block_collectives(table, "Phi3DecoderLayer")
+    assert list(seen["collective"]) == ["all_reduce"] * 4  # nothing gathered inside the block
+    assert ((seen["row_bytes"] + seen["fixed_bytes"]) == ROWS * SEQ * HIDDEN * 4).all()
+    layers = "model.layers.*."
+    megatron = {f"{layers}self_attn.qkv_proj": "colwise", f"{layers}self_attn.o_proj": "rowwise",
+                f"{layers}mlp.gate_up_proj": "colwise", f"{layers}mlp.down_proj": "rowwise"}
+    given = count_layers(model, ids(), tp=tp, tp_plan=megatron)  # (its head whole: this plan leaves lm_head out)
+    assert given[given["type"] == "Phi3DecoderLayer"][RANK_COLUMNS].equals(blocks[RANK_COLUMNS])
+
+
+class _Heads(torch.nn.Module):
+    """An attention that reshapes by its own head count, which no config says."""
+
+    def __init__(self, heads: int = 3, width: int = 48):
+        super().__init__()
+        self.num_heads, self.head_dim = heads, width // heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:-1], self.num_heads, 3, self.head_dim).unbind(-2)
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(y.transpose(1, 2).reshape(*x.shape[:-1], self.num_heads * self.head_dim))
+
+
+def test_a_module_whose_heads_tp_does_not_divide_has_no_share_and_is_refused_by_name():
+    model = torch.nn.Sequential(_Heads(), _Heads())
+    sample = torch.randn(4, 16, 48)
+    plan = {"*.qkv": "colwise", "*.out": "rowwise"}
+    table = count_layers(model, sample, tp=3, tp_plan=plan)  # each rank one of the three heads
+    assert (table["rank_forward_flops"] * 3 == table["forward_flops"]).all()
+    with pytest.raises(ValueError, match=r"^0 \(_Heads\): tp=2 does not divide its 3 heads \(num_heads\), and each "
+                                         r"tensor-parallel rank computes whole heads"):
+        count_layers(model, sample, tp=2, tp_plan=plan)
+    config = transformers.GPTBigCodeConfig(n_layer=2, n_embd=256, n_head=8, vocab_size=1024, multi_query=True)
+    with torch.device("meta"):
+        multi_query = transformers.GPTBigCodeForCausalLM(config)  # one key-value head, fused with the queries
+    with pytest.raises(ValueError, match=r"tp=2 does not divide the model's 1 key-value heads"):
+        count_layers(multi_query, ids(), tp=2, tp_plan=TP_PLANS["gpt_bigcode"])
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_with_the_tps_that_do():
@@ -175,15 +290,23 @@ def test_tp_that_does_not_divide_the_heads_is_refused_with_the_tps_that_do():
         count_layers(llama(), ids(), tp=8)
 
 
-def test_a_model_without_a_plan_is_told_how_to_give_one():
+def test_a_model_without_a_plan_is_told_how_to_give_one_and_gpt2s_conv1d_shards_as_a_linear():
+    """GPT-2 carries no plan; given one, its Conv1D projections (a linear layer, weight stored (in, out))
+    shard as the nn.Linear they are, and its attention splits the fused c_attn at its split_size
+    divided too: half of each block a rank. A module no style shards is still refused by name."""
     config = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=8, vocab_size=1024)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     with pytest.raises(ValueError, match=r"carries no tensor-parallel plan .*give one as tp_plan="):
         count_layers(model, ids(), tp=2)
-    with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn \(Conv1D\): torch's tensor parallelism shards "
+    table = count_layers(model, ids(), tp=2, tp_plan=TP_PLANS["gpt2"])
+    blocks = table[table["type"] == "GPT2Block"]
+    assert (blocks["rank_forward_flops"] * 2 == blocks["forward_flops"]).all()
+    assert (blocks["rank_backward_flops"] * 2 == blocks["backward_flops"]).all()
+    assert len(_block_collectives(table, "GPT2Block")) == 4
+    with pytest.raises(ValueError, match=r"transformer.h.0.ln_1 \(LayerNorm\): torch's tensor parallelism shards "
                                          r"nn.Linear and nn.Embedding"):
-        count_layers(model, ids(), tp=2, tp_plan={"transformer.h.*.attn.c_attn": "colwise"})
+        count_layers(model, ids(), tp=2, tp_plan={"transformer.h.*.ln_1": "colwise"})
 
 
 def test_a_plan_entry_that_matches_nothing_or_a_style_not_counted_is_refused_by_name():
@@ -216,8 +339,6 @@ def test_counting_refuses_a_process_that_has_a_group_of_its_own():
 
 
 def _zoo_model(name):
-    from tests.zoo_models import ZOO
-
     config_class, model_class, layers = ZOO[name]
     config = getattr(transformers, config_class)(**{key: 2 for key in layers})
     with torch.device("meta"), warnings.catch_warnings():
@@ -225,51 +346,79 @@ def _zoo_model(name):
         return getattr(transformers, model_class)(config)
 
 
-#: The zoo's architectures whose config carries a tensor-parallel plan, and what becomes of it at tp=2:
-#: sharded, or refused naming why (experts sharded by Hugging Face's own kernels; a fused projection
-#: its code splits by the whole model's head count).
-ZOO_PLANS = {**{name: "sharded" for name in ("codegen", "cohere", "gemma", "gemma2", "gpt_neox", "gptj", "granite",
-                                             "llama", "mistral", "olmo", "phi", "qwen2", "qwen3", "starcoder2")},
-             "deepseek_v3": "style 'moe_tp_experts'", "mixtral": "style 'moe_tp_experts'",
-             "qwen2_moe": "style 'moe_tp_experts'", "phi3": "does not run sharded by the tensor-parallel plan"}
+def _zoo_sample(name, config):
+    if name == "vit":
+        return torch.empty(2, 3, config.image_size, config.image_size, device="meta")
+    rows = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    return {"input_ids": rows, "decoder_input_ids": rows} if name in ("t5", "bart") else rows
 
 
-def test_the_zoo_plans_are_every_config_in_the_zoo_that_carries_one():
-    from tests.zoo_models import ZOO
+#: What becomes at tp=2 of each zoo architecture's plan (its config's own, else the one ``TP_PLANS`` gives):
+#: ``half``, each block a rank computes half its FLOPs; ``kept``, less than the whole and more than
+#: half, the plan keeping modules whole on every rank (Mixtral's and Qwen2-MoE's experts, their
+#: plans naming the attention only; DeepSeek-V3's multi-latent down-projections); or refused naming
+#: why there is no share (Falcon's 71 heads; GPT-BigCode's one key-value head, fused with the queries).
+ZOO_TP = {**{name: "half" for name in ZOO}, "mixtral": "kept", "qwen2_moe": "kept", "deepseek_v3": "kept",
+          "falcon": r"tp=2 does not divide the model's 71 attention heads",
+          "gpt_bigcode": r"tp=2 does not divide the model's 1 key-value heads"}
 
+
+def test_the_zoo_plans_given_are_for_every_config_in_the_zoo_that_carries_none():
     carrying = {name for name, (config_class, _, layers) in ZOO.items()
                 if getattr(getattr(transformers, config_class)(**layers), "base_model_tp_plan", None)}
-    assert carrying == set(ZOO_PLANS)
+    assert carrying == set(ZOO) - set(TP_PLANS) and len(carrying) == 18
 
 
-@pytest.mark.parametrize("name", sorted(ZOO_PLANS))
-def test_each_zoo_plan_shards_every_module_it_names(name):
-    """The plan a zoo config carries, applied by torch at tp=2: every module it names in a block is
-    sharded (a DTensor weight, half of it a rank) and the block's FLOPs a rank are half its own."""
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_each_zoo_architecture_counts_at_a_rank_s_share_or_is_refused_by_name(name):
+    """Each zoo architecture's plan, applied by torch at tp=2: every module it names in a block is
+    sharded (a DTensor weight, half of it a rank), and the block's FLOPs a rank are half its own
+    (less than the whole where the plan keeps modules whole); or refused naming why."""
     from torch.distributed.tensor import DTensor, Shard
 
     model = _zoo_model(name)
-    plan = sharded.tensor_parallel_plan(model)
-    sample = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    if ZOO_PLANS[name] != "sharded":
-        with pytest.raises(ValueError, match=ZOO_PLANS[name]):
-            count_layers(model, sample, tp=2)
+    plan = sharded.tensor_parallel_plan(model, TP_PLANS.get(name))
+    sample = _zoo_sample(name, model.config)
+    if ZOO_TP[name] not in ("half", "kept"):
+        with pytest.raises(ValueError, match=ZOO_TP[name]):
+            count_layers(model, sample, tp=2, tp_plan=TP_PLANS.get(name))
         return
-    table = count_layers(model, sample, tp=2)
-    blocks = table[table["rank_forward_flops"] > 0]
-    assert len(blocks) >= 2 and (blocks["rank_forward_flops"] * 2 == blocks["forward_flops"]).all()
+    table = count_layers(model, sample, tp=2, tp_plan=TP_PLANS.get(name))
+    modules = dict(model.named_modules())
+
+    def named(block_name):
+        return [sub for sub, _ in modules[block_name].named_modules()
+                if sub and sharded.STYLES.get(sharded.style_of(plan, f"{block_name}.{sub}") or "")]
+
+    blocks = table[[bool(named(str(n))) for n in table["name"]]]
+    assert len(blocks) >= 2
+    if ZOO_TP[name] == "half":
+        assert (blocks["rank_forward_flops"] * 2 == blocks["forward_flops"]).all()
+        assert (blocks["rank_backward_flops"] * 2 == blocks["backward_flops"]).all()
+    else:
+        ratio = blocks["forward_flops"] / blocks["rank_forward_flops"]
+        assert ((ratio > 1.01) & (ratio < 2)).all(), ratio
     block_name = str(blocks["name"].iloc[0])
-    block = dict(model.named_modules())[block_name]
-    named = [sub for sub, _ in block.named_modules() if sub and sharded.STYLES.get(
-        sharded.style_of(plan, f"{block_name}.{sub}") or "")]
-    assert named, f"the plan names nothing in {block_name}"
     with sharded.fake_group(2) as mesh:
-        rank_block = sharded.shard(block, block_name, plan, mesh)
-        modules = dict(rank_block.named_modules())
-        for sub in named:
-            weight = modules[sub].weight
+        rank_block = sharded.shard(modules[block_name], block_name, plan, mesh)
+        rank_modules = dict(rank_block.named_modules())
+        for sub in named(block_name):
+            weight = rank_modules[sub].weight
             assert isinstance(weight, DTensor) and isinstance(weight.placements[0], Shard), sub
             assert weight.to_local().numel() * 2 == weight.numel(), sub
+
+
+def test_multi_latent_attentions_rotary_key_has_its_gradient_all_reduced():
+    """DeepSeek-V3's own plan keeps its key-value down-projection whole on every rank
+    (``mla_kv_a_proj``); the rotary key it makes reaches the attention past every sharded
+    projection, so its gradient is all-reduced in backward, as Hugging Face's style does."""
+    model = _zoo_model("deepseek_v3")
+    rows, tokens, rope = 2, 32, model.config.qk_rope_head_dim
+    assert sharded.tensor_parallel_plan(model)["model.layers.*.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+    table = count_layers(model, torch.zeros(rows, tokens, dtype=torch.long, device="meta"), tp=2)
+    seen = _block_collectives(table, "DeepseekV3DecoderLayer")
+    backward = seen[seen["phase"] == "backward"]
+    assert (backward["row_bytes"] + backward["fixed_bytes"] == rows * tokens * rope * 4).sum() == 1
 
 
 @pytest.mark.parametrize("on_meta", [True, False])

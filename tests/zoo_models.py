@@ -47,6 +47,45 @@ ZOO = {
 MOE = {"mixtral", "qwen2_moe", "deepseek_v3"}
 
 
+def _megatron(prefix: str, columns: list[str], rows: list[str]) -> dict[str, str]:
+    return {**{f"{prefix}{name}": "colwise" for name in columns}, **{f"{prefix}{name}": "rowwise" for name in rows}}
+
+
+#: A tensor-parallel plan for each architecture whose config carries none: its attention's q, k, v
+#: (or fused qkv) and its MLP's first projections column-sharded, the projections after them
+#: row-sharded (Megatron-LM's layout).
+TP_PLANS = {
+    "gpt2": _megatron("transformer.h.*.", ["attn.c_attn", "mlp.c_fc"], ["attn.c_proj", "mlp.c_proj"]),
+    "falcon": _megatron("transformer.h.*.", ["self_attention.query_key_value", "mlp.dense_h_to_4h"],
+                        ["self_attention.dense", "mlp.dense_4h_to_h"]),
+    "bloom": _megatron("transformer.h.*.", ["self_attention.query_key_value", "mlp.dense_h_to_4h"],
+                       ["self_attention.dense", "mlp.dense_4h_to_h"]),
+    "mpt": _megatron("transformer.blocks.*.", ["attn.Wqkv", "ffn.up_proj"], ["attn.out_proj", "ffn.down_proj"]),
+    "opt": _megatron("model.decoder.layers.*.", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"],
+                     ["self_attn.out_proj", "fc2"]),
+    "gpt_bigcode": _megatron("transformer.h.*.", ["attn.c_attn", "mlp.c_fc"], ["attn.c_proj", "mlp.c_proj"]),
+    "stablelm": _megatron("model.layers.*.", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "mlp.gate_proj", "mlp.up_proj"], ["self_attn.o_proj", "mlp.down_proj"]),
+    **{name: _megatron(f"{name}.encoder.layer.*.", ["attention.self.query", "attention.self.key",
+                                                    "attention.self.value", "intermediate.dense"],
+                       ["attention.output.dense", "output.dense"]) for name in ("bert", "roberta")},
+    "vit": _megatron("vit.layers.*.", ["attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"],
+                     ["attention.o_proj", "mlp.fc2"]),
+    "t5": {**_megatron("encoder.block.*.layer.", ["0.SelfAttention.q", "0.SelfAttention.k", "0.SelfAttention.v",
+                                                  "1.DenseReluDense.wi"], ["0.SelfAttention.o", "1.DenseReluDense.wo"]),
+           **_megatron("decoder.block.*.layer.", ["0.SelfAttention.q", "0.SelfAttention.k", "0.SelfAttention.v",
+                                                  "1.EncDecAttention.q", "1.EncDecAttention.k", "1.EncDecAttention.v",
+                                                  "2.DenseReluDense.wi"],
+                       ["0.SelfAttention.o", "1.EncDecAttention.o", "2.DenseReluDense.wo"])},
+    "bart": {**_megatron("model.encoder.layers.*.", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"],
+                         ["self_attn.out_proj", "fc2"]),
+             **_megatron("model.decoder.layers.*.", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                     "encoder_attn.q_proj", "encoder_attn.k_proj",
+                                                     "encoder_attn.v_proj", "fc1"],
+                         ["self_attn.out_proj", "encoder_attn.out_proj", "fc2"])},
+}
+
+
 def on_meta(name: str):
     config_class, model_class, layers = ZOO[name]
     config = getattr(transformers, config_class)(**layers)
