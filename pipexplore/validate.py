@@ -460,18 +460,6 @@ def interleaved_devices(stages: int, devices: Sequence[Any], chunks: int) -> lis
     return [devices[s % p] for s in range(stages)]
 
 
-def training_data(batch_target: Any, loss_fn: Any, optimizer: Any, *, rows: int) -> None:
-    """What a step trains on beside its sample, checked together: a target of the sample's ``rows``,
-    and the loss and optimizer factories, each callable where given.
-
-    Raises:
-        TypeError, ValueError: naming the argument that is wrong, and what it should be.
-    """
-    target(batch_target, rows)
-    optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
-    optional_callable(optimizer, "optimizer", "optimizer(parameters) returning a torch.optim.Optimizer")
-
-
 def first_chunks(value: Optional[int], batch: int, given: Optional[int] = None) -> int:
     """The micro-batches a first plan runs: ``value`` checked against the ``batch``'s rows; else
     what a schedule file ``given`` says; else 4, or the most a small batch splits into exactly."""

@@ -100,7 +100,7 @@ def test_a_default_gpt2_without_a_loss_runs_the_synthetic_loss_of_its_logits():
 
 
 def test_the_synthetic_loss_names_an_output_it_cannot_use():
-    from pipexplore.executors.base import synthetic_loss
+    from pipexplore.training import synthetic_loss
 
     nested = {"logits": torch.ones(2, 3), "extra": [(torch.full((1,), 2.0), torch.arange(3))]}
     assert synthetic_loss(nested).item() == pytest.approx(1.0 + 4.0)

@@ -4,6 +4,7 @@ work), run as the exported torchrun script's ranks, loaded back beside its predi
 parallelism here refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -131,7 +132,7 @@ def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_
     monkeypatch.setattr(launching, "FAILURE_GRACE", 1.0)
     monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
     ex = explored({"pp": 2, "dp": 2})
-    ex.state.loss_fn = dies_on_rank_3
+    ex.state.training = dataclasses.replace(ex.state.training, loss_fn=dies_on_rank_3)
     before = ex.plan
     with pytest.raises(TorchrunError, match=r"rank 3 \(pp 1, dp 1, tp 0\) on host \S+ exited with code 3") as caught:
         ex.run(executor="torchrun", nodes=2)  # two node agents of two ranks each

@@ -17,6 +17,7 @@ from pipexplore.executors.base import StageOptimizers
 from pipexplore.executors.sequential import ScheduleExecutor
 from pipexplore.plan import Plan
 from pipexplore.executors.step import run_step
+from pipexplore.training import default_optimizer
 from pipexplore.predict.simulator import schedule_graph, simulate
 
 from models import plain_model
@@ -129,7 +130,7 @@ def test_measured_losses_after_two_updates_equal_a_plain_model_with_one_optimize
 def test_a_stage_without_parameters_still_records_its_empty_optimizer_step():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Tanh())
     executor = ScheduleExecutor(model, [1, 2], chunks=2, schedule="1f1b")
-    stages = StageOptimizers(None, executor.stage_parameters(), executor.stage_devices)
+    stages = StageOptimizers(default_optimizer, executor.stage_parameters(), executor.stage_devices)
     assert stages.optimizers[1] is None
     with tl.record() as rec:
         stages.zero_grad()

@@ -82,7 +82,7 @@ def unsplit_loss(model, sample) -> float:
     """The unsplit model's synthetic loss (no loss_fn given: the mean square of every floating output)."""
     import copy
 
-    from pipexplore.loss import synthetic_loss
+    from pipexplore.training import synthetic_loss
 
     copied = copy.deepcopy(model)
     extra = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}

@@ -21,7 +21,7 @@ import sys
 import torch
 sys.path.insert(0, {root!r})
 from tests.zoo_models import tiny
-from pipexplore.loss import synthetic_loss
+from pipexplore.training import synthetic_loss
 
 NAME = {name!r}
 

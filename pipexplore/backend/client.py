@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from pipexplore import validate
 from pipexplore.backend.expert import ExpertBackend
 from pipexplore.cancel import check_cancelled
+from pipexplore.training import LossFn, Training
 
 __all__ = ["BackendPipeline"]
 
@@ -37,7 +38,7 @@ class BackendPipeline:
             (x,) = backend.forward_pool.submit_task(x).result()
         return x
 
-    def _train_one(self, x: torch.Tensor, target: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> float:
+    def _train_one(self, x: torch.Tensor, target: Any, loss_fn: LossFn) -> float:
         inputs = [x]
         for backend in self.backends:
             (x,) = backend.forward_pool.submit_task(x).result()
@@ -52,14 +53,13 @@ class BackendPipeline:
             (grad,) = self.backends[k].backward_pool.submit_task(inputs[k], grad).result()
         return float(loss.detach())
 
-    def step(self, x: torch.Tensor, target: Any = None,
-             loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None, chunks: int = 1) -> list[float]:
-        """Train on ``x`` split into ``chunks`` micro-batches; returns each micro-batch's loss."""
+    def step(self, x: torch.Tensor, target: Any = None, loss_fn: Optional[LossFn] = None,
+             chunks: int = 1) -> list[float]:
+        """Train on ``x`` split into ``chunks`` micro-batches; returns each micro-batch's loss
+        (``loss_fn`` default: :func:`pipexplore.training.synthetic_loss`; each backend steps its own
+        optimizer)."""
         chunks = validate.chunks(chunks, batch=int(x.size(0)))
-        validate.target(target, int(x.size(0)))
-        from pipexplore.executors.base import synthetic_loss
-
-        loss_fn = loss_fn or synthetic_loss
+        loss_fn = Training.of(loss_fn, target=target, rows=int(x.size(0))).loss_fn
         micro_x = x.chunk(chunks)
         micro_t = target.chunk(chunks) if torch.is_tensor(target) else [target] * len(micro_x)
         with ThreadPoolExecutor(max_workers=len(micro_x), thread_name_prefix="pipexplore-client") as pool:

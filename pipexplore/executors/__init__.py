@@ -17,7 +17,7 @@ predictions include it before any run of the user's model.
 """
 from __future__ import annotations
 
-from pipexplore.executors.base import RunResult, StepJob, result, synthetic_loss
+from pipexplore.executors.base import RunResult, StepJob, result
 from pipexplore.executors.probe import probe
 
-__all__ = ["RunResult", "StepJob", "result", "synthetic_loss", "probe"]
+__all__ = ["RunResult", "StepJob", "result", "probe"]

@@ -38,13 +38,13 @@ from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import (checkpointed_draws, enable_checkpointing, enable_recomputing, replayed_draws,
                                    rng_locks)
-from pipexplore.executors.base import synthetic_loss
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.timeline.saved import SavedBytes
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
                                   worker_devices, worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream
+from pipexplore.training import LossFn
 
 __all__ = ["PHASE", "Action", "Aborted", "Mailbox", "StageState", "StepResult", "ActionExecutor", "check_options",
            "plan_workers", "join_workers"]
@@ -157,8 +157,9 @@ class ActionExecutor:
     """Workers that run a pipeline's actions; subclasses say what a stage's forward and backward are.
 
     A subclass sets ``stage_devices``, ``worker_orders`` (:func:`plan_workers`), ``checkpoint`` and
-    ``loss_fn``, calls :meth:`_place` with its stage modules, and in ``step`` sets ``_weights`` and
-    ``_targets`` (one per micro-batch) before :meth:`_run_workers`.
+    ``loss_fn`` (resolved: :meth:`pipexplore.training.Training.of`), calls :meth:`_place` with its
+    stage modules, and in ``step`` sets ``_weights`` and ``_targets`` (one per micro-batch) before
+    :meth:`_run_workers`.
     """
 
     #: Worker threads are named this and their number.
@@ -167,7 +168,7 @@ class ActionExecutor:
     worker_orders: list[list[Action]]
     stage_modules: list[nn.Module]
     checkpoint: str
-    loss_fn: Optional[Callable[[Any, Any], Tensor]]
+    loss_fn: LossFn
     #: Set by ``step`` for each micro-batch: its loss's weight, its target.
     _weights: list[float]
     _targets: list[Any]
@@ -394,8 +395,7 @@ class ActionExecutor:
 
     def _loss(self, stage: int, i: int, output: Any) -> Tensor:
         """The loss of micro-batch ``i`` on the model's output, noted, and weighted for backward."""
-        loss_fn = self.loss_fn or synthetic_loss
-        loss = validate.loss_value(loss_fn(output, to_device(self._targets[i], self.stage_devices[stage])))
+        loss = validate.loss_value(self.loss_fn(output, to_device(self._targets[i], self.stage_devices[stage])))
         self._losses[i] = float(loss.detach())
         return loss * self._weights[i]  # type: ignore[no-any-return]
 

@@ -6,7 +6,7 @@ from typing import cast
 
 from torch import nn
 
-from pipexplore.executors.base import RunResult, StageOptimizers, StepJob, measure, result, synthetic_loss
+from pipexplore.executors.base import RunResult, StageOptimizers, StepJob, measure, result
 from pipexplore import validate
 from pipexplore.gpipe import GPipe
 from pipexplore.microbatch import to_device
@@ -23,11 +23,11 @@ def run(job: StepJob) -> RunResult:
     pipe = GPipe(model, plan.balance, devices=list(plan.devices[: plan.num_stages]),
                  chunks=plan.chunks, checkpoint=plan.checkpoint)
     pipe.train()
-    loss_fn = job.loss_fn or synthetic_loss
+    loss_fn = job.training.loss_fn
     # One optimizer per partition, stepped in stage order after backward() (each step recorded).
-    optimizer = StageOptimizers(job.optimizer, [list(p.parameters()) for p in pipe.partitions], pipe.devices)
+    optimizer = StageOptimizers(job.training.optimizer, [list(p.parameters()) for p in pipe.partitions], pipe.devices)
     x = to_device(job.sample, pipe.devices[0])
-    y = to_device(job.target, pipe.devices[-1])
+    y = to_device(job.training.target, pipe.devices[-1])
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)

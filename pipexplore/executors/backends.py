@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipexplore.cancel import check_cancelled
-from pipexplore.executors.base import RunResult, StepJob, make_optimizer, result
+from pipexplore.executors.base import RunResult, StepJob, result
 
 __all__ = ["NAME", "run"]
 
@@ -25,7 +25,8 @@ def run(job: StepJob) -> RunResult:
     """
     from pipexplore.backend import BackendPipeline, BatchTensorProto, ExpertBackend, Runtime
 
-    model, sample, plan, target, loss_fn, warmup = job.model, job.sample, job.plan, job.target, job.loss_fn, job.warmup
+    model, sample, plan, warmup = job.model, job.sample, job.plan, job.warmup
+    target, loss_fn = job.training.target, job.training.loss_fn
 
     crossing = [r for r in plan.skip_routes if r.crosses]
     if crossing:
@@ -42,7 +43,7 @@ def run(job: StepJob) -> RunResult:
     for stage, (a, b) in enumerate(zip(points, points[1:])):
         module = nn.Sequential(*layers[a:b]).to(devices[stage])
         x = x.to(devices[stage])
-        backends.append(ExpertBackend(f"stage{stage}", module, make_optimizer(job.optimizer, module.parameters()),
+        backends.append(ExpertBackend(f"stage{stage}", module, job.training.optimizer(module.parameters()),
                                       args_schema=(BatchTensorProto.from_tensor(x.detach()),),
                                       max_batch_size=max(1, int(sample.size(0)))))
         with torch.no_grad():

@@ -1,5 +1,5 @@
-"""What every executor shares: the job, the measured result and its metrics, the default loss
-(:func:`pipexplore.loss.synthetic_loss`, re-exported here)."""
+"""What every executor shares: the job (its training parts resolved once: :class:`pipexplore.training.Training`),
+the measured result and its metrics."""
 from __future__ import annotations
 
 import math
@@ -14,21 +14,13 @@ from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.executors.tied import own_parameters
-from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
 from pipexplore.predict.basis import prediction_basis
+from pipexplore.training import OptimizerFactory, Training
 
-__all__ = ["LossFn", "OptimizerFactory", "StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure",
-           "synthetic_loss", "make_optimizer", "StageOptimizers", "all_finite"]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-
-
-def make_optimizer(factory: Optional[OptimizerFactory], parameters: Any) -> torch.optim.Optimizer:
-    """The user's optimizer on ``parameters``, or SGD (lr 0.01)."""
-    return (factory or (lambda params: torch.optim.SGD(params, lr=0.01)))(parameters)
+__all__ = ["StepJob", "RunResult", "Measured", "result", "measure", "train_and_measure", "StageOptimizers",
+           "all_finite"]
 
 
 class StageOptimizers:
@@ -51,13 +43,13 @@ class StageOptimizers:
         optimizers.zero_grad(); executor.step(x); optimizers.step()
     """
 
-    def __init__(self, factory: Optional[OptimizerFactory], stage_parameters: Sequence[Sequence[torch.nn.Parameter]],
+    def __init__(self, factory: OptimizerFactory, stage_parameters: Sequence[Sequence[torch.nn.Parameter]],
                  devices: Sequence[Any]) -> None:
         if len(stage_parameters) != len(devices):
             raise ValueError(f"{len(stage_parameters)} stages' parameters, but {len(devices)} devices")
         owned = own_parameters(list(stage_parameters))
         self.devices = [torch.device(d) for d in devices]
-        self.optimizers = [make_optimizer(factory, params) if params else None for params in owned]
+        self.optimizers = [factory(params) if params else None for params in owned]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.optimizers:
@@ -78,14 +70,12 @@ class StageOptimizers:
 @dataclass
 class StepJob:
     """One measured step to run: the model (never changed: executors train a copy), one
-    mini-batch, the plan, and how to train."""
+    mini-batch, the plan, and what it trains on (the loss, optimizer and target, resolved)."""
 
     model: nn.Module
     sample: Sample
     plan: Plan
-    target: Any = None
-    loss_fn: Optional[LossFn] = None
-    optimizer: Optional[OptimizerFactory] = None
+    training: Training = field(default_factory=Training.of)
     warmup: int = 1
     run: Any = 0
     repeats: int = 3
@@ -154,21 +144,22 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
     return Measured(timeline, losses[0], measured_losses)
 
 
-def train_and_measure(executor: Any, plan: Plan, sample: Any, target: Any = None,
-                      optimizer: Optional[OptimizerFactory] = None, *, warmup: int = 1, run: Any = 0,
+def train_and_measure(executor: Any, plan: Plan, sample: Any, training: Training, *, warmup: int = 1, run: Any = 0,
                       repeats: int = 3, after_backward: Optional[Callable[[], None]] = None) -> RunResult:
     """Train an in-process executor's stages (its ``step``, ``parameters``, ``stage_parameters``,
-    ``stage_devices`` and ``worker_devices``) on ``sample``: ``warmup`` steps, then ``repeats``
-    measured ones (:func:`measure`: the median step's timeline, the first step's loss), each ending
-    with one optimizer step per stage (``optimizer(stage parameters)``, default SGD: a
-    :class:`StageOptimizers`, stepped in stage order once the workers are done, each recorded as
-    the stage's ``optimizer`` event); ``after_backward()`` runs before them.
+    ``stage_devices`` and ``worker_devices``; its loss is ``training.loss_fn``) on ``sample`` and
+    ``training.target``: ``warmup`` steps, then ``repeats`` measured ones (:func:`measure`: the
+    median step's timeline, the first step's loss), each ending with one optimizer step per stage
+    (``training.optimizer(stage parameters)``: a :class:`StageOptimizers`, stepped in stage order
+    once the workers are done, each recorded as the stage's ``optimizer`` event);
+    ``after_backward()`` runs before them.
 
     Example::
 
-        result = train_and_measure(ScheduleExecutor(model, [2, 2], chunks=4), plan, x, warmup=1, repeats=3)
+        result = train_and_measure(ScheduleExecutor(model, [2, 2], chunks=4), plan, x, Training.of(), repeats=3)
     """
-    opt = StageOptimizers(optimizer, executor.stage_parameters(), executor.stage_devices)
+    opt = StageOptimizers(training.optimizer, executor.stage_parameters(), executor.stage_devices)
+    target = training.target
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)

@@ -53,6 +53,7 @@ from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pa
 from pipexplore.timeline import COLUMNS
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES, sent
 from pipexplore.schedules import check, csv_schedule, is_csv, stage_ranks
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
 
@@ -60,10 +61,6 @@ __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunE
 #: The default timeout is this many predicted steps, and never less than ``MIN_TIMEOUT`` seconds.
 TIMEOUT_STEPS = 20
 MIN_TIMEOUT = 30.0
-
-
-def default_optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01)
 
 
 def default_timeout(plan: Plan, warmup: int = 1) -> float:
@@ -329,8 +326,7 @@ def _check_one_gpu_a_rank(devices: list[str]) -> None:
 
 
 def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = None,
-                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
-                  optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, run: Any = 0,
+                  loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None, run: Any = 0,
                   warmup: int = 1, repeats: int = 1, timeout: Optional[float] = None,
                   return_grads: bool = False) -> Any:
     """Run ``warmup`` + ``repeats`` steps of ``plan`` in one process per device; keep the measured
@@ -347,8 +343,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     ``sample`` is one tensor for an ``nn.Sequential``; a traced model takes it as it takes its
     inputs (a tensor, a tuple of positional inputs or a dict of keyword inputs such as
     ``input_ids`` and ``labels``), cut into micro-batches by torch's schedule.
-    The model's stages, ``loss_fn(output, target)`` (default: the synthetic loss),
-    ``optimizer(parameters)`` (default: SGD, lr=0.01) and the batch are sent by value with
+    The model's stages, ``loss_fn(output, target)``, ``optimizer(parameters)`` (resolved here,
+    once: :meth:`pipexplore.training.Training.of`; without ``target``, torch's schedules get
+    :meth:`~pipexplore.training.Training.schedule_target`) and the batch are sent by value with
     cloudpickle, so classes, lambdas and closures defined in a notebook or ``__main__`` work;
     something that cannot be pickled is named in a TypeError before any process starts.
     ``timeout`` bounds the steps in seconds (default :func:`default_timeout`); start-up is bounded
@@ -364,8 +361,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     """
     import pandas as pd
 
-    from pipexplore.executors.base import result as _result, synthetic_loss
+    from pipexplore.executors.base import result as _result
 
+    training = Training.of(loss_fn, optimizer, target)
     timeout = check_timeout(timeout)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats is the number of measured steps, a whole number from 1, got {repeats!r}")
@@ -390,10 +388,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
-    if target is None:  # torch's schedules want a target for the loss; the synthetic loss ignores it
-        target = torch.zeros(rows, 1)
-    loss_fn, optimizer = loss_fn or synthetic_loss, optimizer or default_optimizer
-    ensure_picklable({"loss_fn": loss_fn, "optimizer": optimizer, "target": target})  # the model: when packed
+    target = training.schedule_target(rows)  # torch's schedules want a target for the loss
+    # (the model is checked when it is packed)
+    ensure_picklable({"loss_fn": training.loss_fn, "optimizer": training.optimizer, "target": target})
     world = plan.num_devices
     devices = list(plan.devices[:world])
     _check_one_gpu_a_rank(devices)
@@ -402,7 +399,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         "devices": devices, "chunks": plan.chunks,
         "schedule_class": "_PipelineScheduleRuntime" if csv_file else SCHEDULE_CLASSES[plan.schedule],
         "schedule_csv": {"text": csv_file.text, "format": csv_file.format} if csv_file else None,
-        "loss_fn": loss_fn, "optimizer": optimizer,
+        "loss_fn": training.loss_fn, "optimizer": training.optimizer,
         "args": tuple(_cpu(a) for a in args), "kwargs": {k: _cpu(v) for k, v in kwargs.items()},
         "target": target.detach().cpu() if torch.is_tensor(target) else target, "warmup": warmup,
         "repeats": repeats, "return_grads": return_grads, "traced": None, "layout": layout,

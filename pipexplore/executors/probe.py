@@ -13,9 +13,10 @@ from torch import nn
 from pipexplore import background
 from pipexplore.host import host_cores
 from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps, microbatch_rows, stage_seconds
-from pipexplore.executors.base import OptimizerFactory, StepJob
+from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
+from pipexplore.training import OptimizerFactory, Training
 
 __all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES",
            "PROBE_CHUNKS", "LOADED_SECONDS"]
@@ -119,8 +120,9 @@ def _probe_step(module: Any, plan: Plan, layers: nn.Sequential, table: pd.DataFr
                       checkpoint=plan.checkpoint, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                       executor=plan.executor, batch=chunks)
     # cast: _NoUpdate is no torch.optim.Optimizer, but has all the executors call of one (zero_grad, step)
-    measured = module.run(StepJob(layers, torch.randn(chunks, 1), probe_plan, warmup=1, repeats=repeats,
-                                  optimizer=cast(OptimizerFactory, _NoUpdate))).timeline
+    training = Training.of(optimizer=cast(OptimizerFactory, _NoUpdate))
+    measured = module.run(StepJob(layers, torch.randn(chunks, 1), probe_plan, training, warmup=1,
+                                  repeats=repeats)).timeline
     return probe_plan, measured
 
 

@@ -12,7 +12,5 @@ def run(job: StepJob) -> RunResult:
     """Run the plan's schedule in one process per device (see :func:`pipexplore.executors.distributed.run_processes`)."""
     from pipexplore.executors.distributed import run_processes
 
-    plan = job.plan
-    return run_processes(job.model, job.sample, plan, target=job.target, loss_fn=job.loss_fn,
-                         optimizer=job.optimizer, run=job.run, warmup=job.warmup, repeats=job.repeats,
-                         timeout=job.timeout)
+    return run_processes(job.model, job.sample, job.plan, **job.training.keywords(), run=job.run, warmup=job.warmup,
+                         repeats=job.repeats, timeout=job.timeout)

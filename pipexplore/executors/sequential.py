@@ -21,7 +21,7 @@ or a KeyboardInterrupt stops every worker after its current action and joins the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,7 @@ from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
+from pipexplore.training import LossFn, Training
 
 __all__ = ["ScheduleExecutor", "StepResult", "PHASE"]
 
@@ -96,16 +97,17 @@ class ScheduleExecutor(ActionExecutor):
             or the path of a CSV file in torch's format (one worker a rank, ``devices[r]`` for rank
             ``r``; its stages and micro-batches must be ``len(balance)`` and ``chunks``).
         checkpoint: ``always``, ``except_last`` or ``never``.
-        loss_fn: ``loss_fn(output, target)``; default: the mean of the squared outputs.
+        loss_fn: ``loss_fn(output, target)``; default: :func:`pipexplore.training.synthetic_loss` (the
+            mean of the squared outputs).
         loss_reduction: ``'mean'`` (micro-batch losses weighted by their rows, so the gradients
             equal one step on the whole batch with a mean loss) or ``'sum'``.
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, devices: Optional[Sequence[Any]] = None,
                  chunks: int = 1, schedule: str = "1f1b", checkpoint: str = "never",
-                 loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, loss_reduction: str = "mean") -> None:
+                 loss_fn: Optional[LossFn] = None, loss_reduction: str = "mean") -> None:
         chunks = check_options(schedule, checkpoint, chunks, loss_reduction)
-        validate.optional_callable(loss_fn, "loss_fn", "loss_fn(output, target)")
+        self.loss_fn = Training.of(loss_fn).loss_fn
         verify_module(module)
         balance = verify_balance(module, balance)
         verify_skippables(module)
@@ -116,7 +118,6 @@ class ScheduleExecutor(ActionExecutor):
                                                                                    chunks)
         self.partitions = split_module(module, balance, self.stage_devices)
         self.balance, self.chunks, self.schedule, self.checkpoint = balance, chunks, schedule, checkpoint
-        self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.skip_layout = inspect_skip_layout(self.partitions)
         self._place(self.partitions)

@@ -6,12 +6,13 @@ from typing import Any, Optional
 from torch import nn
 
 from pipexplore.executors import autograd, backends, processes, threads
-from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult, StepJob, synthetic_loss
+from pipexplore.executors.base import RunResult, StepJob
 from pipexplore import background, validate
 from pipexplore.microbatch import Sample, batch_size
 from pipexplore.plan import Plan
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
-__all__ = ["RunResult", "run_step", "synthetic_loss", "executor_for"]
+__all__ = ["RunResult", "run_step", "executor_for"]
 
 
 def executor_for(model: nn.Module, plan: Plan) -> Any:
@@ -38,10 +39,11 @@ def run_step(model: nn.Module, sample: Sample, plan: Plan, *, target: Any = None
     (the ``GPipe`` module) or ``processes`` (one process per stage, ``torch.distributed.pipelining``);
     schedule ``async-backends`` serves the stages as expert backends. The user's model is never
     changed: the step runs on a deep copy placed on the plan's devices. ``loss_fn(output, target)``
-    defines the loss (default: :func:`synthetic_loss`); ``optimizer(parameters)`` makes the
-    optimizer (default: SGD, lr=0.01). ``timeout`` (seconds, executor ``processes`` only) bounds
-    the steps in the worker processes; by default :func:`pipexplore.executors.distributed.default_timeout`
-    derives it from the predicted step.
+    defines the loss (default: :func:`pipexplore.training.synthetic_loss`); ``optimizer(parameters)``
+    makes the optimizer (default: :data:`pipexplore.training.default_optimizer`, SGD with lr 0.01):
+    resolved here, once, into the :class:`~pipexplore.training.Training` every executor reads.
+    ``timeout`` (seconds, executor ``processes`` only) bounds the steps in the worker processes; by
+    default :func:`pipexplore.executors.distributed.default_timeout` derives it from the predicted step.
 
     ``result.loss`` is the first step's (at the model's weights, before any optimizer step: the
     unsplit model's loss on this batch), ``result.measured_losses`` the measured steps'. Under
@@ -56,9 +58,9 @@ def run_step(model: nn.Module, sample: Sample, plan: Plan, *, target: Any = None
     """
     # Every executor runs exactly the plan's micro-batches, or none: the same refusal for all of them.
     validate.chunks_for_batch(plan.chunks, batch_size(validate.sample(sample)))
+    training = Training.of(loss_fn, optimizer, target)
     background.wait()  # nothing is timed beside pipexplore's background imports
-    job = StepJob(model, sample, plan, target=target, loss_fn=loss_fn, optimizer=optimizer, warmup=warmup,
-                  run=run, repeats=repeats, timeout=timeout)
+    job = StepJob(model, sample, plan, training, warmup=warmup, run=run, repeats=repeats, timeout=timeout)
     executor = executor_for(model, plan)
     if timeout is not None and executor is not processes:
         raise ValueError(f"timeout={timeout!r} bounds runs in worker processes (executor='processes'); executor "

@@ -6,7 +6,7 @@ from typing import cast
 
 from torch import nn
 
-from pipexplore.executors.base import RunResult, StepJob, synthetic_loss, train_and_measure
+from pipexplore.executors.base import RunResult, StepJob, train_and_measure
 
 __all__ = ["NAME", "run"]
 
@@ -21,6 +21,6 @@ def run(job: StepJob) -> RunResult:
     model = cast(nn.Sequential, copy.deepcopy(job.model))  # cast: executor_for sends only an nn.Sequential here
     executor = ScheduleExecutor(model, plan.balance, devices=list(plan.devices[: plan.num_devices]),
                                 chunks=plan.chunks, schedule=plan.schedule, checkpoint=plan.checkpoint,
-                                loss_fn=job.loss_fn or synthetic_loss)
-    return train_and_measure(executor, plan, job.sample, job.target, job.optimizer, warmup=job.warmup, run=job.run,
+                                loss_fn=job.training.loss_fn)
+    return train_and_measure(executor, plan, job.sample, job.training, warmup=job.warmup, run=job.run,
                              repeats=job.repeats)

@@ -34,13 +34,14 @@ from torch import Tensor, fx, nn
 
 from pipexplore.cancel import check_cancelled
 from pipexplore.executors._actions import ActionExecutor, StageState, StepResult, check_options, plan_workers
-from pipexplore.executors.base import LossFn, OptimizerFactory, RunResult, StepJob, synthetic_loss, train_and_measure
+from pipexplore.executors.base import RunResult, StepJob, train_and_measure
 from pipexplore.devices import as_device
 from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.timeline.saved import tensor_bytes
 from pipexplore.schedules import SCHEDULES, is_multi_stage
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = ["NAME", "TracedExecutor", "run", "run_traced_step"]
 
@@ -78,8 +79,8 @@ class TracedExecutor(ActionExecutor):
             path of a CSV file in torch's format (its ranks' orders; ``devices``: one a rank).
         checkpoint: ``always``, ``except_last`` or ``never``: checkpointed micro-batches keep only
             their stage inputs and run forward again (same random numbers) before backward.
-        loss_fn: ``loss_fn(output, target)`` on the output as the model returns it; default: the
-            mean of the squared floating outputs.
+        loss_fn: ``loss_fn(output, target)`` on the output as the model returns it; default:
+            :func:`pipexplore.training.synthetic_loss` (the mean square of the floating outputs).
         loss_reduction: ``'mean'`` (the micro-batch losses averaged, so gradients equal one step on
             the whole batch with a mean loss) or ``'sum'``.
 
@@ -103,7 +104,7 @@ class TracedExecutor(ActionExecutor):
         self.stage_devices, self.worker_orders, self.virtual_stages = plan_workers(schedule, stages, device_list,
                                                                                    chunks)
         self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
-        self.loss_fn = loss_fn or synthetic_loss
+        self.loss_fn = Training.of(loss_fn).loss_fn
         self.loss_reduction = loss_reduction
         self.output_spec = getattr(pipe, "output_spec", None)
         modules = []
@@ -335,7 +336,8 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
     copy of the kept pipe with the model's weights as they are) — and the stages run in worker
     threads with the plan's schedule, devices and checkpointing (:class:`TracedExecutor`).
     ``sample`` is a tensor, a tuple of positional inputs or a dict of keyword inputs;
-    ``loss_fn(output, target)`` gets the output as the model returns it. With ``return_grads``,
+    ``loss_fn(output, target)`` gets the output as the model returns it (the loss, ``optimizer`` and
+    ``target`` resolved here: :meth:`pipexplore.training.Training.of`). With ``return_grads``,
     ``result.metrics['grads']`` holds the last step's gradients by ``'stage.FQN'``, taken before
     the optimizer step.
 
@@ -346,6 +348,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
     """
     from pipexplore.models.trace.pipes import traced_pipe
 
+    training = Training.of(loss_fn, optimizer, target)
     if plan.executor == "autograd":
         raise ValueError(f"the autograd executor (the GPipe module) takes an nn.Sequential, not "
                          f"{type(model).__name__}: choose executor='threads' (traced stages in this process) or "
@@ -357,7 +360,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
     pipe = traced_pipe(model, first_microbatch(sample, plan.chunks), [names[s] for s in plan.splits])
     check_cancelled()  # tracing takes a while: a run cancelled meanwhile starts no step
     executor = TracedExecutor(pipe, devices=list(plan.devices[: plan.num_devices]), chunks=plan.chunks,
-                              schedule=plan.schedule, checkpoint=plan.checkpoint, loss_fn=loss_fn or synthetic_loss)
+                              schedule=plan.schedule, checkpoint=plan.checkpoint, loss_fn=training.loss_fn)
     grads: dict[str, Tensor] = {}
 
     def keep_grads() -> None:
@@ -365,7 +368,7 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
         grads.update({name: p.grad.detach().cpu().clone() for name, p in executor.named_parameters()
                       if p.grad is not None})
 
-    measured = train_and_measure(executor, plan, sample, target, optimizer, warmup=warmup, run=run, repeats=repeats,
+    measured = train_and_measure(executor, plan, sample, training, warmup=warmup, run=run, repeats=repeats,
                                  after_backward=keep_grads if return_grads else None)
     if return_grads:
         measured.metrics["grads"] = dict(grads)
@@ -374,5 +377,5 @@ def run_traced_step(model: nn.Module, sample: Any, plan: Plan, *, target: Any = 
 
 def run(job: StepJob) -> RunResult:
     """The executor protocol (:mod:`pipexplore.executors`): :func:`run_traced_step` of ``job``."""
-    return run_traced_step(job.model, job.sample, job.plan, target=job.target, loss_fn=job.loss_fn,
-                           optimizer=job.optimizer, warmup=job.warmup, run=job.run, repeats=job.repeats)
+    return run_traced_step(job.model, job.sample, job.plan, **job.training.keywords(), warmup=job.warmup, run=job.run,
+                           repeats=job.repeats)

@@ -31,6 +31,7 @@ from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.ratios import without_autograd_ratio
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.timeline.saved import SavedBytes
+from pipexplore.training import LossFn, Training
 
 __all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs", "LONG_KIND"]
 
@@ -205,7 +206,7 @@ def _gib(n: float) -> str:
 @without_kv_cache
 def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch.device] = "cpu",
                       microbatch_rows: Optional[Sequence[int]] = None, repeats: int = 3, warmup: int = 1,
-                      granularity: str = "blocks", loss_fn: Any = None, target: Any = None,
+                      granularity: str = "blocks", loss_fn: Optional[LossFn] = None, target: Any = None,
                       cold_cache: bool = False, real_model: Optional[nn.Module] = None) -> pd.DataFrame:
     """Time each layer of ``model`` (an ``nn.Sequential``'s layers, else the candidate blocks of
     :func:`pipexplore.models.trace.candidate_modules`) on ``device``, one distinct kind at a time,
@@ -243,8 +244,8 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be at least 1 and warmup 0 or more, got repeats={repeats}, warmup={warmup}")
     largest = sizes[-1]
-    cap = capture(model, rows_of(sample, batch, largest), granularity=granularity, loss_fn=loss_fn,
-                  target=rows_of(target, batch, largest), backward=False)
+    training = Training.of(loss_fn, target=rows_of(target, batch, largest))  # (the rows captured)
+    cap = capture(model, rows_of(sample, batch, largest), training, granularity=granularity, backward=False)
     order, position, routes = layout(cap)
     kinds: dict[tuple, int] = {}
     for k in cap.order:

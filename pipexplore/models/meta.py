@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import tensors_in
 from pipexplore.models import sharded
 from pipexplore.models.hf import cache_off
@@ -39,6 +38,7 @@ from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
                                        flop_counter, on_meta, storage_key, storage_keys, tensor_bytes)
 from pipexplore.models.trace.candidates import candidate_modules
+from pipexplore.training import LossFn, Training
 
 __all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS",
            "RANK_COLUMNS"]
@@ -139,12 +139,13 @@ def without_kv_cache(function: Callable[..., Any]) -> Callable[..., Any]:
     return without
 
 
-def capture(model: nn.Module, sample: Any, *, granularity: str = "blocks", loss_fn: Any = None, target: Any = None,
+def capture(model: nn.Module, sample: Any, training: Training, *, granularity: str = "blocks",
             backward: bool = True) -> Captured:
     """Run ``model`` on ``sample`` once with every candidate (:func:`blocks_of`) hooked: each
     candidate's first call's inputs (positional and keyword), kind and output bytes, the order of
     the calls, values that skip a candidate, and every operator run outside the candidates (mask
-    building, the loss ``loss_fn(output, target)``) with the segment it runs in: -1 before the
+    building, the loss ``training.loss_fn(output, training.target)``; an output with nothing
+    floating and no loss given: the forward alone) with the segment it runs in: -1 before the
     first candidate, ``k`` after candidate ``k``. With ``backward``, the backward of that outside
     work too (each candidate's output is cut from its inside: only the outside is differentiated).
 
@@ -156,6 +157,7 @@ def capture(model: nn.Module, sample: Any, *, granularity: str = "blocks", loss_
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no child modules to count")
     args, kwargs = call_inputs(sample)
+    target = training.target
     weights = [*model.parameters(), *model.buffers()]
     if weights and all(t.is_meta for t in weights):  # a meta model takes real inputs as their shapes
         args, kwargs, target = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs, target))
@@ -224,8 +226,8 @@ def capture(model: nn.Module, sample: Any, *, granularity: str = "blocks", loss_
         with counter, recorder:
             with saved.hooks(), torch.enable_grad(), AsOnGPU():
                 output = model(*args, **kwargs)
-                if loss_fn is not None or any(t.is_floating_point() for t in tensors_in(output)):
-                    loss = (loss_fn or synthetic_loss)(output, target)
+                if training.given_loss or any(t.is_floating_point() for t in tensors_in(output)):
+                    loss = training.loss_fn(output, target)
                 else:  # nothing floating to differentiate (an integer output): the forward alone
                     loss = None
             params = [p for p in model.parameters() if p.requires_grad]
@@ -279,7 +281,7 @@ def _params(module: nn.Module) -> tuple[int, int, int]:
 
 @without_kv_cache
 def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", microbatch_rows: Optional[int] = None,
-                 loss_fn: Any = None, target: Any = None, tp: int = 1,
+                 loss_fn: Optional[LossFn] = None, target: Any = None, tp: int = 1,
                  tp_plan: Optional[dict[str, str]] = None) -> pd.DataFrame:
     """Count what each layer of ``model`` does on ``sample`` (one mini-batch as the model takes it:
     a tensor, a tuple of positional inputs or a dict of keyword inputs), without running it for
@@ -291,7 +293,7 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     What runs outside the candidates is the neighbouring rows' (as a split at the candidates puts
     it): before the first candidate (masks, position ids) the first row's, after candidate ``k``
     row ``k``'s — the loss, ``loss_fn(output, target)`` (default: the mean square of the floating
-    outputs, as :func:`pipexplore.models.trace.candidates`), the last row's.
+    outputs, :func:`pipexplore.training.synthetic_loss`, as every run and profile), the last row's.
 
     Columns (for the whole batch, in the model's dtypes): ``name``, ``type``, ``kind`` (shared by
     layers that do the same work: same class, settings, parameter and input shapes and dtypes;
@@ -319,8 +321,8 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     rows = batch if microbatch_rows is None else int(microbatch_rows)
     if not 1 <= rows <= batch:
         raise ValueError(f"microbatch_rows must lie in 1…{batch} (the sample's rows), got {microbatch_rows}")
-    cap = capture(model, rows_of(sample, batch, rows), granularity=granularity, loss_fn=loss_fn,
-                  target=rows_of(target, batch, rows))
+    training = Training.of(loss_fn, target=rows_of(target, batch, rows))  # (the rows counted)
+    cap = capture(model, rows_of(sample, batch, rows), training, granularity=granularity)
     scale = batch / rows
     notes: list[str] = []
     counts: dict[tuple, tuple[str, Count]] = {}

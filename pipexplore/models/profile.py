@@ -50,6 +50,7 @@ from pipexplore.predict import planned_optimizer
 from pipexplore.predict.profiler import backward_split, profile
 from pipexplore.predict.collectives import slowest_hop
 from pipexplore.predict.roofline import Efficiency, Group, fit_efficiency, planned_layer_costs
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = ["profile_model", "ProfileOptions", "planned_layers", "with_backward_split", "on_meta", "costed_rows"]
 
@@ -78,8 +79,9 @@ def costed_rows(batch: int, chunks: int) -> list[int]:
 def profile_model(model: nn.Module, sample: Sample, *,
                   devices: Union[Placement, Sequence[Any], None] = None, gpus_per_node: int = 8, chunks: int = 1,
                   granularity: str = "blocks", repeats: int = 3, profile_stages: bool = True,
-                  split_backward: bool = True, loss_fn: Any = None, target: Any = None, optimizer: Any = None,
-                  mixed_precision: bool = False, progress: Optional[Progress] = None, tp: int = 1,
+                  split_backward: bool = True, loss_fn: Optional[LossFn] = None, target: Any = None,
+                  optimizer: Optional[OptimizerFactory] = None, mixed_precision: bool = False,
+                  progress: Optional[Progress] = None, tp: int = 1,
                   tp_plan: Optional[dict[str, str]] = None) -> pd.DataFrame:
     """The layer table of ``model`` on ``sample`` (one row per layer or traced candidate: names,
     forward and backward seconds as ``a + b·n`` in the rows ``n`` of a micro-batch, bytes, skip
@@ -87,14 +89,16 @@ def profile_model(model: nn.Module, sample: Sample, *,
 
     ``devices``: the plan's devices (names, or a :class:`~pipexplore.devices.placement.Placement`),
     planned from the catalogue or present here; None: this machine's. ``chunks``: the micro-batches
-    the plan runs (the table is costed at that micro-batch and at the whole batch). ``optimizer``
-    (a factory of the runs' optimizer, default SGD) steps each layer's parameters (the
-    ``optimizer`` column). ``split_backward``: measure the input/weight-gradient split
-    (zero-bubble schedules run their backward as those two passes). ``profile_stages``: a traced
-    model's blocks timed as its traced stages too. ``progress(done, total)``: called as layers are
-    timed (an ``nn.Sequential``'s). ``tp``: each stage tensor-parallel over ``tp`` ranks: the costs
-    are one rank's, its collectives included (:func:`planned_layers`; here, the measured table
-    scaled to a rank's share: :func:`pipexplore.models.rank_here.rank_here`).
+    the plan runs (the table is costed at that micro-batch and at the whole batch). ``loss_fn``,
+    ``target`` and ``optimizer`` (a factory of the runs' optimizer) are resolved here, once
+    (:meth:`pipexplore.training.Training.of`), and every path profiles with them: the loss each
+    backward starts from, the optimizer stepping each layer's parameters (the ``optimizer`` column).
+    ``split_backward``: measure the input/weight-gradient split (zero-bubble schedules run their
+    backward as those two passes). ``profile_stages``: a traced model's blocks timed as its traced
+    stages too. ``progress(done, total)``: called as layers are timed (an ``nn.Sequential``'s).
+    ``tp``: each stage tensor-parallel over ``tp`` ranks: the costs are one rank's, its collectives
+    included (:func:`planned_layers`; here, the measured table scaled to a rank's share:
+    :func:`pipexplore.models.rank_here.rank_here`).
 
     Raises:
         ValueError: the sample does not fit the model (naming the layer that refused it, or the input a
@@ -106,20 +110,19 @@ def profile_model(model: nn.Module, sample: Sample, *,
         raise ValueError(refusal)
     placement = devices if isinstance(devices, Placement) else place(devices, gpus_per_node=gpus_per_node)
     chunks = validate.integer(chunks, "chunks")
+    training = Training.of(loss_fn, optimizer, target)
     if placement.planned:
         return planned_layers(model, sample, chunks=chunks, devices=placement.devices, granularity=granularity,
-                              repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer,
-                              mixed_precision=mixed_precision, tp=tp, tp_plan=tp_plan,
-                              gpus_per_node=placement.gpus_per_node)
+                              repeats=repeats, **training.keywords(), mixed_precision=mixed_precision, tp=tp,
+                              tp_plan=tp_plan, gpus_per_node=placement.gpus_per_node)
     if tp != 1:  # the whole model timed here, then one rank's share of it (:mod:`pipexplore.models.rank_here`)
         from pipexplore.models.rank_here import rank_here
 
         whole = profile_model(model, sample, devices=placement, chunks=chunks, granularity=granularity,
                               repeats=repeats, profile_stages=profile_stages, split_backward=split_backward,
-                              loss_fn=loss_fn, target=target, optimizer=optimizer, mixed_precision=mixed_precision,
-                              progress=progress)
+                              **training.keywords(), mixed_precision=mixed_precision, progress=progress)
         return rank_here(model, sample, whole, tp=tp, microbatch_rows=costed_rows(batch_size(sample), chunks)[0],
-                         tp_plan=tp_plan, loss_fn=loss_fn, target=target)
+                         tp_plan=tp_plan, loss_fn=training.loss_fn, target=training.target)
     device = placement.profiling_device
     if on_meta(model):
         if not placement.given:
@@ -131,22 +134,23 @@ def profile_model(model: nn.Module, sample: Sample, *,
                                            granularity=granularity)
     threads = stage_threads(placement.devices)
     if not isinstance(model, nn.Sequential) and step_flops(model, sample) > BLOCKWISE_STEP_FLOPS:
-        return _each_kind_once(model, sample, device=device, chunks=chunks, granularity=granularity,
-                               repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer, threads=threads)
+        return _each_kind_once(model, sample, training, device=device, chunks=chunks, granularity=granularity,
+                               repeats=repeats, threads=threads)
     if not isinstance(model, nn.Sequential):
         # on the device the first stage runs on, as a Sequential's layers are (the model as given
         # may sit on the CPU: runs move each stage to its device)
         with sharing_cores(threads):
             table = trace.candidates_in_rows(copy.deepcopy(model).to(device), to_device(sample, device), chunks=chunks,
-                                       granularity=granularity, loss_fn=loss_fn, target=to_device(target, device),
-                                       repeats=repeats, optimizer=optimizer, as_stages=profile_stages, owned=True)
+                                       granularity=granularity, loss_fn=training.loss_fn,
+                                       target=to_device(training.target, device), repeats=repeats,
+                                       optimizer=training.optimizer, as_stages=profile_stages, owned=True)
         table.attrs["threads"] = threads or torch.get_num_threads()
         return table
     profiled, layers_input = copy.deepcopy(model), cast(TensorOrTensors, sample)  # (a dict feeds traced models only)
     with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
         return profile(profiled, layers_input, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),
                        device=device, progress=progress, threads=threads, split_backward=split_backward,
-                       optimizer=optimizer)
+                       optimizer=training.optimizer)
 
 
 #: FLOPs of one training step (6 · parameters · tokens) beyond which a model that is not an
@@ -162,8 +166,8 @@ def step_flops(model: nn.Module, sample: Sample) -> float:
     return 6.0 * params * batch_size(sample) * tokens_per_sample(sample)
 
 
-def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, chunks: int, granularity: str,
-                    repeats: int, loss_fn: Any, target: Any, optimizer: Any, threads: Optional[int]) -> pd.DataFrame:
+def _each_kind_once(model: nn.Module, sample: Sample, training: Training, *, device: torch.device, chunks: int,
+                    granularity: str, repeats: int, threads: Optional[int]) -> pd.DataFrame:
     """A large model here, timed block by block with its own weights, each kind of identical block
     once (:func:`pipexplore.models.blockwise.profile_blockwise`): its kinds' inputs from one forward
     of a meta copy (random values of their shapes),
@@ -173,12 +177,12 @@ def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, c
         table = blockwise.profile_blockwise(
             meta_copy(model), opcount.on_meta(sample), device=device,
             microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats, granularity=granularity,
-            loss_fn=loss_fn, target=opcount.on_meta(target), real_model=model,
+            loss_fn=training.loss_fn, target=opcount.on_meta(training.target), real_model=model,
             cold_cache=True)  # (a step streams every block's weights: none is in cache when it runs)
         modules = dict(model.named_modules())
         from pipexplore.predict.optimizer_cost import optimizer_seconds
 
-        table["optimizer"] = optimizer_seconds([modules[str(name)] for name in table["name"]], optimizer,
+        table["optimizer"] = optimizer_seconds([modules[str(name)] for name in table["name"]], training.optimizer,
                                                repeats=repeats)
     counts = table[table["kind"] != ""].groupby("kind", sort=False)
     shared = [f"{len(rows)} × {rows['type'].iloc[0]} (spread {rows['spread'].iloc[0]:.0%})"
@@ -193,8 +197,8 @@ def _each_kind_once(model: nn.Module, sample: Sample, *, device: torch.device, c
 
 
 def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Sequence[str],
-                   granularity: str = "blocks", repeats: int = 3, loss_fn: Any = None, target: Any = None,
-                   optimizer: Any = None, mixed_precision: bool = False, tp: int = 1,
+                   granularity: str = "blocks", repeats: int = 3, loss_fn: Optional[LossFn] = None, target: Any = None,
+                   optimizer: Optional[OptimizerFactory] = None, mixed_precision: bool = False, tp: int = 1,
                    tp_plan: Optional[dict[str, str]] = None, gpus_per_node: int = 8) -> pd.DataFrame:
     """The layer table of ``model`` on planned ``devices`` (catalogue names, one kind): every
     layer's FLOPs, bytes and kernels counted on the meta device (no weights materialised, each
@@ -214,16 +218,17 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
     if len(kinds) > 1:
         raise ValueError(f"devices: a plan is costed for one kind of device, got {', '.join(kinds)}: plan each kind "
                          "in an explorer of its own")
+    training = Training.of(loss_fn, optimizer, target)
     batch = batch_size(sample)
     rows = costed_rows(batch, chunks)
     counted = count_layers(model, sample, granularity=granularity, microbatch_rows=rows[0],
-                           loss_fn=loss_fn, target=target, tp=tp, tp_plan=tp_plan)
+                           loss_fn=training.loss_fn, target=training.target, tp=tp, tp_plan=tp_plan)
     ops = counted.attrs["ops"]
     unknown = ops["flops"].isna()
     if unknown.any():  # timed by their bytes and launches only: a lower bound, said so, never zero
         ops = ops.assign(flops=ops["flops"].fillna(0.0))
-    efficiency, learnt = _learnt_efficiency(model, sample, counted, ops, kinds[0], rows, granularity=granularity,
-                                            repeats=repeats, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    efficiency, learnt = _learnt_efficiency(model, sample, counted, ops, kinds[0], rows, training,
+                                            granularity=granularity, repeats=repeats)
     group = None
     if tp > 1:
         if len(devices) < tp:
@@ -232,7 +237,7 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
     table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency,
                                 group=group)
     spec = device_spec(kinds[0])
-    table["optimizer"] = optimizer_traffic(table, optimizer=optimizer, mixed_precision=mixed_precision) / (
+    table["optimizer"] = optimizer_traffic(table, optimizer=training.optimizer, mixed_precision=mixed_precision) / (
         spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec))
     if tp > 1:  # a rank steps its shard of each layer's parameters
         whole = table["param_bytes"].to_numpy(dtype=float)
@@ -253,8 +258,8 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
 
 
 def _learnt_efficiency(model: nn.Module, sample: Sample, counted: pd.DataFrame, ops: pd.DataFrame,
-                       kind: str, rows: Sequence[int], *, granularity: str, repeats: int, loss_fn: Any, target: Any,
-                       optimizer: Any = None) -> tuple[Any, str]:
+                       kind: str, rows: Sequence[int], training: Training, *, granularity: str,
+                       repeats: int) -> tuple[Any, str]:
     """Where a device of the planned kind is here: the model's blocks timed on it one at a time, its
     caches flushed before each call (:func:`pipexplore.models.blockwise.profile_blockwise`), teach
     the roofline its efficiency, and the optimizer stepping the largest block made real there the
@@ -264,7 +269,8 @@ def _learnt_efficiency(model: nn.Module, sample: Sample, counted: pd.DataFrame, 
     if here is None:
         return None, ""
     timed = blockwise.profile_blockwise(model, sample, device=here, microbatch_rows=list(rows), repeats=repeats,
-                              granularity=granularity, loss_fn=loss_fn, target=target, cold_cache=True)
+                              granularity=granularity, loss_fn=training.loss_fn, target=training.target,
+                              cold_cache=True)
     at = float(ops.attrs["rows"])
     per_kind = pd.DataFrame({"kind": counted["kind"].to_numpy(),
                              "forward": (timed["forward_a"] + timed["forward_b"] * at).to_numpy(),
@@ -279,7 +285,7 @@ def _learnt_efficiency(model: nn.Module, sample: Sample, counted: pd.DataFrame, 
         try:  # a block, its copy, their gradients and states: where they do not fit, the default stands
             real = blockwise.materialise(largest, here)
             try:
-                bandwidth = planned_optimizer.optimizer_bandwidth(real, optimizer, spec)
+                bandwidth = planned_optimizer.optimizer_bandwidth(real, training.optimizer, spec)
                 learnt = dataclasses.replace(learnt, optimizer=min(2.0, bandwidth))
                 stepped = f", an optimizer step {learnt.optimizer_for(spec):.0%} of it"
             finally:

@@ -28,12 +28,14 @@ import pandas as pd
 from pipexplore.models.meta import count_layers
 from pipexplore.models.opcount import meta_copy, on_meta
 from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
+from pipexplore.training import LossFn
 
 __all__ = ["rank_here"]
 
 
 def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbatch_rows: Optional[int] = None,
-              tp_plan: Optional[dict[str, str]] = None, loss_fn: Any = None, target: Any = None) -> pd.DataFrame:
+              tp_plan: Optional[dict[str, str]] = None, loss_fn: Optional[LossFn] = None,
+              target: Any = None) -> pd.DataFrame:
     """``table`` (``model``'s, measured here) as one of ``tp`` tensor-parallel ranks runs it (the
     module docstring), counted at ``microbatch_rows`` rows (default: the whole batch); ``attrs["tp"]``.
 

@@ -63,7 +63,8 @@ def _known_ratio(optimizer: Any) -> Optional[float]:
 
 
 def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> float:
-    """Bytes of optimizer state per byte of parameter: 0 for the default (SGD without momentum).
+    """Bytes of optimizer state per byte of parameter: 0 for the runs' default (None:
+    :data:`pipexplore.training.default_optimizer`, SGD without momentum).
 
     ``optimizer`` is what the explorer takes (``optimizer(parameters)`` returning a
     ``torch.optim.Optimizer``). Where it is not a known ``torch.optim`` class, one step on a probe
@@ -78,8 +79,9 @@ def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> f
     Raises:
         TypeError: ``optimizer(parameters)`` does not give an optimizer.
     """
-    if optimizer is None:
-        return 0.0
+    from pipexplore.training import Training
+
+    optimizer = Training.of(optimizer=optimizer).optimizer
     known = _known_ratio(optimizer)
     if known is not None:
         return known

@@ -2,13 +2,14 @@
 
 A training step ends with the optimizer's pass over parameters, gradients and states; each stage
 steps its own (:class:`pipexplore.executors.base.StageOptimizers`), so a stage's update costs the
-sum of its layers'. :func:`optimizer_seconds` times the user's optimizer (default SGD, lr 0.01, as
-the executors make it) on copies of each layer's parameters with gradients set, so the model is
-never changed: one untimed step (a first step allocates the states: Adam's moments, SGD's
-momentum), then a few timed ones, the median kept. Layers whose parameters have the same shapes,
-dtypes and devices are timed once (a model's repeated blocks). The first ``torch.optim``
-optimizer of a process imports ``torch._dynamo`` (~1 s, see :mod:`pipexplore.executors.probe`):
-it is made before anything is timed, and paid once per process.
+sum of its layers'. :func:`optimizer_seconds` times the user's optimizer (default
+:data:`pipexplore.training.default_optimizer`, as the executors make it) on copies of each layer's
+parameters with gradients set, so the model is never changed: one untimed step (a first step
+allocates the states: Adam's moments, SGD's momentum), then a few timed ones, the median kept.
+Layers whose parameters have the same shapes, dtypes and devices are timed once (a model's
+repeated blocks). The first ``torch.optim`` optimizer of a process imports ``torch._dynamo``
+(~1 s, see :mod:`pipexplore.executors.probe`): it is made before anything is timed, and paid once
+per process.
 
 Example::
 
@@ -17,36 +18,33 @@ Example::
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from pipexplore.predict.timing import Timer
+from pipexplore.training import OptimizerFactory, Training
 
-__all__ = ["optimizer_seconds", "default_optimizer"]
-
-
-def default_optimizer(parameters: Any) -> torch.optim.Optimizer:
-    """SGD with lr 0.01: the optimizer the executors make where the user gives none."""
-    return torch.optim.SGD(parameters, lr=0.01)
+__all__ = ["optimizer_seconds"]
 
 
 def _key(params: Sequence[nn.Parameter]) -> tuple:
     return tuple((tuple(p.shape), p.dtype, str(p.device)) for p in params)
 
 
-def optimizer_seconds(modules: Sequence[nn.Module], optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+def optimizer_seconds(modules: Sequence[nn.Module], optimizer: Optional[OptimizerFactory] = None,
                       *, repeats: int = 3, same_work_once: bool = True) -> np.ndarray:
     """Seconds of one ``optimizer(parameters).step()`` over each module's trainable parameters
     (0 for a module without any), timed on copies of them with gradients set.
 
-    ``optimizer``: the factory a run uses (default :func:`default_optimizer`); ``repeats`` timed
+    ``optimizer``: the factory a run uses (default :data:`pipexplore.training.default_optimizer`,
+    resolved by :meth:`pipexplore.training.Training.of`); ``repeats`` timed
     steps after an untimed one, the median kept; ``same_work_once``: modules whose parameters have
     the same shapes, dtypes and devices share one timing.
     """
-    factory = optimizer or default_optimizer
+    factory = Training.of(optimizer=optimizer).optimizer
     known: dict[tuple, float] = {}
     out = np.zeros(len(modules))
     for k, module in enumerate(modules):
@@ -61,8 +59,7 @@ def optimizer_seconds(modules: Sequence[nn.Module], optimizer: Optional[Callable
     return out
 
 
-def _time_steps(params: Sequence[nn.Parameter], factory: Callable[[Any], torch.optim.Optimizer],
-                repeats: int) -> float:
+def _time_steps(params: Sequence[nn.Parameter], factory: OptimizerFactory, repeats: int) -> float:
     """The median seconds of ``repeats`` steps (after an untimed one) on copies of ``params``."""
     with torch.no_grad():
         copies = [nn.Parameter(p.detach().clone()) for p in params]

@@ -26,13 +26,15 @@ from torch.utils._pytree import tree_flatten
 
 from pipexplore.devices import device_spec, dtype_name
 from pipexplore.predict.roofline import Efficiency, SpecLike
+from pipexplore.training import OptimizerFactory, Training, default_optimizer
 
 __all__ = ["OPTIMIZERS", "step_passes", "optimizer_bytes", "optimizer_seconds", "optimizer_bandwidth"]
 
 
-#: The optimizers known by name: ``torch.optim`` factories as a run makes them.
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+#: The optimizers known by name: ``torch.optim`` factories as a run makes them (``"sgd"`` is the
+#: runs' default, :data:`pipexplore.training.default_optimizer`; the others are choices of their own).
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd": default_optimizer,
     "momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params),
     "adamw": lambda params: torch.optim.AdamW(params),
@@ -74,8 +76,6 @@ class _Passes(TorchDispatchMode):
 
 
 def _factory(optimizer: Any) -> Callable[[Any], Any]:
-    if optimizer is None:
-        return OPTIMIZERS["sgd"]
     if isinstance(optimizer, str):
         key = optimizer.lower().replace("_", "-")
         key = {"sgd-momentum": "momentum", "sgd+momentum": "momentum"}.get(key, key)
@@ -85,7 +85,7 @@ def _factory(optimizer: Any) -> Callable[[Any], Any]:
         return OPTIMIZERS[key]
     if isinstance(optimizer, torch.optim.Optimizer):  # an instance: the same class and settings
         return functools.partial(type(optimizer), **{k: v for k, v in optimizer.defaults.items() if k != "params"})
-    return optimizer
+    return Training.of(optimizer=optimizer).optimizer  # None: the runs' default
 
 
 def step_passes(optimizer: Any = None) -> tuple[float, float, float]:
@@ -98,7 +98,8 @@ def step_passes(optimizer: Any = None) -> tuple[float, float, float]:
     once (a kernel that reads one tensor twice counts it twice).
 
     ``optimizer``: a factory as a run takes it (``optimizer(parameters)``), a ``torch.optim``
-    class or instance, or a name of :data:`OPTIMIZERS`; ``None``: SGD (the runs' default).
+    class or instance, or a name of :data:`OPTIMIZERS`; ``None``: the runs' default
+    (:data:`pipexplore.training.default_optimizer`, SGD).
     SGD: ``(2, 1, 0)``; SGD with momentum ``(2, 1, 5)``; Adam ``(2, 3, 14)``; AdamW ``(4, 3, 14)``
     (weight decay scales the parameter first); fused Adam ``(2, 2, 4)`` (its schema marks the
     gradients mutable, for the unscaling it may do).

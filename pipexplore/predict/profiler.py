@@ -29,6 +29,7 @@ from pipexplore.predict.timing import nbytes as _bytes
 from pipexplore.predict.timing import first_rows as _rows
 from pipexplore.predict.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
 from pipexplore.skip.tracker import use_skip_tracker
+from pipexplore.training import OptimizerFactory
 
 __all__ = ["profile", "profiling_device", "backward_split", "fit_columns", "LAYER_COLUMNS", "FIT_COLUMNS"]
 
@@ -295,7 +296,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
             microbatch_rows: Optional[Sequence[int]] = None,
             progress: Optional[Callable[[int, int], None]] = None, threads: Optional[int] = None,
             same_work_once: bool = True, split_backward: bool = True,
-            optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+            optimizer: Optional[OptimizerFactory] = None,
             cold_cache: bool = False) -> pd.DataFrame:
     """Profile every layer of ``module`` on ``sample`` (one mini-batch), one layer at a time.
 
@@ -341,9 +342,10 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     work, and on the host capped by CPU time over wall time; ``spread`` is the worst
     interquartile range over the median); ``stash`` and ``pop`` (skip names) and
     ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``); ``optimizer``: seconds of
-    one step of ``optimizer(parameters)`` (the factory a run uses; default SGD, lr 0.01) over the
-    layer's parameters, timed on copies of them (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`:
-    the model is not changed), what each stage's update at the end of a step costs.
+    one step of ``optimizer(parameters)`` (the factory a run uses; default
+    :data:`pipexplore.training.default_optimizer`) over the layer's parameters, timed on copies of
+    them (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`: the model is not changed),
+    what each stage's update at the end of a step costs.
     ``table.attrs['rows']`` lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
 
     ``threads``: the intra-op threads each layer runs with (``torch.set_num_threads`` for the

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from pipexplore.cancel import check_cancelled
-from pipexplore.executors.base import RunResult, result, synthetic_loss
+from pipexplore.executors.base import RunResult, result
 from pipexplore.executors.distributed import default_timeout
 from pipexplore.microbatch import batch_size
 from pipexplore.models.trace import SCHEDULE_CLASSES
@@ -28,6 +28,7 @@ from pipexplore.runs.load import RunDirectoryError, plan_of, read_run, run_resul
 from pipexplore.runs.record import PLAN_FILE
 from pipexplore.schedules import is_csv
 from pipexplore.splits import shared_parameters
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = ["load_result", "torchrun_result", "STARTUP_SECONDS", "holds_traces"]
 
@@ -71,7 +72,7 @@ def load_result(directory: Any, layer_table: pd.DataFrame, plan: Plan, *, sample
 
 
 def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: int, target: Any = None,
-                    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, optimizer: Any = None,
+                    loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
                     run: Any = 0, warmup: int = 2, repeats: int = 10, timeout: Optional[float] = None,
                     progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None,
                     tp_plan: Optional[dict[str, str]] = None) -> RunResult:
@@ -80,10 +81,11 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does; the
     agents' start-up costs seconds and a step milliseconds, so it measures more steps than a local run).
 
-    The model, batch, ``loss_fn`` (default: the synthetic loss) and ``optimizer`` factory travel
-    by value (cloudpickle) in a hooks module written to a temporary directory, removed afterwards
-    (``keep``: a directory to record into and keep instead). ``timeout``: seconds for the whole
-    run (default: :data:`STARTUP_SECONDS` plus the processes executor's default for the steps).
+    The model, batch, ``loss_fn`` and ``optimizer`` factory (resolved here, once:
+    :meth:`pipexplore.training.Training.of`) travel by value (cloudpickle) in a hooks module written
+    to a temporary directory, removed afterwards (``keep``: a directory to record into and keep
+    instead). ``timeout``: seconds for the whole run (default: :data:`STARTUP_SECONDS` plus the
+    processes executor's default for the steps).
     ``metrics['printed_losses']`` holds each step's loss as the script printed it. A plan with a
     mesh runs all its ranks (``tp_plan``: the tensor-parallel plan it was counted with), each
     replica on the sample.
@@ -96,6 +98,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
             code) or the run timed out.
         pipexplore.cancel.Cancelled: cancelled; every agent and rank is stopped, nothing is loaded.
     """
+    training = Training.of(loss_fn, optimizer, target)
     world = plan.mesh_or_pipeline.size
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world % nodes:
         raise ValueError(f"nodes must be a whole number that divides the plan's {world} ranks, got {nodes!r}")
@@ -126,8 +129,8 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     folder = pathlib.Path(tempfile.mkdtemp(prefix="pipexplore-torchrun-"))
     record = pathlib.Path(keep) if keep is not None else folder / "run"
     try:
-        target = target if target is not None else torch.zeros(rows, 1)
-        hooks = write_hooks(folder, model, sample, target, loss_fn or synthetic_loss, optimizer)
+        hooks = write_hooks(folder, model, sample, training.schedule_target(rows), training.loss_fn,
+                            training.optimizer)
         assert hooks == HOOKS_MODULE
         script = folder / "train_pipeline.py"
         script.write_text(torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks,

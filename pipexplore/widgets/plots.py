@@ -386,7 +386,9 @@ def warm_up_runs() -> None:
     import torch
     import torch.distributed.pipelining._backward  # noqa: F401
 
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    from pipexplore.training import Training
+
+    Training.of().optimizer([torch.zeros(1, requires_grad=True)])  # the optimizer a run makes where none is given
 
 
 def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,

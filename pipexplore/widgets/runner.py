@@ -81,8 +81,8 @@ class Runner:
         with self._lock:
             with state.lock:
                 plan, number = state.plan, state.log.next_number
-            result = run_step(state.model, state.sample, plan, target=state.target, loss_fn=state.loss_fn,
-                              optimizer=state.optimizer, run=number, timeout=timeout)
+            result = run_step(state.model, state.sample, plan, **state.training.keywords(), run=number,
+                              timeout=timeout)
             row = {"run": number, **result.row()}
             if plan.schedule == "async-backends":
                 row["executor"] = "backends"
@@ -162,8 +162,8 @@ class Runner:
             with state.lock:
                 plan, number = state.plan, state.log.next_number
             state.say(f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
-            result = torchrun_result(state.model, state.sample, plan, nodes=nodes, target=state.target,
-                                     loss_fn=state.loss_fn, optimizer=state.optimizer, run=number, timeout=timeout,
+            result = torchrun_result(state.model, state.sample, plan, nodes=nodes, **state.training.keywords(),
+                                     run=number, timeout=timeout,
                                      progress=lambda text: state.say(text, busy=True),
                                      tp_plan=state.tp_plan() if plan.mesh is not None else None)
             return self._keep_loaded(result, number)

@@ -33,7 +33,6 @@ from pipexplore import validate
 from pipexplore.devices import chosen_devices, is_planned
 from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import devices_for, place
-from pipexplore.executors.base import LossFn, OptimizerFactory
 from pipexplore.export.code import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
 from pipexplore.microbatch import Sample, batch_size
@@ -52,6 +51,7 @@ from pipexplore.widgets.progress import profile_progress
 from pipexplore.widgets.run_log import RUN_COLUMNS, RunLog
 from pipexplore.widgets.runner import Runner
 from pipexplore.splits import shared_parameters
+from pipexplore.training import LossFn, OptimizerFactory, Training
 from pipexplore.widgets.stage_table import stage_table
 
 __all__ = ["ExplorerState", "Status", "RUN_COLUMNS", "UPDATABLE", "EVENTS"]
@@ -119,7 +119,9 @@ class ExplorerState:
         #: Whether the model is split by torch's tracer (not an ``nn.Sequential``: split at candidate modules).
         self.traced = _check_model(model)
         validate.sample(sample)
-        validate.training_data(target, loss_fn, optimizer, rows=batch_size(sample))
+        #: What runs and profiles train on: the loss, optimizer and target, each the user's or the
+        #: default, resolved here once (:class:`~pipexplore.training.Training`).
+        self.training = Training.of(loss_fn, optimizer, target, rows=batch_size(sample))
         #: Whether memory is counted for 16-bit training with fp32 master weights and gradients
         #: (Megatron-LM's 18 bytes a parameter with Adam), not in the parameters' own dtype.
         self.mixed_precision = validate.boolean(mixed_precision, "mixed_precision")
@@ -158,7 +160,6 @@ class ExplorerState:
 
         self.model = model  #: the user's model (runs train copies of it)
         self.sample = dict(sample) if self.traced and isinstance(sample, Mapping) else sample  #: one mini-batch
-        self.target, self.loss_fn, self.optimizer = target, loss_fn, optimizer
         # 4. The layer table: profiled as the plan will run (the input/weight-gradient split is
         # measured when a plan that splits backwards first needs it).
         #: One row per layer (or traced candidate): names, costs, sizes (see :func:`pipexplore.profile_model`).
@@ -195,9 +196,8 @@ class ExplorerState:
         tp = tp if tp is not None else self.meshes.tp
         with profile_progress() as progress:
             return profile_model(self.model, self.sample, devices=self.placement, chunks=chunks,
-                                 split_backward=split_backward, loss_fn=self.loss_fn, target=self.target,
-                                 optimizer=self.optimizer, progress=progress, tp=tp, tp_plan=self.meshes.tp_plan,
-                                 **self.profile_options)
+                                 split_backward=split_backward, **self.training.keywords(), progress=progress, tp=tp,
+                                 tp_plan=self.meshes.tp_plan, **self.profile_options)
 
     def table_for_tp(self, tp: int) -> pd.DataFrame:
         """The layer table of one tensor-parallel rank of ``tp`` (counted once per ``tp``, on meta)."""
@@ -226,7 +226,7 @@ class ExplorerState:
     def _first_notes(self, granularity: str) -> list[str]:
         """What the page first says: the loss it times, how a traced model is split, what a plan on
         catalogue devices is, and what the profile noted."""
-        notes = [] if self.loss_fn is not None else [
+        notes = [] if self.training.given_loss else [
             "No loss_fn given: runs time a synthetic loss (the mean of the squared outputs)."]
         if self.traced and not self.planned:
             notes.append(f"{type(self.model).__name__} is not an nn.Sequential: its candidate split points are its "
@@ -402,9 +402,8 @@ class ExplorerState:
         placement = replace(self.placement, devices=tuple(plan.devices[: plan.num_devices]), given=True)
         with profile_progress() as progress:
             table = profile_model(self.model, self.sample, devices=placement, chunks=plan.chunks,
-                                  split_backward=splits_backward(plan.schedule), loss_fn=self.loss_fn,
-                                  target=self.target, optimizer=self.optimizer, progress=progress,
-                                  **self.profile_options)
+                                  split_backward=splits_backward(plan.schedule), **self.training.keywords(),
+                                  progress=progress, **self.profile_options)
         if len(table) != len(self.layer_table):
             raise RuntimeError(f"the model now has {len(table)} layers, not {len(self.layer_table)}: "
                                "start a new explorer for it")
@@ -533,7 +532,7 @@ class ExplorerState:
         result = self.log.shown_result()
         return stage_table(self._plan, figures["activation_bytes_per_stage"],
                            measured=result.timeline.attrs.get("peak_memory", {}) if result is not None else {},
-                           optimizer=self.optimizer, mixed_precision=self.mixed_precision,
+                           optimizer=self.training.optimizer, mixed_precision=self.mixed_precision,
                            memory_cap=self._memory_cap)
 
     def shared_parameters(self) -> dict[str, list[int]]:

@@ -91,13 +91,13 @@ def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int
             raise ValueError("mesh='auto' searches meshes of devices from the catalogue; this explorer runs here")
         return mesh_search(state.plan, state.table_for_tp, memory_cap=cap, data_parallel=data_parallel,
                            microbatch_rows=microbatch_rows, schedules=schedules, checkpoint=checkpoint,
-                           optimizer=state.optimizer, mixed_precision=state.mixed_precision, cp=cp)
+                           optimizer=state.training.optimizer, mixed_precision=state.mixed_precision, cp=cp)
     if state.plan.mesh is not None:
         return _on_the_mesh(state, stages, chunks, schedules, checkpoint, cap)
     plan, more_gpus = _starting_plan(state, schedules)
     return search_plans(plan, memory_cap=cap, stages=stages, chunks=chunks, schedules=schedules,
                         checkpoint=checkpoint, virtual_stages=virtual_stages, devices_for=more_gpus,
-                        optimizer=state.optimizer, mixed_precision=state.mixed_precision, workers=workers)
+                        optimizer=state.training.optimizer, mixed_precision=state.mixed_precision, workers=workers)
 
 
 def apply(state: ExplorerState, row: Any) -> Plan:
@@ -163,5 +163,5 @@ def _on_the_mesh(state: ExplorerState, stages: Sequence[int], chunks: Sequence[i
     batch = int(plan.step_batch)  # type: ignore[arg-type]
     rows = sorted({batch // m for m in chunks if m >= 1 and batch % m == 0}) if chunks else []
     return mesh_search(plan, state.table_for_tp, memory_cap=cap, data_parallel=[plan.data_parallel],
-                       microbatch_rows=rows, schedules=schedules, checkpoint=checkpoint, optimizer=state.optimizer,
-                       mixed_precision=state.mixed_precision, meshes=meshes)
+                       microbatch_rows=rows, schedules=schedules, checkpoint=checkpoint,
+                       optimizer=state.training.optimizer, mixed_precision=state.mixed_precision, meshes=meshes)

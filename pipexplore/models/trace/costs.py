@@ -32,13 +32,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipexplore.loss import synthetic_loss
 from pipexplore.microbatch import tensors_in
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
 from pipexplore.models.trace.candidates import candidate_modules
 from pipexplore.models.trace.pipes import split_key, traced_pipe
 from pipexplore.models.trace.stage_inputs import first_runnable_split
+from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = [
     "candidates", "candidates_in_rows", "StageExtra", "traced_extra", "shift_to_stages", "isolated_seconds",
@@ -227,8 +227,9 @@ def _tied_aliases(blocks: list[tuple[str, nn.Module]], called: list[int]) -> set
 
 
 def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, Any]] = None,
-               granularity: str = "blocks", loss_fn: Any = None, target: Any = None, repeats: int = 3,
-               warmup: int = 1, optimizer: Any = None, time_optimizer: bool = True) -> pd.DataFrame:
+               granularity: str = "blocks", loss_fn: Optional[LossFn] = None, target: Any = None, repeats: int = 3,
+               warmup: int = 1, optimizer: Optional[OptimizerFactory] = None,
+               time_optimizer: bool = True) -> pd.DataFrame:
     """Profile each candidate split point (:func:`candidate_modules`) as it runs in the model.
 
     ``sample`` is one mini-batch as the model takes it: a tensor, a tuple of positional inputs or
@@ -237,8 +238,8 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     whole model (on a GPU, synchronised at each mark), ``warmup`` passes first (untimed:
     allocation, dispatch caches), then ``repeats`` timed ones; ``loss_fn(output, target)``
     receives the output as the model returns it (default: the mean of the squared floating
-    outputs). The passes run with a Hugging Face config's ``use_cache`` off, as training does
-    (:func:`pipexplore.models.hf.cache_off`).
+    outputs, :func:`pipexplore.training.synthetic_loss`, as every run). The passes run with a
+    Hugging Face config's ``use_cache`` off, as training does (:func:`pipexplore.models.hf.cache_off`).
 
     Returns one row per candidate in execution order, columns as :func:`pipexplore.profile`
     gives (``name`` is the module's FQN), with ``stash`` and ``pop`` naming values that skip over
@@ -247,8 +248,8 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     weights a called one holds (a tied alias: T5's ``shared``) is left out. Times are medians over
     ``repeats``. So is a candidate without parameters that forward calls more than once a pass (a
     shared dropout): it can begin no stage, and its work stays in the stage around it.
-    ``optimizer``: seconds of one step of ``optimizer(parameters)`` (the factory a run uses;
-    default SGD, lr 0.01) over the candidate's parameters, timed on copies of them
+    ``optimizer``: seconds of one step of ``optimizer(parameters)`` (the factory a run uses; default
+    :data:`pipexplore.training.default_optimizer`) over the candidate's parameters, timed on copies of them
     (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`; a tied weight counts in every
     candidate that holds it, as each stage steps its own copy); ``time_optimizer=False`` leaves it
     out (a caller that has it already).
@@ -262,6 +263,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be 0 or more passes, got {warmup}")
+    training = Training.of(loss_fn, optimizer, target)
     args, kwargs = call_inputs(sample)
     kwargs.update(mb_kwargs or {})
     blocks = candidate_modules(model, granularity)
@@ -343,7 +345,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
                 bwd_start.clear()
                 bwd_end.clear()
                 output = model(*args, **kwargs)
-                loss = (loss_fn or synthetic_loss)(output, target)
+                loss = training.loss_fn(output, training.target)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
                 if not timed:
@@ -400,7 +402,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     if time_optimizer:  # the update at the end of a step, over each candidate's parameters
         from pipexplore.predict.optimizer_cost import optimizer_seconds
 
-        table["optimizer"] = optimizer_seconds([blocks[k][1] for k in order], optimizer, repeats=repeats)
+        table["optimizer"] = optimizer_seconds([blocks[k][1] for k in order], training.optimizer, repeats=repeats)
     return table
 
 
