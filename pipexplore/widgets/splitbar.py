@@ -26,8 +26,11 @@ _CSS = """
 .pipexplore-splitbar .handle:focus .bar { stroke: var(--jp-brand-color1, #1976d2); }
 .pipexplore-splitbar .handle.removing .bar { stroke: #d62728; stroke-dasharray: 4 3; }
 .pipexplore-splitbar .handle .grip { fill: rgba(128, 128, 128, 0.18); }
+.pipexplore-splitbar .handle .hit { fill: transparent; pointer-events: all; }
+.pipexplore-splitbar.dragging .stage-total { opacity: 0.35; }
 .pipexplore-splitbar .handle.node .bar { stroke: var(--jp-brand-color1, #1976d2); stroke-width: 4; }
-.pipexplore-splitbar .node-label { font-size: 10px; fill: var(--jp-brand-color1, #1976d2); pointer-events: none; }
+.pipexplore-splitbar .node-label { font-size: 10px; fill: var(--jp-brand-color1, #1976d2); text-anchor: middle;
+  pointer-events: none; }
 .pipexplore-splitbar .group.closed { stroke-width: 2.5; }
 .pipexplore-splitbar .group-hit { fill: transparent; cursor: pointer; }
 .pipexplore-splitbar .cell.block { stroke: var(--jp-ui-font-color1, #333); stroke-width: 1; }

@@ -4,11 +4,15 @@ Starts JupyterLab on 127.0.0.1 in a 1,280-px window, opens a notebook, runs it, 
 handle with the mouse, checks the kernel's ``explorer.splits`` changed and the predicted timeline
 was redrawn (its ``data-splits``), adds a split by double-click and removes one by Delete, moves a
 focused handle with the keyboard, clicks "Run step" and waits for the runs table to grow, then
-checks the page fits and no text overlaps. Saves a screenshot in ``test-output/``.
+checks the page fits and no text overlaps. Saves a screenshot in ``test-output/``. At real sizes
+(a Llama-3-70B shape of 84 layers planned on 64 H100s, and a strip of 1,000 layers) a handle is
+grabbed by the middle of its box and dragged by mouse, the header's cards fit, and the redraw after
+the release is timed (``test-output/strip-drag-*.json``, not asserted).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -59,7 +63,9 @@ def lab_server(tmp_path_factory):
     """One JupyterLab for the module's tests, serving each test's notebook (a kernel each)."""
     yield from _serving(tmp_path_factory.mktemp("lab"), {"explorer.ipynb": NOTEBOOK_CELLS,
                                                          "many.ipynb": MANY_LAYERS_CELLS,
-                                                         "planned.ipynb": PLANNED_CELLS})
+                                                         "planned.ipynb": PLANNED_CELLS,
+                                                         "llama.ipynb": LLAMA_CELLS,
+                                                         "thousand.ipynb": THOUSAND_CELLS})
 
 
 @pytest.fixture
@@ -496,3 +502,162 @@ def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
             assert requests == [] and errors == []
         finally:
             browser.close()
+
+
+# ---- the strip at real sizes, by mouse ------------------------------------------------------------
+
+# A Llama-3-70B shape (84 layers: embedding, 80 blocks, norm, head, loss) built on the meta device and
+# planned on 64 H100s in a mesh, as notebooks/06_plan_a_cluster.ipynb builds it: its splits are node
+# boundaries (labelled over the handle), and FSDP's actions are re-timed by the kernel.
+LLAMA_CELLS = [
+    "import torch\n"
+    "from transformers import LlamaConfig, LlamaForCausalLM\n"
+    "import pipexplore\n"
+    "config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,\n"
+    "                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)\n"
+    "with torch.device('meta'):\n"
+    "    model = LlamaForCausalLM(config).to(torch.bfloat16)\n"
+    "    ids = torch.randint(0, config.vocab_size, (32, 4096))\n"
+    "ex = pipexplore.explore(model, ids, devices=['H100'] * 64, mesh={'tp': 8, 'pp': 4, 'dp': 2},\n"
+    "                        data_parallel='fsdp')\n"
+    "ex",
+    "print('SPLITS', ex.splits)",
+]
+
+# A strip of 1,000 narrow cells (under a pixel each in a 1,280-px window), re-timed in the page.
+THOUSAND_CELLS = [
+    "import torch, pipexplore\n"
+    "from torch import nn\n"
+    "torch.manual_seed(0)\n"
+    "model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(1000)])\n"
+    "ex = pipexplore.explore(model, torch.randn(8, 4), devices=['cpu'] * 4, chunks=4, calibrate=False)\n"
+    "ex",
+    "print('SPLITS', ex.splits)",
+]
+
+# Times from the release of a dragged handle (performance.now, ms): the predicted timeline's new
+# picture (its data-splits), the strip drawn again, and the first frame after the timeline's picture.
+_MEASURE_RELEASE = """
+() => {
+  const m = window.__pipexploreRelease = {};
+  const timeline = document.querySelector('.pipexplore-timeline');
+  const strip = document.querySelector('.pipexplore-splitbar svg');
+  const before = timeline.dataset.splits;
+  new MutationObserver(() => {
+    if (m.up !== undefined && m.timeline === undefined && timeline.dataset.splits !== before)
+      m.timeline = performance.now();
+  }).observe(timeline, {attributes: true, attributeFilter: ['data-splits']});
+  new MutationObserver(() => { if (m.up !== undefined && m.strip === undefined) m.strip = performance.now(); })
+    .observe(strip.querySelector('.part-handles') || strip, {childList: true});
+  document.addEventListener('pointerup', () => {
+    m.up = performance.now();
+    const frame = () => requestAnimationFrame(() => {
+      if (m.timeline === undefined) return frame();
+      setTimeout(() => { m.painted = performance.now(); }, 0);
+    });
+    frame();
+  }, {capture: true, once: true});
+}
+"""
+
+# What is drawn at the middle of a handle's box (the handle itself, if it is to be grabbed there).
+_AT_HANDLE_CENTRE = """
+handle => {
+  const r = handle.getBoundingClientRect();
+  const hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+  return {handle: hit && hit.closest('.handle') === handle,
+          tag: hit ? hit.tagName + '.' + hit.getAttribute('class') : null,
+          width: (handle.querySelector('.hit') || handle).getBoundingClientRect().width};
+}
+"""
+
+# Header cards whose content is wider than the card (a list running off it).
+_CARDS_OVERFLOWING = """
+root => [...root.querySelectorAll('.pipexplore-card')].filter(card => {
+  const box = card.getBoundingClientRect();
+  return card.scrollWidth > card.clientWidth
+    || [...card.querySelectorAll('*')].some(node => node.getBoundingClientRect().right > box.right + 0.5);
+}).map(card => card.scrollWidth + ' > ' + card.clientWidth + ': ' + card.innerText.replace(/\\s+/g, ' '))
+"""
+
+
+def _drag_by_mouse(page, index: int, layer: int, name: str) -> dict:
+    """Press the middle of split handle ``index`` (asserting the handle is what is drawn there), move the
+    mouse to the left edge of layer ``layer``'s cell, check that only the handle moved meanwhile (the
+    cells are not drawn again), release; the new split (the handle's value once drawn again) and the
+    times of the redraw after the release (ms), also written to test-output/strip-drag-<name>.json."""
+    handle = page.locator(f".pipexplore-splitbar .handle[data-index='{index}']")
+    handle.scroll_into_view_if_needed()
+    at = handle.evaluate(_AT_HANDLE_CENTRE)
+    assert at["handle"], f"the middle of the handle is {at['tag']}, not the handle"
+    assert at["width"] >= 10, at  # a hit area wide enough to grab, however narrow the cells
+    before = handle.get_attribute("aria-valuenow")
+    box, target = _box(handle), _box(page.locator(f".pipexplore-splitbar .cell[data-layer='{layer}']"))
+    page.evaluate(_MEASURE_RELEASE)
+    page.evaluate("window.__pipexploreCell = document.querySelector('.pipexplore-splitbar .cell')")
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] / 2, y)
+    page.mouse.down()
+    page.mouse.move(target["x"] + 0.25, y, steps=12)
+    moving = page.evaluate("""index => {
+      const handle = document.querySelector(`.pipexplore-splitbar .handle[data-index="${index}"]`);
+      return {cells: document.querySelector('.pipexplore-splitbar .cell') === window.__pipexploreCell,
+              moved: handle.getAttribute('transform'), value: handle.getAttribute('aria-valuenow')};
+    }""", index)
+    page.mouse.up()
+    assert moving["cells"] and moving["moved"] and moving["value"] != before, moving
+    page.wait_for_function("(m => m.timeline !== undefined && m.strip !== undefined && m.painted !== undefined)"
+                           "(window.__pipexploreRelease)", timeout=60_000)
+    release = page.evaluate("window.__pipexploreRelease")
+    times = {key: round(release[key] - release["up"], 1) for key in ("timeline", "strip", "painted")}
+    split = int(page.locator(f".pipexplore-splitbar .handle[data-index='{index}']").get_attribute("aria-valuenow"))
+    assert split == int(moving["value"]), (split, moving)
+    cells = page.locator(".pipexplore-splitbar .cell").count()
+    (OUTPUT / f"strip-drag-{name}.json").write_text(json.dumps({"cells": cells, "ms_after_release": times}) + "\n")
+    print(f"{name}: {cells} cells, ms after the release of a dragged handle: {times}")
+    return {"split": split, "ms": times}
+
+
+def _wait_for_kernel_splits(page, cell: int, splits: list) -> None:
+    """Run notebook cell ``cell`` (``print('SPLITS', ex.splits)``) again until the kernel's splits are ``splits``."""
+    run_cell(page, cell)
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell')[{cell}].innerText"
+                           f".includes('SPLITS {splits}')", timeout=60_000)
+
+
+def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server):
+    """84 layers planned on 64 H100s (FSDP): the middle of a split handle, a node boundary whose label is
+    drawn over it, is the handle; a drag by mouse moves the split in the kernel and the predicted
+    timeline is redrawn for it (by the kernel: the page does not re-time FSDP's actions); the
+    header's cards (lists of per-stage figures) fit."""
+    with _notebook_ran(lab_server, "llama.ipynb", "pipexplore-llama", ".pipexplore-timeline[data-splits]",
+                       "failure-llama.png") as page:
+        explorer = page.locator(".pipexplore-explorer").first
+        assert page.locator(".pipexplore-splitbar .cell").count() == 84
+        assert explorer.evaluate(_CARDS_OVERFLOWING) == []
+        first = [int(s) for s in page.locator(".pipexplore-timeline").get_attribute("data-splits").split(",")]
+        assert page.locator(".pipexplore-splitbar .handle.node[data-index='0'] .node-label").count() == 1
+        moved = _drag_by_mouse(page, 0, first[0] + 6, "llama-84")
+        assert moved["split"] == first[0] + 6
+        splits = [moved["split"], *first[1:]]
+        page.wait_for_selector(f".pipexplore-timeline[data-splits='{','.join(map(str, splits))}']", timeout=30_000)
+        _wait_for_kernel_splits(page, 1, splits)
+        assert explorer.evaluate(_CARDS_OVERFLOWING) == []
+        assert explorer.evaluate(_OVERLAPS) == []
+
+
+def test_a_handle_is_dragged_by_mouse_on_a_strip_of_1000_layers(lab_server):
+    """1,000 cells narrower than a pixel: a handle keeps a hit area of 10 px or more, and a drag by
+    mouse snaps to a layer boundary, commits a valid split and the page's timeline redraws it."""
+    with _notebook_ran(lab_server, "thousand.ipynb", "pipexplore-thousand", ".pipexplore-timeline[data-retime='ready']",
+                       "failure-thousand.png") as page:
+        explorer = page.locator(".pipexplore-explorer").first
+        assert page.locator(".pipexplore-splitbar .cell").count() == 1000
+        assert explorer.evaluate(_CARDS_OVERFLOWING) == []
+        first = [int(s) for s in page.locator(".pipexplore-timeline").get_attribute("data-splits").split(",")]
+        moved = _drag_by_mouse(page, 0, first[0] + 50, "layers-1000")
+        assert abs(moved["split"] - (first[0] + 50)) <= 2, (moved, first)  # the boundary nearest the pointer
+        splits = [moved["split"], *first[1:]]
+        page.wait_for_selector(f".pipexplore-timeline[data-splits='{','.join(map(str, splits))}']", timeout=30_000)
+        _wait_for_kernel_splits(page, 1, splits)
+        assert page.locator(".pipexplore-splitbar .cell[data-stage='1']").count() == splits[1] - splits[0]
