@@ -1,12 +1,13 @@
 """Plan: a layer table plus the choices a user makes (splits, devices, chunks, checkpoint, schedule).
 
 Immutable: every change gives a new Plan. From a Plan follow its stages (cost, memory), the
-skip routes that cross stages, its predicted timeline, and the code that reproduces it::
+skip routes that cross stages and its predicted timeline; the code that reproduces it is written by
+:func:`pipexplore.export.plan_code` (export sits below the plan)::
 
     plan = Plan(table, splits=[4], devices=("cpu", "cpu"), chunks=8)
     plan.balance                   # [4, n - 4]
     plan.with_splits([5]).stages   # per-stage forward/backward/bytes
-    print(plan.to_code())          # GPipe(model, balance=[...], ...)
+    print(plan_code(plan))         # GPipe(model, balance=[...], ...)
 
 ``schedule`` is a name (:data:`PLAN_SCHEDULES`) or the path of a CSV file in torch's format
 (``schedule="my.csv"``: :mod:`pipexplore.schedules.csv_files`), which must schedule the plan's stages and
@@ -27,8 +28,7 @@ from pipexplore.predict.memory import DATA_PARALLEL
 from pipexplore.predict.mesh_costs import collective_rows, mesh_layer_table
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
-from pipexplore.schedules import (TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped,
-                                  schedule_csv_text, stage_ranks)
+from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped, stage_ranks
 from pipexplore.splits import SplitError, splits_to_balance
 
 __all__ = ["Plan", "SkipRoute", "skip_routes"]
@@ -36,19 +36,9 @@ __all__ = ["Plan", "SkipRoute", "skip_routes"]
 CHECKPOINTS = ("always", "except_last", "never")
 #: Schedules a plan can name: the simulated ones, and stages served as expert backends.
 PLAN_SCHEDULES = (*SCHEDULES, "async-backends")
-#: The lines of exported code that make a traced split's stages run their generated code rather than
-#: torch.fx's interpreter (as :func:`pipexplore.models.trace.run_generated_code` does in this process;
-#: a module whose graph names a value ``self`` keeps the interpreter), after ``pipe = pipeline(...)``.
-RUN_GENERATED_CODE = (
-    "for module in pipe.split_gm.modules():  # run the stages' generated code, not torch.fx's interpreter (2x on CPU)\n"
-    '    if getattr(module, "_run_with_interpreter", None) is True and '
-    'all(n.name != "self" for n in module.graph.nodes):\n'
-    "        module._run_with_interpreter = False\n")
 #: How a step runs: ``threads`` (the schedule executor, one worker per stage), ``autograd`` (the
 #: ``GPipe`` module: one ``backward()`` call) or ``processes`` (``torch.distributed.pipelining``).
 EXECUTORS = ("threads", "autograd", "processes")
-#: The kinds of code :meth:`Plan.to_code` writes.
-CODE_KINDS = ("gpipe", "pipelining", "schedule-csv")
 
 
 #: What :attr:`Plan.rank_table` is made of: a plan changed elsewhere keeps its rank table.
@@ -183,6 +173,12 @@ class Plan:
             if tokens and tokens % (2 * mesh.cp):
                 raise ValueError(f"cp={mesh.cp}: each sequence is split into 2·cp = {2 * mesh.cp} chunks, balanced "
                                  f"across the ranks, and {tokens} tokens do not split so")
+        experts = (self.layer_table.attrs.get("experts") or {}).get("count")
+        if mesh.has_experts and not experts:
+            raise ValueError(f"mesh: ep {mesh.ep}, etp {mesh.etp}: expert parallelism folds a mixture of experts' "
+                             "routed experts, and this layer table counts none (a model whose config counts its "
+                             "experts, planned on catalogue devices, has them): leave ep and etp at 1")
+        mesh.check_experts(experts)
         if mesh.tp != counted_tp:
             raise ValueError(f"the mesh has tp={mesh.tp} but the layer table counts a rank of tp={counted_tp}: "
                              f"profile the model with tp={mesh.tp} (explore(..., mesh=...) does)")
@@ -404,66 +400,3 @@ class Plan:
         """``{layer name: 'BEGINNING'}`` for every split point (``torch.distributed.pipelining``)."""
         names = [str(n) for n in self.layer_table["name"]]
         return {names[s]: "BEGINNING" for s in self.splits}
-
-    def to_code(self, kind: str = "gpipe") -> str:
-        """Code that reproduces this plan, given ``model`` (the ``nn.Sequential``) and ``sample``.
-
-        ``gpipe``: a ``pipexplore.GPipe``; ``pipelining``: a ``torch.distributed.pipelining``
-        split of the same layers with the matching schedule class, for one process per device
-        (one per stage; the looped and interleaved schedules give each rank its stages ``rank, rank + ranks,
-        …``, zbv and dualpipev ``rank`` and ``2·ranks − 1 − rank``; a CSV schedule the stages its file
-        gives the rank, run by torch's ``_PipelineScheduleRuntime`` loading the file).
-        ``schedule-csv``: the plan's schedule in torch's CSV format, each rank's actions in the
-        order the prediction has them (a CSV schedule: its file as written); torch's
-        ``_PipelineScheduleRuntime._load_csv`` reads it, and ``schedule="that.csv"`` predicts the same.
-        """
-        if kind == "schedule-csv":
-            if self.schedule == "async-backends":
-                raise ValueError("async-backends serves the stages as expert backends, in no fixed order of actions: "
-                                 "there is no schedule to write; choose a schedule such as gpipe or 1f1b")
-            if is_csv(self.schedule):
-                return csv_schedule(self.schedule).text
-            return schedule_csv_text(self.schedule, self.num_stages, self.chunks, self.virtual_stages)
-        if kind == "gpipe":
-            devices = ", ".join(repr(d) for d in self.devices[: self.num_stages])
-            return (
-                "from pipexplore import GPipe\n\n"
-                f"# model: the nn.Sequential of {self.num_layers} layers that was explored\n"
-                f"pipe = GPipe(model, balance={self.balance}, devices=[{devices}],\n"
-                f"             chunks={self.chunks}, checkpoint={self.checkpoint!r})\n"
-            )
-        if kind == "pipelining":
-            csv_file = csv_schedule(self.schedule) if is_csv(self.schedule) else None
-            schedule_class = "_PipelineScheduleRuntime" if csv_file else {
-                **TORCH_CLASSES, "async-backends": "ScheduleGPipe"}[self.schedule]
-            spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in self.split_spec())
-            if csv_file is not None:  # the stages the file gives each rank, its order loaded by torch
-                build = (f"#   stages = [pipe.build_stage(s, device) for s in {csv_file.rank_stages}[rank]]\n"
-                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n"
-                         f"#   schedule._load_csv({self.schedule!r}, format={csv_file.format!r})\n")
-            elif is_v_shaped(self.schedule):  # two stages per rank, in a V
-                build = ("#   stages = [pipe.build_stage(s, device)\n"
-                         "#             for s in (rank, 2 * world_size - 1 - rank)]\n"
-                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
-            elif is_multi_stage(self.schedule) or self.schedule == "zero-bubble":  # a list of stages per rank
-                build = ("#   stages = [pipe.build_stage(s, device)\n"
-                         "#             for s in range(rank, pipe.num_stages, world_size)]\n"
-                         f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
-            else:
-                build = ("#   stage = pipe.build_stage(rank, device)\n"
-                         f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n")
-            imports = ("from torch.distributed.pipelining import SplitPoint, pipeline\n"
-                       f"from torch.distributed.pipelining.schedules import {schedule_class}\n" if csv_file else
-                       f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n")
-            return (
-                "import torch\n"
-                + imports + "\n"
-                f"# model: the nn.Sequential of {self.num_layers} layers; sample: one mini-batch\n"
-                + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
-                + f"chunks = {self.chunks}\n"
-                "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
-                + RUN_GENERATED_CODE +
-                "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
-                + build
-            )
-        raise ValueError(f"unknown export kind {kind!r}: 'gpipe', 'pipelining' or 'schedule-csv'")

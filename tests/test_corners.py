@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipexplore.export import plan_code
 from pipexplore.plan import Plan
 from pipexplore.predict.profiler import profile
 from pipexplore.predict.simulator import simulate
@@ -94,7 +95,7 @@ def test_a_micro_batchs_bytes_are_its_share_of_the_profiled_rows_whatever_batch_
 def test_the_pipelining_code_of_a_one_stage_plan_runs_as_is():
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
     table = pd.DataFrame({"name": ["0", "1", "2"], "forward": 1.0, "backward": 2.0})
-    code = Plan(table, chunks=2).to_code("pipelining")
+    code = plan_code(Plan(table, chunks=2), "pipelining")
     assert code.startswith("import torch\nfrom torch.distributed.pipelining import SplitPoint, pipeline, ScheduleGPipe")
     namespace = {"model": model, "sample": torch.randn(4, 3)}
     exec(code, namespace)
@@ -103,7 +104,8 @@ def test_the_pipelining_code_of_a_one_stage_plan_runs_as_is():
 
 def test_the_pipelining_code_of_an_interleaved_plan_gives_each_rank_its_stages():
     table = pd.DataFrame({"name": ["0", "1", "2", "3"], "forward": 1.0, "backward": 2.0})
-    code = Plan(table, splits=(1, 2, 3), devices=("cpu", "cpu"), chunks=2, schedule="interleaved").to_code("pipelining")
+    code = plan_code(Plan(table, splits=(1, 2, 3), devices=("cpu", "cpu"), chunks=2, schedule="interleaved"),
+                     "pipelining")
     assert "for s in range(rank, pipe.num_stages, world_size)]" in code
     assert "ScheduleInterleaved1F1B(stages, n_microbatches=chunks" in code
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from models import SleepFIW, plain_model
 from pipexplore import timeline as tl
+from pipexplore.export import plan_code
 from pipexplore.plan import PLAN_SCHEDULES, Plan
 from pipexplore.predict.simulator import simulate
 from pipexplore.schedules import MULTI_STAGE, stage_ranks
@@ -184,15 +185,15 @@ def test_plans_lay_the_stages_out_and_export_them():
     assert plan.num_devices == 2 and plan.stage_devices == ["cpu:a", "cpu:b", "cpu:b", "cpu:a"]
     assert set(plan.predicted["device"]) == {"cpu:a", "cpu:b"}
     assert {"input_grad", "weight_grad"} <= set(plan.predicted["phase"])
-    code = plan.to_code("pipelining")
+    code = plan_code(plan, "pipelining")
     assert "ScheduleZBVZeroBubble" in code and "for s in (rank, 2 * world_size - 1 - rank)" in code
     looped = plan.with_options(schedule="looped-bfs")
-    assert looped.stage_devices == ["cpu:a", "cpu:b", "cpu:a", "cpu:b"] and "ScheduleLoopedBFS" in looped.to_code(
-        "pipelining")
+    assert looped.stage_devices == ["cpu:a", "cpu:b", "cpu:a", "cpu:b"] and "ScheduleLoopedBFS" in plan_code(
+        looped, "pipelining")
     from pipexplore.export.torchrun import torchrun_script
 
     script = torchrun_script(_table(), [2, 4, 6], hooks="hooks", chunks=4, schedule="dualpipev")
-    assert "ScheduleDualPipeV(stages," in script and "return [rank, 2 * ranks - 1 - rank]  # a V" in script
+    assert "SCHEDULE_CLASS = ScheduleDualPipeV" in script and "V_SHAPED = True" in script
     assert "--nproc-per-node 2" in script
     compile(script, "train_pipeline.py", "exec")
 

@@ -15,6 +15,7 @@ from torch import nn
 from models import plain_model
 from pipexplore import timeline as tl
 from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.export import plan_code
 from pipexplore.plan import Plan
 from pipexplore.predict.simulator import simulate
 from pipexplore.schedules.csv_files import load_csv, parse_csv_text, to_csv_text, write_csv
@@ -171,13 +172,13 @@ def test_the_plans_schedule_exported_as_csv_is_read_by_torch(tmp_path, schedule)
     multi = schedule in schedules.MULTI_STAGE
     plan = Plan(_table(), splits=(2, 4, 6), devices=("cpu",) * (2 if multi else 4), chunks=4, schedule=schedule,
                 executor="threads")
-    text = plan.to_code("schedule-csv")
+    text = plan_code(plan, "schedule-csv")
     path = _write(tmp_path, text, f"{schedule}.csv")
     read, _ = _torch_reads(path, plan.num_devices, 4, 4)
     assert read == [[f"{s}{k}{i}" for s, k, i in order] for order in worker_orders(schedule, 4, 4, 2 if multi else 1)]
     again = plan.with_options(schedule=path)
     assert again.num_devices == plan.num_devices and again.stage_devices == plan.stage_devices
-    assert again.to_code("schedule-csv") == text  # a CSV plan exports its file as written
+    assert plan_code(again, "schedule-csv") == text  # a CSV plan exports its file as written
 
 
 def test_torchs_lowered_schedule_with_its_sends_and_receives_is_read_and_kept(tmp_path):
@@ -224,7 +225,7 @@ def test_a_csv_written_from_1f1b_predicts_the_1f1b_timeline(tmp_path):
     table = _table()
     plan = Plan(table, splits=(2, 4, 6), devices=("cpu:0", "cpu:1", "cpu:2", "cpu:3"), chunks=8, schedule="1f1b",
                 executor="threads")
-    path = _write(tmp_path, plan.to_code("schedule-csv"), "1f1b.csv")
+    path = _write(tmp_path, plan_code(plan, "schedule-csv"), "1f1b.csv")
     from_file = plan.with_options(schedule=path)
     pd.testing.assert_frame_equal(_timeline(from_file.predict()), _timeline(plan.predict()))
     options = dict(chunks=8, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], executor="threads", per_microbatch=True)
@@ -236,7 +237,7 @@ def test_a_csv_written_from_zbv_predicts_the_zbv_timeline_on_its_ranks(tmp_path)
     table = _table()
     table["input_grad_ratio"], table["weight_grad_ratio"] = 0.5, 0.5
     plan = Plan(table, splits=(2, 4, 6), devices=("cpu:a", "cpu:b"), chunks=4, schedule="zbv", executor="threads")
-    path = _write(tmp_path, plan.to_code("schedule-csv"), "zbv.csv")
+    path = _write(tmp_path, plan_code(plan, "schedule-csv"), "zbv.csv")
     from_file = plan.with_options(schedule=path)
     assert schedules.is_multi_stage(path) and schedules.splits_backward(path)
     pd.testing.assert_frame_equal(_timeline(from_file.predict()), _timeline(plan.predict()))
@@ -325,7 +326,8 @@ def test_the_explorer_takes_a_csv_schedule_and_exports_it(tmp_path):
     assert len(plan.predicted) and state.export("schedule-csv") == open(path).read()
     assert "_PipelineScheduleRuntime(stages," in state.export("pipelining")
     script = state.export("torchrun", hooks="my_hooks")
-    assert "load_schedule_csv(schedule)" in script and "STAGES_OF_RANK = [[0, 3], [1, 2]]" in script
+    assert "_load_schedule_csv(schedule, SCHEDULE_CSV, str(SCHEDULE_CSV_FORMAT))" in script
+    assert "STAGES_OF_RANK = [[0, 3], [1, 2]]" in script
     compile(script, "train_pipeline.py", "exec")
     assert state.runner.run()["loss"] > 0
     with pytest.raises(ValueError, match="does not fit the plan: expected 2 micro-batches"):

@@ -255,7 +255,7 @@ def test_apply_takes_a_mapping_of_some_plan_columns_and_keeps_the_rest():
 def test_unknown_kinds_name_every_known_one():
     state = _state()
     with pytest.raises(ValueError, match=r"unknown export kind 'deepspeed': 'gpipe', 'pipelining', 'torchrun', "
-                                         r"'schedule-csv', 'megatron' or 'torchtitan'"):
+                                         r"'schedule-csv', 'megatron', 'torchtitan', 'chrome-trace' or 'html'"):
         state.export("deepspeed")
     with pytest.raises(ValueError, match="unknown executor 'mpi': choose one of threads, autograd, processes, torchrun"):
         state.runner.run(executor="mpi")

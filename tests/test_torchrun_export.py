@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipexplore.export.torchrun import CHECKPOINT_SOURCE, GRAPH_DEVICES_SOURCE, torchrun_script
+from pipexplore.export.script_parts import checkpoint_stage, place_graph_devices
+from pipexplore.export.torchrun import torchrun_script
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -30,10 +31,8 @@ def _step(mode: str, module: nn.Module, batch: torch.Tensor, chunks: int = 4) ->
     """One step of ``chunks`` micro-batches through a stage whose module is a copy of ``module``,
     checkpointed by the script's own function, as torch's stage calls it: a forward without
     autograd first (as shape inference may), then every forward, then every backward."""
-    namespace = {"torch": torch}
-    exec(CHECKPOINT_SOURCE, namespace)  # noqa: S102 - the exported script's function, as it stands there
     stage = types.SimpleNamespace(submod=copy.deepcopy(module))
-    namespace["checkpoint_stage"](stage, chunks, mode)
+    checkpoint_stage(stage, chunks, mode)  # the exported script's function (its source is the script's)
     with torch.no_grad():
         stage.submod(batch[:1])
     outputs = [stage.submod(part) for part in batch.chunk(chunks)]
@@ -181,16 +180,14 @@ def test_a_device_the_trace_burned_in_positionally_is_moved_to_the_ranks():
     buffer went back to the traced device at every forward."""
     from torch.distributed.pipelining import pipeline
 
-    namespace = {"torch": torch}
-    exec(GRAPH_DEVICES_SOURCE, namespace)  # noqa: S102 - the exported script's function, as it stands there
     stage = pipeline(_Rotary(), mb_args=(torch.randn(2, 4),), split_spec={}).get_stage_module(0)
     assert _devices_in(stage) == {"cpu"}
     with pytest.raises(RuntimeError, match="meta"):
         stage.to("meta")(torch.empty(2, 4, device="meta"))
-    namespace["place_graph_devices"](stage, torch.device("cpu"), torch.device("meta"))
+    place_graph_devices(stage, torch.device("cpu"), torch.device("meta"))  # the exported script's function
     assert _devices_in(stage) == {"meta"}
     assert stage(torch.empty(2, 4, device="meta")).device.type == "meta"
-    namespace["place_graph_devices"](stage, torch.device("meta"), torch.device("meta"))  # nothing to move
+    place_graph_devices(stage, torch.device("meta"), torch.device("meta"))  # nothing to move
     assert _devices_in(stage) == {"meta"}
 
 

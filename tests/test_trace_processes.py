@@ -70,7 +70,7 @@ def test_exported_torchrun_script_names_the_split_for_torchtitan_and_compiles():
     script = torchrun_script(table, [3], hooks="tiny_transformer", chunks=4, schedule="1f1b", device="cpu")
     assert ("MODULE_FQNS_PER_MODEL_PART = [['embed', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'head']]"
             in script)
-    assert "SPLIT_POINTS = ['layers.2']" in script and "Schedule1F1B(" in script
+    assert "SPLIT_POINTS = ['layers.2']" in script and "SCHEDULE_CLASS = Schedule1F1B" in script
     compile(script, "train_pipeline.py", "exec")
 
 

@@ -1,61 +1,134 @@
-"""The code that reproduces a plan: a ``GPipe(...)``, a ``torch.distributed.pipelining`` split spec and
-schedule, a standalone ``torchrun`` script, or the schedule as torch's CSV file.
+"""The code that reproduces a plan, one writer a kind (:mod:`pipexplore.export.registry` names them):
+a ``GPipe(...)``, a ``torch.distributed.pipelining`` split spec and schedule, the schedule as torch's
+CSV file, the standalone ``torchrun`` script, Megatron-LM's arguments and torchtitan's command.
+
+Each writer takes the plan and the options of :func:`pipexplore.export.registry.plan_code`, reads
+those it needs and leaves the others.
 
 Example::
 
-    print(plan_code(plan, "torchrun", hooks="train_hooks"))     # python -m torch.distributed.run ... it
+    print(gpipe_code(plan))                          # pipe = GPipe(model, balance=[...], ...)
+    print(torchrun_code(plan, hooks="train_hooks"))  # python -m torch.distributed.run ... it
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping, Optional
 
 from pipexplore.export.megatron import megatron_arguments
 from pipexplore.export.torchrun import torchrun_script
 from pipexplore.export.torchtitan import torchtitan_command
-from pipexplore.plan import CODE_KINDS, Plan
+from pipexplore.models.trace.split import run_generated_code
+from pipexplore.plan import Plan
+from pipexplore.schedules import TORCH_CLASSES, csv_schedule, is_csv, is_multi_stage, is_v_shaped, schedule_csv_text
 
-__all__ = ["plan_code", "EXPORT_KINDS", "mesh_options"]
-
-#: What a plan exports as.
-EXPORT_KINDS = ("gpipe", "pipelining", "torchrun", "schedule-csv", "megatron", "torchtitan")
+__all__ = ["gpipe_code", "pipelining_code", "schedule_csv_code", "torchrun_code", "megatron_code", "torchtitan_code",
+           "mesh_options"]
 
 
-def plan_code(plan: Plan, kind: str = "gpipe", *, traced: bool = False, model_name: str = "the model",
-              hooks: str = "train_hooks", steps: int = 1, config: Any = None,
-              tp_plan: Optional[Mapping[str, str]] = None) -> str:
-    """Code that reproduces ``plan``'s split: ``'gpipe'`` (a ``GPipe(...)``, ``nn.Sequential`` models),
-    ``'pipelining'`` (a ``torch.distributed.pipelining`` split spec and schedule), ``'torchrun'`` (a
-    standalone script importing ``build_model()``, ``get_batch()`` and ``loss_fn()`` from the ``hooks``
-    module, running ``steps`` steps) or ``'schedule-csv'`` (the plan's schedule in torch's CSV format,
-    the text of a file for ``schedule="my.csv"`` or torch's ``_load_csv``). ``traced``: the model is
-    not an ``nn.Sequential`` (it is split by torch's tracer), named ``model_name`` in a refusal.
-    A plan with a mesh exports as ``'torchrun'`` (the whole mesh: :func:`pipexplore.export.torchrun.torchrun_script`,
-    its tensor parallelism by ``tp_plan``, the plan the explorer counted), ``'megatron'`` or
-    ``'schedule-csv'``; the others write pipeline ranks only and refuse it.
-
-    Raises:
-        ValueError: a kind this model cannot export, or an unknown kind (the kinds named).
-    """
-    if kind == "megatron":  # the whole mesh, as Megatron-LM's arguments (the model's shape from ``config``)
-        return megatron_arguments(plan, config=config)
-    if kind == "torchtitan":  # the whole mesh, as torchtitan's trainer command (its model from ``config``)
-        return torchtitan_command(plan, config=config)
+def _pipeline_ranks_only(plan: Plan, kind: str) -> None:
+    """Refuse to write ``kind`` (pipeline ranks only) for a plan whose mesh would be dropped."""
     mesh = plan.mesh
-    if mesh is not None and kind not in ("schedule-csv", "torchrun") and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
+    if mesh is not None and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
         raise ValueError(f"the plan's mesh ({mesh.describe()}) is planned, but the {kind!r} "
                          "export writes pipeline ranks only: its tensor and data parallelism would be dropped. Export "
                          "the pipeline of a mesh with tp=1 and dp=1, or 'schedule-csv' for its schedule")
-    if kind == "torchrun":
-        return torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
-                               schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",
-                               devices=plan.num_devices, device=plan.device_type,
-                               checkpoint=plan.export_checkpoint, **mesh_options(plan, tp_plan))
-    if kind == "gpipe" and traced:
+
+
+def gpipe_code(plan: Plan, *, traced: bool = False, model_name: str = "the model", **_: Any) -> str:
+    """A ``pipexplore.GPipe`` of the plan, given ``model`` (the ``nn.Sequential``). ``traced``: the
+    model is not an ``nn.Sequential`` (it is split by torch's tracer), named ``model_name`` in the
+    refusal."""
+    _pipeline_ranks_only(plan, "gpipe")
+    if traced:
         raise ValueError(f"GPipe takes an nn.Sequential; {model_name} exports as 'pipelining' or 'torchrun'")
-    if kind not in CODE_KINDS:
-        known = ", ".join(map(repr, EXPORT_KINDS[:-1])) + f" or {EXPORT_KINDS[-1]!r}"
-        raise ValueError(f"unknown export kind {kind!r}: {known}")
-    return plan.to_code(kind)
+    devices = ", ".join(repr(d) for d in plan.devices[: plan.num_stages])
+    return (
+        "from pipexplore import GPipe\n\n"
+        f"# model: the nn.Sequential of {plan.num_layers} layers that was explored\n"
+        f"pipe = GPipe(model, balance={plan.balance}, devices=[{devices}],\n"
+        f"             chunks={plan.chunks}, checkpoint={plan.checkpoint!r})\n"
+    )
+
+
+def pipelining_code(plan: Plan, **_: Any) -> str:
+    """A ``torch.distributed.pipelining`` split of the plan's layers, given ``model`` and ``sample``,
+    with the matching schedule class, for one process per device (one per stage; the looped and
+    interleaved schedules give each rank its stages ``rank, rank + ranks, …``, zbv and dualpipev
+    ``rank`` and ``2·ranks − 1 − rank``; a CSV schedule the stages its file gives the rank, run by
+    torch's ``_PipelineScheduleRuntime`` loading the file). Its stages run their generated code
+    (:func:`pipexplore.models.trace.split.run_generated_code`, whose source it holds)."""
+    _pipeline_ranks_only(plan, "pipelining")
+    csv_file = csv_schedule(plan.schedule) if is_csv(plan.schedule) else None
+    schedule_class = "_PipelineScheduleRuntime" if csv_file else {
+        **TORCH_CLASSES, "async-backends": "ScheduleGPipe"}[plan.schedule]
+    spec = ",\n    ".join(f"{name!r}: SplitPoint.BEGINNING" for name in plan.split_spec())
+    if csv_file is not None:  # the stages the file gives each rank, its order loaded by torch
+        build = (f"#   stages = [pipe.build_stage(s, device) for s in {csv_file.rank_stages}[rank]]\n"
+                 f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n"
+                 f"#   schedule._load_csv({plan.schedule!r}, format={csv_file.format!r})\n")
+    elif is_v_shaped(plan.schedule):  # two stages per rank, in a V
+        build = ("#   stages = [pipe.build_stage(s, device)\n"
+                 "#             for s in (rank, 2 * world_size - 1 - rank)]\n"
+                 f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
+    elif is_multi_stage(plan.schedule) or plan.schedule == "zero-bubble":  # a list of stages per rank
+        build = ("#   stages = [pipe.build_stage(s, device)\n"
+                 "#             for s in range(rank, pipe.num_stages, world_size)]\n"
+                 f"#   schedule = {schedule_class}(stages, n_microbatches=chunks, loss_fn=loss_fn)\n")
+    else:
+        build = ("#   stage = pipe.build_stage(rank, device)\n"
+                 f"#   schedule = {schedule_class}(stage, n_microbatches=chunks, loss_fn=loss_fn)\n")
+    imports = ("from torch.distributed.pipelining import SplitPoint, pipeline\n"
+               f"from torch.distributed.pipelining.schedules import {schedule_class}\n" if csv_file else
+               f"from torch.distributed.pipelining import SplitPoint, pipeline, {schedule_class}\n")
+    return (
+        "import torch\n"
+        + imports + "from torch import nn\n\n\n"
+        + inspect.getsource(run_generated_code) + "\n\n"
+        f"# model: the nn.Sequential of {plan.num_layers} layers; sample: one mini-batch\n"
+        + (f"split_spec = {{\n    {spec}\n}}\n" if spec else "split_spec = {}  # one stage\n")
+        + f"chunks = {plan.chunks}\n"
+        "pipe = pipeline(model, mb_args=(sample.chunk(chunks)[0],), split_spec=split_spec)\n"
+        "run_generated_code(pipe.split_gm)  # the stages' generated code, not torch.fx's interpreter (2x on CPU)\n"
+        "# Under torchrun, rank r builds its stage(s) and runs the schedule:\n"
+        + build
+    )
+
+
+def schedule_csv_code(plan: Plan, **_: Any) -> str:
+    """The plan's schedule in torch's CSV format, each rank's actions in the order the prediction
+    has them (a CSV schedule: its file as written); torch's ``_PipelineScheduleRuntime._load_csv``
+    reads it, and ``schedule="that.csv"`` predicts the same. A mesh's is its pipeline's."""
+    if plan.schedule == "async-backends":
+        raise ValueError("async-backends serves the stages as expert backends, in no fixed order of actions: "
+                         "there is no schedule to write; choose a schedule such as gpipe or 1f1b")
+    if is_csv(plan.schedule):
+        return csv_schedule(plan.schedule).text
+    return schedule_csv_text(plan.schedule, plan.num_stages, plan.chunks, plan.virtual_stages)
+
+
+def torchrun_code(plan: Plan, *, hooks: str = "train_hooks", steps: int = 1,
+                  tp_plan: Optional[Mapping[str, str]] = None, **_: Any) -> str:
+    """The standalone ``torchrun`` script of the plan (:func:`pipexplore.export.torchrun.torchrun_script`),
+    importing ``build_model()``, ``get_batch()`` and ``loss_fn()`` from the ``hooks`` module and
+    running ``steps`` steps; a plan with a mesh runs the whole mesh, its tensor parallelism by
+    ``tp_plan`` (the plan the explorer counted)."""
+    return torchrun_script(plan.layer_table, list(plan.splits), hooks=hooks, chunks=plan.chunks, steps=steps,
+                           schedule=plan.schedule if plan.schedule != "async-backends" else "gpipe",
+                           devices=plan.num_devices, device=plan.device_type,
+                           checkpoint=plan.export_checkpoint, **mesh_options(plan, tp_plan))
+
+
+def megatron_code(plan: Plan, *, config: Any = None, **_: Any) -> str:
+    """The whole mesh as Megatron-LM's arguments, the model's shape from ``config``
+    (:func:`pipexplore.export.megatron.megatron_arguments`)."""
+    return megatron_arguments(plan, config=config)
+
+
+def torchtitan_code(plan: Plan, *, config: Any = None, **_: Any) -> str:
+    """The whole mesh as torchtitan's trainer command, its model from ``config``
+    (:func:`pipexplore.export.torchtitan.torchtitan_command`)."""
+    return torchtitan_command(plan, config=config)
 
 
 def mesh_options(plan: Plan, tp_plan: Optional[Mapping[str, str]]) -> dict[str, Any]:

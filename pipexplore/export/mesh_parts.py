@@ -2,7 +2,7 @@
 mesh, tensor parallelism on a stage, its data parallelism, and a stage cut from the model by its
 modules where tensor parallelism needs real modules.
 
-The functions here are the script's own (it holds their source: :data:`MESH_SOURCE`), and are
+The functions here are the script's own (it holds their source: :data:`SCRIPT_FUNCTIONS`), and are
 imported by the tests as they stand. They use torch only.
 
 - :func:`make_mesh`: torch's ``init_device_mesh`` with dimensions ``pp``, ``dp``, ``tp`` (the
@@ -35,7 +35,7 @@ from torch import nn
 from pipexplore.models.sharded import STYLES, _pattern, _torch_style, style_of
 
 __all__ = ["make_mesh", "cut_stage", "tensor_parallel", "data_parallel", "reduce_gradients", "zero1_optimizer",
-           "full_state", "CUT_FAMILIES", "MESH_SOURCE"]
+           "full_state", "CUT_FAMILIES", "SCRIPT_CONSTANTS", "SCRIPT_FUNCTIONS"]
 
 #: Causal LMs :func:`cut_stage` cuts by their modules (a decoder that takes ``inputs_embeds`` as they are).
 CUT_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -194,9 +194,8 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
-#: The source the exported script of a mesh holds (:func:`full_state` every script holds).
-_IMPORTS = "import inspect\nimport re\nfrom typing import Any, Mapping, Optional, Sequence\n\n"
-MESH_SOURCE = _IMPORTS + f"CUT_FAMILIES = {CUT_FAMILIES!r}\n\n\n" + "\n\n".join(inspect.getsource(f) for f in (
-    make_mesh, PassThrough, cut_stage)) + f"\n\nSTYLES = {STYLES!r}\n\n\n" + "\n\n".join(
-    inspect.getsource(f) for f in (_pattern, style_of, _torch_style, tensor_parallel, data_parallel, _local,
-                                   reduce_gradients, _LocalShards, zero1_optimizer))
+#: What the exported script of a mesh holds beside its own functions: these constants, and the source
+#: of these functions, in this order (:func:`full_state` every script holds).
+SCRIPT_CONSTANTS = {"CUT_FAMILIES": CUT_FAMILIES, "STYLES": STYLES}
+SCRIPT_FUNCTIONS = (make_mesh, PassThrough, cut_stage, _pattern, style_of, _torch_style, tensor_parallel, data_parallel,
+                    _local, reduce_gradients, _LocalShards, zero1_optimizer)

@@ -11,8 +11,8 @@ it traces or profiles, and puts them back after, so the user's model keeps its c
         pipe = pipeline(model, ...)
     cache_note(model)               # the explorer's note, '' when no config has use_cache=True
 
-The exported torchrun script builds its own model and turns the cache off with
-:data:`EXPORT_SOURCE`, a copy of this logic that needs no pipexplore.
+The exported torchrun script builds its own model and turns the cache off for good with its own
+:func:`pipexplore.export.script_parts.without_kv_cache`, which needs no pipexplore.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from torch import nn
 
-__all__ = ["cached_configs", "cache_off", "cache_note", "input_refusal", "EXPORT_SOURCE"]
+__all__ = ["cached_configs", "cache_off", "cache_note", "input_refusal"]
 
 
 def cached_configs(model: nn.Module) -> list[tuple[str, Any]]:
@@ -92,16 +92,3 @@ def input_refusal(model: nn.Module, sample: Any) -> str:
         return (f"{name} takes images: pixel_values of shape (batch, {channels}, {size}, {size}), floating; "
                 f"the sample is a {str(first.dtype).replace('torch.', '')} tensor of shape {tuple(first.shape)}")
     return ""
-
-
-#: The exported script's own copy of :func:`cache_off` (it imports no pipexplore): the model it
-#: builds is its own, so the cache is turned off for good.
-EXPORT_SOURCE = '''def without_kv_cache(model):
-    """Training never uses the KV cache: a Hugging Face config's use_cache=True would make the
-    model return a DynamicCache, which the tracer cannot split. Turn it off on every config."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-    return model
-'''

@@ -308,9 +308,17 @@ class Explorer:
 
     # ---- export ---------------------------------------------------------------------------
     def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
-        """Code that reproduces the current split: ``'gpipe'``, ``'pipelining'`` or ``'torchrun'``; or
-        ``'schedule-csv'``, the plan's schedule in torch's CSV format (``schedule="that.csv"`` reads it)."""
-        return self.state.export(kind, hooks=hooks, steps=steps)
+        """The current split exported as ``kind``, one of :data:`pipexplore.export.registry.KINDS` (the
+        page's export menu): code that reproduces it (``'gpipe'``, ``'pipelining'``, ``'torchrun'``: a
+        script importing ``build_model``, ``get_batch`` and ``loss_fn`` from the ``hooks`` module, running
+        ``steps`` steps), ``'schedule-csv'`` (the plan's schedule in torch's CSV format:
+        ``schedule="that.csv"`` reads it), ``'megatron'``, ``'torchtitan'``, ``'chrome-trace'`` (the shown
+        run, or the predicted step) or ``'html'`` (the page's report, as :meth:`to_html` writes it).
+
+        Raises:
+            ValueError: an unknown kind (the known ones named), or one this plan or model cannot export.
+        """
+        return self.state.export(kind, hooks=hooks, steps=steps, report=self.view.report_html)
 
     @property
     def module_fqns_per_model_part(self) -> list[list[str]]:

@@ -8,6 +8,7 @@ import json
 import pathlib
 from typing import TYPE_CHECKING, Any, Union
 
+from pipexplore.export.registry import KINDS
 from pipexplore.microbatch import batch_size
 from pipexplore.widgets.header import plan_difference, plan_text, short_plan_text
 from pipexplore.widgets.plots import TimelineView
@@ -153,16 +154,15 @@ def report_html(state: "ExplorerState", strip_view: str = "time") -> str:
         parts += ["<h2>residuals</h2>", _widget_html("residuals", "pipexplore-residuals-figure", {"grid": grid})]
     runs = state.runs
     parts += ["<h2>runs</h2>", runs_html(runs, shown_run=state.log.run_number(result), uuid="pipexplore-report-runs")]
-    kinds = [("pipelining", "torch.distributed.pipelining"),
-             ("torchrun", f"torchrun --standalone --nproc-per-node {plan.num_devices}")]
-    if not state.traced:
-        kinds.insert(0, ("gpipe", "GPipe"))
-    for kind, title in kinds:
+    for kind in (KINDS[name] for name in ("gpipe", "pipelining", "torchrun")):
+        if state.traced and not kind.traced:
+            continue
         try:
-            code = state.export(kind)
+            code = state.export(kind.name)
         except Exception as exc:  # a kind this model cannot export: say why instead
             code = f"# {type(exc).__name__}: {exc}"
-        parts.append(_code_block(f"export: {title}", code, f"pipexplore-code-{kind}"))
+        title = kind.title.format(ranks=plan.mesh_or_pipeline.size, shown="")
+        parts.append(_code_block(f"export: {title}", code, f"pipexplore-code-{kind.name}"))
     parts += ["</div>", f"<script>{_COPY_SCRIPT}{_LOADER}</script>", "</body></html>"]
     return "".join(parts)
 

@@ -33,7 +33,7 @@ from pipexplore import validate
 from pipexplore.devices import chosen_devices, is_planned
 from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import devices_for, place
-from pipexplore.export.code import plan_code
+from pipexplore.export.registry import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
 from pipexplore.microbatch import Sample, batch_size
 from pipexplore.models.hf import cache_note
@@ -539,10 +539,15 @@ class ExplorerState:
         """Parameters used by blocks of more than one stage (tied weights), with those stages."""
         return shared_parameters(self.layer_table, self._plan.splits)
 
-    def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1) -> str:
-        """Code that reproduces the current split (:func:`pipexplore.export.code.plan_code`)."""
+    def export(self, kind: str = "gpipe", *, hooks: str = "train_hooks", steps: int = 1, **options: Any) -> str:
+        """The current plan exported as ``kind``, one of :data:`pipexplore.export.registry.KINDS`
+        (:func:`pipexplore.export.registry.plan_code`, given this model's options; the Chrome trace
+        of the shown run, or of the predicted step where none is shown). ``options``: more of
+        ``plan_code``'s (the page's ``report``)."""
+        result = self.log.shown_result()
         return plan_code(self._plan, kind, traced=self.traced, model_name=type(self.model).__name__, hooks=hooks,
-                         steps=steps, config=getattr(self.model, "config", None), tp_plan=self.tp_plan())
+                         steps=steps, config=getattr(self.model, "config", None), tp_plan=self.tp_plan(),
+                         timeline=result.timeline if result is not None else None, **options)
 
     def tp_plan(self) -> dict[str, str]:
         """The tensor-parallel plan the mesh is counted with: the one given, else the model's own."""

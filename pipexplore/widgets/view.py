@@ -97,6 +97,12 @@ class ExplorerView:
 
         return write_report(self.state, path, strip_view=self.stages.w_view.value)
 
+    def report_html(self) -> str:
+        """The page's HTML report (what :meth:`write_report` writes), its strip as the page shows it."""
+        from pipexplore.widgets.report import report_html
+
+        return report_html(self.state, strip_view=self.stages.w_view.value)
+
     def static_html(self) -> str:
         """The page as static HTML (no JavaScript): header, strip, stage view, predicted and
         measured timelines on one scale, runs. What a notebook keeps for viewers without a kernel."""

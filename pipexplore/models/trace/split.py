@@ -9,7 +9,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import logging
 import warnings
@@ -155,8 +154,8 @@ def run_generated_code(module: nn.Module) -> int:
     1.58 ms interpreted, 0.78 ms generated, 0.69 ms as the ``nn.Sequential`` itself. Returns how
     many modules were switched (none under a torch without the switch). A module whose graph
     names a value ``self`` (a child called ``self``, as in BERT's attention) keeps the
-    interpreter: in the generated code that name would hide the module itself. Exported code does
-    the same with :data:`pipexplore.plan.RUN_GENERATED_CODE`."""
+    interpreter: in the generated code that name would hide the module itself. Exported code holds
+    this function's source and runs it (the torchrun script, the pipelining code)."""
     switched = 0
     for submodule in module.modules():
         if getattr(submodule, "_run_with_interpreter", None) is True and \
@@ -200,9 +199,6 @@ def contiguous_boundaries(split_gm) -> int:
             stage.recompile()
     return changed
 
-
-#: The source of :func:`contiguous_boundaries`, which the exported torchrun script holds too.
-CONTIGUOUS_SOURCE = inspect.getsource(contiguous_boundaries)
 
 
 def skip_routes_of(pipe: Any) -> list[tuple[int, int]]:
