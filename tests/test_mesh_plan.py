@@ -1,5 +1,5 @@
 """A plan with a mesh: each pipeline rank a tensor-parallel rank's costs, the data-parallel
-collectives and FSDP's gathers where torch's runtime puts them (ring costs over the group's links),
+collectives and FSDP's gathers where torch's runtime puts them (costed as NCCL runs them over the group),
 a GPU's shard of the training state, and every mismatch refused with the plan kept."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from models import meta_llama
 from pipexplore.devices import Mesh
 from pipexplore.models.profile import profile_model
 from pipexplore.plan import Plan
-from pipexplore.predict.collectives import ring_seconds, slowest_hop
+from pipexplore.predict.collectives import collective_seconds, linear_cost
 from pipexplore.predict.mesh_costs import BUCKET_BYTES
 from pipexplore.splits import SplitError
 from pipexplore.widgets.state import ExplorerState
@@ -85,9 +85,11 @@ def test_a_ranks_collectives_have_a_lane_of_their_own_and_are_said_exposed(table
 
 
 def _step_end(p, kind_bytes, kinds):
-    per_byte, latency = slowest_hop([p.devices[r] for r in p.mesh.group("dp", 0)], p.gpus_per_node)
-    n = p.mesh.dp
-    return sum(ring_seconds(kind, b, n, per_byte, 0.0) + ring_seconds(kind, 0.0, n, 0.0, latency) * b / BUCKET_BYTES
+    """The step-end collectives as NCCL runs them over the data-parallel group, bucket by bucket
+    (the whole gradient where it is smaller than one), each layer its bytes' share."""
+    group = [p.devices[r] for r in p.mesh.group("dp", 0)]
+    bucket = min(BUCKET_BYTES, float(sum(kind_bytes)))
+    return sum(b * collective_seconds(kind, bucket, group, p.gpus_per_node) / bucket
                for kind in kinds for b in kind_bytes)
 
 
@@ -263,7 +265,7 @@ def test_fsdp_bytes_are_what_fully_shard_moves_on_a_fake_group(reshard):
 
 
 def test_an_export_that_would_drop_the_mesh_is_refused_by_name(tables):
-    from pipexplore.export import plan_code
+    from pipexplore.export.code import plan_code
 
     p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
     for kind in ("pipelining", "gpipe"):
@@ -287,8 +289,11 @@ def test_context_parallelism_leaves_a_rank_a_cp_th_of_the_tokens_and_gathers_key
     assert attends.sum() == 4  # the four decoder layers
     batch = tables[2].attrs["batch"]
     kv_row = tables[2]["kv_bytes"].to_numpy() / 2 / batch  # a row's keys and values, a tensor-parallel rank's
-    per_byte, latency = slowest_hop([split.devices[r] for r in split.mesh.group("cp", 0)], split.gpus_per_node)
-    gather = ring_seconds("all_gather", 1.0, 2, per_byte, 0.0) * kv_row
+    group = [split.devices[r] for r in split.mesh.group("cp", 0)]
+    at = kv_row.max() * tables[2].attrs["rows"][0]  # a micro-batch's keys and values: each gather's size
+    latency, per_byte = linear_cost("all_gather", at, group, split.gpus_per_node)
+    assert latency + per_byte * at == pytest.approx(collective_seconds("all_gather", at, group, split.gpus_per_node))
+    gather = per_byte * kv_row
     assert ours["forward_b"].to_numpy() == pytest.approx(tables[2]["forward_b"].to_numpy() / 2 + gather)
     assert ours["backward_b"].to_numpy() == pytest.approx(tables[2]["backward_b"].to_numpy() / 2 + gather)
     assert ours["forward_a"].to_numpy() == pytest.approx(tables[2]["forward_a"].to_numpy() + attends * latency)

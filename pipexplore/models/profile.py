@@ -48,7 +48,6 @@ from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
 from pipexplore.predict.profiler import backward_split, profile
-from pipexplore.predict.collectives import slowest_hop
 from pipexplore.predict.roofline import Efficiency, Group, fit_efficiency, planned_layer_costs
 from pipexplore.training import LossFn, OptimizerFactory, Training
 
@@ -233,7 +232,7 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
     if tp > 1:
         if len(devices) < tp:
             raise ValueError(f"tp={tp} needs {tp} devices, got {len(devices)}")
-        group = Group(tp, *slowest_hop(list(devices[:tp]), gpus_per_node))
+        group = Group.over(list(devices[:tp]), gpus_per_node)  # costed as NCCL runs it
     table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency,
                                 group=group)
     spec = device_spec(kinds[0])

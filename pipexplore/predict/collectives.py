@@ -1,44 +1,354 @@
-"""What a collective costs over a group of planned devices: the ring algorithm over the group's links.
+"""What a collective costs over a group of planned devices, as NCCL runs it.
 
-NCCL's ring moves, per rank, ``2(n−1)/n`` of the tensor for an all-reduce (a reduce-scatter, then an
-all-gather) and ``(n−1)/n`` for an all-gather or a reduce-scatter (``bytes`` is the whole tensor:
-the gathered output, the scattered input), in ``2(n−1)`` or ``(n−1)`` steps, each paying the link's
-latency. A ring is as fast as its slowest hop: a group inside one node runs at the intra-node link
-(NVLink), one across nodes at the inter-node link (InfiniBand: the GPU's share of its node's NICs)::
+NCCL splits a collective into channels, each a ring (or a tree) through the GPUs of every node in
+the group: inside a node over NVLink, from node to node through a NIC — each channel its own NIC,
+so a ring that crosses nodes moves at the bandwidth of every NIC the group's GPUs have on a node,
+not at one GPU's share. For each call NCCL's tuner (``src/graph/tuning.cc``) predicts every
+algorithm and protocol and runs the fastest; this module does the same with its own model::
 
-    seconds = factor · bytes · seconds_per_byte(slowest hop) + steps · latency(slowest hop)
+    seconds = latency(algorithm, protocol) + W + 2·√(steps · ramp · W),    W = factor · bytes / bus_bandwidth
 
-    all_reduce       factor 2(n−1)/n   steps 2(n−1)
-    all_gather       factor  (n−1)/n   steps  (n−1)
-    reduce_scatter   factor  (n−1)/n   steps  (n−1)
+    algorithm   collectives                    bus bandwidth
+    ring        all_reduce, all_gather,        min(NVLink ring inside a node, the node's NICs the
+                reduce_scatter                 group uses across nodes)
+    tree        all_reduce across nodes        double binary tree between nodes (a chain inside
+                                               each): a node sends 2(N−1)/N of the tensor, not ~2
+    nvls        all_reduce inside a node       NVLink SHARP (NVSwitch reduces; Hopper and later)
+    nvls_tree   all_reduce across nodes        NVLink SHARP inside, the tree between nodes
+
+    protocol    bandwidth              latency (NCCL's base + per hop, µs)
+    LL          min(½ B, LL's cap)     lowest: 8-byte stores with a flag, no fences
+    LL128       0.92 · 120/128 · B     128-byte lines with a flag
+    Simple      B                      highest: a fence and a flag each step
+
+``factor`` is nccl-tests' bus factor (``2(n−1)/n`` for an all-reduce, ``(n−1)/n`` for an
+all-gather or a reduce-scatter, whose ``bytes`` is the whole tensor: the gathered output, the
+scattered input), so that ``bus_bandwidth`` is what nccl-tests prints as ``busbw``. The latency is
+NCCL's: a base per algorithm and protocol plus a hop latency per step over NVLink or the network
+(the ring pays one a step, ``2(n−1)`` steps for an all-reduce; the tree ``2·log2(N)`` network hops
+and a chain inside each node). The last term is the time a message's pipeline takes to fill through
+its ``steps`` (chunks cut at their best size, the classic pipelined transfer: ``(√(steps·ramp) +
+√W)²``), which NCCL's model leaves out: published nccl-tests curves reach their plateau only at
+hundreds of MiB, more slowly than a latency alone gives (:class:`Fabric`).
+
+``all_to_all`` (experts' token exchange) is NCCL's grouped send/receive: each rank sends ``(n−1)/n``
+of its tensor, the part for ranks of its node over NVLink, the rest through its own NIC, at the
+slower of the two. ``send_recv`` is one point-to-point message (a pipeline's activations).
+
+The bandwidths and efficiencies of each node kind are in :data:`FABRICS`, with their sources;
+``benchmarks/nccl_tests.py`` holds the model against published nccl-tests figures. Devices of this
+machine (gloo over loopback) are costed by a plain ring at :data:`HOST_LINK` instead.
 
 Example::
 
-    collective_seconds("all_reduce", 64 * 2**20, ["H100:0", "H100:1", "H100:2", "H100:3"], gpus_per_node=8)
+    collective_seconds("all_reduce", 64 * 2**20, [f"H100:{i}" for i in range(16)], gpus_per_node=8)
+    collective_cost("all_reduce", 2**20, [f"A100:{i}" for i in range(32)]).algorithm    # 'tree'
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-from pipexplore.devices import is_planned, link_latency, link_seconds_per_byte
+from pipexplore.devices import device_spec, is_planned, link_latency, link_seconds_per_byte, node_of
+from pipexplore.devices.catalogue import DeviceSpec
 
-__all__ = ["KINDS", "HOST_LINK", "Group", "ring_seconds", "collective_seconds", "slowest_hop", "collectives_of",
-           "ops_collective_seconds"]
+__all__ = ["KINDS", "COLLECTIVES", "ALGORITHMS", "PROTOCOLS", "HOST_LINK", "Fabric", "FABRICS", "fabric_of", "Cost",
+           "Group", "ring_seconds", "nccl_cost", "collective_cost", "collective_seconds", "linear_cost",
+           "bus_factor", "bus_bandwidth", "slowest_hop", "collectives_of", "ops_collective_seconds"]
 
-#: The collectives costed, with the ring's share of the tensor each rank moves and its steps, per n.
+#: The collectives :func:`ring_seconds` costs, with the ring's share of the tensor each rank moves
+#: and its steps, per n.
 KINDS = {
     "all_reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
     "all_gather": (lambda n: (n - 1) / n, lambda n: n - 1),
     "reduce_scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
 }
+#: What :func:`collective_cost` costs: the ring's three, experts' all-to-all, and a point-to-point message.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "p2p")
+PROTOCOLS = ("LL", "LL128", "Simple")
+
+# NCCL's tuning constants (src/graph/tuning.cc, NCCL 2.18–2.29, unchanged across them), µs: the base
+# latency of an algorithm and protocol, and the latency a step adds over NVLink or the network.
+_BASE = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4), "p2p": (6.6, 14.0, 8.4)}
+_HOP_NVLINK = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "p2p": (0.6, 1.9, 3.4)}
+_HOP_NET = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0), "p2p": (2.7, 4.0, 14.0)}
+_NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tuning.cc, NVLS/NVLS Tree)
+# The LL128 protocol's payload (120 of 128 bytes) at 92 % of Simple's rate, and the tree's 92 % (tuning.cc).
+_LL128 = 0.92 * 120 / 128
+_TREE = 0.92
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What a node of one device kind gives NCCL, bandwidths in bytes per second per direction.
+
+    ``nvlink_busbw``: the bus bandwidth NCCL's ring reaches inside a node on large messages that move
+    data (an all-gather's), below the NVLink line rate by NCCL's protocol overhead;
+    ``reduce_efficiency``: the fraction of it a reducing collective (all-reduce, reduce-scatter)
+    keeps (the GPU adds as it forwards); ``nvls_busbw``: an all-reduce's bus bandwidth with NVLink
+    SHARP (``None`` where the NVSwitch has none). ``nics_per_gpu`` NICs of ``nic_bandwidth`` each
+    (line rate) per GPU, ``nic_efficiency`` of it reached by NCCL: a group with ``k`` GPUs on a node
+    crosses nodes at ``k · nics_per_gpu · nic_bandwidth · nic_efficiency``; a group with one GPU on
+    a node (a data-parallel group beside tensor parallelism 8, a send between stages) reaches only
+    ``lone_nic_efficiency`` of its NIC (NCCL opens fewer channels over it). ``ll_busbw``: NCCL's cap
+    on the LL protocol inside one node, across two, across more (``llMaxBws``); ``tree_beyond_two``:
+    what the tree keeps of its bandwidth beyond two nodes (the ratio of NCCL's per-channel tree caps
+    ``perChMaxTreeBws`` for four nodes and more to two's: its reduction tree deepens). ``ramp``:
+    seconds a pipeline step adds to the fill of the module docstring's formula (a ring all-reduce
+    has ``2(n−1)`` steps, a tree ``2·(GPUs a node − 1 + log2 N)``, an all-to-all ``n−1`` rounds of
+    sends, a send one); ``nvls_ramp``: NVLink
+    SHARP's, for its one step inside a node.
+    """
+
+    nvlink_busbw: float
+    nic_bandwidth: float
+    reduce_efficiency: float = 1.0
+    nvls_busbw: Optional[float] = None
+    nics_per_gpu: float = 1.0
+    nic_efficiency: float = 0.9
+    lone_nic_efficiency: float = 0.75
+    ll_busbw: tuple[float, float, float] = (87.7e9, 22.5e9, 19.0e9)
+    tree_beyond_two: float = 17.8 / 23.6
+    ramp: float = 0.1e-6
+    nvls_ramp: float = 5e-6
+    source: str = ""
+
+
+# DGX A100 — NVIDIA DGX A100 User Guide, "Introduction to the NVIDIA DGX A100 System"
+# (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html): eight A100 SXM4 on
+# six NVSwitches, NVLink 3 at 600 GB/s a GPU (300 a direction); eight single-port ConnectX-6 at
+# 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU; two AMD EPYC 7742 CPUs.
+_DGX_A100 = Fabric(
+    # all-gather 253.6 and all-to-all 254.7 GB/s bus bandwidth at 1 GiB on eight A100s (Microsoft,
+    # mscclpp docs/performance-ndmv4.md, NCCL 2.17.1); all-reduce 231.5 there: 91 % of it
+    nvlink_busbw=255e9, reduce_efficiency=0.91,
+    # "the peak for 200G HDR is 24GB/s" (NCCL's maintainer, NVIDIA/nccl#412, 2023-04-24): 96 %; so a
+    # node's eight reach 192 GB/s, what NVIDIA measures on DGX A100 (NVIDIA/nccl#812, 2023-03-31)
+    nic_bandwidth=25e9, nic_efficiency=0.96,
+    # one A100 a node, two nodes: all-reduce 18.65 GB/s at 1 GiB (mscclpp docs/performance-ndmv4.md)
+    lone_nic_efficiency=0.75,
+    ll_busbw=(87.7e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Ampere in one node; AMD hosts across nodes
+    tree_beyond_two=17.8 / 23.6,  # tuning.cc perChMaxTreeBws, Ampere: 17.8 GB/s a channel on 4+ nodes, 23.6 on 2
+    ramp=6e-6 / 14,  # read from the published single-node all-reduce curve, 14 steps (benchmarks/nccl_tests.py)
+    source="DGX A100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
+# DGX H100 — NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System"
+# (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html): eight H100 SXM5 on
+# four NVSwitches (NVLink 4, 900 GB/s a GPU, 450 a direction, NVLink SHARP); eight ConnectX-7 at
+# 400 Gb/s NDR InfiniBand (in four OSFP cages, two ports each), one per GPU; Intel Xeon 8480C CPUs.
+_DGX_H100 = Fabric(
+    # "with the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s ...
+    # [with NVLink SHARP] on 8 GPUs you should reach a peak busBw of ~480GB/s" (NCCL's maintainer,
+    # NVIDIA/nccl-tests#212, 2024-05-06)
+    nvlink_busbw=370e9, reduce_efficiency=1.0, nvls_busbw=480e9,
+    # "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC" (NVIDIA/nccl-tests#267)
+    nic_bandwidth=50e9, nic_efficiency=0.97,
+    lone_nic_efficiency=0.75,  # not published for H100s: the A100's
+    ll_busbw=(141e9, 39.0e9, 20.4e9),  # tuning.cc llMaxBws: Hopper in one node; Intel hosts across nodes
+    tree_beyond_two=36.0 / 41.4,  # tuning.cc perChMaxTreeBws, Hopper: 36.0 GB/s a channel on 4+ nodes, 41.4 on 2
+    ramp=0.2e-6 / 14, nvls_ramp=5e-6,  # read from the published single-node all-reduce curves (nccl_tests.py)
+    source="DGX H100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
+#: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
+#: NVSwitches and NICs); other kinds get :func:`fabric_of`'s default from their spec.
+FABRICS: dict[str, Fabric] = {"A100-40GB": _DGX_A100, "A100-80GB": _DGX_A100, "H100": _DGX_H100, "H200": _DGX_H100}
+
+
+def fabric_of(device: str | DeviceSpec) -> Fabric:
+    """The fabric of a planned device's kind: :data:`FABRICS`'s, else one read from its spec —
+    NCCL's ring at 80 % of the intra-node link (its ~20 % protocol overhead), one NIC a GPU at the
+    spec's ``inter_node_bandwidth`` (its share of the node's NICs) and 90 % of it, no NVLink SHARP."""
+    spec = device_spec(device)
+    if spec.name in FABRICS:
+        return FABRICS[spec.name]
+    return Fabric(nvlink_busbw=0.8 * spec.intra_node_bandwidth, nic_bandwidth=spec.inter_node_bandwidth,
+                  source=f"{spec.name}: read from its spec (intra_node_bandwidth, inter_node_bandwidth)")
+
+
+class Cost(NamedTuple):
+    """A collective's predicted seconds, the algorithm and protocol NCCL would choose for it, and
+    its bus bandwidth as nccl-tests prints it (bytes/s; 0 where nothing moves)."""
+
+    seconds: float
+    algorithm: str
+    protocol: str
+    bus_bandwidth: float
+
+
+def bus_factor(kind: str, ranks: int) -> float:
+    """nccl-tests' bus factor: ``busbw = algbw · factor`` (``2(n−1)/n`` all-reduce, ``(n−1)/n``
+    all-gather, reduce-scatter and all-to-all, 1 a send)."""
+    if kind == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if kind == "send_recv":
+        return 1.0
+    return (ranks - 1) / ranks
+
+
+def bus_bandwidth(kind: str, nbytes: float, seconds: float, ranks: int) -> float:
+    """The bus bandwidth nccl-tests prints for ``kind`` of ``nbytes`` over ``ranks`` in ``seconds``."""
+    return nbytes / seconds * bus_factor(kind, ranks) if seconds > 0 else 0.0
+
+
+def _check(kind: str, nbytes: float, ranks: int) -> None:
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}: {', '.join(COLLECTIVES)}")
+    if nbytes < 0 or ranks < 1:
+        raise ValueError(f"a collective moves bytes ≥ 0 over ranks ≥ 1, got {nbytes} bytes over {ranks}")
+
+
+def _timed(latency_us: float, work: float, ramp: float) -> float:
+    """Seconds of a collective: its latency (µs), the bytes' time ``work`` and its pipeline's fill
+    (``ramp``: seconds, all its steps')."""
+    return latency_us * 1e-6 + work + 2.0 * math.sqrt(ramp * work)
+
+
+def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabric, per_node: Optional[int] = None,
+              algorithm: Optional[str] = None) -> Cost:
+    """``kind`` of ``nbytes`` over ``ranks`` on ``nodes`` nodes of ``fabric`` (``per_node``: the fewest
+    of them on one node, ``ranks // nodes`` unless given), with the algorithm and protocol NCCL would
+    choose (the fastest predicted: the module docstring), or the given ``algorithm`` (as
+    ``NCCL_ALGO`` forces it; ``ValueError`` where it cannot run). 0 on one rank.
+
+    Raises:
+        ValueError: an unknown kind, a negative size, fewer ranks than nodes, an algorithm that does
+            not run ``kind`` on this group.
+    """
+    _check(kind, nbytes, ranks)
+    if nodes < 1 or nodes > ranks:
+        raise ValueError(f"{ranks} ranks cannot sit on {nodes} nodes")
+    if ranks == 1:
+        return Cost(0.0, "", "", 0.0)
+    least = per_node if per_node is not None else ranks // nodes
+    most = -(-ranks // nodes)
+    nic = fabric.nics_per_gpu * fabric.nic_bandwidth * (fabric.lone_nic_efficiency if least == 1
+                                                         else fabric.nic_efficiency)
+    net = least * nic  # the node's NICs the group uses: each channel through its own
+    nvlink = fabric.nvlink_busbw if most > 1 else math.inf
+    factor = bus_factor(kind, ranks)
+    reducing = kind in ("all_reduce", "reduce_scatter")
+    ll_cap = fabric.ll_busbw[min(nodes, 3) - 1]
+    options: list[tuple[float, str, str]] = []
+
+    def add(name: str, protocol: int, latency: float, busbw: float, ramp: float) -> None:
+        if busbw <= 0 or not math.isfinite(busbw):
+            return
+        bw = {0: min(0.5 * busbw, ll_cap), 1: _LL128 * busbw, 2: busbw}[protocol]
+        work = nbytes * factor / bw
+        options.append((_timed(latency, work, ramp), name, PROTOCOLS[protocol]))
+
+    if kind in ("all_to_all", "send_recv"):
+        if kind == "send_recv":  # one message: over NVLink inside a node, through the GPU's own NIC across
+            inter, intra = (nbytes, 0.0) if nodes > 1 else (0.0, nbytes)
+        else:  # each rank's (n−1)/n: the part for its node's ranks over NVLink, the rest through its NIC
+            intra, inter = nbytes * (most - 1) / ranks, nbytes * (ranks - most) / ranks
+        for p in range(3):
+            hop = _HOP_NET["p2p"][p] if inter > 0 else _HOP_NVLINK["p2p"][p]
+            scale = {0: 0.5, 1: _LL128, 2: 1.0}[p]
+            work = max(intra / (fabric.nvlink_busbw * scale), inter / (nic * scale))
+            if p == 0:  # LL's cap on its own rate
+                work = max(work, (intra + inter) / ll_cap)
+            rounds = 1 if kind == "send_recv" else ranks - 1  # NCCL sends to the n−1 peers in rounds
+            options.append((_timed(_BASE["p2p"][p] + hop, work, rounds * fabric.ramp), "p2p", PROTOCOLS[p]))
+    else:
+        steps, crossings = (2 * (ranks - 1), 2 * (nodes - 1)) if kind == "all_reduce" else (ranks - 1, nodes - 1)
+        efficiency = fabric.reduce_efficiency if reducing else 1.0
+        ring = min(nvlink * efficiency, net if nodes > 1 else math.inf)
+        for p in range(3):
+            latency = (_BASE["ring"][p] + (steps - crossings) * _HOP_NVLINK["ring"][p]
+                       + crossings * _HOP_NET["ring"][p])
+            add("ring", p, latency, ring, steps * fabric.ramp)
+        if kind == "all_reduce" and nodes > 1:
+            # a double binary tree: a node sends 2(N−1)/N of the tensor through its NICs, where a ring's send ~2
+            tree_net = net * factor / (2 * (nodes - 1) / nodes)
+            kept = _TREE * (1.0 if nodes <= 2 else fabric.tree_beyond_two)
+            tree = kept * min(nvlink * efficiency, tree_net)
+            levels = math.ceil(math.log2(nodes))
+            depth = 2 * (most - 1 + levels)  # up the chain and the tree, and down again
+            for p in range(3):
+                latency = _BASE["tree"][p] + 2 * ((most - 1) * _HOP_NVLINK["tree"][p] + levels * _HOP_NET["tree"][p])
+                add("tree", p, latency, tree, depth * fabric.ramp)
+            if fabric.nvls_busbw and most > 1:
+                add("nvls_tree", 2, _NVLS_LATENCY + 2 * levels * _HOP_NET["tree"][2],
+                    min(fabric.nvls_busbw, kept * tree_net), fabric.nvls_ramp + 2 * levels * fabric.ramp)
+        if kind == "all_reduce" and nodes == 1 and fabric.nvls_busbw:
+            add("nvls", 2, _NVLS_LATENCY, fabric.nvls_busbw, fabric.nvls_ramp)
+    if algorithm is not None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}: {', '.join(ALGORITHMS)}")
+        options = [o for o in options if o[1] == algorithm]
+        if not options:
+            raise ValueError(f"NCCL runs no {kind} over {ranks} ranks on {nodes} node(s) with {algorithm!r}")
+    seconds, name, protocol = min(options)
+    return Cost(seconds, name, protocol, bus_bandwidth(kind, nbytes, seconds, ranks))
+
+
+def _layout(devices: Sequence[str], gpus_per_node: int) -> tuple[int, int, Fabric]:
+    """The nodes a group of planned devices spans, the fewest of them on one node, and the fabric
+    that bounds them (a group of several kinds: each bandwidth the lowest of theirs)."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[node_of(d, gpus_per_node)] = counts.get(node_of(d, gpus_per_node), 0) + 1
+    fabrics = list(dict.fromkeys(fabric_of(d) for d in devices))
+    fabric = fabrics[0]
+    if len(fabrics) > 1:
+        fabric = Fabric(
+            nvlink_busbw=min(f.nvlink_busbw for f in fabrics), nic_bandwidth=min(f.nic_bandwidth for f in fabrics),
+            reduce_efficiency=min(f.reduce_efficiency for f in fabrics),
+            nvls_busbw=None if any(f.nvls_busbw is None for f in fabrics) else min(f.nvls_busbw or 0 for f in fabrics),
+            nics_per_gpu=min(f.nics_per_gpu for f in fabrics), nic_efficiency=min(f.nic_efficiency for f in fabrics),
+            lone_nic_efficiency=min(f.lone_nic_efficiency for f in fabrics),
+            ll_busbw=tuple(min(f.ll_busbw[i] for f in fabrics) for i in range(3)),  # type: ignore[arg-type]
+            tree_beyond_two=min(f.tree_beyond_two for f in fabrics),
+            ramp=max(f.ramp for f in fabrics), nvls_ramp=max(f.nvls_ramp for f in fabrics))
+    return len(counts), min(counts.values()), fabric
+
+
+def collective_cost(kind: str, nbytes: float, devices: Sequence[str], gpus_per_node: int = 8,
+                    algorithm: Optional[str] = None) -> Cost:
+    """``kind`` of ``nbytes`` over the group of planned ``devices`` (their nodes by index //
+    ``gpus_per_node``), as NCCL runs it (:func:`nccl_cost`); over devices of this machine, gloo's
+    ring at :data:`HOST_LINK` (algorithm ``'ring'``, protocol ``'gloo'``).
+
+    Raises:
+        ValueError: as :func:`nccl_cost`.
+    """
+    _check(kind, nbytes, max(len(devices), 1))
+    if len(devices) < 2:
+        return Cost(0.0, "", "", 0.0)
+    if not all(is_planned(d) for d in devices):
+        seconds = _host_seconds(kind, nbytes, len(devices))
+        return Cost(seconds, "ring", "gloo", bus_bandwidth(kind, nbytes, seconds, len(devices)))
+    nodes, least, fabric = _layout(devices, gpus_per_node)
+    return nccl_cost(kind, nbytes, ranks=len(devices), nodes=nodes, fabric=fabric, per_node=least,
+                     algorithm=algorithm)
+
+
+def collective_seconds(kind: str, nbytes: float, devices: Sequence[str], gpus_per_node: int = 8) -> float:
+    """Seconds of ``kind`` moving ``nbytes`` over the group ``devices`` (:func:`collective_cost`)."""
+    return collective_cost(kind, nbytes, devices, gpus_per_node).seconds
+
+
+def linear_cost(kind: str, nbytes: float, devices: Sequence[str], gpus_per_node: int = 8) -> tuple[float, float]:
+    """The collective of ``nbytes`` as ``(latency, seconds_per_byte)``: its predicted seconds split
+    into the part one call pays whatever its size (the chosen algorithm's, as at one byte) and the
+    rest per byte, so that a table costing it by rows scales it linearly around ``nbytes``."""
+    whole = collective_cost(kind, nbytes, devices, gpus_per_node)
+    if whole.seconds <= 0 or nbytes <= 0:
+        return whole.seconds, 0.0
+    fixed = collective_cost(kind, 1.0, devices, gpus_per_node, algorithm=whole.algorithm or None).seconds
+    fixed = min(fixed, whole.seconds)
+    return fixed, (whole.seconds - fixed) / nbytes
 
 
 def ring_seconds(kind: str, nbytes: float, ranks: int, seconds_per_byte: float, latency: float = 0.0) -> float:
-    """Seconds of ``kind`` over a ring of ``ranks`` on links of ``seconds_per_byte`` and ``latency``
-    a step (the module docstring's formula); 0 on one rank.
+    """Seconds of ``kind`` over a plain ring of ``ranks`` on links of ``seconds_per_byte`` and
+    ``latency`` a step: ``factor · bytes · seconds_per_byte + steps · latency`` (:data:`KINDS`); 0
+    on one rank. What gloo runs over this machine's loopback; planned devices are costed as NCCL
+    runs them (:func:`collective_cost`).
 
     Raises:
         ValueError: an unknown kind (the known ones named), a negative size, fewer than one rank.
@@ -59,10 +369,21 @@ def ring_seconds(kind: str, nbytes: float, ranks: int, seconds_per_byte: float, 
 HOST_LINK = (1.05e-9, 6.5e-4)
 
 
+def _host_seconds(kind: str, nbytes: float, ranks: int) -> float:
+    """gloo over loopback: the plain ring at :data:`HOST_LINK` (an all-to-all as half an
+    all-reduce's bytes: ``(n−1)/n`` of the tensor, once; a send as one step)."""
+    if kind == "all_to_all":
+        return ring_seconds("all_reduce", 0.5 * nbytes, ranks, *HOST_LINK)
+    if kind == "send_recv":
+        return nbytes * HOST_LINK[0] + HOST_LINK[1]
+    return ring_seconds(kind, nbytes, ranks, *HOST_LINK)
+
+
 def slowest_hop(devices: Sequence[str], gpus_per_node: int = 8) -> tuple[float, float]:
     """The seconds a byte and the latency of the slowest hop of a ring through ``devices`` (planned
     devices, in ring order, the last back to the first); for devices of this machine, gloo's
-    over loopback (:data:`HOST_LINK`)."""
+    over loopback (:data:`HOST_LINK`). A plain ring's links, one GPU's: NCCL's cost over planned
+    devices is :func:`collective_cost`'s."""
     if len(devices) < 2:
         return 0.0, 0.0
     if not all(is_planned(d) for d in devices):
@@ -72,19 +393,32 @@ def slowest_hop(devices: Sequence[str], gpus_per_node: int = 8) -> tuple[float, 
             max(link_latency(a, b, gpus_per_node) for a, b in hops))
 
 
-def collective_seconds(kind: str, nbytes: float, devices: Sequence[str], gpus_per_node: int = 8) -> float:
-    """Seconds of ``kind`` moving ``nbytes`` over the group of planned ``devices`` (a ring in their order)."""
-    per_byte, latency = slowest_hop(devices, gpus_per_node)
-    return ring_seconds(kind, nbytes, len(devices), per_byte, latency)
-
-
 class Group(NamedTuple):
-    """The group an ops frame's collectives run over: its ranks and its slowest hop's seconds a byte
-    and latency (:func:`pipexplore.predict.collectives.slowest_hop`)."""
+    """The group an ops frame's collectives run over: its ranks, the plain ring's seconds a byte and
+    latency a step (:func:`slowest_hop`; what a group of this machine's ranks is costed by), and,
+    for a group of planned devices, the devices and their node size, costed as NCCL runs them
+    (:meth:`over` builds it)."""
 
     ranks: int
     seconds_per_byte: float
     latency: float
+    devices: tuple[str, ...] = ()
+    gpus_per_node: int = 8
+
+    @classmethod
+    def over(cls, devices: Sequence[str], gpus_per_node: int = 8) -> "Group":
+        """The group of ``devices`` (planned: costed as NCCL runs them; of this machine: gloo's ring)."""
+        per_byte, latency = slowest_hop(list(devices), gpus_per_node)
+        planned = tuple(devices) if devices and all(is_planned(d) for d in devices) else ()
+        return cls(len(devices), per_byte, latency, planned, gpus_per_node)
+
+    def seconds(self, kind: str, nbytes: float) -> float:
+        """Seconds of ``kind`` moving ``nbytes`` over the group."""
+        if self.devices:
+            return collective_seconds(kind, nbytes, self.devices, self.gpus_per_node)
+        if kind == "all_to_all":  # (n−1)/n of the tensor, once: half an all-reduce's bytes
+            return ring_seconds("all_reduce", 0.5 * nbytes, self.ranks, self.seconds_per_byte, self.latency)
+        return ring_seconds(kind, nbytes, self.ranks, self.seconds_per_byte, self.latency)
 
 
 def collectives_of(ops: pd.DataFrame) -> np.ndarray:
@@ -95,7 +429,8 @@ def collectives_of(ops: pd.DataFrame) -> np.ndarray:
 
 
 def ops_collective_seconds(ops: pd.DataFrame, rows: float, group: Optional[Group]) -> np.ndarray:
-    """Each collective's ring seconds at ``rows`` rows over ``group`` (0 for a kernel).
+    """Each collective's seconds at ``rows`` rows over ``group`` (0 for a kernel): as NCCL runs it
+    over a group of planned devices, the plain ring otherwise (:meth:`Group.seconds`).
 
     Raises:
         ValueError: the frame has collectives and no group is given.
@@ -106,11 +441,9 @@ def ops_collective_seconds(ops: pd.DataFrame, rows: float, group: Optional[Group
         return out
     if group is None:
         raise ValueError("the ops frame has collectives (a tensor-parallel rank's) but no group to cost them over: "
-                         "give group=Group(ranks, seconds_per_byte, latency)")
+                         "give group=Group(ranks, seconds_per_byte, latency) or Group.over(devices)")
     scale = float(rows) / float(ops.attrs["rows"])
     nbytes = ops["fixed_bytes"].to_numpy(dtype=float) + ops["row_bytes"].to_numpy(dtype=float) * scale
     for i in np.flatnonzero(names != ""):
-        kind = "all_reduce" if names[i] == "all_to_all" else names[i]
-        share = 0.5 if names[i] == "all_to_all" else 1.0  # an all-to-all moves (n−1)/n of its tensor, once
-        out[i] = ring_seconds(kind, share * nbytes[i], group.ranks, group.seconds_per_byte, group.latency)
+        out[i] = group.seconds(str(names[i]), float(nbytes[i]))
     return out

@@ -31,10 +31,15 @@ over the ``cp`` group forward and the reduce-scatter of their gradients backward
 exposed. Gradients are then reduced, and ``zero1``/``fsdp`` state sharded, over the ``dp · cp``
 ranks that hold the same parameters.
 
-A layer's share of a step-end collective is its bytes' share; each 25 MiB bucket (DDP's and
-Megatron-LM's bucket size) pays the ring's latency once, so a step-end collective is not charged a
-layer's worth of latencies. With sequence parallelism a rank keeps ``1/tp`` of every activation
-(Korthikanti et al. 2022, Table 2: ``34/t`` a layer): the rank table's ``saved_bytes`` and
+Every collective is costed as NCCL runs it over the group's devices
+(:func:`pipexplore.predict.collectives.collective_cost`: ring or tree, channels over every NIC the
+group has on a node). A step-end collective runs in buckets of 25 MiB (DDP's and Megatron-LM's
+bucket size; the whole gradient where it is smaller), each costed so; a layer's share is its bytes'
+share, so a step-end collective is not charged a layer's worth of latencies. Context parallelism's
+gathers are costed at a micro-batch's keys and values, their fixed part once a layer and the rest
+by the row (:func:`~pipexplore.predict.collectives.linear_cost`). With sequence parallelism a rank
+keeps ``1/tp`` of every activation (Korthikanti et al. 2022, Table 2: ``34/t`` a layer): the rank
+table's ``saved_bytes`` and
 ``output_bytes`` (the sends between stages) are divided so, and the predicted timeline's
 ``memory`` is one GPU's activations (:func:`pipexplore.predict.memory.activation_peaks`).
 
@@ -50,7 +55,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.devices.mesh import Mesh
-from pipexplore.predict.collectives import ring_seconds, slowest_hop
+from pipexplore.predict.collectives import collective_seconds, linear_cost
 
 __all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "COLLECTIVE_LANE"]
 
@@ -65,14 +70,15 @@ MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds",
 
 
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
-    """Seconds of ``kind`` for each layer's ``nbytes`` over the group ``devices``: bytes at the slowest
-    hop's rate, its latency once per bucket (each layer its bytes' share of them)."""
-    per_byte, latency = slowest_hop(devices, gpus_per_node)
-    n = len(devices)
-    if n < 2:
+    """Seconds of ``kind`` for each layer's ``nbytes`` over the group ``devices``: the collective runs
+    in buckets of :data:`BUCKET_BYTES` (the whole, where smaller), each as NCCL runs it; a layer's
+    share is its bytes'."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    total = float(nbytes.sum())
+    if len(devices) < 2 or total <= 0:
         return np.zeros(len(nbytes))
-    steps = ring_seconds(kind, 0.0, n, 0.0, latency)  # the latency one collective pays
-    return np.array([ring_seconds(kind, float(b), n, per_byte, 0.0) for b in nbytes]) + steps * nbytes / BUCKET_BYTES
+    bucket = min(float(BUCKET_BYTES), total)
+    return nbytes * (collective_seconds(kind, bucket, devices, gpus_per_node) / bucket)
 
 
 def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *, gpus_per_node: int = 8,
@@ -162,16 +168,17 @@ def _context_parallel(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
     batch = float(table.attrs.get("batch") or 1)
     kv = (out["kv_bytes"].to_numpy(dtype=float) / mesh.tp if "kv_bytes" in out else np.zeros(len(out))) / batch
     group = [devices[r] for r in mesh.group("cp", 0)]
-    per_byte, latency = slowest_hop(group, gpus_per_node)
-    gather_row = ring_seconds("all_gather", 1.0, cp, per_byte, 0.0) * kv  # a row's keys and values, whole
-    scatter_row = ring_seconds("reduce_scatter", 1.0, cp, per_byte, 0.0) * kv
+    rows = float(table.attrs.get("rows", (1,))[0])  # a micro-batch's: what each gather moves
+    point = float(kv.max()) * rows if len(kv) else 0.0
+    gather_fixed, gather_per_byte = linear_cost("all_gather", point, group, gpus_per_node)
+    scatter_fixed, scatter_per_byte = linear_cost("reduce_scatter", point, group, gpus_per_node)
+    gather_row = gather_per_byte * kv  # a row's keys and values, whole
+    scatter_row = scatter_per_byte * kv
     attends = kv > 0
     out["forward_b"] = out["forward_b"].to_numpy(dtype=float) + gather_row
     out["backward_b"] = out["backward_b"].to_numpy(dtype=float) + scatter_row
-    out["forward_a"] = out["forward_a"].to_numpy(dtype=float) + attends * ring_seconds("all_gather", 0.0, cp, 0.0,
-                                                                                        latency)
-    out["backward_a"] = out["backward_a"].to_numpy(dtype=float) + attends * ring_seconds("reduce_scatter", 0.0, cp,
-                                                                                          0.0, latency)
+    out["forward_a"] = out["forward_a"].to_numpy(dtype=float) + attends * gather_fixed
+    out["backward_a"] = out["backward_a"].to_numpy(dtype=float) + attends * scatter_fixed
     for phase in ("forward", "backward"):
         if phase in out:
             out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
