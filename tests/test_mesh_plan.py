@@ -265,7 +265,7 @@ def test_fsdp_bytes_are_what_fully_shard_moves_on_a_fake_group(reshard):
 
 
 def test_an_export_that_would_drop_the_mesh_is_refused_by_name(tables):
-    from pipexplore.export.code import plan_code
+    from pipexplore.export import plan_code
 
     p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
     for kind in ("pipelining", "gpipe"):
