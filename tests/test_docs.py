@@ -126,3 +126,48 @@ def test_notebooks_are_saved_stripped_and_small(tmp_path):
         shutil.copy(path, copy)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "strip_notebook.py"), str(copy)], check=True)
         assert copy.read_text() == path.read_text(), f"{path.name} is not saved stripped: scripts/strip_notebook.py"
+
+
+def test_the_benchmarks_index_lists_every_script_and_its_links_resolve():
+    """``benchmarks/README.md`` opens with an index: a row for every ``benchmarks/*.py`` script (the
+    helpers in ``common.py`` included, said to be no benchmark), and every link in it leads to a file
+    that exists and, where it names an anchor, to a heading there as GitHub makes its anchors."""
+    import unicodedata
+
+    def anchors(path: pathlib.Path) -> set[str]:
+        found: set[str] = set()
+        fenced = False
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            heading = re.match(r"#{1,6} (.*)", line)
+            if fenced or not heading:
+                continue
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1).strip()).lower()
+            slug = "".join(c for c in text if c in " -" or unicodedata.category(c)[0] in "LMN"
+                           or unicodedata.category(c) == "Pc").replace(" ", "-")
+            candidate, n = slug, 0
+            while candidate in found:
+                n += 1
+                candidate = f"{slug}-{n}"
+            found.add(candidate)
+        return found
+
+    readme = ROOT / "benchmarks" / "README.md"
+    index = readme.read_text().split("\n## ", 1)[0]
+    rows = [line for line in index.splitlines() if line.startswith("| ") and not line.startswith("| script ")]
+    listed = {m.group(1) for row in rows if (m := re.match(r"\| \[?`([\w.]+\.py)`", row))}
+    scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")}
+    assert not scripts - listed, f"benchmarks/README.md's index has no row for {sorted(scripts - listed)}"
+    sections = set(re.findall(r"^## `([\w.]+\.py)`", readme.read_text(), re.MULTILINE))
+    unlinked = {m.group(1) for row in rows if (m := re.match(r"\| `([\w.]+\.py)`", row))}
+    assert not unlinked & sections, f"the index does not link {sorted(unlinked & sections)} to its section"
+    links = re.findall(r"\]\(([^)\s]+)\)", index)
+    for link in links:
+        if "://" in link:
+            continue
+        target, _, anchor = link.partition("#")
+        path = (readme.parent / target) if target else readme
+        assert path.exists(), f"the index links to {target}, which does not exist"
+        if anchor:
+            assert anchor in anchors(path), f"#{anchor} is no heading of {path.name}"
