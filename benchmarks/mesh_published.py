@@ -109,13 +109,14 @@ class GPT(nn.Module):
     """Megatron-LM's GPT: word and position embeddings, the blocks, a final LayerNorm, the logits (the
     head's weight untied here: the same GEMMs)."""
 
-    def __init__(self, heads: int, hidden: int, layers: int) -> None:
+    def __init__(self, heads: int, hidden: int, layers: int, vocabulary: int = VOCABULARY,
+                 sequence: int = SEQUENCE) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(VOCABULARY, hidden)
-        self.position_embeddings = nn.Embedding(SEQUENCE, hidden)
+        self.word_embeddings = nn.Embedding(vocabulary, hidden)
+        self.position_embeddings = nn.Embedding(sequence, hidden)
         self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.final_layernorm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, VOCABULARY, bias=False)
+        self.head = nn.Linear(hidden, vocabulary, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -133,9 +134,9 @@ TP_PLAN = {"word_embeddings": "embedding_rowwise", "layers.*.attention.query_key
            "layers.*.mlp.dense_4h_to_h": "rowwise", "head": "colwise"}
 
 
-def gpt(heads: int, hidden: int, layers: int) -> nn.Module:
+def gpt(heads: int, hidden: int, layers: int, vocabulary: int = VOCABULARY, sequence: int = SEQUENCE) -> nn.Module:
     with torch.device("meta"):
-        return GPT(heads, hidden, layers).to(torch.float16)
+        return GPT(heads, hidden, layers, vocabulary, sequence).to(torch.float16)
 
 
 def even_splits(table, stages: int) -> list[int]:

@@ -8,6 +8,11 @@ once. :func:`count_call` runs one module's forward and backward so and returns a
 
     count = count_call(block, (hidden,), {"attention_mask": mask}, fixed=storage_keys(block))
     count.flops("forward"), count.saved_bytes, count.frame("forward")
+
+Why one module: recording an operator (its FLOPs, the storages it reads and writes, a GEMM's
+shape, a collective's tensor), classifying the records (which bytes are the parameters', which
+dimension grows with the rows, which gradient each serves) and the call that drives both are one
+pass over a call's operators; each piece reads what the one before it wrote.
 """
 from __future__ import annotations
 
@@ -27,10 +32,16 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_bac
 
 __all__ = ["AsOnGPU", "OpRecorder", "SavedBytes", "Count", "count_call", "storage_key", "storage_keys", "fresh_inputs",
            "flop_counter", "classify", "tensor_bytes", "is_uncounted", "EXTRA_FORMULAS",
-           "OP_COLUMNS", "on_meta", "meta_copy"]
+           "OP_COLUMNS", "GEMM_OPERANDS", "gemm_shape", "on_meta", "meta_copy"]
 
 aten = torch.ops.aten
-OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective"]
+OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective",
+              "gemm_batch", "gemm_m", "gemm_n", "gemm_k", "gemm_rows"]
+#: The operators that are GEMMs (``C[M, N] = A[M, K] · B[K, N]``, ``batch`` of them where batched),
+#: with the positions of ``A`` and ``B`` among their arguments: their shapes are recorded
+#: (:mod:`pipexplore.predict.kernels` costs a GEMM by its tiles and waves).
+GEMM_OPERANDS = {"aten.mm": (0, 1), "aten.addmm": (1, 2), "aten.bmm": (0, 1), "aten.baddbmm": (1, 2),
+                 "aten._scaled_mm": (0, 1)}
 
 #: Operators that ask about a tensor rather than compute: never a kernel, not recorded.
 _METADATA = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
@@ -169,8 +180,15 @@ def storage_key(t: Tensor) -> int:
 
 
 def storage_keys(module: nn.Module) -> set[int]:
-    """The storages of ``module``'s parameters and buffers."""
-    return {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
+    """The storages of ``module``'s parameters and buffers (a distributed tensor's local shard too:
+    a tensor-parallel rank's operators read that)."""
+    keys = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        keys.add(storage_key(t))
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, Tensor):
+            keys.add(storage_key(local))
+    return keys
 
 
 def _extent(t: Tensor) -> int:
@@ -212,6 +230,19 @@ def _meta_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                        (args, kwargs))
     out = func(*as_bf16[0], **as_bf16[1])
     return tree_map(lambda v: torch.empty_like(v, dtype=dtype) if isinstance(v, Tensor) else v, out)
+
+
+def gemm_shape(op: str, args: Any) -> Optional[tuple[int, int, int, int, int, int]]:
+    """A GEMM's ``(batch, M, N, K)`` and the storage keys of ``A`` and ``B`` from its arguments
+    (:data:`GEMM_OPERANDS`); None for another operator or operands of unexpected ranks."""
+    where = GEMM_OPERANDS.get(op)
+    if where is None or len(args) <= max(where):
+        return None
+    a, b = args[where[0]], args[where[1]]
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() != b.dim() or a.dim() not in (2, 3):
+        return None
+    batch = int(a.shape[0]) if a.dim() == 3 else 1
+    return batch, int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]), storage_key(a), storage_key(b)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -275,6 +306,7 @@ class OpRecorder(TorchDispatchMode):
             "reads": reads if kernel else [], "writes": [(storage_key(t), _extent(t)) for t in outs] if kernel else [],
             "segment": self.where() if self.where is not None else None, "keep": outs,
             "collective": collective[0] if collective is not None else "",
+            "gemm": gemm_shape(op, args) if kernel else None,
         })
         return out
 
@@ -309,18 +341,38 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def gemm_rows(batch: int, a_fixed: bool, b_fixed: bool) -> str:
+    """Which dimension of a GEMM grows with the rows of the micro-batch (its FLOPs grow with them,
+    so one does): ``A`` a parameter, ``N`` (the rows are ``B``'s); ``B`` a parameter, ``M`` (a
+    linear layer's forward and input gradient; ``batch`` for a batched one); both computed from the
+    rows, ``K`` (a weight's gradient: the rows are summed over) or ``batch`` where batched
+    (attention's scores and context, a batch of rows × heads); both parameters, none."""
+    if a_fixed and b_fixed:
+        return ""
+    if a_fixed:
+        return "n"
+    if b_fixed:
+        return "batch" if batch > 1 else "m"
+    return "batch" if batch > 1 else "k"
+
+
 def classify(records: list[dict[str, Any]], fixed: set[int], weight_grads: Iterable[int] = (),
              input_grads: Iterable[int] = ()) -> list[dict[str, Any]]:
     """Each kernel's ``fixed_bytes`` (reads of ``fixed`` storages — parameters, buffers and what
     is computed from them alone — and writes of parameter gradients, ``weight_grads``) and
     ``row_bytes`` (the rest: they scale with the rows), and for backward operators ``grad``:
     ``input`` when an input's gradient (``input_grads``) depends on it, else ``weight`` when a
-    parameter's does, else ``""``. Returns the kernels' records, in order."""
+    parameter's does, else ``""``. A GEMM's shape goes in ``gemm_batch``/``gemm_m``/``gemm_n``/
+    ``gemm_k`` (0 for other kernels) and ``gemm_rows`` names the one of them that grows with the rows
+    (:func:`gemm_rows`). Returns the kernels' records, in order."""
     fixed = set(fixed)
     weight_grads, input_grads = set(weight_grads), set(input_grads)
     producer: dict[int, int] = {}
     needs: list[set[int]] = []
     for i, rec in enumerate(records):
+        shape = rec.get("gemm")
+        rec["gemm_batch"], rec["gemm_m"], rec["gemm_n"], rec["gemm_k"] = shape[:4] if shape else (0, 0, 0, 0)
+        rec["gemm_rows"] = gemm_rows(shape[0], shape[4] in fixed, shape[5] in fixed) if shape else ""
         read_keys = [k for k, _ in rec["reads"]]
         needs.append({producer[k] for k in read_keys if k in producer})
         from_fixed = bool(read_keys) and all(k in fixed for k in read_keys)

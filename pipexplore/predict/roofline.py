@@ -1,15 +1,28 @@
 """Planned layer costs: what each layer would cost on a device the user does not have, by roofline.
 
 Each operator of a layer (counted once per kind of layer, on the meta device or by a dispatch
-mode: the *ops* frame) costs a kernel launch plus the longer of its arithmetic at the device's
-reachable FLOP/s and its memory traffic at the device's reachable bandwidth::
+mode: the *ops* frame) costs the longer of its arithmetic at the device's reachable FLOP/s and
+its memory traffic at the device's reachable bandwidth, and its launch. On a GPU of the catalogue
+(a kind with :class:`~pipexplore.predict.kernels.GPUKernels`: :func:`~pipexplore.predict.kernels.gpu_kernels`)
+as the GPU runs it (:mod:`pipexplore.predict.kernels`): each op's device seconds are::
+
+    device = device_fixed + max(work / (peak[dtype] · eff_flops) + small_kernel, bytes / (bandwidth · eff_bw))
+
+where a GEMM's ``work`` is the FLOPs its tiles and waves spend (≥ its FLOPs: tile and wave
+quantisation, split-K, a short ``K``; its shape is the frame's ``gemm_*`` columns) and every other
+op's its FLOPs; and the ops of a kind's phase run as the host issues them, ``launch`` seconds each
+(:attr:`Efficiency.launch`): an op starts once issued and once the op before it is done, so the
+phase takes ``max_j (j · launch + Σ device of ops j…n)`` (:func:`~pipexplore.predict.kernels.issued`) — the host's time
+where small kernels outpace it (the launch floor), the device's where long ones leave the host time
+to queue the next. On other specs (a CPU's, a custom device with no ``GPUKernels``) the plain roofline::
 
     seconds = kernel_overhead + max(flops / (peak[dtype] · eff_flops) + small_kernel,
                                     bytes / (bandwidth · eff_bw))
 
 ``small_kernel`` (seconds, :attr:`Efficiency.small_kernel`; 0 unless learnt) is what a kernel that
 computes pays beyond its FLOPs at the large-kernel rate: the work a small kernel cannot hide (a
-GEMM's tile and wave quantisation, its prologue and epilogue, a CPU GEMM packing its operands).
+GEMM's tile and wave quantisation where its shape is not known, its prologue and epilogue, a CPU GEMM
+packing its operands).
 Equivalently, a kernel of ``f`` FLOPs reaches the FLOP/s fraction ``eff(f) = eff_flops · f / (f + f½)``
 with ``f½ = small_kernel · peak · eff_flops``: half the large-kernel fraction at ``f½`` FLOPs, rising
 to it for large kernels. Ops that compute nothing (flops 0) never pay it; an op pays it only where it is
@@ -37,11 +50,21 @@ The ops frame, one row per operator of each kind and phase:
 ``collective`` optional: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
                for a collective a tensor-parallel rank runs (its bytes the whole tensor's), ``""``
                for a kernel. A collective costs the ring over its group's links
-               (:func:`pipexplore.predict.collectives.ring_seconds`), not the roofline.
+               (:func:`pipexplore.predict.collectives.ring_seconds`), not the roofline (on a GPU,
+               at least its launch).
+``gemm_batch`` optional: a GEMM's shape at the counted rows (``batch × M × N × K``; 0 for other ops)
+``gemm_m`` …   and ``gemm_rows``, the one of ``"batch"``, ``"m"``, ``"n"``, ``"k"`` that grows with
+``gemm_rows``  the rows (:func:`pipexplore.models.opcount.gemm_rows`): on a GPU a GEMM costs its
+               tiles and waves (:mod:`pipexplore.predict.kernels`)
 =============  ==================================================================================
 
 ``ops.attrs["rows"]``: the rows of the micro-batch it was counted at; flops and row bytes scale
 linearly with the rows from there.
+
+Why one module: an op's cost and what is learnt of it are one formula read two ways —
+:func:`op_seconds` sums its terms, :func:`fit_efficiency` solves the same terms for the fractions
+that reproduce measured kinds — so they change together; how a GPU runs a kernel (tiles, waves,
+the host's launches) is :mod:`pipexplore.predict.kernels`'s.
 
 :func:`planned_layer_costs` turns a layer table (one row per layer, a ``kind`` column) into one
 the simulator reads exactly as a profiled one (the fit columns, ``t(n) = a + b·n``)::
@@ -62,6 +85,7 @@ import pandas as pd
 
 from pipexplore.devices import DeviceSpec, device_spec, dtype_name
 from pipexplore.predict.collectives import Group, collectives_of, ops_collective_seconds
+from pipexplore.predict.kernels import element_bytes, gemm_work, gpu_kernels, issued, tensor_core_ratio
 
 __all__ = ["OPS_COLUMNS", "Efficiency", "op_seconds", "kind_seconds", "planned_layer_costs", "fit_efficiency"]
 
@@ -91,6 +115,11 @@ class Efficiency:
     operands each, elementwise: :mod:`pipexplore.predict.planned_optimizer`). ``None``: the
     ``bandwidth`` fraction; :func:`~pipexplore.predict.planned_optimizer.optimizer_bandwidth`
     learns it on a device of the kind.
+    ``launch``: seconds (≥ 0) every kernel of a GPU costs at least — the host's time to issue it
+    (the launch floor of :mod:`pipexplore.predict.kernels`: a framework that spends more of the
+    host on each operator raises it). ``None``: the kind's
+    :attr:`~pipexplore.predict.kernels.GPUKernels.launch`, else the spec's ``kernel_overhead``.
+    Specs without ``GPUKernels`` ignore it.
     """
 
     flops: Union[None, float, Mapping[str, float]] = None
@@ -98,6 +127,7 @@ class Efficiency:
     small_kernel: Optional[float] = None
     overlap: Optional[float] = None
     optimizer: Optional[float] = None
+    launch: Optional[float] = None
 
     def __post_init__(self) -> None:
         values = dict(self.flops) if isinstance(self.flops, Mapping) else {"flops": self.flops}
@@ -112,10 +142,12 @@ class Efficiency:
             raise ValueError(f"small_kernel is seconds per kernel (finite, ≥ 0), got {self.small_kernel}")
         if self.overlap is not None and not 0 <= float(self.overlap) <= 1:
             raise ValueError(f"overlap is the fraction of the shorter term hidden (0 … 1), got {self.overlap}")
+        if self.launch is not None and not (math.isfinite(float(self.launch)) and float(self.launch) >= 0):
+            raise ValueError(f"launch is seconds a kernel costs at least (finite, ≥ 0), got {self.launch}")
 
     def __hash__(self) -> int:
         flops = tuple(sorted(self.flops.items())) if isinstance(self.flops, Mapping) else self.flops
-        return hash((flops, self.bandwidth, self.small_kernel, self.overlap, self.optimizer))
+        return hash((flops, self.bandwidth, self.small_kernel, self.overlap, self.optimizer, self.launch))
 
     def flops_for(self, dtype: str, spec: DeviceSpec) -> float:
         if isinstance(self.flops, Mapping):
@@ -140,6 +172,14 @@ class Efficiency:
         """The fraction of the shorter term hidden: as given, else 1 (the roofline)."""
         return float(self.overlap) if self.overlap is not None else 1.0
 
+    def launch_for(self, spec: DeviceSpec) -> float:
+        """Seconds a GPU kernel costs at least: as given, else the kind's
+        :class:`~pipexplore.predict.kernels.GPUKernels` launch, else the spec's ``kernel_overhead``."""
+        if self.launch is not None:
+            return float(self.launch)
+        kernels = gpu_kernels(spec)
+        return kernels.launch_for(spec) if kernels is not None else float(spec.kernel_overhead)
+
 
 def _combined(compute: np.ndarray, memory: np.ndarray, overlap: float) -> np.ndarray:
     """An op's seconds beyond its launch: the longer term and what of the shorter does not hide."""
@@ -163,10 +203,12 @@ def _checked(ops: pd.DataFrame) -> float:
 
 
 def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
-           efficiency: Optional[Efficiency]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per op at ``rows`` rows: launch seconds, arithmetic seconds (with the small-kernel seconds
-    for an op that computes) and memory seconds, at the efficiency given (``Efficiency(1, 1)``: at
-    peak, no small-kernel cost)."""
+           efficiency: Optional[Efficiency]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per op at ``rows`` rows: the host's seconds to issue it (a GPU kernel's launch; 0 elsewhere),
+    the fixed seconds beside its work (a GPU kernel's ``device_fixed``; the spec's ``kernel_overhead``
+    elsewhere), its arithmetic seconds (a GEMM's tiles and waves on a GPU, with the small-kernel
+    seconds for an op that computes) and its memory seconds, at the efficiency given
+    (``Efficiency(1, 1)``: at peak, no small-kernel cost). 0 for a collective (costed over its links)."""
     r0 = _checked(ops)
     eff = efficiency if efficiency is not None else Efficiency()
     scale = float(rows) / r0
@@ -177,14 +219,50 @@ def _terms(ops: pd.DataFrame, spec: DeviceSpec, rows: float,
     rates = {d: spec.peak(d) * eff.flops_for(d, spec) for d in dict.fromkeys(
         d for d, f in zip(dtypes, flops) if not f == 0)}  # an op that computes nothing needs no peak
     rate = np.array([rates.get(d, np.inf) for d in dtypes])
-    compute = np.where(flops == 0, 0.0, flops * scale / rate + eff.small_kernel_for(spec))
-    memory = (fixed + per_row * scale) / (spec.memory_bandwidth * eff.bandwidth_for(spec))
+    bandwidth = spec.memory_bandwidth * eff.bandwidth_for(spec)
+    work = flops * scale
+    extra = np.zeros(len(ops))
+    gpu = gpu_kernels(spec)
+    if gpu is not None and "gemm_m" in ops:
+        work, extra = _gemm_terms(ops, spec, gpu, scale, work, dtypes)
+    compute = np.where(flops == 0, 0.0, work / rate + eff.small_kernel_for(spec))
+    memory = (fixed + per_row * scale + extra) / bandwidth
     kernels = np.where((flops == 0) & (fixed == 0) & (per_row == 0), 0.0, 1.0)  # a view launches nothing
     if "kernels" in ops:  # where the frame says
         given = ops["kernels"].to_numpy(dtype=float)
         kernels = np.where(np.isnan(given), kernels, given)
     kernel = collectives_of(ops) == ""  # a collective is costed over its links (ops_collective_seconds)
-    return kernels * spec.kernel_overhead * kernel, compute * kernel, memory * kernel
+    if gpu is not None:
+        host, beside = kernels * eff.launch_for(spec), kernels * gpu.device_fixed
+    else:
+        host, beside = np.zeros(len(ops)), kernels * spec.kernel_overhead
+    return host * kernel, beside * kernel, compute * kernel, memory * kernel
+
+
+def _gemm_terms(ops: pd.DataFrame, spec: DeviceSpec, gpu: Any, scale: float, work: np.ndarray,
+                dtypes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``work`` with each GEMM's FLOPs as its tiles and waves spend them at the rows (its dimension
+    ``gemm_rows`` scaled by ``scale``), and the extra bytes of its split-K (0 for other ops). The
+    tile and split are those fastest at the spec's documented fractions (a library's heuristic
+    knows the device, not what was learnt of it), so that the seconds stay linear in the
+    reciprocals of the fractions :func:`fit_efficiency` learns."""
+    dims = {d: ops[f"gemm_{d}"].fillna(0).to_numpy(dtype=float) for d in ("batch", "m", "n", "k")}
+    grows = ops["gemm_rows"].fillna("").astype(str).to_numpy() if "gemm_rows" in ops else np.full(len(ops), "")
+    gemm = (dims["m"] > 0) & (dims["n"] > 0) & (dims["k"] > 0) & np.isfinite(work) & (work > 0)
+    extra = np.zeros(len(ops))
+    if not gemm.any():
+        return work, extra
+    for d in dims:
+        dims[d] = np.where(grows == d, dims[d] * scale, dims[d])
+    element = np.array([element_bytes(d) for d in dtypes])
+    ratio = np.array([tensor_core_ratio(spec, d) if g else 1.0 for d, g in zip(dtypes, gemm)])
+    rate = np.array([spec.peak(d) * spec.flops_efficiency if g else 1.0 for d, g in zip(dtypes, gemm)])
+    spent, moved = gemm_work(dims["batch"][gemm], dims["m"][gemm], dims["n"][gemm], dims["k"][gemm], gpu,
+                             rate[gemm], spec.memory_bandwidth * spec.bandwidth_efficiency, element[gemm], ratio[gemm])
+    work = work.copy()
+    work[gemm] = spent
+    extra[gemm] = moved
+    return work, extra
 
 
 def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
@@ -196,29 +274,44 @@ def op_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
     where the flops (or bytes) are NaN. A collective (``collective`` column) costs the ring over
     ``group``'s links instead, its bytes the whole tensor's at ``rows``.
 
+    On a GPU with :class:`~pipexplore.predict.kernels.GPUKernels` each op's device seconds are
+    ``device_fixed + max(…)`` (a GEMM's FLOPs as its tiles and waves spend them), and the ops of a
+    kind's phase run as the host issues them (:func:`~pipexplore.predict.kernels.issued`): an op's seconds are what it adds
+    to its phase's end, its wait for the host included.
+
     Raises:
         ValueError: the frame lacks a column or ``attrs["rows"]``, an op's dtype has no peak
             on the device (float8 on an A100), or it has collectives and no ``group``.
     """
     spec = device_spec(spec)
-    launch, compute, memory = _terms(ops, spec, rows, efficiency)
-    overlap = (efficiency if efficiency is not None else Efficiency()).overlap_for(spec)
+    eff = efficiency if efficiency is not None else Efficiency()
+    host, beside, compute, memory = _terms(ops, spec, rows, efficiency)
     comm = ops_collective_seconds(ops, rows, group)
-    return pd.Series(launch + _combined(compute, memory, overlap) + comm, index=ops.index, name="seconds")
+    device = beside + _combined(compute, memory, eff.overlap_for(spec)) + comm
+    if gpu_kernels(spec) is None:
+        return pd.Series(device, index=ops.index, name="seconds")
+    host = host + np.where((collectives_of(ops) != "") & (comm > 0), eff.launch_for(spec), 0.0)  # issued too
+    return pd.Series(issued(_phase_groups(ops), host, device), index=ops.index, name="seconds")
+
+
+def _phase_groups(ops: pd.DataFrame) -> np.ndarray:
+    """Each op's (kind, phase), as one code."""
+    pairs = ops["kind"].astype(str).to_numpy().astype(object) + "\x00" + ops["phase"].astype(str).to_numpy().astype(object)
+    return pd.factorize(pairs, sort=False)[0]
 
 
 def _sum_by_kind(ops: pd.DataFrame, seconds: np.ndarray) -> pd.DataFrame:
     """Per kind (in order of appearance) and phase, the sum of ``seconds`` (NaN if any is NaN; 0
     for a phase without ops)."""
-    frame = pd.DataFrame({"kind": ops["kind"].to_numpy(), "phase": ops["phase"].to_numpy(), "s": seconds})
-    grouped = frame.groupby(["kind", "phase"], sort=False)["s"]
-    total = grouped.sum().where(~grouped.apply(lambda s: s.isna().any()))
-    out = total.unstack("phase").reindex(columns=list(PHASES))
-    present = frame.groupby(["kind", "phase"], sort=False).size().unstack("phase").reindex(columns=list(PHASES))
-    out = out.where(present.notna(), 0.0)
-    out = out.reindex(list(dict.fromkeys(ops["kind"])))
-    out.index.name, out.columns.name = "kind", None
-    return out.astype(float)
+    codes, kinds = pd.factorize(ops["kind"].to_numpy(), sort=False)
+    phases = ops["phase"].to_numpy()
+    values = np.asarray(seconds, dtype=float)
+    out = np.zeros((len(kinds), len(PHASES)))
+    for j, phase in enumerate(PHASES):
+        mask = phases == phase
+        out[:, j] = np.bincount(codes[mask], weights=values[mask], minlength=len(kinds))  # NaN where any is
+    frame = pd.DataFrame(out, index=pd.Index(kinds, name="kind"), columns=list(PHASES))
+    return frame.astype(float)
 
 
 def kind_seconds(ops: pd.DataFrame, spec: SpecLike, rows: float, *,
@@ -382,11 +475,11 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     phases = ops["phase"].to_numpy()
     dtypes = np.array([dtype_name(d) for d in ops["dtype"]])
     computes = (ops["flops"].to_numpy(dtype=float) != 0)  # the ops that can pay the small-kernel seconds
-    # One entry per measured (kind, phase, size): its ops' launch, arithmetic and memory seconds
-    # at peak, their FLOP/s groups, which compute, and the measured seconds.
-    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
+    # One entry per measured (kind, phase, size): its ops' host, fixed, arithmetic and memory
+    # seconds at peak (in the order they run), their FLOP/s groups, which compute, and the measured seconds.
+    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
     for n, frame in sizes.items():
-        launch, compute, memory = _terms(ops, spec, n, Efficiency(1.0, 1.0))
+        host, beside, compute, memory = _terms(ops, spec, n, Efficiency(1.0, 1.0))
         for kind in frame.index:
             for phase in PHASES:
                 value = float(frame.at[kind, phase]) if phase in frame else math.nan
@@ -394,11 +487,12 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
                 if not (np.isfinite(value) and value > 0 and mask.any()):
                     continue
                 if np.isfinite(compute[mask]).all() and np.isfinite(memory[mask]).all():
-                    entries.append((launch[mask], compute[mask], memory[mask], dtypes[mask], computes[mask], value))
+                    entries.append((host[mask], beside[mask], compute[mask], memory[mask], dtypes[mask],
+                                    computes[mask], value))
     if not entries:
         raise ValueError("no measured kind to learn from: measured_kind_seconds names no kind of the ops frame "
                          "with a finite, positive forward or backward")
-    groups = sorted({d for _, c, _, g, _, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
+    groups = sorted({d for _, _, c, _, g, _, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
     # The reciprocals of the fractions, from the defaults, and no small-kernel seconds.
     start = np.array([*(1.0 / spec.flops_efficiency for _ in groups), 1.0 / spec.bandwidth_efficiency, 0.0])
     best: Optional[tuple[np.ndarray, set[int], float, float]] = None
@@ -408,7 +502,7 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
             joint = _solve(entries, groups, per_dtype, values, True, iterations, overlap)
             if joint[2] < residual and joint[0][-1] > 0:
                 values, learnt, residual = joint[0], learnt | joint[1], joint[2]
-        if best is None or residual < best[2]:
+        if best is None or residual < best[2] - max(1e-12, 1e-6 * best[2]):  # (a tie keeps the roofline)
             best = (values, learnt, residual, overlap)
     assert best is not None
     values, learnt, _, overlap = best
@@ -427,13 +521,14 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
     bandwidth's, the small-kernel seconds): classify the ops, solve the linear least squares,
     until the classification holds. The values, the columns learnt, and the sum of the squared
     relative errors of the model (the ``max``, not its linearisation) at the values. ``overlap``
-    is 1 (the roofline) or 0 (every op counts both its terms: one solve, no classification to
-    settle)."""
+    is 1 (the roofline) or 0 (every op counts both its terms). Where a GPU's host issues the ops
+    (:func:`~pipexplore.predict.kernels.issued`), a phase ends at ``H_j + Σ_{k ≥ j} device_k`` for the ``j`` that waited last
+    for the host: the ops before it hide behind the host's time, classified so."""
     ky, ks = len(groups), len(groups) + 1  # the columns of the bandwidth reciprocal and the small-kernel seconds
     current = np.array(start, dtype=float)
     previous, learnt = None, set()
 
-    def times(launch, compute, memory, group, does, value):  # type: ignore[no-untyped-def]
+    def times(host, beside, compute, memory, group, does, value):  # type: ignore[no-untyped-def]
         of = group if per_dtype else np.full(len(group), "all")
         factor = np.array([current[groups.index(g)] if g in groups else 1.0 for g in of])
         arithmetic = compute * factor + np.where(does, current[ks], 0.0)
@@ -441,18 +536,23 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
 
     for _ in range(iterations):
         design, target, bounds = [], [], []
-        for launch, compute, memory, group, does, value in entries:
-            of, arithmetic, traffic = times(launch, compute, memory, group, does, value)
+        for host, beside, compute, memory, group, does, value in entries:
+            of, arithmetic, traffic = times(host, beside, compute, memory, group, does, value)
+            device = beside + _combined(arithmetic, traffic, overlap)
+            issue = np.cumsum(host)
+            last = int(np.argmax(issue - (np.cumsum(device) - device)))  # the op that waited last for the host
+            live = np.arange(len(device)) >= last  # the ops that end the phase; those before hide
             bound = arithmetic >= traffic  # the compute-bound ops
             additive = np.ones_like(bound)  # with overlap 0 every op counts its arithmetic and its traffic
             if overlap == 0.0:
                 bound = additive
-            bounds.append(bound)
-            traffic_of = additive if overlap == 0.0 else ~bound
+            bounds.append(np.concatenate([bound, live]))
+            traffic_of = (additive if overlap == 0.0 else ~bound) & live
+            bound = bound & live
             row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[traffic_of].sum()),
                                                                               float((bound & does).sum())]
             design.append(np.array(row) / value)
-            target.append((value - float(launch.sum())) / value)
+            target.append((value - float(issue[last]) - float(beside[live].sum())) / value)
         classified = np.concatenate(bounds)
         if previous is not None and np.array_equal(classified, previous):
             break
@@ -479,7 +579,8 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
     for entry in entries:
         _, arithmetic, traffic = times(*entry)
         value = entry[-1]
-        residual += ((float(entry[0].sum()) + float(_combined(arithmetic, traffic, overlap).sum())) / value - 1.0) ** 2
+        seconds = issued(np.zeros(len(arithmetic), dtype=int), entry[0], entry[1] + _combined(arithmetic, traffic, overlap))
+        residual += (float(seconds.sum()) / value - 1.0) ** 2
     return current, learnt, residual
 
 
