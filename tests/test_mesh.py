@@ -51,8 +51,8 @@ def test_the_layout_is_torchs_device_mesh(fake_world):
 def test_a_mesh_that_does_not_fill_the_devices_is_refused_with_what_would():
     with pytest.raises(ValueError, match=r"mesh tp 4 × pp 8 = 32 ranks, but there are 64 devices: dp=2 would fill"):
         Mesh.of({"tp": 4, "pp": 8}, devices=64)
-    with pytest.raises(ValueError, match=r"unknown dimension 'ep'"):
-        Mesh.of({"tp": 2, "ep": 2}, devices=4)
+    with pytest.raises(ValueError, match=r"unknown dimension 'sp'"):
+        Mesh.of({"tp": 2, "sp": 2}, devices=4)
     with pytest.raises(ValueError, match=r"tp \(tensor parallelism\) is a whole number of ranks from 1, got 0"):
         Mesh.of({"tp": 0, "pp": 4}, devices=4)
     with pytest.raises(ValueError, match=r"is a mapping of tp, pp, dp and cp"):

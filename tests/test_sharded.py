@@ -355,8 +355,9 @@ def _zoo_sample(name, config):
 
 #: What becomes at tp=2 of each zoo architecture's plan (its config's own, else the one ``TP_PLANS`` gives):
 #: ``half``, each block a rank computes half its FLOPs; ``kept``, less than the whole and more than
-#: half, the plan keeping modules whole on every rank (Mixtral's and Qwen2-MoE's experts, their
-#: plans naming the attention only; DeepSeek-V3's multi-latent down-projections); or refused naming
+#: half, the plan keeping modules whole on every rank (the routers; Mixtral's and Qwen2-MoE's routed
+#: experts, whole on each rank and computing its 1/tp of the tokens, as the mesh folds them:
+#: tests/test_mesh_experts.py; DeepSeek-V3's multi-latent down-projections); or refused naming
 #: why there is no share (Falcon's 71 heads; GPT-BigCode's one key-value head, fused with the queries).
 ZOO_TP = {**{name: "half" for name in ZOO}, "mixtral": "kept", "qwen2_moe": "kept", "deepseek_v3": "kept",
           "falcon": r"tp=2 does not divide the model's 71 attention heads",

@@ -1,4 +1,5 @@
-"""A device mesh: tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism over the ranks.
+"""A device mesh: tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism over the ranks,
+and a mixture of experts' expert (ep) and expert-tensor (etp) parallelism folded over the same GPUs.
 
 Ranks are placed as Megatron-LM (its default order ``tp-cp-ep-dp-pp``) and torchtitan
 (``init_device_mesh`` over ``("pp", "dp", "cp", "tp")``) place them: tensor-parallel ranks are
@@ -15,22 +16,45 @@ the farthest apart. Rank ``r``'s coordinates, the fastest-moving first::
 A group of a dimension is the ranks that differ in that coordinate only (``tp`` groups here:
 ``[0, 1] [2, 3] [4, 5] [6, 7]``; ``dp``: ``[0, 2] [1, 3] [4, 6] [5, 7]``; ``pp``: ``[0, 4] …``).
 
+The experts fold over the same GPUs (Megatron-Core's parallel folding; torchtitan's sparse mesh,
+whose ``efsdp`` is ``edp`` here): attention and dense layers run on ``tp × cp × dp × pp``, a
+mixture of experts' routed experts on ``etp × ep × edp × pp``, where each pipeline stage's
+``tp · cp · dp`` GPUs are cut ``etp`` fastest, then ``ep``, then ``edp = tp·cp·dp / (ep·etp)``
+(Megatron-Core's expert order ``tp-ep-dp-pp``). ``ep × etp`` must divide ``tp · cp · dp``, and
+``ep`` the model's experts (:meth:`Mesh.of` with ``experts``)::
+
+    16 ranks, mesh(tp=2, dp=8, ep=4):   rank   0 1 2 3 4 5 6 7 8 …
+                                        etp    0 0 0 0 0 0 0 0 0        (etp 1)
+                                        ep     0 1 2 3 0 1 2 3 0
+                                        edp    0 0 0 0 1 1 1 1 2
+
 Example::
 
     mesh = Mesh.of({"tp": 8, "pp": 8, "dp": 2}, devices=128)
     mesh.group("tp", 13)                      # (8, 9, …, 15): one node of 8 GPUs
     mesh.nodes_of("dp", 13, gpus_per_node=8)  # 2: a data-parallel group crosses nodes
+    moe = Mesh.of({"tp": 2, "pp": 8, "dp": 16, "ep": 32}, devices=256, experts=128)
+    moe.edp, moe.group("ep", 0)               # 1, (0, 1, …, 31)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-__all__ = ["Mesh", "DIMS"]
+__all__ = ["Mesh", "DIMS", "EXPERT_DIMS"]
 
 #: The mesh's dimensions, the fastest-moving first (the order ranks are numbered in).
 DIMS = ("tp", "cp", "dp", "pp")
-_NAMES = {"tp": "tensor", "cp": "context", "dp": "data", "pp": "pipeline"}
+#: The experts' dimensions over the same ranks, the fastest-moving first (``edp`` follows from the others).
+EXPERT_DIMS = ("etp", "ep", "edp", "pp")
+#: What a mesh given as a mapping may name, in the order a person reads it.
+_GIVEN = ("tp", "pp", "dp", "cp", "ep", "etp")
+_NAMES = {"tp": "tensor", "cp": "context", "dp": "data", "pp": "pipeline", "ep": "expert", "etp": "expert-tensor",
+          "edp": "expert-data"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -42,48 +66,109 @@ class Mesh:
     pp: int = 1  #: pipeline ranks: the stages
     dp: int = 1  #: data-parallel replicas of the whole pipeline
     cp: int = 1  #: context-parallel ranks: each sequence split across them
+    ep: int = 1  #: expert-parallel ranks: each holds ``1/ep`` of a layer's routed experts
+    etp: int = 1  #: expert-tensor-parallel ranks: each expert's widths sharded across them
 
     def __post_init__(self) -> None:
-        for dim in DIMS:
+        for dim in (*DIMS, "ep", "etp"):
             value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"mesh: {dim} ({_NAMES[dim]} parallelism) is a whole number of ranks from 1, "
                                  f"got {value!r}")
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.etp):
+            raise ValueError(f"mesh: ep {self.ep} × etp {self.etp} = {self.ep * self.etp} does not divide "
+                             f"tp·cp·dp = {stage}, the GPUs of a pipeline stage the experts are folded over: "
+                             f"{self._folds()}")
+
+    def _folds(self, experts: Optional[int] = None, etp: Optional[int] = None) -> str:
+        """The expert degrees that fold over a stage's ``tp · cp · dp`` GPUs (and divide ``experts``):
+        at ``etp`` (default: the mesh's) where it divides them, else at 1 and ``tp`` (torchtitan's two)."""
+        stage = self.tp * self.cp * self.dp
+        etp = self.etp if etp is None else etp
+        etps = [etp] if stage % etp == 0 else sorted({1, self.tp})
+        said = []
+        for etp in etps:
+            eps = [e for e in _divisors(stage // etp) if experts is None or experts % e == 0]
+            said.append(f"with etp {etp}, ep can be {', '.join(map(str, eps))}")
+        return "; ".join(said)
 
     @classmethod
-    def of(cls, spec: Optional[Any], devices: int) -> "Mesh":
-        """The mesh a user asks for (``{"tp": 4, "pp": 8, "dp": 2}``; a dimension left out is 1;
-        None: every device a pipeline stage), checked against the number of ``devices``.
+    def of(cls, spec: Optional[Any], devices: int, experts: Optional[int] = None) -> "Mesh":
+        """The mesh a user asks for (``{"tp": 4, "pp": 8, "dp": 2}``, ``"ep"`` and ``"etp"`` for a
+        mixture of experts; a dimension left out is 1; None: every device a pipeline stage), checked
+        against the number of ``devices`` and, where given, the model's routed ``experts`` (0: a
+        model without).
 
         Raises:
-            ValueError: a dimension that is not tp, pp, dp or cp, a size that is not a whole number
-                from 1, or a product that is not the number of devices (what would fill them named).
+            ValueError: a dimension that is not tp, pp, dp, cp, ep or etp, a size that is not a whole
+                number from 1, a product that is not the number of devices (what would fill them
+                named), ``ep × etp`` that does not divide ``tp · cp · dp`` or ``ep`` that does not
+                divide the experts (the degrees that would, named), ``ep`` or ``etp`` above 1 for a
+                model without experts.
         """
         if spec is None:
             return cls(pp=devices)
         if isinstance(spec, Mesh):
-            spec = {dim: getattr(spec, dim) for dim in DIMS}
+            spec = {dim: getattr(spec, dim) for dim in _GIVEN}
         if not isinstance(spec, Mapping):
-            raise ValueError(f"mesh is a mapping of tp, pp, dp and cp to their ranks ({{'tp': 4, 'pp': 8}}), "
-                             f"got {spec!r}")
-        unknown = sorted(set(spec) - set(DIMS))
+            raise ValueError(f"mesh is a mapping of tp, pp, dp and cp (ep and etp for experts) to their ranks "
+                             f"({{'tp': 4, 'pp': 8}}), got {spec!r}")
+        unknown = sorted(set(spec) - set(_GIVEN))
         if unknown:
             named = ", ".join(map(repr, unknown))
             raise ValueError(f"mesh: unknown dimension{'s' if len(unknown) > 1 else ''} {named}: "
-                             f"the mesh has {', '.join(f'{d} ({_NAMES[d]})' for d in ('tp', 'pp', 'dp', 'cp'))}")
-        mesh = cls(**{dim: spec[dim] for dim in DIMS if dim in spec})
-        if mesh.size != devices:
+                             f"the mesh has {', '.join(f'{d} ({_NAMES[d]})' for d in _GIVEN)}")
+        for dim in _GIVEN:
+            value = spec.get(dim, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh: {dim} ({_NAMES[dim]} parallelism) is a whole number of ranks from 1, "
+                                 f"got {value!r}")
+        plain = {dim: spec[dim] for dim in DIMS if dim in spec}
+        size = cls(**plain).size
+        if size != devices:
+            mesh = cls(**plain)
             product = " × ".join(f"{dim} {getattr(mesh, dim)}" for dim in ("tp", "pp", "dp", "cp")
                                  if getattr(mesh, dim) > 1 or dim in spec) or "1"
             rest = devices // (mesh.size // mesh.dp) if devices % (mesh.size // mesh.dp) == 0 else None
             hint = f": dp={rest} would fill them" if rest and "dp" not in spec else ""
             raise ValueError(f"mesh {product} = {mesh.size} ranks, but there are {devices} devices{hint}")
+        ep, etp = spec.get("ep", 1), spec.get("etp", 1)
+        if experts == 0 and ep * etp > 1:
+            raise ValueError(f"mesh: ep {ep}, etp {etp}: expert parallelism folds a mixture of experts' routed "
+                             "experts, and this model has none (its config names no expert count, "
+                             "num_local_experts, num_experts or n_routed_experts): leave ep and etp at 1")
+        dense = cls(**plain)
+        stage = dense.tp * dense.cp * dense.dp
+        if stage % (ep * etp):
+            folds = dense._folds(experts, etp)
+            raise ValueError(f"mesh: ep {ep} × etp {etp} = {ep * etp} does not divide tp·cp·dp = {stage}, the GPUs "
+                             f"of a pipeline stage the experts are folded over: {folds}")
+        mesh = replace(dense, ep=ep, etp=etp)
+        mesh.check_experts(experts)
         return mesh
 
+    def check_experts(self, experts: Optional[int]) -> None:
+        """Refuse an ``ep`` that does not divide the model's ``experts`` routed experts (None: not
+        known), naming the degrees that would do."""
+        if experts and experts % self.ep:
+            raise ValueError(f"mesh: ep {self.ep} does not divide the model's {experts} routed experts (each "
+                             f"expert-parallel rank holds a whole share of them): {self._folds(experts)}")
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: the replicas of each expert's shard, ``tp·cp·dp / (ep·etp)``."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the experts are folded otherwise than as the dense layers' replicas (``ep`` or ``etp`` above 1)."""
+        return self.ep * self.etp > 1
+
     def describe(self, joiner: str = " · ") -> str:
-        """The mesh as a person reads it, ``'tp 4 · pp 8 · dp 2'`` (``cp`` where it is above 1); the
-        page's mesh field reads it back with ``joiner=" "``."""
-        shown = [dim for dim in ("tp", "pp", "dp", "cp") if dim != "cp" or self.cp > 1]
+        """The mesh as a person reads it, ``'tp 4 · pp 8 · dp 2'`` (``cp``, ``ep`` and ``etp`` where
+        above 1); the page's mesh field reads it back with ``joiner=" "``."""
+        shown = [dim for dim in _GIVEN if dim in ("tp", "pp", "dp") or getattr(self, dim) > 1]
         return joiner.join(f"{dim} {getattr(self, dim)}" for dim in shown)
 
     def place(self, rank: int) -> str:
@@ -120,10 +205,23 @@ class Mesh:
             stride *= size
         return rank
 
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s place on the experts' dimensions (:data:`EXPERT_DIMS`): its stage's
+        ``tp · cp · dp`` ranks cut ``etp`` fastest, then ``ep``, then ``edp``."""
+        local = rank % (self.tp * self.cp * self.dp)
+        return {"etp": local % self.etp, "ep": local // self.etp % self.ep, "edp": local // (self.etp * self.ep),
+                "pp": self.coordinates(rank)["pp"]}
+
     def group(self, dim: str, rank: int) -> tuple[int, ...]:
-        """The ranks of ``dim``'s group that holds ``rank``: those that differ from it in ``dim`` only."""
+        """The ranks of ``dim``'s group that holds ``rank``: those that differ from it in ``dim`` only
+        (``dim`` one of :data:`DIMS` or of the experts' ``etp``, ``ep``, ``edp``)."""
+        if dim in ("etp", "ep", "edp"):
+            place = self.expert_coordinates(rank)
+            stride = {"etp": 1, "ep": self.etp, "edp": self.etp * self.ep}[dim]
+            base = rank - place[dim] * stride
+            return tuple(base + k * stride for k in range(getattr(self, dim)))
         if dim not in DIMS:
-            raise ValueError(f"mesh: unknown dimension {dim!r}: {', '.join(DIMS)}")
+            raise ValueError(f"mesh: unknown dimension {dim!r}: {', '.join((*DIMS, 'etp', 'ep', 'edp'))}")
         place = self.coordinates(rank)
         return tuple(self.rank(**{**place, dim: k}) for k in range(getattr(self, dim)))
 

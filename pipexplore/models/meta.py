@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from pipexplore.microbatch import tensors_in
-from pipexplore.models import sharded
+from pipexplore.models import experts, sharded
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
 from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
@@ -41,7 +41,7 @@ from pipexplore.models.trace.candidates import candidate_modules
 from pipexplore.training import LossFn, Training
 
 __all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS",
-           "RANK_COLUMNS"]
+           "RANK_COLUMNS", "EXPERT_COLUMNS"]
 
 COUNT_COLUMNS = ["name", "type", "kind", "params", "param_bytes", "grad_bytes", "output_bytes", "saved_bytes",
                  "forward_flops", "backward_flops", "forward_kernels", "backward_kernels", "uncounted", "stash", "pop",
@@ -308,6 +308,16 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     inputs do; masks and other values the model computes without grad do not) and every parameter
     that requires grad.
 
+    A mixture of experts (:func:`pipexplore.models.experts.routed_experts`) adds the columns of
+    :data:`EXPERT_COLUMNS`: its routed experts' ``expert_params``, ``expert_param_bytes`` and
+    ``expert_grad_bytes`` a layer (part of ``params``, ``param_bytes`` and ``grad_bytes``), its
+    routers' ``router_params`` and ``router_param_bytes`` (whole on every tensor-parallel rank), and
+    ``dispatch_bytes``, what a layer's token dispatch moves for the whole batch (each token's
+    ``top_k`` copies of its hidden state, whole: what the expert-parallel all-to-all exchanges);
+    ``table.attrs["experts"]`` says how many experts and ``top_k``. With ``tp > 1`` a rank's
+    experts compute its ``1/tp`` of the tokens (:func:`pipexplore.models.experts.share_tokens`), and
+    ``rank_expert_param_bytes`` is the part of ``rank_param_bytes`` that is routed experts.
+
     Each kind is counted at ``microbatch_rows`` rows (default: the whole batch); FLOPs and bytes
     are scaled linearly to the batch. ``table.attrs``: ``batch``, ``rows`` (``(microbatch_rows,)``),
     ``source`` (``"counted"``), ``notes``, and ``ops``: one row per kernel, columns ``kind``,
@@ -326,16 +336,21 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     scale = batch / rows
     notes: list[str] = []
     counts: dict[tuple, tuple[str, Count]] = {}
-    ranks: dict[tuple, tuple[Count, int]] = {}  # a tensor-parallel rank's count of each kind, its parameter bytes
-    with _rank_counting(model, tp, tp_plan) as rank_count:
+    # a tensor-parallel rank's count of each kind, its parameter bytes and its routed experts' parameter bytes
+    ranks: dict[tuple, tuple[Count, int, int]] = {}
+    routed = experts.routed_experts(model)
+    kernels_of_experts: dict[tuple, Optional[Count]] = {}  # each kind's routed experts' own kernels (a rank's)
+    with _rank_counting(model, tp, tp_plan, routed) as rank_count:
         for k in cap.order:
             call = cap.calls[k]
             if call.signature not in counts:
                 name, module = cap.blocks[k]
-                counts[call.signature] = (f"{type(module).__name__}-{len(counts)}",
-                                          count_call(module, call.args, call.kwargs))
+                with experts.inputs_of(module, name, routed) as seen:
+                    counts[call.signature] = (f"{type(module).__name__}-{len(counts)}",
+                                              count_call(module, call.args, call.kwargs))
+                kernels_of_experts[call.signature] = experts.count_experts(seen) if rank_count is None else None
                 if rank_count is not None:
-                    ranks[call.signature] = rank_count(name, module, call)
+                    ranks[call.signature], kernels_of_experts[call.signature] = rank_count(name, module, call)
     order, position, routes = layout(cap)
     never = [cap.blocks[k][0] for k in order if k not in cap.calls]
     if never:
@@ -354,6 +369,7 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         for p in module.parameters():
             owners.setdefault(id(p), []).append(k)
     ops: list[dict[str, Any]] = []
+    expert_ops: list[dict[str, Any]] = []
     done: set[str] = set()
     table = []
     for k in order:
@@ -365,18 +381,25 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
         kind = base if calls == 1 else f"{base}x{calls}"
         if extra or outside_saved.get(k):
             kind = f"{kind}+outside:{name}"
-        rank, rank_bytes = ranks.get(called.signature, (count, None)) if called is not None else (count, None)
+        rank, rank_bytes, rank_expert_bytes = (ranks.get(called.signature, (count, None, None)) if called is not None
+                                               else (count, None, None))
         records = count.records * calls + extra
         if kind not in done:  # the ops frame: a tensor-parallel rank's operators, where counted so
             done.add(kind)
             counted = rank.records * calls + extra
             ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": n >= len(counted) - len(extra)}
                     for n, r in enumerate(counted)]
+            own = kernels_of_experts.get(called.signature) if called is not None else None
+            if own is not None:
+                expert_ops += [{"kind": kind, **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": False}
+                               for r in own.records * calls]
         uncounted = sorted({r["op"] for r in records if r["uncounted"]})
         if uncounted:
             notes.append(f"{name} ({type(module).__name__}): no FLOP formula for {', '.join(uncounted)}: its FLOPs "
                          "are unknown (NaN), not zero")
         params, param_bytes, grad_bytes = _params(module)
+        expert_params, expert_bytes, expert_grads = experts.expert_parameters(module, name, routed)
+        router_params, router_bytes = experts.router_parameters(module, name, routed)
         stash, pop = routes[k]
         shared = sorted({names.get(id(p), "?") for p in module.parameters() if len(set(owners[id(p)])) > 1})
         table.append({
@@ -393,7 +416,13 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
                                                                             if r["phase"] == "forward")) * scale,
                 "rank_backward_flops": (rank.flops("backward") * calls + sum(r["flops"] for r in extra
                                                                               if r["phase"] == "backward")) * scale,
-                "rank_param_bytes": rank_bytes if rank_bytes is not None else param_bytes} if ranks else {})})
+                "rank_param_bytes": rank_bytes if rank_bytes is not None else param_bytes} if ranks else {}),
+            **({"expert_params": expert_params, "expert_param_bytes": expert_bytes, "expert_grad_bytes": expert_grads,
+                "router_params": router_params, "router_param_bytes": router_bytes,
+                "dispatch_bytes": (experts.dispatch_bytes(called.args, called.kwargs, routed.top_k) * scale
+                                   if expert_params and called is not None else 0.0)} if routed else {}),
+            **({"rank_expert_param_bytes": rank_expert_bytes if rank_expert_bytes is not None else expert_bytes}
+               if routed and ranks else {})})
     reads = cap.meta_reads + sum(c.meta_reads for _, c in counts.values())
     if reads:
         notes.append(f"{reads} value(s) read from meta tensors (a Python branch on a tensor, .item()) were taken as "
@@ -402,10 +431,22 @@ def count_layers(model: nn.Module, sample: Any, *, granularity: str = "blocks", 
     frame.attrs["rows"] = rows
     # every kind counted, those that ran no operator too (a dropout of p = 0 is the identity): no rows, no cost
     frame.attrs["kinds"] = list(dict.fromkeys(row["kind"] for row in table))
-    out = pd.DataFrame(table, columns=COUNT_COLUMNS + (RANK_COLUMNS if ranks else []))
+    out = pd.DataFrame(table, columns=COUNT_COLUMNS + (RANK_COLUMNS if ranks else [])
+                       + (EXPERT_COLUMNS if routed else []) + (["rank_expert_param_bytes"] if routed and ranks else []))
     out.attrs.update(batch=batch, rows=(rows,), source="counted", ops=frame, notes=notes, granularity=granularity,
                      tp=tp)
+    if routed is not None:
+        out.attrs["experts"] = routed.as_attrs()
+        kernels = pd.DataFrame(expert_ops, columns=[*OP_COLUMNS, "outside"]).astype({"outside": bool})
+        kernels.attrs["rows"] = rows
+        out.attrs["expert_ops"] = kernels  # the routed experts' own kernels, by their layer's kind (a rank's)
     return out
+
+
+#: The columns a count of a mixture of experts adds (:func:`count_layers`).
+EXPERT_COLUMNS = ["expert_params", "expert_param_bytes", "expert_grad_bytes", "router_params", "router_param_bytes",
+                  "dispatch_bytes"]
+
 
 
 #: The columns a count for a tensor-parallel rank adds (:func:`count_layers` with ``tp > 1``).
@@ -413,10 +454,12 @@ RANK_COLUMNS = ["rank_forward_flops", "rank_backward_flops", "rank_param_bytes"]
 
 
 @contextlib.contextmanager
-def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]]) -> Iterator[Any]:
+def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]],
+                   routed: Optional[experts.RoutedExperts] = None) -> Iterator[Any]:
     """For ``tp > 1``: a function counting one kind as a tensor-parallel rank computes it (its
-    count, its parameter bytes a rank), over a fake group of ``tp`` ranks held while counting;
-    None for ``tp == 1``. The plan is checked first (:func:`pipexplore.models.sharded.check_plan`)."""
+    count, its parameter bytes a rank, the part of them that is ``routed`` experts; the experts at
+    the rank's share of the tokens), over a fake group of ``tp`` ranks held while counting; None
+    for ``tp == 1``. The plan is checked first (:func:`pipexplore.models.sharded.check_plan`)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp is a whole number of ranks from 1, got {tp!r}")
     if tp == 1:
@@ -425,16 +468,24 @@ def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]])
     plan = sharded.tensor_parallel_plan(model, tp_plan)
     sharded.check_plan(model, plan, tp)
     with sharded.fake_group(tp) as mesh:
-        def rank_count(name: str, module: nn.Module, call: Call) -> tuple[Count, int]:
+        def counted(rank_module: nn.Module, name: str, args: Any,
+                    kwargs: Any) -> tuple[tuple[Count, int, int], Optional[Count]]:
+            experts.share_tokens(rank_module, name, routed, tp)
+            in_experts = [m for sub, m in rank_module.named_modules()
+                          if routed is not None and (f"{name}.{sub}" if sub else name) in routed.modules]
+            with experts.inputs_of(rank_module, name, routed) as seen:
+                count = count_call(rank_module, args, kwargs)
+            held = sum(sharded.rank_param_bytes(m) for m in in_experts)
+            return (count, sharded.rank_param_bytes(rank_module), held), experts.count_experts(seen)
+
+        def rank_count(name: str, module: nn.Module, call: Call) -> tuple[tuple[Count, int, int], Optional[Count]]:
             args, kwargs = on_meta((call.args, call.kwargs))
             try:
-                rank_module = sharded.shard(module, name, plan, mesh)
-                return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
+                return counted(sharded.shard(module, name, plan, mesh), name, args, kwargs)
             except (RuntimeError, TypeError, ValueError):  # a replicated input did not suit it: each projection's own
                 pass
             try:
-                rank_module = sharded.shard(module, name, plan, mesh, gather_once=False)
-                return count_call(rank_module, args, kwargs), sharded.rank_param_bytes(rank_module)
+                return counted(sharded.shard(module, name, plan, mesh, gather_once=False), name, args, kwargs)
             except (RuntimeError, TypeError, ValueError) as error:
                 raise ValueError(
                     f"{name} ({type(module).__name__}) does not run sharded by the tensor-parallel plan at tp={tp}: "

@@ -40,7 +40,7 @@ from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
-from pipexplore.models import opcount, sharded
+from pipexplore.models import experts, opcount, sharded
 from pipexplore.models.opcount import meta_copy
 from pipexplore.models.hf import input_refusal
 from pipexplore.models.inputs import tokens_per_sample
@@ -235,6 +235,11 @@ def planned_layers(model: nn.Module, sample: Sample, *, chunks: int, devices: Se
         group = Group.over(list(devices[:tp]), gpus_per_node)  # costed as NCCL runs it
     table = planned_layer_costs(counted, ops, kinds[0], batch=batch, microbatch_rows=rows[0], efficiency=efficiency,
                                 group=group)
+    routed = counted.attrs.get("experts")
+    if routed:  # what holding 1/(ep·etp) of the experts saves their grouped GEMMs, for each such share
+        shares = {e * t for e in experts.divisors(routed["count"]) for t in experts.divisors(gpus_per_node)}
+        table.attrs["expert_shares"] = experts.share_costs(table.attrs.pop("expert_ops", None), table, kinds[0],
+                                                           efficiency=efficiency, group=group, shares=sorted(shares))
     spec = device_spec(kinds[0])
     table["optimizer"] = optimizer_traffic(table, optimizer=training.optimizer, mixed_precision=mixed_precision) / (
         spec.memory_bandwidth * (efficiency or Efficiency()).optimizer_for(spec))

@@ -148,7 +148,8 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
                  peak_activations: Union[Sequence[float], np.ndarray],
                  optimizer: Optional[Callable[[Any], Any]] = None, mixed_precision: bool = False,
                  capacity: Sequence[float] = (), tp: int = 1, dp: int = 1, data_parallel: str = "ddp",
-                 sequence_parallel: bool = True, reshard_after_forward: bool = True, cp: int = 1) -> pd.DataFrame:
+                 sequence_parallel: bool = True, reshard_after_forward: bool = True, cp: int = 1, ep: int = 1,
+                 etp: int = 1) -> pd.DataFrame:
     """Per stage of ``table`` split at ``splits``, on one GPU of its mesh: parameter, gradient,
     optimizer and peak activation bytes, FSDP's ``gathered_bytes``, their sum ``peak_bytes``, the
     ``capacity`` of the stage's device (NaN: unknown) and whether the stage ``fits`` it (True where
@@ -173,48 +174,83 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     shard the state with the replicas (``zero1``, ``fsdp`` over ``dp · cp`` ranks: they hold the
     same parameters).
 
+    A mixture of experts' routed experts (the table's ``expert_params``, ``expert_param_bytes`` and
+    ``expert_grad_bytes``: :data:`pipexplore.models.meta.EXPERT_COLUMNS`) are held as the mesh folds
+    them (:class:`pipexplore.devices.mesh.Mesh`): sharded over ``ep × etp`` ranks, not ``tp``, and
+    ``data_parallel`` shards their state over the ``edp = tp·cp·dp / (ep·etp)`` ranks holding the same
+    experts, as Megatron-Core's distributed optimizer and torchtitan's FSDP over ``efsdp`` do; their
+    routers (``router_param_bytes``) are whole on every tensor-parallel rank; the dense rest as above
+    (Megatron-LM's ``theoretical_memory_usage`` with its expert fix, #4687).
+
     Example::
 
         stage_memory(table, [40], peak_activations=[3e9 / 8, 1e9 / 8], optimizer=torch.optim.AdamW,
                      capacity=[80e9, 80e9], tp=8, dp=4, data_parallel="zero1")
+        stage_memory(moe_table, [47], peak_activations=[4e9, 4e9], optimizer=torch.optim.AdamW,
+                     mixed_precision=True, tp=2, dp=16, ep=32, data_parallel="zero1")
     """
     from pipexplore.predict.costs import stage_sums  # the same sums the stage costs use
 
     n = len(table)
     points = [0, *splits, n]
-    raw = _column(table, "param_bytes", n)
-    params = raw_stage = stage_sums(raw, points)
-    grads = stage_sums(_column(table, "grad_bytes", n) if "grad_bytes" in table else _column(table, "param_bytes", n),
-                       points)
-    ratio = optimizer_state_ratio(optimizer)
-    if mixed_precision:
-        counts = (stage_sums(_column(table, "params", n), points) if "params" in table
-                  else stage_sums(_column(table, "param_bytes", n), points) / 2.0)
-        trained = counts * (grads / np.where(params > 0, params, 1.0))  # the share of them that trains
-        params, grads, states = 2.0 * counts, 4.0 * trained, 4.0 * trained * (1.0 + ratio)
-    else:
-        states = grads * ratio
     activations = np.asarray(list(peak_activations), dtype=float)
-    if len(activations) != len(params):
-        raise ValueError(f"peak_activations has {len(activations)} values for {len(params)} stages")
+    if len(activations) != len(points) - 1:
+        raise ValueError(f"peak_activations has {len(activations)} values for {len(points) - 1} stages")
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-    for value, name in ((tp, "tp"), (dp, "dp"), (cp, "cp")):
+    for value, name in ((tp, "tp"), (dp, "dp"), (cp, "cp"), (ep, "ep"), (etp, "etp")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")
-    held = params / np.where(raw_stage > 0, raw_stage, 1.0)  # bytes held a byte of the table's parameters
-    largest = np.maximum.reduceat(raw, points[:-1]) * held if n else np.zeros(len(params))
-    params, grads, states, largest = params / tp, grads / tp, states / tp, largest / tp
-    replicas = dp * cp  # the ranks holding the same parameters
-    if data_parallel == "zero1":  # the optimizer's state sharded (with mixed precision: the fp32 master copy too)
-        states = states / replicas
-    gathered = np.zeros(len(params))
-    if data_parallel == "fsdp":
-        gathered = largest if reshard_after_forward else params.copy()
-        params, grads, states = params / replicas, grads / replicas, states / replicas
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"ep {ep} × etp {etp} does not divide tp·cp·dp = {tp * cp * dp}: the experts are folded "
+                         "over a stage's tensor-, context- and data-parallel GPUs")
     if tp > 1 and not sequence_parallel:
         raise ValueError("tensor parallelism without sequence parallelism: which activations each rank keeps whole "
                          "is not counted yet; plan it with sequence_parallel=True, as Megatron-LM's large runs do")
+    ratio = optimizer_state_ratio(optimizer)
+    given = _columns(table, ("param_bytes", "grad_bytes", "params", "expert_param_bytes", "expert_grad_bytes",
+                             "expert_params", "router_param_bytes", "router_params"))
+    raw = given.get("param_bytes", np.zeros(n))
+    grads_raw = given.get("grad_bytes", raw)
+    counts_raw = given.get("params", raw / 2.0)
+    expert_raw = given.get("expert_param_bytes", np.zeros(n))
+    expert_grads_raw = given.get("expert_grad_bytes", expert_raw)
+    expert_counts_raw = given.get("expert_params", expert_raw / 2.0)
+    router_raw = given.get("router_param_bytes", np.zeros(n))
+    router_counts_raw = given.get("router_params", router_raw / 2.0)
+    dense_raw = raw - expert_raw
+    router_grads_raw = router_raw * (grads_raw - expert_grads_raw) / np.where(dense_raw > 0, dense_raw, 1.0)
+    # (dense, tp-sharded, replicas dp·cp), (routers, whole on every rank, replicas dp·cp) and (routed
+    # experts, ep·etp-sharded, replicas edp): Megatron-LM's three kinds of parameter (#4687)
+    parts = [(dense_raw - router_raw, grads_raw - expert_grads_raw - router_grads_raw,
+              counts_raw - expert_counts_raw - router_counts_raw, tp, dp * cp),
+             (router_raw, router_grads_raw, router_counts_raw, 1, dp * cp),
+             (expert_raw, expert_grads_raw, expert_counts_raw, ep * etp, tp * cp * dp // (ep * etp))]
+    zeros = np.zeros(len(points) - 1)
+    params, grads, states, gathered = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    layer_held = np.zeros(n)  # a GPU's bytes of each layer's parameters, before data parallelism
+    for part_raw, part_grads, part_counts, shards, replicas in parts:
+        if not part_raw.any():
+            continue
+        p, g = stage_sums(part_raw, points), stage_sums(part_grads, points)
+        if mixed_precision:
+            c = stage_sums(part_counts, points)
+            trained = c * (g / np.where(p > 0, p, 1.0))  # the share of them that trains
+            p_held, g_held, s_held = 2.0 * c, 4.0 * trained, 4.0 * trained * (1.0 + ratio)
+            layer_held += 2.0 * part_counts / shards
+        else:
+            p_held, g_held, s_held = p, g, g * ratio
+            layer_held += part_raw / shards
+        p_held, g_held, s_held = p_held / shards, g_held / shards, s_held / shards
+        if data_parallel == "zero1":  # the optimizer's state sharded (with mixed precision: the fp32 master copy too)
+            s_held = s_held / replicas
+        if data_parallel == "fsdp":
+            if not reshard_after_forward:
+                gathered = gathered + p_held
+            p_held, g_held, s_held = p_held / replicas, g_held / replicas, s_held / replicas
+        params, grads, states = params + p_held, grads + g_held, states + s_held
+    if data_parallel == "fsdp" and reshard_after_forward and n:  # one layer at a time: the stage's largest
+        gathered = np.maximum.reduceat(layer_held, points[:-1])
     peak = params + grads + states + gathered + activations
     caps = np.asarray(list(capacity) if len(capacity) else [math.nan] * len(params), dtype=float)
     return pd.DataFrame({"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
@@ -224,6 +260,14 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
 
 def _column(table: pd.DataFrame, name: str, n: int) -> np.ndarray:
     return table[name].to_numpy(dtype=float) if name in table else np.zeros(n)
+
+
+def _columns(table: pd.DataFrame, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The columns of ``names`` that ``table`` has, as floats, read at once (each read of a column
+    copies the table's ``attrs``)."""
+    present = [name for name in names if name in table]
+    values = table[present].to_numpy(dtype=float) if present else np.zeros((len(table), 0))
+    return {name: values[:, i] for i, name in enumerate(present)}
 
 
 def optimizer_traffic(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]] = None,

@@ -23,6 +23,21 @@ puts it:
                    what a gather takes beyond its layer's compute is exposed
 =================  ===========================================================================================
 
+A mixture of experts' routed experts are folded over the same GPUs (:class:`~pipexplore.devices.mesh.Mesh`:
+``etp × ep × edp`` a stage): a GPU holds ``1/(ep·etp)`` of each layer's experts (the table's
+``expert_param_bytes``) where the dense layers hold ``1/tp``, and computes its own tokens' share of
+the routed work whatever ``ep`` is (the count's: :mod:`pipexplore.models.experts`); its grouped
+GEMMs read and write ``1/(ep·etp)`` of the experts' weights and their gradients, which the table's
+``attrs['expert_shares']`` takes off its layers' seconds (the roofline of the experts' own kernels at
+that share: :func:`pipexplore.models.experts.share_costs`). Its experts'
+gradients are reduced, and under ``zero1``/``fsdp`` their state sharded, over the ``edp`` ranks
+holding the same experts (Megatron-Core's expert data-parallel group, torchtitan's ``efsdp``), the
+dense rest's over ``dp · cp``. Each layer's routed tokens (the table's ``dispatch_bytes``: ``top_k``
+copies of a rank's ``1/(tp·cp)`` of the tokens) are exchanged by an all-to-all over the ``ep``
+group to the experts' ranks and back, forward and backward (with ``etp``, gathered over and
+scattered back across the ``etp`` group too), costed as the cluster's collectives are
+(:func:`pipexplore.predict.collectives.linear_cost`: ``all_to_all``) and exposed (``ep_seconds``).
+
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
 Llama 3 and torchtitan balance causal attention) leaves a rank ``1/cp`` of every layer's work that
 grows with the tokens (the fitted per-row seconds, the activations, the tensor-parallel
@@ -66,7 +81,10 @@ BUCKET_BYTES = 25 * 2**20
 #: gathers of keys and values, forward and backward, for the whole batch (``cp_seconds``); FSDP's
 #: gather of the layer where torch's runtime issues ``UNSHARD`` (``unshard_seconds``) and the part of
 #: ``dp_seconds`` that is its ``REDUCE_GRAD`` (``reduce_grad_seconds``): the simulator places both.
-MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds", "reduce_grad_seconds"]
+#: The experts' all-to-all (and, with ``etp``, their gathers and scatters) for the whole batch, forward
+#: and backward, is ``ep_seconds``.
+MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds", "reduce_grad_seconds",
+                "ep_seconds"]
 
 
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
@@ -97,36 +115,60 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
     out = table.copy()
-    n = len(out)
+    out.attrs = {key: table.attrs[key] for key in ("batch", "rows") if key in table.attrs}  # (each column read
+    n = len(out)  # copies the attrs: the table's whole come back at the end)
     whole = out["param_bytes"].to_numpy(dtype=float) if "param_bytes" in out else np.zeros(n)
-    params = out["rank_param_bytes"].to_numpy(dtype=float) if "rank_param_bytes" in out else whole / mesh.tp
+    counted = out["rank_param_bytes"].to_numpy(dtype=float) if "rank_param_bytes" in out else whole / mesh.tp
+    experts = out["expert_param_bytes"].to_numpy(dtype=float) if "expert_param_bytes" in out else np.zeros(n)
+    counted_experts = (out["rank_expert_param_bytes"].to_numpy(dtype=float) if "rank_expert_param_bytes" in out
+                       else experts if "rank_param_bytes" in out else experts / mesh.tp)
     trained = (out["grad_bytes"].to_numpy(dtype=float) / np.maximum(whole, 1.0)) if "grad_bytes" in out else 1.0
-    grads = params * trained
-    if mixed_precision:  # fp32 gradients, 16-bit parameters
-        grads = grads * 2.0
-    replicas = mesh.dp * mesh.cp  # the ranks holding the same parameters
-    dp_group = [devices[r] for r in range(mesh.size)
-                if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
+    # a GPU's parameters: the dense ones as the tensor-parallel rank holds them, its 1/(ep·etp) of the experts
+    dense_params = counted - counted_experts
+    expert_params = experts / (mesh.ep * mesh.etp)
+    fp32 = 2.0 if mixed_precision else 1.0  # fp32 gradients, 16-bit parameters
     step_end = np.zeros(n)
     gathers = np.zeros(n)
     unshard = np.zeros(n)
     context = np.zeros(n)
+    moved = np.zeros(n)
+    held = np.zeros(n)  # the bytes of parameters whose state the optimizer steps on this GPU
+    shares = table.attrs.get("expert_shares") or {}
+    at = np.flatnonzero(np.asarray(shares.get("shares", ()), dtype=int) == mesh.ep * mesh.etp)
+    if len(at) and mesh.ep * mesh.etp > 1 and all(column in out for column in shares["columns"]):
+        for column, change in zip(shares["columns"], shares["changes"][at[0]]):  # a GPU's 1/(ep·etp) of the experts
+            out[column] = out[column].to_numpy(dtype=float) + change
+        for phase in ("forward", "backward"):
+            out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * float(table.attrs.get("batch") or 1)
     if mesh.cp > 1:
         out, context = _context_parallel(out, mesh, devices, gpus_per_node)
-    if replicas > 1:
+    if "dispatch_bytes" in out and mesh.size > 1:
+        out, moved = _expert_exchange(out, mesh, devices, gpus_per_node)
+    dp_group = [devices[r] for r in range(mesh.size)
+                if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
+    edp_group = [devices[r] for r in mesh.group("edp", 0)]
+    for params, group in ((dense_params, dp_group), (expert_params, edp_group)):
+        replicas = len(group)  # the ranks holding the same parameters: dp · cp, or edp for the experts
+        grads = params * trained * fp32
+        sharded = data_parallel in ("zero1", "fsdp") and replicas > 1
+        held = held + (params / replicas if sharded else params)
+        if replicas < 2 or not params.any():
+            continue
         if data_parallel == "ddp":
-            step_end = _ring("all_reduce", grads, dp_group, gpus_per_node)
-        else:  # the gradients reduce-scattered; zero1 then gathers the updated parameters, FSDP its next unshard
-            step_end = _ring("reduce_scatter", grads, dp_group, gpus_per_node)
-            gather = _ring("all_gather", params, dp_group, gpus_per_node)
-            if data_parallel == "zero1":
-                step_end = step_end + gather
-            elif reshard_after_forward:
-                gathers = gather
-            else:
-                unshard = gather
-        if data_parallel in ("zero1", "fsdp") and "optimizer" in out:
-            out["optimizer"] = out["optimizer"].to_numpy(dtype=float) / replicas
+            step_end = step_end + _ring("all_reduce", grads, group, gpus_per_node)
+            continue
+        # the gradients reduce-scattered; zero1 then gathers the updated parameters, FSDP its next unshard
+        step_end = step_end + _ring("reduce_scatter", grads, group, gpus_per_node)
+        gather = _ring("all_gather", params, group, gpus_per_node)
+        if data_parallel == "zero1":
+            step_end = step_end + gather
+        elif reshard_after_forward:
+            gathers = gathers + gather
+        else:
+            unshard = unshard + gather
+    if "optimizer" in out:  # the optimizer steps the shard this GPU holds (the table's: the counted rank's)
+        out["optimizer"] = out["optimizer"].to_numpy(dtype=float) * np.where(counted > 0, held / np.maximum(
+            counted, 1.0), 1.0)
     if "optimizer" in out:
         out["optimizer"] = out["optimizer"].to_numpy(dtype=float) + step_end
     if gathers.any():  # each layer gathered again, behind the layer before: every forward, and a backward
@@ -147,8 +189,41 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     out["cp_seconds"] = context
     out["unshard_seconds"] = unshard
     out["reduce_grad_seconds"] = step_end if data_parallel == "fsdp" else np.zeros(n)
+    out["ep_seconds"] = moved
     out.attrs = dict(table.attrs)
     return out
+
+
+def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
+                     gpus_per_node: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """``table`` with each layer's routed tokens exchanged as ``mesh`` folds its experts (the module
+    docstring): forward, the dispatch and the combine all-to-all over the ``ep`` group (and the
+    ``etp`` group's gather and scatter of them), backward the same for their gradients, exposed;
+    a micro-batch's fixed part once a layer, the rest by the row. Returns it and each layer's
+    seconds of them for the whole batch."""
+    out = table.copy()
+    batch = float(table.attrs.get("batch") or 1)
+    rows = float(table.attrs.get("rows", (1,))[0])  # a micro-batch's: what each exchange moves
+    row = out["dispatch_bytes"].to_numpy(dtype=float) / batch / (mesh.tp * mesh.cp)  # a row's routed tokens, a GPU's
+    point = float(row.max()) * rows if len(row) else 0.0
+    routed = row > 0
+    fixed, per_byte = 0.0, 0.0
+    if mesh.ep > 1 and point > 0:
+        latency, rate = linear_cost("all_to_all", point, [devices[r] for r in mesh.group("ep", 0)], gpus_per_node)
+        fixed, per_byte = fixed + 2 * latency, per_byte + 2 * rate  # dispatch and combine
+    if mesh.etp > 1 and point > 0:
+        group = [devices[r] for r in mesh.group("etp", 0)]
+        for kind in ("all_gather", "reduce_scatter"):  # the etp group's tokens gathered, their outputs scattered
+            latency, rate = linear_cost(kind, point * mesh.etp, group, gpus_per_node)
+            fixed, per_byte = fixed + latency, per_byte + rate * mesh.etp
+    if fixed <= 0 and per_byte <= 0:
+        return out, np.zeros(len(out))
+    for phase in ("forward", "backward"):
+        out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + routed * fixed
+        out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + per_byte * row
+        if phase in out:
+            out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
+    return out, 2 * (routed * fixed * batch / max(rows, 1.0) + per_byte * row * batch)
 
 
 def _context_parallel(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
@@ -233,7 +308,8 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     ``collective``, on the device ``'<device> · collectives'``: a lane of its own under the rank's),
     ``collective`` naming it and ``exposed`` whether the step waits for it: the tensor-parallel
     all-reduces sit inside their action, at its end, as Megatron-LM's and torch's run them on the
-    critical path; context parallelism's key-value gathers open their action; the step-end
+    critical path; context parallelism's key-value gathers open their action, the experts' token
+    exchange follows them; the step-end
     data-parallel collectives open the stage's update; FSDP's gathers are split into the part the
     layer before did not hide (exposed) and the part it did (not exposed). ``table``: the rank's
     (:func:`mesh_layer_table`); seconds a micro-batch scale with its rows."""
@@ -241,17 +317,20 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
 
     points = [0, *splits, len(table)]
     rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
+    whole = float(table.attrs.get("batch") or batch)
+    table = table.copy(deep=False)
+    table.attrs = {}  # (each column read copies the attrs)
 
     def per_stage(column: str) -> np.ndarray:
         values = table[column].to_numpy(dtype=float) if column in table else np.zeros(len(table))
         return stage_sums(values, points)
 
-    whole = float(table.attrs.get("batch") or batch)
     comm = {column: per_stage(column) / whole for column in ("forward_comm", "backward_comm")}  # a row's seconds
     step_end = per_stage("dp_seconds")
     gathers = per_stage("gather_seconds")
     exposed_gathers = {phase: per_stage(f"{phase}_gather_exposed") for phase in ("forward", "backward")}
     context = per_stage("cp_seconds") / 2 / whole  # a row's key-value gather (forward) or scatter (backward)
+    exchange = per_stage("ep_seconds") / 2 / whole  # a row's routed tokens sent to their experts and back
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
@@ -274,6 +353,9 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
             if context[s] > 0:
                 name = "cp all_gather K,V" if _TP_PHASE[p] == "forward_comm" else "cp reduce_scatter dK,dV"
                 out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
+            if exchange[s] > 0:
+                begin = start[i] + context[s] * size
+                out.append((i, begin, min(end[i], begin + exchange[s] * size), "ep all_to_all", True))
             if gathers[s] > 0 and (p == "forward" or (p == "backward" and (s, int(micro[i])) in regathered)):
                 shown = min(exposed_gathers[p][s], gathers[s])
                 if shown > 0:

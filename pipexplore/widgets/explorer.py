@@ -280,15 +280,17 @@ class Explorer:
     def search(self, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
                schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
                workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
-               microbatch_rows: Sequence[int] = (), cp: Sequence[int] = ()) -> pd.DataFrame:
+               microbatch_rows: Sequence[int] = (), cp: Sequence[int] = (), ep: Sequence[int] = (),
+               etp: Sequence[int] = ()) -> pd.DataFrame:
         """Every combination, each with the fastest split whose every device holds it within
         ``memory_cap`` (bytes or ``'80 GiB'``: parameters, gradients, optimizer state and the
         activations its schedule holds; None: each device's memory), predicted; the plans that
         fit first, by predicted step, with ``predicted_step_time``, ``peak_bytes``, ``fits`` and
         ``pareto``. Nothing fits: a ``ValueError`` naming the closest plan and how far over it is.
         Apply a row with :meth:`apply`. ``mesh="auto"`` (devices from the catalogue): every mesh of
-        the devices (tp × pp × dp, × ``cp`` where asked, with each of ``data_parallel`` and ``microbatch_rows``), the
-        global batch kept, with ``tp``, ``pp``, ``dp`` and ``notes`` columns.
+        the devices (tp × pp × dp, × ``cp`` where asked, with each of ``data_parallel`` and ``microbatch_rows``;
+        a mixture of experts folded every way, or at the ``ep`` and ``etp`` asked for), the global batch
+        kept, with ``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``etp`` and ``notes`` columns.
 
         Example::
 
@@ -299,7 +301,7 @@ class Explorer:
         """
         return what_if.search(self.state, memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
                               checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers, mesh=mesh,
-                              data_parallel=data_parallel, microbatch_rows=microbatch_rows, cp=cp)
+                              data_parallel=data_parallel, microbatch_rows=microbatch_rows, cp=cp, ep=ep, etp=etp)
 
     def apply(self, row: Any) -> Plan:
         """Make a row of :meth:`sweep` or :meth:`search` the current plan, or a mapping of some of

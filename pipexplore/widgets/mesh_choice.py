@@ -31,10 +31,17 @@ _NO_MESH_HERE = ("mesh: on this machine's devices a mesh is pipeline, data and t
                  "catalogue (devices=['H100'] * 64, gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'cp': 2})")
 
 
+_NO_EXPERTS_HERE = ("mesh: on this machine's devices a mesh is pipeline, data and tensor parallelism (ep and etp 1; "
+                    "each rank a process of the exported torchrun script); expert parallelism is planned for devices "
+                    "from the catalogue (devices=['H100'] * 256, mesh={'tp': 2, 'pp': 8, 'dp': 16, 'ep': 32})")
+
+
 def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
-    """A mesh of this machine's devices runs no context parallelism (the exported script has none)."""
+    """A mesh of this machine's devices runs no context or expert parallelism (the exported script has none)."""
     if not placement_planned and mesh.cp > 1:
         raise ValueError(_NO_MESH_HERE)
+    if not placement_planned and mesh.has_experts:
+        raise ValueError(_NO_EXPERTS_HERE)
 
 
 class MeshChoice:
@@ -43,8 +50,8 @@ class MeshChoice:
     ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
 
     Raises:
-        ValueError: context parallelism on devices here, a mesh that does not fill the devices, an unknown
-            ``data_parallel``, options that are not booleans.
+        ValueError: context or expert parallelism on devices here, a mesh that does not fill the devices,
+            an unknown ``data_parallel``, options that are not booleans.
     """
 
     def __init__(self, spec: Any, placement: Placement, *, data_parallel: str = "ddp",
@@ -75,10 +82,13 @@ class MeshChoice:
         if mesh is None:
             return []
         source = "the tensor-parallel plan given" if self.tp_plan is not None else "its config's base_model_tp_plan"
+        experts = (f" The routed experts are folded over the same GPUs as etp {mesh.etp} × ep {mesh.ep} × edp "
+                   f"{mesh.edp} × pp {mesh.pp}: a GPU holds 1/{mesh.ep * mesh.etp} of each layer's experts and "
+                   "computes its own tokens' share of the routed work." if mesh.has_experts else "")
         return [f"Mesh {mesh.tp} × {mesh.pp} × {mesh.dp} (tp × pp × dp): each stage's costs are one GPU's"
                 + (f", its blocks sharded by torch's parallelize_module with {source} on a fake process group and "
                    "counted there" if mesh.tp > 1 else "")
-                + "; the sample is one data-parallel replica's batch.", *mesh.notes(gpus_per_node)]
+                + "; the sample is one data-parallel replica's batch." + experts, *mesh.notes(gpus_per_node)]
 
     def table_for(self, tp: int, current: pd.DataFrame, count: Callable[[int], pd.DataFrame]) -> pd.DataFrame:
         """The layer table of one tensor-parallel rank of ``tp``: ``current`` where it is that one,
@@ -105,6 +115,7 @@ class MeshChoice:
         chosen = Mesh.of(spec, len(plan.devices))
         _refused_here(chosen, plan.planned)
         table = table_for(chosen.tp)
+        Mesh.of(chosen, len(plan.devices), experts=(table.attrs.get("experts") or {}).get("count", 0))
         stages = chosen.pp * (plan.virtual_stages if is_multi_stage(plan.schedule) else 1)
         if stages > len(table):
             raise ValueError(f"pp={chosen.pp} needs {stages} stages but the model has {len(table)} layers")

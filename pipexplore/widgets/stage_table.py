@@ -38,7 +38,8 @@ def stage_table(plan: Plan, peaks: Sequence[float], *, measured: Mapping[str, fl
     mesh = plan.mesh_or_pipeline
     memory = stage_memory(plan.layer_table, plan.splits, peak_activations=peaks, optimizer=optimizer,
                           mixed_precision=mixed_precision, capacity=[device_memory(d) for d in stages["device"]],
-                          tp=mesh.tp, dp=mesh.dp, cp=mesh.cp, data_parallel=plan.data_parallel,
+                          tp=mesh.tp, dp=mesh.dp, cp=mesh.cp, ep=mesh.ep, etp=mesh.etp,
+                          data_parallel=plan.data_parallel,
                           sequence_parallel=plan.sequence_parallel, reshard_after_forward=plan.reshard_after_forward)
     if memory_cap is not None:
         memory["fits"] &= memory["activation_bytes"] <= memory_cap

@@ -71,11 +71,13 @@ def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[
 def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
            schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
            workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
-           microbatch_rows: Sequence[int] = (), cp: Sequence[int] = ()) -> pd.DataFrame:
+           microbatch_rows: Sequence[int] = (), cp: Sequence[int] = (), ep: Sequence[int] = (),
+           etp: Sequence[int] = ()) -> pd.DataFrame:
     """Every combination with the fastest split whose every device holds the plan within
     ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
     ``mesh="auto"``: every mesh of the plan's devices instead (tp × pp × dp with each of
-    ``data_parallel``, ``microbatch_rows``, ``schedules``, ``checkpoint`` and ``cp``: the global batch kept;
+    ``data_parallel``, ``microbatch_rows``, ``schedules``, ``checkpoint`` and ``cp``, a mixture of
+    experts' every folding, or the ``ep`` and ``etp`` asked for: the global batch kept;
     :func:`pipexplore.predict.mesh_search.mesh_search`).
 
     Raises:
@@ -91,7 +93,8 @@ def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int
             raise ValueError("mesh='auto' searches meshes of devices from the catalogue; this explorer runs here")
         return mesh_search(state.plan, state.table_for_tp, memory_cap=cap, data_parallel=data_parallel,
                            microbatch_rows=microbatch_rows, schedules=schedules, checkpoint=checkpoint,
-                           optimizer=state.training.optimizer, mixed_precision=state.mixed_precision, cp=cp)
+                           optimizer=state.training.optimizer, mixed_precision=state.mixed_precision, cp=cp,
+                           ep=ep, etp=etp)
     if state.plan.mesh is not None:
         return _on_the_mesh(state, stages, chunks, schedules, checkpoint, cap)
     plan, more_gpus = _starting_plan(state, schedules)
@@ -134,7 +137,8 @@ def _apply_mesh(state: ExplorerState, row: Any) -> Plan:
     """A row of the mesh search made the plan: its mesh and data parallelism (the rank's table
     counted for its ``tp``), then its split, micro-batches, rows a replica, schedule and checkpointing."""
     previous = state.plan
-    state.set_mesh({"tp": int(row["tp"]), "pp": int(row["pp"]), "dp": int(row["dp"]), "cp": int(row.get("cp", 1))},
+    state.set_mesh({"tp": int(row["tp"]), "pp": int(row["pp"]), "dp": int(row["dp"]), "cp": int(row.get("cp", 1)),
+                    "ep": int(row.get("ep", 1)), "etp": int(row.get("etp", 1))},
                    data_parallel=str(row["data_parallel"]))
     chunks = int(row["chunks"])
     try:
@@ -155,8 +159,9 @@ def _on_the_mesh(state: ExplorerState, stages: Sequence[int], chunks: Sequence[i
     mesh = plan.mesh
     assert mesh is not None
     count = len(plan.devices)
-    meshes = [Mesh(tp=mesh.tp, pp=n, dp=count // (mesh.tp * mesh.cp * n), cp=mesh.cp) for n in (stages or [mesh.pp])
-              if n >= 1 and count % (mesh.tp * mesh.cp * n) == 0]
+    meshes = [Mesh(tp=mesh.tp, pp=n, dp=count // (mesh.tp * mesh.cp * n), cp=mesh.cp, ep=mesh.ep, etp=mesh.etp)
+              for n in (stages or [mesh.pp])  # the experts folded as they are, where they still fold
+              if n >= 1 and count % (mesh.tp * mesh.cp * n) == 0 and (count // n) % (mesh.ep * mesh.etp) == 0]
     if not meshes:
         raise ValueError(f"stages {list(stages)}: none leaves a whole number of replicas of tp={mesh.tp} on "
                          f"{count} devices")
