@@ -46,7 +46,9 @@ class DeviceSpec:
     the plain FP32 rate, ``"tf32"`` FP32 matmuls on tensor cores where the device has them.
     ``kernel_overhead``: seconds each kernel costs beyond its work — an assumption of ~4–5 µs on
     GPUs (launch latency plus the tail of a kernel too small to fill the device, what eager PyTorch
-    pays per op when the GPU keeps up with the host).
+    pays per op when the GPU keeps up with the host). On a GPU kind that
+    :mod:`pipexplore.predict.kernels` knows, it is the host's time to issue a kernel (the launch
+    floor: kernels shorter than it wait for the host), the device's own fixed time being the kind's.
     ``intra_node_bandwidth``: one GPU to another GPU of its node (``intra_node_link``: NVLink
     through NVSwitch, AMD xGMI, or PCIe), per pair. ``inter_node_bandwidth``: one GPU to a GPU of
     another node, per GPU (its share of the node's NICs: InfiniBand or RoCE; 400 Gb/s NDR = 50 GB/s).

@@ -57,7 +57,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from pipexplore.devices import DeviceSpec, dtype_name
+from pipexplore.devices import DeviceSpec, device_spec, dtype_name
 
 __all__ = ["GPUKernels", "KERNELS", "TILES", "gpu_kernels", "issued", "register_gpu_kernels", "gemm_work",
            "gemm_seconds", "waves"]
@@ -80,8 +80,10 @@ class GPUKernels:
     SM must make of each operand byte it loads from L2 to run at its 16-bit tensor-core peak (other
     dtypes in proportion to their peak). ``tile_k``: the K-equivalent a tile pays beyond its main
     loop. ``device_fixed``: seconds a kernel takes on the device beyond its work. ``launch``:
-    seconds the host takes to issue a kernel — the floor of every kernel's time (None: the spec's
-    ``kernel_overhead``). ``tiles``, ``splits``: the tile shapes and K splits a GEMM chooses among.
+    seconds the host takes to issue a kernel — a run of kernels shorter than it takes that long
+    each, the launch floor (None: the spec's ``kernel_overhead``; a framework's own is learnt:
+    :attr:`pipexplore.predict.roofline.Efficiency.launch`). ``tiles``, ``splits``: the tile shapes
+    and K splits a GEMM chooses among.
     ``source``: where the numbers come from.
     """
 
@@ -175,8 +177,6 @@ def gpu_kernels(spec: Union[str, DeviceSpec]) -> Optional[GPUKernels]:
     if name in KERNELS:
         return KERNELS[name]
     if isinstance(spec, str):
-        from pipexplore.devices import device_spec
-
         try:
             return KERNELS.get(device_spec(spec).name)
         except ValueError:
@@ -249,8 +249,6 @@ def gemm_seconds(m: int, n: int, k: int, dtype: str, spec: Union[str, DeviceSpec
     Raises:
         ValueError: the spec has no :class:`GPUKernels` (a CPU's: use the roofline), or no peak in ``dtype``.
     """
-    from pipexplore.devices import device_spec
-
     spec = device_spec(spec)
     kernels = gpu_kernels(spec)
     if kernels is None:
