@@ -127,15 +127,18 @@ def test_the_roofline_costs_a_gpu_s_gemms_by_their_tiles_and_a_cpu_s_plainly():
     assert plain[3] == pytest.approx(5e-6 + 6.0 * 64 / 2e10)
 
 
-def test_fit_efficiency_learns_the_fractions_where_small_kernels_wait_for_the_host():
+@pytest.mark.parametrize("launch", [None, 30e-6])
+def test_fit_efficiency_learns_the_fractions_and_the_launch_where_small_kernels_wait_for_the_host(launch):
     ops = _ops(64)
-    truth = Efficiency(flops=0.6, bandwidth=0.5)
+    truth = Efficiency(flops=0.6, bandwidth=0.5, launch=launch)
     measured = {n: kind_seconds(ops, A100, n, efficiency=truth) for n in (64, 1024)}
     learnt = fit_efficiency(ops, measured, A100, small_kernel=False, additive=False)
     assert learnt.flops == pytest.approx(0.6, rel=1e-6)
+    assert learnt.launch_for(A100) == pytest.approx(truth.launch_for(A100), rel=1e-6)  # the small kernels tell it
     for n, frame in measured.items():
         np.testing.assert_allclose(kind_seconds(ops, A100, n, efficiency=learnt).to_numpy(), frame.to_numpy(),
                                    rtol=1e-6)
+    assert fit_efficiency(ops, measured, A100, small_kernel=False, additive=False, launch=False).launch is None
 
 
 def test_the_count_records_each_gemm_s_shape_and_the_dimension_the_rows_grow():

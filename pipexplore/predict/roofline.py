@@ -432,7 +432,8 @@ def planned_layer_costs(table: pd.DataFrame, ops: pd.DataFrame, spec: SpecLike, 
 
 def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame, Mapping[float, pd.DataFrame]],
                    spec: SpecLike, rows: Optional[float] = None, *, per_dtype: bool = False,
-                   small_kernel: bool = True, additive: bool = True, iterations: int = 25) -> Efficiency:
+                   small_kernel: bool = True, additive: bool = True, launch: bool = True,
+                   iterations: int = 25) -> Efficiency:
     """The efficiency that makes the roofline reproduce measured kinds: what a device of the same
     kind present here teaches the catalogue.
 
@@ -456,6 +457,11 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     ``additive``: also fit the form where each op's arithmetic and memory time add (``overlap`` 0:
     every op's FLOPs and bytes in its row, linear without classifying), and keep it, with its own
     fractions, where its error is lower than the roofline's (``overlap`` then 0, else ``None``).
+    ``launch``: on a GPU with :class:`~pipexplore.predict.kernels.GPUKernels`, also learn the host's
+    seconds to issue a kernel (:attr:`Efficiency.launch`) with the fractions: a phase whose small
+    kernels wait for the host ends at ``j · launch + Σ device seconds of ops j…n``, linear in it
+    once the op that waited last is found (reclassified with the rest); learnt only where some
+    measured phase waits for the host beyond its first kernel, else the kind's default stands.
 
     Example::
 
@@ -475,8 +481,10 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
     phases = ops["phase"].to_numpy()
     dtypes = np.array([dtype_name(d) for d in ops["dtype"]])
     computes = (ops["flops"].to_numpy(dtype=float) != 0)  # the ops that can pay the small-kernel seconds
-    # One entry per measured (kind, phase, size): its ops' host, fixed, arithmetic and memory
-    # seconds at peak (in the order they run), their FLOP/s groups, which compute, and the measured seconds.
+    # One entry per measured (kind, phase, size): the kernels its ops issue (in the order they run),
+    # their fixed, arithmetic and memory seconds at peak, their FLOP/s groups, which compute, and the
+    # measured seconds.
+    launch_seconds = Efficiency(1.0, 1.0).launch_for(spec) if gpu_kernels(spec) is not None else 0.0
     entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
     for n, frame in sizes.items():
         host, beside, compute, memory = _terms(ops, spec, n, Efficiency(1.0, 1.0))
@@ -487,48 +495,53 @@ def fit_efficiency(ops: pd.DataFrame, measured_kind_seconds: Union[pd.DataFrame,
                 if not (np.isfinite(value) and value > 0 and mask.any()):
                     continue
                 if np.isfinite(compute[mask]).all() and np.isfinite(memory[mask]).all():
-                    entries.append((host[mask], beside[mask], compute[mask], memory[mask], dtypes[mask],
+                    issues = host[mask] / launch_seconds if launch_seconds > 0 else np.zeros(int(mask.sum()))
+                    entries.append((issues, beside[mask], compute[mask], memory[mask], dtypes[mask],
                                     computes[mask], value))
     if not entries:
         raise ValueError("no measured kind to learn from: measured_kind_seconds names no kind of the ops frame "
                          "with a finite, positive forward or backward")
     groups = sorted({d for _, _, c, _, g, _, _ in entries for d in g[c > 0]}) if per_dtype else ["all"]
-    # The reciprocals of the fractions, from the defaults, and no small-kernel seconds.
-    start = np.array([*(1.0 / spec.flops_efficiency for _ in groups), 1.0 / spec.bandwidth_efficiency, 0.0])
+    # The reciprocals of the fractions, from the defaults, no small-kernel seconds, the kind's launch.
+    start = np.array([*(1.0 / spec.flops_efficiency for _ in groups), 1.0 / spec.bandwidth_efficiency, 0.0,
+                      launch_seconds])
+    ky, ks, kl = len(groups), len(groups) + 1, len(groups) + 2
     best: Optional[tuple[np.ndarray, set[int], float, float]] = None
     for overlap in (1.0, 0.0) if additive else (1.0,):
-        values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations, overlap)
+        values, learnt, residual = _solve(entries, groups, per_dtype, start, False, iterations, overlap, launch)
         if small_kernel:  # the fractions alone, then the small-kernel seconds with them: kept where they fit better
-            joint = _solve(entries, groups, per_dtype, values, True, iterations, overlap)
-            if joint[2] < residual and joint[0][-1] > 0:
+            joint = _solve(entries, groups, per_dtype, values, True, iterations, overlap, launch)
+            if joint[2] < residual and joint[0][ks] > 0:
                 values, learnt, residual = joint[0], learnt | joint[1], joint[2]
         if best is None or residual < best[2] - max(1e-12, 1e-6 * best[2]):  # (a tie keeps the roofline)
             best = (values, learnt, residual, overlap)
     assert best is not None
     values, learnt, _, overlap = best
-    ky, ks = len(groups), len(groups) + 1
     # A fraction nothing measured depends on keeps the spec's default (exactly).
     flops = {g: 1.0 / values[k] for k, g in enumerate(groups) if k in learnt}
     return Efficiency(flops=flops if per_dtype else flops.get("all", spec.flops_efficiency),
                       bandwidth=1.0 / values[ky] if ky in learnt else spec.bandwidth_efficiency,
                       small_kernel=float(values[ks]) if ks in learnt and values[ks] > 0 else None,
-                      overlap=None if overlap == 1.0 else overlap)
+                      overlap=None if overlap == 1.0 else overlap,
+                      launch=float(values[kl]) if kl in learnt else None)
 
 
 def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray, small_kernel: bool,
-           iterations: int, overlap: float = 1.0) -> tuple[np.ndarray, set[int], float]:
+           iterations: int, overlap: float = 1.0, launch: bool = False) -> tuple[np.ndarray, set[int], float]:
     """:func:`fit_efficiency`'s alternation from ``start`` (the FLOP/s reciprocals per group, the
-    bandwidth's, the small-kernel seconds): classify the ops, solve the linear least squares,
+    bandwidth's, the small-kernel seconds, the launch): classify the ops, solve the linear least squares,
     until the classification holds. The values, the columns learnt, and the sum of the squared
     relative errors of the model (the ``max``, not its linearisation) at the values. ``overlap``
     is 1 (the roofline) or 0 (every op counts both its terms). Where a GPU's host issues the ops
     (:func:`~pipexplore.predict.kernels.issued`), a phase ends at ``H_j + Σ_{k ≥ j} device_k`` for the ``j`` that waited last
-    for the host: the ops before it hide behind the host's time, classified so."""
-    ky, ks = len(groups), len(groups) + 1  # the columns of the bandwidth reciprocal and the small-kernel seconds
+    for the host: the ops before it hide behind the host's time, classified so; ``j`` (the kernels
+    issued by then) is the launch's coefficient."""
+    # the columns of the bandwidth reciprocal, the small-kernel seconds and the launch
+    ky, ks, kl = len(groups), len(groups) + 1, len(groups) + 2
     current = np.array(start, dtype=float)
     previous, learnt = None, set()
 
-    def times(host, beside, compute, memory, group, does, value):  # type: ignore[no-untyped-def]
+    def times(issues, beside, compute, memory, group, does, value):  # type: ignore[no-untyped-def]
         of = group if per_dtype else np.full(len(group), "all")
         factor = np.array([current[groups.index(g)] if g in groups else 1.0 for g in of])
         arithmetic = compute * factor + np.where(does, current[ks], 0.0)
@@ -536,10 +549,11 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
 
     for _ in range(iterations):
         design, target, bounds = [], [], []
-        for host, beside, compute, memory, group, does, value in entries:
-            of, arithmetic, traffic = times(host, beside, compute, memory, group, does, value)
+        for issues, beside, compute, memory, group, does, value in entries:
+            of, arithmetic, traffic = times(issues, beside, compute, memory, group, does, value)
             device = beside + _combined(arithmetic, traffic, overlap)
-            issue = np.cumsum(host)
+            issued_by = np.cumsum(issues)
+            issue = issued_by * current[kl]
             last = int(np.argmax(issue - (np.cumsum(device) - device)))  # the op that waited last for the host
             live = np.arange(len(device)) >= last  # the ops that end the phase; those before hide
             bound = arithmetic >= traffic  # the compute-bound ops
@@ -550,23 +564,27 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
             traffic_of = (additive if overlap == 0.0 else ~bound) & live
             bound = bound & live
             row = [float(compute[bound & (of == g)].sum()) for g in groups] + [float(memory[traffic_of].sum()),
-                                                                              float((bound & does).sum())]
+                                                                              float((bound & does).sum()),
+                                                                              float(issued_by[last])]
             design.append(np.array(row) / value)
-            target.append((value - float(issue[last]) - float(beside[live].sum())) / value)
+            target.append((value - float(beside[live].sum())) / value)
         classified = np.concatenate(bounds)
         if previous is not None and np.array_equal(classified, previous):
             break
         previous = classified
         A, t = np.array(design), np.array(target)
-        used = [k for k in range(ks + 1) if A[:, k].any() and (small_kernel or k != ks)]
-        if ks in used and _rank_deficient(A[:, used]):
-            used.remove(ks)  # the data cannot tell the small-kernel seconds from the FLOP/s fraction
-        fixed = [k for k in range(ks + 1) if k not in used]
+        waits = (A[:, kl] * np.array([e[-1] for e in entries]) > 1.0 + 1e-9).any()  # beyond a phase's first kernel
+        used = [k for k in range(kl + 1) if A[:, k].any() and (small_kernel or k != ks) and (k != kl or (launch
+                                                                                                        and waits))]
+        for k in (ks, kl):  # what the data cannot tell from the FLOP/s fraction (or each other) stays as it is
+            if k in used and _rank_deficient(A[:, used]):
+                used.remove(k)
+        fixed = [k for k in range(kl + 1) if k not in used]
         while used:
             rhs = t - A[:, fixed] @ current[fixed] if fixed else t
             solution, *_ = np.linalg.lstsq(A[:, used], rhs, rcond=None)
             # A reciprocal below 0.5 is above 2× peak, negative seconds are no cost: not physical.
-            bad = [k for k, v in zip(used, solution) if not (v >= 0 if k == ks else v > 0.5)]
+            bad = [k for k, v in zip(used, solution) if not (v >= 0 if k in (ks, kl) else v > 0.5)]
             if not bad:
                 current[used] = solution
                 break
@@ -579,7 +597,8 @@ def _solve(entries: list, groups: list[str], per_dtype: bool, start: np.ndarray,
     for entry in entries:
         _, arithmetic, traffic = times(*entry)
         value = entry[-1]
-        seconds = issued(np.zeros(len(arithmetic), dtype=int), entry[0], entry[1] + _combined(arithmetic, traffic, overlap))
+        seconds = issued(np.zeros(len(arithmetic), dtype=int), entry[0] * current[kl],
+                         entry[1] + _combined(arithmetic, traffic, overlap))
         residual += (float(seconds.sum()) / value - 1.0) ** 2
     return current, learnt, residual
 
