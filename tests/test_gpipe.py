@@ -254,6 +254,173 @@ def test_a_checkpointed_forward_replays_its_draws_whatever_others_drew_meanwhile
     assert torch.equal(moved, torch.get_rng_state())  # a replay leaves the shared generator as it was
 
 
+class _CountingLock:
+    """A lock that counts how many times it was taken."""
+
+    def __init__(self) -> None:
+        self.lock, self.taken = threading.Lock(), 0
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.taken += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def locked(self) -> bool:
+        return self.lock.locked()
+
+
+class _Watched(nn.Module):
+    """Notes, each forward, the torch dispatch modes running and whether a guard watches this thread."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        from pipexplore import checkpoint
+
+        key = checkpoint._random_key()
+        self.seen.append((torch._C._len_torch_dispatch_stack(), torch._C._dispatch_tls_is_dispatch_key_included(key)))
+        return x
+
+
+def _encoder_layer(dropout: float) -> nn.Module:
+    return nn.TransformerEncoderLayer(16, 2, 32, dropout=dropout, batch_first=True)
+
+
+def test_a_partition_whose_dropouts_are_0_draws_nothing_and_runs_unwatched():
+    """Dropout 0 everywhere (the encoder's dropout modules and its attention's ``dropout_p``): the
+    first forward shows the guard that nothing draws; every forward after runs as without a
+    guard, no dispatch mode, no key of the guard's, its lock never taken, no stream kept."""
+    torch.manual_seed(0)
+    seen: list = []
+    model = nn.Sequential(_encoder_layer(0.0), _Watched(seen), _encoder_layer(0.0), _Watched(seen))
+    pipe = GPipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="except_last")
+    assert [guard.draws for guard in pipe._rng_locks] == [None, None]  # not known: no layer has p > 0
+    for guard in pipe._rng_locks:
+        guard.lock = _CountingLock()
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    pipe(x).sum().backward()
+    assert [guard.draws for guard in pipe._rng_locks] == [False, False]
+    seen.clear()
+    reference = copy.deepcopy(model)
+    taken = [guard.lock.taken for guard in pipe._rng_locks]
+    y = pipe(x)
+    y.sum().backward()
+    assert seen and all(s == (0, False) for s in seen)  # forwards and recomputations alike
+    assert [guard.lock.taken for guard in pipe._rng_locks] == taken
+    assert torch.allclose(y, reference(x), atol=1e-6)  # the same model, as without a guard
+
+
+def test_random_operators_that_draw_nothing_do_not_count_as_draws():
+    """Dropout of 0 or out of training, attention with ``dropout_p=0`` (an operator torch tags
+    random, which leaves the generator as it was): a guard learns that the partition draws nothing."""
+    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=None)
+    x, q = torch.randn(4, 16), torch.randn(1, 2, 8, 4)
+    with guard.drawing():
+        F.dropout(x, 0.0)
+        F.dropout(x, 0.5, training=False)
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+    assert guard.draws is False
+
+
+def test_a_drawing_partition_takes_the_lock_for_its_random_operators_only():
+    """Dropout > 0: no dispatch mode runs; the lock is taken once per random operator (a dropout's
+    ``bernoulli_``, ``torch.rand``), never for the matmuls and the rest around them."""
+    seen: list = []
+    guard = RNGGuard(_CountingLock(), torch.device("cpu"), draws=True)
+    watched = _Watched(seen)
+    x = torch.randn(8, 8)
+    with guard.drawing():
+        for _ in range(20):
+            x = torch.tanh(x @ x.T) + 1
+        x = watched(F.dropout(x, 0.5)) * torch.rand(x.shape)
+    assert guard.lock.taken == 2
+    assert seen == [(0, True)]
+
+
+def test_a_checkpointed_forwards_dropout_draws_from_a_generator_of_its_own_without_the_lock():
+    """A random operator that takes a generator is given the stream's: the checkpointed forward
+    takes the lock once (its seed), leaves the shared generator as the seed left it, and its
+    recomputation draws the same masks."""
+    from collections import deque
+
+    guard = RNGGuard(_CountingLock(), torch.device("cpu"), draws=True)
+    x = torch.ones(64, 64)
+    streams: deque = deque()
+    with guard.checkpointed(streams):
+        seeded = torch.get_rng_state()
+        first = [F.dropout(x, 0.5) for _ in range(3)]
+        assert torch.equal(seeded, torch.get_rng_state())
+    torch.rand(100)  # another partition draws
+    with guard.recomputing(streams):
+        again = [F.dropout(x, 0.5) for _ in range(3)]
+    assert guard.lock.taken == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and not torch.equal(first[0], first[1])
+
+
+def test_a_dropout_raised_above_0_after_its_partition_was_seen_not_to_draw_is_watched_again():
+    from collections import deque
+
+    from pipexplore.checkpoint import rng_locks
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.0))
+    guard = rng_locks([model, nn.Identity()], [torch.device("cpu")] * 2)[0]
+    x = torch.randn(32, 16)
+    with guard.drawing():
+        model(x)
+    assert guard.draws is False
+    model[1].p = 0.5
+    streams: deque = deque()
+    with guard.checkpointed(streams):
+        first = model(x)
+    torch.rand(100)  # another partition draws
+    with guard.recomputing(streams):
+        again = model(x)
+    assert guard.draws is True and torch.equal(first, again) and (first == 0).any()
+
+
+def test_a_forward_in_eval_mode_does_not_show_that_a_partition_never_draws():
+    """Dropout in plain code draws only in training: a forward in eval mode leaves it unknown."""
+    from pipexplore.checkpoint import rng_locks
+
+    class PlainDropout(nn.Module):
+        def forward(self, x):
+            return F.dropout(x, 0.5, self.training)
+
+    model = nn.Sequential(nn.Linear(16, 16), PlainDropout())
+    guard = rng_locks([model, nn.Identity()], [torch.device("cpu")] * 2)[0]
+    x = torch.randn(4, 16)
+    with guard.drawing():
+        model.eval()(x)
+    assert guard.draws is None
+    with guard.drawing():
+        model.train()(x)
+    assert guard.draws is True
+
+
+def test_which_partitions_are_guarded_and_known_to_draw():
+    """A guard only where partitions share a generator (CPU stages share the CPU's; a GPU's stages
+    share its own); a dropout of 0 (a module's ``p``, attention's ``dropout``) is not known to draw."""
+    from pipexplore.checkpoint import has_randomness, rng_locks
+
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    parts = [nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)]
+    assert rng_locks(parts[:2], [gpu0, gpu1]) == [None, None]
+    guards = rng_locks(parts, [cpu, gpu0, cpu])
+    assert guards[1] is None and guards[0].lock is guards[2].lock and guards[0].device == cpu
+    on_one_gpu = rng_locks(parts[:2], [gpu0, gpu0])
+    assert on_one_gpu[0].lock is on_one_gpu[1].lock
+    assert not has_randomness(nn.Sequential(_encoder_layer(0.0), _encoder_layer(0.0)))
+    assert has_randomness(_encoder_layer(0.1))
+    assert has_randomness(nn.MultiheadAttention(16, 2, dropout=0.1))
+    assert not has_randomness(nn.MultiheadAttention(16, 2))
+    assert has_randomness(nn.RReLU()) and not has_randomness(nn.Dropout(0.0))
+
+
 def test_skip_tensors_are_freed_after_backward():
     refs: list = []
     model = unet_model(refs=refs)
