@@ -1,4 +1,4 @@
-"""What ``pipexplore.checkpoint.RNGGuard`` costs a forward on the CPU: a two-layer
+"""What ``pipexplore.rng_guard.RNGGuard`` costs a forward on the CPU: a two-layer
 ``nn.TransformerEncoderLayer(128, 4, 256, dropout=p)`` (batch 4 × 64, training mode) at dropout 0.0
 and 0.1, each forward timed with and without the guard, interleaved (A B B A …, medians).
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from common import machine
-from pipexplore.checkpoint import RNGGuard, rng_locks
+from pipexplore.rng_guard import RNGGuard, rng_locks
 
 DROPOUTS = (0.0, 0.1)
 

@@ -11,7 +11,7 @@ from torch import nn
 from pipexplore import microbatch, validate
 from pipexplore.devices import as_device
 from pipexplore.batchnorm import DeferredBatchNorm
-from pipexplore.checkpoint import rng_locks
+from pipexplore.rng_guard import rng_locks
 from pipexplore.microbatch import TensorOrTensors
 from pipexplore.pipeline import Pipeline
 from pipexplore.skip.layout import SkipLayout, inspect_skip_layout

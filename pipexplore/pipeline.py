@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from pipexplore.timeline import recorder as _recording
 from pipexplore.cancel import check_cancelled
-from pipexplore.checkpoint import Checkpointing, RNGGuard, is_recomputing
+from pipexplore.checkpoint import Checkpointing, is_recomputing
+from pipexplore.rng_guard import RNGGuard
 from pipexplore.copy import Copy, Wait
 from pipexplore.dependency import depend
 from pipexplore.microbatch import Batch
@@ -81,7 +82,7 @@ class Pipeline:
     and stops between clock ticks when that thread's run is cancelled.
 
     ``rng_locks[j]`` (or ``None``) is taken by each random operator of partition ``j``'s forward
-    while it draws, when another partition shares its device's generator (see ``checkpoint.RNGGuard``).
+    while it draws, when another partition shares its device's generator (see ``rng_guard.RNGGuard``).
     """
 
     def __init__(self, batches: list[Batch], partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],

@@ -12,7 +12,7 @@ from torch import nn
 
 from models import Sleep, plain_model, tuple_model, unet_model
 from pipexplore import GPipe, is_checkpointing, is_recomputing
-from pipexplore.checkpoint import RNGGuard
+from pipexplore.rng_guard import RNGGuard
 from pipexplore.pipeline import clock_cycles
 
 BALANCES = {
@@ -280,9 +280,9 @@ class _Watched(nn.Module):
         self.seen = seen
 
     def forward(self, x):
-        from pipexplore import checkpoint
+        from pipexplore import rng_guard
 
-        key = checkpoint._random_key()
+        key = rng_guard._random_key()
         self.seen.append((torch._C._len_torch_dispatch_stack(), torch._C._dispatch_tls_is_dispatch_key_included(key)))
         return x
 
@@ -365,7 +365,7 @@ def test_a_checkpointed_forwards_dropout_draws_from_a_generator_of_its_own_witho
 def test_a_dropout_raised_above_0_after_its_partition_was_seen_not_to_draw_is_watched_again():
     from collections import deque
 
-    from pipexplore.checkpoint import rng_locks
+    from pipexplore.rng_guard import rng_locks
 
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.0))
     guard = rng_locks([model, nn.Identity()], [torch.device("cpu")] * 2)[0]
@@ -385,7 +385,7 @@ def test_a_dropout_raised_above_0_after_its_partition_was_seen_not_to_draw_is_wa
 
 def test_a_forward_in_eval_mode_does_not_show_that_a_partition_never_draws():
     """Dropout in plain code draws only in training: a forward in eval mode leaves it unknown."""
-    from pipexplore.checkpoint import rng_locks
+    from pipexplore.rng_guard import rng_locks
 
     class PlainDropout(nn.Module):
         def forward(self, x):
@@ -405,7 +405,7 @@ def test_a_forward_in_eval_mode_does_not_show_that_a_partition_never_draws():
 def test_which_partitions_are_guarded_and_known_to_draw():
     """A guard only where partitions share a generator (CPU stages share the CPU's; a GPU's stages
     share its own); a dropout of 0 (a module's ``p``, attention's ``dropout``) is not known to draw."""
-    from pipexplore.checkpoint import has_randomness, rng_locks
+    from pipexplore.rng_guard import has_randomness, rng_locks
 
     cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     parts = [nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)]

@@ -4,7 +4,7 @@ closes a circle (lazy or not), and a module past 500 lines says why it is one co
 The layers, top to bottom (see docs/architecture.md)::
 
     vocabulary  splits validate cancel background host timeline/ schedules/ devices/
-    engine      gpipe pipeline worker microbatch checkpoint batchnorm stream copy dependency phony skip/ training
+    engine      gpipe pipeline worker microbatch checkpoint rng_guard batchnorm stream copy dependency phony skip/ training
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan
     models      models/ (tracing)
@@ -24,7 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
 LAYERS = {
     "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "schedules", "devices"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
-               "phony", "skip", "training"],
+               "phony", "skip", "training", "rng_guard"],
     "predict": ["predict", "balance"],
     "plan": ["plan"],
     "models": ["models"],

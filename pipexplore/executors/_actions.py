@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from pipexplore import timeline as tl
 from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
-from pipexplore.checkpoint import (checkpointed_draws, enable_checkpointing, enable_recomputing, replayed_draws,
-                                   rng_locks)
+from pipexplore.checkpoint import checkpointed_draws, enable_checkpointing, enable_recomputing, replayed_draws
 from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
+from pipexplore.rng_guard import rng_locks
 from pipexplore.timeline.saved import SavedBytes
 from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
                                   worker_devices, worker_orders)
@@ -374,7 +374,7 @@ class ActionExecutor:
         """The stage's forward (checkpointed: without autograd, where its draws start kept;
         recomputing: those draws replayed), counting the activation bytes it leaves for backward.
         A stage that shares its device's random generator with others draws one operator at a
-        time under the device's lock (:class:`~pipexplore.checkpoint.RNGGuard`)."""
+        time under the device's lock (:class:`~pipexplore.rng_guard.RNGGuard`)."""
         checkpointed = i < self._stop
         device = self.stage_devices[stage]
         saved = SavedBytes(self.stage_modules[stage])
