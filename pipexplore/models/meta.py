@@ -489,8 +489,9 @@ def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]],
             except (RuntimeError, TypeError, ValueError) as error:
                 raise ValueError(
                     f"{name} ({type(module).__name__}) does not run sharded by the tensor-parallel plan at tp={tp}: "
-                    f"{str(error).splitlines()[0][:160]}. Its code computes with the whole model's shapes (a head "
-                    "count read from its config, say); models whose code runs on a rank's shard carry a "
-                    "base_model_tp_plan in their config, or plan tp=1") from None
+                    f"{str(error).splitlines()[0][:160]}. Its code does not run on a rank's shard (a rank's copy has its "
+                    "head counts divided, so a shape read from elsewhere, or an in-place update of a sharded "
+                    "output, say); models whose code runs on a rank's shard carry a base_model_tp_plan in their "
+                    "config, or plan tp=1") from None
 
         yield rank_count

@@ -40,7 +40,8 @@ operators on each rank's local shard, and the collectives ``DTensor`` runs (with
 
 Sequence parallelism changes no FLOP and no ring's bytes (each all-reduce of a block's activations
 becomes a reduce-scatter and an all-gather of the same tensor: Korthikanti et al. 2022); what it
-divides is the activations a rank keeps, counted by :func:`pipexplore.predict.memory.stage_memory`.
+divides is the activations a rank keeps: :func:`pipexplore.predict.mesh_costs.mesh_layer_table` keeps
+1/tp of each layer's saved activations (and of its outputs) on a rank.
 """
 from __future__ import annotations
 
