@@ -49,9 +49,9 @@ The ops frame, one row per operator of each kind and phase:
                nothing: a view)
 ``collective`` optional: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
                for a collective a tensor-parallel rank runs (its bytes the whole tensor's), ``""``
-               for a kernel. A collective costs the ring over its group's links
-               (:func:`pipexplore.predict.collectives.ring_seconds`), not the roofline (on a GPU,
-               at least its launch).
+               for a kernel. A collective costs what NCCL would run over its group's links
+               (:func:`pipexplore.predict.collectives.ops_collective_seconds`), not the roofline (on
+               a GPU, at least its launch).
 ``gemm_batch`` optional: a GEMM's shape at the counted rows (``batch × M × N × K``; 0 for other ops)
 ``gemm_m`` …   and ``gemm_rows``, the one of ``"batch"``, ``"m"``, ``"n"``, ``"k"`` that grows with
 ``gemm_rows``  the rows (:func:`pipexplore.models.opcount.gemm_rows`): on a GPU a GEMM costs its
