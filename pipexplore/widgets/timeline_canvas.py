@@ -174,10 +174,11 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
 def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> RetimePanel:
     """How the page lays out a re-timed step (:mod:`pipexplore.predict.retime`) as :func:`block_panel` lays
     out the plan's (``lane_stage``: each lane's stage, as :func:`lane_of` pairs them): each stage's
-    lane, how many lanes, the phase code of each of the graph's kinds and of a copy, the
-    micro-batch bytes, and each stage's bubble key."""
+    first lane (its compute: a mesh's collectives lane follows it, filled by the kernel's scene), how
+    many lanes, the phase code of each of the graph's kinds and of a copy, the micro-batch bytes, and
+    each stage's bubble key."""
     stage_lane = [0] * int(model["stages"])
-    for lane, stage in enumerate(lane_stage):
+    for lane, stage in reversed(list(enumerate(lane_stage))):  # (the first lane of a stage wins)
         stage_lane[stage] = lane
     index = {name: k for k, name in enumerate(phases)}
     return {"stage_lane": stage_lane, "lanes": len(lane_stage),
