@@ -132,10 +132,12 @@ def torchtitan_code(plan: Plan, *, config: Any = None, **_: Any) -> str:
 
 
 def mesh_options(plan: Plan, tp_plan: Optional[Mapping[str, str]]) -> dict[str, Any]:
-    """What the torchrun script of a plan with a mesh runs: the mesh, its data parallelism and the
-    tensor-parallel plan (none without a mesh)."""
+    """What the torchrun script of a plan with a mesh runs: the mesh (its experts' ep and etp too),
+    its data parallelism and the tensor-parallel plan (none without a mesh)."""
     mesh = plan.mesh
     if mesh is None or (mesh.tp == 1 and mesh.dp == 1 and mesh.cp == 1):
         return {}
-    return dict(mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp}, data_parallel=plan.data_parallel,
+    experts = {"ep": mesh.ep, "etp": mesh.etp} if mesh.has_experts else {}
+    return dict(mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, **experts},
+                data_parallel=plan.data_parallel,
                 reshard_after_forward=plan.reshard_after_forward, tp_plan=dict(tp_plan or {}))
