@@ -90,9 +90,9 @@ def test_every_argument_is_one_torchtitan_reads(state):
     parts = [value.split(",") for value in args["--parallelism.module_fqns_per_model_part"]]
     plan = state.plan
     assert parts == torchtitan_fqns(plan.layer_table, list(plan.splits)) and len(parts) == 4
-    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
     assert [name for part in parts for name in part] == (["tok_embeddings"] + [f"layers.{i}" for i in range(32)]
-                                                         + ["norm", "output"])
+                                                         + ["norm", "lm_head"])
 
 
 def test_ddp_replicates_and_a_step_without_checkpointing_says_none(state):

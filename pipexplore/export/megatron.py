@@ -9,8 +9,19 @@ layers as ``E`` (embedding), ``t`` (a decoder layer), ``L`` (the loss), stages s
 virtual stages in order (``Et*3|t*4|t*4|t*2L``).
 
 The model's shape comes from a Hugging Face config of the Llama family (Llama, Mistral, Qwen2,
-Qwen3: RMSNorm, SwiGLU, rotary positions, grouped-query attention); another model is refused by
-name (Megatron-LM builds its own model from these arguments, so they must say what it is).
+Qwen3: RMSNorm, SwiGLU, rotary positions, grouped-query attention; Qwen2's query-key-value bias,
+Qwen3's query-key norm and head width) or of its mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE); another model is refused by name (Megatron-LM builds its own model from these
+arguments, so they must say what it is).
+
+A mixture of experts adds Megatron-Core's MoE arguments: the routed experts and the experts a
+token goes to (the plan's, ``--num-experts``, ``--moe-router-topk``), the mesh's expert degrees
+(``--expert-model-parallel-size`` ep, ``--expert-tensor-parallel-size`` etp), the all-to-all
+dispatcher and grouped GEMMs, an expert's width (``--moe-ffn-hidden-size``), the shared expert
+(Qwen2-MoE's, gated), which decoder layers are MoE (``--moe-layer-freq`` where some are dense), the
+router's normalisation (``--moe-router-pre-softmax`` where the config does not renormalise the
+top-k) and its auxiliary load-balancing loss (``aux_loss``, the config's coefficient). A dense
+plan gains none of them.
 
 Example::
 
@@ -22,10 +33,12 @@ from typing import Any, Optional
 
 import pandas as pd
 
-__all__ = ["megatron_arguments", "megatron_layout", "MEGATRON_MODELS"]
+__all__ = ["megatron_arguments", "megatron_layout", "megatron_moe", "MEGATRON_MODELS"]
 
-#: The Hugging Face model types whose shape the arguments write (the Llama family).
-MEGATRON_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+#: The Hugging Face model types whose shape the arguments write (the Llama family, dense and MoE).
+MEGATRON_MODELS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_QKV_BIAS = ("qwen2", "qwen2_moe")  # their attention's query, key and value projections hold a bias
+_QK_NORM = ("qwen3", "qwen3_moe")  # an RMSNorm on each head's query and key
 
 
 def _block_rows(table: pd.DataFrame) -> list[int]:
@@ -62,6 +75,12 @@ def megatron_layout(table: pd.DataFrame, splits: list[int]) -> str:
     return "|".join(stages)
 
 
+def _rope_theta(config: Any) -> float:
+    """The rotary base: transformers 5 keeps it in ``rope_parameters``, earlier releases as ``rope_theta``."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000)
+
+
 def _even(table: pd.DataFrame, splits: list[int], stages: int) -> bool:
     """Whether the split is Megatron-LM's own: the decoder layers evenly, the rest with the ends."""
     blocks = _block_rows(table)
@@ -71,6 +90,45 @@ def _even(table: pd.DataFrame, splits: list[int], stages: int) -> bool:
     return list(splits) == [blocks[k * per] for k in range(1, stages)]
 
 
+def _runs(flags: list[int]) -> str:
+    """A list of 0s and 1s as the Python expression Megatron-LM's ``--moe-layer-freq`` evaluates
+    (``[0]*3+[1]*58``)."""
+    runs: list[list[int]] = []
+    for flag in flags:
+        if runs and runs[-1][0] == flag:
+            runs[-1][1] += 1
+        else:
+            runs.append([flag, 1])
+    return "+".join(f"[{flag}]*{count}" for flag, count in runs)
+
+
+def megatron_moe(plan: Any, config: Any) -> list[str]:
+    """The plan's Megatron-Core MoE arguments (the module docstring); none for a dense plan (its
+    layer table counts no routed experts)."""
+    table = plan.layer_table
+    experts = table.attrs.get("experts")
+    if not experts:
+        return []
+    mesh = plan.mesh_or_pipeline
+    lines = [f"--num-experts {experts['count']}", f"--moe-router-topk {experts['top_k']}",
+             f"--expert-model-parallel-size {mesh.ep}", f"--expert-tensor-parallel-size {mesh.etp}",
+             "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm",
+             f"--moe-ffn-hidden-size {getattr(config, 'moe_intermediate_size', None) or config.intermediate_size}"]
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if shared:  # Qwen2-MoE's shared expert, scaled by a sigmoid gate
+        lines += [f"--moe-shared-expert-intermediate-size {shared}", "--moe-shared-expert-gate"]
+    routed = table["expert_params"].to_numpy() > 0
+    flags = [int(routed[r]) for r in _block_rows(table)]
+    if not all(flags):
+        lines.append(f"--moe-layer-freq \"{_runs(flags)}\"")
+    if getattr(config, "norm_topk_prob", True) is False:  # softmax over every expert, the top k kept as they are
+        lines.append("--moe-router-pre-softmax")
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    if coefficient is not None:
+        lines += ["--moe-router-load-balancing-type aux_loss", f"--moe-aux-loss-coeff {coefficient:g}"]
+    return lines
+
+
 def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int] = None) -> str:
     """The plan's Megatron-LM arguments, one a line, ready to append to ``pretrain_gpt.py``: the
     mesh (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
@@ -78,8 +136,8 @@ def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int]
     (``--use-distributed-optimizer`` for ZeRO-1, ``--use-torch-fsdp2`` for FSDP), the batch
     (``--micro-batch-size``, ``--global-batch-size``: every replica's rows), the pipeline's layers
     (the module docstring), ``--recompute-granularity full`` where every micro-batch is checkpointed,
-    and the model's shape from ``config`` (a Hugging Face config of :data:`MEGATRON_MODELS`) with
-    ``--seq-length`` ``sequence``.
+    the model's shape from ``config`` (a Hugging Face config of :data:`MEGATRON_MODELS`) with
+    ``--seq-length`` ``sequence``, and a mixture of experts' arguments (:func:`megatron_moe`).
 
     Raises:
         ValueError: a model Megatron-LM's GPT does not build (named), a schedule it does not run,
@@ -119,13 +177,21 @@ def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int]
               f"--num-attention-heads {heads}"]
     if kv != heads:
         lines += ["--group-query-attention", f"--num-query-groups {kv}"]
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim and head_dim * heads != config.hidden_size:
+        lines.append(f"--kv-channels {head_dim}")
+    if model_type in _QKV_BIAS:
+        lines.append("--add-qkv-bias")
+    if model_type in _QK_NORM:
+        lines.append("--qk-layernorm")
     lines += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
-              "--disable-bias-linear", f"--rotary-base {int(getattr(config, 'rope_theta', 10000))}"]
+              "--disable-bias-linear", f"--rotary-base {int(_rope_theta(config))}"]
     if not getattr(config, "tie_word_embeddings", False):
         lines.append("--untie-embeddings-and-output-weights")
     sequence = sequence or int(table.attrs.get("tokens_per_sample", 0)) or None
     if sequence:
         lines += [f"--seq-length {sequence}", f"--max-position-embeddings {sequence}"]
+    lines += megatron_moe(plan, config)
     head = (f"# Megatron-LM arguments for pretrain_gpt.py, from a pipexplore plan: {mesh.describe()} "
             f"({plan.data_parallel}), {plan.schedule}, {plan.chunks} micro-batches a replica\n")
     return head + " \\\n".join(lines) + "\n"
