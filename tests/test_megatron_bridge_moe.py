@@ -1,0 +1,76 @@
+"""benchmarks/megatron_bridge_moe.py: a row of Megatron-Bridge's MoE table planned, its printed line parsed."""
+import pathlib
+import re
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import megatron_bridge_moe
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return megatron_bridge_moe
+
+
+def test_a_row_is_planned_and_its_printed_line_parses(bridge, capsys):
+    assert bridge.main(["--rows", "qwen3-30b"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == bridge.HEADER and len(lines) == 3
+    fields = lines[1].split()
+    assert fields[:3] == ["Qwen3-30B-A3B", "16", "fp8"]
+    step, compute, a2a, bubble, optim = map(float, fields[9:14])
+    predicted, published = (float(f.replace(",", "")) for f in fields[14:16])
+    error = float(fields[16].rstrip("%")) / 100
+    assert published == 8960
+    assert predicted == pytest.approx(1024 * 4096 / step / 16, rel=2e-3)  # tokens a second a GPU from the step
+    assert error == pytest.approx(predicted / published - 1, abs=1e-3)
+    assert compute > 0 and a2a > 0 and optim > 0
+    assert compute + a2a + bubble + optim == pytest.approx(step, rel=0.01)  # one stage: the step is its GPU's
+    hidden = float(fields[17].rstrip("%")) / 100
+    assert hidden > error  # the all-to-all hidden can only be faster
+    assert re.match(r"median \|error\| [\d.]+%, max [\d.]+%", lines[2])
+
+
+def test_the_pipeline_splits_follow_megatron(bridge):
+    names = ["model.embed_tokens", "model.rotary_emb", *(f"model.layers.{i}" for i in range(94)), "model.norm",
+             "lm_head"]
+    splits = bridge.stage_splits(names, 32, True)  # the embedding and the loss each count as a layer: 96 = 32 × 3
+    assert len(splits) == 31 and names[splits[0]] == "model.layers.2" and names[splits[-1]] == "model.layers.92"
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(36)), "model.norm", "lm_head"]
+    assert [names[s] for s in bridge.stage_splits(names, 4, False)] == [
+        "model.layers.9", "model.layers.18", "model.layers.27"]
+    with pytest.raises(ValueError, match="evenly"):
+        bridge.stage_splits(names, 5, False)
+
+
+def test_fp8_marks_only_the_decoder_layers_linear_gemms(bridge):
+    ops = pd.DataFrame({"kind": ["Qwen3MoeDecoderLayer-2"] * 3 + ["Linear-4"],
+                        "op": ["aten.mm", "aten._grouped_mm", "aten._scaled_dot_product_efficient_attention",
+                               "aten.mm"],
+                        "dtype": ["bfloat16"] * 4, "flops": [1.0, 1.0, 1.0, 1.0]})
+    ops.attrs["rows"] = 1
+    marked = bridge._as_fp8(ops)
+    assert list(marked["dtype"]) == ["float8", "float8", "bfloat16", "bfloat16"] and marked.attrs["rows"] == 1
+
+
+def test_a_sliding_window_is_counted_as_its_tiles(bridge):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.zeros(1, 4, 1024, 64)
+    kv = torch.zeros(1, 2, 1024, 64)
+
+    def flops(window):
+        with FlopCounterMode(display=False) as counter:
+            out, _ = bridge.fused_sink_attention(None, q, kv, kv, None, sliding_window=window)
+        assert out.shape == (1, 1024, 4, 64)
+        return counter.get_total_flops()
+
+    assert flops(128) == pytest.approx(flops(None) * 2 * 128 / 1024)  # 2w keys a query, against all of them
