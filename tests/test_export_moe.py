@@ -291,3 +291,14 @@ def test_what_torchtitans_experts_cannot_run_is_refused_by_name():
     state.set_mesh({"tp": 2, "pp": 2, "dp": 4, "ep": 2}, data_parallel="ddp")
     _, args = torchtitan_parse(state.export("torchtitan"))
     assert args["--parallelism.expert_parallel_degree"] == ["2"]  # within tp: DDP leaves it whole
+
+
+# ---- the exports that write pipeline ranks only ------------------------------------------------------------------
+
+
+def test_the_pipeline_only_exports_refuse_expert_parallelism_by_name():
+    state = plan_of(MIXTRAL, {"tp": 2, "pp": 2, "dp": 4, "ep": 4})
+    for kind in ("gpipe", "pipelining"):
+        with pytest.raises(ValueError, match=rf"mesh \(tp 2 · pp 2 · dp 4 · ep 4\) is planned, but the '{kind}' export "
+                                             r"writes pipeline ranks only: its tensor, data and expert parallelism"):
+            state.export(kind)

@@ -29,10 +29,11 @@ __all__ = ["gpipe_code", "pipelining_code", "schedule_csv_code", "torchrun_code"
 def _pipeline_ranks_only(plan: Plan, kind: str) -> None:
     """Refuse to write ``kind`` (pipeline ranks only) for a plan whose mesh would be dropped."""
     mesh = plan.mesh
-    if mesh is not None and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):
+    if mesh is not None and (mesh.tp > 1 or mesh.dp > 1 or mesh.cp > 1):  # ep and etp fold over these ranks
+        dropped = "tensor, data and expert" if mesh.ep * mesh.etp > 1 else "tensor and data"
         raise ValueError(f"the plan's mesh ({mesh.describe()}) is planned, but the {kind!r} "
-                         "export writes pipeline ranks only: its tensor and data parallelism would be dropped. Export "
-                         "the pipeline of a mesh with tp=1 and dp=1, or 'schedule-csv' for its schedule")
+                         f"export writes pipeline ranks only: its {dropped} parallelism would be dropped. "
+                         "Export the pipeline of a mesh with tp=1 and dp=1, or 'schedule-csv' for its schedule")
 
 
 def gpipe_code(plan: Plan, *, traced: bool = False, model_name: str = "the model", **_: Any) -> str:
