@@ -239,14 +239,31 @@ def inputs_of(block: nn.Module, name: str, info: Optional[RoutedExperts]) -> Ite
 def count_experts(seen: Sequence[tuple]) -> Any:
     """The routed experts' own kernels (:func:`pipexplore.models.opcount.count_call` of each module
     :func:`inputs_of` saw, on its inputs: its hooks, such as a rank's token share, apply), as one
-    :class:`~pipexplore.models.opcount.Count`; None where it saw none."""
+    :class:`~pipexplore.models.opcount.Count`; None where it saw none. After them, the all-to-alls
+    an expert-parallel rank runs around them at those tokens, counted by torch
+    (:func:`pipexplore.models.expert_parallel.count_exchange`: records whose ``collective`` is
+    ``all_to_all``), where the module's weights are stacked one slice an expert."""
+    from pipexplore.models.expert_parallel import count_exchange
     from pipexplore.models.opcount import Count, count_call
 
     if not seen:
         return None
     records: list[dict[str, Any]] = []
     for module, args, kwargs in seen:
-        records += count_call(module, args, kwargs).records
+        given: list[tuple] = []  # the inputs its own hooks hand it (a rank's share of the tokens)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not given:
+                given.append((args, kwargs))
+
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            records += count_call(module, args, kwargs).records
+        finally:
+            handle.remove()
+        exchange = count_exchange(module, *given[0]) if given else None
+        if exchange is not None:
+            records += exchange.records
     return Count(records)
 
 
@@ -285,6 +302,9 @@ def share_costs(expert_ops: Any, table: Any, spec: Any, *, efficiency: Any = Non
         return out
 
     attrs = dict(expert_ops.attrs)
+    exchange = _exchange_columns(expert_ops, kinds)
+    if "collective" in expert_ops:  # the exchange is costed over the ep group's links, not as a kernel
+        expert_ops = expert_ops[expert_ops["collective"].fillna("").astype(str) != "all_to_all"]
     expert_ops = expert_ops.assign(flops=expert_ops["flops"].fillna(0.0))  # (a lower bound, as the table's)
     expert_ops.attrs = attrs
     whole = fitted(expert_ops)
@@ -296,7 +316,33 @@ def share_costs(expert_ops: Any, table: Any, spec: Any, *, efficiency: Any = Non
         held.attrs = dict(expert_ops.attrs)
         part = fitted(held)
         changes[i] = [part[column] - whole[column] for column in SHARE_COLUMNS]
-    return {"shares": np.asarray(kept, dtype=int), "columns": SHARE_COLUMNS, "changes": changes}
+    return {"shares": np.asarray(kept, dtype=int), "columns": SHARE_COLUMNS, "changes": changes,
+            "expert_b": np.stack([whole["forward_b"], whole["backward_b"]]), **exchange}
+
+
+def _exchange_columns(expert_ops: Any, kinds: Any) -> dict[str, Any]:
+    """From the all-to-all records of ``expert_ops`` (:func:`count_experts`), per layer of ``kinds``
+    and phase (forward, backward): ``exchange_bytes``, the bytes a row of the tokens' all-to-alls'
+    tensors (the split counts' left out: they do not grow with the rows), and ``exchange_calls``,
+    how many all-to-alls (the split counts' too). Empty where there are none."""
+    import numpy as np
+
+    if "collective" not in expert_ops:
+        return {}
+    a2a = expert_ops[expert_ops["collective"].fillna("").astype(str) == "all_to_all"]
+    if not len(a2a):
+        return {}
+    rows = float(expert_ops.attrs.get("rows") or 1)
+    tokens = a2a["dtype"].astype(str).str.contains("float|bfloat", regex=True)
+    moved = (a2a["fixed_bytes"].to_numpy(dtype=float) + a2a["row_bytes"].to_numpy(dtype=float)) * tokens.to_numpy()
+    frame = a2a.assign(moved=moved / rows, calls=1.0)
+    out = np.zeros((2, len(kinds)))
+    calls = np.zeros((2, len(kinds)))
+    for i, phase in enumerate(("forward", "backward")):
+        sums = frame[frame["phase"] == phase].groupby("kind", sort=False)[["moved", "calls"]].sum()
+        out[i] = sums["moved"].reindex(kinds).fillna(0.0).to_numpy(dtype=float)
+        calls[i] = sums["calls"].reindex(kinds).fillna(0.0).to_numpy(dtype=float)
+    return {"exchange_bytes": out, "exchange_calls": calls}
 
 
 #: The columns :func:`share_costs` changes, in its array's order.

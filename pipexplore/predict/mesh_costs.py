@@ -32,11 +32,17 @@ GEMMs read and write ``1/(ep·etp)`` of the experts' weights and their gradients
 that share: :func:`pipexplore.models.experts.share_costs`). Its experts'
 gradients are reduced, and under ``zero1``/``fsdp`` their state sharded, over the ``edp`` ranks
 holding the same experts (Megatron-Core's expert data-parallel group, torchtitan's ``efsdp``), the
-dense rest's over ``dp · cp``. Each layer's routed tokens (the table's ``dispatch_bytes``: ``top_k``
-copies of a rank's ``1/(tp·cp)`` of the tokens) are exchanged by an all-to-all over the ``ep``
-group to the experts' ranks and back, forward and backward (with ``etp``, gathered over and
-scattered back across the ``etp`` group too), costed as the cluster's collectives are
-(:func:`pipexplore.predict.collectives.linear_cost`: ``all_to_all``) and exposed (``ep_seconds``).
+dense rest's over ``dp · cp``. Each layer's routed tokens (``top_k`` copies of a rank's
+``1/(tp·cp)`` of the tokens) are exchanged over the ``ep`` group to the experts' ranks and back by
+the all-to-alls torch ran counting the layer as an expert-parallel rank
+(:func:`pipexplore.models.expert_parallel.count_exchange`, the table's ``attrs['expert_shares']``
+``exchange_bytes`` and ``exchange_calls``: forward the split counts, the dispatch and the combine,
+backward their gradients; a table without them, two each way of its ``dispatch_bytes``), with
+``etp`` gathered over and scattered back across the ``etp`` group too, each costed as the cluster's
+collectives are (:func:`pipexplore.predict.collectives.linear_cost`: ``all_to_all``, NVLink inside
+a node, the node's network across) and exposed (``ep_seconds``, drawn as ``ep all_to_all`` on the
+collectives lane). Routing is balanced unless ``capacity_factor`` makes the rank the busiest of its
+group: its experts' token-bound kernels and its all-to-alls' bytes scale by it.
 
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
 Llama 3 and torchtitan balance causal attention) leaves a rank ``1/cp`` of every layer's work that
@@ -64,7 +70,7 @@ backward, and the columns ``dp_seconds``/``gather_seconds`` say which is which.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -101,7 +107,7 @@ def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: 
 
 def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *, gpus_per_node: int = 8,
                      data_parallel: str = "ddp", sequence_parallel: bool = True, reshard_after_forward: bool = False,
-                     mixed_precision: bool = False) -> pd.DataFrame:
+                     mixed_precision: bool = False, capacity_factor: float = 1.0) -> pd.DataFrame:
     """``table`` (one tensor-parallel rank's layers; its ``rank_param_bytes`` where counted so) as the
     pipeline rank of ``mesh`` over ``devices`` (all of the mesh's, rank order) runs them (the module
     docstring): ``optimizer`` (seconds at the step's end) plus the data-parallel collectives and the
@@ -109,11 +115,19 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     exposed gathers; ``output_bytes`` and ``saved_bytes`` divided by ``tp`` with sequence parallelism
     (and by ``cp``), so that the timeline's ``memory`` is one GPU's; and the columns of
     :data:`MESH_COLUMNS`. Gradients move in the parameters' dtype, in fp32 with ``mixed_precision``.
+    ``capacity_factor``: the rank is the busiest of its ``ep`` group, its experts receiving that many
+    times their balanced share of the tokens (1, the default: balanced routing, as NVIDIA's published
+    benchmarks force it): its experts' kernels that grow with the tokens (the table's
+    ``attrs['expert_shares']`` ``expert_b``) and its all-to-alls' bytes scale so.
     """
     from pipexplore.predict.memory import DATA_PARALLEL
 
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not 1.0 <= float(capacity_factor) <= mesh.ep:
+        raise ValueError(f"capacity_factor is how many times its balanced share of the routed tokens the busiest "
+                         f"expert-parallel rank receives: from 1 (balanced) to ep = {mesh.ep}, got {capacity_factor!r}")
     out = table.copy()
     out.attrs = {key: table.attrs[key] for key in ("batch", "rows") if key in table.attrs}  # (each column read
     n = len(out)  # copies the attrs: the table's whole come back at the end)
@@ -140,10 +154,16 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
             out[column] = out[column].to_numpy(dtype=float) + change
         for phase in ("forward", "backward"):
             out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * float(table.attrs.get("batch") or 1)
+    hot = np.asarray(shares.get("expert_b", ()), dtype=float)
+    if capacity_factor > 1 and hot.shape == (2, n):  # the busiest rank's experts compute more tokens
+        for i, phase in enumerate(("forward", "backward")):
+            out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + (capacity_factor - 1) * hot[i]
+            if phase in out:
+                out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * float(table.attrs.get("batch") or 1)
     if mesh.cp > 1:
         out, context = _context_parallel(out, mesh, devices, gpus_per_node)
     if "dispatch_bytes" in out and mesh.size > 1:
-        out, moved = _expert_exchange(out, mesh, devices, gpus_per_node)
+        out, moved = _expert_exchange(out, mesh, devices, gpus_per_node, float(capacity_factor), shares)
     dp_group = [devices[r] for r in range(mesh.size)
                 if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
     edp_group = [devices[r] for r in mesh.group("edp", 0)]
@@ -194,36 +214,48 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     return out
 
 
-def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
-                     gpus_per_node: int) -> tuple[pd.DataFrame, np.ndarray]:
+def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], gpus_per_node: int,
+                     capacity_factor: float = 1.0, shares: Optional[dict] = None) -> tuple[pd.DataFrame, np.ndarray]:
     """``table`` with each layer's routed tokens exchanged as ``mesh`` folds its experts (the module
-    docstring): forward, the dispatch and the combine all-to-all over the ``ep`` group (and the
-    ``etp`` group's gather and scatter of them), backward the same for their gradients, exposed;
-    a micro-batch's fixed part once a layer, the rest by the row. Returns it and each layer's
-    seconds of them for the whole batch."""
+    docstring): the all-to-alls over the ``ep`` group that torch ran counting the layer (forward the
+    split counts, the dispatch and the combine; backward the combine's and the dispatch's gradients:
+    ``shares``, the table's ``attrs['expert_shares']``: ``exchange_bytes`` and ``exchange_calls``), else two each
+    way of ``dispatch_bytes``; with ``etp`` the ``etp`` group's gather and scatter of them; exposed,
+    a micro-batch's fixed part once an all-to-all, the rest by the row; the busiest rank's at
+    ``capacity_factor`` times the tokens. Returns it and each layer's seconds of them for the whole
+    batch."""
     out = table.copy()
+    n = len(out)
     batch = float(table.attrs.get("batch") or 1)
     rows = float(table.attrs.get("rows", (1,))[0])  # a micro-batch's: what each exchange moves
-    row = out["dispatch_bytes"].to_numpy(dtype=float) / batch / (mesh.tp * mesh.cp)  # a row's routed tokens, a GPU's
-    point = float(row.max()) * rows if len(row) else 0.0
-    routed = row > 0
-    fixed, per_byte = 0.0, 0.0
+    shares = shares or {}
+    counted = shares.get("exchange_bytes")
+    if counted is not None and np.shape(counted) == (2, n):  # a row's bytes a GPU, each phase (the count's rank's)
+        moved = np.asarray(counted, dtype=float) / mesh.cp
+        calls = np.asarray(shares["exchange_calls"], dtype=float)
+    else:  # the dispatch and the combine of top_k copies of a GPU's tokens, each way
+        dispatched = out["dispatch_bytes"].to_numpy(dtype=float) / batch / (mesh.tp * mesh.cp)
+        moved, calls = np.stack([2 * dispatched] * 2), np.stack([2.0 * (dispatched > 0)] * 2)
+    moved = moved * float(capacity_factor)  # the busiest rank receives capacity_factor times its share
+    tokens = calls.max(axis=0) if calls.size else np.zeros(n)
+    point = float((moved / np.maximum(calls, 1.0)).max()) * rows if moved.size else 0.0  # one all-to-all's tensor
+    fixed, per_byte = np.zeros((2, n)), np.zeros((2, n))
     if mesh.ep > 1 and point > 0:
         latency, rate = linear_cost("all_to_all", point, [devices[r] for r in mesh.group("ep", 0)], gpus_per_node)
-        fixed, per_byte = fixed + 2 * latency, per_byte + 2 * rate  # dispatch and combine
+        fixed, per_byte = fixed + latency * calls, per_byte + rate * moved
     if mesh.etp > 1 and point > 0:
         group = [devices[r] for r in mesh.group("etp", 0)]
         for kind in ("all_gather", "reduce_scatter"):  # the etp group's tokens gathered, their outputs scattered
             latency, rate = linear_cost(kind, point * mesh.etp, group, gpus_per_node)
-            fixed, per_byte = fixed + latency, per_byte + rate * mesh.etp
-    if fixed <= 0 and per_byte <= 0:
-        return out, np.zeros(len(out))
-    for phase in ("forward", "backward"):
-        out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + routed * fixed
-        out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + per_byte * row
+            fixed, per_byte = fixed + latency * (tokens > 0), per_byte + rate * mesh.etp * moved / 2
+    if not fixed.any() and not per_byte.any():
+        return out, np.zeros(n)
+    for i, phase in enumerate(("forward", "backward")):
+        out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + fixed[i]
+        out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + per_byte[i]
         if phase in out:
             out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
-    return out, 2 * (routed * fixed * batch / max(rows, 1.0) + per_byte * row * batch)
+    return out, (fixed.sum(axis=0) * batch / max(rows, 1.0) + per_byte.sum(axis=0) * batch)
 
 
 def _context_parallel(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str],
