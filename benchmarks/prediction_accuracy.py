@@ -32,7 +32,9 @@ And, asked for by name (``--sections vtrain``; not in the default: it measures n
 predictions of catalogue devices against runs measured elsewhere: the vTrain data's 1,440 GPT runs
 on one node of A100s, planned from documented defaults, what is learnt learnt on a fixed half and
 reported on the other (``benchmarks/vtrain_a100.py``). Goal: mean absolute error ≤ 10 % on the
-held-out half and the whole file.
+held-out half and the whole file. Likewise ``--sections megatron_bridge``: Megatron-Bridge's published
+mixture-of-experts rows on DGX-H100 planned from the recipes' documented defaults
+(``benchmarks/megatron_bridge_moe.py``; goal ≤ 15 % a row).
 """
 from __future__ import annotations
 
@@ -225,7 +227,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     parser.add_argument("--sections", default="configs,stale,bubbles",
                         help="comma-separated: configs (the table), stale (stale profile), bubbles (default: those "
-                             "three); vtrain (catalogue A100s against the vTrain runs: benchmarks/vtrain_a100.py)")
+                             "three); vtrain (catalogue A100s against the vTrain runs: benchmarks/vtrain_a100.py); "
+                             "megatron_bridge (catalogue H100s against Megatron-Bridge's MoE table: "
+                             "benchmarks/megatron_bridge_moe.py)")
     args = parser.parse_args()
     if args.devices:
         args.device = args.devices.split(",")[0]
@@ -279,6 +283,12 @@ def main() -> None:
 
         print("\nvTrain's runs on one node of A100s, planned on the catalogue's A100 (benchmarks/vtrain_a100.py):")
         vtrain_a100.main([])
+    if "megatron_bridge" in sections:
+        import megatron_bridge_moe
+
+        print("\nMegatron-Bridge's MoE table (DGX-H100), planned on the catalogue's H100 "
+              "(benchmarks/megatron_bridge_moe.py):")
+        megatron_bridge_moe.main([])
 
 
 if __name__ == "__main__":
