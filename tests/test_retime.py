@@ -1,4 +1,4 @@
-"""The page's re-timing of a drag (widgets/retime.js, run by Node) against the kernel's simulate."""
+"""The page's re-timing of a drag (widgets/retime.js, run by Node) against the kernel's simulate, FSDP's actions too."""
 from __future__ import annotations
 
 import base64
@@ -23,7 +23,8 @@ SOURCE = pathlib.Path(__file__).parents[1] / "pipexplore" / "widgets" / "retime.
 RUNNER = """
 const fs = require("fs");
 const source = fs.readFileSync(process.argv[2], "utf8");
-const { decodeRetime, retime } = new Function(source + "\\nreturn { decodeRetime, retime };")();
+const { decodeRetime, retime, actionCosts, shareLoop } = new Function(
+  source + "\\nreturn { decodeRetime, retime, actionCosts, shareLoop };")();
 const unpack = (v) => (v && v.$b64 !== undefined ? Buffer.from(v.$b64, "base64")
   : Array.isArray(v) ? v.map(unpack) : v && typeof v === "object" ? Object.fromEntries(
       Object.entries(v).map(([k, x]) => [k, unpack(x)])) : v);
@@ -33,8 +34,14 @@ const out = job.splits.map((splits) => {
   try {
     const r = retime(model, splits, job.panel);
     const b64 = (a) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString("base64");
+    // each action's start and end in seconds, as the loop has them (float64: the panel's are float32 ms)
+    const rows = shareLoop(model, actionCosts(model, [0, ...splits, model.layers]));
+    const times = new Float64Array(2 * model.actions);
+    for (let k = 0; k < rows.count; k++) {
+      if (!rows.copy[k]) { times[2 * rows.action[k]] = rows.start[k]; times[2 * rows.action[k] + 1] = rows.end[k]; }
+    }
     return { start: b64(r.start), end: b64(r.end), phase: b64(r.phase), micro: b64(r.micro), offsets: r.offsets,
-             step: r.step, bubble: r.bubble, stage_layers: r.stage_layers };
+             step: r.step, bubble: r.bubble, stage_layers: r.stage_layers, times: b64(times) };
   } catch (e) { return { error: String(e.message) }; }
 });
 process.stdout.write(JSON.stringify(out));
@@ -62,6 +69,21 @@ def run_page(model: dict, panel: dict, splits: list[list[int]], tmp_path: pathli
     done = subprocess.run([NODE, str(runner), str(SOURCE)], input=job, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def assert_actions_as_simulated(page: dict, model: dict, predicted: pd.DataFrame) -> None:
+    """Each action's start and end in the page (float64 seconds) as ``predicted`` (simulate's) has
+    them, to 1e-9 of the step; the step (ms) to 1e-9 relative."""
+    times = np.frombuffer(base64.b64decode(page["times"]), np.float64).reshape(-1, 2)
+    kinds = np.frombuffer(model["kind"], np.uint8)
+    keys = zip(np.frombuffer(model["stage"], np.int32).tolist(), [model["kind_names"][k] for k in kinds],
+               np.frombuffer(model["micro"], np.int32).tolist())
+    rows = predicted[predicted["phase"] != "copy"].set_index(["stage", "phase", "microbatch"])
+    assert len(rows) == len(times) and rows.index.is_unique
+    kernel = rows.loc[list(keys), ["start", "end"]].to_numpy(dtype=float)
+    step = tl.step_time(predicted)
+    np.testing.assert_allclose(times - times.min(), kernel - kernel.min(), rtol=1e-9, atol=1e-9 * step)
+    assert page["step"] == pytest.approx(step * 1e3, rel=1e-9)
 
 
 def table(n: int, seed: int = 0, shares: bool = True, fit: bool = True) -> pd.DataFrame:
@@ -127,10 +149,79 @@ def test_the_page_retimes_a_drag_as_simulate_predicts_it(name, tmp_path):
             np.testing.assert_allclose(np.frombuffer(base64.b64decode(page[key]), np.float32),
                                        np.frombuffer(kernel[key], np.float32), rtol=1e-6, atol=1e-6)
         predicted = simulate(frame, splits, **options)
-        assert page["step"] == pytest.approx(tl.step_time(predicted) * 1e3, rel=1e-9)
+        assert_actions_as_simulated(page, model, predicted)
         assert page["bubble"] == pytest.approx(tl.bubble_fraction(predicted, by=by), abs=1e-9)
         bounds = [0, *splits, layers]
         assert page["stage_layers"] == [[a, b - 1] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.fixture(scope="module")
+def llama_table() -> pd.DataFrame:
+    """A small Llama (12 layers) on the meta device, costed on planned H100s: a mesh's FSDP plans."""
+    import torch
+
+    from models import meta_llama
+    from pipexplore.models.profile import profile_model
+
+    return profile_model(meta_llama(8, heads=8), torch.zeros(8, 256, dtype=torch.long, device="meta"),
+                         devices=FSDP_DEVICES, gpus_per_node=8, chunks=4, optimizer=torch.optim.AdamW)
+
+
+FSDP_DEVICES = tuple(f"H100:{i}" for i in range(4))
+FSDP_CASES = {  # name: (splits before, splits after, Plan options): pp 2 · dp 2, FSDP (gathers slowed 40×: SLOW)
+    "1f1b, a stage a rank: gathers at the start, reduce-scatters hidden by nothing": (
+        (5,), [[3], [7], [10], [1]], dict(schedule="1f1b")),
+    "interleaved, four stages a rank: gathers mid-step, evicted and gathered again": (
+        (3, 4, 5, 6, 7, 8, 9), [[2, 4, 5, 6, 7, 8, 10], [1, 2, 3, 4, 5, 6, 7]], dict(schedule="interleaved",
+                                                                                    virtual_stages=4)),
+    "gpipe, resharded after forward: backwards gather again": (
+        (5,), [[2], [9]], dict(schedule="gpipe", reshard_after_forward=True)),
+    "1f1b, resharded after forward": ((5,), [[2], [9]], dict(schedule="1f1b", reshard_after_forward=True)),
+    "zero-bubble: I and W lowered": ((5,), [[3], [8]], dict(schedule="zero-bubble")),
+    "interleaved, two stages a rank, checkpointed": ((3, 6, 9), [[2, 5, 10], [4, 7, 8]], dict(
+        schedule="interleaved", virtual_stages=2, checkpoint="except_last")),
+    "interleaved, four stages a rank, SLOW gathers and reduce-scatters: exposed mid-step": (
+        (3, 4, 5, 6, 7, 8, 9), [[2, 4, 5, 6, 7, 8, 10]], dict(schedule="interleaved", virtual_stages=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP_CASES))
+def test_the_page_places_fsdps_gathers_and_reduce_scatters_as_simulate_does(name, llama_table, tmp_path):
+    """A mesh plan with FSDP (its rank table costs ``unshard_seconds``, ``reduce_grad_seconds``): the
+    page's re-timing of a moved split (FSDP's actions placed from the lowering the model carries)
+    gives every action's start and end, the step and the bubble simulate gives."""
+    from pipexplore.plan import Plan
+    from pipexplore.widgets.protocol import RetimeFsdp
+
+    before, afters, extra = FSDP_CASES[name]
+    plan = Plan(llama_table, splits=before, devices=FSDP_DEVICES, chunks=4, executor="processes", batch=8,
+                gpus_per_node=8, mesh={"pp": 2, "dp": 2}, data_parallel="fsdp", **extra)
+    options, rank = plan.simulate_options(), plan.rank_table
+    if "SLOW" in name:
+        rank = rank.assign(unshard_seconds=rank["unshard_seconds"] * 40,
+                           reduce_grad_seconds=rank["reduce_grad_seconds"] * 40)
+    by = tl.bubble_by(plan.schedule)
+    model = retime_model(rank, list(before), samples=8, bubble_by=by, **options)
+    assert model["fsdp"] is not None and set(model["fsdp"]) == RetimeFsdp.__required_keys__
+    panel = retime_panel(block_panel(simulate(rank, list(before), **options), PHASES)["lane_stage"], PHASES, model)
+    for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
+        assert "error" not in page, page
+        predicted = simulate(rank, splits, **options)
+        placed = predicted.attrs["fsdp"]
+        assert placed  # gathers and reduce-scatters were placed
+        if "SLOW" in name:  # a gather issued mid-step that its use waits for, a reduce-scatter not all hidden
+            assert any(r[0] == "unshard" and r[4] is None and r[5] > 0 for r in placed)
+            assert any(r[0] == "reduce_grad" and r[4] < r[3] for r in placed)
+        kernel = block_panel(predicted, PHASES)
+        assert page["offsets"] == kernel["offsets"]
+        for key in ("start", "end"):
+            np.testing.assert_allclose(np.frombuffer(base64.b64decode(page[key]), np.float32),
+                                       np.frombuffer(kernel[key], np.float32), rtol=1e-6, atol=1e-6)
+        assert_actions_as_simulated(page, model, predicted)
+        assert page["bubble"] == pytest.approx(tl.bubble_fraction(predicted, by=by), abs=1e-9)
+    ddp = Plan(llama_table, splits=before, devices=FSDP_DEVICES, chunks=4, executor="processes", batch=8,
+               gpus_per_node=8, mesh={"pp": 2, "dp": 2}, data_parallel="ddp", **extra)
+    assert retime_model(ddp.rank_table, list(before), **ddp.simulate_options())["fsdp"] is None
 
 
 def test_the_page_refuses_splits_of_another_stage_count_or_out_of_order(tmp_path):

@@ -22,7 +22,9 @@ more) and waits where torch waits:
 :func:`fsdp_placement` gives what the simulator adds; the timeline's collective rows are drawn from
 its :class:`Unshard` and :class:`ReduceGrad` records. :func:`placed_fsdp` places them in a step the
 simulator costs (where the table costs ``unshard_seconds`` or ``reduce_grad_seconds``), and
-:func:`placement_record` keeps them in its timeline's attrs.
+:func:`placement_record` keeps them in its timeline's attrs. The explorer's page re-times a moved
+split with the same arithmetic (``widgets/retime.js``), from the lowering (:func:`lowered_steps`) and
+the per-layer seconds (:func:`fsdp_columns`) that :func:`pipexplore.predict.retime.retime_model` packs.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from pipexplore.predict.costs import stage_sums
 from pipexplore.predict.dataflow import OPTIMIZER
 from pipexplore.predict.frames import PHASE_NAMES
 
-__all__ = ["lowered", "fsdp_placement", "FsdpPlacement", "Unshard", "ReduceGrad", "placed_fsdp", "placement_record"]
+__all__ = ["lowered", "lowered_steps", "fsdp_placement", "FsdpPlacement", "Unshard", "ReduceGrad", "placed_fsdp",
+           "placement_record", "fsdp_columns", "fsdp_lanes", "regathered", "COMPUTE", "UNSHARD", "REDUCE_GRAD"]
 
 _COMPUTE = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
 
@@ -98,62 +101,103 @@ class FsdpPlacement(NamedTuple):
     regathers: list[tuple[int, float]]
 
 
+#: The codes of :func:`lowered_steps`' steps: a compute action (its number), a stage's ``UNSHARD``, its ``REDUCE_GRAD``.
+COMPUTE, UNSHARD, REDUCE_GRAD = 0, 1, 2
+
+
+def lowered_steps(graph: Any, microbatches: int,
+                  lanes: Sequence[int] | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Each worker's queue of ``graph`` as torch's lowering runs it (``lanes``: the workers lowered,
+    default all): ``(worker, steps)``, a step ``(COMPUTE, action number)``, ``(UNSHARD, stage)`` or
+    ``(REDUCE_GRAD, stage)`` (``RESHARD`` left out: it costs nothing here). What a split moves does
+    not change them: the page's re-timing gets them once a plan shape (:mod:`pipexplore.predict.retime`)."""
+    out = []
+    starts = np.cumsum([0, *map(len, graph.queues)])
+    for lane, queue in enumerate(graph.queues):
+        if lanes is not None and lane not in lanes:
+            continue
+        number = {action: int(starts[lane]) + j for j, action in enumerate(queue)}
+        steps: list[tuple[int, int]] = []
+        for s, kind, i in lowered(queue, microbatches):
+            if kind == "UNSHARD":
+                steps.append((UNSHARD, s))
+            elif kind == "REDUCE_GRAD":
+                steps.append((REDUCE_GRAD, s))
+            elif kind in _COMPUTE:
+                steps.append((COMPUTE, number[(s, kind, i)]))
+        out.append((lane, steps))
+    return out
+
+
 def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np.ndarray, microbatches: int,
-                   lanes: Sequence[int] | None = None) -> FsdpPlacement:
+                   lanes: Sequence[int] | None = None,
+                   steps: Optional[list[tuple[int, list[tuple[int, int]]]]] = None) -> FsdpPlacement:
     """FSDP's ``UNSHARD``s and ``REDUCE_GRAD``s over ``graph`` (a
     :class:`~pipexplore.predict.dataflow.ActionGraph`) placed by torch's lowering of each worker's
-    queue (``lanes``: the workers lowered, default all), for ``took`` (each action's seconds),
-    ``unshard`` (per stage, seconds of its all-gather) and ``reduce_grad`` (per stage, seconds of
-    its reduce-scatter)."""
+    queue (``lanes``: the workers lowered, default all; ``steps``: :func:`lowered_steps` of them, if
+    known), for ``took`` (each action's seconds), ``unshard`` (per stage, seconds of its all-gather)
+    and ``reduce_grad`` (per stage, seconds of its reduce-scatter). The page's re-timing
+    (``widgets/retime.js``, ``fsdpCosts``) does the same arithmetic in the same order."""
     n = len(graph)
     release, extra = np.zeros(n), np.zeros(n)
     less = np.zeros(len(unshard))
     unshards: list[Unshard] = []
     reduces: list[ReduceGrad] = []
-    starts = np.cumsum([0, *map(len, graph.queues)])
-    for lane, queue in enumerate(graph.queues):
-        base = int(starts[lane])
-        if lanes is not None and lane not in lanes:
-            continue
-        number = {action: base + j for j, action in enumerate(queue)}
-        computes = [a for a in queue if a[1] in _COMPUTE]
-        seconds = {a: float(took[number[a]]) for a in computes}
-        steps = lowered(queue, microbatches)
-        clock = np.concatenate([[0.0], np.cumsum([seconds[a] for a in computes])])  # compute done before each
+    for lane, ops in (steps if steps is not None else lowered_steps(graph, microbatches, lanes)):
+        computes = [value for code, value in ops if code == COMPUTE]
+        clock = np.concatenate([[0.0], np.cumsum(took[np.asarray(computes, dtype=np.int64)])])  # compute done before each
         total = float(clock[-1])
         stream = 0.0  # when the worker's all-gather stream is free, for gathers issued at the start
         scatter = 0.0  # when its reduce-scatter stream is, on the compute's clock (its idle time left out)
         seen_compute = 0  # compute actions before the current point
         pending: dict[int, tuple[int, float]] = {}  # stage -> (compute index it was issued before, done)
-        for s, kind, i in steps:
-            if kind == "UNSHARD":
+        for code, value in ops:
+            if code == UNSHARD:
+                s = value
                 at_start = seen_compute == 0
                 if at_start:
                     stream += float(unshard[s])
                 pending[s] = (seen_compute, stream if at_start else float(unshard[s]))
-            elif kind == "REDUCE_GRAD":  # on the reduce-scatter stream, one after another, behind the compute
-                after = computes[seen_compute - 1]
+            elif code == REDUCE_GRAD:  # on the reduce-scatter stream, one after another, behind the compute
+                s = value
                 exposed_before = max(0.0, scatter - total)
-                scatter = max(scatter, clock[seen_compute]) + float(reduce_grad[s])
+                scatter = max(scatter, float(clock[seen_compute])) + float(reduce_grad[s])
                 hidden = float(reduce_grad[s]) - (max(0.0, scatter - total) - exposed_before)
                 less[s] += hidden
-                reduces.append(ReduceGrad(s, lane, number[after], float(reduce_grad[s]), hidden))
-            elif kind in _COMPUTE:
-                action = computes[seen_compute]
+                reduces.append(ReduceGrad(s, lane, computes[seen_compute - 1], float(reduce_grad[s]), hidden))
+            else:
+                use = value
+                s = int(graph.stage[use])
                 if s in pending:
-                    issued, value = pending.pop(s)
-                    use = number[action]
+                    issued, done = pending.pop(s)
                     if issued == 0:  # timed from the step's start: a release time
-                        release[use] = max(release[use], value)
-                        unshards.append(Unshard(s, lane, number[computes[0]], use, float(unshard[s]), True, value,
-                                                0.0))
+                        release[use] = max(release[use], done)
+                        unshards.append(Unshard(s, lane, computes[0], use, float(unshard[s]), True, done, 0.0))
                     else:
                         between = float(clock[seen_compute] - clock[issued])
-                        exposed = max(0.0, value - between)
+                        exposed = max(0.0, done - between)
                         extra[use] += exposed
-                        unshards.append(Unshard(s, lane, number[computes[issued]], use, value, False, 0.0, exposed))
+                        unshards.append(Unshard(s, lane, computes[issued], use, done, False, 0.0, exposed))
                 seen_compute += 1
     return FsdpPlacement(release, extra, less, unshards, reduces, [])
+
+
+def fsdp_columns(table: pd.DataFrame) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per layer, the seconds of FSDP's gather once a step (``unshard_seconds``), its step-end
+    reduce-scatter (``reduce_grad_seconds``) and a backward's gather again
+    (``backward_gather_exposed``), zeros where the table has no such column; None where it costs none."""
+    columns = [table[c].to_numpy(dtype=float) if c in table else None
+               for c in ("unshard_seconds", "reduce_grad_seconds", "backward_gather_exposed")]
+    if all(c is None or not c.any() for c in columns):
+        return None
+    unshard, reduce_grad, regather = (c if c is not None else np.zeros(len(table)) for c in columns)
+    return unshard, reduce_grad, regather
+
+
+def fsdp_lanes(graph: Any, executor: str) -> list[int]:
+    """The workers whose queues torch lowers: all, but with autograd's executor the forward workers
+    (its backward worker runs after every forward: the gathers are the forward workers')."""
+    return [w for w, queue in enumerate(graph.queues) if executor != "autograd" or any(k == "F" for _, k, _ in queue)]
 
 
 def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], microbatches: int,
@@ -162,15 +206,11 @@ def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], 
     reduce-scatter (``reduce_grad_seconds``, inside ``optimizer``), place them as torch's lowering
     does (:mod:`pipexplore.predict.fsdp_actions`): ``costs`` get the release times, the exposed
     gathers and the updates less what their rank hides. None where the table costs neither."""
-    columns = [table[c].to_numpy(dtype=float) if c in table else None
-               for c in ("unshard_seconds", "reduce_grad_seconds", "backward_gather_exposed")]
-    if all(c is None or not c.any() for c in columns):
+    columns = fsdp_columns(table)
+    if columns is None:
         return None
-    unshard, reduce_grad, regather = (stage_sums(c, points) if c is not None else np.zeros(len(points) - 1)
-                                      for c in columns)
-    # autograd's backward worker runs after every forward: the gathers are the forward workers'
-    lanes = [w for w, queue in enumerate(graph.queues) if executor != "autograd" or any(k == "F" for _, k, _ in queue)]
-    placement = fsdp_placement(graph, costs.seconds, unshard, reduce_grad, microbatches, lanes)
+    unshard, reduce_grad, regather = (stage_sums(c, points) for c in columns)
+    placement = fsdp_placement(graph, costs.seconds, unshard, reduce_grad, microbatches, fsdp_lanes(graph, executor))
     none = len(graph)
     waits = graph.second == none
     costs.second_wait[waits] = np.maximum(costs.second_wait[waits], placement.release[waits])
@@ -178,13 +218,13 @@ def placed_fsdp(graph: Any, costs: Any, table: pd.DataFrame, points: list[int], 
     steps = graph.kind == OPTIMIZER
     costs.seconds[steps] -= placement.optimizer_less[graph.stage[steps]]
     if regather.any():  # resharded after forward: a backward gathers again where a forward came since the last
-        again = _regathered(graph)
+        again = regathered(graph)
         costs.seconds[again] += regather[graph.stage[again]]
         placement.regathers.extend((int(n), float(regather[graph.stage[n]])) for n in again)
     return placement
 
 
-def _regathered(graph: Any) -> np.ndarray:
+def regathered(graph: Any) -> np.ndarray:
     """The backward actions (``B``, ``I``) that gather their stage again with ``reshard_after_forward``:
     those whose stage ran a forward since its last backward on their worker (torch's stage keeps
     a stage unsharded from one backward to the next, until the last)."""

@@ -6,8 +6,11 @@ what stays (the graph's arrays and each layer's costs, as :func:`pipexplore.simu
 into plain data with binary buffers, once per plan shape; the explorer's timeline
 (``widgets/retime.js``, the processor-sharing loop of ``_sharing.c`` step for step) sums the
 layers of the new split, times the graph and draws it the moment a handle is released, while the
-kernel predicts the same plan. Tests run the page's code on these models and compare its timeline
-with :func:`~pipexplore.predict.simulator.simulate`'s.
+kernel predicts the same plan. A mesh plan with FSDP carries its lowering too (``fsdp``: torch's
+``UNSHARD``/``REDUCE_GRAD`` per worker, :mod:`pipexplore.predict.fsdp_actions`), from which the page
+places its gathers and reduce-scatters for the new split's seconds as the simulator does. Tests
+run the page's code on these models and compare its timeline with
+:func:`~pipexplore.predict.simulator.simulate`'s.
 
 Example::
 
@@ -49,6 +52,26 @@ def _i32(values: Any) -> bytes:
     return np.ascontiguousarray(values, dtype=np.int32).tobytes()
 
 
+def _fsdp_model(table: pd.DataFrame, graph: Any, microbatches: int, executor: str) -> Optional[dict[str, Any]]:
+    """FSDP's part of a retime model (:func:`~pipexplore.predict.fsdp_actions.placed_fsdp`'s inputs that
+    a moved split keeps): per layer ``unshard``, ``reduce_grad``, ``regather`` seconds; the lowered
+    workers' steps as ``(code, value)`` pairs (``ops``, each worker's from ``ops_at[w]`` to
+    ``ops_at[w + 1]``: :func:`~pipexplore.predict.fsdp_actions.lowered_steps`); the optimizer steps
+    (``updates``) and the backwards that gather again (``again``) by action number. None without FSDP."""
+    from pipexplore.predict.fsdp_actions import fsdp_columns, fsdp_lanes, lowered_steps, regathered
+
+    columns = fsdp_columns(table)
+    if columns is None:
+        return None
+    unshard, reduce_grad, regather = columns
+    lowered = lowered_steps(graph, microbatches, fsdp_lanes(graph, executor))
+    ops = [pair for _, steps in lowered for pair in steps]
+    return {"unshard": _f64(unshard), "reduce_grad": _f64(reduce_grad), "regather": _f64(regather),
+            "ops": _i32(np.asarray(ops, dtype=np.int32).reshape(-1, 2)),
+            "ops_at": _i32(np.cumsum([0, *(len(steps) for _, steps in lowered)])),
+            "updates": _i32(np.flatnonzero(graph.kind == OPTIMIZER)), "again": _i32(regathered(graph))}
+
+
 def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: Optional[int] = None,
                  bubble_by: str = "stage", **options: Any) -> dict[str, Any]:
     """The split-independent part of ``simulate(layer_table, splits, **options)`` as plain data.
@@ -67,7 +90,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     ``lanes``: :func:`~pipexplore.predict.sharing.loop_layout`); ``kind_names``: the phase of each kind
     number, then a copy's. ``samples``: the batch's rows (throughput); ``bubble_by``: the bubble
     per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
-    :func:`pipexplore.timeline.bubble_fraction` takes it.
+    :func:`pipexplore.timeline.bubble_fraction` takes it. ``fsdp``: where the table costs FSDP's
+    gathers and reduce-scatters, what places them as torch's lowering does (:func:`_fsdp_model`), else None.
     """
     if bubble_by not in ("stage", "device"):
         raise ValueError(f"bubble_by must be 'stage' or 'device', got {bubble_by!r}")
@@ -87,6 +111,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
             weighted.append(values * table[column].to_numpy(dtype=float) if column in table else np.zeros(L))
     resource, devices, lanes_at, lanes = loop_layout(graph, setup.resource)
     out_bytes = table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in table else np.zeros(L)
+    fsdp = _fsdp_model(table, graph, len(setup.sizes), executor)
     # What each layer's gradients cost to allocate, once a step (micro-batch 0's backward).
     fresh = fresh_gradient_seconds(table, corrections.scale(executor, "backward") if corrections is not None else None)
     return {
@@ -104,7 +129,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "kind": np.ascontiguousarray(graph.kind, dtype=np.uint8).tobytes(), "micro": _i32(graph.micro),
         "optimizer": bool((graph.kind == OPTIMIZER).any()),
         "queue_len": _i32([len(q) for q in graph.queues]),
-        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes),
+        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes), "fsdp": fsdp,
         "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD, "kind_names": list(PHASE_NAMES),
         "stage_device": list(setup.stage_device), "samples": samples,
         "bubble_key": (list(range(S)) if bubble_by == "stage"

@@ -13,7 +13,8 @@ SplitBar        its traits         SplitBarState                              sp
 TimelineCanvas  its traits         TimelineCanvasState                        timeline_canvas.js
                 scene              TimelineScene: BlockPanel, MemoryPanel,    timeline_canvas.js
                                    MemorySeries, MemoryPeak, ScenePhase
-                retime             RetimePayload: RetimeModel, RetimePanel    retime.js
+                retime             RetimePayload: RetimeModel, RetimePanel,   retime.js
+                                   RetimeFsdp
                 custom message     DrawnMessage (page to kernel)              panels/timelines.py
 ResidualCanvas  grid               ResidualGrid                               residual_canvas.js
 ScheduleGrid    its traits         ScheduleGridState                          schedule_grid.js
@@ -26,9 +27,9 @@ from typing import Literal, TypedDict
 
 __all__ = [
     "NOT_READ_BY_PAGE", "BlockPanel", "DrawnMessage", "FrontChartState", "MemoryPanel", "MemoryPeak",
-    "MemorySeries", "MicroBytes", "PageEvent", "PanelRole", "ResidualCanvasState", "ResidualGrid", "RetimeModel",
-    "RetimePanel", "RetimePayload", "ScenePhase", "ScheduleGridState", "SplitBarState", "StripLayer", "StripSkip",
-    "StripView", "TimelineCanvasState", "TimelineScene",
+    "MemorySeries", "MicroBytes", "PageEvent", "PanelRole", "ResidualCanvasState", "ResidualGrid", "RetimeFsdp",
+    "RetimeModel", "RetimePanel", "RetimePayload", "ScenePhase", "ScheduleGridState", "SplitBarState", "StripLayer",
+    "StripSkip", "StripView", "TimelineCanvasState", "TimelineScene",
 ]
 
 # ---- the split strip (splitbar.py, panels/stages.py) -------------------------------------------
@@ -166,6 +167,18 @@ class RetimePanel(TypedDict):
     bubble_key: list[int]
 
 
+class RetimeFsdp(TypedDict):
+    """FSDP's gathers and reduce-scatters as torch's lowering places them (``retime_model``'s ``fsdp``); read by retime.js."""
+
+    unshard: bytes
+    reduce_grad: bytes
+    regather: bytes
+    ops: bytes
+    ops_at: bytes
+    updates: bytes
+    again: bytes
+
+
 class RetimeModel(TypedDict):
     """A plan shape's split-independent costs and graph (``retime_model``); read by retime.js, timeline_canvas.js."""
 
@@ -201,6 +214,7 @@ class RetimeModel(TypedDict):
     queue_len: bytes
     lanes_at: bytes
     lanes: bytes
+    fsdp: RetimeFsdp | None
     forward: int
     backward: int
     input_grad: int

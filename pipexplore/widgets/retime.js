@@ -2,8 +2,10 @@
 // split summed per stage, the step's graph timed by the processor-sharing loop of _sharing.c
 // (the same steps: each action starts when its worker is free and its inputs are there; actions
 // on one device that ask for more than all of it slow down in proportion), and the result laid out
-// as the predicted panel's blocks. The kernel predicts the same plan meanwhile and its scene then
-// replaces this one; tests compare the two.
+// as the predicted panel's blocks. FSDP's gathers and reduce-scatters are placed from torch's
+// lowering the model carries (fsdpCosts, as pipexplore/predict/fsdp_actions.py places them). The
+// kernel predicts the same plan meanwhile and its scene then replaces this one (a mesh's
+// collectives lanes are the kernel's: empty here until it comes); tests compare the two.
 
 // A typed array over a binary buffer of the scene (a DataView from the widget's message).
 function typed(view, Type) {
@@ -24,8 +26,29 @@ function decodeRetime(raw) {
     copy_rates: f64("copy_rates"), out_bytes: f64("out_bytes"), fractions: f64("fractions"), fresh: f64("fresh"),
     size_of_micro: i32("size_of_micro"), resource: i32("resource"), first: i32("first"), second: i32("second"),
     stage: i32("stage"), kind: typed(raw.kind, Uint8Array), micro: i32("micro"), queue_len: i32("queue_len"),
-    lanes_at: i32("lanes_at"), lanes: i32("lanes"),
+    lanes_at: i32("lanes_at"), lanes: i32("lanes"), fsdp: decodeFsdp(raw.fsdp),
   };
+}
+
+// FSDP's part of the model (retime.py's _fsdp_model): its per-layer seconds, the lowered workers'
+// steps and the actions they change, as typed arrays; null without FSDP.
+function decodeFsdp(f) {
+  if (!f) return null;
+  return {
+    unshard: typed(f.unshard, Float64Array), reduce_grad: typed(f.reduce_grad, Float64Array),
+    regather: typed(f.regather, Float64Array), ops: typed(f.ops, Int32Array), ops_at: typed(f.ops_at, Int32Array),
+    updates: typed(f.updates, Int32Array), again: typed(f.again, Int32Array),
+  };
+}
+
+// Per stage, the sum of a layer array (from `offset`) over the stage's layers, `points` its
+// boundaries: differences of running totals, as numpy's cumsum has them (costs.stage_sums).
+function stageSums(values, offset, points, S, L) {
+  const total = new Float64Array(L + 1);
+  for (let l = 0; l < L; l++) total[l + 1] = total[l] + values[offset + l];
+  const out = new Float64Array(S);
+  for (let s = 0; s < S; s++) out[s] = total[points[s + 1]] - total[points[s]];
+  return out;
 }
 
 // A binary heap of (key, tie, queue) entries, least key (then tie) first, in typed arrays (the
@@ -81,13 +104,7 @@ class Heap {
 function actionCosts(m, points) {
   // The graph's kinds (F B R I W O), then C (a checkpointed F): as many as the model has extras.
   const S = m.stages, L = m.layers, Z = m.sizes, n = m.actions, K = m.extra.length, C = K - 1;
-  const sums = (values, offset) => {  // per stage, the sum of a layer array (running totals, as numpy's)
-    const total = new Float64Array(L + 1);
-    for (let l = 0; l < L; l++) total[l + 1] = total[l] + values[offset + l];
-    const out = new Float64Array(S);
-    for (let s = 0; s < S; s++) out[s] = total[points[s + 1]] - total[points[s]];
-    return out;
-  };
+  const sums = (values, offset) => stageSums(values, offset, points, S, L);
   const took = [], asked = [];  // [kind * Z + size] -> per stage
   for (let k = 0; k < K; k++) {
     for (let z = 0; z < Z; z++) {
@@ -129,7 +146,69 @@ function actionCosts(m, points) {
     }
     if (m.second[a] < n) secondWait[a] = edge(s, i) + m.handoff;
   }
+  if (m.fsdp) fsdpCosts(m, points, seconds, secondWait);
   return { seconds, share, copy, firstWait, secondWait };
+}
+
+// FSDP's UNSHARDs and REDUCE_GRADs placed where torch's lowering puts them, and what they add to
+// the actions (pipexplore/predict/fsdp_actions.py: fsdp_placement, then placed_fsdp; the same
+// arithmetic in the same order). Per lowered worker: its computes' clock (their seconds summed);
+// a gather issued before its first compute runs on one stream from the step's start and its use
+// may not start before it is done (a release: the wait after an action's second input, or seconds
+// where it has one); one issued later adds what the compute between its issue and its use does not
+// hide; a reduce-scatter runs after its stage's last backward behind the compute left, and what that
+// hides comes off its stage's update. Backwards that gather their stage again add its gather.
+function fsdpCosts(m, points, seconds, secondWait) {
+  const f = m.fsdp, S = m.stages, L = m.layers, n = m.actions, stage = m.stage, second = m.second;
+  const unshard = stageSums(f.unshard, 0, points, S, L), reduceGrad = stageSums(f.reduce_grad, 0, points, S, L);
+  const regather = stageSums(f.regather, 0, points, S, L);
+  const release = new Float64Array(n), extra = new Float64Array(n), less = new Float64Array(S);
+  const issuedAt = new Int32Array(S), done = new Float64Array(S);  // a stage's pending gather
+  const ops = f.ops, at = f.ops_at;
+  for (let w = 0; w + 1 < at.length; w++) {
+    const lo = at[w], hi = at[w + 1];
+    let count = 0;
+    for (let j = lo; j < hi; j++) if (ops[2 * j] === 0) count++;
+    const clock = new Float64Array(count + 1);  // compute done before each of the worker's computes
+    count = 0;
+    for (let j = lo; j < hi; j++) {
+      if (ops[2 * j] === 0) { clock[count + 1] = clock[count] + seconds[ops[2 * j + 1]]; count++; }
+    }
+    const total = clock[count];
+    let stream = 0.0, scatter = 0.0, seen = 0;
+    issuedAt.fill(-1);
+    for (let j = lo; j < hi; j++) {
+      const code = ops[2 * j], value = ops[2 * j + 1];
+      if (code === 1) {  // UNSHARD of stage `value`
+        const atStart = seen === 0;
+        if (atStart) stream += unshard[value];
+        issuedAt[value] = seen;
+        done[value] = atStart ? stream : unshard[value];
+      } else if (code === 2) {  // REDUCE_GRAD of stage `value`
+        const before = Math.max(0.0, scatter - total);
+        scatter = Math.max(scatter, clock[seen]) + reduceGrad[value];
+        less[value] += reduceGrad[value] - (Math.max(0.0, scatter - total) - before);
+      } else {  // compute action `value`
+        const s = stage[value], issued = issuedAt[s];
+        if (issued >= 0) {
+          issuedAt[s] = -1;
+          if (issued === 0) release[value] = Math.max(release[value], done[s]);
+          else extra[value] += Math.max(0.0, done[s] - (clock[seen] - clock[issued]));
+        }
+        seen++;
+      }
+    }
+  }
+  for (let a = 0; a < n; a++) {
+    if (second[a] === n) {
+      secondWait[a] = Math.max(secondWait[a], release[a]);
+      seconds[a] += extra[a] + 0.0;
+    } else {
+      seconds[a] += extra[a] + release[a];
+    }
+  }
+  for (const a of f.updates) seconds[a] -= less[stage[a]];
+  for (const a of f.again) seconds[a] += regather[stage[a]];
 }
 
 // The processor-sharing loop (pipexplore/predict/_sharing.c's run): rows in the order it emits them.

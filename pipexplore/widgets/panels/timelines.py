@@ -100,8 +100,9 @@ class TimelinesPanel:
 
     def send_retime(self) -> None:
         """Name the current plan's shape to the timeline, and give the page what it needs to
-        re-time a moved split itself (:mod:`pipexplore.predict.retime`) when that shape or the
-        costs changed since it was last given. Not before the first picture is drawn: the model
+        re-time a moved split itself (:mod:`pipexplore.predict.retime`; FSDP's gathers and
+        reduce-scatters too, placed as torch's lowering places them) when that shape or the costs
+        changed since it was last given. Not before the first picture is drawn: the model
         is about as large as a scene, and the page waits for the kernel until it has one."""
         from pipexplore.predict.retime import retime_key, retime_model
         from pipexplore.widgets.timeline_canvas import lane_of
@@ -109,9 +110,7 @@ class TimelinesPanel:
         plan = self.state.plan
         options = plan.simulate_options()
         table = plan.rank_table  # a mesh's pipeline rank's costs (the layer table's without one)
-        if "replicas" in options or any(column in table and table[column].any()
-                                        for column in ("unshard_seconds", "reduce_grad_seconds")):
-            # FSDP's actions placed by torch's lowering, or replicas sharing this machine: the kernel re-times them
+        if "replicas" in options:  # replicas sharing this machine: the kernel re-times them
             self.timelines.retime("")
             return
         try:
