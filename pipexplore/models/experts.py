@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from pipexplore.models.ep_rank import rows_as
+
 __all__ = ["EXPERT_COUNTS", "TOP_K", "RoutedExperts", "routed_experts", "expert_parameters", "router_parameters",
            "share_tokens",
            "divisors", "inputs_of", "count_experts", "share_costs", "SHARE_COLUMNS", "dispatch_bytes"]
@@ -149,27 +151,7 @@ def dispatch_bytes(args: tuple, kwargs: dict, top_k: int) -> float:
     return float(top_k * hidden.numel() * hidden.element_size()) if hidden is not None else 0.0
 
 
-class _Rows(torch.autograd.Function):
-    """``rows`` rows in the shape of ``x`` (no kernel: the rows are another rank's or come back by
-    the collectives costed with the mesh), and the gradient in the shape of ``x`` back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.shape = tuple(x.shape)
-        return x.new_empty((rows, *x.shape[1:]))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad.new_empty(ctx.shape), None
-
-
-def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    if x.requires_grad and x.is_floating_point():
-        return _Rows.apply(x, rows)
-    return x.new_empty((rows, *x.shape[1:]))
-
-
-def _rank_rows(tp: int) -> tuple[Any, Any]:
+def _rankrows_as(tp: int) -> tuple[Any, Any]:
     """A pre-hook giving an experts' module ``1/tp`` of its tokens (every tensor input whose first
     dimension is the tokens': the hidden states, the routed indices and weights), and a hook
     giving its output back the whole tokens' shape."""
@@ -182,14 +164,14 @@ def _rank_rows(tp: int) -> tuple[Any, Any]:
         module._pipexplore_tokens = tokens  # type: ignore[assignment]
 
         def cut(v: Any) -> Any:
-            return _rows(v, share) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == tokens else v
+            return rows_as(v, share) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == tokens else v
 
         return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         tokens = getattr(module, "_pipexplore_tokens", None)
         if isinstance(output, torch.Tensor) and tokens is not None and output.dim() and output.shape[0] != tokens:
-            return _rows(output, tokens)
+            return rows_as(output, tokens)
         return output
 
     return before, after
@@ -204,7 +186,7 @@ def share_tokens(rank_block: nn.Module, name: str, info: Optional[RoutedExperts]
     found = 0
     for sub, module in rank_block.named_modules():
         if (f"{name}.{sub}" if sub else name) in info.modules:
-            before, after = _rank_rows(tp)
+            before, after = _rankrows_as(tp)
             module.register_forward_pre_hook(before, with_kwargs=True)
             module.register_forward_hook(after, with_kwargs=True)
             found += 1
@@ -241,9 +223,9 @@ def count_experts(seen: Sequence[tuple]) -> Any:
     :func:`inputs_of` saw, on its inputs: its hooks, such as a rank's token share, apply), as one
     :class:`~pipexplore.models.opcount.Count`; None where it saw none. After them, the all-to-alls
     an expert-parallel rank runs around them at those tokens, counted by torch
-    (:func:`pipexplore.models.expert_parallel.count_exchange`: records whose ``collective`` is
+    (:func:`pipexplore.models.ep_rank.count_exchange`: records whose ``collective`` is
     ``all_to_all``), where the module's weights are stacked one slice an expert."""
-    from pipexplore.models.expert_parallel import count_exchange
+    from pipexplore.models.ep_rank import count_exchange
     from pipexplore.models.opcount import Count, count_call
 
     if not seen:
