@@ -508,7 +508,7 @@ def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
 
 # A Llama-3-70B shape (84 layers: embedding, 80 blocks, norm, head, loss) built on the meta device and
 # planned on 64 H100s in a mesh, as notebooks/06_plan_a_cluster.ipynb builds it: its splits are node
-# boundaries (labelled over the handle), and FSDP's actions are re-timed by the kernel.
+# boundaries (labelled over the handle), and FSDP's actions are re-timed in the page, as for any plan.
 LLAMA_CELLS = [
     "import torch\n"
     "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -544,8 +544,10 @@ _MEASURE_RELEASE = """
   const strip = document.querySelector('.pipexplore-splitbar svg');
   const before = timeline.dataset.splits;
   new MutationObserver(() => {
-    if (m.up !== undefined && m.timeline === undefined && timeline.dataset.splits !== before)
+    if (m.up !== undefined && m.timeline === undefined && timeline.dataset.splits !== before) {
       m.timeline = performance.now();
+      m.source = timeline.dataset.source;  // who drew it: the page (re-timed there) or the kernel
+    }
   }).observe(timeline, {attributes: true, attributeFilter: ['data-splits']});
   new MutationObserver(() => { if (m.up !== undefined && m.strip === undefined) m.strip = performance.now(); })
     .observe(strip.querySelector('.part-handles') || strip, {childList: true});
@@ -610,12 +612,13 @@ def _drag_by_mouse(page, index: int, layer: int, name: str) -> dict:
                            "(window.__pipexploreRelease)", timeout=60_000)
     release = page.evaluate("window.__pipexploreRelease")
     times = {key: round(release[key] - release["up"], 1) for key in ("timeline", "strip", "painted")}
+    times["drawn_by"] = release.get("source")
     split = int(page.locator(f".pipexplore-splitbar .handle[data-index='{index}']").get_attribute("aria-valuenow"))
     assert split == int(moving["value"]), (split, moving)
     cells = page.locator(".pipexplore-splitbar .cell").count()
     (OUTPUT / f"strip-drag-{name}.json").write_text(json.dumps({"cells": cells, "ms_after_release": times}) + "\n")
     print(f"{name}: {cells} cells, ms after the release of a dragged handle: {times}")
-    return {"split": split, "ms": times}
+    return {"split": split, "ms": times, "source": release.get("source")}
 
 
 def _wait_for_kernel_splits(page, cell: int, splits: list) -> None:
@@ -628,9 +631,9 @@ def _wait_for_kernel_splits(page, cell: int, splits: list) -> None:
 def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server):
     """84 layers planned on 64 H100s (FSDP): the middle of a split handle, a node boundary whose label is
     drawn over it, is the handle; a drag by mouse moves the split in the kernel and the predicted
-    timeline is redrawn for it (by the kernel: the page does not re-time FSDP's actions); the
-    header's cards (lists of per-stage figures) fit."""
-    with _notebook_ran(lab_server, "llama.ipynb", "pipexplore-llama", ".pipexplore-timeline[data-splits]",
+    timeline is redrawn for it, first by the page (which re-times FSDP's gathers and reduce-scatters
+    itself), then by the kernel; the header's cards (lists of per-stage figures) fit."""
+    with _notebook_ran(lab_server, "llama.ipynb", "pipexplore-llama", ".pipexplore-timeline[data-retime='ready']",
                        "failure-llama.png") as page:
         explorer = page.locator(".pipexplore-explorer").first
         assert page.locator(".pipexplore-splitbar .cell").count() == 84
@@ -639,9 +642,11 @@ def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server
         assert page.locator(".pipexplore-splitbar .handle.node[data-index='0'] .node-label").count() == 1
         moved = _drag_by_mouse(page, 0, first[0] + 6, "llama-84")
         assert moved["split"] == first[0] + 6
+        assert moved["source"] == "page", moved  # re-timed in the page, not left to the kernel
         splits = [moved["split"], *first[1:]]
         page.wait_for_selector(f".pipexplore-timeline[data-splits='{','.join(map(str, splits))}']", timeout=30_000)
         _wait_for_kernel_splits(page, 1, splits)
+        page.wait_for_selector(".pipexplore-timeline[data-source='kernel']", timeout=30_000)  # its scene replaced it
         assert explorer.evaluate(_CARDS_OVERFLOWING) == []
         assert explorer.evaluate(_OVERLAPS) == []
 
