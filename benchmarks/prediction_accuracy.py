@@ -197,7 +197,7 @@ def bubbles(schedule: str, p: int, m: int, v: int) -> tuple[float, float, float]
     import pandas as pd
 
     from pipexplore import timeline as tl
-    from pipexplore.executors.sequential import ScheduleExecutor
+    from pipexplore.executors.threads import ScheduleExecutor
     from pipexplore.predict.simulator import simulate
 
     seconds, stages = 0.04, p * v

@@ -10,7 +10,7 @@ this process).
 """
 from pipexplore import balance, timeline
 from pipexplore.checkpoint import is_checkpointing, is_recomputing
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.gpipe import BalanceError, GPipe
 from pipexplore.models.flatten import FlattenError, flatten
 from pipexplore.models.profile import profile_model

@@ -15,7 +15,7 @@ from pipexplore import GPipe, profile
 from pipexplore.cancel import Cancelled
 from pipexplore.plan import Plan
 from pipexplore.executors.step import run_step
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.timeline import record
 from pipexplore.widgets import explore
 

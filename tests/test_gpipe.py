@@ -146,7 +146,7 @@ def test_the_schedule_executors_recomputation_replays_each_mask_on_a_shared_devi
     """The schedule executor's stages share the CPU's generator and draw at once, each
     checkpointed forward from a stream of its own: every recomputation draws the mask its forward
     drew, and the masks of different micro-batches and stages differ."""
-    from pipexplore.executors.sequential import ScheduleExecutor
+    from pipexplore.executors.threads import ScheduleExecutor
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))

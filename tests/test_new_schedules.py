@@ -29,7 +29,7 @@ from pipexplore.export import plan_code
 from pipexplore.plan import PLAN_SCHEDULES, Plan
 from pipexplore.predict.simulator import simulate
 from pipexplore.schedules import MULTI_STAGE, stage_ranks
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 
 from ranks import no_pool_left_behind  # noqa: F401  (every pool of rank processes gone after the module)
 from ranks import assert_equals_unsplit, plan_for, torchrun_first_loss

@@ -14,7 +14,7 @@ from torch import nn
 from pipexplore import timeline as tl
 from pipexplore.predict.costs import Corrections
 from pipexplore.executors.base import StageOptimizers
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.plan import Plan
 from pipexplore.executors.step import run_step
 from pipexplore.training import default_optimizer

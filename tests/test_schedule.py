@@ -11,7 +11,7 @@ from torch import nn
 
 from models import SleepFIW, plain_model, unet_model
 from pipexplore import timeline as tl
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.predict.simulator import simulate
 
 BALANCES = {  # (balance, devices) per stage count; interleaved spreads them over 2 devices

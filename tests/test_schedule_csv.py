@@ -14,7 +14,7 @@ from torch import nn
 
 from models import plain_model
 from pipexplore import timeline as tl
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.export import plan_code
 from pipexplore.plan import Plan
 from pipexplore.predict.simulator import simulate

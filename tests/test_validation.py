@@ -14,7 +14,7 @@ from models import plain_model
 from pipexplore import GPipe, validate
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.executors.step import run_step
-from pipexplore.executors.sequential import ScheduleExecutor
+from pipexplore.executors.threads import ScheduleExecutor
 from pipexplore.widgets import explore
 from pipexplore.widgets.explorer import UPDATABLE
 

@@ -1,6 +1,6 @@
 """The core of the in-process executors: worker threads that run each stage's actions in schedule order.
 
-The schedule executor (:mod:`pipexplore.executors.sequential`, stages of an ``nn.Sequential``) and
+The schedule executor (:mod:`pipexplore.executors.threads`, stages of an ``nn.Sequential``) and
 the traced executor (:mod:`pipexplore.executors.traced`, stages cut by torch's tracer) are both an
 :class:`ActionExecutor`. One worker thread per stage (one per device for ``interleaved``) runs its
 stages' actions in the order :mod:`pipexplore.schedules` gives::

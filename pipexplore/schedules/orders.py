@@ -1,7 +1,7 @@
 """Every schedule's order of actions: what each stage's (or device's) worker runs, and when.
 
 The vocabulary the predictor and the executors share: :mod:`pipexplore.predict.simulator` times
-these orders, :mod:`pipexplore.executors.sequential` and :mod:`pipexplore.executors.traced` run
+these orders, :mod:`pipexplore.executors.threads` and :mod:`pipexplore.executors.traced` run
 them. An action is a kind letter and a micro-batch: ``F`` forward, ``B`` backward, ``R`` recompute
 (checkpointing), ``I``/``W`` input- and weight-gradient (zero-bubble). For two stages and four
 micro-batches::
