@@ -35,6 +35,25 @@ Example::
     mesh.nodes_of("dp", 13, gpus_per_node=8)  # 2: a data-parallel group crosses nodes
     moe = Mesh.of({"tp": 2, "pp": 8, "dp": 16, "ep": 32}, devices=256, experts=128)
     moe.edp, moe.group("ep", 0)               # 1, (0, 1, …, 31)
+
+Where the mesh's other parts live, layer by layer (imports run one way, ``tests/test_layers.py``):
+
+======================================  =========================================================
+``devices/links.py``                    the links between planned devices (NVLink, the network)
+``predict/collectives.py``              what a collective costs over a group, as NCCL runs it
+``predict/mesh_costs.py``               what a mesh adds to a rank's step: dp, FSDP, sends, all-to-alls
+``predict/fsdp_actions.py``             FSDP's gathers and reduce-scatters placed in the schedule
+``predict/memory.py``                   training memory a GPU, experts and ZeRO/FSDP sharding included
+``predict/mesh_search.py``              every factorisation of the devices, the fastest that fits
+``models/sharded.py``                   a block as tensor parallelism shards it, counted by torch
+``models/expert_parallel.py``           a mixture of experts' blocks at a tp × ep mesh, counted
+``models/ep_rank.py``, ``experts.py``   one ep rank's experts and its all-to-alls; where experts are
+``models/rank_here.py``                 one tensor-parallel rank of a model run on this machine
+``executors/distributed.py``            one process per rank, meshes of this machine's CPUs run
+``export/mesh_parts.py``                what an exported ``torchrun`` script runs on each mesh rank
+``export/expert_parts.py``              the exported script's expert parallelism
+``widgets/mesh_choice.py``              the explorer's mesh: which one it plans and how replicas share
+======================================  =========================================================
 """
 from __future__ import annotations
 
