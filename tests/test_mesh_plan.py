@@ -190,14 +190,13 @@ def test_the_explorer_plans_a_mesh_and_changes_it_keeping_the_plan_on_bad_input(
 
 def test_the_mesh_search_ranks_every_factorisation_keeping_the_global_batch():
     from pipexplore.predict.mesh_search import factorisations
-    from pipexplore.widgets import what_if
 
     state = ExplorerState(llama(), SAMPLE, devices=["H100"] * 8, gpus_per_node=4, chunks=4, schedule="1f1b",
                           mesh={"tp": 2, "pp": 2, "dp": 2}, optimizer=torch.optim.AdamW)
     meshes = factorisations(8, 4, len(state.layer_table))
     assert {(m.tp, m.pp, m.dp) for m in meshes} == {(tp, pp, 8 // tp // pp) for tp in (1, 2, 4)
                                                       for pp in (1, 2, 4, 8) if 8 % (tp * pp) == 0}
-    table = what_if.search(state, mesh="auto", data_parallel=["ddp", "fsdp"], microbatch_rows=[2, 4])
+    table = state.search(mesh="auto", data_parallel=["ddp", "fsdp"], microbatch_rows=[2, 4])
     assert (table["tp"] * table["pp"] * table["dp"] == 8).all()
     assert ((table["chunks"] * table["microbatch_rows"] * table["dp"]) == 16).all()  # 2 replicas of 8 rows
     assert table["fits"].iloc[0] and table["rank"].tolist() == list(range(1, len(table) + 1))
@@ -208,11 +207,11 @@ def test_the_mesh_search_ranks_every_factorisation_keeping_the_global_batch():
                for why in table.attrs["left_out"])
     # a row's prediction is the plan's own, once applied
     best = table.iloc[0]
-    what_if.apply(state, best)
+    state.apply(best)
     assert (state.plan.mesh.tp, state.plan.mesh.pp, state.plan.mesh.dp) == (best["tp"], best["pp"], best["dp"])
     assert state.figures()["predicted_step_time"] == pytest.approx(best["predicted_step_time"])
     with pytest.raises(ValueError, match=r"mesh='auto'"):
-        what_if.search(state, mesh="tp4")
+        state.search(mesh="tp4")
 
 
 @pytest.mark.parametrize("reshard", [False, True])
@@ -313,7 +312,6 @@ def test_context_parallelism_leaves_a_rank_a_cp_th_of_the_tokens_and_gathers_key
 
 def test_the_mesh_search_adds_context_parallelism_where_asked():
     from pipexplore.predict.mesh_search import factorisations
-    from pipexplore.widgets import what_if
 
     plain = factorisations(8, 4, 10)
     assert all(m.cp == 1 for m in plain)
@@ -322,9 +320,9 @@ def test_the_mesh_search_adds_context_parallelism_where_asked():
                                       for pp in (1, 2, 4) if 8 % (tp * pp * 2) == 0}
     state = ExplorerState(llama(), SAMPLE, devices=["H100"] * 8, gpus_per_node=4, chunks=4, schedule="1f1b",
                           mesh={"tp": 2, "pp": 2, "dp": 2})
-    table = what_if.search(state, mesh="auto", cp=[1, 2])
+    table = state.search(mesh="auto", cp=[1, 2])
     assert set(table["cp"]) == {1, 2} and (table["tp"] * table["pp"] * table["dp"] * table["cp"] == 8).all()
     with_cp = table[table["cp"] == 2].iloc[0]
-    what_if.apply(state, with_cp)
+    state.apply(with_cp)
     assert state.plan.mesh.cp == 2
     assert state.figures()["predicted_step_time"] == pytest.approx(with_cp["predicted_step_time"])

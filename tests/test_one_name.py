@@ -14,7 +14,6 @@ from torch import nn
 
 from pipexplore.predict.search import SEARCH_COLUMNS
 from pipexplore.predict.sweep import SWEEP_COLUMNS
-from pipexplore.widgets import what_if
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.run_log import RUN_COLUMNS
 from pipexplore.widgets.state import ExplorerState
@@ -30,9 +29,9 @@ def _state() -> ExplorerState:
 def test_a_plans_figures_are_the_same_through_every_table():
     state = _state()
     choice = dict(stages=[2], chunks=[4], schedules=["1f1b"], checkpoint=[state.plan.checkpoint])
-    swept = what_if.sweep(state, **choice).iloc[0]
-    what_if.apply(state, swept)  # the sweep's balanced split becomes the plan
-    searched = what_if.search(state, **choice).iloc[0]
+    swept = state.sweep(**choice).iloc[0]
+    state.apply(swept)  # the sweep's balanced split becomes the plan
+    searched = state.search(**choice).iloc[0]
     figures, stages = state.figures(), state.stage_table()
     assert list(searched["splits"]) == list(swept["splits"]) == list(state.plan.splits)
 

@@ -15,7 +15,6 @@ import transformers  # the test extra (declared: a missing one fails)
 
 from pipexplore.devices import device_spec, link_seconds_per_byte
 from pipexplore.predict.simulator import simulate
-from pipexplore.widgets import what_if
 from pipexplore.widgets.state import ExplorerState
 
 HIDDEN, FFN, VOCAB, SEQ, BATCH = 64, 128, 256, 16, 8
@@ -144,14 +143,14 @@ def test_a_meta_sequential_is_planned_too():
 
 def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
     plan = state.plan
-    table = what_if.sweep(state, stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
+    table = state.sweep(stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
     assert len(table) == 8 and table["predicted_step_time"].is_monotonic_increasing and (table["predicted_step_time"] > 0).all()
     assert all(str(d).startswith("H100:") for devices in table["devices"] for d in
                (devices.split(",") if isinstance(devices, str) else devices))
     with pytest.raises(RuntimeError, match="planned devices"):
-        what_if.sweep(state, stages=[2], measure=1)
+        state.sweep(stages=[2], measure=1)
     assert state.plan == plan and state.runs.empty
-    eight = what_if.sweep(state, stages=[8], chunks=[8], schedules=["1f1b"])
+    eight = state.sweep(stages=[8], chunks=[8], schedules=["1f1b"])
     assert eight["devices"].iloc[0] == ",".join(f"H100:{k}" for k in range(8))  # more stages, more GPUs
 
 

@@ -16,7 +16,6 @@ from pipexplore.predict.simulator import SCHEDULES as SIMULATED
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over, stage_bytes
 from pipexplore.predict.sweep import SWEEP_COLUMNS, balanced_splits
-from pipexplore.widgets import what_if
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -212,7 +211,7 @@ def test_nothing_that_fits_is_refused_with_the_closest_plan_and_how_far_over():
                                          r"4 chunks, .*, checkpoint always, .* at its peak, [0-9,]+ bytes \(.* [KMG]iB\) over"):
         search(plan, memory_cap=least * 0.5, **options)
     with pytest.raises(ValueError, match="memory_cap must be a number of bytes"):
-        what_if.search(_state(), memory_cap="lots")
+        _state().search(memory_cap="lots")
 
 
 def test_apply_makes_a_row_the_current_plan():
@@ -237,18 +236,18 @@ def test_apply_makes_a_row_the_current_plan():
 def test_apply_takes_a_mapping_of_some_plan_columns_and_keeps_the_rest():
     state = _state()
     before = state.plan
-    plan = what_if.apply(state, {"splits": [2, 4, 8]})
+    plan = state.apply({"splits": [2, 4, 8]})
     assert list(plan.splits) == [2, 4, 8] and state.plan is plan
     assert (plan.chunks, plan.schedule, plan.checkpoint, plan.devices) == (before.chunks, before.schedule,
                                                                              before.checkpoint, before.devices)
-    plan = what_if.apply(state, {"chunks": 8, "schedule": "gpipe"})
+    plan = state.apply({"chunks": 8, "schedule": "gpipe"})
     assert (list(plan.splits), plan.chunks, plan.schedule) == ([2, 4, 8], 8, "gpipe")
     refusal = (r"apply takes a row of sweep\(\) or search\(\), or a mapping of some of splits, chunks, schedule, "
                r"checkpoint, devices, virtual_stages; got \['split'\]")
     with pytest.raises(ValueError, match=refusal):
-        what_if.apply(state, {"split": [3]})
+        state.apply({"split": [3]})
     with pytest.raises(ValueError, match="split point 17 is past the last layer"):
-        what_if.apply(state, {"splits": [17]})
+        state.apply({"splits": [17]})
     assert state.plan is plan  # what was refused changed nothing
 
 
@@ -276,17 +275,17 @@ def test_the_search_works_on_a_planned_plan():
         ids = torch.randint(0, 256, (8, 16))
     state = ExplorerState(model, ids, devices=["H100"] * 4, gpus_per_node=2, chunks=4, schedule="1f1b",
                           optimizer=torch.optim.AdamW)
-    table = what_if.search(state, stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
+    table = state.search(stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
     assert len(table) == 16 and table["fits"].all()  # 80 GB an H100: a tiny model fits anywhere
     assert all(d.startswith("H100:") for d in ",".join(table["devices"]).split(","))
     assert table.loc[table["stages"] == 4, "devices"].iloc[0] == "H100:0,H100:1,H100:2,H100:3"
     # the memory per stage is the explorer's own count for the same plan
     row = table.iloc[0]
-    what_if.apply(state, row)
+    state.apply(row)
     assert state.plan.planned and list(state.plan.splits) == row["splits"]
     assert state.stage_table()["peak_bytes"].tolist() == pytest.approx(row["peak_bytes_per_stage"])
     cap = float(table["peak_bytes"].median())
-    capped = what_if.search(state, memory_cap=cap, stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"],
+    capped = state.search(memory_cap=cap, stages=[2, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"],
                           checkpoint=["never", "always"])
     assert capped["fits"].any() and (capped.loc[capped["fits"], "peak_bytes"] <= cap).all()
 
@@ -305,9 +304,9 @@ def test_the_front_is_drawn_and_its_panel_applies_a_plan():
     assert svg.count("does not fit") == int((~table["fits"]).sum())
     class Explorer:  # what the panel asks of an explorer: apply(row)
         def apply(self, row):
-            return what_if.apply(state, row)
+            return state.apply(row)
 
-    panel = front_panel(Explorer(), what_if.search(state, stages=[2, 4], chunks=[4], schedules=["gpipe", "1f1b"]))
+    panel = front_panel(Explorer(), state.search(stages=[2, 4], chunks=[4], schedules=["gpipe", "1f1b"]))
     rank = panel.picker.options[-1][1]
     panel.apply()
     assert panel.picker.value == panel.picker.options[0][1] and state.plan.num_stages in (2, 4)

@@ -14,9 +14,10 @@ added or the runs were cleared. ``status``: the status line, or whether a run is
 Changes happen under one lock, from any thread (a background run finishes in its own), and
 subscribers are called under it.
 
-Why one module: every method here changes the one plan under that lock and tells the subscribers;
-what is a concept of its own (devices, the mesh, runs, the runner, sweeps, the stage table, the
-exported code) is already a part or a function elsewhere, and this class only routes to it.
+Why one module: every method here changes the one plan under that lock and tells the subscribers,
+or routes to what does (the explorer's methods, written once here); what is a concept of its own
+(the options, devices, the mesh, runs, the runner, sweeps, the stage table, the exported code) is
+already a part or a function elsewhere, and this class only routes to it.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from torch import nn
 from pipexplore import validate
 from pipexplore.devices import chosen_devices, is_planned
 from pipexplore.devices.mesh import Mesh
-from pipexplore.devices.placement import devices_for, place
+from pipexplore.devices.placement import Placement, devices_for, place
 from pipexplore.export.registry import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
 from pipexplore.microbatch import Sample, batch_size
@@ -40,18 +41,20 @@ from pipexplore.models.hf import cache_note
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split
 from pipexplore.models.trace import costs as traced_costs
-from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
+from pipexplore.plan import EXECUTORS, Plan
 from pipexplore.predict.costs import Corrections
 from pipexplore.schedules import CsvSchedule, csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.skip.skippable import verify_skippables
 from pipexplore.widgets import layer_table as layers
+from pipexplore.widgets import what_if
 from pipexplore.widgets.mesh_choice import MeshChoice
+from pipexplore.widgets.options import ExploreOptions
 from pipexplore.widgets.header import parse_bytes, plan_figures, plan_text
 from pipexplore.widgets.progress import profile_progress
 from pipexplore.widgets.run_log import RUN_COLUMNS, RunLog
 from pipexplore.widgets.runner import Runner
 from pipexplore.splits import shared_parameters
-from pipexplore.training import LossFn, OptimizerFactory, Training
+from pipexplore.training import Training
 from pipexplore.widgets.stage_table import stage_table
 
 __all__ = ["ExplorerState", "Status", "RUN_COLUMNS", "UPDATABLE", "EVENTS"]
@@ -89,84 +92,105 @@ class ExplorerState:
     """The explorer's model of one Plan and its runs (see the module docstring for its changes).
 
     Its parts: the devices, resolved once (:attr:`placement`), the layer table, the plan, the run
-    log (:attr:`log`), the notes and the status line. Every argument is checked on entry (a
-    ``ValueError``/``TypeError`` naming it), before anything is profiled; then the layers are
-    profiled (:func:`pipexplore.models.profile.profile_model`, unless a ``layer_table`` is given)
-    and the plan is balanced by time where no ``splits`` are given. A traced model is profiled as
-    the stages its runs execute (:mod:`pipexplore.models.trace.costs`: one more trace);
-    ``profile_stages=False`` times its modules only, sooner, its first prediction shorter.
+    log (:attr:`log`), the notes and the status line. It is made with ``options``
+    (:class:`~pipexplore.widgets.options.ExploreOptions`, held as :attr:`options`) or the same as
+    keywords, each checked on entry (a ``ValueError``/``TypeError`` naming it) before anything is
+    profiled; then the layers are profiled (:func:`pipexplore.models.profile.profile_model`,
+    unless a ``layer_table`` is given) and the plan is balanced by time where no ``splits`` are
+    given. A traced model is profiled as the stages its runs execute
+    (:mod:`pipexplore.models.trace.costs`: one more trace); ``profile_stages=False`` times its
+    modules only, sooner, its first prediction shorter.
+
+    Its public methods and properties are the explorer's too (:class:`~pipexplore.widgets.explorer.Explorer`
+    is this class with its page): they are defined here, once.
 
     Example::
 
         state = ExplorerState(model, sample, chunks=8)
         state.subscribe(print)              # 'plan', 'runs', ...
         state.update(splits=[4, 9])
-        state.runner.run()                  # a real step; a row in state.runs
+        state.run()                         # a real step; a row in state.runs
     """
 
-    def __init__(self, model: nn.Module, sample: Sample, *, target: Any = None,
-                 loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
-                 devices: Optional[Sequence[str]] = None, chunks: Optional[int] = None,
-                 checkpoint: str = "except_last", schedule: str = "gpipe", splits: Optional[Sequence[int]] = None,
-                 layer_table: Optional[pd.DataFrame] = None, profile_repeats: int = 3, executor: str = "threads",
-                 calibrate: bool = True, granularity: str = "blocks", keep_timelines: int = 20,
-                 memory_cap: Any = None, gpus_per_node: int = 8, mixed_precision: bool = False,
-                 profile_stages: bool = True, mesh: Any = None, data_parallel: str = "ddp",
-                 sequence_parallel: bool = True, reshard_after_forward: bool = False,
-                 tp_plan: Optional[dict[str, str]] = None) -> None:
+    #: The options it was made with, checked (:class:`~pipexplore.widgets.options.ExploreOptions`):
+    #: ``options`` with ``keywords`` over them.
+    options: ExploreOptions
+    #: Whether the model is split by torch's tracer (not an ``nn.Sequential``: split at candidate modules).
+    traced: bool
+    #: What runs and profiles train on: the loss, optimizer and target, each the user's or the
+    #: default, resolved here once (:class:`~pipexplore.training.Training`).
+    training: Training
+    #: Whether memory is counted for 16-bit training with fp32 master weights and gradients
+    #: (Megatron-LM's 18 bytes a parameter with Adam), not in the parameters' own dtype.
+    mixed_precision: bool
+    #: Where the stages run (:class:`pipexplore.devices.placement.Placement`).
+    placement: Placement
+    #: The mesh over the planned devices and how its replicas share the work
+    #: (:class:`~pipexplore.widgets.mesh_choice.MeshChoice`).
+    meshes: MeshChoice
+    #: How the layers are profiled (:func:`~pipexplore.models.profile.profile_model`'s options).
+    profile_options: ProfileOptions
+    #: Whether runs teach the predictions (the executor's own costs, corrections per action).
+    calibrate: bool
+    #: The user's model (runs train copies of it).
+    model: nn.Module
+    #: One mini-batch (a traced model's mapping as a dict).
+    sample: Sample
+    #: One row per layer (or traced candidate): names, costs, sizes (see :func:`pipexplore.profile_model`).
+    layer_table: pd.DataFrame
+    #: Notes the page shows above the status line.
+    notes: list[str]
+    #: The status line.
+    status: Status
+    #: The last error shown ('' after a change that worked).
+    last_error: str
+    #: The runs made: rows, kept results, which the page shows (:class:`~pipexplore.widgets.run_log.RunLog`).
+    log: RunLog
+    #: What runs the plan, here or under torchrun (:class:`~pipexplore.widgets.runner.Runner`).
+    runner: Runner
+
+    def __init__(self, model: nn.Module, sample: Sample, options: Optional[ExploreOptions] = None,
+                 **keywords: Any) -> None:
         # 1. What the user gave, checked where it enters: nothing is profiled before all of it holds.
-        self._memory_cap = parse_bytes(memory_cap, "memory_cap")
-        #: Whether the model is split by torch's tracer (not an ``nn.Sequential``: split at candidate modules).
+        self.options = ExploreOptions.of(**{**(options.keywords() if options is not None else {}), **keywords})
+        given = self.options
+        self._memory_cap = given.memory_cap
         self.traced = _check_model(model)
         validate.sample(sample)
-        #: What runs and profiles train on: the loss, optimizer and target, each the user's or the
-        #: default, resolved here once (:class:`~pipexplore.training.Training`).
-        self.training = Training.of(loss_fn, optimizer, target, rows=batch_size(sample))
-        #: Whether memory is counted for 16-bit training with fp32 master weights and gradients
-        #: (Megatron-LM's 18 bytes a parameter with Adam), not in the parameters' own dtype.
-        self.mixed_precision = validate.boolean(mixed_precision, "mixed_precision")
+        self.training = Training.of(given.loss_fn, given.optimizer, given.target, rows=batch_size(sample))
+        self.mixed_precision = given.mixed_precision
         # 2. The devices, resolved once: planned from the catalogue or present here.
-        #: Where the stages run (:class:`pipexplore.devices.placement.Placement`).
-        self.placement = place(devices, gpus_per_node=gpus_per_node)
+        self.placement = place(given.devices, gpus_per_node=given.gpus_per_node)
         if on_meta(model) and not self.placement.given:
             raise ValueError(f"{type(model).__name__} is on the meta device (no weights): name the devices to plan it "
                              "for, from the catalogue (devices=['H100'] * 16, gpus_per_node=8), or devices here to "
                              "time its blocks one at a time")
-        #: The mesh over the planned devices and how its replicas share the work
-        #: (:class:`~pipexplore.widgets.mesh_choice.MeshChoice`).
-        self.meshes = MeshChoice(mesh, self.placement, data_parallel=data_parallel,
-                                 sequence_parallel=sequence_parallel, reshard_after_forward=reshard_after_forward,
-                                 tp_plan=tp_plan)
+        self.meshes = MeshChoice(given.mesh, self.placement, data_parallel=given.data_parallel,
+                                 sequence_parallel=given.sequence_parallel,
+                                 reshard_after_forward=given.reshard_after_forward,
+                                 tp_plan=dict(given.tp_plan) if given.tp_plan is not None else None)
         # 3. The schedule, its micro-batches and the executor.
-        schedule = validate.schedule(schedule, PLAN_SCHEDULES, csv=True)
+        schedule = given.schedule
         file = csv_schedule(schedule) if is_csv(schedule) else None  # a file says its stages, ranks and chunks
-        chunks = validate.first_chunks(chunks, batch_size(sample), file.microbatches if file else None)
-        validate.checkpoint(checkpoint)
-        validate.executor(executor, EXECUTORS)
+        chunks = validate.first_chunks(given.chunks, batch_size(sample), file.microbatches if file else None)
+        checkpoint, executor, splits = given.checkpoint, given.executor, given.splits
         if self.planned and executor == "threads":
             executor = "processes"  # planned GPUs run a process each (torchrun), not threads of this one
         if splits is not None and not self.traced:
             splits = validate.splits(splits, len(model) if isinstance(model, nn.Sequential) else 0)
-        if layer_table is not None and not isinstance(layer_table, pd.DataFrame):
-            raise TypeError(f"layer_table must be a pandas DataFrame (from pipexplore.profile_model) or None, got "
-                            f"{type(layer_table).__name__}")
-        #: How the layers are profiled (:func:`~pipexplore.models.profile.profile_model`'s options).
-        self.profile_options = ProfileOptions(
-            granularity=granularity, repeats=validate.integer(profile_repeats, "profile_repeats", minimum=1),
-            profile_stages=validate.boolean(profile_stages, "profile_stages"), mixed_precision=self.mixed_precision)
-        #: Whether runs teach the predictions (the executor's own costs, corrections per action).
-        self.calibrate = validate.boolean(calibrate, "calibrate")
-        keep_timelines = validate.integer(keep_timelines, "keep_timelines", minimum=0)
+        self.profile_options = ProfileOptions(granularity=given.granularity, repeats=given.profile_repeats,
+                                              profile_stages=given.profile_stages,
+                                              mixed_precision=self.mixed_precision)
+        self.calibrate = given.calibrate
 
-        self.model = model  #: the user's model (runs train copies of it)
-        self.sample = dict(sample) if self.traced and isinstance(sample, Mapping) else sample  #: one mini-batch
+        self.model = model
+        self.sample = dict(sample) if self.traced and isinstance(sample, Mapping) else sample
         # 4. The layer table: profiled as the plan will run (the input/weight-gradient split is
         # measured when a plan that splits backwards first needs it).
-        #: One row per layer (or traced candidate): names, costs, sizes (see :func:`pipexplore.profile_model`).
-        self.layer_table = layer_table if layer_table is not None else self._profile(chunks, splits_backward(schedule))
+        self.layer_table = (given.layer_table if given.layer_table is not None
+                            else self._profile(chunks, splits_backward(schedule)))
         # 5. What the page says of all this.
-        #: Notes the page shows above the status line.
-        self.notes: list[str] = self._first_notes(granularity)
+        self.notes = self._first_notes(given.granularity)
         # 6. The first plan: the splits given, else balanced by time; its executor's own costs probed.
         splits = self._first_splits(splits, file, executor, schedule)
         plan_devices, note = self.placement.for_stages(file.ranks if file else len(splits) + 1)
@@ -176,18 +200,14 @@ class ExplorerState:
         self._plan_lock = threading.RLock()  # plan changes, run completion and what subscribers do
         self._subscribers: list[Callable[[str], None]] = []
         self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
-        #: The status line.
         self.status = Status()
         self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(plan_devices), chunks,
                                                     checkpoint, schedule, executor=executor,
                                                     batch=batch_size(sample), gpus_per_node=self.gpus_per_node,
                                                     mesh=self.mesh, **self.meshes.options))
-        #: The last error shown ('' after a change that worked).
         self.last_error = ""
         # 7. Its runs: none yet, and what makes them.
-        #: The runs made: rows, kept results, which the page shows (:class:`~pipexplore.widgets.run_log.RunLog`).
-        self.log = RunLog(keep_timelines)
-        #: What runs the plan, here or under torchrun (:class:`~pipexplore.widgets.runner.Runner`).
+        self.log = RunLog(given.keep_timelines)
         self.runner = Runner(self)
 
     def _profile(self, chunks: int, split_backward: bool, tp: Optional[int] = None) -> pd.DataFrame:
@@ -211,6 +231,10 @@ class ExplorerState:
 
         Raises:
             ValueError: what was wrong, named; the plan stays as it was.
+
+        Example::
+
+            explorer.set_mesh({"tp": 4, "pp": 8, "dp": 2}, data_parallel="fsdp")
         """
         plan = self.meshes.replanned(self._plan, mesh, self.table_for_tp, **options)
         changed = self.change_plan(lambda _: plan)
@@ -220,7 +244,7 @@ class ExplorerState:
 
     @property
     def mesh(self) -> Optional[Mesh]:
-        """The plan's mesh (None: every device a pipeline rank)."""
+        """The plan's mesh (None: every device is a pipeline rank)."""
         return self.meshes.mesh
 
     def _first_notes(self, granularity: str) -> list[str]:
@@ -281,15 +305,31 @@ class ExplorerState:
     # ---- the plan -------------------------------------------------------------------------
     @property
     def plan(self) -> Plan:
+        """The current plan (immutable; every change makes a new one)."""
         return self._plan
 
+    @property
+    def splits(self) -> list[int]:
+        """The current split points (the index of each stage's first layer after the first); set
+        them to move them (as :meth:`update`)."""
+        return list(self._plan.splits)
+
+    @splits.setter
+    def splits(self, value: Sequence[int]) -> None:
+        self.update(splits=value)
+
     def update(self, **changes: Any) -> Plan:
-        """Change ``chunks``, ``checkpoint``, ``schedule``, ``executor``, ``devices``, ``splits`` or
-        ``virtual_stages`` (and ``memory_cap``, which is drawn, not planned); checked first.
+        """Change ``chunks``, ``checkpoint``, ``schedule``, ``executor``, ``devices``, ``splits``,
+        ``virtual_stages`` or ``memory_cap`` (drawn, not planned); checked first. ``devices`` is a
+        list or a comma-separated string. A change made while a run is in progress stays.
 
         Raises:
             TypeError: a name that is not one of these.
             ValueError: a bad value, named; the plan stays as it was.
+
+        Example::
+
+            explorer.update(chunks=8, schedule="1f1b")
         """
         if "memory_cap" in changes:
             cap = changes.pop("memory_cap")
@@ -350,7 +390,8 @@ class ExplorerState:
         return self.layer_table
 
     def balance(self, by: str = "time") -> list[int]:
-        """Set the splits the plan's executor can run that minimise the costliest stage (``by`` time or size)."""
+        """Set the splits that minimise the most expensive stage (``by`` ``'time'`` or ``'size'``) among
+        those the plan's executor can run (:func:`pipexplore.splits.first_runnable_layer`)."""
         self.update(splits=layers.balanced_splits(self.layer_table, self._plan.num_stages, by, self._plan.executor))
         return list(self._plan.splits)
 
@@ -389,7 +430,12 @@ class ExplorerState:
     def reprofile(self) -> pd.DataFrame:
         """Time every layer again for the current plan (its micro-batch size and its CPU stages'
         intra-op threads); what runs here taught is dropped (what runs on other kinds of device
-        taught stays) and the executor is probed again.
+        taught stays) and the executor is probed again. Returns the new table.
+
+        Example::
+
+            explorer.update(devices="cpu,cpu,cpu,cpu")   # 4 CPU stages: fewer threads each
+            explorer.reprofile()
 
         Raises:
             RuntimeError: a run is in progress, or the model's layers changed in number.
@@ -434,7 +480,8 @@ class ExplorerState:
 
     @property
     def memory_cap(self) -> Optional[float]:
-        """Bytes of activation memory a stage may hold (drawn; stages over it are flagged), or None."""
+        """Bytes of activation memory a stage may hold (drawn on the memory panel; stages over it
+        are flagged), or None. Set it as bytes or text (``"2 GiB"``)."""
         return self._memory_cap
 
     @memory_cap.setter
@@ -476,10 +523,61 @@ class ExplorerState:
         return True
 
     # ---- runs ---------------------------------------------------------------------------------
+    def run(self, executor: Optional[str] = None, *, timeout: Optional[float] = None, nodes: int = 1) -> pd.Series:
+        """Run a real training step of the current plan (blocking) and add it to :attr:`runs`;
+        returns its row. ``executor``: ``'threads'``, ``'autograd'`` or ``'processes'`` (it becomes
+        the plan's), or ``'torchrun'``: the exported script under ``nodes`` torchrun node agents
+        here, its recording loaded back (as :meth:`load_run`); ``timeout`` bounds a ``'processes'``
+        or ``'torchrun'`` run. Errors propagate; the plan and earlier runs are kept
+        (:meth:`pipexplore.widgets.runner.Runner.run`)."""
+        return self.runner.run(executor, timeout=timeout, nodes=nodes)
+
+    def load_run(self, directory: Any) -> pd.Series:
+        """Add a run the exported script recorded (``--record DIR``, on any cluster) to :attr:`runs`."""
+        return self.runner.load_run(directory)
+
+    def run_async(self, executor: Optional[str] = None, **options: Any) -> threading.Thread:
+        """Start :meth:`run` in a background thread (what the button does); returns the thread."""
+        return self.runner.run_async(executor, **options)
+
+    def cancel(self, timeout: float = 60.0) -> bool:
+        """Stop the background run: nothing of it is recorded, the plan and earlier runs are kept.
+        Returns whether a run was in progress (and has ended within ``timeout`` seconds).
+
+        Example::
+
+            explorer.run_async()
+            explorer.cancel()          # True; explorer.runs as before
+        """
+        return self.runner.cancel(timeout)
+
+    @property
+    def keep_timelines(self) -> int:
+        """How many of the latest runs keep their whole timelines (every run keeps its row)."""
+        return self.log.keep_timelines
+
+    def timeline(self, kind: str = "predicted", run: Optional[int] = None) -> pd.DataFrame:
+        """``'predicted'``: the current plan's; ``'measured'``: the latest run's, or run ``run``'s
+        while it is among the last ``keep_timelines`` runs.
+
+        Raises:
+            ValueError: another ``kind``.
+            LookupError: no run yet, or that run's timeline is no longer kept.
+        """
+        if kind == "predicted":
+            return self._plan.predicted
+        if kind != "measured":
+            raise ValueError(f"timeline kind is 'predicted' or 'measured', not {kind!r}")
+        return self.log.measured_timeline(run)
+
+    def residuals(self, run: int = -1) -> pd.DataFrame:
+        """Each action of a run (default: the latest) against its prediction."""
+        return self.log.residuals(run)
+
     @property
     def runs(self) -> pd.DataFrame:
-        """One row per run: the plan, what was measured, the prediction's error, and whether the
-        loss and gradients were ``finite`` (the run log's, :attr:`log`)."""
+        """One row per run: the plan, what was measured, the prediction's error, the loss at the
+        plan's weights, and whether the loss and gradients were ``finite`` (the run log's, :attr:`log`)."""
         return self.log.frame()
 
     def clear_runs(self) -> None:
@@ -522,10 +620,58 @@ class ExplorerState:
         self.say(f"restored the plan of run {run}: {plan_text(plan)}")
         return plan
 
+    # ---- what if: other plans predicted, and one of them taken -------------------------------------
+    def sweep(self, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), schedules: Sequence[str] = (),
+              checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
+        """Predict every combination (each with its balanced split), ranked by predicted step time;
+        with ``measure=k`` the top ``k`` rows are also run. Apply a row with :meth:`apply`
+        (:func:`pipexplore.widgets.what_if.sweep_state`).
+
+        Example::
+
+            table = explorer.sweep(stages=[2, 3, 4], chunks=[4, 8], schedules=["gpipe", "1f1b"], measure=3)
+            explorer.apply(table.iloc[0])
+        """
+        return what_if.sweep_state(self, stages=stages, chunks=chunks, schedules=schedules, checkpoint=checkpoint,
+                                   measure=measure)
+
+    def search(self, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
+               schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
+               workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
+               microbatch_rows: Sequence[int] = (), cp: Sequence[int] = (), ep: Sequence[int] = (),
+               etp: Sequence[int] = ()) -> pd.DataFrame:
+        """Every combination, each with the fastest split whose every device holds it within
+        ``memory_cap`` (bytes or ``'80 GiB'``: parameters, gradients, optimizer state and the
+        activations its schedule holds; None: each device's memory), predicted; the plans that
+        fit first, by predicted step, with ``predicted_step_time``, ``peak_bytes``, ``fits`` and
+        ``pareto``. Nothing fits: a ``ValueError`` naming the closest plan and how far over it is.
+        Apply a row with :meth:`apply`. ``mesh="auto"`` (devices from the catalogue): every mesh of
+        the devices (tp × pp × dp, × ``cp`` where asked, with each of ``data_parallel`` and ``microbatch_rows``;
+        a mixture of experts folded every way, or at the ``ep`` and ``etp`` asked for), the global batch
+        kept, with ``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``etp`` and ``notes`` columns
+        (:func:`pipexplore.widgets.what_if.search_state`).
+
+        Example::
+
+            table = explorer.search(memory_cap="80 GiB", stages=[4, 8], chunks=[8, 16],
+                                    schedules=["gpipe", "1f1b"], checkpoint=["never", "always"])
+            explorer.apply(table.iloc[0])
+            meshes = explorer.search(mesh="auto", data_parallel=["zero1", "fsdp"], checkpoint=["always"])
+        """
+        return what_if.search_state(self, memory_cap=memory_cap, stages=stages, chunks=chunks, schedules=schedules,
+                                    checkpoint=checkpoint, virtual_stages=virtual_stages, workers=workers, mesh=mesh,
+                                    data_parallel=data_parallel, microbatch_rows=microbatch_rows, cp=cp, ep=ep,
+                                    etp=etp)
+
+    def apply(self, row: Any) -> Plan:
+        """Make a row of :meth:`sweep` or :meth:`search` the current plan, or a mapping of some of
+        their plan columns (the others kept): ``ex.apply({"splits": [2, 4]})``."""
+        return what_if.apply(self, row)
+
     # ---- per stage, and the code that reproduces the plan -----------------------------------------
     def stage_table(self) -> pd.DataFrame:
-        """Per stage: what it holds, takes and needs, beside what the shown run measured
-        (:func:`pipexplore.widgets.stage_table.stage_table`)."""
+        """Per stage: device, layers, time, parameters, activations, predicted peak memory, and the
+        measured peak of its device in the shown run (:func:`pipexplore.widgets.stage_table.stage_table`)."""
         return self._stage_table(self.figures())
 
     def _stage_table(self, figures: dict[str, Any]) -> pd.DataFrame:

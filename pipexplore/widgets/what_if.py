@@ -6,7 +6,7 @@ is :func:`pipexplore.predict.sweep.sweep`'s and :func:`pipexplore.predict.search
 
 Example::
 
-    table = sweep(state, stages=[2, 4], chunks=[4, 8])
+    table = sweep_state(state, stages=[2, 4], chunks=[4, 8])
     apply(state, table.iloc[0])
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pipexplore.widgets.header import parse_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from pipexplore.widgets.state import ExplorerState
 
-__all__ = ["sweep", "search", "apply"]
+__all__ = ["sweep_state", "search_state", "apply"]
 
 
 def _starting_plan(state: ExplorerState, schedules: Sequence[str]) -> tuple[Plan, Optional[Callable[[int], Any]]]:
@@ -44,8 +44,8 @@ def _starting_plan(state: ExplorerState, schedules: Sequence[str]) -> tuple[Plan
     return plan, lambda n: planned_devices([kind] * n, plan.gpus_per_node)
 
 
-def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
-          schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
+def sweep_state(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[int] = (),
+                schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), measure: int = 0) -> pd.DataFrame:
     """Predict every combination (each with its balanced split), ranked by predicted step time;
     with ``measure=k`` the top ``k`` rows are also run, and the plan put back afterwards."""
     if state.plan.mesh is not None:  # its stages are pipeline ranks: the devices left replicate the pipeline
@@ -68,11 +68,11 @@ def sweep(state: ExplorerState, *, stages: Sequence[int] = (), chunks: Sequence[
     return table
 
 
-def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (), chunks: Sequence[int] = (),
-           schedules: Sequence[str] = (), checkpoint: Sequence[str] = (), virtual_stages: Sequence[int] = (),
-           workers: Optional[int] = None, mesh: Optional[str] = None, data_parallel: Sequence[str] = (),
-           microbatch_rows: Sequence[int] = (), cp: Sequence[int] = (), ep: Sequence[int] = (),
-           etp: Sequence[int] = ()) -> pd.DataFrame:
+def search_state(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int] = (),
+                 chunks: Sequence[int] = (), schedules: Sequence[str] = (), checkpoint: Sequence[str] = (),
+                 virtual_stages: Sequence[int] = (), workers: Optional[int] = None, mesh: Optional[str] = None,
+                 data_parallel: Sequence[str] = (), microbatch_rows: Sequence[int] = (), cp: Sequence[int] = (),
+                 ep: Sequence[int] = (), etp: Sequence[int] = ()) -> pd.DataFrame:
     """Every combination with the fastest split whose every device holds the plan within
     ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
     ``mesh="auto"``: every mesh of the plan's devices instead (tp × pp × dp with each of
@@ -104,7 +104,7 @@ def search(state: ExplorerState, *, memory_cap: Any = None, stages: Sequence[int
 
 
 def apply(state: ExplorerState, row: Any) -> Plan:
-    """Make a row of :func:`sweep` or :func:`search` the current plan; or a mapping of some of
+    """Make a row of :func:`sweep_state` or :func:`search_state` the current plan; or a mapping of some of
     their plan columns (``splits``, ``chunks``, ``schedule``, ``checkpoint``, ``devices``,
     ``virtual_stages``), the others kept from the current plan: ``apply(state, {"splits": [2, 4]})``.
 
