@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.models.meta import count_layers
-from pipexplore.models.opcount import meta_copy, on_meta
+from pipexplore.models.opcount import meta_copy, to_meta as on_meta  # (the conversion: a tensor's meta copy)
 from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
 from pipexplore.training import LossFn
 
