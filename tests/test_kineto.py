@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from pipexplore.runs.kineto import Label, TraceError, find_traces, parse_label, read_traces
+from pipexplore.runs.kineto import Label, TraceFileError, find_traces, parse_label, read_traces
 from pipexplore.timeline import COLUMNS, step_time
 
 # One run of 2 ranks, three schedules: ScheduleGPipe over two profiled steps (ProfilerStep#N), Schedule1F1B,
@@ -104,7 +104,7 @@ def test_a_gpipe_trace_loads_every_forward_and_backward(torch_traces):
 
 @pytest.mark.slow
 def test_a_1f1b_trace_is_refused_for_want_of_labels(torch_traces):
-    with pytest.raises(TraceError, match="Schedule1F1B labels nothing per micro-batch.*nothing was guessed"):
+    with pytest.raises(TraceFileError, match="Schedule1F1B labels nothing per micro-batch.*nothing was guessed"):
         read_traces(torch_traces / "1f1b")
 
 
@@ -205,7 +205,7 @@ def test_the_label_parser(name, expected):
 
 
 def test_a_label_without_its_microbatch_is_refused():
-    with pytest.raises(TraceError, match="without its micro-batch"):
+    with pytest.raises(TraceFileError, match="without its micro-batch"):
         parse_label("PP:2F")
 
 
@@ -228,7 +228,7 @@ def test_repeated_labels_are_steps_and_stages_can_be_mapped(tmp_path):
     assert last.attrs["steps"] == [0, 1] and last.attrs["step"] == 1 and len(last) == len(first) == 4
     assert set(last["stage"]) == {3} and set(first["stage"]) == {0}
     assert last.attrs["origin"] == pytest.approx(first.attrs["origin"] + 1e-3)
-    with pytest.raises(TraceError, match=r"step 5 is not in every trace.*\[0, 1\]"):
+    with pytest.raises(TraceFileError, match=r"step 5 is not in every trace.*\[0, 1\]"):
         read_traces(tmp_path, step=5)
 
 
@@ -244,30 +244,30 @@ def test_gzip_traces_ranks_from_file_names_and_other_json_ignored(tmp_path):
 
 
 def test_errors_name_what_is_wrong(tmp_path):
-    with pytest.raises(TraceError, match=r"no profiler traces in .*\*\.json and \*\.json\.gz"):
+    with pytest.raises(TraceFileError, match=r"no profiler traces in .*\*\.json and \*\.json\.gz"):
         read_traces(tmp_path)
-    with pytest.raises(TraceError, match="is not a directory"):
+    with pytest.raises(TraceFileError, match="is not a directory"):
         read_traces(tmp_path / "nowhere")
     good = [_x("Forward 0", 0, 5), _x("Backward 0", 10, 5)]
     _write(tmp_path, 0, good)
-    with pytest.raises(TraceError, match=r"lacks the traces of rank\(s\) \[1\] of a world of 2"):
+    with pytest.raises(TraceFileError, match=r"lacks the traces of rank\(s\) \[1\] of a world of 2"):
         read_traces(tmp_path)
     broken = _write(tmp_path, 1, good)
     broken.write_text(broken.read_text()[:60])  # truncated
-    with pytest.raises(TraceError, match=f"cannot read the trace {broken}"):
+    with pytest.raises(TraceFileError, match=f"cannot read the trace {broken}"):
         read_traces(tmp_path)
     _write(tmp_path, 1, [_x("aten::mm", 0, 5)])
-    with pytest.raises(TraceError, match=f"no per-micro-batch labels in {tmp_path / 'trace_rank1.json'}"):
+    with pytest.raises(TraceFileError, match=f"no per-micro-batch labels in {tmp_path / 'trace_rank1.json'}"):
         read_traces(tmp_path)
     _write(tmp_path, 1, good, name="again_rank1.json")
-    with pytest.raises(TraceError, match="two traces of rank 1"):
+    with pytest.raises(TraceFileError, match="two traces of rank 1"):
         read_traces(tmp_path)
 
 
 def test_a_trace_that_says_no_rank_is_refused(tmp_path):
     for name in ("a.json", "b.json"):
         _write(tmp_path, 0, [_x("Forward 0", 0, 5)], name=name, info=False)
-    with pytest.raises(TraceError, match="a.json says no rank"):
+    with pytest.raises(TraceFileError, match="a.json says no rank"):
         read_traces(tmp_path)
 
 
@@ -279,5 +279,5 @@ def test_a_window_that_cut_the_step_is_said(tmp_path):
 
 def test_a_malformed_event_names_its_file(tmp_path):
     path = _write(tmp_path, 0, [_x("Forward 0", "soon", 5)], world=1)
-    with pytest.raises(TraceError, match=f"{path} is no trace this reader understands"):
+    with pytest.raises(TraceFileError, match=f"{path} is no trace this reader understands"):
         read_traces(tmp_path)

@@ -11,7 +11,8 @@ import torch
 
 from pipexplore.devices import DeviceSpec, GiB, device_spec
 from pipexplore.predict.costs import has_fit, layer_seconds
-from pipexplore.predict.planned_optimizer import optimizer_bandwidth, optimizer_bytes, optimizer_seconds, step_passes
+from pipexplore.predict.planned_optimizer import (optimizer_bandwidth, optimizer_bytes, planned_optimizer_seconds,
+                                                 step_passes)
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, kind_seconds, op_seconds, planned_layer_costs
 
 #: The H100's numbers under the plain roofline (a spec no GPUKernels names: the formulas below are the
@@ -225,7 +226,7 @@ def test_optimizer_passes_are_those_of_torch_optims_implementation():
 def test_optimizer_seconds_are_the_counted_bytes_over_bandwidth():
     params = 1_000_000_000
     assert optimizer_bytes(params, torch.bfloat16, "adam") == (2 + 3 + 14) * 2 * params
-    assert optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
+    assert planned_optimizer_seconds(params, "bfloat16", "Adam", H100) == pytest.approx(
         38 * params / (3.35e12 * H100.optimizer_efficiency))  # the catalogue's documented fraction
     # fp32 states: p and g in bf16, m, v and the temporaries in fp32.
     assert optimizer_bytes(params, "bf16", "adamw", state_dtype="float32") == (4 * 2 + 3 * 2 + 14 * 4) * params
@@ -233,12 +234,12 @@ def test_optimizer_seconds_are_the_counted_bytes_over_bandwidth():
     assert optimizer_bytes(10, "float32", "momentum") == 8 * 4 * 10
     # An optimizer step's own fraction of bandwidth: learnt, else the spec's documented one, else the
     # bandwidth fraction (learnt or the spec's).
-    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0, optimizer=0.5)) \
+    assert planned_optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0, optimizer=0.5)) \
         == pytest.approx(24 * params / 3.35e12)
-    assert optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
+    assert planned_optimizer_seconds(params, "float32", "sgd", H100, efficiency=Efficiency(bandwidth=1.0)) == pytest.approx(
         12 * params / (3.35e12 * 0.69))
     undocumented = dataclasses.replace(H100, name="H100-like", optimizer_efficiency=None)
-    assert optimizer_seconds(params, "float32", "sgd", undocumented, efficiency=Efficiency(bandwidth=1.0)) \
+    assert planned_optimizer_seconds(params, "float32", "sgd", undocumented, efficiency=Efficiency(bandwidth=1.0)) \
         == pytest.approx(12 * params / 3.35e12)
     with pytest.raises(ValueError, match="optimizer_efficiency is a fraction of peak"):
         dataclasses.replace(H100, optimizer_efficiency=0.0)

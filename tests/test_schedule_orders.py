@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 
 from pipexplore import schedules
-from pipexplore.schedules import actions, check, rank_orders, stage_ranks, worker_orders
+from pipexplore.schedules import actions, check_schedule, rank_orders, stage_ranks, worker_orders
 
 
 
@@ -185,7 +185,7 @@ def test_what_the_workers_run_is_torchs_order(schedule):
 ])
 def test_torchs_constraints_are_refused_with_its_reason(schedule, ranks, m, v, reason):
     with pytest.raises(ValueError, match=reason):
-        check(schedule, ranks, m, v)
+        check_schedule(schedule, ranks, m, v)
     with pytest.raises(ValueError, match=reason):
         actions(schedule, ranks, m, v)
 

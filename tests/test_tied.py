@@ -112,7 +112,7 @@ def test_a_weight_two_stages_of_a_sequential_share_trains_as_one_in_processes():
     """An nn.Sequential's stages are sent to their ranks apart, so a weight two of them share
     arrives as two tensors: summed like a traced model's copies."""
     from pipexplore.executors.distributed import run_processes
-    from pipexplore.executors.tied import shared_parameters
+    from pipexplore.executors.tied import stage_shared_parameters
 
     def build() -> nn.Sequential:
         torch.manual_seed(0)
@@ -120,9 +120,9 @@ def test_a_weight_two_stages_of_a_sequential_share_trains_as_one_in_processes():
         model[4].weight = model[0].weight
         return model
 
-    assert shared_parameters([build()[:2], build()[2:]]) == []  # two models: nothing shared
+    assert stage_shared_parameters([build()[:2], build()[2:]]) == []  # two models: nothing shared
     model = build()
-    assert shared_parameters([model[:2], model[2:]]) == [[(0, "0.weight"), (1, "4.weight")]]
+    assert stage_shared_parameters([model[:2], model[2:]]) == [[(0, "0.weight"), (1, "4.weight")]]
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 8)
     mse = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
     table = pd.DataFrame({"name": [str(k) for k in range(5)], "forward": 1.0, "backward": 2.0})

@@ -41,7 +41,7 @@ from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.rng_guard import rng_locks
 from pipexplore.timeline.saved import SavedBytes
-from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
+from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
                                   worker_devices, worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream
 from pipexplore.training import LossFn
@@ -137,7 +137,7 @@ def plan_workers(schedule: str, stages: int, devices: Sequence[torch.device], ch
             raise ValueError(f"schedule {schedule} runs on {file.ranks} ranks: give a device for each, got "
                              f"{len(devices)}")
         return ([devices[r] for r in file.stage_ranks], file.orders(),
-                check(schedule, file.ranks, chunks))
+                check_schedule(schedule, file.ranks, chunks))
     if schedule == "interleaved":
         p = len(devices)
         stage_devices = validate.interleaved_devices(stages, list(devices), chunks)
@@ -147,7 +147,7 @@ def plan_workers(schedule: str, stages: int, devices: Sequence[torch.device], ch
         if stages % p:
             raise ValueError(f"{schedule} spreads {stages} stages over {p} devices: the stage count must be a "
                              "multiple of the device count")
-        v = check(schedule, p, chunks, stages // p)
+        v = check_schedule(schedule, p, chunks, stages // p)
         return [devices[r] for r in stage_ranks(schedule, stages, p)], worker_orders(schedule, stages, chunks, v), v
     validate.enough_devices(len(devices), stages)
     return list(devices[:stages]), worker_orders(schedule, stages, chunks), 1

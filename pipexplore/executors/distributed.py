@@ -46,13 +46,13 @@ from pipexplore.microbatch import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.forkserver import installed_modules
-from pipexplore.executors.tied import (own_parameters, shared_parameters, sum_tied_grads, tied_groups,
+from pipexplore.executors.tied import (own_parameters, stage_shared_parameters, sum_tied_grads, tied_groups,
                                        tied_parameters)
 from pipexplore.executors.pool import (DistributedRunError, ensure_picklable, pack_job, preload_modules, shutdown_pool,
                                        warm_pool)
 from pipexplore.timeline import COLUMNS
 from pipexplore.models.trace import MULTI_STAGE, SCHEDULE_CLASSES, sent
-from pipexplore.schedules import check, csv_schedule, is_csv, stage_ranks
+from pipexplore.schedules import check_schedule, csv_schedule, is_csv, stage_ranks
 from pipexplore.training import LossFn, OptimizerFactory, Training
 
 __all__ = ["run_processes", "default_timeout", "shutdown_pool", "DistributedRunError", "SCHEDULE_CLASSES"]
@@ -384,7 +384,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     # What torch's class refuses, refused here with its reason (e.g. 1F1B with fewer micro-batches
     # than stages, DualPipeV with fewer than its stages, ZB-V with other than two stages a rank); a CSV
     # file that does not schedule the plan's ranks and micro-batches.
-    check(plan.schedule, plan.num_devices, plan.chunks, plan.num_stages // plan.num_devices)
+    check_schedule(plan.schedule, plan.num_devices, plan.chunks, plan.num_stages // plan.num_devices)
     if rows % plan.chunks:
         raise ValueError(f"torch pipelining splits the batch evenly: {rows} rows do not divide into "
                          f"{plan.chunks} chunks")
@@ -417,7 +417,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
         layers = list(model.named_children())  # stages keep the model's layer names; pickling copies them
         points = [0, *plan.splits, len(layers)]
         stages = [nn.Sequential(OrderedDict(layers[a:b])) for a, b in zip(points, points[1:])]
-        job["num_stages"], job["tied"] = len(stages), shared_parameters(stages)
+        job["num_stages"], job["tied"] = len(stages), stage_shared_parameters(stages)
         payloads = [_pack({**job, "stages": {s: stages[s] for s in range(len(stages)) if layout[s] == rank}}, model)
                     for rank in range(world)]
     if timeout is None:

@@ -11,7 +11,7 @@ of one rank (or one process) share is stepped by one optimizer only (:func:`own_
 the in-process executors' ``StageOptimizers`` use too).
 
 The processes executor calls these in its ranks (for an ``nn.Sequential`` too, whose stages are
-sent apart: :func:`shared_parameters`); the exported torchrun script holds their source
+sent apart: :func:`stage_shared_parameters`); the exported torchrun script holds their source
 (:data:`SOURCE`), so the two run the same code (which is why their annotations are builtins only:
 the script runs them without this module's imports).
 
@@ -28,7 +28,7 @@ import inspect
 
 import torch
 
-__all__ = ["tied_parameters", "shared_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
+__all__ = ["tied_parameters", "stage_shared_parameters", "tied_groups", "sum_tied_grads", "own_parameters", "SOURCE"]
 
 #: Process groups of the ranks that hold a tied parameter, kept for the default group they were
 #: made in (a warm pool's ranks run many steps and plans in one default group).
@@ -42,7 +42,7 @@ def tied_parameters(pipe) -> list:
             for mapping in getattr(pipe, "replicated_params", []) if len(mapping) > 1]
 
 
-def shared_parameters(stage_modules: list) -> list:
+def stage_shared_parameters(stage_modules: list) -> list:
     """Parameters one tensor of which several of ``stage_modules`` hold (an ``nn.Sequential``'s
     stages cut from one model, sent to their ranks apart): as :func:`tied_parameters` gives them."""
     holders: dict = {}

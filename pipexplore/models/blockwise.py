@@ -30,7 +30,7 @@ from pipexplore.models.opcount import count_call
 from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
 from pipexplore.predict.ratios import without_autograd_ratio
 from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
-from pipexplore.timeline.saved import SavedBytes
+from pipexplore.timeline.saved import SavedBytes, tensor_bytes
 from pipexplore.training import LossFn, Training
 
 __all__ = ["profile_blockwise", "available_memory", "materialise", "block_inputs", "LONG_KIND"]
@@ -134,10 +134,6 @@ def block_inputs(call: Call, rows: int, captured_rows: int, device: torch.device
     return args, kwargs, wrt
 
 
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, Tensor))
-
-
 def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: int, device: torch.device,
                repeats: int, warmup: int, cold_cache: bool = False) -> dict[str, Any]:
     """Forward and backward seconds of ``block`` at each size, and its bytes at the largest."""
@@ -166,7 +162,7 @@ def _time_kind(block: nn.Module, call: Call, sizes: list[int], captured_rows: in
             outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if first and rows == sizes[-1]:
                 result["saved_bytes_per_row"] = saved.total / rows
-                result["output_bytes_per_row"] = _tensor_bytes(output) / rows
+                result["output_bytes_per_row"] = tensor_bytes(output) / rows
                 result["finite"] = all(bool(torch.isfinite(t).all()) for t in tree_flatten(output)[0]
                                        if isinstance(t, Tensor) and t.is_floating_point())
 
@@ -261,7 +257,7 @@ def profile_blockwise(model: nn.Module, sample: Any, *, device: Union[str, torch
         activations = 0
         if all(t.is_meta for t in [*params, *module.buffers(), *tensors]):
             counted = count_call(module, call.args, call.kwargs)
-            activations = counted.saved_bytes + counted.output_bytes + _tensor_bytes(tensors)
+            activations = counted.saved_bytes + counted.output_bytes + tensor_bytes(tensors)
         need = weights + grads + activations
         if free is not None and need > free:
             raise ValueError(

@@ -35,9 +35,10 @@ from pipexplore.microbatch import tensors_in
 from pipexplore.models import experts, sharded
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows
-from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedBytes, classify, count_call,
-                                       flop_counter, on_meta, storage_key, storage_keys, tensor_bytes)
+from pipexplore.models.opcount import (OP_COLUMNS, AsOnGPU, Count, OpRecorder, SavedStorageBytes, classify, count_call,
+                                       flop_counter, storage_keys, to_meta)
 from pipexplore.models.trace.candidates import candidate_modules
+from pipexplore.timeline.saved import storage_key, tensor_bytes
 from pipexplore.training import LossFn, Training
 
 __all__ = ["count_layers", "capture", "Captured", "Call", "blocks_of", "rows_of", "layout", "COUNT_COLUMNS",
@@ -174,7 +175,7 @@ def capture(model: nn.Module, sample: Any, training: Training, *, granularity: s
     signatures: dict[int, tuple] = {}
     counter = flop_counter()
     recorder = OpRecorder(counter, "forward", where=lambda: segment[0])
-    saved = SavedBytes(fixed, where=lambda: segment[0])
+    saved = SavedStorageBytes(fixed, where=lambda: segment[0])
     all_meta = {k: all(t.is_meta for t in [*m.parameters(), *m.buffers()]) for k, (_, m) in enumerate(blocks)}
 
     def wrapped(k: int, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -479,7 +480,7 @@ def _rank_counting(model: nn.Module, tp: int, tp_plan: Optional[dict[str, str]],
             return (count, sharded.rank_param_bytes(rank_module), held), experts.count_experts(seen)
 
         def rank_count(name: str, module: nn.Module, call: Call) -> tuple[tuple[Count, int, int], Optional[Count]]:
-            args, kwargs = on_meta((call.args, call.kwargs))
+            args, kwargs = to_meta((call.args, call.kwargs))
             try:
                 return counted(sharded.shard(module, name, plan, mesh), name, args, kwargs)
             except (RuntimeError, TypeError, ValueError):  # a replicated input did not suit it: each projection's own

@@ -3,8 +3,8 @@
 On meta tensors a call costs no memory and little time, yet every aten operator is dispatched
 with its shapes: :class:`OpRecorder` (a ``TorchDispatchMode``) records each one — its FLOPs as
 ``torch.utils.flop_counter.FlopCounterMode`` counts them, the bytes it reads and writes, whether it
-launches a kernel — and :class:`SavedBytes` counts what autograd keeps for backward, each storage
-once. :func:`count_call` runs one module's forward and backward so and returns a :class:`Count`::
+launches a kernel — and :class:`SavedStorageBytes` counts what autograd keeps for backward, each
+storage once. :func:`count_call` runs one module's forward and backward so and returns a :class:`Count`::
 
     count = count_call(block, (hidden,), {"attention_mask": mask}, fixed=storage_keys(block))
     count.flops("forward"), count.saved_bytes, count.frame("forward")
@@ -30,9 +30,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop, sdpa_flop
 
-__all__ = ["AsOnGPU", "OpRecorder", "SavedBytes", "Count", "count_call", "storage_key", "storage_keys", "fresh_inputs",
-           "flop_counter", "classify", "tensor_bytes", "is_uncounted", "EXTRA_FORMULAS",
-           "OP_COLUMNS", "GEMM_OPERANDS", "gemm_shape", "on_meta", "meta_copy"]
+from pipexplore.timeline.saved import storage_key, tensor_bytes
+
+__all__ = ["AsOnGPU", "OpRecorder", "SavedStorageBytes", "Count", "count_call", "storage_keys", "fresh_inputs",
+           "flop_counter", "classify", "is_uncounted", "EXTRA_FORMULAS",
+           "OP_COLUMNS", "GEMM_OPERANDS", "gemm_shape", "to_meta", "meta_copy"]
 
 aten = torch.ops.aten
 OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective",
@@ -171,14 +173,6 @@ def flop_counter() -> FlopCounterMode:
     return counter
 
 
-def storage_key(t: Tensor) -> int:
-    """What tells storages apart, on meta too (where every ``data_ptr`` is 0): the storage's own address."""
-    try:
-        return int(t.untyped_storage()._cdata)
-    except Exception:  # a tensor without a plain storage (a subclass, a sparse tensor)
-        return id(t)
-
-
 def storage_keys(module: nn.Module) -> set[int]:
     """The storages of ``module``'s parameters and buffers (a distributed tensor's local shard too:
     a tensor-parallel rank's operators read that)."""
@@ -311,9 +305,10 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-class SavedBytes:
+class SavedStorageBytes:
     """Bytes autograd saves for backward while :meth:`hooks` is active: each storage once, whole
-    (a saved view keeps its storage alive), leaving out the storages in ``fixed`` (parameters and
+    (a saved view keeps its storage alive; :class:`pipexplore.timeline.saved.SavedBytes` counts a
+    view for its own elements, as runs here measure), leaving out the storages in ``fixed`` (parameters and
     buffers). ``where()``, if given, says whose the saved bytes are: ``by`` sums them per answer."""
 
     def __init__(self, fixed: set[int], where: Any = None) -> None:
@@ -444,7 +439,7 @@ def _efficient_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: O
         query, key, value, attn_mask, grad, dropout_p, is_causal and attn_mask is None, scale=scale)[0]
 
 
-def on_meta(value: Any) -> Any:
+def to_meta(value: Any) -> Any:
     """``value`` (any pytree) with every tensor as a meta tensor of its shape, dtype and
     ``requires_grad``: what a count or a capture runs on, costing no memory and no arithmetic."""
     def move(t: Any) -> Any:
@@ -453,6 +448,12 @@ def on_meta(value: Any) -> Any:
         return t
 
     return tree_map(move, value)
+
+
+#: The old name of :func:`to_meta`, for the modules still importing it (models/ep_rank.py,
+#: models/expert_parallel.py): ``on_meta`` is otherwise :func:`pipexplore.models.profile.on_meta`,
+#: whether a model is on meta. Goes with the last of them.
+on_meta = to_meta
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -511,17 +512,6 @@ class Count:
         return sorted({r["op"] for r in self.records if r["uncounted"]})
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (any pytree), each storage once."""
-    seen: set[int] = set()
-    total = 0
-    for t in tree_flatten(value)[0]:
-        if isinstance(t, Tensor) and storage_key(t) not in seen:
-            seen.add(storage_key(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
 def count_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], fixed: Optional[set[int]] = None) -> Count:
     """Count one call ``module(*args, **kwargs)`` (on fresh copies of the inputs) and its backward
     (``torch.autograd.grad`` of every output that requires grad, with ones, with respect to the
@@ -533,7 +523,7 @@ def count_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], fixed: Op
     params: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
     counter = flop_counter()
     recorder = OpRecorder(counter, "forward")
-    saved = SavedBytes(fixed)
+    saved = SavedStorageBytes(fixed)
     with counter, recorder:
         with saved.hooks(), torch.enable_grad(), AsOnGPU():
             output = module(*args, **kwargs)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from typing import Any, Callable, Optional, Sequence, TypedDict, Union, cast
 
 import numpy as np
@@ -67,7 +66,7 @@ class ProfileOptions(TypedDict):
 
 def on_meta(model: nn.Module) -> bool:
     """Whether ``model`` (any of its parameters or buffers) is on the meta device: built without weights."""
-    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def costed_rows(batch: int, chunks: int) -> list[int]:
@@ -174,9 +173,9 @@ def _each_kind_once(model: nn.Module, sample: Sample, training: Training, *, dev
     over each kind's parameters once; a note says how many blocks shared each timing and its spread."""
     with sharing_cores(threads):  # (its blocks' inputs from a forward on meta: nothing computed, nothing held)
         table = blockwise.profile_blockwise(
-            meta_copy(model), opcount.on_meta(sample), device=device,
+            meta_copy(model), opcount.to_meta(sample), device=device,
             microbatch_rows=costed_rows(batch_size(sample), chunks), repeats=repeats, granularity=granularity,
-            loss_fn=training.loss_fn, target=opcount.on_meta(training.target), real_model=model,
+            loss_fn=training.loss_fn, target=opcount.to_meta(training.target), real_model=model,
             cold_cache=True)  # (a step streams every block's weights: none is in cache when it runs)
         modules = dict(model.named_modules())
         from pipexplore.predict.optimizer_cost import optimizer_seconds

@@ -97,7 +97,7 @@ def layer_seconds(table: pd.DataFrame, rows: float, phase: str) -> np.ndarray:
 def layer_times(plan: Any) -> np.ndarray:
     """Each layer's forward + backward (+ recompute where the plan's runs recompute:
     ``plan.run_checkpoint``) at the plan's micro-batch, by the plan's own corrected costs: what a
-    time-balanced split weighs (:func:`pipexplore.predict.sweep.balanced_splits`, the search's splits)."""
+    time-balanced split weighs (:func:`pipexplore.predict.sweep.plan_balanced_splits`, the search's splits)."""
     batch = plan.step_batch
     rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
     total = np.zeros(plan.num_layers)

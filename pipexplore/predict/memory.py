@@ -279,7 +279,7 @@ def optimizer_traffic(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any]
     fp32 gradients and states (4 bytes each pass) and writes the 16-bit weight (2):
     ``4·(p + g + s) + 2`` bytes a trained parameter. An optimizer step is bound by memory
     bandwidth: seconds are these bytes over it
-    (:func:`pipexplore.predict.planned_optimizer.optimizer_seconds` for one layer)."""
+    (:func:`pipexplore.predict.planned_optimizer.planned_optimizer_seconds` for one layer)."""
     from pipexplore.predict.planned_optimizer import step_passes
 
     n = len(table)

@@ -13,7 +13,7 @@ here teaches the fraction of bandwidth such a step reaches (:func:`optimizer_ban
 
 Example::
 
-    optimizer_seconds(8_000_000_000, "bfloat16", "adamw", "H100", state_dtype="float32")
+    planned_optimizer_seconds(8_000_000_000, "bfloat16", "adamw", "H100", state_dtype="float32")
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pipexplore.devices import device_spec, dtype_name
 from pipexplore.predict.roofline import Efficiency, SpecLike
 from pipexplore.training import OptimizerFactory, Training, default_optimizer
 
-__all__ = ["OPTIMIZERS", "step_passes", "optimizer_bytes", "optimizer_seconds", "optimizer_bandwidth"]
+__all__ = ["OPTIMIZERS", "step_passes", "optimizer_bytes", "planned_optimizer_seconds", "optimizer_bandwidth"]
 
 
 #: The optimizers known by name: ``torch.optim`` factories as a run makes them (``"sgd"`` is the
@@ -163,7 +163,7 @@ def optimizer_bytes(param_count: int, dtype: Union[str, torch.dtype], optimizer:
                                          + s * _itemsize(state_dtype or dtype))))
 
 
-def optimizer_seconds(param_count: int, dtype: Union[str, torch.dtype], optimizer: Any, spec: SpecLike, *,
+def planned_optimizer_seconds(param_count: int, dtype: Union[str, torch.dtype], optimizer: Any, spec: SpecLike, *,
                       grad_dtype: Union[None, str, torch.dtype] = None,
                       state_dtype: Union[None, str, torch.dtype] = None,
                       efficiency: Optional[Efficiency] = None) -> float:

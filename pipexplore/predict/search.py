@@ -3,7 +3,7 @@ stages, each split for the schedule's memory under a cap, predicted, ranked.
 
 For each combination the split is the one whose slowest stage (forward + backward, + recompute
 when checkpointing, at the micro-batch, by the plan's corrected per-layer costs, as
-:func:`pipexplore.predict.sweep.balanced_splits` times them) is fastest among those whose every stage's
+:func:`pipexplore.predict.sweep.plan_balanced_splits` times them) is fastest among those whose every stage's
 training memory is within the cap (:func:`pipexplore.predict.split_search.capped_splits`, exact):
 its parameters, gradients and optimizer state, and the activations the schedule holds there at
 its peak (the stage's in-flight micro-batches, read from the schedule's own action order: GPipe
@@ -88,7 +88,7 @@ def layer_bytes(table: pd.DataFrame, *, optimizer: Optional[Callable[[Any], Any]
 
 def _layer_time(plan: Any) -> np.ndarray:
     """Each layer's forward + backward (+ recompute) at the plan's micro-batch, as
-    :func:`pipexplore.predict.sweep.balanced_splits` weighs it (:func:`~pipexplore.predict.costs.layer_times`),
+    :func:`pipexplore.predict.sweep.plan_balanced_splits` weighs it (:func:`~pipexplore.predict.costs.layer_times`),
     unknown costs as zero."""
     return np.nan_to_num(layer_times(plan))
 

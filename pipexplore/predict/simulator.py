@@ -47,7 +47,7 @@ from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_f
 from pipexplore.predict.fsdp_actions import placed_fsdp, placement_record
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
-from pipexplore.schedules import (SCHEDULES, check, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
+from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage, known_schedule,
                                   rank_orders, schedule_version, splits_backward, stage_orders, stage_ranks,
                                   worker_devices, worker_orders)
 from pipexplore.splits import check_splits
@@ -396,7 +396,7 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
         if schedule == "interleaved":
             stage_device = interleaved_devices(S, device_names, m)
         else:  # torch's constraints (two stages a rank for the V schedules, …), then its layout
-            check(schedule, p, m, virtual_stages)
+            check_schedule(schedule, p, m, virtual_stages)
             stage_device = [str(device_names[r]) for r in stage_ranks(schedule, S, p)]
     else:
         stage_device = [str(d) for d in devices] if devices is not None else ["cpu"] * S

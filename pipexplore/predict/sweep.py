@@ -18,13 +18,13 @@ from pipexplore.schedules import is_csv, is_multi_stage, ranks_of, refusal
 from pipexplore.splits import first_runnable_layer
 from pipexplore.validate import splits_exactly
 
-__all__ = ["sweep", "balanced_splits", "SWEEP_COLUMNS"]
+__all__ = ["sweep", "plan_balanced_splits", "SWEEP_COLUMNS"]
 
 SWEEP_COLUMNS = ["rank", "stages", "splits", "chunks", "schedule", "checkpoint", "devices", "predicted_step_time",
                  "bubble", "throughput", "activation_bytes", "activation_bytes_per_stage"]
 
 
-def balanced_splits(plan: Any, stages: int) -> list[int]:
+def plan_balanced_splits(plan: Any, stages: int) -> list[int]:
     """The split into ``stages`` that minimises the slowest stage, by the plan's own corrected
     per-layer costs at its micro-batch size (forward + backward, and recompute where its runs
     recompute: :func:`pipexplore.predict.costs.layer_times`), among those its executor can run
@@ -80,7 +80,7 @@ def sweep(plan: Any, *, stages: Sequence[int] = (), chunks: Sequence[int] = (), 
         # (A CSV schedule fits only its own stage count: the balanced split is found on a one-stage plan first.)
         candidate = plan.with_options(chunks=m, schedule="gpipe" if csv_file else schedule, checkpoint=mode,
                                       executor=executor, splits=(), devices=tuple(devices_for(devices_needed)))
-        splits = tuple(balanced_splits(candidate, n)) if n > 1 else ()
+        splits = tuple(plan_balanced_splits(candidate, n)) if n > 1 else ()
         candidate = candidate.with_options(schedule=schedule, splits=splits)
         predicted = candidate.predicted
         step = tl.step_time(predicted)

@@ -13,7 +13,7 @@ What torch labels (its ``schedules.py``, torch 2.13, read for this module):
 * ``ScheduleGPipe`` labels ``Forward {i}`` and ``Backward {i}``; its stage is not in the label: it is
   the rank's (``stages=`` maps ranks to stages where they differ, as with data parallelism). The
   label also covers waiting for the input and posting the send;
-* ``Schedule1F1B`` labels nothing per micro-batch: its traces are refused (:class:`TraceError`)
+* ``Schedule1F1B`` labels nothing per micro-batch: its traces are refused (:class:`TraceFileError`)
   rather than guessed. ``Optimizer.step#...`` (torch.optim) is read as the ``optimizer`` phase, of
   the rank's first stage where it holds several (one optimizer steps them all).
 
@@ -54,7 +54,7 @@ import pandas as pd
 from pipexplore.predict.mesh_costs import COLLECTIVE_LANE
 from pipexplore.timeline import COLUMNS, OPTIMIZER_MICROBATCH
 
-__all__ = ["TraceError", "Label", "parse_label", "find_traces", "is_trace", "read_traces"]
+__all__ = ["TraceFileError", "Label", "parse_label", "find_traces", "is_trace", "read_traces"]
 
 EXTRA_COLUMNS = ["rank", "clock", "cpu_start", "cpu_end", "overlapped", "collective", "exposed"]
 #: A collective as the process group runs it (``gloo:all_reduce``, ``nccl:reduce_scatter``); its
@@ -84,7 +84,7 @@ _UNLABELLED = (
     "'PP:{{stage}}{{F|I|W|B}}{{mb}}'; or record the run with the exported script's --record")
 
 
-class TraceError(ValueError):
+class TraceFileError(ValueError):
     """A trace file or directory that cannot be read as a pipelining run; the message names it."""
 
 
@@ -111,14 +111,14 @@ def parse_label(name: str) -> Optional[list[Label]]:
         if kind in _SKIPPED:
             return []
         if not microbatch:
-            raise TraceError(f"the label {name!r} names a {kind} action without its micro-batch")
+            raise TraceFileError(f"the label {name!r} names a {kind} action without its micro-batch")
         return [Label(int(stage), _PHASES[kind], int(microbatch))]
     if (match := _OVERLAP.match(name)) is not None:
         found: list[Label] = []
         for part in match.group(1).split(";"):
             sub = parse_label(f"PP:{part.strip()}") if part.strip() else []
             if sub is None:
-                raise TraceError(f"the label {name!r} holds {part!r}, which is no action of torch's pipelining")
+                raise TraceFileError(f"the label {name!r} holds {part!r}, which is no action of torch's pipelining")
             found += sub
         return found
     if (match := _GPIPE.match(name)) is not None:
@@ -154,7 +154,7 @@ def find_traces(directory: Union[str, pathlib.Path]) -> list[pathlib.Path]:
     it names it)."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
-        raise TraceError(f"{directory} is not a directory (expected one holding a trace per rank)")
+        raise TraceFileError(f"{directory} is not a directory (expected one holding a trace per rank)")
     found = sorted(p for p in directory.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
     return [p for p in found if _sniff(p) is not False]
 
@@ -164,11 +164,11 @@ def _load(path: pathlib.Path) -> dict[str, Any]:
         with _open(path) as f:
             data = json.load(f)
     except (OSError, EOFError, ValueError, UnicodeDecodeError) as exc:
-        raise TraceError(f"cannot read the trace {path}: {exc}") from exc
+        raise TraceFileError(f"cannot read the trace {path}: {exc}") from exc
     if isinstance(data, list):  # the Trace Event Format's array form
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise TraceError(f"{path} is no Chrome/Kineto trace (it has no 'traceEvents' list)")
+        raise TraceFileError(f"{path} is no Chrome/Kineto trace (it has no 'traceEvents' list)")
     return data
 
 
@@ -180,7 +180,7 @@ def _rank_of(path: pathlib.Path, data: dict[str, Any], alone: bool) -> tuple[int
         return int(match.group(1)), None
     if alone:
         return 0, 1
-    raise TraceError(f"{path} says no rank: it has no 'distributedInfo' (torch.distributed was not initialised "
+    raise TraceFileError(f"{path} says no rank: it has no 'distributedInfo' (torch.distributed was not initialised "
                      "when it was profiled) and its name has none (name it e.g. trace_rank0.json)")
 
 
@@ -235,8 +235,8 @@ class _Rank:
                     continue
                 try:
                     labels = parse_label(name) or []
-                except TraceError as exc:
-                    raise TraceError(f"{path}: {exc}") from None
+                except TraceFileError as exc:
+                    raise TraceFileError(f"{path}: {exc}") from None
                 for k, label in enumerate(labels):
                     self.actions.append((start, end, label, len(labels) > 1))
                     self.keys.append((name, k))
@@ -325,7 +325,7 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
     directory = pathlib.Path(directory)
     paths = find_traces(directory)
     if not paths:
-        raise TraceError(f"no profiler traces in {directory}: looked for *.json and *.json.gz files holding "
+        raise TraceFileError(f"no profiler traces in {directory}: looked for *.json and *.json.gz files holding "
                          "'traceEvents' (torch.profiler's export_chrome_trace or tensorboard_trace_handler), "
                          "one per rank")
     ranks: dict[int, _Rank] = {}
@@ -335,34 +335,34 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
         try:
             number, world = _rank_of(path, data, alone=len(paths) == 1)
             if number in ranks:
-                raise TraceError(f"two traces of rank {number}: {ranks[number].path} and {path} (keep one per rank)")
+                raise TraceFileError(f"two traces of rank {number}: {ranks[number].path} and {path} (keep one per rank)")
             ranks[number] = _Rank(path, data, number)
-        except TraceError:
+        except TraceFileError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise TraceError(f"{path} is no trace this reader understands: {exc!r}") from exc
+            raise TraceFileError(f"{path} is no trace this reader understands: {exc!r}") from exc
         if world is not None:
             worlds.add(world)
     if len(worlds) > 1:
-        raise TraceError(f"the traces in {directory} come from runs of different sizes (world {sorted(worlds)})")
+        raise TraceFileError(f"the traces in {directory} come from runs of different sizes (world {sorted(worlds)})")
     world = worlds.pop() if worlds else max(ranks) + 1
     missing = sorted(set(range(world)) - set(ranks))
     if missing:
-        raise TraceError(f"{directory} lacks the traces of rank(s) {missing} of a world of {world}: nothing loaded")
+        raise TraceFileError(f"{directory} lacks the traces of rank(s) {missing} of a world of {world}: nothing loaded")
     unlabelled = sorted(r for r, trace in ranks.items() if not trace.labelled)
     if len(unlabelled) == len(ranks):
-        raise TraceError(_UNLABELLED.format(what=f"the traces in {directory}"))
+        raise TraceFileError(_UNLABELLED.format(what=f"the traces in {directory}"))
     if unlabelled:
-        raise TraceError(_UNLABELLED.format(what=", ".join(str(ranks[r].path) for r in unlabelled)))
+        raise TraceFileError(_UNLABELLED.format(what=", ".join(str(ranks[r].path) for r in unlabelled)))
 
     step_ids = {r: _step_of(trace) for r, trace in ranks.items()}
     common = set.intersection(*({s for s in ids if s is not None} for ids in step_ids.values()))
     if step is None:
         if not common:
-            raise TraceError(f"the traces in {directory} share no profiled step (ProfilerStep numbers differ by rank)")
+            raise TraceFileError(f"the traces in {directory} share no profiled step (ProfilerStep numbers differ by rank)")
         step = max(common)
     elif step not in common:
-        raise TraceError(f"step {step} is not in every trace of {directory}; they share {sorted(common)}")
+        raise TraceFileError(f"step {step} is not in every trace of {directory}; they share {sorted(common)}")
     offsets, stages = dict(offsets or {}), dict(stages or {})
     run = directory.name if run is None else run
     rows: list[dict[str, Any]] = []

@@ -12,7 +12,7 @@ from pipexplore.schedules.csv_files import CsvSchedule, is_csv_path, load_csv
 from pipexplore.schedules.torch_orders import rounds
 
 __all__ = [
-    "SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action", "check",
+    "SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action", "check_schedule",
     "stage_ranks", "ranks_of", "is_csv", "csv_schedule", "schedule_version", "known_schedule", "is_multi_stage",
     "splits_backward", "is_v_shaped", "checkpointed"
 ]
@@ -121,7 +121,7 @@ def _name(schedule: str) -> str:
     return f"{schedule} (torch's {TORCH_CLASSES[schedule]})"
 
 
-def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optional[int] = None) -> int:
+def check_schedule(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optional[int] = None) -> int:
     """Refuse what torch's class for ``schedule`` refuses, with its reason; the stages per rank.
 
     A CSV file is refused where its ranks or micro-batches are not these (``stages_per_rank`` is
@@ -134,7 +134,7 @@ def check(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optiona
 
     Example::
 
-        check("dualpipev", 4, 6)   # ValueError: ... needs at least as many micro-batches as stages ...
+        check_schedule("dualpipev", 4, 6)   # ValueError: ... needs at least as many micro-batches as stages ...
     """
     if is_csv(schedule):
         return max(map(len, csv_schedule(schedule).check_fits(ranks=ranks, microbatches=microbatches).rank_stages))

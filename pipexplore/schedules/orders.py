@@ -11,7 +11,7 @@ micro-batches::
 
 :func:`actions` gives every schedule's order per rank in torch's notation (``"0F0"``, ``"3I1"``:
 stage, kind, micro-batch), as ``torch.distributed.pipelining`` runs it, and refuses what torch
-refuses (:func:`check`). Besides the four above: ``looped-bfs``, ``interleaved-zero-bubble``
+refuses (:func:`check_schedule`). Besides the four above: ``looped-bfs``, ``interleaved-zero-bubble``
 (ZB1P over several stages per rank), ``zbv`` (ZB-V: two stages per rank in a V, rank ``r``
 holding stages ``r`` and ``2p − 1 − r``) and ``dualpipev`` (DeepSeek's DualPipeV, same V; its
 overlapped F;B pairs listed forward then backward, which is how torch runs them without a custom
@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from pipexplore.schedules.csv_files import to_csv_text
-from pipexplore.schedules.names import SCHEDULES, Action, _unknown, check, csv_schedule, is_csv, ranks_of
+from pipexplore.schedules.names import SCHEDULES, Action, _unknown, check_schedule, csv_schedule, is_csv, ranks_of
 from pipexplore.schedules.torch_orders import MULTI_STAGE_ORDERS
 
 __all__ = [
@@ -125,9 +125,9 @@ def worker_devices(worker_orders: Sequence[Sequence[tuple[int, str, int]]], stag
 def rank_orders(schedule: str, ranks: int, microbatches: int,
                 stages_per_rank: Optional[int] = None) -> list[list[tuple[int, str, int]]]:
     """Each rank's compute actions ``(stage, kind, micro-batch)`` in the order torch's class runs
-    them (refused as torch refuses: :func:`check`); a CSV file's, as written. :func:`actions` writes
+    them (refused as torch refuses: :func:`check_schedule`); a CSV file's, as written. :func:`actions` writes
     them in torch's notation."""
-    v = check(schedule, ranks, microbatches, stages_per_rank)
+    v = check_schedule(schedule, ranks, microbatches, stages_per_rank)
     m = microbatches
     if is_csv(schedule):
         return csv_schedule(schedule).orders()
@@ -148,7 +148,7 @@ def actions(schedule: str, ranks: int, microbatches: int, stages_per_rank: Optio
     (default 2); exactly 2 for ``zbv`` and ``dualpipev``. DualPipeV's overlapped ``F;B`` pairs are
     listed as the forward, then the backward: torch runs them one after the other unless a
     custom function overlaps them (``register_custom_function(OVERLAP_F_B, ...)``). What torch
-    refuses is refused with its reason (:func:`check`); an unknown schedule lists the known ones.
+    refuses is refused with its reason (:func:`check_schedule`); an unknown schedule lists the known ones.
 
     Example::
 

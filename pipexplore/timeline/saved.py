@@ -1,26 +1,47 @@
-"""Saved-tensor bytes: what autograd keeps for backward, counted as it is saved."""
+"""Tensor bytes: what autograd keeps for backward, counted as it is saved, and what a value holds."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["SavedBytes", "tensor_bytes"]
+__all__ = ["SavedBytes", "tensor_bytes", "storage_key"]
+
+
+def storage_key(t: Tensor) -> int:
+    """What tells storages apart, on meta too (where every ``data_ptr`` is 0): the storage's own address."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except Exception:  # a tensor without a plain storage (a subclass, a sparse tensor)
+        return id(t)
 
 
 def tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or nested tuples and lists of them)."""
-    if torch.is_tensor(value):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
+    """Bytes of the tensors in ``value`` (a tensor or any pytree of them: tuples, lists, dicts), each
+    counted for its own elements, once: the same tensor (or the same view of one storage) met twice
+    counts once; two views of one storage count each (a micro-batch is a view of the batch).
+
+    Example::
+
+        tensor_bytes((x, x, {"y": y}))     # x.nbytes + y.nbytes
+    """
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, Tensor):
+            key = (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward while :meth:`hooks` is active, each storage
-    once, leaving out ``module``'s parameters and buffers (saved as views, e.g. a transposed
+    """Counts the bytes autograd saves for backward while :meth:`hooks` is active, each view for
+    its own elements (not its whole storage: :class:`pipexplore.models.opcount.SavedStorageBytes`
+    counts those, on meta), leaving out ``module``'s parameters and buffers (saved as views, e.g. a transposed
     weight, they share the parameter's storage): the activation memory a forward leaves behind.
 
     Example::
