@@ -41,8 +41,8 @@ from pipexplore.host import use_stage_threads
 from pipexplore.microbatch import to_device
 from pipexplore.rng_guard import rng_locks
 from pipexplore.timeline.saved import SavedBytes
-from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage, stage_ranks,
-                                  worker_devices, worker_orders)
+from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage,
+                                  stage_ranks, worker_devices, worker_orders)
 from pipexplore.stream import new_stream, use_device, use_stream
 from pipexplore.training import LossFn
 

@@ -335,7 +335,8 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
         try:
             number, world = _rank_of(path, data, alone=len(paths) == 1)
             if number in ranks:
-                raise TraceFileError(f"two traces of rank {number}: {ranks[number].path} and {path} (keep one per rank)")
+                raise TraceFileError(f"two traces of rank {number}: {ranks[number].path} and {path} "
+                                     "(keep one per rank)")
             ranks[number] = _Rank(path, data, number)
         except TraceFileError:
             raise
@@ -359,7 +360,8 @@ def read_traces(directory: Union[str, pathlib.Path], *, run: Any = None, step: O
     common = set.intersection(*({s for s in ids if s is not None} for ids in step_ids.values()))
     if step is None:
         if not common:
-            raise TraceFileError(f"the traces in {directory} share no profiled step (ProfilerStep numbers differ by rank)")
+            raise TraceFileError(f"the traces in {directory} share no profiled step "
+                                 "(ProfilerStep numbers differ by rank)")
         step = max(common)
     elif step not in common:
         raise TraceFileError(f"step {step} is not in every trace of {directory}; they share {sorted(common)}")

@@ -57,7 +57,8 @@ from pipexplore.schedules.orders import (
 from pipexplore.schedules.torch_orders import MULTI_STAGE_ORDERS, Order, rounds
 
 __all__ = [
-    "SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action", "Order", "check_schedule",
+    "SCHEDULES", "MULTI_STAGE", "V_SHAPED", "SPLIT_BACKWARD", "TORCH_CLASSES", "PHASES", "Action", "Order",
+    "check_schedule",
     "stage_ranks", "ranks_of", "is_csv", "csv_schedule", "schedule_version", "known_schedule", "is_multi_stage",
     "splits_backward", "is_v_shaped", "checkpointed", "actions", "rank_orders", "worker_orders", "refusal",
     "stage_orders", "interleaved_order", "worker_devices", "gpipe_order", "one_f_one_b_order",
