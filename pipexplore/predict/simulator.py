@@ -48,8 +48,8 @@ from pipexplore.predict.fsdp_actions import placed_fsdp, placement_record
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage,
-                                  known_schedule, rank_orders, schedule_version, splits_backward, stage_orders, stage_ranks,
-                                  worker_devices, worker_orders)
+                                  known_schedule, rank_orders, schedule_version, splits_backward, stage_orders,
+                                  stage_ranks, worker_devices, worker_orders)
 from pipexplore.splits import check_splits
 from pipexplore.validate import interleaved_devices, valid_chunks
 
