@@ -32,6 +32,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipexplore.export import expert_parts
+from pipexplore.export.expert_parts import EXPERT_FAMILIES
 from pipexplore.models.sharded import STYLES, _pattern, _torch_style, style_of
 
 __all__ = ["make_mesh", "cut_stage", "tensor_parallel", "data_parallel", "reduce_gradients", "zero1_optimizer",
@@ -68,17 +70,21 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
-def cut_stage(model: Any, owned: Sequence[str], first: bool, last: bool) -> Any:
+def cut_stage(model: Any, owned: Sequence[str], first: bool, last: bool, experts: bool = False) -> Any:
     """``model`` cut to the layers named ``owned`` (the explorer's layer names, this stage's), in place;
     its parameters keep the model's names. ``first``/``last``: whether the stage is the pipeline's
-    first (it takes the model's inputs) or last (it gives the model's outputs)."""
+    first (it takes the model's inputs) or last (it gives the model's outputs). ``experts``: the stage
+    of a mixture of experts whose experts will be sharded (one of :data:`EXPERT_FAMILIES`)."""
     mine = set(owned)
+    family = type(model).__name__
+    if experts and family not in EXPERT_FAMILIES:
+        raise SystemExit(f"expert parallelism here shards the stacked experts of {', '.join(EXPERT_FAMILIES)}; not "
+                         f"{family}'s: plan ep=1 for it, or export Megatron-LM's arguments")
     if isinstance(model, nn.Sequential):
         for name in [n for n, _ in model.named_children() if n not in mine]:
             delattr(model, name)  # (not del model[i]: that renumbers the layers)
         return model
-    family = type(model).__name__
-    if family not in CUT_FAMILIES:
+    if family not in CUT_FAMILIES and not experts:
         raise SystemExit(f"tensor parallelism cuts each stage from the model by its modules: nn.Sequential and "
                          f"{', '.join(CUT_FAMILIES)}; not {family}. Plan tp=1 for it (its stages are traced), or "
                          "export Megatron-LM's arguments")
@@ -195,7 +201,8 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 #: What the exported script of a mesh holds beside its own functions: these constants, and the source
-#: of these functions, in this order (:func:`full_state` every script holds).
-SCRIPT_CONSTANTS = {"CUT_FAMILIES": CUT_FAMILIES, "STYLES": STYLES}
+#: of these functions, in this order, expert parallelism's last (:mod:`pipexplore.export.expert_parts`;
+#: :func:`full_state` every script holds).
+SCRIPT_CONSTANTS = {"CUT_FAMILIES": CUT_FAMILIES, "STYLES": STYLES, "EXPERT_FAMILIES": expert_parts.EXPERT_FAMILIES}
 SCRIPT_FUNCTIONS = (make_mesh, PassThrough, cut_stage, _pattern, style_of, _torch_style, tensor_parallel, data_parallel,
-                    _local, reduce_gradients, _LocalShards, zero1_optimizer)
+                    _local, reduce_gradients, _LocalShards, zero1_optimizer, *expert_parts.SCRIPT_FUNCTIONS)

@@ -32,13 +32,14 @@ from torch.utils._pytree import tree_unflatten
 
 from pipexplore.executors.distributed import _load_schedule_csv, _no_self_warmup
 from pipexplore.executors.tied import own_parameters, sum_tied_grads, tied_groups, tied_parameters
+from pipexplore.export.expert_parts import expert_mesh, reduce_expert_gradients, shard_experts
 from pipexplore.export.mesh_parts import (cut_stage, data_parallel, full_state, make_mesh, reduce_gradients,
                                           tensor_parallel, zero1_optimizer)
 from pipexplore.models.trace.split import contiguous_boundaries, run_generated_code
 
 __all__ = ["CONSTANTS", "without_kv_cache", "checkpoint_stage", "place_graph_devices", "call_inputs", "late_inputs",
            "model_output", "traced", "on_meta", "materialize", "replica_batch", "stages_of", "traced_stages",
-           "tensor_parallel_stage", "default_optimizer", "rank_device", "parse_options", "main", "FUNCTIONS"]
+           "tensor_parallel_stage", "expert_parallel_stage", "default_optimizer", "rank_device", "parse_options", "main", "FUNCTIONS"]
 
 # ---- the plan's values: the script sets each at its top ----------------------------------------------
 HOOKS = "train_hooks"
@@ -83,17 +84,30 @@ def checkpoint_stage(stage, chunks: int, mode: str) -> None:
     micro-batch's forward through the stage keeps only its inputs and runs again in its backward,
     for every micro-batch ("always") or all but a step's last ("except_last": its backward comes
     at once in GPipe); "never" keeps every activation. A zero-bubble schedule's split backward
-    runs the forward again for its input gradient and again for its weight gradient."""
+    runs the forward again for its input gradient and again for its weight gradient. A stage the
+    schedule drives by its forward_one_chunk says which micro-batch each forward is (torch's shape
+    inference runs one more, with autograd on, which is none: not checkpointed)."""
     if mode == "never":
         return
     from torch.utils.checkpoint import checkpoint
 
-    inner, calls = stage.submod.forward, [0]
+    inner, calls, chunk = stage.submod.forward, [0], [None]
+    one_chunk = getattr(stage, "forward_one_chunk", None)
+    if one_chunk is not None:
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            chunk[0] = fwd_chunk_id
+            try:
+                return one_chunk(fwd_chunk_id, *args, **kwargs)
+            finally:
+                chunk[0] = None
+
+        stage.forward_one_chunk = forward_one_chunk
 
     def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (one_chunk is not None and chunk[0] is None):
             return inner(*args, **kwargs)
-        index = calls[0] % chunks  # a stage runs its micro-batches' forwards in order, once a step
+        index = chunk[0] if one_chunk is not None else calls[0] % chunks  # (else in order, once a step)
         calls[0] += 1
         if mode == "except_last" and index == chunks - 1:
             return inner(*args, **kwargs)
@@ -253,6 +267,29 @@ def tensor_parallel_stage(model, indices, device, mesh, meta):
     return [stage], output_of
 
 
+def expert_parallel_stage(model, indices, device, mesh, experts, meta):
+    """This rank's stage cut from the model's own modules (as :func:`tensor_parallel_stage` cuts it),
+    each layer's stacked experts sharded over the ``experts`` mesh's ep ranks (each rank its
+    ``1/ep`` of them, the tokens dispatched and combined by all-to-alls), and how the loss sees its
+    output."""
+    if meta:
+        raise SystemExit("expert parallelism here shards a model with its weights: build_model() gives one on "
+                         "the meta device")
+    if len(indices) != 1:
+        raise SystemExit(f"expert parallelism here runs one stage a pipeline rank; {SCHEDULE} runs several")
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and SPLIT_POINTS:
+        raise SystemExit("the model ties its head to its embedding (tie_word_embeddings), which different "
+                         "stages hold: their gradients are summed between pipeline ranks, which this script "
+                         "does not do beside expert parallelism; untie them or plan ep=1")
+    stage_names = MODULE_FQNS_PER_MODEL_PART[indices[0]]
+    part = cut_stage(model, stage_names, indices[0] == 0, indices[0] == len(SPLIT_POINTS), experts=True).to(device)
+    shard_experts(part, experts["ep"])
+    stage = PipelineStage(part, indices[0], len(SPLIT_POINTS) + 1, device, group=mesh["pp"].get_group())
+    kept = getattr(part, "output_type", None)
+    output_of = (lambda output: kept["type"](logits=output)) if kept is not None else (lambda output: output)
+    return [stage], output_of
+
+
 def default_optimizer(params):
     """The optimizer of a hooks module without build_optimizer(parameters): SGD, lr 0.01."""
     return torch.optim.SGD(params, lr=0.01)
@@ -299,6 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # The device mesh (pp x dp x tp; a world that is not the mesh's refused), or pipeline ranks alone.
     shape = MESH or {"pp": world, "dp": 1, "tp": 1}
     mesh: Any = make_mesh(shape, device.type, world) if MESH else None
+    ep = shape.get("ep", 1)  # expert parallelism: the experts folded over each stage's dp ranks (ep fastest)
+    experts: Any = expert_mesh(mesh, ep) if ep > 1 else None
     ranks, pp_rank = (shape["pp"], mesh["pp"].get_local_rank()) if mesh else (world, rank)
     dp_rank, tp_rank = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) if mesh else (0, 0)
     model = without_kv_cache(hooks.build_model())
@@ -314,6 +353,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if mesh and shape["tp"] > 1:  # tensor parallelism shards the model's own modules: each stage cut from them
         stages, output_of = tensor_parallel_stage(model, indices, device, mesh, meta)
         num_stages = len(SPLIT_POINTS) + 1
+    elif experts is not None:  # so does expert parallelism
+        stages, output_of = expert_parallel_stage(model, indices, device, mesh, experts, meta)
+        num_stages = len(SPLIT_POINTS) + 1
     else:
         stages, num_stages, output_spec, tied = traced_stages(
             model, args, model_kwargs, indices, ranks, pp_rank, rank, device,
@@ -326,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     to_device = lambda value: value.to(device) if torch.is_tensor(value) else value  # noqa: E731
     args, model_kwargs = tuple(map(to_device, args)), {k: to_device(v) for k, v in model_kwargs.items()}
     for stage in stages:
-        if mesh and shape["dp"] > 1:  # the replicas share the stage as DATA_PARALLEL says
+        if mesh and shape["dp"] > 1 and experts is None:  # the replicas share the stage as DATA_PARALLEL says
             data_parallel(stage.submod, mesh["dp"], DATA_PARALLEL, RESHARD_AFTER_FORWARD)
         checkpoint_stage(stage, CHUNKS, CHECKPOINT)
     # loss_fn sees the model's output as the model returns it (a ModelOutput: out.logits, out["logits"])
@@ -376,6 +418,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         else:
             schedule.step(**kwargs)
         sum_tied_grads(tied, {s: stage.submod for s, stage in zip(indices, stages)})
+        if experts is not None:  # the dense gradients averaged over the replicas, each expert's summed
+            for stage in stages:
+                reduce_expert_gradients(stage.submod, mesh["dp"].get_group(),
+                                        experts["edp"].get_group() if shape["dp"] > ep else None, shape["dp"])
         if zero1:  # ZeRO-1: the gradients averaged over the replicas before each steps its share
             reduce_gradients([p for stage in stages for p in stage.submod.parameters()], mesh["dp"].get_group(),
                              shape["dp"])
@@ -414,5 +460,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 #: The script's own functions, in the order it holds them.
 FUNCTIONS: tuple[Callable[..., Any], ...] = (
     without_kv_cache, checkpoint_stage, place_graph_devices, call_inputs, late_inputs, model_output, traced, on_meta,
-    materialize, replica_batch, stages_of, traced_stages, tensor_parallel_stage, default_optimizer, rank_device,
+    materialize, replica_batch, stages_of, traced_stages, tensor_parallel_stage, expert_parallel_stage, default_optimizer,
+    rank_device,
     parse_options, main)

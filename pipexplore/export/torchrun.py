@@ -78,11 +78,13 @@ _ABOVE = {
     "SCHEDULE_CSV": "A CSV schedule's file: each rank's actions, one row a rank (torch's CSV schedule format), and the "
                     "stages it gives each rank; None where SCHEDULE_CLASS orders them.",
     "MESH": "The device mesh: pp x dp x tp ranks (tensor-parallel ranks numbered fastest, then data-parallel); "
-            "torchrun starts their product. None: pipeline ranks alone, every rank a pipeline rank.",
+            "torchrun starts their product; ep, where given, folds the experts over each stage's dp ranks (ep "
+            "fastest). None: pipeline ranks alone, every rank a pipeline rank.",
     "DATA_PARALLEL": 'How the replicas share a stage: "ddp" (gradients all-reduced), "zero1" (the optimizer state '
                      'sharded too), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded).',
     "TP_PLAN": "Tensor parallelism: the plan the explorer counted (module-name patterns, * an index, to styles).",
     "CUT_FAMILIES": "The causal LMs cut_stage cuts by their modules, and the torch style of each of the plan's styles:",
+    "EXPERT_FAMILIES": "The mixtures of experts whose stacked experts expert parallelism shards (their stages cut by cut_stage):",
 }
 #: The comment beside a constant of the script.
 _BESIDE = {"SCHEDULE_CLASS": "torch's class that runs SCHEDULE",
@@ -146,10 +148,16 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     ``data_parallel`` says (``fsdp`` with ``reshard_after_forward``, ``ddp``, ``zero1``), torch's
     schedule running FSDP's actions; each replica trains on its share of the global batch where
     ``get_batch`` takes ``replica=`` and ``replicas=``, and the loss printed is the global batch's.
+    With ``"ep"`` above 1 (a mixture of experts: :data:`pipexplore.export.expert_parts.EXPERT_FAMILIES`)
+    the experts are folded over each stage's dp ranks (:mod:`pipexplore.export.expert_parts`): each
+    ep rank holds ``1/ep`` of every layer's experts, its tokens dispatched to them and combined by
+    ``all_to_all_single`` over the ep group, the dense gradients averaged over the replicas.
 
     Raises:
         ValueError: what the script cannot run, by name (a schedule, a mesh with context parallelism,
-            tensor parallelism without a plan, or beside several stages a rank).
+            tensor parallelism without a plan, or beside several stages a rank; expert parallelism
+            beside expert-tensor or tensor parallelism, FSDP or ZeRO-1, several stages a rank, or not
+            dividing dp).
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device is 'cuda' or 'cpu', got {device!r}")
@@ -183,6 +191,30 @@ def torchrun_script(table: pd.DataFrame, splits: Sequence[int], *, hooks: str, c
     return _script(values, doc=doc, mesh=bool(mesh_values))
 
 
+def _expert_parallel(mesh: Mapping[str, int], shape: Mapping[str, int], data_parallel: str, schedule: str) -> int:
+    """The mesh's ep, where the script can fold the experts so (else ValueError naming what would do)."""
+    ep, etp = int(mesh.get("ep", 1)), int(mesh.get("etp", 1))
+    if etp > 1:
+        raise ValueError(f"the script shards the experts over ep ranks, each expert whole; this mesh has etp={etp} "
+                         "(expert-tensor parallelism), which it would drop: export the mesh with etp=1 (ep alone), "
+                         "or Megatron-LM's arguments (--expert-tensor-parallel-size)")
+    if ep == 1:
+        return ep
+    if shape["tp"] > 1:
+        raise ValueError(f"the script folds ep={ep} over each stage's dp ranks, not beside tensor parallelism "
+                         f"(tp={shape['tp']}): plan tp=1 with dp a multiple of ep, or export Megatron-LM's arguments")
+    if shape["dp"] % ep:
+        raise ValueError(f"the script folds the experts over each stage's dp ranks: ep={ep} does not divide "
+                         f"dp={shape['dp']}; plan dp a multiple of ep")
+    if data_parallel != "ddp":
+        raise ValueError(f"with expert parallelism the script averages the dense gradients over the replicas as DDP "
+                         f"does; {data_parallel!r} it would drop: export with data_parallel='ddp'")
+    if is_csv(schedule) or is_multi_stage(schedule):
+        raise ValueError(f"with expert parallelism the script runs one stage a pipeline rank, and {schedule} runs "
+                         "several: choose gpipe, 1f1b, or plan ep=1")
+    return ep
+
+
 def _schedule_class(name: str) -> type:
     """torch's schedule class of that name: the script runs a list of stages a rank where it is a
     ``PipelineScheduleMulti`` (:data:`pipexplore.models.trace.MULTI_STAGE`), else one."""
@@ -202,6 +234,7 @@ def _mesh_fields(mesh: Optional[Mapping[str, int]], data_parallel: str, reshard_
     if not mesh:
         return "", {"MESH": None}
     shape = {d: int(mesh.get(d, 1)) for d in ("pp", "dp", "tp")}
+    ep = _expert_parallel(mesh, shape, data_parallel, schedule)
     if int(mesh.get("cp", 1)) > 1:
         raise ValueError(f"the script runs pp, dp and tp; this mesh has cp={mesh['cp']} (context parallelism), "
                          "which it would drop: export the mesh with cp=1, or Megatron-LM's arguments")
@@ -217,5 +250,9 @@ def _mesh_fields(mesh: Optional[Mapping[str, int]], data_parallel: str, reshard_
     doc = (f"\nThe mesh: pp {shape['pp']} x dp {shape['dp']} x tp {shape['tp']} ranks (tensor-parallel ranks "
            f"numbered fastest), replicas sharing each stage by {_KINDS[data_parallel]};\nget_batch(replica=, "
            "replicas=) gives each replica its share of the global batch where it takes them.")
+    if ep > 1:
+        shape["ep"] = ep
+        doc += (f"\nExpert parallelism: ep {ep} over each stage's dp ranks (ep fastest), each ep rank 1/{ep} of every "
+                "layer's experts,\nits tokens dispatched and combined by all-to-alls over the ep group.")
     return doc, dict(MESH=shape, DATA_PARALLEL=data_parallel, RESHARD_AFTER_FORWARD=bool(reshard_after_forward),
                      TP_PLAN=dict(tp_plan or {}))

@@ -271,13 +271,14 @@ def read_run(directory: Any) -> RecordedRun:
 
 
 def _mesh(plan: dict[str, Any]) -> Any:
-    """The run's mesh (:class:`~pipexplore.devices.Mesh`), or None for pipeline ranks alone."""
+    """The run's mesh (:class:`~pipexplore.devices.Mesh`, its experts' ep and etp too), or None for
+    pipeline ranks alone."""
     shape = plan.get("mesh")
     if not shape:
         return None
     from pipexplore.devices.mesh import Mesh
 
-    mesh = Mesh(**{d: int(v) for d, v in shape.items() if d in ("pp", "dp", "tp", "cp")})
+    mesh = Mesh(**{d: int(v) for d, v in shape.items() if d in ("pp", "dp", "tp", "cp", "ep", "etp")})
     if mesh.size != int(plan["world"]):
         raise RunDirectoryError(f"{PLAN_FILE} says the mesh {mesh.describe()} ({mesh.size} ranks), but the run's "
                                 f"world was {plan['world']}")
