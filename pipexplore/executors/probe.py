@@ -1,9 +1,11 @@
 """What an executor itself costs per action, measured on layers that cost next to nothing."""
 from __future__ import annotations
 
+import copy
+import math
 import time
 import warnings
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import numpy as np
 import pandas as pd
@@ -12,14 +14,16 @@ from torch import nn
 
 from pipexplore import background
 from pipexplore.host import host_cores
-from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps, microbatch_rows, stage_seconds
+from pipexplore.predict.costs import (PHASE_SOURCE, Corrections, handoff_gaps, layer_seconds, microbatch_rows,
+                                      stage_seconds)
+from pipexplore.timeline import step_time
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
 from pipexplore.training import OptimizerFactory, Training
 
 __all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES",
-           "PROBE_CHUNKS", "LOADED_SECONDS"]
+           "PROBE_CHUNKS", "LOADED_SECONDS", "co_run_shares", "CO_RUN_SECONDS", "CO_RUN_LIMIT"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
 #: executor does not grow with their number, and a 64-stage × 256-micro-batch plan would
@@ -77,17 +81,8 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     module = {"threads": threads, "autograd": autograd, "processes": processes}.get(plan.executor)
     if module is None or plan.schedule == "async-backends":
         return {}, 0.0, 0.0
-    per_device = plan.num_stages // plan.num_devices
     # processes: all of the plan's ranks, the pool its first run takes
-    devices = plan.devices[:plan.num_devices if module is processes else min(plan.num_devices, PROBE_DEVICES)]
-    stages = len(devices) * per_device
-    chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
-    if plan.schedule in ("interleaved", "interleaved-zero-bubble"):  # a multiple of the devices, as they need
-        chunks -= chunks % len(devices)
-    if plan.schedule == "dualpipev":  # at least as many micro-batches as stages
-        chunks = max(chunks, stages)
-    if is_csv(plan.schedule):  # a schedule file runs only the stages, ranks and micro-batches it names
-        devices, stages, chunks = plan.devices[:plan.num_devices], plan.num_stages, plan.chunks
+    devices, stages, chunks = _probe_shape(plan, all_devices=module is processes)
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     _, measured = _probe_step(module, plan, tiny, _layer_table(stages, forward=0.0, backward=0.0), devices, chunks,
                               repeats)
@@ -103,6 +98,23 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     if probe_kind(plan)[1]:
         transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
+
+
+def _probe_shape(plan: Plan, all_devices: bool = False) -> tuple[tuple[Any, ...], int, int]:
+    """The devices, stages and micro-batches a probe of ``plan`` runs: at most :data:`PROBE_DEVICES`
+    devices (``all_devices``: every one) with the plan's stages a device, at most
+    :data:`PROBE_CHUNKS` micro-batches (or as many as the schedule needs)."""
+    per_device = plan.num_stages // plan.num_devices
+    devices = tuple(plan.devices[:plan.num_devices if all_devices else min(plan.num_devices, PROBE_DEVICES)])
+    stages = len(devices) * per_device
+    chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
+    if plan.schedule in ("interleaved", "interleaved-zero-bubble"):  # a multiple of the devices, as they need
+        chunks -= chunks % len(devices)
+    if plan.schedule == "dualpipev":  # at least as many micro-batches as stages
+        chunks = max(chunks, stages)
+    if is_csv(plan.schedule):  # a schedule file runs only the stages, ranks and micro-batches it names
+        devices, stages, chunks = tuple(plan.devices[:plan.num_devices]), plan.num_stages, plan.chunks
+    return devices, stages, chunks
 
 
 def _layer_table(stages: int, **columns: Any) -> pd.DataFrame:
@@ -231,3 +243,101 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     probed = Corrections().with_executor_costs("processes", overhead, gap, transfer)
     fitted = probed.step_fitted("processes", lambda c: busy_plan.with_options(corrections=c).predict(), measured)
     return max(transfer, fitted.transfer("processes"))
+
+
+#: The co-run probe runs only where its steps stay this short (the representative layer's profiled
+#: forward and backward, on every stage and micro-batch, over the warm-up and timed steps).
+CO_RUN_SECONDS = 0.4
+#: How far the co-run probe may move the table's shares, either way.
+CO_RUN_LIMIT = 4.0
+
+
+def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -> Optional[pd.DataFrame]:
+    """``plan``'s layer table with the shares of the host its CPU stages ask for as the ``threads``
+    executor shows them, or ``None`` where nothing is to be learnt (another executor or device, one
+    CPU stage, a table without shares, or a probe that would run too long).
+
+    The profile times each layer alone and beside a twin thread; stages of one process that share
+    the host's cores also take turns in the interpreter between their operators, and on small
+    layers that costs more than any twin shows: two CPU stages of ``Linear(256)`` + GELU on 16 rows
+    ran each co-running action ~2× its profile where the twins measured 0.7–1.2×, so a first run
+    was predicted 20–35 % short. Here the plan's schedule and executor run on copies of the model's
+    most common kind of layer (as many a stage as the plan's stages hold, on at most
+    :data:`PROBE_DEVICES` devices and :data:`PROBE_CHUNKS` micro-batches of the plan's rows), and the
+    shares are scaled
+    (all layers alike, within ×:data:`CO_RUN_LIMIT`) so that the simulator reproduces the measured
+    step, as :meth:`Corrections.step_fitted` fits a hand-over."""
+    from pipexplore.executors import threads
+
+    table = plan.layer_table
+    on_host = all(str(d).split(":")[0] == "cpu" for d in plan.devices[:plan.num_devices])
+    if not isinstance(model, nn.Sequential):
+        return None
+    if (plan.executor != "threads" or plan.planned or not on_host or plan.num_devices < 2 or is_csv(plan.schedule)
+            or len(model) != len(table) or "share_forward" not in table or not plan.step_batch):
+        return None
+    rows = microbatch_rows(int(plan.step_batch), plan.chunks)[0]
+    kinds = list(zip(table["type"], table["param_bytes"])) if "type" in table else [(0, 0)] * len(table)
+    index = max(range(len(kinds)), key=lambda i: (kinds.count(kinds[i]), -i))
+    devices, stages, chunks = _probe_shape(plan)
+    per_stage = max(1, round(len(table) / plan.num_stages))  # as many a stage as the plan's stages hold
+    seconds = float(layer_seconds(table, rows, "forward")[index] + layer_seconds(table, rows, "backward")[index])
+    if not seconds > 0 or seconds * per_stage * stages * chunks * (2 + repeats) > CO_RUN_SECONDS:
+        return None
+    first = sample if isinstance(sample, torch.Tensor) else None
+    if first is None or first.shape[0] < rows:
+        return None
+    with torch.no_grad():
+        x = first[:rows].detach()
+        for layer in model[:index]:
+            x = layer(x)
+        layer = model[index]
+        out = layer(x) if isinstance(x, torch.Tensor) else None
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+        return None  # a kind whose output cannot feed its own copy: nothing to chain
+    layers = nn.Sequential(*[copy.deepcopy(layer) for _ in range(stages * per_stage)])
+    probe_table = table.iloc[[index] * (stages * per_stage)].reset_index(drop=True)
+    probe_table.attrs.update(table.attrs, batch=rows * chunks)
+    probe_plan = Plan(probe_table, splits=tuple(range(per_stage, stages * per_stage, per_stage)), devices=devices,
+                      chunks=chunks, checkpoint=plan.checkpoint, schedule=plan.schedule,
+                      virtual_stages=plan.virtual_stages, executor=plan.executor, batch=rows * chunks,
+                      corrections=plan.corrections)
+    training = Training.of(optimizer=cast(OptimizerFactory, _NoUpdate))
+    batch = x.repeat(chunks, *[1] * (x.dim() - 1))
+    measured = threads.run(StepJob(layers, batch, probe_plan, training, warmup=1, repeats=repeats)).timeline
+    target = step_time(measured)
+
+    def scaled(frame: pd.DataFrame, factor: float) -> pd.DataFrame:
+        out = frame.copy()
+        out.attrs.update(frame.attrs)
+        for column in ("share_forward", "share_backward"):
+            if column in out:
+                out[column] = np.clip(out[column].to_numpy(dtype=float) * factor, 0.0, 1.0)
+        return out
+
+    def step(factor: float) -> float:
+        return step_time(probe_plan.with_options(layer_table=scaled(probe_table, factor)).predict())
+
+    # The factor nearest 1 that gives the measured step (below where the stages' shares add up to
+    # less than the host, the step does not tell them apart): up from 1 where the run was slower
+    # than predicted, down where it was faster, within the limits.
+    factor = 1.0
+    base = step(1.0)
+    if target > 0 and abs(base - target) > 1e-3 * target:
+        up = base < target
+        lo, hi = (1.0, CO_RUN_LIMIT) if up else (1.0 / CO_RUN_LIMIT, 1.0)
+        if up and step(hi) <= target:
+            factor = hi
+        elif not up and step(lo) >= target:
+            factor = lo
+        else:
+            for _ in range(30):  # the step never shortens as the shares grow
+                middle = math.sqrt(lo * hi)
+                if (step(middle) < target) if up else (step(middle) <= target):
+                    lo = middle
+                else:
+                    hi = middle
+            factor = hi if up else lo
+    out = scaled(table, factor)
+    out.attrs["co_run_factor"] = factor
+    return out

@@ -187,6 +187,7 @@ class ExplorerState:
         self.sample = dict(sample) if self.traced and isinstance(sample, Mapping) else sample
         # 4. The layer table: profiled as the plan will run (the input/weight-gradient split is
         # measured when a plan that splits backwards first needs it).
+        self._profiled_here = given.layer_table is None  # (the co-run probe scales only a table profiled here)
         self.layer_table = (given.layer_table if given.layer_table is not None
                             else self._profile(chunks, splits_backward(schedule)))
         # 5. What the page says of all this.
@@ -368,7 +369,7 @@ class ExplorerState:
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it; a
         processes plan whose ranks start or stop outnumbering the cores is probed again for its
         hand-over (:func:`~pipexplore.executors.probe.needs_probe`) until a run teaches one."""
-        from pipexplore.executors.probe import needs_probe, with_probed_costs
+        from pipexplore.executors.probe import co_run_shares, needs_probe, with_probed_costs
 
         if not self.calibrate or not needs_probe(plan, self._probed):
             return plan
@@ -377,7 +378,13 @@ class ExplorerState:
             self.say(f"measuring what an action costs the processes executor: starting its {plan.num_devices} rank "
                      "processes (once; the first run then finds them started)", busy=True)
         try:
-            return with_probed_costs(plan, self._probed)
+            plan = with_probed_costs(plan, self._probed)
+            if self._profiled_here:  # (a table the user gave is costed as given)
+                shared = co_run_shares(plan, self.model, self.sample)
+                if shared is not None:
+                    self.layer_table = shared
+                    plan = plan.with_options(layer_table=shared)
+            return plan
         finally:
             if self.status is not before:
                 self.say(before.text, busy=before.busy, error=before.error, trace=before.traceback)
