@@ -289,7 +289,7 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
         return None
     with torch.no_grad():
         x = first[:rows].detach()
-        for layer in model[:index]:
+        for layer in list(model)[:index]:
             x = layer(x)
         layer = model[index]
         out = layer(x) if isinstance(x, torch.Tensor) else None
