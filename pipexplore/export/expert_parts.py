@@ -72,12 +72,16 @@ class ExpertShard(nn.Module):
     DTensors sharded on dim 0 over ``ep_mesh``), called as the module it replaces is:
     ``(hidden_states, top_k_index, top_k_weights)`` of this rank's tokens, their output."""
 
+    gate_up_proj: Any
+    down_proj: Any
+    act_fn: Any
+
     def __init__(self, experts: nn.Module, ep_mesh: Any) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         super().__init__()
         self.ep, self.rank, self.group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
-        count = int(experts.gate_up_proj.shape[0])
+        count = int(getattr(experts, "gate_up_proj").shape[0])
         if count % self.ep:
             raise SystemExit(f"ep {self.ep} does not divide the {count} experts of a layer")
         self.local = count // self.ep
