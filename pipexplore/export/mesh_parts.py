@@ -23,6 +23,8 @@ imported by the tests as they stand. They use torch only.
   FSDP: gradients reduced once, after the last micro-batch's backward), or ZeRO-1 (gradients
   all-reduced over the replicas by :func:`reduce_gradients`, the optimizer state sharded by torch's
   ``ZeroRedundancyOptimizer``: :func:`zero1_optimizer`).
+- expert parallelism's parts (:mod:`pipexplore.export.expert_parts`: a rank's share of a mixture of
+  experts' stacked experts, the all-to-alls), held among :data:`SCRIPT_FUNCTIONS`.
 """
 from __future__ import annotations
 
