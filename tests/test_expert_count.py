@@ -129,8 +129,8 @@ def test_what_cannot_be_counted_is_refused_by_name():
         count_expert_layers(model, ids(), ep=3)
     with pytest.raises(ValueError, match=r"ep is 1: every expert is on every rank"):
         count_expert_layers(model, ids(), ep=1)
-    assert ep_rank.splits(10, 4) == ([3, 3, 2, 2], [3, 3, 2, 2])
-    assert ep_rank.splits(8, 4, 2.0) == ([2, 2, 2, 2], [4, 4, 4, 4])
+    assert ep_rank.expert_splits(10, 4) == ([3, 3, 2, 2], [3, 3, 2, 2])
+    assert ep_rank.expert_splits(8, 4, 2.0) == ([2, 2, 2, 2], [4, 4, 4, 4])
 
 
 def test_the_planned_tables_all_to_alls_are_counted_and_costed_over_the_ep_group():

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipexplore.models.opcount import Count, count_call, meta_copy, on_meta
 
-__all__ = ["Exchange", "ExpertParallel", "fake_meshes", "exchanges", "splits", "count_exchange", "rows_as", "Rows",
-           "GROUPED_GEMMS", "EXCHANGE_STEPS"]
+__all__ = ["Exchange", "ExpertParallel", "fake_meshes", "exchanges", "expert_splits", "count_exchange", "rows_as",
+           "Rows", "GROUPED_GEMMS", "EXCHANGE_STEPS"]
 
 #: The operators that are a rank's grouped GEMMs of its local experts (Hugging Face's grouped-GEMM
 #: experts run ``torch._grouped_mm``; an eager loop runs one ``mm`` an expert).
@@ -67,7 +67,7 @@ def rows_as(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.new_empty((rows, *x.shape[1:]))
 
 
-def splits(rows: int, ranks: int, capacity_factor: float = 1.0) -> tuple[list[int], list[int]]:
+def expert_splits(rows: int, ranks: int, capacity_factor: float = 1.0) -> tuple[list[int], list[int]]:
     """The dispatch's split sizes for a rank sending ``rows`` routed tokens (its tokens × top_k)
     over ``ranks`` ranks: what it sends each rank (its own first: an even share of ``rows``), and
     what it receives from each, an even share of ``capacity_factor`` × ``rows`` (1: balanced routing,
@@ -166,8 +166,8 @@ class ExpertParallel(nn.Module):
     are ``DTensor`` parameters sharded ``Shard(0)`` over the group (the rank's ``count / ep``
     experts); a call permutes its tokens' ``top_k`` routed copies by expert, exchanges the split
     counts (``all_to_all_single`` of the tokens a rank sends each expert), then the tokens (an
-    ``all_to_all_single`` at the split sizes :func:`splits` gives: balanced, or the busiest rank's
-    at ``capacity_factor``), runs the local experts' grouped GEMMs on the tokens received, sends
+    ``all_to_all_single`` at the split sizes :func:`expert_splits` gives: balanced, or the busiest
+    rank's at ``capacity_factor``), runs the local experts' grouped GEMMs on the tokens received, sends
     them back by the reverse all-to-all and sums each token's copies weighted by its router's
     scores. ``tp_share``: the rank holds ``1/tp_share`` of the tokens (sequence parallelism)."""
 
@@ -180,7 +180,7 @@ class ExpertParallel(nn.Module):
         if count % ep:
             raise ValueError(f"ep {ep} does not divide the {count} routed experts: each expert-parallel rank holds "
                              f"whole experts; ep can be {', '.join(str(d) for d in range(1, count + 1) if count % d == 0)}")
-        splits(1, ep, capacity_factor)  # (refused here, not at the first call)
+        expert_splits(1, ep, capacity_factor)  # (refused here, not at the first call)
         local = meta_copy(module)
         local._forward_pre_hooks.clear()
         local._forward_hooks.clear()
@@ -219,7 +219,7 @@ class ExpertParallel(nn.Module):
         scores = top_k_weights.reshape(-1).index_select(0, order)
         per_expert = torch.histc(flat.float(), bins=self.count, min=0, max=self.count - 1).long()
         funcol.all_to_all_single(per_expert, None, None, group)  # (the split counts a rank reads before its tokens)
-        send, receive = splits(own * top_k, ep, self.capacity_factor)
+        send, receive = expert_splits(own * top_k, ep, self.capacity_factor)
         received = funcol.all_to_all_single_autograd(routed, receive, send, group)
         rows = received.shape[0]
         self.routed_rows = rows
