@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pandas as pd
@@ -13,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmark_scripts import benchmark_script
 from pipexplore.devices import DeviceSpec, GiB, device_spec
 from pipexplore.predict.kernels import KERNELS, GPUKernels, gemm_seconds, gemm_work, gpu_kernels, issued, register_gpu_kernels
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, kind_seconds, op_seconds
@@ -160,16 +159,9 @@ def test_the_count_records_each_gemm_s_shape_and_the_dimension_the_rows_grow():
 
 # --- the vTrain runs: a few held-out rows --------------------------------------------------------
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 @pytest.fixture(scope="module")
 def vtrain():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import vtrain_a100
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    vtrain_a100 = benchmark_script("vtrain_a100")
     if not vtrain_a100.DATA.exists():
         pytest.skip(f"the vTrain data is not here ({vtrain_a100.DATA.name})")
     vtrain_a100.node_spec()  # the node's variant of the catalogue's A100, registered for the module's tests

@@ -1,22 +1,16 @@
 """benchmarks/megatron_bridge_moe.py: a row of Megatron-Bridge's MoE table planned, its printed line parsed."""
-import pathlib
 import re
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bridge():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import megatron_bridge_moe
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    megatron_bridge_moe = benchmark_script("megatron_bridge_moe")
     return megatron_bridge_moe
 
 
