@@ -331,7 +331,7 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
         elif not up and step(lo) >= target:
             factor = lo
         else:
-            for _ in range(30):  # the step never shortens as the shares grow
+            for _ in range(16):  # the step never shortens as the shares grow (to ~1e-5 of the factor)
                 middle = math.sqrt(lo * hi)
                 if (step(middle) < target) if up else (step(middle) <= target):
                     lo = middle
