@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from pipexplore.dependency import fork, join
-from pipexplore.microbatch import Batch, TensorOrTensors
+from pipexplore.microbatch import Batch
+from pipexplore.samples import TensorOrTensors
 from pipexplore.phony import get_phony
 from pipexplore.rng_guard import RNGGuard, RNGStates, states as _states, set_states as _set_states
 

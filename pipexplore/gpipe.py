@@ -12,7 +12,7 @@ from pipexplore import microbatch, validate
 from pipexplore.devices import as_device
 from pipexplore.batchnorm import DeferredBatchNorm
 from pipexplore.rng_guard import rng_locks
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore.samples import TensorOrTensors
 from pipexplore.pipeline import Pipeline
 from pipexplore.skip.layout import SkipLayout, inspect_skip_layout
 from pipexplore.skip.skippable import verify_skippables

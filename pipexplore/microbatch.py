@@ -7,12 +7,9 @@ from typing import Callable, Iterator, Sequence, Union, cast
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "check", "scatter", "gather", "to_device", "tensors_in", "batch_size", "TensorOrTensors", "Sample"]
+from pipexplore.samples import TensorOrTensors, Tensors
 
-Tensors = tuple[Tensor, ...]
-TensorOrTensors = Union[Tensor, Tensors]
-#: A mini-batch as a user holds it: a tensor, a tuple of tensors, or a dict of keyword inputs (a traced model's).
-Sample = Union[Tensor, Tensors, typing.Mapping[str, typing.Any]]
+__all__ = ["Batch", "check", "scatter", "gather"]
 
 
 class Batch:
@@ -147,33 +144,3 @@ def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
     columns = zip(*(b.tensors for b in outputs))
     return tuple(torch.cat(column) for column in columns)
 
-
-def tensors_in(value: typing.Any) -> list[Tensor]:
-    """Every tensor in a value: a tensor, or nested tuples, lists and dicts of them."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_in(v)]
-    return []
-
-
-def batch_size(value: Sample) -> int:
-    """Rows of a mini-batch: dim 0 of the tensor, of the first tensor of a tuple, or of the first
-    tensor of a dict of keyword inputs (a traced model's ``{'input_ids': ..., ...}``)."""
-    if isinstance(value, typing.Mapping):
-        return int(tensors_in(dict(value))[0].size(0))
-    return int((value if isinstance(value, Tensor) else value[0]).size(0))
-
-
-def to_device(value: typing.Any, device: torch.device) -> typing.Any:
-    """Move a tensor, or each tensor of a (nested) tuple or dict (a traced model's keyword
-    inputs), to ``device``; anything else as it is."""
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value

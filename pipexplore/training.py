@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pipexplore import validate
-from pipexplore.microbatch import tensors_in
+from pipexplore.samples import tensors_in
 
 __all__ = ["LossFn", "OptimizerFactory", "synthetic_loss", "default_optimizer", "Training"]
 

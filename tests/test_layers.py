@@ -3,7 +3,7 @@ closes a circle (lazy or not), and a module past 500 lines says why it is one co
 
 The layers, top to bottom (see docs/architecture.md)::
 
-    vocabulary  splits validate cancel background host timeline/ schedules/ devices/
+    vocabulary  splits samples validate cancel background host timeline/ schedules/ devices/
     engine      gpipe pipeline worker microbatch checkpoint rng_guard batchnorm stream copy dependency phony skip/ training
     predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
     plan        plan
@@ -22,7 +22,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pipexplore"
 
 LAYERS = {
-    "vocabulary": ["splits", "validate", "cancel", "background", "host", "timeline", "schedules", "devices"],
+    "vocabulary": ["splits", "samples", "validate", "cancel", "background", "host", "timeline", "schedules", "devices"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
                "phony", "skip", "training", "rng_guard"],
     "predict": ["predict", "balance"],

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pipexplore.balance.optimal import balance_cost, check_partitions
-from pipexplore.microbatch import Batch, TensorOrTensors
+from pipexplore.microbatch import Batch
+from pipexplore.samples import TensorOrTensors
 
 __all__ = ["balance_by_time", "balance_by_size", "layerwise_sandbox", "sandbox"]
 

@@ -38,7 +38,7 @@ from pipexplore import validate
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.checkpoint import checkpointed_draws, enable_checkpointing, enable_recomputing, replayed_draws
 from pipexplore.host import use_stage_threads
-from pipexplore.microbatch import to_device
+from pipexplore.samples import to_device
 from pipexplore.rng_guard import rng_locks
 from pipexplore.timeline.saved import SavedBytes
 from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage,

@@ -9,7 +9,7 @@ from torch import nn
 from pipexplore.executors.base import RunResult, StageOptimizers, StepJob, measure, result
 from pipexplore import validate
 from pipexplore.gpipe import GPipe
-from pipexplore.microbatch import to_device
+from pipexplore.samples import to_device
 
 __all__ = ["NAME", "run"]
 

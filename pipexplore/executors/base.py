@@ -14,7 +14,7 @@ from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.executors.tied import own_parameters
-from pipexplore.microbatch import Sample, batch_size
+from pipexplore.samples import Sample, batch_size
 from pipexplore.plan import Plan
 from pipexplore.predict.basis import prediction_basis
 from pipexplore.training import OptimizerFactory, Training

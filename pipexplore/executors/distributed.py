@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from pipexplore.cancel import check_cancelled, current_token
-from pipexplore.microbatch import to_device
+from pipexplore.samples import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.forkserver import installed_modules

@@ -8,7 +8,7 @@ from torch import nn
 from pipexplore.executors import autograd, backends, processes, threads
 from pipexplore.executors.base import RunResult, StepJob
 from pipexplore import background, validate
-from pipexplore.microbatch import Sample, batch_size
+from pipexplore.samples import Sample, batch_size
 from pipexplore.plan import Plan
 from pipexplore.training import LossFn, OptimizerFactory, Training
 

@@ -32,7 +32,8 @@ from pipexplore.devices import as_device
 from pipexplore.executors.base import RunResult, StepJob, train_and_measure
 from pipexplore.executors._actions import PHASE, ActionExecutor, StageState, StepResult, check_options, plan_workers
 from pipexplore.gpipe import split_module, verify_balance, verify_module
-from pipexplore.microbatch import Batch, batch_size, check, scatter, to_device
+from pipexplore.microbatch import Batch, check, scatter
+from pipexplore.samples import batch_size, to_device
 from pipexplore.timeline.saved import tensor_bytes
 from pipexplore.skip.layout import inspect_skip_layout
 from pipexplore.skip.namespace import Namespace

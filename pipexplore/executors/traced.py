@@ -36,7 +36,7 @@ from pipexplore.cancel import check_cancelled
 from pipexplore.executors._actions import ActionExecutor, StageState, StepResult, check_options, plan_workers
 from pipexplore.executors.base import RunResult, StepJob, train_and_measure
 from pipexplore.devices import as_device
-from pipexplore.microbatch import to_device
+from pipexplore.samples import to_device
 from pipexplore.models.inputs import call_inputs, first_microbatch, microbatches, model_output, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.timeline.saved import tensor_bytes

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from pipexplore.microbatch import tensors_in
+from pipexplore.samples import tensors_in
 from pipexplore.models import experts, sharded
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs, sample_rows

@@ -37,7 +37,7 @@ from pipexplore import validate
 from pipexplore.devices import device_spec
 from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
-from pipexplore.microbatch import Sample, TensorOrTensors, batch_size, to_device
+from pipexplore.samples import Sample, TensorOrTensors, batch_size, to_device
 from pipexplore.models import blockwise, trace
 from pipexplore.models import experts, opcount, sharded
 from pipexplore.models.opcount import meta_copy

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipexplore.microbatch import TensorOrTensors, tensors_in
+from pipexplore.samples import TensorOrTensors, tensors_in
 from pipexplore.predict.timing import Timer as _Timer
 from pipexplore.predict.timing import detach as _detach
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from pipexplore import background
 from pipexplore.devices import as_device, is_planned
 from pipexplore.host import as_stage_worker, host_cores, sharing_cores, stage_worker_matters
-from pipexplore.microbatch import Batch, TensorOrTensors, batch_size, tensors_in
+from pipexplore.microbatch import Batch
+from pipexplore.samples import TensorOrTensors, batch_size, tensors_in
 from pipexplore.timeline.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
 from pipexplore.predict.calibration import calibrate_to_whole_model

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from pipexplore.microbatch import TensorOrTensors, tensors_in
+from pipexplore.samples import TensorOrTensors, tensors_in
 from pipexplore.predict.timing import Timer as _Timer, detach as _detach, popping as _popping
 from pipexplore.skip.tracker import use_skip_tracker
 

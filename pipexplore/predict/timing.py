@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from pipexplore.microbatch import TensorOrTensors
+from pipexplore.samples import TensorOrTensors
 from pipexplore.skip.tracker import SkipTracker
 
 __all__ = ["Timer", "CacheFlush", "flush_bytes", "CPU_CACHES", "detach", "synchronize", "nbytes", "first_rows", "spent",

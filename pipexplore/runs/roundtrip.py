@@ -20,7 +20,7 @@ import torch
 from pipexplore.cancel import check_cancelled
 from pipexplore.executors.base import RunResult, result
 from pipexplore.executors.distributed import default_timeout
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.models.trace import SCHEDULE_CLASSES
 from pipexplore.plan import Plan
 from pipexplore.runs.launch import HOOKS_MODULE, TorchrunError, launch, printed_losses, write_hooks

@@ -5,7 +5,8 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Optional, TypeV
 
 from torch import Tensor, nn
 
-from pipexplore.microbatch import Batch, TensorOrTensors
+from pipexplore.microbatch import Batch
+from pipexplore.samples import TensorOrTensors
 from pipexplore.skip.namespace import Namespace
 from pipexplore.skip.tracker import current_skip_tracker
 

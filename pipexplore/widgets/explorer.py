@@ -14,7 +14,7 @@ from typing import Any, Optional
 import pandas as pd
 from torch import nn
 
-from pipexplore.microbatch import Sample, batch_size
+from pipexplore.samples import Sample, batch_size
 from pipexplore.widgets.options import ExploreOptions
 from pipexplore.widgets.run_log import RUN_COLUMNS
 from pipexplore.widgets.state import UPDATABLE, ExplorerState

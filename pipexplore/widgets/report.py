@@ -9,7 +9,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Union
 
 from pipexplore.export.registry import KINDS
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.widgets.header import plan_difference, plan_text, short_plan_text
 from pipexplore.widgets.plots import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas, residual_state

@@ -26,7 +26,7 @@ from pipexplore import validate
 from pipexplore.cancel import Cancelled, CancelToken, cancel_scope, check_cancelled
 from pipexplore.executors.base import RunResult
 from pipexplore.executors.step import run_step
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.plan import EXECUTORS
 from pipexplore.widgets.run_log import refuse_planned, run_summary
 

@@ -36,7 +36,7 @@ from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import Placement, devices_for, place
 from pipexplore.export.registry import plan_code
 from pipexplore.export.torchrun import module_fqns_per_model_part
-from pipexplore.microbatch import Sample, batch_size
+from pipexplore.samples import Sample, batch_size
 from pipexplore.models.hf import cache_note
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipexplore.microbatch import tensors_in
+from pipexplore.samples import tensors_in
 from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
 from pipexplore.models.trace.candidates import candidate_modules

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import ipywidgets as W
 import pandas as pd
 
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.widgets.header import short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT
 from pipexplore.widgets.plots import TimelineView

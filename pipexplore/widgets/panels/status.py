@@ -10,7 +10,7 @@ import ipywidgets as W
 import pandas as pd
 
 from pipexplore import timeline as tl
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.widgets.header import header_html, plan_text
 from pipexplore.widgets.state import ExplorerState
 

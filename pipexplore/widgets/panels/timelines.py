@@ -10,7 +10,7 @@ import ipywidgets as W
 
 from pipexplore import background
 from pipexplore import timeline as tl
-from pipexplore.microbatch import batch_size
+from pipexplore.samples import batch_size
 from pipexplore.predict.costs import stage_bounds
 from pipexplore.widgets.header import format_bytes, parse_bytes, plan_difference, short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT, FieldMessages
