@@ -75,7 +75,7 @@ warm_up_thread: Optional[threading.Thread] = None
 
 def _warm_up() -> None:
     try:
-        from pipexplore.widgets.plots import warm_up
+        from pipexplore.widgets.timeline_figure import warm_up
 
         warm_up()
     except Exception:  # only a head start: the explorer imports what it needs itself

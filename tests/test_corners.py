@@ -116,7 +116,7 @@ def test_dead_names_are_gone():
     import importlib
 
     gone = {"pipexplore.executors.step": ["_result", "_measure", "traced_module"],
-            "pipexplore.gpipe": ["CHECKPOINT_MODES"], "pipexplore.widgets.plots": ["update_timeline_figure"]}
+            "pipexplore.gpipe": ["CHECKPOINT_MODES"], "pipexplore.widgets.timeline_figure": ["update_timeline_figure"]}
     for module, names in gone.items():
         loaded = importlib.import_module(module)
         assert not [name for name in names if hasattr(loaded, name)], module

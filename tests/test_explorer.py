@@ -357,7 +357,6 @@ def test_a_zero_bubble_explorer_or_sweep_measures_the_split_before_predicting_it
 
 def test_once_the_page_has_drawn_it_an_explorer_imports_what_a_run_needs_and_a_run_waits_for_it(monkeypatch):
     from pipexplore import background
-    from pipexplore.widgets import plots
 
     started, waited = threading.Event(), threading.Event()
 
@@ -367,7 +366,7 @@ def test_once_the_page_has_drawn_it_an_explorer_imports_what_a_run_needs_and_a_r
 
     real_wait = background.wait
     monkeypatch.setattr(background, "wait", lambda *a, **k: waited.set() or real_wait(*a, **k))
-    monkeypatch.setattr(plots, "warm_up_runs", imports)
+    monkeypatch.setattr("pipexplore.widgets.timeline_figure.warm_up_runs", imports)
     monkeypatch.setattr(background, "_started", {})  # as in a new process
     ex = explore(_mlp(), torch.randn(8, 16), chunks=2, devices=["cpu", "cpu"])
     assert not started.is_set()  # nothing competes with putting the explorer on the screen

@@ -181,7 +181,7 @@ def test_the_page_a_run_the_residuals_and_the_report_need_no_charting_library(tm
     report = tmp_path / "report.html"
     code = ("import sys\nsys.modules['plotly'] = None  # importing it raises ImportError\n"
             "import torch\nfrom torch import nn\nfrom pipexplore.widgets import explore\n"
-            "from pipexplore.widgets.plots import warm_up\nwarm_up()\n"
+            "from pipexplore.widgets.timeline_figure import warm_up\nwarm_up()\n"
             "ex = explore(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(8, 4), chunks=2, calibrate=False)\n"
             f"ex._repr_mimebundle_()\nex.run()\nex.w_mode.value = 'residuals'\nex.to_html({str(report)!r})\n"
             "print('ROWS', len(ex.residual_figure.grid['rows']))")
@@ -479,7 +479,7 @@ def test_large_timelines_travel_as_single_precision_blocks_at_the_right_times():
     import pandas as pd
 
     from pipexplore.predict.simulator import simulate
-    from pipexplore.widgets.plots import TimelineView
+    from pipexplore.widgets.timeline_figure import TimelineView
 
     table = pd.DataFrame({"forward": [1e-3] * 8, "backward": [2e-3] * 8, "output_bytes": 0.0})
     predicted = simulate(table, list(range(1, 8)), chunks=256, schedule="1f1b", executor="threads",

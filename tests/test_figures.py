@@ -14,7 +14,7 @@ from torch import nn
 import pipexplore
 from pipexplore import timeline as tl
 from pipexplore.widgets import figures
-from pipexplore.widgets.plots import PHASE_COLORS, STAGE_COLORS
+from pipexplore.widgets.timeline_figure import PHASE_COLORS, STAGE_COLORS
 from pipexplore.widgets.residual_view import residual_grid
 from pipexplore.widgets.timeline_canvas import blocks_of
 

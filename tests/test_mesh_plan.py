@@ -57,7 +57,7 @@ def test_each_pipeline_rank_runs_on_its_first_tensor_and_data_parallel_rank(tabl
 
 def test_a_ranks_collectives_have_a_lane_of_their_own_and_are_said_exposed(tables):
     from pipexplore.predict.costs import stage_sums
-    from pipexplore.widgets.plots import lanes
+    from pipexplore.widgets.timeline_figure import lanes
 
     p = plan(tables, {"tp": 2, "pp": 2, "dp": 2})
     predicted = p.predicted

@@ -212,7 +212,7 @@ def test_the_prediction_refuses_what_torch_refuses(options, reason):
 
 def test_the_page_retimes_the_v_schedules_as_simulate_predicts(tmp_path):
     from pipexplore.predict.retime import retime_model
-    from pipexplore.widgets.plots import PHASES
+    from pipexplore.widgets.timeline_figure import PHASES
     from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
     from test_retime import run_page, table
 

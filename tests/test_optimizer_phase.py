@@ -268,7 +268,7 @@ def test_the_page_retimes_a_drag_with_optimizer_steps_as_simulate_does(case, tmp
     from test_retime import run_page, table as retime_table
 
     from pipexplore.predict.retime import retime_model
-    from pipexplore.widgets.plots import PHASES
+    from pipexplore.widgets.timeline_figure import PHASES
     from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
 
     options = {"1f1b threads, crowded host": dict(chunks=6, schedule="1f1b", devices=["cpu"] * 3, executor="threads"),

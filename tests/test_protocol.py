@@ -133,7 +133,7 @@ def _planned_and_measured() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def test_the_timeline_scene_and_its_panels_are_as_declared():
-    from pipexplore.widgets.plots import PHASES, TimelineView
+    from pipexplore.widgets.timeline_figure import PHASES, TimelineView
     from pipexplore.widgets.timeline_canvas import block_panel
 
     predicted, measured = _planned_and_measured()
@@ -152,7 +152,7 @@ def test_the_timeline_scene_and_its_panels_are_as_declared():
 
 def test_the_retime_model_and_the_canvas_state_are_as_declared():
     from pipexplore.predict.retime import retime_key, retime_model
-    from pipexplore.widgets.plots import TimelineView
+    from pipexplore.widgets.timeline_figure import TimelineView
     from pipexplore.widgets.timeline_canvas import lane_of
 
     plan = Plan(_table(), splits=(2, 4), chunks=3, devices=("cpu", "cpu", "cpu"))

@@ -15,7 +15,7 @@ from pipexplore import timeline as tl
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.retime import retime_key, retime_model
 from pipexplore.predict.simulator import simulate
-from pipexplore.widgets.plots import PHASES
+from pipexplore.widgets.timeline_figure import PHASES
 from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
 
 NODE = shutil.which("node")

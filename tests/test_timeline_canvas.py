@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from pipexplore.predict.simulator import simulate
-from pipexplore.widgets.plots import PHASE_COLORS, PHASES, STAGE_COLORS, TimelineView
+from pipexplore.widgets.timeline_figure import PHASE_COLORS, PHASES, STAGE_COLORS, TimelineView
 from pipexplore.widgets.timeline_canvas import TimelineCanvas, block_panel, blocks_of, lane_of, memory_panel
 
 

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from pipexplore.widgets.plots import (
+from pipexplore.widgets.timeline_figure import (
     PHASE_COLORS,
     PHASE_LETTERS,
     PHASES,
@@ -57,7 +57,7 @@ def timelines_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] =
     one shared time axis: one horizontal bar per row of each timeline, from its ``start`` to its
     ``end`` in ms from that step's start (as the canvas draws them), a lane per (stage, device)
     with stage 0 on top, coloured by phase with the canvas's colours. ``names`` titles the rows
-    (with :func:`~pipexplore.widgets.plots.summary`, ``samples`` giving the throughput).
+    (with :func:`~pipexplore.widgets.timeline_figure.summary`, ``samples`` giving the throughput).
 
     Example::
 

@@ -18,7 +18,7 @@ import anywidget
 import pandas as pd
 import traitlets
 
-from pipexplore.widgets.plots import STAGE_COLORS
+from pipexplore.widgets.timeline_figure import STAGE_COLORS
 
 __all__ = ["front_svg", "front_panel", "FrontChart"]
 

@@ -69,11 +69,11 @@ class SplitBarState(TypedDict):
     group: str
 
 
-# ---- the timelines (timeline_canvas.py, plots.py) ----------------------------------------------
+# ---- the timelines (timeline_canvas.py, timeline_figure.py) -------------------------------------
 
 #: Bytes a micro-batch number takes in a block panel's ``micro`` buffer (uint16 or int32).
 MicroBytes = Literal[2, 4]
-#: The panel the page re-times after a drag (``plots.TimelineView`` marks the predicted one).
+#: The panel the page re-times after a drag (``timeline_figure.TimelineView`` marks the predicted one).
 PanelRole = Literal["predicted"]
 
 
@@ -104,7 +104,7 @@ class _BlockPanel(TypedDict):
 
 
 class BlockPanel(_BlockPanel, total=False):
-    """Blocks: sent by ``timeline_canvas.block_panel`` (plots adds role, title_parts); read by timeline_canvas.js."""
+    """Blocks: sent by ``timeline_canvas.block_panel`` (timeline_figure adds role, title_parts); read by timeline_canvas.js."""
 
     lane_node: list[int]
     other: bytes
@@ -146,7 +146,7 @@ class MemoryPanel(TypedDict):
 
 
 class TimelineScene(TypedDict):
-    """What the canvas draws: sent by ``plots.TimelineView`` as ``TimelineCanvas.scene``; read by timeline_canvas.js."""
+    """What the canvas draws: sent by ``timeline_figure.TimelineView`` as ``TimelineCanvas.scene``; read by timeline_canvas.js."""
 
     panels: list[BlockPanel | MemoryPanel]
     phases: list[ScenePhase]

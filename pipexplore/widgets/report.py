@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Union
 from pipexplore.export.registry import KINDS
 from pipexplore.samples import batch_size
 from pipexplore.widgets.header import plan_difference, plan_text, short_plan_text
-from pipexplore.widgets.plots import TimelineView
+from pipexplore.widgets.timeline_figure import TimelineView
 from pipexplore.widgets.residual_view import ResidualCanvas, residual_state
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.static import strip_svg

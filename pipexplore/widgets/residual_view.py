@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-from pipexplore.widgets.plots import PHASES
+from pipexplore.widgets.timeline_figure import PHASES
 from pipexplore.widgets.protocol import ResidualGrid
 from pipexplore.widgets.timeline_canvas import CANVAS_CSS
 

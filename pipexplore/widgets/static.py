@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore import timeline as tl
-from pipexplore.widgets.plots import PHASE_COLORS, PHASE_LETTERS, STAGE_COLORS, lanes
+from pipexplore.widgets.timeline_figure import PHASE_COLORS, PHASE_LETTERS, STAGE_COLORS, lanes
 
 __all__ = ["strip_svg", "timeline_svg", "STATIC_BLOCK_LIMIT"]
 

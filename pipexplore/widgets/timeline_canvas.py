@@ -64,7 +64,7 @@ class TimelineCanvas(anywidget.AnyWidget):
 
     Example::
 
-        from pipexplore.widgets.plots import PHASE_COLORS, PHASE_LETTERS, PHASES
+        from pipexplore.widgets.timeline_figure import PHASE_COLORS, PHASE_LETTERS, PHASES
 
         canvas = TimelineCanvas(scene={"panels": [block_panel(plan.predicted, PHASES, title="predicted")],
                                        "phases": phase_table(PHASE_COLORS, PHASE_LETTERS), "legend": [0, 1],

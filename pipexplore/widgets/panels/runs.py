@@ -11,7 +11,7 @@ import pandas as pd
 from pipexplore.samples import batch_size
 from pipexplore.widgets.header import short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT
-from pipexplore.widgets.plots import TimelineView
+from pipexplore.widgets.timeline_figure import TimelineView
 from pipexplore.widgets.run_log import RUN_COLUMNS
 from pipexplore.widgets.runs_view import runs_html
 from pipexplore.widgets.state import ExplorerState

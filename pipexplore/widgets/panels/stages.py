@@ -13,7 +13,7 @@ from pipexplore.plan import Plan
 from pipexplore.predict.memory import activation_peaks
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.panels.controls import FieldMessages
-from pipexplore.widgets.plots import STAGE_COLORS
+from pipexplore.widgets.timeline_figure import STAGE_COLORS
 from pipexplore.widgets.protocol import StripLayer, StripSkip
 from pipexplore.widgets.splitbar import SplitBar
 from pipexplore.widgets.state import ExplorerState

@@ -14,7 +14,7 @@ from pipexplore.samples import batch_size
 from pipexplore.predict.costs import stage_bounds
 from pipexplore.widgets.header import format_bytes, parse_bytes, plan_difference, short_plan_text
 from pipexplore.widgets.panels.controls import COMPACT, FieldMessages
-from pipexplore.widgets.plots import TimelineView
+from pipexplore.widgets.timeline_figure import TimelineView
 from pipexplore.widgets.protocol import DrawnMessage
 from pipexplore.widgets.residual_view import ResidualCanvas
 from pipexplore.widgets.schedule_grid import ScheduleGrid, schedule_rows
@@ -91,7 +91,7 @@ class TimelinesPanel:
         (its keys exactly; anything else is ignored)."""
         if isinstance(content, dict) and content.keys() == DrawnMessage.__required_keys__ \
                 and content["event"] == "drawn":
-            from pipexplore.widgets.plots import warm_up_runs
+            from pipexplore.widgets.timeline_figure import warm_up_runs
 
             background.start(warm_up_runs, "pipexplore-warm-up-runs")
             with self.state.lock:
