@@ -21,7 +21,7 @@ from torch import nn
 from common import machine
 
 from pipexplore.host import stage_threads
-from pipexplore.predict.profiler import profile
+from pipexplore.profiling.sequential import profile
 from pipexplore.widgets import Explorer
 
 

@@ -52,7 +52,7 @@ from pipexplore.devices import catalogue_kind, device_spec  # noqa: E402
 from pipexplore.models.blockwise import materialise, profile_blockwise  # noqa: E402
 from pipexplore.models.meta import count_layers  # noqa: E402
 from pipexplore.predict.memory import optimizer_traffic  # noqa: E402
-from pipexplore.predict.optimizer_cost import optimizer_seconds  # noqa: E402
+from pipexplore.profiling.optimizer_step import optimizer_seconds  # noqa: E402
 from pipexplore.predict.planned_optimizer import optimizer_bandwidth  # noqa: E402
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, planned_layer_costs  # noqa: E402
 
@@ -102,7 +102,7 @@ def _decoder(model, counted: pd.DataFrame) -> tuple[int, torch.nn.Module]:
 
 def adam_seconds(block: torch.nn.Module, device: str, repeats: int = 10) -> float:
     """Measured seconds of one ``torch.optim.Adam`` step (its default: foreach on a GPU) over
-    ``block``'s parameters made real on ``device`` (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`:
+    ``block``'s parameters made real on ``device`` (:func:`pipexplore.profiling.optimizer_step.optimizer_seconds`:
     copies, gradients set, the median of ``repeats`` steps after an untimed one, each synchronised)."""
     real = materialise(block, torch.device(device))
     try:

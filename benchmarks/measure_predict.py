@@ -28,7 +28,7 @@ from common import machine
 import pipexplore.timeline as tl
 from pipexplore import GPipe
 from pipexplore.balance import optimal_splits
-from pipexplore.predict.profiler import profile
+from pipexplore.profiling.sequential import profile
 from pipexplore.predict.simulator import simulate
 from pipexplore.splits import balance_to_splits
 

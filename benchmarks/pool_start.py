@@ -55,7 +55,7 @@ def first_step(rounds: int) -> None:
     import torch
     from torch import nn
 
-    from pipexplore.predict.profiler import profile
+    from pipexplore.profiling.sequential import profile
     from pipexplore.executors import distributed
     from pipexplore.plan import Plan
 

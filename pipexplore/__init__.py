@@ -15,7 +15,7 @@ from pipexplore.gpipe import BalanceError, GPipe
 from pipexplore.models.flatten import FlattenError, flatten
 from pipexplore.models.profile import profile_model
 from pipexplore.plan import Plan
-from pipexplore.predict.profiler import backward_split, profile
+from pipexplore.profiling.sequential import backward_split, profile
 from pipexplore.predict.simulator import simulate
 from pipexplore.splits import SplitError, balance_to_splits, splits_to_balance
 from pipexplore.timeline import record

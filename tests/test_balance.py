@@ -12,7 +12,7 @@ from torch import nn
 from models import Sleep, unet_model
 from pipexplore.balance import (balance_by_size, balance_by_time, balance_cost, blockpartition, largest_stage,
                                 optimal_splits)
-from pipexplore.predict.profiler import LAYER_COLUMNS, profile
+from pipexplore.profiling.sequential import LAYER_COLUMNS, profile
 from pipexplore.splits import SplitError, balance_to_splits, check_splits, splits_to_balance
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from pipexplore.export import plan_code
 from pipexplore.plan import Plan
-from pipexplore.predict.profiler import profile
+from pipexplore.profiling.sequential import profile
 from pipexplore.predict.simulator import simulate
 
 

@@ -99,7 +99,7 @@ def test_a_models_repeated_blocks_are_timed_together_and_their_ratios_measured_o
     they compute makes another kind."""
     import importlib
 
-    profiling = importlib.import_module("pipexplore.predict.profiler")
+    profiling = importlib.import_module("pipexplore.profiling.sequential")
     measured = []
     real = profiling._contended_slowdown
     monkeypatch.setattr(profiling, "_contended_slowdown", lambda layer, *a: measured.append(layer) or real(layer, *a))
@@ -120,7 +120,7 @@ def test_a_models_repeated_blocks_are_timed_together_and_their_ratios_measured_o
 def _counting_calls(monkeypatch) -> dict:
     import importlib
 
-    profiling = importlib.import_module("pipexplore.predict.profiler")
+    profiling = importlib.import_module("pipexplore.profiling.sequential")
     calls: dict[str, int] = {}
     real_call = profiling._LayerRun.call
 
@@ -157,7 +157,7 @@ def test_a_timeout_bounds_the_profile_and_balance_by_time():
 def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
     import importlib
 
-    profiling = importlib.import_module("pipexplore.predict.profiler")
+    profiling = importlib.import_module("pipexplore.profiling.sequential")
     calls = _counting_calls(monkeypatch)
     # Layer "1" never agrees with itself; the others do at once.
     monkeypatch.setattr(profiling._Kind, "spread", property(lambda kind: 1.0 if kind.runs[0].name == "1" else 0.0))
@@ -169,7 +169,7 @@ def test_profile_rounds_stop_for_layers_whose_times_agree(monkeypatch):
 def test_pooled_timings_of_repeated_blocks_settle_in_fewer_rounds(monkeypatch):
     import importlib
 
-    profiling = importlib.import_module("pipexplore.predict.profiler")
+    profiling = importlib.import_module("pipexplore.profiling.sequential")
     # One call's times spread by 10 %: too much for one layer (5 %), enough for 16 pooled (10 % / 4).
     monkeypatch.setattr(profiling, "_spread", lambda times: 0.10 if len(times) >= 3 else 0.0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
@@ -467,7 +467,7 @@ class _HoldsTheInterpreter(nn.Module):
 def test_the_twin_test_sees_layers_that_take_turns_and_layers_that_leave_the_host_free():
     import importlib
 
-    profiling = importlib.import_module("pipexplore.predict.profiler")
+    profiling = importlib.import_module("pipexplore.profiling.sequential")
     x = torch.randn(4, 4, requires_grad=True)
     # Turns of 1 ms (one wait each), not Python's 5 ms: a 20 ms call then holds ~20 turns of its
     # twin, where at 5 ms it held 3 or 4 slices of ~5.5 ms depending on where the turns fell

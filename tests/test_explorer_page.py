@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipexplore import timeline as tl
-from pipexplore.predict.profiler import profile
+from pipexplore.profiling.sequential import profile
 from pipexplore.widgets import explore
 from pipexplore.widgets.header import format_bytes
 from pipexplore.widgets.residual_view import residual_grid

@@ -5,7 +5,7 @@ The layers, top to bottom (see docs/architecture.md)::
 
     vocabulary  splits samples validate cancel background host timeline/ schedules/ devices/
     engine      gpipe pipeline worker microbatch checkpoint rng_guard batchnorm stream copy dependency phony skip/ training
-    predict     predict/ balance/ (balance_by_time profiles with the predictor's profiler)
+    predict     profiling/ predict/ balance/ (predict/ and balance_by_time time layers with profiling/, never the reverse)
     plan        plan
     models      models/ (tracing)
     execute     executors/ backend/
@@ -25,7 +25,8 @@ LAYERS = {
     "vocabulary": ["splits", "samples", "validate", "cancel", "background", "host", "timeline", "schedules", "devices"],
     "engine": ["gpipe", "pipeline", "worker", "microbatch", "checkpoint", "batchnorm", "stream", "copy", "dependency",
                "phony", "skip", "training", "rng_guard"],
-    "predict": ["predict", "balance"],
+    # profiling/ times layers on the devices here and imports nothing of predict/ or balance/, which read it
+    "predict": ["profiling", "predict", "balance"],
     "plan": ["plan"],
     "models": ["models"],
     "execute": ["executors", "backend"],

@@ -14,7 +14,7 @@ from pipexplore.models import blockwise, trace
 from pipexplore.models.blockwise import profile_blockwise
 from pipexplore.models.meta import COUNT_COLUMNS, count_layers
 from pipexplore.models.opcount import OP_COLUMNS
-from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
+from pipexplore.profiling.sequential import FIT_COLUMNS, LAYER_COLUMNS
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -248,7 +248,7 @@ def test_optimizer_seconds_are_the_counted_bytes_over_bandwidth():
 
 
 def test_an_optimizer_steps_bandwidth_is_its_counted_bytes_over_the_time_they_add(monkeypatch):
-    from pipexplore.predict import optimizer_cost
+    from pipexplore.profiling import optimizer_step
 
     layer = torch.nn.Linear(64, 64)
     elements = 64 * 64 + 64
@@ -256,10 +256,10 @@ def test_an_optimizer_steps_bandwidth_is_its_counted_bytes_over_the_time_they_ad
     def timed(modules, factory, repeats):  # a step: 50 µs whatever its size, then 1 ns an element
         return [50e-6 + 1e-9 * sum(p.numel() for p in modules[0].parameters())]
 
-    monkeypatch.setattr(optimizer_cost, "optimizer_seconds", timed)
+    monkeypatch.setattr(optimizer_step, "optimizer_seconds", timed)
     moved = elements * 4 * 19  # float32, Adam's 19 passes; the fixed 50 µs left out
     assert optimizer_bandwidth(layer, torch.optim.Adam, H100) == pytest.approx(moved / (1e-9 * elements * 3.35e12))
-    monkeypatch.setattr(optimizer_cost, "optimizer_seconds", lambda modules, factory, repeats: [2e-6])  # noise
+    monkeypatch.setattr(optimizer_step, "optimizer_seconds", lambda modules, factory, repeats: [2e-6])  # noise
     assert optimizer_bandwidth(layer, torch.optim.Adam, H100) == pytest.approx(moved / (2e-6 * 3.35e12))
     with pytest.raises(ValueError, match="no trained parameters"):
         optimizer_bandwidth(torch.nn.GELU(), torch.optim.Adam, H100)

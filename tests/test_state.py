@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipexplore.cancel import Cancelled
-from pipexplore.predict.profiler import profile
+from pipexplore.profiling.sequential import profile
 from pipexplore.widgets.header import plan_difference
 from pipexplore.widgets.state import ExplorerState
 

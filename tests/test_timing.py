@@ -9,8 +9,8 @@ from torch import nn
 
 import pipexplore
 from pipexplore.models.blockwise import profile_blockwise
-from pipexplore.predict import timing
-from pipexplore.predict.timing import CacheFlush, Timer, flush_bytes
+from pipexplore.profiling import timing
+from pipexplore.profiling.timing import CacheFlush, Timer, flush_bytes
 
 SLOW_FLUSH = 0.02  # seconds a flush takes in these tests: far more than a tiny layer's call
 

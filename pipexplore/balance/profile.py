@@ -78,7 +78,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         balance = balance_by_time(4, model, torch.randn(64, 3, 32, 32), device="cpu")
         pipe = GPipe(model, balance, chunks=8)
     """
-    from pipexplore.predict.profiler import profile
+    from pipexplore.profiling.sequential import profile
 
     check_partitions(len(module), partitions)
     _no_gradients(module, "balance_by_time")
@@ -103,7 +103,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
         balance = balance_by_size(4, model, torch.randn(256, 3, 32, 32), chunks=8, param_scale=4.0)
     """
-    from pipexplore.predict.profiler import profile
+    from pipexplore.profiling.sequential import profile
 
     check_partitions(len(module), partitions)
     if chunks < 1:

@@ -27,9 +27,9 @@ from pipexplore.host import host_cores
 from pipexplore.models.inputs import sample_rows
 from pipexplore.models.meta import Call, capture, layout, rows_of, without_kv_cache
 from pipexplore.models.opcount import count_call
-from pipexplore.predict.profiler import FIT_COLUMNS, LAYER_COLUMNS
-from pipexplore.predict.ratios import without_autograd_ratio
-from pipexplore.predict.timing import CacheFlush, Timer, fit_line, spread
+from pipexplore.profiling.sequential import FIT_COLUMNS, LAYER_COLUMNS
+from pipexplore.profiling.ratios import without_autograd_ratio
+from pipexplore.profiling.timing import CacheFlush, Timer, fit_line, spread
 from pipexplore.timeline.saved import SavedBytes, tensor_bytes
 from pipexplore.training import LossFn, Training
 

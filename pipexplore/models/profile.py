@@ -8,8 +8,11 @@ a model on meta          timed block by block, each kind of block once
                          (:func:`pipexplore.models.blockwise.profile_blockwise`)
 not an ``nn.Sequential`` its candidate blocks timed where they run in the model, as the
                          stages torch's tracer builds (:func:`pipexplore.models.trace.candidates_in_rows`)
-an ``nn.Sequential``     each layer timed (:func:`pipexplore.profile`)
+an ``nn.Sequential``     each layer timed (:func:`pipexplore.profiling.sequential.profile`)
 =======================  ================================================================
+
+The timers, ratios and calibration every path uses, and the ``nn.Sequential`` path itself, are
+:mod:`pipexplore.profiling`'s; the paths here are those that need the model's structure.
 
 Every path costs the layers at a micro-batch of ``chunks`` and at the whole batch, with the
 intra-op threads each CPU stage runs with, so that what is predicted is what runs. The devices are
@@ -46,7 +49,7 @@ from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.meta import count_layers
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
-from pipexplore.predict.profiler import backward_split, profile
+from pipexplore.profiling.sequential import backward_split, profile
 from pipexplore.predict.roofline import Efficiency, Group, fit_efficiency, planned_layer_costs
 from pipexplore.training import LossFn, OptimizerFactory, Training
 
@@ -178,7 +181,7 @@ def _each_kind_once(model: nn.Module, sample: Sample, training: Training, *, dev
             loss_fn=training.loss_fn, target=opcount.to_meta(training.target), real_model=model,
             cold_cache=True)  # (a step streams every block's weights: none is in cache when it runs)
         modules = dict(model.named_modules())
-        from pipexplore.predict.optimizer_cost import optimizer_seconds
+        from pipexplore.profiling.optimizer_step import optimizer_seconds
 
         table["optimizer"] = optimizer_seconds([modules[str(name)] for name in table["name"]], training.optimizer,
                                                repeats=repeats)

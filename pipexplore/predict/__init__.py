@@ -1,1 +1,1 @@
-"""Costs in, predicted timelines out: profiling, the cost model, the simulator, re-timing (no threads, no processes)."""
+"""Costs in, predicted timelines out: the cost model, the simulator, re-timing (profiles: pipexplore.profiling)."""

@@ -8,7 +8,7 @@ The bytes are those of ``torch.optim``'s own implementation as it runs on a GPU,
 parameters, so Adam reads and writes each parameter-sized tensor 19 times a step (its moments
 updated, a square root, a division and an addition into a temporary, the update) where a fused
 kernel (``fused=True``) moves 8. What a step costs where the device is here is timed instead
-(:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`), and a device of the planned kind
+(:func:`pipexplore.profiling.optimizer_step.optimizer_seconds`), and a device of the planned kind
 here teaches the fraction of bandwidth such a step reaches (:func:`optimizer_bandwidth`).
 
 Example::
@@ -189,7 +189,7 @@ def optimizer_bandwidth(module: torch.nn.Module, optimizer: Any, spec: SpecLike,
     device here teaches the plan's ``Efficiency.optimizer``.
 
     A step is timed over the module's parameters and over twice as many (a copy beside them), by
-    :func:`pipexplore.predict.optimizer_cost.optimizer_seconds` (copies, gradients set, the median
+    :func:`pipexplore.profiling.optimizer_step.optimizer_seconds` (copies, gradients set, the median
     of ``repeats`` steps after an untimed one); the counted bytes of one module over the
     difference is the bandwidth a step's bytes move at. The difference leaves out what a step pays
     whatever its size (its Python, its launches: ~0.2 ms for Adam on an H200), which a stage of many
@@ -197,7 +197,7 @@ def optimizer_bandwidth(module: torch.nn.Module, optimizer: Any, spec: SpecLike,
     the one step's time stands."""
     import copy
 
-    from pipexplore.predict.optimizer_cost import optimizer_seconds as timed
+    from pipexplore.profiling.optimizer_step import optimizer_seconds as timed
 
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:

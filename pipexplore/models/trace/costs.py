@@ -76,9 +76,9 @@ def isolated_seconds(module: nn.Module, args: Sequence[Any], kwargs: dict[str, A
                      warmup: int = 1) -> tuple[float, float]:
     """Median seconds of ``module(*args, **kwargs)`` forward, then of its backward from ones into
     every output that needs a gradient (0 where none does), over ``repeats`` calls after
-    ``warmup`` untimed ones (a :class:`~pipexplore.predict.timing.Timer` each: on a GPU, to its
+    ``warmup`` untimed ones (a :class:`~pipexplore.profiling.timing.Timer` each: on a GPU, to its
     kernels' end); floating inputs are fresh leaves each call, as a stage gets them."""
-    from pipexplore.predict.timing import Timer
+    from pipexplore.profiling.timing import Timer
 
     tensors = [*module.parameters(), *tensors_in(list(args)), *tensors_in(kwargs)]
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -250,7 +250,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     shared dropout): it can begin no stage, and its work stays in the stage around it.
     ``optimizer``: seconds of one step of ``optimizer(parameters)`` (the factory a run uses; default
     :data:`pipexplore.training.default_optimizer`) over the candidate's parameters, timed on copies of them
-    (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`; a tied weight counts in every
+    (:func:`pipexplore.profiling.optimizer_step.optimizer_seconds`; a tied weight counts in every
     candidate that holds it, as each stage steps its own copy); ``time_optimizer=False`` leaves it
     out (a caller that has it already).
 
@@ -280,7 +280,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     handles = []
-    from pipexplore.predict.timing import synchronize
+    from pipexplore.profiling.timing import synchronize
 
     device = next(model.parameters(), torch.empty(0)).device
 
@@ -400,7 +400,7 @@ def candidates(model: nn.Module, sample: Any, *, mb_kwargs: Optional[dict[str, A
         })
     table = pd.DataFrame(rows)
     if time_optimizer:  # the update at the end of a step, over each candidate's parameters
-        from pipexplore.predict.optimizer_cost import optimizer_seconds
+        from pipexplore.profiling.optimizer_step import optimizer_seconds
 
         table["optimizer"] = optimizer_seconds([blocks[k][1] for k in order], training.optimizer, repeats=repeats)
     return table
@@ -422,7 +422,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
         table = candidates_in_rows(model, {"input_ids": ids}, chunks=4)
     """
     from pipexplore.models.inputs import first_microbatch, sample_rows
-    from pipexplore.predict.timing import fit_columns
+    from pipexplore.profiling.timing import fit_columns
 
     whole = candidates(model, sample, target=target, **options)
     batch = sample_rows(sample)

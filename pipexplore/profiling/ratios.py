@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pipexplore.samples import TensorOrTensors, tensors_in
-from pipexplore.predict.timing import Timer as _Timer, detach as _detach, popping as _popping
+from pipexplore.profiling.timing import Timer as _Timer, detach as _detach, popping as _popping
 from pipexplore.skip.tracker import use_skip_tracker
 
 __all__ = ["contended_slowdown", "checkpointed_ratio", "without_autograd_ratio", "split_backward"]

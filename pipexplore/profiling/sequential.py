@@ -18,17 +18,17 @@ from pipexplore.microbatch import Batch
 from pipexplore.samples import TensorOrTensors, batch_size, tensors_in
 from pipexplore.timeline.saved import SavedBytes
 from pipexplore.skip.skippable import Skippable
-from pipexplore.predict.calibration import calibrate_to_whole_model
-from pipexplore.predict.optimizer_cost import optimizer_seconds
-from pipexplore.predict.ratios import checkpointed_ratio as _checkpointed_ratio
-from pipexplore.predict.ratios import contended_slowdown as _contended_slowdown
-from pipexplore.predict.ratios import split_backward as _split_backward
-from pipexplore.predict.timing import CacheFlush
-from pipexplore.predict.timing import Timer as _Timer
-from pipexplore.predict.timing import detach as _detach
-from pipexplore.predict.timing import nbytes as _bytes
-from pipexplore.predict.timing import first_rows as _rows
-from pipexplore.predict.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
+from pipexplore.profiling.calibration import calibrate_to_whole_model
+from pipexplore.profiling.optimizer_step import optimizer_seconds
+from pipexplore.profiling.ratios import checkpointed_ratio as _checkpointed_ratio
+from pipexplore.profiling.ratios import contended_slowdown as _contended_slowdown
+from pipexplore.profiling.ratios import split_backward as _split_backward
+from pipexplore.profiling.timing import CacheFlush
+from pipexplore.profiling.timing import Timer as _Timer
+from pipexplore.profiling.timing import detach as _detach
+from pipexplore.profiling.timing import nbytes as _bytes
+from pipexplore.profiling.timing import first_rows as _rows
+from pipexplore.profiling.timing import fit_columns, popping as _popping, spent as _spent, spread as _spread
 from pipexplore.skip.tracker import use_skip_tracker
 from pipexplore.training import OptimizerFactory
 
@@ -324,7 +324,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     ``torch.distributed.pipelining``, ~1.5 s to import): :func:`backward_split` measures it later.
 
     ``cold_cache=True`` flushes the device's caches before every timed forward and backward (and
-    the whole model's, with ``calibrate``: :class:`pipexplore.predict.timing.CacheFlush`, untimed),
+    the whole model's, with ``calibrate``: :class:`pipexplore.profiling.timing.CacheFlush`, untimed),
     so that a layer is timed as it runs between neighbours that stream more than the cache: how
     layers measured alone teach the roofline (:func:`pipexplore.predict.roofline.fit_efficiency`)
     the efficiency a model reaches.
@@ -345,7 +345,7 @@ def profile(module: nn.Sequential, sample: TensorOrTensors, *, device: Optional[
     ``stash_keys``/``pop_keys`` (qualified by namespace: ``name@id``); ``optimizer``: seconds of
     one step of ``optimizer(parameters)`` (the factory a run uses; default
     :data:`pipexplore.training.default_optimizer`) over the layer's parameters, timed on copies of
-    them (:func:`pipexplore.predict.optimizer_cost.optimizer_seconds`: the model is not changed),
+    them (:func:`pipexplore.profiling.optimizer_step.optimizer_seconds`: the model is not changed),
     what each stage's update at the end of a step costs.
     ``table.attrs['rows']`` lists the profiled sizes, ``table.attrs['batch']`` the sample's rows.
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from pipexplore.samples import TensorOrTensors, tensors_in
-from pipexplore.predict.timing import Timer as _Timer
-from pipexplore.predict.timing import detach as _detach
+from pipexplore.profiling.timing import Timer as _Timer
+from pipexplore.profiling.timing import detach as _detach
 from pipexplore.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["whole_model_seconds", "calibrate_to_whole_model"]
@@ -31,7 +31,7 @@ def whole_model_seconds(module: nn.Sequential, value: TensorOrTensors, target: t
     the gradients are set to None, the second adding to them. On
     a CPU the fresh ones are fresh pages (12 linear layers of 512 at 16 rows: 1.2 ms a layer so,
     0.55 ms accumulating), which a layer timed alone hides: its freed gradient is reused at once.
-    ``flush``: called before each timed pass (a :class:`pipexplore.predict.timing.CacheFlush`)."""
+    ``flush``: called before each timed pass (a :class:`pipexplore.profiling.timing.CacheFlush`)."""
     forward, fresh, accumulating = _Timer(target, flush), _Timer(target, flush), _Timer(target, flush)
     module.zero_grad(set_to_none=True)
     for k in range(repeats + 1):

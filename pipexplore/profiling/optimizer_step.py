@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipexplore.predict.timing import Timer
+from pipexplore.profiling.timing import Timer
 from pipexplore.training import OptimizerFactory, Training
 
 __all__ = ["optimizer_seconds"]
