@@ -39,7 +39,8 @@ from pipexplore.models.trace.split import contiguous_boundaries, run_generated_c
 
 __all__ = ["CONSTANTS", "without_kv_cache", "checkpoint_stage", "place_graph_devices", "call_inputs", "late_inputs",
            "model_output", "traced", "on_meta", "materialize", "replica_batch", "stages_of", "traced_stages",
-           "tensor_parallel_stage", "expert_parallel_stage", "default_optimizer", "rank_device", "parse_options", "main", "FUNCTIONS"]
+           "check_sharded_stage", "tensor_parallel_stage", "expert_parallel_stage", "default_optimizer", "rank_device",
+           "parse_options", "main", "FUNCTIONS"]
 
 # ---- the plan's values: the script sets each at its top ----------------------------------------------
 HOOKS = "train_hooks"
@@ -245,19 +246,26 @@ def traced_stages(model, args, model_kwargs, indices, ranks, pp_rank, rank, devi
     return stages, pipe.num_stages, output_spec, tied
 
 
+def check_sharded_stage(model, indices, meta, parallelism, plain):
+    """Stop where ``parallelism`` (which shards the stage's own modules) cannot run here: a model on
+    the meta device, several stages a pipeline rank, or a head tied to an embedding another stage
+    holds; ``plain``: the mesh that would run it (``"tp=1"``)."""
+    if meta:
+        raise SystemExit(f"{parallelism} here shards a model with its weights: build_model() gives one on "
+                         "the meta device")
+    if len(indices) != 1:
+        raise SystemExit(f"{parallelism} here runs one stage a pipeline rank; {SCHEDULE} runs several")
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and SPLIT_POINTS:
+        raise SystemExit("the model ties its head to its embedding (tie_word_embeddings), which different "
+                         "stages hold: their gradients are summed between pipeline ranks, which this script "
+                         f"does not do beside {parallelism}; untie them or plan {plain}")
+
+
 def tensor_parallel_stage(model, indices, device, mesh, meta):
     """This rank's stage cut from the model's own modules and sharded over the mesh's tp ranks
     (tensor parallelism shards modules, which a traced stage no longer has), and how the loss sees
     its output."""
-    if meta:
-        raise SystemExit("tensor parallelism here shards a model with its weights: build_model() gives one on "
-                         "the meta device")
-    if len(indices) != 1:
-        raise SystemExit(f"tensor parallelism here runs one stage a pipeline rank; {SCHEDULE} runs several")
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and SPLIT_POINTS:
-        raise SystemExit("the model ties its head to its embedding (tie_word_embeddings), which different "
-                         "stages hold: their gradients are summed between pipeline ranks, which this script "
-                         "does not do beside tensor parallelism; untie them or plan tp=1")
+    check_sharded_stage(model, indices, meta, "tensor parallelism", "tp=1")
     stage_names = MODULE_FQNS_PER_MODEL_PART[indices[0]]
     part = cut_stage(model, stage_names, indices[0] == 0, indices[0] == len(SPLIT_POINTS))
     tensor_parallel(part.to(device), mesh["tp"], TP_PLAN)
@@ -272,15 +280,7 @@ def expert_parallel_stage(model, indices, device, mesh, experts, meta):
     each layer's stacked experts sharded over the ``experts`` mesh's ep ranks (each rank its
     ``1/ep`` of them, the tokens dispatched and combined by all-to-alls), and how the loss sees its
     output."""
-    if meta:
-        raise SystemExit("expert parallelism here shards a model with its weights: build_model() gives one on "
-                         "the meta device")
-    if len(indices) != 1:
-        raise SystemExit(f"expert parallelism here runs one stage a pipeline rank; {SCHEDULE} runs several")
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and SPLIT_POINTS:
-        raise SystemExit("the model ties its head to its embedding (tie_word_embeddings), which different "
-                         "stages hold: their gradients are summed between pipeline ranks, which this script "
-                         "does not do beside expert parallelism; untie them or plan ep=1")
+    check_sharded_stage(model, indices, meta, "expert parallelism", "ep=1")
     stage_names = MODULE_FQNS_PER_MODEL_PART[indices[0]]
     part = cut_stage(model, stage_names, indices[0] == 0, indices[0] == len(SPLIT_POINTS), experts=True).to(device)
     shard_experts(part, experts["ep"])
@@ -460,6 +460,5 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 #: The script's own functions, in the order it holds them.
 FUNCTIONS: tuple[Callable[..., Any], ...] = (
     without_kv_cache, checkpoint_stage, place_graph_devices, call_inputs, late_inputs, model_output, traced, on_meta,
-    materialize, replica_batch, stages_of, traced_stages, tensor_parallel_stage, expert_parallel_stage, default_optimizer,
-    rank_device,
-    parse_options, main)
+    materialize, replica_batch, stages_of, traced_stages, check_sharded_stage, tensor_parallel_stage,
+    expert_parallel_stage, default_optimizer, rank_device, parse_options, main)
