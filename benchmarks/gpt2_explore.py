@@ -4,7 +4,7 @@ run in this process and in processes, side by side.
 Prints: time from ``explore(...)`` to the first predicted timeline; per executor the first run's
 and a rerun's step time, the process start-up apart, and the prediction error of each run. Side by
 side, ``--pairs`` times alternately: the profile as the traced stages run (``stages``, the
-default: :mod:`pipexplore.models.trace.costs`, measured afresh for each explorer) and as the
+default: :mod:`pipexplore.models.trace.profile_candidates`, measured afresh for each explorer) and as the
 model's own modules alone (``modules``, as before it).
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ def logits_loss(output, target):
 
 def explored(model, ids, devices, stages: bool):
     """``explore()`` of the model, profiled as its traced stages or as its own modules; and its seconds."""
-    from pipexplore.models.trace import costs as traced_costs
+    from pipexplore.models.trace import profile_candidates
 
-    traced_costs.forget_measured()  # each explorer pays for its own measurement
+    profile_candidates.forget_measured()  # each explorer pays for its own measurement
     started = time.perf_counter()
     ex = pipexplore.explore(model, ids, target=ids, loss_fn=logits_loss, devices=devices, chunks=4,
                             profile_stages=stages)

@@ -1,4 +1,4 @@
-"""A traced model is profiled as the stages its runs execute (pipexplore.models.trace.costs): each
+"""A traced model is profiled as the stages its runs execute (pipexplore.models.trace.profile_candidates): each
 candidate's traced stage timed beside its own module, the difference added to the profile, once a
 session per model shape; a model that cannot be traced keeps its modules' times and says why."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 
 from pipexplore.models import trace
-from pipexplore.models.trace import costs as traced_costs, pipes as traced_pipes
+from pipexplore.models.trace import pipes as traced_pipes, profile_candidates
 from tiny_transformer import Branchy, TinyTransformer, get_batch, loss_fn
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
@@ -19,9 +19,9 @@ NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"
 
 @pytest.fixture(autouse=True)
 def fresh_session():
-    traced_costs.forget_measured()
+    profile_candidates.forget_measured()
     yield
-    traced_costs.forget_measured()
+    profile_candidates.forget_measured()
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def stage_clock(monkeypatch):
         timed.append(module)
         return (2e-3, 3e-3) if isinstance(module, fx.GraphModule) else (0.5e-3, 3.5e-3)
 
-    monkeypatch.setattr(traced_costs, "isolated_seconds", seconds)
+    monkeypatch.setattr(profile_candidates, "isolated_seconds", seconds)
     return timed
 
 
@@ -42,19 +42,19 @@ def stage_clock(monkeypatch):
 def one_ms_candidates(monkeypatch):
     """trace.candidates giving 1 ms forward and backward for every candidate (the hooks' timing
     left out: what the profile adds to it is what these tests check)."""
-    real = traced_costs.candidates
+    real = profile_candidates.candidates
 
     def candidates(model, sample, **options):
         table = real(model, sample, **{**options, "repeats": 1, "warmup": 0})
         table["forward"] = table["backward"] = 1e-3
         return table
 
-    monkeypatch.setattr(traced_costs, "candidates", candidates)
+    monkeypatch.setattr(profile_candidates, "candidates", candidates)
 
 
 def test_each_candidate_gets_what_its_traced_stage_takes_beyond_its_module(stage_clock):
     tokens, _ = get_batch()
-    forward, backward, first_split = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES)
+    forward, backward, first_split = profile_candidates.traced_extra(TinyTransformer(), tokens[:2], NAMES)
     assert forward == pytest.approx([1.5e-3] * 7) and backward == pytest.approx([-0.5e-3] * 7)
     assert first_split == 1  # only the embedding's stage reads the tokens
     own = [m for m in stage_clock if not isinstance(m, fx.GraphModule)]
@@ -83,8 +83,8 @@ def test_the_profile_holds_the_stages_seconds_at_both_sizes_never_below_zero(sta
     def slower(module, args, kwargs, *, repeats=3, warmup=1):
         return (2e-3, 3e-3) if isinstance(module, fx.GraphModule) else (0.5e-3, 5e-3)
 
-    traced_costs.forget_measured()
-    traced_costs.isolated_seconds = slower  # (the fixture's monkeypatch puts it back)
+    profile_candidates.forget_measured()
+    profile_candidates.isolated_seconds = slower  # (the fixture's monkeypatch puts it back)
     table = trace.candidates_in_rows(TinyTransformer(), tokens, chunks=1, target=target, loss_fn=loss_fn, repeats=1)
     assert table["backward"].tolist() == [0.0] * 7  # 1 ms - 2 ms: no block takes less than nothing
 
@@ -100,23 +100,23 @@ def test_a_model_shape_is_traced_once_a_session(monkeypatch):
     monkeypatch.setattr(traced_pipes, "split_marked", counting)
     traced_pipes.forget_traced()
     tokens, _ = get_batch()
-    first = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
-    again = traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)  # other weights
+    first = profile_candidates.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    again = profile_candidates.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)  # other weights
     assert again == first and calls == [tuple(NAMES[1:])]
-    traced_costs.traced_extra(TinyTransformer(), tokens[:4], NAMES, repeats=1, warmup=0)  # another micro-batch
-    traced_costs.traced_extra(TinyTransformer(tied=False), tokens[:2], NAMES, repeats=1, warmup=0)  # untied head
+    profile_candidates.traced_extra(TinyTransformer(), tokens[:4], NAMES, repeats=1, warmup=0)  # another micro-batch
+    profile_candidates.traced_extra(TinyTransformer(tied=False), tokens[:2], NAMES, repeats=1, warmup=0)  # untied head
     assert len(calls) == 3
-    traced_costs.forget_measured()
-    traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    profile_candidates.forget_measured()
+    profile_candidates.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
     assert len(calls) == 3  # measured again, on a copy of the session's kept pipe (traced_pipes)
     traced_pipes.forget_traced()
-    traced_costs.forget_measured()
-    traced_costs.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
+    profile_candidates.forget_measured()
+    profile_candidates.traced_extra(TinyTransformer(), tokens[:2], NAMES, repeats=1, warmup=0)
     assert len(calls) == 4
     # the same shape on another device (a GPU's seconds are not a CPU's): a key of its own
-    key = traced_costs._shape_key(TinyTransformer(), tokens[:2], NAMES)
-    assert traced_costs._shape_key(TinyTransformer().to("meta"), tokens[:2], NAMES) != key
-    assert traced_costs._shape_key(TinyTransformer(), tokens[:2].to("meta"), NAMES) != key
+    key = profile_candidates._shape_key(TinyTransformer(), tokens[:2], NAMES)
+    assert profile_candidates._shape_key(TinyTransformer().to("meta"), tokens[:2], NAMES) != key
+    assert profile_candidates._shape_key(TinyTransformer(), tokens[:2].to("meta"), NAMES) != key
 
 
 def test_a_model_that_cannot_be_traced_keeps_its_modules_times_and_says_why(one_ms_candidates):
@@ -143,11 +143,11 @@ def test_the_explorer_profiles_a_traced_model_as_its_stages_and_says_so(stage_cl
 def test_isolated_seconds_time_a_forward_and_the_backward_into_its_inputs():
     layer = nn.Linear(4, 4)
     x = torch.randn(3, 4)
-    forward, backward = traced_costs.isolated_seconds(layer, (x,), {}, repeats=2, warmup=1)
+    forward, backward = profile_candidates.isolated_seconds(layer, (x,), {}, repeats=2, warmup=1)
     assert forward > 0 and backward > 0
     assert layer.weight.grad is not None and x.grad is None  # its inputs were fresh leaves, not the given tensor
     counts = nn.Embedding(5, 2).requires_grad_(False)
-    assert traced_costs.isolated_seconds(counts, (torch.tensor([1, 2]),), {}, repeats=1)[1] == 0.0  # no backward
+    assert profile_candidates.isolated_seconds(counts, (torch.tensor([1, 2]),), {}, repeats=1)[1] == 0.0  # no backward
 
 
 def test_the_whole_tables_columns_stay_a_layer_table():
@@ -193,7 +193,7 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
             copies.append(type(value).__name__)
         return real(value, memo)
 
-    monkeypatch.setattr(traced_costs.copy, "deepcopy", counting)
+    monkeypatch.setattr(profile_candidates.copy, "deepcopy", counting)
     traced_pipes.forget_traced()  # (a kept pipe of this shape would be copied, not traced on a copy)
     tokens, target = get_batch()
     table = profile_model(TinyTransformer(), tokens, devices=["cpu", "cpu"], chunks=4, repeats=1, target=target,
@@ -201,7 +201,7 @@ def test_the_explorers_copy_is_timed_as_it_is_not_copied_once_more(monkeypatch):
     assert "stage_extra" in table.attrs
     assert copies == ["TinyTransformer", "TinyTransformer"]  # the explorer's copy, then the one traced
     copies.clear()
-    traced_costs.forget_measured()
+    profile_candidates.forget_measured()
     traced_pipes.forget_traced()
     model = TinyTransformer()
     trace.candidates_in_rows(model, tokens, chunks=4, target=target, loss_fn=loss_fn, repeats=1)
@@ -214,7 +214,7 @@ def test_the_first_run_of_an_explored_model_splits_the_export_its_profile_made()
     from pipexplore.widgets import explore
 
     traced_pipes.forget_traced()
-    traced_costs.forget_measured()
+    profile_candidates.forget_measured()
     exports, traces = traced_pipes.exports, traced_pipes.traces  # (counts for the whole process)
     tokens, target = get_batch()
     model = TinyTransformer()

@@ -15,6 +15,6 @@ It sits in the predict layer and imports nothing of ``predict/``: the cost model
 (``predict/planned_optimizer.py``) and ``balance_by_time`` read it. The profiles that need a
 model's structure build on it from ``models/``: :func:`pipexplore.models.profile.profile_model`
 (the one entry, picking planned, meta, traced or sequential), ``models/blockwise.py`` (a model
-bigger than one device, block by block) and ``models/trace/costs.py`` (a traced model's candidate
+bigger than one device, block by block) and ``models/trace/profile_candidates.py`` (a traced model's candidate
 blocks timed where they run).
 """

@@ -40,7 +40,7 @@ from pipexplore.samples import Sample, batch_size
 from pipexplore.models.hf import cache_note
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split
-from pipexplore.models.trace import costs as traced_costs
+from pipexplore.models.trace import profile_candidates
 from pipexplore.plan import EXECUTORS, Plan
 from pipexplore.predict.costs import Corrections
 from pipexplore.schedules import CsvSchedule, csv_schedule, is_csv, is_multi_stage, splits_backward
@@ -98,7 +98,7 @@ class ExplorerState:
     profiled; then the layers are profiled (:func:`pipexplore.models.profile.profile_model`,
     unless a ``layer_table`` is given) and the plan is balanced by time where no ``splits`` are
     given. A traced model is profiled as the stages its runs execute
-    (:mod:`pipexplore.models.trace.costs`: one more trace); ``profile_stages=False`` times its
+    (:mod:`pipexplore.models.trace.profile_candidates`: one more trace); ``profile_stages=False`` times its
     modules only, sooner, its first prediction shorter.
 
     Its public methods and properties are the explorer's too (:class:`~pipexplore.widgets.explorer.Explorer`
@@ -451,7 +451,7 @@ class ExplorerState:
             raise RuntimeError("a run is in progress: re-profile once it has finished (or cancel it)")
         plan = self._plan
         if self.traced:  # its traced stages timed again too, not taken from this session's
-            traced_costs.forget_measured()
+            profile_candidates.forget_measured()
         placement = replace(self.placement, devices=tuple(plan.devices[: plan.num_devices]), given=True)
         with profile_progress() as progress:
             table = profile_model(self.model, self.sample, devices=placement, chunks=plan.chunks,

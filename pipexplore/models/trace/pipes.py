@@ -27,7 +27,7 @@ counts the exports). A drag of a split handle then costs the splitter, not torch
 tiny GPT-2's new split 0.41 s against 0.88 s, GPT-2 small's 2.0 s against 3.1 s
 (``benchmarks/traced_rerun.py --new-split``). Where the markers cannot all go (one inside a region
 export keeps apart), the split is traced at its own points, as :func:`~pipexplore.models.trace.split` does.
-The profile of a traced model's stages splits it here too (:func:`pipexplore.models.trace.costs.
+The profile of a traced model's stages splits it here too (:func:`pipexplore.models.trace.profile_candidates.
 traced_extra`), so an explorer's first run splits the export its profile made (a tiny GPT-2's
 first run after ``explore()``: 1.1–1.2 s against 1.8–1.9 s).
 

@@ -413,7 +413,7 @@ def candidates_in_rows(model: nn.Module, sample: Any, *, chunks: int, target: An
     ``forward_b``, … as :func:`pipexplore.profile` gives them), so predictions hold when
     ``chunks`` changes. With ``chunks=1`` the whole sample only (costs proportional to rows).
     ``as_stages``: the times include what the traced stages the runs execute take beyond the
-    model's own modules, measured on the micro-batch (:func:`pipexplore.models.trace.costs.
+    model's own modules, measured on the micro-batch (:func:`pipexplore.models.trace.profile_candidates.
     shift_to_stages`; ``attrs["stage_extra"]``: the seconds and the rows they were measured at);
     ``owned``: ``model`` is a copy the caller gives away, timed on without one more copy.
 
