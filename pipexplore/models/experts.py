@@ -38,7 +38,7 @@ from pipexplore.models.ep_rank import rows_as
 
 __all__ = ["EXPERT_COUNTS", "TOP_K", "RoutedExperts", "routed_experts", "expert_parameters", "router_parameters",
            "share_tokens",
-           "divisors", "inputs_of", "count_experts", "share_costs", "SHARE_COLUMNS", "dispatch_bytes"]
+           "divisors", "inputs_of", "count_experts", "share_costs", "regrouped", "SHARE_COLUMNS", "dispatch_bytes"]
 
 #: The config fields that count a model's routed experts, by family (the first set is taken).
 EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", "num_routed_experts",
@@ -253,7 +253,8 @@ def share_costs(expert_ops: Any, table: Any, spec: Any, *, efficiency: Any = Non
                 shares: Sequence[int] = ()) -> dict[str, Any]:
     """What a GPU's routed experts save when it holds ``1/d`` of them, for each ``d`` of ``shares``
     (``ep · etp``): its grouped GEMMs read and write ``1/d`` of the experts' weights and weight
-    gradients (their ``fixed_bytes``), the FLOPs and the tokens' bytes its own. For each ``d``
+    gradients (their ``fixed_bytes``), the FLOPs and the tokens' bytes its own, and run ``1/d`` of
+    the groups, each on ``d`` times the tokens (:func:`regrouped`). For each ``d``
     (``"shares"``), the change (negative) to each of ``table``'s layers' ``forward_a``,
     ``forward_b``, ``backward_a`` and ``backward_b`` (``"columns"``; ``"changes"``: shares × those
     four × layers, one array, cheap to copy with the table's ``attrs``), fitted as
@@ -293,13 +294,38 @@ def share_costs(expert_ops: Any, table: Any, spec: Any, *, efficiency: Any = Non
     kept = [d for d in sorted(set(shares)) if d > 1]
     changes = np.zeros((len(kept), len(SHARE_COLUMNS), len(table)))
     for i, d in enumerate(kept):
-        held = expert_ops.copy()
+        held = regrouped(expert_ops, d)
         held["fixed_bytes"] = held["fixed_bytes"].to_numpy(dtype=float) / d
         held.attrs = dict(expert_ops.attrs)
         part = fitted(held)
         changes[i] = [part[column] - whole[column] for column in SHARE_COLUMNS]
     return {"shares": np.asarray(kept, dtype=int), "columns": SHARE_COLUMNS, "changes": changes,
             "expert_b": np.stack([whole["forward_b"], whole["backward_b"]]), **exchange}
+
+
+def regrouped(expert_ops: Any, share: int) -> Any:
+    """``expert_ops`` (the experts' kernels counted with every expert on the rank's tokens) as a GPU
+    holding ``1/share`` of the experts runs its grouped GEMMs (``aten._grouped_mm``, their groups'
+    shapes: :func:`pipexplore.models.opcount.grouped_gemm_shape`): ``1/share`` of the groups, each
+    expert receiving ``share`` times the tokens (every rank of its ``ep`` group sends it its share,
+    balanced), so the same FLOPs in fewer, larger GEMMs; with ``etp`` each expert's width is taken
+    whole (the groups of ``ep · etp``). A copy; the other kernels as they were."""
+    import numpy as np
+
+    out = expert_ops.copy()
+    if share <= 1 or "gemm_batch" not in out:
+        return out
+    grows = out["gemm_rows"].fillna("").astype(str).to_numpy()
+    grouped = ((out["op"].astype(str) == "aten._grouped_mm").to_numpy() & np.isin(grows, ("m", "k"))
+               & (out["gemm_batch"].fillna(0).to_numpy(dtype=float) >= share))
+    if not grouped.any():
+        return out
+    for dim, factor in (("batch", 1.0 / share), ("m", float(share)), ("k", float(share))):
+        column = f"gemm_{dim}"
+        values = out[column].fillna(0).to_numpy(dtype=float)
+        at = grouped & ((grows == dim) if dim != "batch" else True)
+        out[column] = np.where(at, values * factor, values)
+    return out
 
 
 def _exchange_columns(expert_ops: Any, kinds: Any) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from pipexplore.timeline.saved import storage_key, tensor_bytes
 
 __all__ = ["AsOnGPU", "OpRecorder", "SavedStorageBytes", "Count", "count_call", "storage_keys", "fresh_inputs",
            "flop_counter", "classify", "is_uncounted", "EXTRA_FORMULAS",
-           "OP_COLUMNS", "GEMM_OPERANDS", "gemm_shape", "to_meta", "meta_copy"]
+           "OP_COLUMNS", "GEMM_OPERANDS", "gemm_shape", "grouped_gemm_shape", "to_meta", "meta_copy"]
 
 aten = torch.ops.aten
 OP_COLUMNS = ["kind", "phase", "op", "dtype", "flops", "fixed_bytes", "row_bytes", "grad", "collective",
@@ -226,9 +226,12 @@ def _meta_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return tree_map(lambda v: torch.empty_like(v, dtype=dtype) if isinstance(v, Tensor) else v, out)
 
 
-def gemm_shape(op: str, args: Any) -> Optional[tuple[int, int, int, int, int, int]]:
+def gemm_shape(op: str, args: Any, out: Any = None) -> Optional[tuple]:
     """A GEMM's ``(batch, M, N, K)`` and the storage keys of ``A`` and ``B`` from its arguments
-    (:data:`GEMM_OPERANDS`); None for another operator or operands of unexpected ranks."""
+    (:data:`GEMM_OPERANDS`); None for another operator or operands of unexpected ranks. A grouped
+    GEMM (``out``: its output) is its groups' GEMMs (:func:`grouped_gemm_shape`)."""
+    if op == "aten._grouped_mm":
+        return grouped_gemm_shape(args, out)
     where = GEMM_OPERANDS.get(op)
     if where is None or len(args) <= max(where):
         return None
@@ -237,6 +240,29 @@ def gemm_shape(op: str, args: Any) -> Optional[tuple[int, int, int, int, int, in
         return None
     batch = int(a.shape[0]) if a.dim() == 3 else 1
     return batch, int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]), storage_key(a), storage_key(b)
+
+
+def grouped_gemm_shape(args: Any, out: Any) -> Optional[tuple]:
+    """A grouped GEMM (``torch._grouped_mm``: a mixture of experts' experts at once) as the batch
+    of its groups' GEMMs, each group's rows an even share of the tokens (balanced routing):
+    ``(groups, M, N, K, key of A, key of B, the dimension that grows with the rows)``. The
+    experts' forward and input gradient (``A`` the tokens ``[T, K]``, ``B`` the groups' weights
+    ``[G, K, N]``) are ``G`` GEMMs of ``T/G × N × K``, growing in ``m``; the weights' gradient
+    (``A`` ``[K, T]``, ``B`` ``[T, N]``, the output ``[G, K, N]``) ``G`` GEMMs of ``K × N × T/G``,
+    growing in ``k``; two 3-D operands are a batched GEMM. None for other ranks."""
+    if len(args) < 2 or not all(isinstance(t, Tensor) for t in args[:2]):
+        return None
+    a, b = args[0], args[1]
+    keys = (storage_key(a), storage_key(b))
+    if a.dim() == 2 and b.dim() == 3 and b.shape[0]:
+        groups = int(b.shape[0])
+        return groups, a.shape[0] / groups, int(b.shape[-1]), int(a.shape[-1]), *keys, "m"
+    if a.dim() == 2 and b.dim() == 2 and isinstance(out, Tensor) and out.dim() == 3 and out.shape[0]:
+        groups = int(out.shape[0])
+        return groups, int(a.shape[0]), int(b.shape[-1]), a.shape[-1] / groups, *keys, "k"
+    if a.dim() == 3 and b.dim() == 3:
+        return int(a.shape[0]), int(a.shape[1]), int(b.shape[-1]), int(a.shape[-1]), *keys, "batch"
+    return None
 
 
 class OpRecorder(TorchDispatchMode):
@@ -300,7 +326,7 @@ class OpRecorder(TorchDispatchMode):
             "reads": reads if kernel else [], "writes": [(storage_key(t), _extent(t)) for t in outs] if kernel else [],
             "segment": self.where() if self.where is not None else None, "keep": outs,
             "collective": collective[0] if collective is not None else "",
-            "gemm": gemm_shape(op, args) if kernel else None,
+            "gemm": gemm_shape(op, args, out) if kernel else None,
         })
         return out
 
@@ -367,7 +393,8 @@ def classify(records: list[dict[str, Any]], fixed: set[int], weight_grads: Itera
     for i, rec in enumerate(records):
         shape = rec.get("gemm")
         rec["gemm_batch"], rec["gemm_m"], rec["gemm_n"], rec["gemm_k"] = shape[:4] if shape else (0, 0, 0, 0)
-        rec["gemm_rows"] = gemm_rows(shape[0], shape[4] in fixed, shape[5] in fixed) if shape else ""
+        rec["gemm_rows"] = (shape[6] if len(shape) > 6 else gemm_rows(shape[0], shape[4] in fixed, shape[5] in fixed)
+                            ) if shape else ""
         read_keys = [k for k, _ in rec["reads"]]
         needs.append({producer[k] for k in read_keys if k in producer})
         from_fixed = bool(read_keys) and all(k in fixed for k in read_keys)
