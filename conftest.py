@@ -18,7 +18,7 @@ LONGEST_FIRST = ("test_jupyterlab.py", "test_cluster_roundtrip.py", "test_forkse
                  "test_distributed_faults.py", "test_distributed.py", "test_trace_processes.py", "test_hf_defaults.py",
                  "test_trace.py", "test_schedule_csv.py", "04_beyond_sequential.ipynb", "test_schedule_orders.py",
                  "07_bring_a_run_back.ipynb", "test_explorer.py", "test_new_schedules.py", "03_schedules.ipynb",
-                 "test_faults.py", "test_explorer_page.py", "test_traced_costs.py", "test_traced_pipes.py",
+                 "test_faults.py", "test_explorer_page.py", "test_profile_candidates.py", "test_traced_pipes.py",
                  "06_plan_a_cluster.ipynb", "02_skip_connections.ipynb",
                  "test_kineto.py", "test_dataflow.py", "05_expert_backends.ipynb", "01_quickstart.ipynb", "test_gpipe.py",
                  "test_cancel.py", "test_optimizer_phase.py", "test_torchgpipe_compat.py", "test_schedule.py",
