@@ -114,6 +114,11 @@ class Plan:
     sequence_parallel: bool = True
     #: FSDP: parameters freed after each forward and gathered again (FSDP2's name).
     reshard_after_forward: bool = False
+    #: A mixture of experts' all-to-alls of one micro-batch hidden behind another's compute where the
+    #: schedule pairs a forward and a backward (``1f1b``/``interleaved``: Megatron-Core's
+    #: ``--overlap-moe-expert-parallel-comm``; ``dualpipev``: its overlapped pairs):
+    #: :mod:`pipexplore.predict.moe_overlap`. Off: every all-to-all exposed.
+    moe_overlap: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -152,7 +157,7 @@ class Plan:
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}: {', '.join(DATA_PARALLEL)} "
                              "(replicated, optimizer state sharded, everything sharded)")
-        for name in ("sequence_parallel", "reshard_after_forward"):
+        for name in ("sequence_parallel", "reshard_after_forward", "moe_overlap"):
             validate.boolean(getattr(self, name), name)
         counted_tp = int(self.layer_table.attrs.get("tp", 1))
         if self.mesh is None:
@@ -347,6 +352,8 @@ class Plan:
             options["replicas"] = self.mesh.size // self.mesh.pp
         if self.batch is not None:
             options["batch"] = self.batch
+        if self.moe_overlap:
+            options["moe_overlap"] = True
         return options
 
     def calibrated(self, measured: pd.DataFrame) -> "Plan":

@@ -41,7 +41,10 @@ backward their gradients; a table without them, two each way of its ``dispatch_b
 ``etp`` gathered over and scattered back across the ``etp`` group too, each costed as the cluster's
 collectives are (:func:`pipexplore.predict.collectives.linear_cost`: ``all_to_all``, NVLink inside
 a node, the node's network across) and exposed (``ep_seconds``, drawn as ``ep all_to_all`` on the
-collectives lane). Routing is balanced unless ``capacity_factor`` makes the rank the busiest of its
+collectives lane; each phase's part of a layer's ``forward_a`` … ``backward_b`` is its ``ep_forward_a``
+… ``ep_backward_b``), unless the plan's ``moe_overlap`` hides them behind another micro-batch's
+compute where the schedule pairs a forward and a backward (:mod:`pipexplore.predict.moe_overlap`:
+drawn hidden and exposed). Routing is balanced unless ``capacity_factor`` makes the rank the busiest of its
 group: its experts' token-bound kernels and its all-to-alls' bytes scale by it.
 
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
@@ -253,6 +256,7 @@ def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], gp
     for i, phase in enumerate(("forward", "backward")):
         out[f"{phase}_a"] = out[f"{phase}_a"].to_numpy(dtype=float) + fixed[i]
         out[f"{phase}_b"] = out[f"{phase}_b"].to_numpy(dtype=float) + per_byte[i]
+        out[f"ep_{phase}_a"], out[f"ep_{phase}_b"] = fixed[i], per_byte[i]  # (what moe_overlap may hide)
         if phase in out:
             out[phase] = out[f"{phase}_a"] + out[f"{phase}_b"] * batch
     return out, (fixed.sum(axis=0) * batch / max(rows, 1.0) + per_byte.sum(axis=0) * batch)
@@ -341,7 +345,8 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     ``collective`` naming it and ``exposed`` whether the step waits for it: the tensor-parallel
     all-reduces sit inside their action, at its end, as Megatron-LM's and torch's run them on the
     critical path; context parallelism's key-value gathers open their action, the experts' token
-    exchange follows them; the step-end
+    exchange follows them (with ``moe_overlap``, a paired action's exposed part there and its hidden
+    part under its partner's compute, not exposed: the timeline's ``attrs['moe_overlap']``); the step-end
     data-parallel collectives open the stage's update; FSDP's gathers are split into the part the
     layer before did not hide (exposed) and the part it did (not exposed). ``table``: the rank's
     (:func:`mesh_layer_table`); seconds a micro-batch scale with its rows."""
@@ -366,6 +371,8 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
+    overlapped = {tuple(r[:3]): (float(r[3]), float(r[4]), tuple(r[5]))
+                  for r in predicted.attrs.get("moe_overlap") or ()}  # paired actions' all-to-alls, what is exposed
     regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
     if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
         step_end = step_end - per_stage("reduce_grad_seconds")
@@ -374,6 +381,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     phase = predicted["phase"].to_numpy()
     start = predicted["start"].to_numpy(dtype=float)
     end = predicted["end"].to_numpy(dtype=float)
+    where = ({(int(stage[i]), str(phase[i]), int(micro[i])): i for i in range(len(predicted))} if overlapped else {})
     out: list[tuple] = []
     for i in range(len(predicted)):
         s, p = int(stage[i]), str(phase[i])
@@ -385,7 +393,17 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
             if context[s] > 0:
                 name = "cp all_gather K,V" if _TP_PHASE[p] == "forward_comm" else "cp reduce_scatter dK,dV"
                 out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
-            if exchange[s] > 0:
+            paired = overlapped.get((s, p, int(micro[i])))
+            if paired is not None:  # exposed inside its action, hidden under its partner's compute
+                begin = start[i] + context[s] * size
+                seconds, shown, partner = paired
+                if shown > 0:
+                    out.append((i, begin, min(end[i], begin + shown), "ep all_to_all", True))
+                j = where.get(partner)
+                if seconds > shown and j is not None:
+                    after = start[j] + context[int(stage[j])] * rows[int(micro[j]) % len(rows)] + overlapped[partner][1]
+                    out.append((j, after, min(end[j], after + seconds - shown), "ep all_to_all", False))
+            elif exchange[s] > 0:
                 begin = start[i] + context[s] * size
                 out.append((i, begin, min(end[i], begin + exchange[s] * size), "ep all_to_all", True))
             if gathers[s] > 0 and (p == "forward" or (p == "backward" and (s, int(micro[i])) in regathered)):

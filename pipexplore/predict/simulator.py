@@ -46,6 +46,7 @@ from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_f
                                       stage_shares, stage_sums)
 from pipexplore.predict.fsdp_actions import placed_fsdp, placement_record
 from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
+from pipexplore.predict.moe_overlap import hide_exchanges
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage,
                                   known_schedule, rank_orders, schedule_version, splits_backward, stage_orders,
@@ -177,7 +178,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
              copy_cost: Optional[float] = None, virtual_stages: int = 2, executor: Optional[str] = None,
              cpu_stages_overlap: bool = False, per_microbatch: bool = False, action_overhead: float = 0.0,
              batch: Optional[int] = None, corrections: Optional[Corrections] = None,
-             run: Union[int, str] = "predicted", gpus_per_node: int = 8, replicas: int = 1) -> pd.DataFrame:
+             run: Union[int, str] = "predicted", gpus_per_node: int = 8, replicas: int = 1,
+             moe_overlap: bool = False) -> pd.DataFrame:
     """Predict the timeline of one training step.
 
     Args:
@@ -221,6 +223,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
         replicas: copies of each stage that run its actions at the same time on the same host
             (a mesh's data-parallel replicas, ranks of this machine): each action asks for that
             many times its share of the host's cores, and each rank of ``processes`` for its own.
+        moe_overlap: the schedule's paired forward and backward of different micro-batches hide
+            each other's experts' all-to-alls (the table's ``ep_*`` columns), as Megatron-Core's 1F1B
+            overlap and DualPipeV run them (:mod:`pipexplore.predict.moe_overlap`); the timeline's
+            ``attrs['moe_overlap']`` records each paired action's all-to-alls and what of them is exposed.
 
     Example::
 
@@ -273,6 +279,10 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     size_index = np.searchsorted(distinct, sizes)
     action_costs = _action_costs(graph, seconds, demand, size_index, edge_copy, setup.handoff, setup.stop,
                                  fresh, split_backward)
+    overlapped: tuple = ()
+    if moe_overlap:
+        action_costs, overlapped = hide_exchanges(graph, action_costs, layer_table, splits,
+                                                  [setup.layer_rows(r) for r in sizes], schedule)
     placement = placed_fsdp(graph, action_costs, layer_table, [0, *splits, len(layer_table)], len(sizes), executor)
     gap = setup.gap
     times = None
@@ -296,6 +306,8 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
     frame.attrs["peak_memory"] = {}
     if placement is not None:
         frame.attrs["fsdp"] = placement_record(graph, placement)
+    if overlapped:
+        frame.attrs["moe_overlap"] = overlapped
     if any(is_planned(d) for d in stage_device):
         frame.attrs["gpus_per_node"] = gpus_per_node  # which planned devices share a node (the page draws it)
     return frame

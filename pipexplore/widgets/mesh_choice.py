@@ -46,7 +46,7 @@ def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
 
 class MeshChoice:
     """The mesh over an explorer's planned devices (``mesh``: None, every device a pipeline rank),
-    its ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``), the
+    its ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``), the
     ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
 
     Raises:
@@ -55,7 +55,7 @@ class MeshChoice:
     """
 
     def __init__(self, spec: Any, placement: Placement, *, data_parallel: str = "ddp",
-                 sequence_parallel: bool = True, reshard_after_forward: bool = False,
+                 sequence_parallel: bool = True, reshard_after_forward: bool = False, moe_overlap: bool = False,
                  tp_plan: Optional[dict[str, str]] = None) -> None:
         self.mesh: Optional[Mesh] = None
         if spec is not None:
@@ -66,7 +66,8 @@ class MeshChoice:
         self.options: dict[str, Any] = {
             "data_parallel": data_parallel,
             "sequence_parallel": validate.boolean(sequence_parallel, "sequence_parallel"),
-            "reshard_after_forward": validate.boolean(reshard_after_forward, "reshard_after_forward")}
+            "reshard_after_forward": validate.boolean(reshard_after_forward, "reshard_after_forward"),
+            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap")}
         self.tp_plan = tp_plan
         self._tables: dict[int, pd.DataFrame] = {}
 
@@ -126,4 +127,4 @@ class MeshChoice:
         """Keep the mesh and options of ``plan`` (a plan :meth:`replanned` made, now the explorer's)."""
         self.mesh = plan.mesh
         self.options.update(data_parallel=plan.data_parallel, sequence_parallel=plan.sequence_parallel,
-                            reshard_after_forward=plan.reshard_after_forward)
+                            reshard_after_forward=plan.reshard_after_forward, moe_overlap=plan.moe_overlap)

@@ -89,6 +89,9 @@ class ExploreOptions:
     sequence_parallel: bool = True
     #: Whether FSDP frees a stage's gathered parameters after its forward.
     reshard_after_forward: bool = False
+    #: Whether a mixture of experts' all-to-alls hide behind another micro-batch's compute where the
+    #: schedule pairs a forward and a backward (1f1b, interleaved, dualpipev: :class:`~pipexplore.plan.Plan`'s).
+    moe_overlap: bool = False
     #: The tensor-parallel plan (module FQN pattern to style); None: the model's own.
     tp_plan: Optional[Mapping[str, str]] = None
 
@@ -122,7 +125,7 @@ class ExploreOptions:
                              f"{self.granularity!r}")
         held("keep_timelines", validate.integer(self.keep_timelines, "keep_timelines", minimum=0))
         held("memory_cap", parse_bytes(self.memory_cap, "memory_cap"))
-        for name in ("mixed_precision", "profile_stages", "sequence_parallel", "reshard_after_forward"):
+        for name in ("mixed_precision", "profile_stages", "sequence_parallel", "reshard_after_forward", "moe_overlap"):
             validate.boolean(getattr(self, name), name)
         if self.mesh is not None and not isinstance(self.mesh, (Mesh, Mapping)):
             raise ValueError(f"mesh is a mapping of tp, pp, dp and cp (ep and etp for experts) to their ranks "
