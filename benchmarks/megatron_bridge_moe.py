@@ -37,8 +37,10 @@ Each row is planned from documented defaults only; nothing is fitted to the tabl
   * ``sequence_parallel``: on where TP > 1 (``WorkloadBaseConfig.sequence_parallel``);
   * the experts' all-to-all: ``moe_a2a_overlap`` True for Qwen3-235B (``overlap_moe_expert_parallel_comm``,
     ``delay_wgrad_compute``: hidden behind another micro-batch's compute), False for the others.
-    The predictor exposes every all-to-all (:mod:`pipexplore.predict.mesh_costs`); each row also
-    prints its all-to-all's share so that what overlap would hide is seen, not assumed;
+    Planned so: ``moe_overlap=True`` for Qwen3-235B only (:mod:`pipexplore.predict.moe_overlap`: in
+    Megatron's 1F1B each backward pairs with the forward after it, and only what a pair's all-to-all
+    takes beyond the other's compute is exposed), every all-to-all exposed in the others; each row
+    also prints the bound with no all-to-all at all;
   * FP8: ``bf16_with_fp8_current_scaling_mixed`` with ``first_last_layers_bf16=False``:
     Transformer Engine runs every transformer layer's linear GEMMs (attention projections,
     experts' grouped GEMMs) in FP8, attention itself and the output layer in bf16. Planned by
@@ -249,7 +251,7 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
                     schedule="interleaved" if row.vp > 1 else "1f1b", virtual_stages=max(2, row.vp),
                     executor="processes", batch=rows, gpus_per_node=8,
                     mesh={"tp": row.tp, "pp": row.pp, "dp": dp, "ep": row.ep}, data_parallel="zero1",
-                    sequence_parallel=row.tp > 1)
+                    sequence_parallel=row.tp > 1, moe_overlap=row.a2a_overlap)
         return breakdown(plan.predicted, devices[0])
 
     out = planned(table)
@@ -272,16 +274,17 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
 
 def breakdown(predicted: Any, device: str) -> dict[str, float]:
     """The predicted step and, on ``device`` (the first GPU: the first pipeline rank), its seconds
-    of compute, of the experts' all-to-all, of the optimizer with its step-end collectives, and
-    the rest of the step (the pipeline's bubble)."""
+    of compute, of the experts' exposed all-to-all, of the optimizer with its step-end collectives,
+    and the rest of the step (the pipeline's bubble)."""
     d = (predicted["end"] - predicted["start"]).to_numpy(dtype=float)
     step = float(predicted["end"].max() - predicted["start"].min())
     on = predicted["device"].astype(str).str.startswith(device + " ").to_numpy() | (
         predicted["device"].astype(str) == device).to_numpy()
     phase = predicted["phase"].astype(str).to_numpy()
     collective = predicted["collective"].fillna("").astype(str).to_numpy()
-    a2a = float(d[on & (collective == "ep all_to_all")].sum())
-    passes = float(d[on & ((phase == "forward") | (phase == "backward"))].sum())  # (their all-to-all inside)
+    exposed = predicted["exposed"].fillna(False).astype(bool).to_numpy() if "exposed" in predicted else True
+    a2a = float(d[on & (collective == "ep all_to_all") & exposed].sum())  # (hidden behind compute: not counted)
+    passes = float(d[on & ((phase == "forward") | (phase == "backward"))].sum())  # (their exposed all-to-all inside)
     step_end = np.char.startswith(collective.astype(str), "dp ")  # ZeRO-1's reduce-scatter and all-gather
     update = float(d[on & ((phase == "optimizer") | step_end)].sum())
     return {"step": step, "compute": passes - a2a, "a2a": a2a, "optimizer": update,
@@ -295,9 +298,9 @@ HEADER = (f"{'model':<16} {'GPUs':>4} {'prec':>4} {'tp':>2} {'pp':>2} {'vp':>2} 
 
 def line(out: dict[str, Any]) -> str:
     """One printed row (``HEADER``'s columns): the predicted step and the first GPU's seconds of
-    it (compute, the experts' all-to-all, the bubble, the optimizer with ZeRO-1's collectives),
-    tokens a second a GPU predicted and published, the error, and the error were every
-    all-to-all hidden behind compute (a bound: the recipe of Qwen3-235B overlaps it)."""
+    it (compute, the experts' exposed all-to-all, the bubble, the optimizer with ZeRO-1's
+    collectives), tokens a second a GPU predicted and published, the error, and the error with no
+    all-to-all at all (a bound)."""
     row = out["row"]
     return (f"{row.model:<16} {row.gpus:>4} {out['precision']:>4} {row.tp:>2} {row.pp:>2} {row.vp:>2} {row.ep:>2} "
             f"{out['dp']:>3} {out['chunks']:>4} {out['step']:>7.2f} {out['compute']:>7.2f} {out['a2a']:>6.2f} "
