@@ -47,12 +47,13 @@ MODELS = {"MixtralConfig": "MixtralForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForC
           "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM"}
 
 
-def plan_of(config, mesh, data_parallel="zero1", devices=16):
+def plan_of(config, mesh, data_parallel="zero1", devices=16, **options):
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = getattr(transformers, MODELS[type(config).__name__])(config)
     return ExplorerState(model, torch.zeros(8, 128, dtype=torch.long, device="meta"), devices=["H100"] * devices,
-                         gpus_per_node=8, chunks=4, schedule="1f1b", mesh=mesh, data_parallel=data_parallel)
+                         gpus_per_node=8, chunks=4, schedule="1f1b", mesh=mesh, data_parallel=data_parallel,
+                         **options)
 
 
 # ---- Megatron-LM -------------------------------------------------------------------------------------
@@ -302,3 +303,19 @@ def test_the_pipeline_only_exports_refuse_expert_parallelism_by_name():
         with pytest.raises(ValueError, match=rf"mesh \(tp 2 · pp 2 · dp 4 · ep 4\) is planned, but the '{kind}' export "
                                              r"writes pipeline ranks only: its tensor, data and expert parallelism"):
             state.export(kind)
+
+
+def test_a_plan_that_overlaps_its_all_to_alls_asks_megatron_core_for_the_overlap_or_is_refused_where_it_would_be():
+    qwen3 = transformers.Qwen3MoeConfig(**QWEN3_MOE)
+    overlapped = plan_of(qwen3, {"tp": 2, "pp": 1, "dp": 8, "ep": 4}, moe_overlap=True)
+    config = megatron_config(overlapped.export("megatron"))  # Megatron-Core's own checks of the overlap pass
+    assert config.overlap_moe_expert_parallel_comm is True and config.bf16 is True
+    assert config.expert_model_parallel_size == 4
+    plain = plan_of(qwen3, {"tp": 2, "pp": 1, "dp": 8, "ep": 4})
+    assert megatron_config(plain.export("megatron")).overlap_moe_expert_parallel_comm is False
+    piped = plan_of(qwen3, {"tp": 2, "pp": 2, "dp": 4, "ep": 4}, moe_overlap=True)
+    with pytest.raises(ValueError, match="interleaved schedule, not '1f1b'"):
+        piped.export("megatron")
+    overlapped.update(checkpoint="always")
+    with pytest.raises(ValueError, match="without full recomputation"):
+        overlapped.export("megatron")

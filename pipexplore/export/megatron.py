@@ -20,8 +20,10 @@ token goes to (the plan's, ``--num-experts``, ``--moe-router-topk``), the mesh's
 dispatcher and grouped GEMMs, an expert's width (``--moe-ffn-hidden-size``), the shared expert
 (Qwen2-MoE's, gated), which decoder layers are MoE (``--moe-layer-freq`` where some are dense), the
 router's normalisation (``--moe-router-pre-softmax`` where the config does not renormalise the
-top-k) and its auxiliary load-balancing loss (``aux_loss``, the config's coefficient). A dense
-plan gains none of them.
+top-k) and its auxiliary load-balancing loss (``aux_loss``, the config's coefficient); a plan that
+hides its all-to-alls behind another micro-batch's compute (``moe_overlap``) asks for Megatron-Core's
+``--overlap-moe-expert-parallel-comm`` (in bf16), or is refused where Megatron-Core would refuse it.
+A dense plan gains none of them.
 
 Example::
 
@@ -126,7 +128,27 @@ def megatron_moe(plan: Any, config: Any) -> list[str]:
     coefficient = getattr(config, "router_aux_loss_coef", None)
     if coefficient is not None:
         lines += ["--moe-router-load-balancing-type aux_loss", f"--moe-aux-loss-coeff {coefficient:g}"]
+    if getattr(plan, "moe_overlap", False):
+        lines += _overlap_flags(plan, mesh)
     return lines
+
+
+def _overlap_flags(plan: Any, mesh: Any) -> list[str]:
+    """``--overlap-moe-expert-parallel-comm`` for a plan that hides its all-to-alls behind another
+    micro-batch's compute (``moe_overlap``), with ``--bf16``: Megatron-Core runs the overlap only with
+    expert parallelism, without full recomputation, in bf16 or fp16, and across pipeline stages only
+    in its interleaved schedule (``TransformerConfig.__post_init__``); a plan it would refuse is
+    refused here by name."""
+    if mesh.ep < 2:
+        raise ValueError("moe_overlap: Megatron-LM overlaps the all-to-alls only with expert parallelism; "
+                         "plan ep ≥ 2 or moe_overlap=False")
+    if plan.checkpoint == "always":
+        raise ValueError("moe_overlap: Megatron-LM overlaps the all-to-alls only without full recomputation; "
+                         "plan checkpoint='never' or 'except_last', or moe_overlap=False")
+    if mesh.pp > 1 and plan.schedule != "interleaved":
+        raise ValueError(f"moe_overlap: across {mesh.pp} pipeline stages Megatron-LM overlaps the all-to-alls only "
+                         f"in its interleaved schedule, not {plan.schedule!r}; plan schedule='interleaved'")
+    return ["--overlap-moe-expert-parallel-comm", "--bf16"]
 
 
 def megatron_arguments(plan: Any, *, config: Any = None, sequence: Optional[int] = None) -> str:
