@@ -49,7 +49,8 @@ def test_a_ring_across_nodes_runs_at_the_nodes_nics_not_one_gpus_share():
     assert ring.bus_bandwidth > 7 * fabric.nic_bandwidth
     for size in (16 * MiB, 64 * MiB, GiB):
         old = ring_seconds("all_reduce", size, 16, *slowest_hop(group))
-        assert 5.0 < old / collective_seconds("all_reduce", size, group) < 9.0
+        # (below 5× at 16 MiB: NCCL's tree runs below its model at medium sizes, treeCorrectionFactor)
+        assert 4.5 < old / collective_seconds("all_reduce", size, group) < 9.0
     # an all-gather across the two nodes alike; a group with one GPU a node has one NIC a node
     assert collective_cost("all_gather", GiB, group).bus_bandwidth > 7 * fabric.nic_bandwidth
     lone = collective_cost("all_reduce", GiB, [group[0], group[8]])

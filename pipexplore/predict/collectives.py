@@ -21,6 +21,10 @@ algorithm and protocol and runs the fastest; this module does the same with its 
     LL128       0.92 · 120/128 · B     128-byte lines with a flag
     Simple      B                      highest: a fence and a flag each step
 
+A tree's (and NVLS Tree's) bandwidth is further scaled by NCCL's own correction for medium sizes
+(``treeCorrectionFactor``: 0.5–0.9 from 64 B to 512 MiB), which its tuner applies because trees
+run below their model there.
+
 ``factor`` is nccl-tests' bus factor (``2(n−1)/n`` for an all-reduce, ``(n−1)/n`` for an
 all-gather or a reduce-scatter, whose ``bytes`` is the whole tensor: the gathered output, the
 scattered input), so that ``bus_bandwidth`` is what nccl-tests prints as ``busbw``. The latency is
@@ -81,6 +85,25 @@ _NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tunin
 # The LL128 protocol's payload (120 of 128 bytes) at 92 % of Simple's rate, and the tree's 92 % (tuning.cc).
 _LL128 = 0.92 * 120 / 128
 _TREE = 0.92
+# "Trees are not perfectly sticking to the model for medium sizes": NCCL's static correction of a tree
+# all-reduce's bandwidth by size, per protocol (LL, LL128, Simple), indexed by log2(bytes / 64), 64 B
+# to 512 MiB; 1 beyond (tuning.cc treeCorrectionFactor, NCCL 2.19–2.29). NCCL applies it to the tree
+# and, on Blackwell, to NVLS Tree; here to both, whose inter-node part is the same tree: on HGX H100
+# nodes the NVLS Tree all-reduce dips so at 16–512 MiB (NVIDIA/nccl-tests#309, benchmarks/nccl_tests.py).
+_TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
+)
+
+
+def _tree_correction(protocol: int, nbytes: float) -> float:
+    """NCCL's correction of a tree's bandwidth at ``nbytes`` (:data:`_TREE_CORRECTION`)."""
+    if nbytes < 64:
+        return 1.0
+    log = int(nbytes) >> 6
+    log = log.bit_length() - 1
+    return _TREE_CORRECTION[protocol][log] if log < len(_TREE_CORRECTION[protocol]) else 1.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +260,8 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         if busbw <= 0 or not math.isfinite(busbw):
             return
         bw = {0: min(0.5 * busbw, ll_cap), 1: _LL128 * busbw, 2: busbw}[protocol]
+        if name in ("tree", "nvls_tree"):
+            bw *= _tree_correction(protocol, nbytes)
         work = nbytes * factor / bw
         options.append((_timed(latency, work, ramp), name, PROTOCOLS[protocol]))
 
