@@ -27,8 +27,14 @@ maintainers' statements (370 GB/s ring, 480 GB/s NVLS; 48–49 GB/s an NDR NIC),
 theirs (24 GB/s of 25 for HDR; 192 GB/s across DGX A100 nodes), the latencies NCCL's own
 (``src/graph/tuning.cc``). Every other point is a check.
 
-Not found published (left out, not invented): per-size tables on 4 and 8 DGX-class nodes, for A100
-or H100, and any H100 figure across nodes. The multi-node points are the 2-node figures at 1 GiB.
+Across nodes: beside the 2-node A100 figures at 1 GiB, H100 all-reduce curves (1 MiB–8 GiB) on 2, 4
+and 8 HGX H100 nodes with eight 400 Gb/s NDR NICs each, as NCCL chooses (NVIDIA/nccl-tests#309: two
+clusters, bare metal and VMs), and all-reduce and all-gather curves (32 MiB–8 GiB) on 2–32 AWS
+p5.48xlarge (eight H100s, 32 EFA interfaces of 100 Gb/s: 400 Gb/s a GPU, as a DGX H100's; the same
+catalogue fabric, as no EFA efficiency is published), where aws-ofi-nccl's tuner plugin, not NCCL's
+own tuner, chose the algorithm. Every one of them is a check; none was read into a default. Not
+found published (left out, not invented): per-size tables on 4 or more DGX-class A100 nodes (eight
+HDR NICs a node), and H100 reduce-scatter curves across nodes.
 
 Run: ``python benchmarks/nccl_tests.py`` (no GPU; a fraction of a second).
 """
@@ -78,6 +84,20 @@ SOURCES = {
                      "{all_reduce,all_gather,reduce_scatter}_ring.out (NCCL_ALGO=RING, -g 8, in-place busbw; "
                      "nccl-tests 2.17.9, NCCL 2.26.2), run 2026-03-05 (the results directory), commit 6698e53. "
                      "https://github.com/togethercomputer/together-nccl-tests/tree/main/benchmarks/H100/results",
+    "hgx-h100-a": "NVIDIA/nccl-tests#309 'Acceptable performance of nccl-test on 2 or 4 HGX hosts?', its "
+                  "description and 2025-05-23 comment (qoofyk): Dell XE9680 HGX, eight H100 SXM5 and eight "
+                  "ConnectX-7 400 Gb/s InfiniBand a node; NCCL 2.26.2, all_reduce_perf -b 8 -e 16g -f 2 -g 1 by "
+                  "mpirun, NCCL's choice, in-place busbw; 2 nodes bare metal, 4 nodes VMs (NCCL_TOPO_FILE). "
+                  "https://github.com/NVIDIA/nccl-tests/issues/309",
+    "hgx-h100-b": "NVIDIA/nccl-tests#309, 2025-06-18 comments (gj-aion): an 8-node H100 cluster on 400 Gb/s "
+                  "InfiniBand (eight NICs a node: '~400 GB/s IB limit'), all_reduce_perf -b 1M -e 8G -f 2 -g 1 "
+                  "by mpirun, default settings (the runs with NCCL_MIN_CTAS=24 left out), in-place busbw; "
+                  "2, 4 and 8 nodes. https://github.com/NVIDIA/nccl-tests/issues/309",
+    "p5-efa": "crazyguitar, aws-gpu-communication-benchmark, data/nccl_all_reduce.csv and nccl_all_gather.csv "
+              "(in busbw), commit a77f70d, 2025-10-14: SageMaker HyperPod ml.p5.48xlarge (eight H100 SXM5, "
+              "32 EFA of 100 Gb/s), NCCL 2.27.7, aws-ofi-nccl 1.16.3 with NCCL_TUNER_PLUGIN=libnccl-ofi-tuner, "
+              "-g 1, -n 1000 (k8s/nccl_all_reduce_perf.yaml); sizes in MiB. "
+              "https://github.com/crazyguitar/aws-gpu-communication-benchmark/tree/main/data",
     "mscclpp-a100": "Microsoft, mscclpp, docs/performance-ndmv4.md, 'NDmv4 Performance', NCCL columns (8 ranks a "
                     "node by mpirun, -g 1, in-place busbw; NCCL 2.17.1), commit 85e664c, 2023-06-05. "
                     "https://github.com/microsoft/mscclpp/blob/85e664c/docs/performance-ndmv4.md",
@@ -92,6 +112,31 @@ _H100_AG_RING = [22.12, 44.14, 88.35, 159.00, 214.29, 239.60, 281.35, 302.39, 32
 _H100_RS_RING = [22.55, 43.09, 85.98, 145.98, 203.85, 247.78, 285.85, 309.12, 327.55, 337.74, 346.93]
 _ALL = frozenset(SIZES)
 GiB = 2 ** 30
+_TO_8G = [MiB * 2 ** k for k in range(14)]  # 1 MiB … 8 GiB
+# NVIDIA/nccl-tests#309, all-reduce in-place busbw (GB/s), 1 MiB … 8 GiB
+_HGX_A = {2: [27.51, 51.32, 83.47, 119.72, 171.16, 235.02, 269.83, 335.88, 394.44, 427.43, 450.37, 461.91, 465.91,
+              468.67],
+          4: [24.71, 30.74, 52.77, 80.30, 125.85, 175.54, 226.37, 256.69, 293.45, 334.28, 358.51, 361.77, 363.79,
+              365.19]}
+_HGX_B = {2: [23.69, 42.05, 70.25, 104.51, 155.19, 233.28, 267.93, 334.99, 390.04, 424.50, 447.04, 458.73, 464.39,
+              466.65],
+          4: [21.78, 25.98, 46.64, 63.31, 113.55, 142.71, 211.26, 249.18, 235.91, 287.54, 318.48, 324.04, 325.86,
+              324.11],
+          8: [17.84, 28.82, 40.52, 51.38, 88.42, 129.98, 186.30, 229.88, 260.58, 301.18, 285.11, 317.87, 321.03,
+              320.57]}
+# crazyguitar/aws-gpu-communication-benchmark, p5.48xlarge, in-place busbw (GB/s): all-reduce 32 MiB … 8 GiB,
+# all-gather 32 MiB … 2 GiB
+_P5_SIZES = [MiB * 2 ** k for k in range(5, 14)]
+_P5_AR = {2: [147.22, 225.95, 300.29, 365.84, 396.78, 436.04, 444.64, 465.55, 477.68],
+          4: [100.19, 152.63, 229.85, 274.12, 278.68, 280.27, 347.56, 354.24, 357.08],
+          8: [89.62, 102.49, 154.33, 234.18, 271.56, 273.66, 279.59, 351.73, 353.65],
+          16: [77.75, 96.10, 128.73, 148.34, 230.42, 267.99, 274.40, 311.65, 353.92],
+          32: [65.95, 82.86, 117.54, 139.49, 160.91, 220.88, 270.66, 299.83, 321.45]}
+_P5_AG = {2: [136.42, 204.07, 237.77, 214.14, 276.79, 325.83, 334.26],
+          4: [84.73, 144.09, 209.10, 254.99, 219.54, 288.79, 331.09],
+          8: [45.82, 87.00, 144.42, 213.96, 262.83, 226.18, 295.21],
+          16: [25.49, 46.62, 87.28, 146.73, 221.40, 261.42, 264.48],
+          32: [12.73, 24.54, 45.88, 87.96, 148.06, 225.44, 263.66]}
 
 PUBLISHED = [
     Published("azure-a100", "A100-80GB", 1, 8, "all_reduce", dict(zip(SIZES, _A100_AR)), gpus_per_process=8,
@@ -115,6 +160,10 @@ PUBLISHED = [
               algorithm="ring"),
     Published("msccl-h100", "H100", 1, 8, "all_reduce", dict(zip(SIZES, _H100_AR_US)), times=True),
     Published("msccl-h100", "H100", 1, 8, "all_gather", dict(zip(SIZES, _H100_AG_US)), times=True),
+    *(Published("hgx-h100-a", "H100", n, 8, "all_reduce", dict(zip(_TO_8G, v))) for n, v in _HGX_A.items()),
+    *(Published("hgx-h100-b", "H100", n, 8, "all_reduce", dict(zip(_TO_8G, v))) for n, v in _HGX_B.items()),
+    *(Published("p5-efa", "H100", n, 8, "all_reduce", dict(zip(_P5_SIZES, v))) for n, v in _P5_AR.items()),
+    *(Published("p5-efa", "H100", n, 8, "all_gather", dict(zip(_P5_SIZES, v))) for n, v in _P5_AG.items()),
 ]
 
 
@@ -154,6 +203,16 @@ def rows() -> list[dict]:
     return out
 
 
+def summary(out: list[dict], key) -> dict[str, dict]:
+    """Median and max |error|, the count within 15 % and the median signed error of the rows grouped by ``key``."""
+    groups: dict[str, list[float]] = {}
+    for r in out:
+        groups.setdefault(key(r), []).append(r["error"])
+    return {name: {"n": len(e), "median": statistics.median(map(abs, e)), "max": max(map(abs, e)),
+                   "within": sum(abs(x) <= 0.15 for x in e), "signed": statistics.median(e)}
+            for name, e in groups.items()}
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes // GiB} GiB" if nbytes >= GiB else f"{nbytes // MiB} MiB"
 
@@ -183,6 +242,12 @@ def main() -> int:
         print(f"{device:>9} {nodes:>3}x{gpus:<1} {len(members):>6} {statistics.median(errors):>14.1%} "
               f"{max(errors):>11.1%} {sum(e <= 0.15 for e in errors):>7}/{len(errors):<3}   "
               f"(checks only: {check_text})")
+    print()
+    print(f"{'by':>9} {'':>16} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'within 15 %':>11}  signed median")
+    for label, key in (("source", lambda r: r["source"]), ("nodes", lambda r: f"{r['device']} x{r['nodes']}")):
+        for name, members in summary(out, key).items():
+            print(f"{label:>9} {name:>16} {members['n']:>6} {members['median']:>14.1%} {members['max']:>11.1%} "
+                  f"{members['within']:>7}/{members['n']:<3}  {members['signed']:>+7.1%}")
     everything = [abs(r["error"]) for r in out]
     print(f"all points: median |error| {statistics.median(everything):.1%}, max {max(everything):.1%}, "
           f"{sum(e <= 0.15 for e in everything)}/{len(everything)} within 15 % (goal)")
