@@ -26,6 +26,7 @@ from pipexplore.devices import device_kind, is_planned, node_of
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.memory import DATA_PARALLEL
 from pipexplore.predict.mesh_costs import collective_rows, mesh_layer_table
+from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped, stage_ranks
@@ -43,7 +44,7 @@ EXECUTORS = ("threads", "autograd", "processes")
 
 #: What :attr:`Plan.rank_table` is made of: a plan changed elsewhere keeps its rank table.
 _RANK_TABLE_FIELDS = {"layer_table", "mesh", "devices", "gpus_per_node", "data_parallel", "sequence_parallel",
-                      "reshard_after_forward"}
+                      "reshard_after_forward", "moe_dispatcher"}
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class Plan:
     #: ``--overlap-moe-expert-parallel-comm``; ``dualpipev``: its overlapped pairs):
     #: :mod:`pipexplore.predict.moe_overlap`. Off: every all-to-all exposed.
     moe_overlap: bool = False
+    #: How a mixture of experts' tokens reach their experts: ``alltoall`` (each routed copy), or
+    #: ``hybridep``/``deepep`` (once a destination node and GPU):
+    #: :data:`pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`.
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -159,6 +164,9 @@ class Plan:
                              "(replicated, optimizer state sharded, everything sharded)")
         for name in ("sequence_parallel", "reshard_after_forward", "moe_overlap"):
             validate.boolean(getattr(self, name), name)
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
+                             "routed copy by an all-to-all; once a destination node and GPU)")
         counted_tp = int(self.layer_table.attrs.get("tp", 1))
         if self.mesh is None:
             if counted_tp != 1:
@@ -334,7 +342,7 @@ class Plan:
             return self.layer_table
         return mesh_layer_table(self.layer_table, self.mesh, self.devices, gpus_per_node=self.gpus_per_node,
                                 data_parallel=self.data_parallel, sequence_parallel=self.sequence_parallel,
-                                reshard_after_forward=self.reshard_after_forward)
+                                reshard_after_forward=self.reshard_after_forward, moe_dispatcher=self.moe_dispatcher)
 
     def simulate_options(self) -> dict[str, Any]:
         """The options :meth:`predict` gives :func:`pipexplore.simulate` for this plan."""

@@ -47,6 +47,10 @@ compute where the schedule pairs a forward and a backward (:mod:`pipexplore.pred
 drawn hidden and exposed). Routing is balanced unless ``capacity_factor`` makes the rank the busiest of its
 group: its experts' token-bound kernels and its all-to-alls' bytes scale by it.
 
+How the tokens travel is the plan's ``moe_dispatcher``: each routed copy by the all-to-all above
+(``alltoall``, the default), or once a destination node and GPU (``hybridep``, ``deepep``), costed as
+:mod:`pipexplore.predict.moe_dispatch` says.
+
 Context parallelism (``cp`` ranks splitting each sequence, its chunks balanced across them as
 Llama 3 and torchtitan balance causal attention) leaves a rank ``1/cp`` of every layer's work that
 grows with the tokens (the fitted per-row seconds, the activations, the tensor-parallel
@@ -80,6 +84,7 @@ import pandas as pd
 
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import collective_seconds, linear_cost
+from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS, dispatch_cost
 
 __all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "COLLECTIVE_LANE"]
 
@@ -94,8 +99,6 @@ BUCKET_BYTES = 25 * 2**20
 #: and backward, is ``ep_seconds``.
 MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds", "reduce_grad_seconds",
                 "ep_seconds"]
-
-
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
     """Seconds of ``kind`` for each layer's ``nbytes`` over the group ``devices``: the collective runs
     in buckets of :data:`BUCKET_BYTES` (the whole, where smaller), each as NCCL runs it; a layer's
@@ -110,7 +113,8 @@ def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: 
 
 def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *, gpus_per_node: int = 8,
                      data_parallel: str = "ddp", sequence_parallel: bool = True, reshard_after_forward: bool = False,
-                     mixed_precision: bool = False, capacity_factor: float = 1.0) -> pd.DataFrame:
+                     mixed_precision: bool = False, capacity_factor: float = 1.0,
+                     moe_dispatcher: str = "alltoall") -> pd.DataFrame:
     """``table`` (one tensor-parallel rank's layers; its ``rank_param_bytes`` where counted so) as the
     pipeline rank of ``mesh`` over ``devices`` (all of the mesh's, rank order) runs them (the module
     docstring): ``optimizer`` (seconds at the step's end) plus the data-parallel collectives and the
@@ -121,12 +125,16 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     ``capacity_factor``: the rank is the busiest of its ``ep`` group, its experts receiving that many
     times their balanced share of the tokens (1, the default: balanced routing, as NVIDIA's published
     benchmarks force it): its experts' kernels that grow with the tokens (the table's
-    ``attrs['expert_shares']`` ``expert_b``) and its all-to-alls' bytes scale so.
+    ``attrs['expert_shares']`` ``expert_b``) and its all-to-alls' bytes scale so. ``moe_dispatcher``:
+    how the routed tokens travel (:data:`~pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`).
     """
     from pipexplore.predict.memory import DATA_PARALLEL
 
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+    if moe_dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"unknown moe_dispatcher {moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each routed copy "
+                         "by an all-to-all; once a destination node and GPU)")
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
             or not 1.0 <= float(capacity_factor) <= mesh.ep:
         raise ValueError(f"capacity_factor is how many times its balanced share of the routed tokens the busiest "
@@ -166,7 +174,8 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     if mesh.cp > 1:
         out, context = _context_parallel(out, mesh, devices, gpus_per_node)
     if "dispatch_bytes" in out and mesh.size > 1:
-        out, moved = _expert_exchange(out, mesh, devices, gpus_per_node, float(capacity_factor), shares)
+        out, moved = _expert_exchange(out, mesh, devices, gpus_per_node, float(capacity_factor), shares,
+                                      moe_dispatcher, table.attrs.get("experts"))
     dp_group = [devices[r] for r in range(mesh.size)
                 if mesh.coordinates(r)["tp"] == 0 and mesh.coordinates(r)["pp"] == 0]
     edp_group = [devices[r] for r in mesh.group("edp", 0)]
@@ -218,15 +227,17 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
 
 
 def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], gpus_per_node: int,
-                     capacity_factor: float = 1.0, shares: Optional[dict] = None) -> tuple[pd.DataFrame, np.ndarray]:
+                     capacity_factor: float = 1.0, shares: Optional[dict] = None, dispatcher: str = "alltoall",
+                     experts: Optional[dict] = None) -> tuple[pd.DataFrame, np.ndarray]:
     """``table`` with each layer's routed tokens exchanged as ``mesh`` folds its experts (the module
     docstring): the all-to-alls over the ``ep`` group that torch ran counting the layer (forward the
     split counts, the dispatch and the combine; backward the combine's and the dispatch's gradients:
     ``shares``, the table's ``attrs['expert_shares']``: ``exchange_bytes`` and ``exchange_calls``), else two each
     way of ``dispatch_bytes``; with ``etp`` the ``etp`` group's gather and scatter of them; exposed,
     a micro-batch's fixed part once an all-to-all, the rest by the row; the busiest rank's at
-    ``capacity_factor`` times the tokens. Returns it and each layer's seconds of them for the whole
-    batch."""
+    ``capacity_factor`` times the tokens; by ``dispatcher`` (``experts``: the table's ``attrs['experts']``,
+    :func:`~pipexplore.predict.moe_dispatch.dispatch_cost`). Returns it and each layer's seconds of them
+    for the whole batch."""
     out = table.copy()
     n = len(out)
     batch = float(table.attrs.get("batch") or 1)
@@ -244,7 +255,8 @@ def _expert_exchange(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], gp
     point = float((moved / np.maximum(calls, 1.0)).max()) * rows if moved.size else 0.0  # one all-to-all's tensor
     fixed, per_byte = np.zeros((2, n)), np.zeros((2, n))
     if mesh.ep > 1 and point > 0:
-        latency, rate = linear_cost("all_to_all", point, [devices[r] for r in mesh.group("ep", 0)], gpus_per_node)
+        latency, rate = dispatch_cost(point, [devices[r] for r in mesh.group("ep", 0)], gpus_per_node, dispatcher,
+                                      experts)
         fixed, per_byte = fixed + latency * calls, per_byte + rate * moved
     if mesh.etp > 1 and point > 0:
         group = [devices[r] for r in mesh.group("etp", 0)]

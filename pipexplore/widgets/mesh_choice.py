@@ -21,6 +21,7 @@ from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import Placement
 from pipexplore.plan import Plan
 from pipexplore.predict.memory import DATA_PARALLEL
+from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
 from pipexplore.schedules import is_multi_stage
 from pipexplore.widgets import layer_table as layers
 
@@ -46,28 +47,30 @@ def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
 
 class MeshChoice:
     """The mesh over an explorer's planned devices (``mesh``: None, every device a pipeline rank),
-    its ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``), the
-    ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
+    its ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``,
+    ``moe_dispatcher``), the ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
 
     Raises:
         ValueError: context or expert parallelism on devices here, a mesh that does not fill the devices,
-            an unknown ``data_parallel``, options that are not booleans.
+            an unknown ``data_parallel`` or ``moe_dispatcher``, options that are not booleans.
     """
 
     def __init__(self, spec: Any, placement: Placement, *, data_parallel: str = "ddp",
                  sequence_parallel: bool = True, reshard_after_forward: bool = False, moe_overlap: bool = False,
-                 tp_plan: Optional[dict[str, str]] = None) -> None:
+                 moe_dispatcher: str = "alltoall", tp_plan: Optional[dict[str, str]] = None) -> None:
         self.mesh: Optional[Mesh] = None
         if spec is not None:
             self.mesh = Mesh.of(spec, len(placement.devices))
             _refused_here(self.mesh, placement.planned)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+        if moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"unknown moe_dispatcher {moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)}")
         self.options: dict[str, Any] = {
             "data_parallel": data_parallel,
             "sequence_parallel": validate.boolean(sequence_parallel, "sequence_parallel"),
             "reshard_after_forward": validate.boolean(reshard_after_forward, "reshard_after_forward"),
-            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap")}
+            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap"), "moe_dispatcher": moe_dispatcher}
         self.tp_plan = tp_plan
         self._tables: dict[int, pd.DataFrame] = {}
 
@@ -127,4 +130,5 @@ class MeshChoice:
         """Keep the mesh and options of ``plan`` (a plan :meth:`replanned` made, now the explorer's)."""
         self.mesh = plan.mesh
         self.options.update(data_parallel=plan.data_parallel, sequence_parallel=plan.sequence_parallel,
-                            reshard_after_forward=plan.reshard_after_forward, moe_overlap=plan.moe_overlap)
+                            reshard_after_forward=plan.reshard_after_forward, moe_overlap=plan.moe_overlap,
+                            moe_dispatcher=plan.moe_dispatcher)

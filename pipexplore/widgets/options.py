@@ -26,6 +26,7 @@ from pipexplore.devices.mesh import Mesh
 from pipexplore.models.trace.candidates import GRANULARITIES
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
 from pipexplore.predict.memory import DATA_PARALLEL
+from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
 from pipexplore.training import LossFn, OptimizerFactory
 from pipexplore.widgets.header import parse_bytes
 
@@ -92,6 +93,9 @@ class ExploreOptions:
     #: Whether a mixture of experts' all-to-alls hide behind another micro-batch's compute where the
     #: schedule pairs a forward and a backward (1f1b, interleaved, dualpipev: :class:`~pipexplore.plan.Plan`'s).
     moe_overlap: bool = False
+    #: How a mixture of experts' tokens reach their experts (:data:`pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`):
+    #: ``alltoall`` each routed copy, ``hybridep``/``deepep`` once a destination node and GPU.
+    moe_dispatcher: str = "alltoall"
     #: The tensor-parallel plan (module FQN pattern to style); None: the model's own.
     tp_plan: Optional[Mapping[str, str]] = None
 
@@ -134,6 +138,9 @@ class ExploreOptions:
             held("mesh", dict(self.mesh))
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
+                             "routed copy by an all-to-all; once a destination node and GPU)")
         if self.tp_plan is not None:
             if not isinstance(self.tp_plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                                 for k, v in self.tp_plan.items()):

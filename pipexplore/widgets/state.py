@@ -168,6 +168,7 @@ class ExplorerState:
         self.meshes = MeshChoice(given.mesh, self.placement, data_parallel=given.data_parallel,
                                  sequence_parallel=given.sequence_parallel,
                                  reshard_after_forward=given.reshard_after_forward, moe_overlap=given.moe_overlap,
+                                 moe_dispatcher=given.moe_dispatcher,
                                  tp_plan=dict(given.tp_plan) if given.tp_plan is not None else None)
         # 3. The schedule, its micro-batches and the executor.
         schedule = given.schedule
@@ -226,8 +227,8 @@ class ExplorerState:
 
     def set_mesh(self, mesh: Any, **options: Any) -> Plan:
         """Plan the mesh ``mesh`` (``{"tp": 4, "pp": 8, "dp": 2}`` over the plan's devices) with
-        ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``): its rank's
-        layers counted for its ``tp``, its ``pp`` stages balanced by time
+        ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``,
+        ``moe_dispatcher``): its rank's layers counted for its ``tp``, its ``pp`` stages balanced by time
         (:meth:`~pipexplore.widgets.mesh_choice.MeshChoice.replanned`).
 
         Raises:
