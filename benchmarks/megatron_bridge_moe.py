@@ -28,8 +28,13 @@ Each row is planned from documented defaults only; nothing is fitted to the tabl
     predictor has no overlap of them), AdamW with fp32 master weights and states
     (``main_params_dtype``/``exp_avg_dtype`` float32: ``mixed_precision=True``);
   * recomputation: none for Qwen3 (``set_qwen3_common_configs``: ``recompute_granularity=None``);
-    GPT-OSS ``recompute_modules=["layernorm", "moe_act"]`` (selective: the norms and the experts'
-    activation again in backward, a few percent of a layer; planned as none, ``checkpoint="never"``);
+    GPT-OSS ``recompute_modules=["layernorm", "moe_act"]`` (``GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1``;
+    ``scripts/performance/utils/overrides.py`` makes it ``recompute_granularity="selective"``): the
+    layer's two RMSNorms and its experts' activation run again in its backward. The explorer's
+    checkpoint modes recompute whole stages, so the plan keeps ``checkpoint="never"`` and each decoder
+    layer's backward gains those modules' forward, counted by torch and costed by the same roofline
+    as the layer's own (:func:`recomputed_seconds`, :func:`with_recompute`: 0.86 ms a layer a
+    micro-batch on the H100, 0.35 of it the norms);
   * pipeline: GPT-OSS 36 layers over 4 stages, 9 each (``account_for_embedding_in_pipeline_split``
     False), 1F1B; Qwen3-235B 94 layers over 8 ranks × 4 virtual stages with the embedding and the
     loss counted as a layer each (``account_for_*_in_pipeline_split`` True: 96 = 32 × 3), Megatron's
@@ -41,6 +46,13 @@ Each row is planned from documented defaults only; nothing is fitted to the tabl
     Megatron's 1F1B each backward pairs with the forward after it, and only what a pair's all-to-all
     takes beyond the other's compute is exposed), every all-to-all exposed in the others; each row
     also prints the bound with no all-to-all at all;
+  * the dispatcher: Qwen3-30B's ``moe_token_dispatcher_type="flex"`` with
+    ``moe_flex_dispatcher_backend="hybridep"`` (``QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1``;
+    ``qwen3_30b_a3b_pretrain_config_h100`` sets the type), planned with ``moe_dispatcher="hybridep"``
+    (:mod:`pipexplore.predict.moe_dispatch`: a token crosses to the other node once if any of its
+    8 experts is there, 1 − C(64, 8)/C(128, 8) = 0.997 copies, not 4; NVLink once to each GPU holding
+    any, 5.77 copies, not 3.5); ``alltoall`` for Qwen3-235B (``qwen3_235b_a22b_pretrain_config_h100``)
+    and GPT-OSS (``gpt_oss_120b_pretrain_config``; its H100 preset names no flex backend);
   * FP8: ``bf16_with_fp8_current_scaling_mixed`` with ``first_last_layers_bf16=False``:
     Transformer Engine runs every transformer layer's linear GEMMs (attention projections,
     experts' grouped GEMMs) in FP8, attention itself and the output layer in bf16. Planned by
@@ -98,13 +110,16 @@ class Row:
     published: float
     checkpoint: str
     a2a_overlap: bool
+    dispatcher: str = "alltoall"
+    recompute: tuple[str, ...] = ()
 
 
 #: The table (26.04.01 container, DGX-H100) and the recipes' settings (the module docstring).
 TABLE = [
-    Row("gpt-oss", "GPT-OSS 120B", 64, "bf16", 1280, 1, 1, 4, 1, 8, 5824, "never", False),
-    Row("qwen3-30b", "Qwen3-30B-A3B", 16, "fp8", 1024, 1, 1, 1, 1, 16, 8960, "never", False),
-    Row("qwen3-235b", "Qwen3-235B-A22B", 256, "fp8", 8192, 1, 2, 8, 4, 32, 1712, "never", True),
+    Row("gpt-oss", "GPT-OSS 120B", 64, "bf16", 1280, 1, 1, 4, 1, 8, 5824, "never", False, "alltoall",
+        ("layernorm", "moe_act")),
+    Row("qwen3-30b", "Qwen3-30B-A3B", 16, "fp8", 1024, 1, 1, 1, 1, 16, 8960, "never", False, "hybridep"),
+    Row("qwen3-235b", "Qwen3-235B-A22B", 256, "fp8", 8192, 1, 2, 8, 4, 32, 1712, "never", True, "alltoall"),
 ]
 
 
@@ -214,6 +229,72 @@ def fp8_gemms() -> Iterator[None]:
         profile.count_layers = counting  # type: ignore[assignment]
 
 
+class _Activation(torch.nn.Module):
+    """A routed experts' module's activation (GPT-OSS's ``_apply_gate``: the clamped SwiGLU between
+    its two grouped GEMMs) as a module of its own, to count."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate = experts._apply_gate
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.gate(gate_up)
+
+
+def recomputed_ops(model: torch.nn.Module, modules: tuple[str, ...], tokens: int) -> Any:
+    """The kernels of the forward of a decoder layer's ``modules`` that Megatron-Core's selective
+    recomputation (``recompute_granularity="selective"``, ``recompute_modules``) runs again in its
+    backward, for a micro-batch of ``tokens`` tokens a GPU, as an ops frame of one row: ``layernorm``
+    the layer's two norms (the input and the post-attention RMSNorm), ``moe_act`` the routed
+    experts' activation on the ``top_k`` copies of the tokens the GPU's experts receive (balanced:
+    as many as it sends). Counted by torch as the layer's own forward is
+    (:func:`pipexplore.models.opcount.count_call` on meta)."""
+    import pandas as pd
+
+    from pipexplore.models.opcount import OP_COLUMNS, count_call
+
+    unknown = sorted(set(modules) - {"layernorm", "moe_act"})
+    if unknown:
+        raise ValueError(f"recompute_modules {unknown} are not counted here (layernorm, moe_act are)")
+    layer = model.model.layers[0]
+    experts = layer.mlp.experts
+    hidden = experts.hidden_size
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    if "layernorm" in modules:
+        x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        calls += [(layer.input_layernorm, x), (layer.post_attention_layernorm, x)]
+    if "moe_act" in modules:
+        top_k = model.config.num_experts_per_tok
+        gate_up = torch.empty(tokens * top_k, 2 * experts.intermediate_size, dtype=torch.bfloat16, device="meta",
+                              requires_grad=True)
+        calls.append((_Activation(experts), gate_up))
+    records = [r for module, x in calls for r in count_call(module, (x,), {}).records if r["phase"] == "forward"]
+    ops = pd.DataFrame([{"kind": "recompute", **{c: r[c] for c in OP_COLUMNS[1:]}, "outside": False}
+                        for r in records], columns=[*OP_COLUMNS, "outside"])
+    ops.attrs["rows"] = 1
+    return ops
+
+
+def recomputed_seconds(model: torch.nn.Module, modules: tuple[str, ...], tokens: int) -> float:
+    """Seconds of :func:`recomputed_ops` on the catalogue's H100, by the roofline that costs the
+    layer's own forward (:func:`pipexplore.predict.roofline.op_seconds`)."""
+    from pipexplore.predict.roofline import op_seconds
+
+    ops = recomputed_ops(model, modules, tokens)
+    return float(op_seconds(ops, DEVICE, 1).sum()) if len(ops) else 0.0
+
+
+def with_recompute(table: Any, seconds: float) -> Any:
+    """``table`` with each decoder layer's backward ``seconds`` longer a row (its ``backward_b``, and
+    ``backward`` for the whole batch): what selective recomputation adds."""
+    out = table.copy()
+    out.attrs = dict(table.attrs)
+    layer = out["name"].astype(str).str.match(r"model\.layers\.\d+$").to_numpy()
+    out.loc[layer, "backward_b"] = out.loc[layer, "backward_b"] + seconds
+    out.loc[layer, "backward"] = out.loc[layer, "backward"] + seconds * float(table.attrs.get("batch") or 1)
+    return out
+
+
 def stage_splits(names: list[str], chunks: int, embedding_and_loss_as_layers: bool) -> list[int]:
     """Where each of ``chunks`` pipeline chunks starts (the first excepted) in a table of ``names``:
     Megatron's even split of the decoder layers, the embedding with the first chunk and the output
@@ -243,6 +324,9 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
     with fp8_gemms() if in_fp8 else contextlib.nullcontext():
         table = profile_model(model, sample, devices=devices, gpus_per_node=8, chunks=chunks, tp=row.tp,
                               optimizer=torch.optim.AdamW, mixed_precision=True)
+    recomputed = recomputed_seconds(model, row.recompute, row.micro * SEQUENCE // row.tp) if row.recompute else 0.0
+    if recomputed:
+        table = with_recompute(table, recomputed / row.micro)
     stages = row.pp * row.vp
     splits = stage_splits(list(table["name"]), stages, row.key == "qwen3-235b") if stages > 1 else []
 
@@ -251,7 +335,7 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
                     schedule="interleaved" if row.vp > 1 else "1f1b", virtual_stages=max(2, row.vp),
                     executor="processes", batch=rows, gpus_per_node=8,
                     mesh={"tp": row.tp, "pp": row.pp, "dp": dp, "ep": row.ep}, data_parallel="zero1",
-                    sequence_parallel=row.tp > 1, moe_overlap=row.a2a_overlap)
+                    sequence_parallel=row.tp > 1, moe_overlap=row.a2a_overlap, moe_dispatcher=row.dispatcher)
         return breakdown(plan.predicted, devices[0])
 
     out = planned(table)
@@ -266,7 +350,7 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
     bound = planned(hidden)
     tokens = row.batch * SEQUENCE / out["step"] / row.gpus
     hidden_tokens = row.batch * SEQUENCE / bound["step"] / row.gpus
-    return {"row": row, "dp": dp, "chunks": chunks, **out, "predicted": tokens, "error": tokens / row.published - 1,
+    return {"row": row, "dp": dp, "chunks": chunks, "recomputed": recomputed * chunks, **out, "predicted": tokens, "error": tokens / row.published - 1,
             "hidden_step": bound["step"], "hidden_predicted": hidden_tokens,
             "hidden_error": hidden_tokens / row.published - 1, "precision": "fp8" if in_fp8 else "bf16",
             "seconds": time.perf_counter() - started}

@@ -68,3 +68,33 @@ def test_a_sliding_window_is_counted_as_its_tiles(bridge):
         return counter.get_total_flops()
 
     assert flops(128) == pytest.approx(flops(None) * 2 * 128 / 1024)  # 2w keys a query, against all of them
+
+
+def test_gpt_oss_recomputes_its_norms_and_experts_activation_in_backward(bridge):
+    """``recompute_modules=["layernorm", "moe_act"]``: a GPT-OSS layer's two RMSNorms (each, a
+    token: its bf16 row cast to fp32 (3 × 2h bytes), squared (4), its mean read (2), scaled (4), by
+    the weight (4), cast back (3): 20 × 2h, and 24 bytes of its per-token scale) and the experts'
+    activation on 4 copies of each token (clamp, clamp, ×α, sigmoid, ×, +1, ×: 16 × 2I bytes a copy)
+    run again in its backward; the row's plan adds them to each decoder layer's backward."""
+    model = bridge.gpt_oss_120b()
+    tokens, h, i = 256, 2880, 2880
+    norms = bridge.recomputed_ops(model, ("layernorm",), tokens)
+    act = bridge.recomputed_ops(model, ("moe_act",), tokens)
+    assert (norms["row_bytes"].sum(), norms["fixed_bytes"].sum()) == (2 * tokens * (20 * 2 * h + 24), 2 * 2 * h)
+    assert act["row_bytes"].sum() == 16 * tokens * 4 * 2 * i and (act["flops"] == 0).all()
+    both = bridge.recomputed_seconds(model, ("layernorm", "moe_act"), tokens)
+    apart = bridge.recomputed_seconds(model, ("layernorm",), tokens) + bridge.recomputed_seconds(model, ("moe_act",),
+                                                                                              tokens)
+    assert 0.9 * apart < both <= apart  # (issued back to back, the host's launches overlap the kernels before)
+    bytes_ = norms["row_bytes"].sum() + norms["fixed_bytes"].sum() + act["row_bytes"].sum()
+    assert both > bytes_ / 3.35e12  # no faster than the H100's HBM3 reads and writes them
+    with pytest.raises(ValueError, match="core_attn"):
+        bridge.recomputed_seconds(model, ("core_attn",), tokens)
+    table = pd.DataFrame({"name": ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"],
+                          "backward_b": [1.0, 2.0, 3.0, 4.0], "backward": [8.0, 16.0, 24.0, 32.0]})
+    table.attrs["batch"] = 8
+    added = bridge.with_recompute(table, 0.5)
+    assert list(added["backward_b"]) == [1.0, 2.5, 3.5, 4.0] and list(added["backward"]) == [8.0, 20.0, 28.0, 32.0]
+    rows = {r.key: r for r in bridge.TABLE}
+    assert rows["gpt-oss"].recompute == ("layernorm", "moe_act") and not rows["qwen3-30b"].recompute
+    assert [rows[k].dispatcher for k in ("gpt-oss", "qwen3-30b", "qwen3-235b")] == ["alltoall", "hybridep", "alltoall"]
