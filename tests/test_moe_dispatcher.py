@@ -64,16 +64,20 @@ def test_the_expectation_holds_against_routing_drawn_at_random():
     assert (top >= 64).sum(dim=1).float().mean().item() == pytest.approx(dispatch_copies(128, 8, 16, 2)[0], rel=0.01)
 
 
-@pytest.fixture(scope="module")
-def table():
-    """Two Qwen3-MoE layers (128 experts, top-8, hidden 256) counted for 16 H100s, 4 rows of 512 tokens."""
+def _qwen3_moe():
+    """Two Qwen3-MoE layers (128 experts, top-8, hidden 256) on meta, in bf16."""
     config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=64, num_experts=128, num_experts_per_tok=8, vocab_size=1000)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    return profile_model(model, torch.zeros(4, TOKENS, dtype=torch.long, device="meta"),
+        return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def table():
+    """Two Qwen3-MoE layers (128 experts, top-8, hidden 256) counted for 16 H100s, 4 rows of 512 tokens."""
+    return profile_model(_qwen3_moe(), torch.zeros(4, TOKENS, dtype=torch.long, device="meta"),
                          devices=[f"H100:{i}" for i in range(16)], gpus_per_node=8, chunks=2)
 
 
@@ -132,13 +136,7 @@ def test_the_option_is_checked_where_it_enters(table):
 
 
 def test_explore_carries_the_dispatcher_to_its_plan_and_its_mesh_changes():
-    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=64, num_experts=128, num_experts_per_tok=8, vocab_size=1000)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    ex = pipexplore.explore(model, torch.zeros(16, TOKENS, dtype=torch.long, device="meta"), devices=["H100"] * 16,
+    ex = pipexplore.explore(_qwen3_moe(), torch.zeros(16, TOKENS, dtype=torch.long, device="meta"), devices=["H100"] * 16,
                             chunks=2, schedule="1f1b", mesh={"pp": 2, "dp": 8, "ep": 8}, moe_dispatcher="hybridep")
     assert ex.plan.moe_dispatcher == "hybridep"
     ex.set_mesh({"pp": 1, "dp": 16, "ep": 16})
