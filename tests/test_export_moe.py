@@ -319,3 +319,11 @@ def test_a_plan_that_overlaps_its_all_to_alls_asks_megatron_core_for_the_overlap
     overlapped.update(checkpoint="always")
     with pytest.raises(ValueError, match="without full recomputation"):
         overlapped.export("megatron")
+
+
+def test_a_plan_that_sends_a_token_once_a_node_asks_for_megatron_cores_flex_dispatcher_with_its_backend():
+    qwen3 = transformers.Qwen3MoeConfig(**QWEN3_MOE)
+    for backend in ("hybridep", "deepep"):
+        config = megatron_config(plan_of(qwen3, {"tp": 2, "pp": 2, "dp": 4, "ep": 8}, moe_dispatcher=backend)
+                                 .export("megatron"))
+        assert config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == backend

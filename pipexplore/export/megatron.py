@@ -16,8 +16,8 @@ arguments, so they must say what it is).
 
 A mixture of experts adds Megatron-Core's MoE arguments: the routed experts and the experts a
 token goes to (the plan's, ``--num-experts``, ``--moe-router-topk``), the mesh's expert degrees
-(``--expert-model-parallel-size`` ep, ``--expert-tensor-parallel-size`` etp), the all-to-all
-dispatcher and grouped GEMMs, an expert's width (``--moe-ffn-hidden-size``), the shared expert
+(``--expert-model-parallel-size`` ep, ``--expert-tensor-parallel-size`` etp), the plan's dispatcher
+(all-to-all, or the flex dispatcher with its HybridEP or DeepEP backend) and grouped GEMMs, an expert's width (``--moe-ffn-hidden-size``), the shared expert
 (Qwen2-MoE's, gated), which decoder layers are MoE (``--moe-layer-freq`` where some are dense), the
 router's normalisation (``--moe-router-pre-softmax`` where the config does not renormalise the
 top-k) and its auxiliary load-balancing loss (``aux_loss``, the config's coefficient); a plan that
@@ -114,7 +114,7 @@ def megatron_moe(plan: Any, config: Any) -> list[str]:
     mesh = plan.mesh_or_pipeline
     lines = [f"--num-experts {experts['count']}", f"--moe-router-topk {experts['top_k']}",
              f"--expert-model-parallel-size {mesh.ep}", f"--expert-tensor-parallel-size {mesh.etp}",
-             "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm",
+             *_dispatcher_flags(getattr(plan, "moe_dispatcher", "alltoall")), "--moe-grouped-gemm",
              f"--moe-ffn-hidden-size {getattr(config, 'moe_intermediate_size', None) or config.intermediate_size}"]
     shared = getattr(config, "shared_expert_intermediate_size", None)
     if shared:  # Qwen2-MoE's shared expert, scaled by a sigmoid gate
@@ -131,6 +131,15 @@ def megatron_moe(plan: Any, config: Any) -> list[str]:
     if getattr(plan, "moe_overlap", False):
         lines += _overlap_flags(plan, mesh)
     return lines
+
+
+def _dispatcher_flags(dispatcher: str) -> list[str]:
+    """How the plan's tokens reach their experts, as Megatron-Core names it: its all-to-all
+    dispatcher, or the flex dispatcher with the plan's backend (``hybridep``, ``deepep``: a token
+    sent once a destination node, then over NVLink)."""
+    if dispatcher == "alltoall":
+        return ["--moe-token-dispatcher-type alltoall"]
+    return ["--moe-token-dispatcher-type flex", f"--moe-flex-dispatcher-backend {dispatcher}"]
 
 
 def _overlap_flags(plan: Any, mesh: Any) -> list[str]:
