@@ -88,7 +88,7 @@ def test_the_stage_view_stacks_a_gpus_memory_by_kind(explorer):
             assert f"title='{label} {format_bytes(first[column])}'" in page
 
 
-def test_a_drag_is_re_timed_on_the_page_with_the_ranks_costs_or_left_to_the_kernel_under_fsdp(explorer):
+def test_a_drag_is_re_timed_on_the_page_with_the_ranks_costs_under_ddp_and_fsdp(explorer):
     from pipexplore.predict.retime import retime_key, retime_model
 
     state, panel = explorer.state, explorer.view.timelines
@@ -109,4 +109,8 @@ def test_a_drag_is_re_timed_on_the_page_with_the_ranks_costs_or_left_to_the_kern
     assert panel.timelines._retime_key == key  # a moved split keeps the shape: the page re-times it itself
     controls.w_data_parallel.value = "fsdp"
     panel.send_retime()
-    assert panel.timelines._retime_key == ""  # FSDP's gathers are placed by torch's lowering, in the kernel
+    # FSDP too: the page gets torch's lowering of each worker and the per-layer gathers once a shape
+    fsdp = state.plan
+    fsdp_key = retime_key(fsdp.rank_table, fsdp.splits, fsdp.simulate_options())
+    assert panel.timelines._retime_key == fsdp_key != key and figure.retime["key"] == fsdp_key
+    assert figure.retime["fsdp"] is not None

@@ -15,7 +15,7 @@ from pipexplore.predict.search import SEARCH_COLUMNS, layer_bytes, search
 from pipexplore.predict.simulator import SCHEDULES as SIMULATED
 from pipexplore.predict.simulator import prepare_step
 from pipexplore.predict.split_search import StageMemory, capped_splits, held_shares, least_over, stage_bytes
-from pipexplore.predict.sweep import SWEEP_COLUMNS, balanced_splits
+from pipexplore.predict.sweep import SWEEP_COLUMNS, plan_balanced_splits
 from pipexplore.widgets.state import ExplorerState
 
 
@@ -126,7 +126,7 @@ def _gpu_plan(n=16):
 def test_a_memory_cap_moves_the_split_and_what_does_not_fit_gives_way():
     plan = _gpu_plan()
     free = search(plan, stages=[4], chunks=[4], schedules=["1f1b"], checkpoint=["never"])
-    assert free["fits"].all() and free["splits"].iloc[0] == balanced_splits(plan, 4)
+    assert free["fits"].all() and free["splits"].iloc[0] == plan_balanced_splits(plan, 4)
     # a cap the balanced split's first stage (4 micro-batches in flight) exceeds, a smaller first stage does not
     cap = free["peak_bytes"].iloc[0] * 0.85
     capped = search(plan, memory_cap=cap, stages=[4], chunks=[4], schedules=["1f1b"], checkpoint=["never"])

@@ -20,6 +20,7 @@ from pipexplore.timeline import step_time
 from pipexplore.executors.base import StepJob
 from pipexplore.plan import Plan
 from pipexplore.schedules import is_csv, splits_backward
+from pipexplore.skip.skippable import Skippable
 from pipexplore.training import OptimizerFactory, Training
 
 __all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES",
@@ -274,7 +275,8 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
     if not isinstance(model, nn.Sequential):
         return None
     if (plan.executor != "threads" or plan.planned or not on_host or plan.num_devices < 2 or is_csv(plan.schedule)
-            or len(model) != len(table) or "share_forward" not in table or not plan.step_batch):
+            or len(model) != len(table) or "share_forward" not in table or not plan.step_batch
+            or any(isinstance(m, Skippable) for m in model.modules())):  # (copies of a stash would clash)
         return None
     rows = microbatch_rows(int(plan.step_batch), plan.chunks)[0]
     kinds = list(zip(table["type"], table["param_bytes"])) if "type" in table else [(0, 0)] * len(table)

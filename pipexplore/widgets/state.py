@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -381,7 +382,12 @@ class ExplorerState:
         try:
             plan = with_probed_costs(plan, self._probed)
             if self._profiled_here:  # (a table the user gave is costed as given)
-                shared = co_run_shares(plan, self.model, self.sample)
+                try:
+                    shared = co_run_shares(plan, self.model, self.sample)
+                except Exception as error:  # a refinement of the first prediction: never a reason to stop
+                    warnings.warn(f"the co-run probe did not run ({type(error).__name__}: {error}); the first "
+                                  "prediction uses the profile's shares of the host", RuntimeWarning, stacklevel=2)
+                    shared = None
                 if shared is not None:
                     self.layer_table = shared
                     plan = plan.with_options(layer_table=shared)
@@ -466,7 +472,7 @@ class ExplorerState:
             # (what runs on other kinds of device taught stays: it is not about this machine's profile)
             self.change_plan(lambda _: replace(plan, layer_table=table,
                                                corrections=Corrections(kinds=plan.corrections.kinds)))
-        return table
+        return self.layer_table  # (the executor's probes may have scaled its shares: the table the plan reads)
 
     def all_notes(self) -> list[str]:
         """The notes, with what to say about the profile's threads against the plan's."""
