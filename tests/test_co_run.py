@@ -102,3 +102,18 @@ def test_the_explorer_probes_the_table_it_profiled_and_leaves_a_given_one_as_giv
     given = _table(model, sample, share=0.3)
     ex2 = pipexplore.explore(model, sample, devices=["cpu", "cpu"], chunks=4, layer_table=given)
     assert "co_run_factor" not in ex2.layer_table.attrs and (ex2.layer_table["share_forward"] == 0.3).all()
+
+
+def test_a_model_with_skip_connections_is_not_probed_and_explores_as_before(monkeypatch):
+    """Copies of a layer that stashes would stash under one name: the probe leaves such models to the profile."""
+    from pipexplore.examples import unet
+
+    torch.manual_seed(0)
+    model, sample = unet(width=16, depth=2, features=8), torch.randn(16, 8)
+    table = pipexplore.profile(model, sample, microbatch_rows=[4, 16], repeats=1)
+    plan = Plan(table, splits=(3,), devices=("cpu", "cpu"), chunks=4, batch=16)
+    jobs = _steps_as_if_shares_were(2.0, monkeypatch)
+    assert probe.co_run_shares(plan, model, sample) is None and jobs == []
+    monkeypatch.undo()
+    ex = pipexplore.explore(model, sample, devices=["cpu", "cpu"], chunks=4)
+    assert "co_run_factor" not in ex.layer_table.attrs and ex.run()["finite"]
