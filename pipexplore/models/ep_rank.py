@@ -92,7 +92,7 @@ def expert_splits(rows: int, ranks: int, capacity_factor: float = 1.0) -> tuple[
 @contextlib.contextmanager
 def fake_meshes(tp: int = 1, ep: int = 1) -> Iterator[tuple[Any, Any]]:
     """A ``tp`` mesh and an ``ep`` mesh over one fake process group (torch's ``fake`` backend, as
-    :func:`pipexplore.models.sharded.fake_group`) of ``lcm(tp, ep)`` ranks, this process its rank 0:
+    :func:`pipexplore.models.sharded.fake_process_group`) of ``lcm(tp, ep)`` ranks, this process its rank 0:
     ranks numbered as :class:`~pipexplore.devices.mesh.Mesh` numbers them (``tp`` groups and ``ep``
     groups both of neighbouring ranks, the experts folded over the attention's GPUs); each None at 1.
     The group is destroyed on leaving.
@@ -100,24 +100,18 @@ def fake_meshes(tp: int = 1, ep: int = 1) -> Iterator[tuple[Any, Any]]:
     Raises:
         RuntimeError: a process group is already initialised in this process.
     """
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipexplore.models.sharded import fake_process_group
 
     for name, value in (("tp", tp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")
-    if dist.is_initialized():
-        raise RuntimeError("counting an expert-parallel rank needs a process group of its own, and one is already "
-                           "initialised in this process: plan in a process that has none")
     world = math.lcm(tp, ep, 2)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
+    with fake_process_group(world, "an expert-parallel rank"):
         meshes = [init_device_mesh("cpu", (world // n, n), mesh_dim_names=("rest", name))[name] if n > 1 else None
                   for name, n in (("tp", tp), ("ep", ep))]
         yield meshes[0], meshes[1]
-    finally:
-        dist.destroy_process_group()
 
 
 class _Exchanges(TorchDispatchMode):

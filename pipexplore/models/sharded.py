@@ -56,7 +56,7 @@ from torch import nn
 from pipexplore.models.opcount import meta_copy
 
 __all__ = ["STYLES", "HEAD_COUNTS", "HEAD_WIDTHS", "tensor_parallel_plan", "style_of", "check_plan", "check_heads",
-           "fake_group", "shard", "rank_param_bytes", "key_value_bytes"]
+           "fake_process_group", "fake_group", "shard", "rank_param_bytes", "key_value_bytes"]
 
 #: The plan's styles this counts, by the name Hugging Face's plans give them, with the torch style
 #: applied: ``colwise`` ``ColwiseParallel()``, ``colwise_gather`` ``ColwiseParallel(output_layouts=Replicate())``,
@@ -212,25 +212,37 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
 
 
 @contextlib.contextmanager
-def fake_group(tp: int) -> Iterator[Any]:
-    """A ``DeviceMesh`` of ``tp`` ranks on a fake process group, this process its rank 0 (torch's
-    ``fake`` backend: collectives run nothing); the group is destroyed on leaving.
+def fake_process_group(world: int, counting: str) -> Iterator[None]:
+    """Torch's ``fake`` process group of ``world`` ranks (collectives run nothing), this process its
+    rank 0, for counting ``counting`` (said in the error); destroyed on leaving.
 
     Raises:
         RuntimeError: a process group is already initialised in this process (the count needs its own).
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("counting a tensor-parallel rank needs a process group of its own, and one is already "
+        raise RuntimeError(f"counting {counting} needs a process group of its own, and one is already "
                            "initialised in this process: plan in a process that has none")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_group(tp: int) -> Iterator[Any]:
+    """A ``DeviceMesh`` of ``tp`` ranks on a fake process group (:func:`fake_process_group`).
+
+    Raises:
+        RuntimeError: a process group is already initialised in this process (the count needs its own).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(tp, "a tensor-parallel rank"):
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
 
 
 def _torch_style(style: str) -> Any:
