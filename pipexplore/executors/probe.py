@@ -5,6 +5,7 @@ import copy
 import math
 import time
 import warnings
+from collections import Counter
 from typing import Any, Optional, cast
 
 import numpy as np
@@ -280,7 +281,8 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
         return None
     rows = microbatch_rows(int(plan.step_batch), plan.chunks)[0]
     kinds = list(zip(table["type"], table["param_bytes"])) if "type" in table else [(0, 0)] * len(table)
-    index = max(range(len(kinds)), key=lambda i: (kinds.count(kinds[i]), -i))
+    counts = Counter(kinds)
+    index = max(range(len(kinds)), key=lambda i: (counts[kinds[i]], -i))  # the commonest kind's first layer
     devices, stages, chunks = _probe_shape(plan)
     per_stage = max(1, round(len(table) / plan.num_stages))  # as many a stage as the plan's stages hold
     seconds = float(layer_seconds(table, rows, "forward")[index] + layer_seconds(table, rows, "backward")[index])

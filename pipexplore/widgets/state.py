@@ -189,7 +189,6 @@ class ExplorerState:
         self.sample = dict(sample) if self.traced and isinstance(sample, Mapping) else sample
         # 4. The layer table: profiled as the plan will run (the input/weight-gradient split is
         # measured when a plan that splits backwards first needs it).
-        self._profiled_here = given.layer_table is None  # (the co-run probe scales only a table profiled here)
         self.layer_table = (given.layer_table if given.layer_table is not None
                             else self._profile(chunks, splits_backward(schedule)))
         # 5. What the page says of all this.
@@ -381,7 +380,7 @@ class ExplorerState:
                      "processes (once; the first run then finds them started)", busy=True)
         try:
             plan = with_probed_costs(plan, self._probed)
-            if self._profiled_here:  # (a table the user gave is costed as given)
+            if self.options.layer_table is None:  # (a table the user gave is costed as given)
                 try:
                     shared = co_run_shares(plan, self.model, self.sample)
                 except Exception as error:  # a refinement of the first prediction: never a reason to stop
