@@ -58,8 +58,66 @@ Each row is planned from documented defaults only; nothing is fitted to the tabl
     experts' grouped GEMMs) in FP8, attention itself and the output layer in bf16. Planned by
     giving those GEMMs the ``float8`` dtype, whose peak the catalogue's H100 holds (1,979 TFLOP/s
     dense, its datasheet's), before they are costed (:func:`fp8_gemms`); their operands' bytes stay
-    as counted, and TE's quantising kernels (a cast and amax over each GEMM's inputs) are not
-    counted. ``--bf16`` plans every row in bf16 instead.
+    as counted (bf16). The router's GEMM is no Transformer Engine module (Megatron-Core's, at
+    Megatron-LM 2d1fa8d3, ``moe_utils.RouterGatingLinearFunction``: ``te_general_gemm`` in the
+    router's dtype, the input's where ``moe_router_dtype`` is unset, as Qwen3's bridge leaves it):
+    it stays bf16.
+    ``--bf16`` plans every row in bf16 instead.
+  * FP8 current scaling's quantisation (:func:`fp8_quantise_ops`, added to each decoder layer's
+    kernels by :func:`with_quantisation` and costed as the package costs every memory-bound kernel:
+    ``device_fixed`` a launch beside its bytes at the H100's 3.35 TB/s × 0.90, the host's 4.5 µs
+    launch where the device outpaces it). What Transformer Engine does, from its docs
+    (``docs/features/low_precision_training/fp8_current_scaling/fp8_current_scaling.rst``: a
+    quantisation "requires reading the tensor twice", once for its amax and once to scale and
+    cast; "on Ada and Hopper, the backward pass requires a transposed FP8 tensor";
+    ``performance_considerations/performance_considerations.rst``: the forward GEMM takes input and
+    weight rowwise, the weight gradient's takes output gradient and input columnwise, the input
+    gradient's the output gradient rowwise and the weight columnwise, and on Hopper a columnwise
+    FP8 tensor is a physical transpose, made with the rowwise one in one kernel where it can) and
+    its code as the recipes pin it (Megatron-Bridge 17a381f9's ``pyproject.toml``: TransformerEngine
+    ``release_v2.15``, tag v2.15, 42b84005; its ``3rdparty/Megatron-LM`` submodule: Megatron-LM 2d1fa8d3):
+    ``Float8CurrentScalingQuantizer::quantize_impl`` (``pytorch/csrc/quantizer.cpp``) launches
+    ``zero_amax_kernel``, ``amax_kernel`` (``common/recipe/current_scaling.cu``),
+    ``compute_scale_from_amax_kernel`` and the cast — four kernels, 2 bytes an element read for
+    the amax, then 2 read and 1 written a layout (cast-transpose: both, 4); ``rmsnorm_fwd``
+    (``csrc/extensions/normalization.cpp``, ``FUSED_NORM_AMAX_FP8``) has the norm write its bf16
+    output and its amax, then ``quantize_with_amax`` (two kernels: the scale, the cast);
+    ``GroupedLinear``'s ``split_quantize`` quantises each expert's tokens by its own quantiser,
+    one at a time (``cast.cpp``'s ``multi_tensor_quantize_impl``: the fused multi-tensor
+    cast-transpose is delayed scaling's only). So, a layer a micro-batch of ``T`` tokens
+    (``linear_qkv`` a ``TELayerNormColumnParallelLinear``, ``linear_proj`` a ``TERowParallelLinear``,
+    the experts' ``linear_fc1``/``linear_fc2`` ``TEGroupedLinear``s; ``E/ep`` experts a GPU on ``T·k``
+    token copies):
+
+    - forward: ``linear_qkv``'s input, cast-transposed after the norm's amax (4 bytes an element,
+      2 kernels); ``linear_proj``'s, amax and a rowwise cast (5, 4: Megatron-Core's ``attention.py``
+      sets ``save_original_input`` on it for every FP8 recipe but delayed scaling, so the forward
+      makes no columnwise copy); ``linear_fc1``'s and ``linear_fc2``'s, amax and cast-transpose
+      (6, 4 an expert);
+    - backward: each output gradient, amax and cast-transpose (6, 4; 4 an expert for the experts',
+      ``base.py``'s ``grad_output_preprocess``), and ``linear_proj``'s input again, columnwise (5, 4);
+    - with sequence parallelism (Qwen3-235B's TP 2): ``linear_qkv``'s input and ``linear_proj``'s
+      output gradient are quantised rowwise on the rank's ``T/tp`` rows after an all-reduce of their
+      amax over the TP group (``layernorm_linear.py``/``linear.py`` set ``with_amax_reduction`` where
+      sequence parallel gathers; a 4-byte all-reduce costed by the NCCL model), all-gathered in FP8,
+      and transposed after it (2 bytes an element of the whole ``T``, one kernel: ``distributed.py``'s
+      ``_all_gather_fp8``; the doc: "the rowwise tensor is gathered first, then transposed").
+
+    On the H100 that adds, a layer a micro-batch, Qwen3-30B 671 + 965 MB and 70 + 76 launches
+    (0.84 ms, device-bound), Qwen3-235B 663 + 1,011 MB and 39 + 47 (0.74 ms). Not counted: the
+    weights' quantisation, once a step, not a micro-batch (Megatron-Core's TE modules pass
+    ``is_first_microbatch``, and Bridge's ``bf16_with_fp8_current_scaling_mixed`` keeps the weights
+    FP8 with ``fp8_param_gather=True``: the optimizer casts them; Qwen3-30B's transposes of them
+    move about 5.4 GB a step, ~2 ms of 26 s); the GEMMs reading 1-byte operands; the FP8 halving
+    of sequence parallelism's gathers.
+  * The router and the token permutation are counted as ``transformers`` runs them (eager: the
+    gate, softmax, top-k and renormalisation; a sort, gathers and an index-add around the grouped
+    GEMMs), more bytes than Megatron-Core's fused kernels (``moe_router_fusion``,
+    ``moe_permute_fusion`` True) move. Not counted: the load-balancing loss's few kernels on the
+    ``T × E`` scores (Qwen3's bridge: ``moe_router_load_balancing_type="aux_loss"``, coefficient
+    1e-3) and the forced balancing's random logits (``RandomSTE``), and HybridEP's preprocessing
+    (its all-gather of the routing map and the host's wait on it before each dispatch: a
+    synchronisation the kernel model has no term for).
 - **Attention**: Megatron runs Transformer Engine's fused (flash) attention. Qwen3's
   ``scaled_dot_product_attention`` is counted so already (the causal half of the square). GPT-OSS
   (attention sinks, so no SDPA in ``transformers``) gets :func:`fused_sink_attention`: the same
@@ -192,13 +250,19 @@ def qwen3_moe(key: str) -> torch.nn.Module:
 _GEMMS = ("aten.mm", "aten.addmm", "aten._grouped_mm")
 
 
-def _as_fp8(ops: Any) -> Any:
+def _as_fp8(ops: Any, experts: Optional[int] = None) -> Any:
     """``ops`` with the decoder layers' linear GEMMs in ``float8`` (attention, the embedding and
-    the output layer as counted)."""
+    the output layer as counted). ``experts``: the layer's routed experts; a plain GEMM with a
+    dimension of that many is the router's (its logits, one an expert), which Megatron-Core runs
+    outside Transformer Engine's modules (``router_gating_linear``, the input's dtype): kept bf16."""
     if ops is None or not len(ops):
         return ops
     layer = ops["kind"].astype(str).str.contains("DecoderLayer")
     gemm = ops["op"].astype(str).isin(_GEMMS) & (ops["flops"].fillna(0) > 0)
+    if experts and "gemm_m" in ops:
+        dims = ops[["gemm_m", "gemm_n", "gemm_k"]].fillna(0).to_numpy(dtype=float)
+        router = (dims == float(experts)).any(axis=1) & ops["op"].astype(str).isin(("aten.mm", "aten.addmm")).to_numpy()
+        gemm = gemm & ~router
     attrs = dict(ops.attrs)
     out = ops.copy()
     out.loc[layer & gemm, "dtype"] = "float8"
@@ -206,20 +270,125 @@ def _as_fp8(ops: Any) -> Any:
     return out
 
 
+#: Bytes an element of a bf16 tensor moves in Transformer Engine's FP8 current-scaling
+#: quantisation on Hopper (the module docstring): its amax (a read of 2 bytes), a cast to one FP8
+#: layout (2 read, 1 written), a cast-transpose to both layouts (2 read, 1 + 1 written), a transpose
+#: of FP8 data already cast (1 read, 1 written).
+AMAX, CAST, CAST_TRANSPOSE, TRANSPOSE = 2.0, 3.0, 4.0, 2.0
+#: Kernels of one quantisation: ``Float8CurrentScalingQuantizer::quantize`` launches ``zero_amax_kernel``,
+#: ``amax_kernel``, ``compute_scale_from_amax_kernel`` and the cast; ``quantize_with_amax`` (after a
+#: norm that computed the amax) the last two.
+QUANTIZE, WITH_AMAX = 4, 2
+
+
+def fp8_quantise_ops(config: Any, tokens: int, tp: int = 1, ep: int = 1) -> Any:
+    """The kernels Transformer Engine's FP8 current scaling adds to one decoder layer of a
+    mixture of experts (Megatron-Core's: ``linear_qkv`` a ``TELayerNormColumnParallelLinear``,
+    ``linear_proj`` a ``TERowParallelLinear``, the experts' ``linear_fc1``/``linear_fc2``
+    ``TEGroupedLinear``s) on a micro-batch of ``tokens`` tokens, a GPU of ``tp`` tensor-parallel
+    (sequence parallel where > 1) and ``ep`` expert-parallel ranks, as an ops frame (the layer kind
+    left empty, ``kernels`` the launches a row stands for): each GEMM input and output gradient
+    quantised once (the module docstring), ``elements × bytes an element`` of them
+    (:data:`AMAX` …, :data:`QUANTIZE` …). ``config``: the model's (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``num_experts`` (or
+    ``num_local_experts``), ``num_experts_per_tok``, ``moe_intermediate_size`` (or
+    ``intermediate_size``)). The weights are quantised once a step, not here."""
+    import pandas as pd
+
+    from pipexplore.models.opcount import OP_COLUMNS
+
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    top_k = config.num_experts_per_tok
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    if experts % ep or (heads * d) % tp or ((heads + 2 * kv) * d) % tp or tokens % tp:
+        raise ValueError(f"tp={tp}, ep={ep} do not split the layer's heads, tokens or {experts} experts evenly")
+    local = tokens // tp  # (sequence parallel: a tensor-parallel rank's share of the tokens)
+    routed = local * top_k  # token copies the GPU's experts receive: as many as it sends (balanced routing)
+    groups = experts // ep  # its experts, each group of tokens quantised by its own quantiser
+    rows: list[dict[str, Any]] = []
+
+    def add(phase: str, what: str, elements: float, per_element: float, kernels: int, grad: str = "") -> None:
+        rows.append({"phase": phase, "op": f"te.{what}", "dtype": "bfloat16", "flops": 0.0, "fixed_bytes": 0.0,
+                     "row_bytes": float(elements) * per_element, "grad": grad, "collective": "", "kernels": kernels})
+
+    def amax_all_reduce(phase: str, grad: str = "") -> None:  # (the ranks' amaxes reduced: one fp32 each)
+        rows.append({"phase": phase, "op": "te.amax all_reduce", "dtype": "float32", "flops": 0.0, "fixed_bytes": 4.0,
+                     "row_bytes": 0.0, "grad": grad, "collective": "all_reduce", "kernels": 1})
+
+    # forward: linear_qkv's input (its RMSNorm computed the amax), linear_proj's (rowwise only:
+    # save_original_input), the experts' fc1 and fc2 inputs (one quantiser an expert)
+    if tp == 1:
+        add("forward", "cast_transpose linear_qkv input", tokens * h, CAST_TRANSPOSE, WITH_AMAX)
+    else:  # rowwise only, all-gathered in FP8 after the ranks' amaxes are reduced
+        amax_all_reduce("forward")
+        add("forward", "cast linear_qkv input", local * h, CAST, WITH_AMAX)
+    add("forward", "amax+cast linear_proj input", tokens * heads * d // tp, AMAX + CAST, QUANTIZE)
+    add("forward", "amax+cast_transpose linear_fc1 input", routed * h, AMAX + CAST_TRANSPOSE, QUANTIZE * groups)
+    add("forward", "amax+cast_transpose linear_fc2 input", routed * inter, AMAX + CAST_TRANSPOSE, QUANTIZE * groups)
+    # backward: the output gradients (both layouts: dgrad and wgrad), linear_proj's input again
+    # (columnwise, for its wgrad), and where sequence parallel gathers, the transposes after it
+    add("backward", "amax+cast_transpose linear_fc2 grad output", routed * h, AMAX + CAST_TRANSPOSE,
+        QUANTIZE * groups, "input")
+    add("backward", "amax+cast_transpose linear_fc1 grad output", routed * 2 * inter, AMAX + CAST_TRANSPOSE,
+        QUANTIZE * groups, "input")
+    if tp == 1:
+        add("backward", "amax+cast_transpose linear_proj grad output", tokens * h, AMAX + CAST_TRANSPOSE, QUANTIZE,
+            "input")
+    else:  # rowwise, all-gathered, transposed
+        amax_all_reduce("backward", "input")
+        add("backward", "amax+cast linear_proj grad output", local * h, AMAX + CAST, QUANTIZE, "input")
+        add("backward", "transpose linear_proj grad output", tokens * h, TRANSPOSE, 1, "input")
+    add("backward", "amax+cast linear_proj input", tokens * heads * d // tp, AMAX + CAST, QUANTIZE, "weight")
+    add("backward", "amax+cast_transpose linear_qkv grad output", tokens * (heads + 2 * kv) * d // tp,
+        AMAX + CAST_TRANSPOSE, QUANTIZE, "input")
+    if tp > 1:
+        add("backward", "transpose linear_qkv input", tokens * h, TRANSPOSE, 1, "weight")
+    out = pd.DataFrame([{"kind": "", "gemm_batch": 0, "gemm_m": 0.0, "gemm_n": 0, "gemm_k": 0.0, "gemm_rows": "",
+                         "outside": False, **r} for r in rows], columns=[*OP_COLUMNS, "outside", "kernels"])
+    return out
+
+
+def with_quantisation(ops: Any, quantise: Any) -> Any:
+    """``ops`` with the rows of ``quantise`` (:func:`fp8_quantise_ops`, counted at the same
+    rows) after each decoder-layer kind's own in each phase, costed as its kernels are
+    (:func:`pipexplore.predict.roofline.op_seconds`: ``kernels`` launches, each ``device_fixed``
+    beside the rows' bytes at the memory's bandwidth)."""
+    import pandas as pd
+
+    attrs = dict(ops.attrs)
+    kinds = [k for k in dict.fromkeys(ops["kind"].astype(str)) if "DecoderLayer" in k]
+    base = ops.assign(kernels=ops["kernels"] if "kernels" in ops else float("nan"))
+    out = pd.concat([base, *(quantise.assign(kind=kind) for kind in kinds)], ignore_index=True)
+    out["outside"] = out["outside"].astype(bool)
+    out.attrs = attrs
+    return out
+
+
 @contextlib.contextmanager
-def fp8_gemms() -> Iterator[None]:
+def fp8_gemms(ep: int = 1, quantise: bool = True) -> Iterator[None]:
     """While inside, a planned layer table's count gives the transformer layers' linear GEMMs the
-    ``float8`` dtype before they are costed (the catalogue's float8 peak), as Megatron-Bridge's
-    FP8 recipes run them (the module docstring). The count itself is :func:`~pipexplore.models.meta.count_layers`'."""
+    ``float8`` dtype before they are costed (the catalogue's float8 peak), the router's excepted,
+    as Megatron-Bridge's FP8 recipes run them (the module docstring), and, with ``quantise``, adds
+    to each decoder layer the kernels Transformer Engine quantises their inputs and output
+    gradients with (:func:`fp8_quantise_ops` at the count's tokens, its ``tp`` and ``ep``). The
+    count itself is :func:`~pipexplore.models.meta.count_layers`'."""
     from pipexplore.models import profile
 
     counting = profile.count_layers
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         table = counting(*args, **kwargs)
+        experts = (table.attrs.get("experts") or {}).get("count")
         for name in ("ops", "expert_ops"):
             if name in table.attrs:
-                table.attrs[name] = _as_fp8(table.attrs[name])
+                table.attrs[name] = _as_fp8(table.attrs[name], experts)
+        if quantise:
+            model, sample = args[0], args[1]
+            ops = table.attrs["ops"]
+            tokens = int(ops.attrs["rows"]) * int(sample.shape[-1])
+            table.attrs["ops"] = with_quantisation(ops, fp8_quantise_ops(model.config, tokens,
+                                                                         int(kwargs.get("tp", 1)), ep))
         return table
 
     profile.count_layers = counted  # type: ignore[assignment]
@@ -321,7 +490,7 @@ def predict(row: Row, fp8: bool = True) -> dict[str, Any]:
     sample = torch.zeros(rows, SEQUENCE, dtype=torch.long, device="meta")
     devices = [f"{DEVICE}:{i}" for i in range(row.gpus)]
     in_fp8 = fp8 and row.precision == "fp8"
-    with fp8_gemms() if in_fp8 else contextlib.nullcontext():
+    with fp8_gemms(row.ep) if in_fp8 else contextlib.nullcontext():
         table = profile_model(model, sample, devices=devices, gpus_per_node=8, chunks=chunks, tp=row.tp,
                               optimizer=torch.optim.AdamW, mixed_precision=True)
     recomputed = recomputed_seconds(model, row.recompute, row.micro * SEQUENCE // row.tp) if row.recompute else 0.0
