@@ -85,7 +85,7 @@ def unbalanced(device: str) -> tuple[nn.Sequential, torch.Tensor]:
 
 MODELS = {"fixed": fixed, "mlp": mlp, "conv": conv, "transformer": transformer, "unbalanced": unbalanced}
 
-# (model, schedule, chunks, stages, executor); interleaved: 4 stages on 2 devices.
+# (model, schedule, chunks, stages, executor); the multi-stage schedules: two stages a device (4 on 2).
 CONFIGS = [
     ("fixed", "gpipe", 4, 2, "threads"), ("fixed", "1f1b", 8, 3, "threads"),
     ("fixed", "zero-bubble", 4, 2, "threads"), ("fixed", "gpipe", 4, 2, "autograd"),
@@ -116,6 +116,17 @@ def _other_schedule(schedule: str) -> str:
     return {"gpipe": "1f1b", "1f1b": "gpipe"}.get(schedule, "1f1b")
 
 
+def _moved_split(splits: list[int], layers: int) -> list[int]:
+    """``splits`` with one split point moved by a layer: the first that can move, later if it can,
+    else earlier (every stage keeps a layer)."""
+    bounds = [0, *splits, layers]
+    for k in range(len(splits)):
+        for moved in (splits[k] + 1, splits[k] - 1):
+            if bounds[k] < moved < bounds[k + 2]:
+                return [*splits[:k], moved, *splits[k + 1:]]
+    return list(splits)  # every stage holds one layer: nothing moves
+
+
 def run_config(model_name: str, schedule: str, chunks: int, stages: int, executor: str,
                device: str) -> tuple[list[float], list[str], tuple[float, float]]:
     """The errors of each column, notes, and how moving the split changed the step: ``(predicted,
@@ -143,8 +154,7 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
     layers = len(ex.layer_table)
     order = (math.nan, math.nan)
     if splits:
-        moved = splits[0] + 1 if splits[0] + 1 < (splits[1] if len(splits) > 1 else layers) else splits[0] - 1
-        ex.splits = [moved, *splits[1:]]
+        ex.splits = _moved_split(splits, layers)
         measure("split")
         # The split moved (runs 3 and 4 share the chunks): did the step move as predicted?
         order = (predicted[3] / predicted[2] - 1, measured[3] / measured[2] - 1)

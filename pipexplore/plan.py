@@ -32,7 +32,7 @@ from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped, stage_ranks
 from pipexplore.splits import SplitError, splits_to_balance
 
-__all__ = ["Plan", "SkipRoute", "skip_routes"]
+__all__ = ["Plan", "SkipRoute", "skip_routes", "VIRTUAL_STAGES"]
 
 CHECKPOINTS = ("always", "except_last", "never")
 #: Schedules a plan can name: the simulated ones, and stages served as expert backends.
@@ -85,6 +85,11 @@ def skip_routes(layer_table: pd.DataFrame, splits: Sequence[int]) -> list[SkipRo
     return sorted(routes, key=lambda r: (r.stash_layer, r.pop_layer))
 
 
+#: Stages a device holds under the multi-stage schedules (interleaved, looped-bfs,
+#: interleaved-zero-bubble, zbv, dualpipev) unless a plan says otherwise: ZB-V's and DualPipeV's V.
+VIRTUAL_STAGES = 2
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to run a model as a pipeline. Validated on construction; change it with ``with_*``."""
@@ -95,7 +100,7 @@ class Plan:
     chunks: int = 1
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
-    virtual_stages: int = 2
+    virtual_stages: int = VIRTUAL_STAGES
     executor: str = "threads"
     #: Seconds added to every compute action's span (a what-if knob; 0 by default).
     action_overhead: float = 0.0

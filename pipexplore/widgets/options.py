@@ -49,9 +49,10 @@ class ExploreOptions:
     loss_fn: Optional[LossFn] = None
     #: ``optimizer(parameters)`` (None: SGD, lr 0.01).
     optimizer: Optional[OptimizerFactory] = None
-    #: The devices, one a stage: this machine's (``"cpu"``, ``"cuda:1"``), or from the catalogue
-    #: (``["H100"] * 16``: planned, never run here); a list or a comma-separated string. None: two
-    #: or every GPU here.
+    #: The devices, one a pipeline rank: this machine's (``"cpu"``, ``"cuda:1"``), or from the
+    #: catalogue (``["H100"] * 16``: planned, never run here); a list or a comma-separated string.
+    #: None: two or every GPU here. Each runs a stage, or two under a multi-stage schedule
+    #: (:data:`~pipexplore.plan.VIRTUAL_STAGES`: ``interleaved``, ``zbv``, …) unless ``splits`` say.
     devices: Optional[Sequence[Any]] = None
     #: Micro-batches a step (None: 4, or fewer for a smaller batch; a CSV schedule's own).
     chunks: Optional[int] = None

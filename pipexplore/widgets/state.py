@@ -42,7 +42,7 @@ from pipexplore.models.hf import cache_note
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.profile import ProfileOptions, on_meta, profile_model, with_backward_split
 from pipexplore.models.trace import profile_candidates
-from pipexplore.plan import EXECUTORS, Plan
+from pipexplore.plan import EXECUTORS, VIRTUAL_STAGES, Plan
 from pipexplore.predict.costs import Corrections
 from pipexplore.schedules import CsvSchedule, csv_schedule, is_csv, is_multi_stage, splits_backward
 from pipexplore.skip.skippable import verify_skippables
@@ -269,13 +269,16 @@ class ExplorerState:
     def _first_splits(self, splits: Optional[Sequence[int]], file: Optional[CsvSchedule], executor: str,
                       schedule: str = "gpipe") -> list[int]:
         """The splits given (checked against the table), else the stages of the devices (or of the
-        CSV file) balanced by time."""
+        CSV file) balanced by time: a stage a device, or :data:`~pipexplore.plan.VIRTUAL_STAGES` a
+        device under a multi-stage schedule (as torch's multi-stage schedules place them: every
+        device given runs stages)."""
         count = len(self.layer_table)
         if splits is not None:
             return list(validate.splits(splits, count))
-        stages = min(count, file.stages if file else len(self.placement.devices))
-        if self.mesh is not None:  # its pipeline ranks, each a stage (or the schedule's stages a rank)
-            stages = min(count, self.mesh.pp * (2 if is_multi_stage(schedule) else 1))
+        per_rank = VIRTUAL_STAGES if is_multi_stage(schedule) else 1
+        stages = min(count, file.stages if file else len(self.placement.devices) * per_rank)
+        if self.mesh is not None:  # its pipeline ranks
+            stages = min(count, self.mesh.pp * per_rank)
         return layers.balanced_splits(self.layer_table, stages, "time", executor)
 
     @property
