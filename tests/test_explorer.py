@@ -173,6 +173,21 @@ def test_interleaved_runs_on_half_the_devices(explorer):
     assert row["devices"] == "cpu,cpu" and set(explorer.timeline("measured")["stage"]) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv", "dualpipev"])
+def test_a_multi_stage_schedule_puts_two_stages_on_every_device_given(schedule):
+    """As torch's multi-stage schedules place them: two devices run four stages, none idle (the
+    first plan had put two stages on the first device and left the second unused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(8)])
+    ex = explore(model, torch.randn(8, 16), devices=["cpu", "cpu"], chunks=4, schedule=schedule)
+    assert (ex.plan.num_stages, ex.plan.num_devices) == (4, 2)
+    assert len(set(ex.plan.splits)) == 3
+    given = explore(model, torch.randn(8, 16), devices=["cpu", "cpu"], chunks=4, schedule=schedule, splits=[4])
+    assert (given.plan.num_stages, given.plan.num_devices) == (2, 1)  # the splits given say otherwise
+    few = explore(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)), torch.randn(8, 16),
+                  devices=["cpu", "cpu"], chunks=4, schedule=schedule)
+    assert few.plan.num_stages == 2  # three layers: as many stages as the schedule takes (an even count)
+
 def test_the_autograd_executor_runs_the_gpipe_module(explorer):
     row = explorer.run(executor="autograd")
     assert row["executor"] == "autograd" and explorer.plan.executor == "autograd"

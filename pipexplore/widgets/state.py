@@ -279,6 +279,8 @@ class ExplorerState:
         stages = min(count, file.stages if file else len(self.placement.devices) * per_rank)
         if self.mesh is not None:  # its pipeline ranks
             stages = min(count, self.mesh.pp * per_rank)
+        if not file and stages > per_rank:  # fewer layers than that: whole ranks' worth of stages
+            stages -= stages % per_rank
         return layers.balanced_splits(self.layer_table, stages, "time", executor)
 
     @property
