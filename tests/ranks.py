@@ -51,9 +51,9 @@ def traced_tiny_transformer(points=("layers.1", "layers.2", "layers.3")):
 
 
 #: What a forked rank has imported before it starts: what every exported script imports; the
-#: recorder a script imports for ``--record`` (the package with it: ~0.4 s of CPU a rank); and
-#: transformers with its models' shared base (``modeling_utils``), which the hooks of most scripts
-#: run here import (the Llama, MoE, zoo and Hugging Face defaults' hooks): ~1.1 s of CPU a rank
+#: recorder a script imports for ``--record`` (itself only: the package imports its names on first
+#: use); and transformers with its models' shared base (``modeling_utils``), which the hooks of most
+#: scripts run here import (the Llama, MoE, zoo and Hugging Face defaults' hooks): ~1.1 s of CPU a rank
 #: when each imported it, once a test process here (as the pool's fork server imports the
 #: libraries a model is made of once, not in every rank).
 RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "pipexplore.runs.record",

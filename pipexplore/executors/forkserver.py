@@ -53,9 +53,13 @@ from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["ForkServer", "ForkedProcess", "ServerStopped", "supported", "installed_modules", "PRELOAD"]
 
-#: Modules the server imports before it forks: what every rank imports anyway.
+#: Modules the server imports before it forks: what every rank imports anyway, and the library a
+#: rank's job may call (the modules of ``pipexplore``'s public names, which ``import pipexplore``
+#: no longer imports: its names are imported on first use).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "cloudpickle", "pipexplore",
-           "pipexplore.executors._worker", "pipexplore.executors.distributed")
+           "pipexplore.executors._worker", "pipexplore.executors.distributed", "pipexplore.balance",
+           "pipexplore.gpipe", "pipexplore.executors.threads", "pipexplore.models.flatten", "pipexplore.models.profile",
+           "pipexplore.profiling.sequential", "pipexplore.predict.simulator")
 #: Seconds between the server's looks at its parent.
 PARENT_POLL = 0.5
 #: The largest message on the control socket (a request carries the caller's environment).
