@@ -142,9 +142,47 @@ def test_qwen3_moe_plans_on_256_h100s_with_ep_32_and_a_dense_model_refuses_ep():
     llama, sample = on_meta("llama")
     with pytest.raises(ValueError, match=r"routed experts, and this layer table counts none"):
         ExplorerState(llama, sample, devices=["H100"] * 8, chunks=2, mesh={"tp": 2, "pp": 2, "dp": 2, "ep": 2})
-    with pytest.raises(ValueError, match=r"expert parallelism is planned for devices from the catalogue"):
+    with pytest.raises(ValueError, match=r"routed experts, and this layer table counts none"):
         ExplorerState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.zeros(4, 4),
                       devices=["cpu", "cpu"], mesh={"pp": 1, "dp": 2, "ep": 2})
+    with pytest.raises(ValueError, match=r"expert-tensor parallelism is planned for devices from the catalogue"):
+        ExplorerState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), torch.zeros(4, 4),
+                      devices=["cpu"] * 4, mesh={"pp": 1, "dp": 4, "ep": 2, "etp": 2})
+
+
+def test_a_mixture_of_experts_here_folds_its_experts_over_ep_ranks_of_this_machine():
+    """Planned for this machine's CPUs (what the exported script runs: tests/test_torchrun_experts.py):
+    the whole model timed here, the count's expert columns beside it; each rank steps half the experts,
+    and every mixture-of-experts layer's dispatch and combine are gloo's all-to-alls over loopback, on
+    the collectives lane."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import moe_hooks
+    from pipexplore.predict.collectives import collective_seconds
+    from pipexplore.predict.mesh_costs import mesh_layer_table
+
+    model = moe_hooks.build_model()
+    ids, target = moe_hooks.get_batch()
+    options = dict(devices=["cpu"] * 4, chunks=2, loss_fn=moe_hooks.loss_fn, target=target)
+    ex = ExplorerState(model, ids, mesh={"pp": 2, "dp": 2, "ep": 2}, **options)
+    table = ex.plan.layer_table
+    assert table.attrs["experts"] == {"count": moe_hooks.EXPERTS, "top_k": 2}
+    assert (table["expert_param_bytes"] > 0).sum() == 2  # the two decoder layers
+    lane = ex.plan.predicted[ex.plan.predicted["phase"] == "collective"]
+    assert set(lane["collective"]) >= {"ep all_to_all"} and lane["device"].str.endswith(" · collectives").all()
+    rank = mesh_layer_table(table, ex.plan.mesh, ex.plan.devices)
+    dense = mesh_layer_table(table, ex.plan.mesh.__class__.of({"pp": 2, "dp": 2}, 4), ex.plan.devices)
+    block = table["expert_param_bytes"].to_numpy() > 0
+    # a rank steps its dense parameters and half of each layer's experts
+    held = (table["param_bytes"] - table["expert_param_bytes"] / 2) / table["param_bytes"]
+    step_end = rank["dp_seconds"].to_numpy()
+    np.testing.assert_allclose((rank["optimizer"] - step_end)[block], (dense["optimizer"] - dense["dp_seconds"])[block]
+                               * held[block], rtol=1e-9)
+    # each layer's two all-to-alls each way cost gloo's ring over loopback at a micro-batch's bytes
+    rows = float(table.attrs["rows"][0])
+    point = float((table["dispatch_bytes"][block] / table.attrs["batch"]).iloc[0]) * rows
+    assert rank["ep_seconds"][block].to_numpy() == pytest.approx(
+        [4 * collective_seconds("all_to_all", point, ["cpu", "cpu"]) * table.attrs["batch"] / rows] * 2, rel=1e-6)
 
 
 # ---- memory a GPU, held against Megatron-LM --------------------------------------------------------

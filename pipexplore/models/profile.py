@@ -47,6 +47,7 @@ from pipexplore.models.opcount import meta_copy
 from pipexplore.models.hf import input_refusal
 from pipexplore.models.inputs import tokens_per_sample
 from pipexplore.models.meta import count_layers
+from pipexplore.models.rank_here import with_expert_counts
 from pipexplore.predict.memory import optimizer_traffic
 from pipexplore.predict import planned_optimizer
 from pipexplore.profiling.sequential import backward_split, profile
@@ -135,8 +136,11 @@ def profile_model(model: nn.Module, sample: Sample, *,
                                            granularity=granularity)
     threads = stage_threads(placement.devices)
     if not isinstance(model, nn.Sequential) and step_flops(model, sample) > BLOCKWISE_STEP_FLOPS:
-        return _each_kind_once(model, sample, training, device=device, chunks=chunks, granularity=granularity,
-                               repeats=repeats, threads=threads)
+        return with_expert_counts(model, sample,
+                                  _each_kind_once(model, sample, training, device=device, chunks=chunks,
+                                                  granularity=granularity, repeats=repeats, threads=threads),
+                                  microbatch_rows=costed_rows(batch_size(sample), chunks)[0],
+                                  loss_fn=training.loss_fn, target=training.target)
     if not isinstance(model, nn.Sequential):
         # on the device the first stage runs on, as a Sequential's layers are (the model as given
         # may sit on the CPU: runs move each stage to its device)
@@ -146,7 +150,8 @@ def profile_model(model: nn.Module, sample: Sample, *,
                                        target=to_device(training.target, device), repeats=repeats,
                                        optimizer=training.optimizer, as_stages=profile_stages, owned=True)
         table.attrs["threads"] = threads or torch.get_num_threads()
-        return table
+        return with_expert_counts(model, sample, table, microbatch_rows=costed_rows(batch_size(sample), chunks)[0],
+                                  loss_fn=training.loss_fn, target=training.target)
     profiled, layers_input = copy.deepcopy(model), cast(TensorOrTensors, sample)  # (a dict feeds traced models only)
     with validate.naming_failing_layer(profiled, sample):  # a sample that does not fit: which layer says so
         return profile(profiled, layers_input, repeats=repeats, microbatch_rows=costed_rows(batch_size(sample), chunks),

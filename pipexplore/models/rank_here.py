@@ -25,12 +25,13 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from pipexplore.models.meta import count_layers
+from pipexplore.models.experts import routed_experts
+from pipexplore.models.meta import EXPERT_COLUMNS, count_layers
 from pipexplore.models.opcount import meta_copy, to_meta as on_meta  # (the conversion: a tensor's meta copy)
 from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
 from pipexplore.training import LossFn
 
-__all__ = ["rank_here"]
+__all__ = ["rank_here", "with_expert_counts"]
 
 
 def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbatch_rows: Optional[int] = None,
@@ -76,4 +77,31 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
         out["optimizer"] = out["optimizer"].to_numpy(dtype=float) * np.where(whole_bytes > 0,
                                                                               held / np.maximum(whole_bytes, 1), 1.0)
     out.attrs = {**table.attrs, "tp": int(tp)}
+    return with_expert_counts(model, sample, out, counted=counted)
+
+
+def with_expert_counts(model: Any, sample: Any, table: pd.DataFrame, *, microbatch_rows: Optional[int] = None,
+                       loss_fn: Optional[LossFn] = None, target: Any = None,
+                       counted: Optional[pd.DataFrame] = None) -> pd.DataFrame:
+    """``table`` (measured here) with what a mixture of experts' count says of its routed experts:
+    :data:`~pipexplore.models.meta.EXPERT_COLUMNS` (their parameters, what each layer's token
+    dispatch moves) and ``attrs["experts"]``, so that a mesh here can fold them over ``ep`` ranks:
+    each rank holds ``1/ep`` of the experts and steps their share, and the dispatch and combine cost
+    gloo's all-to-all over loopback (:func:`pipexplore.predict.mesh_costs.mesh_layer_table`). Under
+    balanced routing a rank's experts compute its own tokens' share of the routed work, as the
+    whole model did where it was timed, so the measured seconds stand. ``table`` as it is for a
+    model without routed experts, or where the count's layers are not the table's. ``counted``: a
+    count of the model already made (:func:`rank_here`'s)."""
+    if "experts" in table.attrs or routed_experts(model) is None:
+        return table
+    if counted is None:
+        counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
+                               target=on_meta(target) if target is not None else None)
+    if not counted.attrs.get("experts") or [str(n) for n in counted["name"]] != [str(n) for n in table["name"]]:
+        return table
+    out = table.copy()
+    for column in [*EXPERT_COLUMNS, "rank_expert_param_bytes"]:
+        if column in counted:
+            out[column] = counted[column].to_numpy()
+    out.attrs = {**table.attrs, "experts": counted.attrs["experts"]}
     return out

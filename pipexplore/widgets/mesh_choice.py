@@ -32,16 +32,18 @@ _NO_MESH_HERE = ("mesh: on this machine's devices a mesh is pipeline, data and t
                  "catalogue (devices=['H100'] * 64, gpus_per_node=8, mesh={'tp': 8, 'pp': 4, 'cp': 2})")
 
 
-_NO_EXPERTS_HERE = ("mesh: on this machine's devices a mesh is pipeline, data and tensor parallelism (ep and etp 1; "
-                    "each rank a process of the exported torchrun script); expert parallelism is planned for devices "
-                    "from the catalogue (devices=['H100'] * 256, mesh={'tp': 2, 'pp': 8, 'dp': 16, 'ep': 32})")
+_NO_EXPERTS_HERE = ("mesh: on this machine's devices the experts fold over ep ranks only (etp 1: each rank a process "
+                    "of the exported torchrun script, whose experts are whole on their rank); expert-tensor "
+                    "parallelism is planned for devices from the catalogue (devices=['H100'] * 256, "
+                    "mesh={'tp': 2, 'pp': 8, 'dp': 16, 'ep': 16, 'etp': 2})")
 
 
 def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
-    """A mesh of this machine's devices runs no context or expert parallelism (the exported script has none)."""
+    """A mesh of this machine's devices runs no context or expert-tensor parallelism (the exported script has
+    neither; its experts fold over ``ep``)."""
     if not placement_planned and mesh.cp > 1:
         raise ValueError(_NO_MESH_HERE)
-    if not placement_planned and mesh.has_experts:
+    if not placement_planned and mesh.etp > 1:
         raise ValueError(_NO_EXPERTS_HERE)
 
 
