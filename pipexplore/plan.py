@@ -44,7 +44,7 @@ EXECUTORS = ("threads", "autograd", "processes")
 
 #: What :attr:`Plan.rank_table` is made of: a plan changed elsewhere keeps its rank table.
 _RANK_TABLE_FIELDS = {"layer_table", "mesh", "devices", "gpus_per_node", "data_parallel", "sequence_parallel",
-                      "reshard_after_forward", "moe_dispatcher"}
+                      "reshard_after_forward", "moe_dispatcher", "capacity_factor"}
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,12 @@ class Plan:
     #: ``hybridep``/``deepep`` (once a destination node and GPU):
     #: :data:`pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`.
     moe_dispatcher: str = "alltoall"
+    #: A mixture of experts' routing imbalance (a what-if of routing, not a token-dropping policy): the
+    #: busiest expert-parallel rank receives this many times its balanced share of the routed tokens, its
+    #: experts' token-bound kernels and its all-to-alls' bytes scaled so
+    #: (:func:`~pipexplore.predict.mesh_costs.mesh_layer_table`); from 1 (balanced, the default) to the
+    #: mesh's ``ep``, and only 1 for a layer table without routed experts.
+    capacity_factor: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.layer_table)
@@ -172,8 +178,15 @@ class Plan:
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
                              "routed copy by an all-to-all; once a destination node and GPU)")
+        experts = (self.layer_table.attrs.get("experts") or {}).get("count")
+        object.__setattr__(self, "capacity_factor", validate.capacity_factor(self.capacity_factor))
+        if self.capacity_factor != 1 and not experts:
+            raise ValueError(f"capacity_factor {self.capacity_factor:g}: routing imbalance is a mixture of experts' "
+                             "(the busiest expert-parallel rank's share of the routed tokens), and this plan has no "
+                             "experts (its layer table counts none): leave capacity_factor at 1")
         counted_tp = int(self.layer_table.attrs.get("tp", 1))
         if self.mesh is None:
+            validate.capacity_factor(self.capacity_factor, ep=1)
             if counted_tp != 1:
                 raise ValueError(f"the layer table is one tensor-parallel rank's of tp={counted_tp}: give the plan a "
                                  f"mesh with tp={counted_tp}")
@@ -191,12 +204,12 @@ class Plan:
             if tokens and tokens % (2 * mesh.cp):
                 raise ValueError(f"cp={mesh.cp}: each sequence is split into 2·cp = {2 * mesh.cp} chunks, balanced "
                                  f"across the ranks, and {tokens} tokens do not split so")
-        experts = (self.layer_table.attrs.get("experts") or {}).get("count")
         if mesh.has_experts and not experts:
             raise ValueError(f"mesh: ep {mesh.ep}, etp {mesh.etp}: expert parallelism folds a mixture of experts' "
                              "routed experts, and this layer table counts none (a model whose config counts its "
                              "experts, planned on catalogue devices, has them): leave ep and etp at 1")
         mesh.check_experts(experts)
+        validate.capacity_factor(self.capacity_factor, ep=mesh.ep)
         if mesh.tp != counted_tp:
             raise ValueError(f"the mesh has tp={mesh.tp} but the layer table counts a rank of tp={counted_tp}: "
                              f"profile the model with tp={mesh.tp} (explore(..., mesh=...) does)")
@@ -347,7 +360,8 @@ class Plan:
             return self.layer_table
         return mesh_layer_table(self.layer_table, self.mesh, self.devices, gpus_per_node=self.gpus_per_node,
                                 data_parallel=self.data_parallel, sequence_parallel=self.sequence_parallel,
-                                reshard_after_forward=self.reshard_after_forward, moe_dispatcher=self.moe_dispatcher)
+                                reshard_after_forward=self.reshard_after_forward, moe_dispatcher=self.moe_dispatcher,
+                                capacity_factor=self.capacity_factor)
 
     def simulate_options(self) -> dict[str, Any]:
         """The options :meth:`predict` gives :func:`pipexplore.simulate` for this plan."""

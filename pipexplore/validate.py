@@ -25,7 +25,7 @@ __all__ = [
     "TooFewDevicesError", "integer", "boolean", "chunks", "chunks_for_batch", "splits_exactly", "valid_chunks",
     "device", "devices",
     "enough_devices", "splits", "virtual_stages", "checkpoint", "schedule", "executor", "sample", "target",
-    "loss_value", "optional_callable", "naming_failing_layer", "interleaved_devices",
+    "loss_value", "optional_callable", "naming_failing_layer", "interleaved_devices", "capacity_factor",
 ]
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -75,6 +75,29 @@ def boolean(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})")
     return value
+
+
+def capacity_factor(value: Any, ep: Optional[int] = None, name: str = "capacity_factor") -> float:
+    """``value`` as a mixture of experts' routing imbalance: how many times its balanced share of the
+    routed tokens the busiest expert-parallel rank receives, a number from 1 (balanced routing) to
+    ``ep`` (every routed token; None: the mesh not known yet, no bound above).
+
+    Example::
+
+        capacity_factor(2, ep=8)        # 2.0
+        capacity_factor(True)           # TypeError: capacity_factor must be a number from 1 ... got True (bool)
+        capacity_factor(9, ep=8)        # ValueError: capacity_factor is how many times ... to ep = 8, got 9
+    """
+    bound = f"ep = {ep}" if ep is not None else "the mesh's ep"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number from 1 (balanced routing) to {bound}, got {_shown(value)} "
+                        f"({type(value).__name__})")
+    number = float(value)
+    if not 1.0 <= number < float("inf") or (ep is not None and number > ep):
+        more = " (a factor above 1 needs a mesh whose ep is at least it)" if ep is not None and number > ep else ""
+        raise ValueError(f"{name} is how many times its balanced share of the routed tokens the busiest "
+                         f"expert-parallel rank receives: from 1 (balanced) to {bound}, got {number:g}{more}")
+    return number
 
 
 def splits_exactly(batch: int, chunks: int) -> bool:

@@ -1,19 +1,26 @@
 """A mixture of experts' dispatcher: ``alltoall`` sends each routed copy, ``hybridep``/``deepep`` a token once a
 destination node and GPU; the copies against a hand computation and a sampled routing, a planned plan's
-exchange against the collectives model by hand, the option refused where it enters."""
+exchange against the collectives model by hand, the option refused where it enters. The routing imbalance
+(``capacity_factor``) as an explore option: the busiest ep rank's all-to-alls and experts' kernels by hand, kept by
+a new mesh and the mesh search, refused by name where it cannot be."""
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 import transformers
 
 import pipexplore
+from pipexplore import timeline as tl
 from pipexplore.models.profile import profile_model
 from pipexplore.plan import Plan
 from pipexplore.predict.collectives import linear_cost
+from pipexplore.predict.mesh_costs import mesh_layer_table
 from pipexplore.predict.moe_dispatch import dispatch_copies
+from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.options import ExploreOptions
 
 HIDDEN, TOKENS, ROWS = 256, 512, 2  # a micro-batch of 2 rows of 512 tokens
@@ -141,3 +148,128 @@ def test_explore_carries_the_dispatcher_to_its_plan_and_its_mesh_changes():
     assert ex.plan.moe_dispatcher == "hybridep"
     ex.set_mesh({"pp": 1, "dp": 16, "ep": 16})
     assert ex.plan.moe_dispatcher == "hybridep" and ex.plan.mesh.ep == 16
+
+
+# ---- routing imbalance: capacity_factor ----------------------------------------------------------
+
+ON_AN_EP_MESH = dict(devices=["H100"] * 16, chunks=2, schedule="1f1b", mesh={"pp": 2, "dp": 8, "ep": 8})
+
+
+def _ids(rows: int = 16):
+    return torch.zeros(rows, TOKENS, dtype=torch.long, device="meta")
+
+
+@pytest.fixture(scope="module")
+def balanced_and_hot():
+    """The same Qwen3-MoE planned at pp 2 · dp 8 · ep 8 on 16 H100s, balanced and at capacity_factor 2."""
+    return (pipexplore.explore(_qwen3_moe(), _ids(), **ON_AN_EP_MESH),
+            pipexplore.explore(_qwen3_moe(), _ids(), **ON_AN_EP_MESH, capacity_factor=2))
+
+
+def test_explore_plans_the_busiest_ep_rank_at_the_capacity_factor_given(balanced_and_hot):
+    """At capacity_factor 2 the plan's rank table is ``mesh_layer_table``'s at 2 on the same layer table, and
+    its step that table's simulated step. Each MoE layer's all-to-alls (two micro-batches of 8 rows, 5 calls,
+    4 of tokens, over the 8 GPUs of node 0) move twice the bytes: one all-to-all's tensor is 8 copies of a
+    micro-batch's 4,096 tokens (16 MiB) balanced, 32 MiB at 2, each costed at its own size; the experts'
+    token-bound seconds grow by one more share of their kernels (the table's ``expert_b``)."""
+    balanced, hot = balanced_and_hot
+    plan = balanced.plan
+    assert plan.capacity_factor == 1.0 and hot.plan.capacity_factor == 2.0
+    assert ExploreOptions.of().capacity_factor == 1.0 and hot.options.capacity_factor == 2.0
+    assert hot.plan.splits == plan.splits and hot.plan.mesh == plan.mesh
+    by_hand = mesh_layer_table(plan.layer_table, plan.mesh, plan.devices, gpus_per_node=8, capacity_factor=2.0)
+    pd.testing.assert_frame_equal(hot.plan.rank_table, by_hand)
+    simulated = simulate(by_hand, list(plan.splits), **plan.simulate_options())
+    assert tl.step_time(hot.plan.predicted) == tl.step_time(simulated)
+    assert tl.step_time(hot.plan.predicted) == pytest.approx(0.0058876, rel=1e-4)
+    assert tl.step_time(plan.predicted) == pytest.approx(0.0047111, rel=1e-4)
+
+    moe = plan.layer_table["expert_params"].to_numpy() > 0
+    assert moe.sum() == 2
+    group = [f"H100:{i}" for i in range(8)]
+    assert [plan.devices[r] for r in plan.mesh.group("ep", 0)] == group
+    point = 8 * 8 * TOKENS * HIDDEN * 2  # 8 copies of a micro-batch's tokens, bf16
+    for factor, table in ((1, plan.rank_table), (2, hot.plan.rank_table)):
+        latency, rate = linear_cost("all_to_all", factor * point, group)
+        assert table["ep_seconds"][moe].to_numpy() == pytest.approx(2 * (5 * latency + 4 * rate * factor * point),
+                                                                    rel=1e-12)
+        assert (table["ep_seconds"][~moe] == 0).all()
+    assert hot.plan.rank_table["ep_seconds"][moe].to_numpy() == pytest.approx(7.8869e-4, rel=1e-4)
+    assert plan.rank_table["ep_seconds"][moe].to_numpy() == pytest.approx(4.5808e-4, rel=1e-4)
+    hot_kernels = np.asarray(plan.layer_table.attrs["expert_shares"]["expert_b"], dtype=float)
+    assert (hot_kernels[:, moe] > 0).all() and (hot_kernels[:, ~moe] == 0).all()
+    def compute(table, phase):  # a layer's seconds a row beyond its all-to-alls
+        return (table[f"{phase}_b"] - table[f"ep_{phase}_b"]).to_numpy()
+
+    for i, phase in enumerate(("forward", "backward")):
+        assert compute(hot.plan.rank_table, phase) == pytest.approx(compute(plan.rank_table, phase) + hot_kernels[i],
+                                                                    rel=1e-12, abs=1e-18)
+    # a what-if of routing, not a dropping policy: Megatron-LM's arguments are the balanced plan's
+    assert hot.export("megatron") == balanced.export("megatron")
+    assert "capacity-factor" not in hot.export("megatron")
+
+
+def test_a_new_mesh_and_the_mesh_search_keep_the_capacity_factor():
+    """set_mesh keeps the explorer's factor (or takes a new one); the search plans every candidate at it,
+    leaving out, named, the meshes whose ep is below it (ep 1 here), never clamping it."""
+    ex = pipexplore.explore(_qwen3_moe(), _ids(), **ON_AN_EP_MESH, capacity_factor=2)
+    found = ex.search(mesh="auto", ep=[1, 2, 4])
+    assert sorted(set(found["ep"])) == [2, 4] and len(found) == 17
+    skipped = [why for why in found.attrs["left_out"] if "capacity_factor" in why]
+    assert len(skipped) == 9 and all("to ep = 1, got 2 (" in why for why in skipped)  # tp 1, 2; pp 1, 2, 4; etp
+    assert all(" · ep " not in why.partition(":")[0] for why in skipped)  # every one an ep-1 folding
+    best = found.iloc[0]
+    assert (best["tp"], best["pp"], best["dp"], best["ep"]) == (1, 1, 16, 2)
+    ex.apply(best)
+    assert ex.plan.capacity_factor == 2.0 and ex.plan.mesh.ep == 2
+    assert tl.step_time(ex.plan.predicted) == pytest.approx(best["predicted_step_time"], rel=1e-9)
+    ex.set_mesh({"pp": 1, "dp": 16, "ep": 16})
+    assert ex.plan.capacity_factor == 2.0 and ex.plan.mesh.ep == 16
+    with pytest.raises(ValueError, match=r"capacity_factor .* from 1 \(balanced\) to ep = 1, got 2 \(a factor "
+                                         r"above 1 needs a mesh whose ep is at least it\)"):
+        ex.set_mesh({"pp": 1, "dp": 16})
+    assert ex.plan.mesh.ep == 16  # the plan as it was
+    ex.set_mesh({"pp": 1, "dp": 16, "ep": 4}, capacity_factor=1.5)
+    assert ex.plan.capacity_factor == 1.5 and ex.meshes.options["capacity_factor"] == 1.5
+
+
+def _qwen3_dense():
+    config = transformers.Qwen3Config(hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+
+def test_a_capacity_factor_that_cannot_be_is_refused_by_name_with_what_would_do(monkeypatch):
+    with pytest.raises(ValueError, match=r"capacity_factor is how many times its balanced share of the routed "
+                                         r"tokens the busiest expert-parallel rank receives: from 1 \(balanced\) "
+                                         r"to the mesh's ep, got 0.5"):
+        ExploreOptions.of(capacity_factor=0.5)
+    with pytest.raises(TypeError, match=r"capacity_factor must be a number from 1 \(balanced routing\) to the "
+                                        r"mesh's ep, got True \(bool\)"):
+        ExploreOptions.of(capacity_factor=True)
+    with pytest.raises(TypeError, match=r"capacity_factor must be a number .* got '2' \(str\)"):
+        ExploreOptions.of(capacity_factor="2")
+    import pipexplore.widgets.state as state_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("profiled before the options were checked")
+
+    with monkeypatch.context() as patched:  # ep + 1 on an ep mesh: refused before anything is profiled
+        patched.setattr(state_module, "profile_model", never)
+        with pytest.raises(ValueError, match=r"capacity_factor .* to ep = 8, got 9 \(a factor above 1 needs a mesh "
+                                             r"whose ep is at least it\)"):
+            pipexplore.explore(_qwen3_moe(), _ids(), **ON_AN_EP_MESH, capacity_factor=9)
+    dense = dict(devices=["H100"] * 2, chunks=2)
+    with pytest.raises(ValueError, match=r"capacity_factor 2: routing imbalance is a mixture of experts' .* this "
+                                         r"plan has no experts \(its layer table counts none\): leave "
+                                         r"capacity_factor at 1"):
+        pipexplore.explore(_qwen3_dense(), _ids(4), **dense, capacity_factor=2)
+    ex = pipexplore.explore(_qwen3_dense(), _ids(4), **dense, capacity_factor=1)
+    assert ex.plan.capacity_factor == 1.0 and "ep_seconds" not in ex.plan.rank_table
+    with pytest.raises(ValueError, match=r"capacity_factor 1.5: .* this plan has no experts"):
+        ex.plan.with_options(capacity_factor=1.5)
+    moe = pipexplore.explore(_qwen3_moe(), _ids(), devices=["H100"] * 2, chunks=2)  # no mesh: ep 1
+    with pytest.raises(ValueError, match=r"capacity_factor .* to ep = 1, got 2"):
+        moe.plan.with_options(capacity_factor=2)

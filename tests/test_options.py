@@ -90,6 +90,10 @@ def test_the_surface_check_sees_a_dropped_or_changed_method():
     (dict(calibrate="yes"), TypeError, r"calibrate must be True or False, got 'yes' \(str\)"),
     (dict(sequence_parallel=1), TypeError, r"sequence_parallel must be True or False, got 1 \(int\)"),
     (dict(data_parallel="zero3"), ValueError, r"unknown data_parallel 'zero3': ddp, zero1, fsdp"),
+    (dict(capacity_factor=0.5), ValueError, r"capacity_factor is how many times .* from 1 \(balanced\) to the "
+                                            r"mesh's ep, got 0.5"),
+    (dict(capacity_factor=True), TypeError, r"capacity_factor must be a number from 1 \(balanced routing\) to the "
+                                            r"mesh's ep, got True \(bool\)"),
     (dict(mesh=8), ValueError, r"mesh is a mapping of tp, pp, dp and cp"),
     (dict(tp_plan=["colwise"]), TypeError, r"tp_plan must map module names to parallel styles"),
     (dict(splits="4"), TypeError, r"splits must be a list of layer indices"),

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipexplore import validate
 from pipexplore.models.opcount import Count, count_call, meta_copy, on_meta
 
 __all__ = ["Exchange", "ExpertParallel", "fake_meshes", "exchanges", "expert_splits", "count_exchange", "rows_as",
@@ -77,11 +78,9 @@ def expert_splits(rows: int, ranks: int, capacity_factor: float = 1.0) -> tuple[
     Raises:
         ValueError: a ``capacity_factor`` below 1 or above ``ranks`` (a rank receives at most every
             rank's tokens).
+        TypeError: a ``capacity_factor`` that is not a number (:func:`pipexplore.validate.capacity_factor`).
     """
-    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool) \
-            or not 1.0 <= float(capacity_factor) <= ranks:
-        raise ValueError(f"capacity_factor is how many times its balanced share of the routed tokens the busiest "
-                         f"expert-parallel rank receives: from 1 (balanced) to ep = {ranks}, got {capacity_factor!r}")
+    capacity_factor = validate.capacity_factor(capacity_factor, ep=ranks)
 
     def even(total: int) -> list[int]:
         return [total // ranks + (1 if r < total % ranks else 0) for r in range(ranks)]

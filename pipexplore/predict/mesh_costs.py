@@ -82,6 +82,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from pipexplore import validate
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import collective_seconds, linear_cost
 from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS, dispatch_cost
@@ -135,10 +136,7 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     if moe_dispatcher not in MOE_DISPATCHERS:
         raise ValueError(f"unknown moe_dispatcher {moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each routed copy "
                          "by an all-to-all; once a destination node and GPU)")
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-            or not 1.0 <= float(capacity_factor) <= mesh.ep:
-        raise ValueError(f"capacity_factor is how many times its balanced share of the routed tokens the busiest "
-                         f"expert-parallel rank receives: from 1 (balanced) to ep = {mesh.ep}, got {capacity_factor!r}")
+    capacity_factor = validate.capacity_factor(capacity_factor, ep=mesh.ep)
     out = table.copy()
     out.attrs = {key: table.attrs[key] for key in ("batch", "rows") if key in table.attrs}  # (each column read
     n = len(out)  # copies the attrs: the table's whole come back at the end)

@@ -15,9 +15,11 @@ step; ``pareto`` marks the meshes no other beats on both step and memory.
 
 A mixture of experts (the layer table's ``attrs['experts']``) is searched over its folding too:
 ``etp`` 1 and ``tp`` (torchtitan's two; Megatron-Core's common ones) and every ``ep`` that divides
-the experts and a stage's ``tp · cp · dp / etp`` GPUs (or the ``ep`` and ``etp`` asked for). A
-candidate whose training state alone (parameters, gradients, optimizer state: no activations) does
-not fit ``memory_cap`` is left out, named, before it is predicted.
+the experts and a stage's ``tp · cp · dp / etp`` GPUs (or the ``ep`` and ``etp`` asked for), each
+at the plan's routing imbalance (its ``capacity_factor``, kept as it is, never clamped: a folding
+whose ``ep`` is below it cannot have a rank that busy, and is left out, named, as any candidate the
+plan refuses). A candidate whose training state alone (parameters, gradients, optimizer state: no
+activations) does not fit ``memory_cap`` is left out, named, before it is predicted.
 
 This module imports no plan: ``plan`` is any object with :class:`pipexplore.plan.Plan`'s methods.
 """
@@ -93,7 +95,8 @@ def mesh_search(plan: Any, table_for: Callable[[int], pd.DataFrame], *, memory_c
     """Every mesh of the plan's devices (the module docstring; ``meshes``: these only) with each
     choice, predicted and ranked. Empty choices keep the plan's own (its micro-batch rows:
     ``batch / chunks``; its mesh's ``cp``); for a mixture of experts ``ep`` and ``etp`` are the
-    degrees tried (empty: every folding, :func:`factorisations`).
+    degrees tried (empty: every folding, :func:`factorisations`), each at the plan's ``capacity_factor``
+    (a mesh whose ``ep`` is below it left out).
     ``table_for(tp)``: the layer table of one tensor-parallel rank of ``tp`` (it may refuse with a
     ``ValueError``). Left out, each with why, in ``table.attrs['left_out']``.
 

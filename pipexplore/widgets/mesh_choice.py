@@ -50,16 +50,20 @@ def _refused_here(mesh: Mesh, placement_planned: bool) -> None:
 class MeshChoice:
     """The mesh over an explorer's planned devices (``mesh``: None, every device a pipeline rank),
     its ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``,
-    ``moe_dispatcher``), the ``tp_plan`` given (None: the model's own), and the layer tables counted per ``tp``.
+    ``moe_dispatcher``, ``capacity_factor``), the ``tp_plan`` given (None: the model's own), and the layer
+    tables counted per ``tp``.
 
     Raises:
         ValueError: context or expert parallelism on devices here, a mesh that does not fill the devices,
-            an unknown ``data_parallel`` or ``moe_dispatcher``, options that are not booleans.
+            an unknown ``data_parallel`` or ``moe_dispatcher``, a ``capacity_factor`` below 1 or above the
+            mesh's ``ep`` where it folds experts (otherwise the plan checks it against its experts).
+        TypeError: options that are not booleans, a ``capacity_factor`` that is not a number.
     """
 
     def __init__(self, spec: Any, placement: Placement, *, data_parallel: str = "ddp",
                  sequence_parallel: bool = True, reshard_after_forward: bool = False, moe_overlap: bool = False,
-                 moe_dispatcher: str = "alltoall", tp_plan: Optional[dict[str, str]] = None) -> None:
+                 moe_dispatcher: str = "alltoall", capacity_factor: float = 1.0,
+                 tp_plan: Optional[dict[str, str]] = None) -> None:
         self.mesh: Optional[Mesh] = None
         if spec is not None:
             self.mesh = Mesh.of(spec, len(placement.devices))
@@ -72,7 +76,11 @@ class MeshChoice:
             "data_parallel": data_parallel,
             "sequence_parallel": validate.boolean(sequence_parallel, "sequence_parallel"),
             "reshard_after_forward": validate.boolean(reshard_after_forward, "reshard_after_forward"),
-            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap"), "moe_dispatcher": moe_dispatcher}
+            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap"), "moe_dispatcher": moe_dispatcher,
+            # checked against a mesh that folds experts before anything is profiled; else by the plan, which
+            # knows whether its layer table has experts at all
+            "capacity_factor": validate.capacity_factor(
+                capacity_factor, ep=self.mesh.ep if self.mesh is not None and self.mesh.ep > 1 else None)}
         self.tp_plan = tp_plan
         self._tables: dict[int, pd.DataFrame] = {}
 
@@ -133,4 +141,4 @@ class MeshChoice:
         self.mesh = plan.mesh
         self.options.update(data_parallel=plan.data_parallel, sequence_parallel=plan.sequence_parallel,
                             reshard_after_forward=plan.reshard_after_forward, moe_overlap=plan.moe_overlap,
-                            moe_dispatcher=plan.moe_dispatcher)
+                            moe_dispatcher=plan.moe_dispatcher, capacity_factor=plan.capacity_factor)

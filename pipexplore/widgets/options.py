@@ -97,6 +97,12 @@ class ExploreOptions:
     #: How a mixture of experts' tokens reach their experts (:data:`pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`):
     #: ``alltoall`` each routed copy, ``hybridep``/``deepep`` once a destination node and GPU.
     moe_dispatcher: str = "alltoall"
+    #: A mixture of experts' routing imbalance, a what-if of routing (not a token-dropping policy: Megatron-LM's
+    #: ``--moe-expert-capacity-factor`` drops tokens, and no export writes it): the busiest expert-parallel rank
+    #: receives this many times its balanced share of the routed tokens, its experts' token-bound kernels and its
+    #: all-to-alls' bytes scaled so (:func:`pipexplore.predict.mesh_costs.mesh_layer_table`). A number from 1
+    #: (balanced routing, as NVIDIA's published benchmarks force it) to the mesh's ``ep``; only 1 without experts.
+    capacity_factor: float = 1.0
     #: The tensor-parallel plan (module FQN pattern to style); None: the model's own.
     tp_plan: Optional[Mapping[str, str]] = None
 
@@ -142,6 +148,7 @@ class ExploreOptions:
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
                              "routed copy by an all-to-all; once a destination node and GPU)")
+        held("capacity_factor", validate.capacity_factor(self.capacity_factor))  # (against ep: the plan)
         if self.tp_plan is not None:
             if not isinstance(self.tp_plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                                 for k, v in self.tp_plan.items()):

@@ -169,7 +169,7 @@ class ExplorerState:
         self.meshes = MeshChoice(given.mesh, self.placement, data_parallel=given.data_parallel,
                                  sequence_parallel=given.sequence_parallel,
                                  reshard_after_forward=given.reshard_after_forward, moe_overlap=given.moe_overlap,
-                                 moe_dispatcher=given.moe_dispatcher,
+                                 moe_dispatcher=given.moe_dispatcher, capacity_factor=given.capacity_factor,
                                  tp_plan=dict(given.tp_plan) if given.tp_plan is not None else None)
         # 3. The schedule, its micro-batches and the executor.
         schedule = given.schedule
@@ -228,7 +228,7 @@ class ExplorerState:
     def set_mesh(self, mesh: Any, **options: Any) -> Plan:
         """Plan the mesh ``mesh`` (``{"tp": 4, "pp": 8, "dp": 2}`` over the plan's devices) with
         ``options`` (``data_parallel``, ``sequence_parallel``, ``reshard_after_forward``, ``moe_overlap``,
-        ``moe_dispatcher``): its rank's layers counted for its ``tp``, its ``pp`` stages balanced by time
+        ``moe_dispatcher``, ``capacity_factor``): its rank's layers counted for its ``tp``, its ``pp`` stages balanced by time
         (:meth:`~pipexplore.widgets.mesh_choice.MeshChoice.replanned`).
 
         Raises:
@@ -665,7 +665,8 @@ class ExplorerState:
         ``pareto``. Nothing fits: a ``ValueError`` naming the closest plan and how far over it is.
         Apply a row with :meth:`apply`. ``mesh="auto"`` (devices from the catalogue): every mesh of
         the devices (tp × pp × dp, × ``cp`` where asked, with each of ``data_parallel`` and ``microbatch_rows``;
-        a mixture of experts folded every way, or at the ``ep`` and ``etp`` asked for), the global batch
+        a mixture of experts folded every way, or at the ``ep`` and ``etp`` asked for, each at the plan's
+        ``capacity_factor``: a mesh whose ``ep`` is below it is left out, named), the global batch
         kept, with ``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``etp`` and ``notes`` columns
         (:func:`pipexplore.widgets.what_if.search_state`).
 

@@ -77,8 +77,8 @@ def search_state(state: ExplorerState, *, memory_cap: Any = None, stages: Sequen
     ``memory_cap`` (bytes or text such as ``'80 GiB'``; None: each device's memory), predicted.
     ``mesh="auto"``: every mesh of the plan's devices instead (tp × pp × dp with each of
     ``data_parallel``, ``microbatch_rows``, ``schedules``, ``checkpoint`` and ``cp``, a mixture of
-    experts' every folding, or the ``ep`` and ``etp`` asked for: the global batch kept;
-    :func:`pipexplore.predict.mesh_search.mesh_search`).
+    experts' every folding, or the ``ep`` and ``etp`` asked for, at the plan's ``capacity_factor``: the
+    global batch kept; :func:`pipexplore.predict.mesh_search.mesh_search`).
 
     Raises:
         ValueError: a bad ``memory_cap`` or ``mesh``; nothing fits (the closest plan named, and by
