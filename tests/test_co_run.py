@@ -117,3 +117,16 @@ def test_a_model_with_skip_connections_is_not_probed_and_explores_as_before(monk
     monkeypatch.undo()
     ex = pipexplore.explore(model, sample, devices=["cpu", "cpu"], chunks=4)
     assert "co_run_factor" not in ex.layer_table.attrs and ex.run()["finite"]
+
+
+def test_a_probe_that_would_outlast_its_budget_runs_fewer_layers_a_stage_then_fewer_steps():
+    """Within :data:`~pipexplore.executors.probe.CO_RUN_SECONDS`: the plan's layers a stage and steps
+    where they fit; else fewer layers a stage (a transformer of 3 blocks a stage whose probe would take
+    0.55 s runs 2); else one a stage and fewer timed steps, at least 2; else none."""
+    budget = probe.CO_RUN_SECONDS
+    size = probe._co_run_size
+    assert size(budget / 70, 3, 5) == (3, 5)  # 3 layers × 7 steps of budget/70 each: 0.3 of the budget
+    assert size(budget / 15, 3, 5) == (2, 5)  # 3 a stage would take 1.4 budgets, 2 take 0.93
+    assert size(budget / 5, 3, 5) == (1, 3)  # one a stage, 7 steps: 1.4 budgets; 3 timed + 2: exactly 1
+    assert size(budget / 3.5, 3, 5) == (0, 0)  # not even 2 timed steps
+    assert size(0.0, 3, 5) == (0, 0)

@@ -254,6 +254,21 @@ CO_RUN_SECONDS = 0.4
 CO_RUN_LIMIT = 4.0
 
 
+def _co_run_size(step: float, per_stage: int, repeats: int) -> tuple[int, int]:
+    """The co-run probe's layers a stage and timed steps within :data:`CO_RUN_SECONDS`, for a step of
+    ``step`` seconds with one layer a stage (each step run once to warm up, and once more to start
+    the workers): the plan's ``per_stage`` and ``repeats`` where they fit, else fewer layers a stage
+    (what co-running costs each action does not depend on how many follow it), then fewer steps (at
+    least 2); ``(0, 0)`` where not even that fits (or the layer costs nothing)."""
+    if not step > 0:
+        return 0, 0
+    fits = int(CO_RUN_SECONDS // (step * (2 + repeats)))
+    if fits >= 1:
+        return min(per_stage, fits), repeats
+    steps = int(CO_RUN_SECONDS // step) - 2
+    return (1, steps) if steps >= 2 else (0, 0)
+
+
 def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -> Optional[pd.DataFrame]:
     """``plan``'s layer table with the shares of the host its CPU stages ask for as the ``threads``
     executor shows them, or ``None`` where nothing is to be learnt (another executor or device, one
@@ -264,9 +279,9 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
     layers that costs more than any twin shows: two CPU stages of ``Linear(256)`` + GELU on 16 rows
     ran each co-running action ~2× its profile where the twins measured 0.7–1.2×, so a first run
     was predicted 20–35 % short. Here the plan's schedule and executor run on copies of the model's
-    most common kind of layer (as many a stage as the plan's stages hold, on at most
-    :data:`PROBE_DEVICES` devices and :data:`PROBE_CHUNKS` micro-batches of the plan's rows), and the
-    shares are scaled
+    most common kind of layer (as many a stage as the plan's stages hold, fewer where the probe would
+    outlast :data:`CO_RUN_SECONDS`: :func:`_co_run_size`; on at most :data:`PROBE_DEVICES` devices and
+    :data:`PROBE_CHUNKS` micro-batches of the plan's rows), and the shares are scaled
     (all layers alike, within ×:data:`CO_RUN_LIMIT`) so that the simulator reproduces the measured
     step, as :meth:`Corrections.step_fitted` fits a hand-over."""
     from pipexplore.executors import threads
@@ -284,9 +299,9 @@ def co_run_shares(plan: Plan, model: nn.Module, sample: Any, repeats: int = 5) -
     counts = Counter(kinds)
     index = max(range(len(kinds)), key=lambda i: (counts[kinds[i]], -i))  # the commonest kind's first layer
     devices, stages, chunks = _probe_shape(plan)
-    per_stage = max(1, round(len(table) / plan.num_stages))  # as many a stage as the plan's stages hold
     seconds = float(layer_seconds(table, rows, "forward")[index] + layer_seconds(table, rows, "backward")[index])
-    if not seconds > 0 or seconds * per_stage * stages * chunks * (2 + repeats) > CO_RUN_SECONDS:
+    per_stage, repeats = _co_run_size(seconds * stages * chunks, max(1, round(len(table) / plan.num_stages)), repeats)
+    if not per_stage:
         return None
     first = sample if isinstance(sample, torch.Tensor) else None
     if first is None or first.shape[0] < rows:
