@@ -27,7 +27,7 @@ import pandas as pd
 
 from pipexplore.models.experts import routed_experts
 from pipexplore.models.meta import EXPERT_COLUMNS, count_layers
-from pipexplore.models.opcount import meta_copy, to_meta as on_meta  # (the conversion: a tensor's meta copy)
+from pipexplore.models.opcount import meta_copy, to_meta
 from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
 from pipexplore.training import LossFn
 
@@ -46,8 +46,8 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
     """
     from pipexplore.predict.roofline import _sum_by_kind
 
-    counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
-                           target=on_meta(target) if target is not None else None, tp=tp, tp_plan=tp_plan)
+    counted = count_layers(meta_copy(model), to_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
+                           target=to_meta(target) if target is not None else None, tp=tp, tp_plan=tp_plan)
     names = [str(n) for n in table["name"]]
     if [str(n) for n in counted["name"]] != names:
         raise ValueError(f"tp={tp} here: the count's layers ({list(counted['name'])[:3]} …) are not the measured "
@@ -95,8 +95,8 @@ def with_expert_counts(model: Any, sample: Any, table: pd.DataFrame, *, microbat
     if "experts" in table.attrs or routed_experts(model) is None:
         return table
     if counted is None:
-        counted = count_layers(meta_copy(model), on_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
-                               target=on_meta(target) if target is not None else None)
+        counted = count_layers(meta_copy(model), to_meta(sample), microbatch_rows=microbatch_rows, loss_fn=loss_fn,
+                               target=to_meta(target) if target is not None else None)
     if not counted.attrs.get("experts") or [str(n) for n in counted["name"]] != [str(n) for n in table["name"]]:
         return table
     out = table.copy()
