@@ -24,9 +24,9 @@ import pandas as pd
 from pipexplore import validate
 from pipexplore.devices import device_kind, is_planned, node_of
 from pipexplore.devices.mesh import Mesh
-from pipexplore.predict.memory import DATA_PARALLEL
+from pipexplore.predict.memory import check_data_parallel
 from pipexplore.predict.mesh_costs import collective_rows, mesh_layer_table
-from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
+from pipexplore.predict.moe_dispatch import check_dispatcher
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped, stage_ranks
@@ -170,14 +170,10 @@ class Plan:
 
     def _check_mesh(self) -> None:
         """The mesh, its data parallelism and the table it costs checked against each other."""
-        if self.data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"unknown data_parallel {self.data_parallel!r}: {', '.join(DATA_PARALLEL)} "
-                             "(replicated, optimizer state sharded, everything sharded)")
+        check_data_parallel(self.data_parallel)
         for name in ("sequence_parallel", "reshard_after_forward", "moe_overlap"):
             validate.boolean(getattr(self, name), name)
-        if self.moe_dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
-                             "routed copy by an all-to-all; once a destination node and GPU)")
+        check_dispatcher(self.moe_dispatcher)
         experts = (self.layer_table.attrs.get("experts") or {}).get("count")
         object.__setattr__(self, "capacity_factor", validate.capacity_factor(self.capacity_factor))
         if self.capacity_factor != 1 and not experts:

@@ -26,6 +26,7 @@ __all__ = [
     "device", "devices",
     "enough_devices", "splits", "virtual_stages", "checkpoint", "schedule", "executor", "sample", "target",
     "loss_value", "optional_callable", "naming_failing_layer", "interleaved_devices", "capacity_factor",
+    "one_of",
 ]
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -75,6 +76,14 @@ def boolean(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})")
     return value
+
+
+def one_of(value: Any, name: str, choices: Sequence[str], meaning: str = "") -> str:
+    """``value`` where it is one of ``choices`` (option ``name``'s), else a ``ValueError`` naming them
+    and, where ``meaning`` says it, what they mean (``unknown data_parallel 'zero3': ddp, zero1, fsdp``)."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}: {', '.join(choices)}" + (f" ({meaning})" if meaning else ""))
+    return str(value)
 
 
 def capacity_factor(value: Any, ep: Optional[int] = None, name: str = "capacity_factor") -> float:

@@ -32,8 +32,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from pipexplore import validate
+
 __all__ = ["optimizer_state_ratio", "optimizer_traffic", "stage_memory", "MEMORY_COLUMNS", "activation_peaks",
-           "microbatch_activations"]
+           "microbatch_activations", "check_data_parallel"]
 
 #: The columns :func:`stage_memory` adds, in bytes (``fits``: whether ``peak_bytes`` is within the capacity).
 MEMORY_COLUMNS = ["param_bytes", "grad_bytes", "optimizer_bytes", "gathered_bytes", "activation_bytes", "peak_bytes",
@@ -103,6 +105,16 @@ def optimizer_state_ratio(optimizer: Optional[Callable[[Any], Any]] = None) -> f
 #: ``zero1`` the optimizer's state (and fp32 master weights) sharded across the replicas (Megatron-LM's
 #: distributed optimizer), ``fsdp`` parameters, gradients and optimizer state sharded (FSDP2).
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
+
+
+def check_data_parallel(name: str) -> str:
+    """``name`` where it is one of :data:`DATA_PARALLEL`.
+
+    Raises:
+        ValueError: another name, the known ones named.
+    """
+    return validate.one_of(name, "data_parallel", DATA_PARALLEL,
+                           "replicated, optimizer state sharded, everything sharded")
 
 
 def activation_peaks(predicted: pd.DataFrame, stages: int) -> list[float]:
@@ -196,8 +208,7 @@ def stage_memory(table: pd.DataFrame, splits: Sequence[int], *,
     activations = np.asarray(list(peak_activations), dtype=float)
     if len(activations) != len(points) - 1:
         raise ValueError(f"peak_activations has {len(activations)} values for {len(points) - 1} stages")
-    if data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
+    check_data_parallel(data_parallel)
     for value, name in ((tp, "tp"), (dp, "dp"), (cp, "cp"), (ep, "ep"), (etp, "etp")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a whole number of ranks from 1, got {value!r}")

@@ -85,7 +85,7 @@ import pandas as pd
 from pipexplore import validate
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import collective_seconds, linear_cost
-from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS, dispatch_cost
+from pipexplore.predict.moe_dispatch import check_dispatcher, dispatch_cost
 
 __all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "COLLECTIVE_LANE"]
 
@@ -100,6 +100,8 @@ BUCKET_BYTES = 25 * 2**20
 #: and backward, is ``ep_seconds``.
 MESH_COLUMNS = ["dp_seconds", "gather_seconds", "cp_seconds", "unshard_seconds", "reduce_grad_seconds",
                 "ep_seconds"]
+
+
 def _ring(kind: str, nbytes: np.ndarray, devices: Sequence[str], gpus_per_node: int) -> np.ndarray:
     """Seconds of ``kind`` for each layer's ``nbytes`` over the group ``devices``: the collective runs
     in buckets of :data:`BUCKET_BYTES` (the whole, where smaller), each as NCCL runs it; a layer's
@@ -129,13 +131,10 @@ def mesh_layer_table(table: pd.DataFrame, mesh: Mesh, devices: Sequence[str], *,
     ``attrs['expert_shares']`` ``expert_b``) and its all-to-alls' bytes scale so. ``moe_dispatcher``:
     how the routed tokens travel (:data:`~pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`).
     """
-    from pipexplore.predict.memory import DATA_PARALLEL
+    from pipexplore.predict.memory import check_data_parallel
 
-    if data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-    if moe_dispatcher not in MOE_DISPATCHERS:
-        raise ValueError(f"unknown moe_dispatcher {moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each routed copy "
-                         "by an all-to-all; once a destination node and GPU)")
+    check_data_parallel(data_parallel)
+    check_dispatcher(moe_dispatcher)
     capacity_factor = validate.capacity_factor(capacity_factor, ep=mesh.ep)
     out = table.copy()
     out.attrs = {key: table.attrs[key] for key in ("batch", "rows") if key in table.attrs}  # (each column read

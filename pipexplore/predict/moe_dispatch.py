@@ -27,15 +27,26 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from pipexplore import validate
 from pipexplore.devices import node_of
 from pipexplore.predict.collectives import linear_cost
 
-__all__ = ["MOE_DISPATCHERS", "dispatch_copies", "dispatch_cost"]
+__all__ = ["MOE_DISPATCHERS", "check_dispatcher", "dispatch_copies", "dispatch_cost"]
 
 #: How a mixture of experts' tokens reach their experts' ranks: each routed copy by
 #: an all-to-all (Megatron-Core's ``alltoall`` dispatcher), or once a destination node and GPU
 #: (its ``flex`` dispatcher with ``moe_flex_dispatcher_backend`` ``hybridep`` or ``deepep``).
 MOE_DISPATCHERS = ("alltoall", "hybridep", "deepep")
+
+
+def check_dispatcher(name: str) -> str:
+    """``name`` where it is one of :data:`MOE_DISPATCHERS`.
+
+    Raises:
+        ValueError: another name, the known ones named.
+    """
+    return validate.one_of(name, "moe_dispatcher", MOE_DISPATCHERS,
+                           "each routed copy by an all-to-all; once a destination node and GPU")
 
 
 def _reached(experts: int, top_k: int, parts: int) -> float:
@@ -59,8 +70,7 @@ def dispatch_copies(experts: int, top_k: int, ranks: int, nodes: int,
         ValueError: an unknown dispatcher, a group that does not split evenly over its nodes or
             whose ranks do not split the experts, ``top_k`` out of 1 … ``experts``.
     """
-    if dispatcher not in MOE_DISPATCHERS:
-        raise ValueError(f"unknown moe_dispatcher {dispatcher!r}: {', '.join(MOE_DISPATCHERS)}")
+    check_dispatcher(dispatcher)
     if ranks < 1 or nodes < 1 or ranks % nodes or experts % ranks or not 1 <= top_k <= experts:
         raise ValueError(f"{experts} experts, top_k {top_k}, over {ranks} ranks on {nodes} nodes: the ranks "
                          "split evenly over the nodes and hold as many experts each, and a token goes to 1 … "

@@ -20,8 +20,8 @@ from pipexplore import validate
 from pipexplore.devices.mesh import Mesh
 from pipexplore.devices.placement import Placement
 from pipexplore.plan import Plan
-from pipexplore.predict.memory import DATA_PARALLEL
-from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
+from pipexplore.predict.memory import check_data_parallel
+from pipexplore.predict.moe_dispatch import check_dispatcher
 from pipexplore.schedules import is_multi_stage
 from pipexplore.widgets import layer_table as layers
 
@@ -68,15 +68,11 @@ class MeshChoice:
         if spec is not None:
             self.mesh = Mesh.of(spec, len(placement.devices))
             _refused_here(self.mesh, placement.planned)
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"unknown data_parallel {data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-        if moe_dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(f"unknown moe_dispatcher {moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)}")
         self.options: dict[str, Any] = {
-            "data_parallel": data_parallel,
+            "data_parallel": check_data_parallel(data_parallel),
             "sequence_parallel": validate.boolean(sequence_parallel, "sequence_parallel"),
             "reshard_after_forward": validate.boolean(reshard_after_forward, "reshard_after_forward"),
-            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap"), "moe_dispatcher": moe_dispatcher,
+            "moe_overlap": validate.boolean(moe_overlap, "moe_overlap"), "moe_dispatcher": check_dispatcher(moe_dispatcher),
             # checked against a mesh that folds experts before anything is profiled; else by the plan, which
             # knows whether its layer table has experts at all
             "capacity_factor": validate.capacity_factor(

@@ -25,8 +25,8 @@ from pipexplore.devices import chosen_devices
 from pipexplore.devices.mesh import Mesh
 from pipexplore.models.trace.candidates import GRANULARITIES
 from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
-from pipexplore.predict.memory import DATA_PARALLEL
-from pipexplore.predict.moe_dispatch import MOE_DISPATCHERS
+from pipexplore.predict.memory import check_data_parallel
+from pipexplore.predict.moe_dispatch import check_dispatcher
 from pipexplore.training import LossFn, OptimizerFactory
 from pipexplore.widgets.header import parse_bytes
 
@@ -143,11 +143,8 @@ class ExploreOptions:
                              f"({{'tp': 4, 'pp': 8}}), a Mesh, or None, got {self.mesh!r}")
         if isinstance(self.mesh, Mapping):
             held("mesh", dict(self.mesh))
-        if self.data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"unknown data_parallel {self.data_parallel!r}: {', '.join(DATA_PARALLEL)}")
-        if self.moe_dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(f"unknown moe_dispatcher {self.moe_dispatcher!r}: {', '.join(MOE_DISPATCHERS)} (each "
-                             "routed copy by an all-to-all; once a destination node and GPU)")
+        check_data_parallel(self.data_parallel)
+        check_dispatcher(self.moe_dispatcher)
         held("capacity_factor", validate.capacity_factor(self.capacity_factor))  # (against ep: the plan)
         if self.tp_plan is not None:
             if not isinstance(self.tp_plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
