@@ -182,6 +182,9 @@ def test_a_multi_stage_schedule_puts_two_stages_on_every_device_given(schedule):
     ex = explore(model, torch.randn(8, 16), devices=["cpu", "cpu"], chunks=4, schedule=schedule)
     assert (ex.plan.num_stages, ex.plan.num_devices) == (4, 2)
     assert len(set(ex.plan.splits)) == 3
+    if not torch.cuda.is_available():  # none named: this machine's two CPU devices, each holding two stages
+        default = explore(model, torch.randn(8, 16), chunks=4, schedule=schedule)
+        assert default.plan.devices == ("cpu", "cpu") and default.plan.num_stages == 4
     given = explore(model, torch.randn(8, 16), devices=["cpu", "cpu"], chunks=4, schedule=schedule, splits=[4])
     assert (given.plan.num_stages, given.plan.num_devices) == (2, 1)  # the splits given say otherwise
     few = explore(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)), torch.randn(8, 16),

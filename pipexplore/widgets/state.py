@@ -89,6 +89,12 @@ class Status:
     traceback: str = ""
 
 
+def _ranks(stages: int, schedule: str, virtual_stages: int = VIRTUAL_STAGES) -> int:
+    """The devices ``stages`` stages run on under ``schedule``: one a stage, or ``virtual_stages`` a
+    device under a multi-stage schedule (as :attr:`pipexplore.plan.Plan.num_devices` counts them)."""
+    return max(1, stages // virtual_stages) if is_multi_stage(schedule) else stages
+
+
 class ExplorerState:
     """The explorer's model of one Plan and its runs (see the module docstring for its changes).
 
@@ -195,7 +201,7 @@ class ExplorerState:
         self.notes = self._first_notes(given.granularity)
         # 6. The first plan: the splits given, else balanced by time; its executor's own costs probed.
         splits = self._first_splits(splits, file, executor, schedule)
-        plan_devices, note = self.placement.for_stages(file.ranks if file else len(splits) + 1)
+        plan_devices, note = self.placement.for_stages(file.ranks if file else _ranks(len(splits) + 1, schedule))
         self.notes += [note] if note else []
         #: What the executor probes measured (:func:`pipexplore.executors.probe.probe_kind` of each).
         self._probed: set[tuple[str, bool]] = set()
@@ -417,8 +423,7 @@ class ExplorerState:
         """The devices for ``stages`` stages from the plan's, and a note saying what changed
         (:func:`pipexplore.devices.placement.devices_for`). A CSV schedule keeps its ranks."""
         plan = self._plan
-        needed = plan.num_devices if is_csv(plan.schedule) else (
-            max(1, stages // plan.virtual_stages) if is_multi_stage(plan.schedule) else stages)
+        needed = plan.num_devices if is_csv(plan.schedule) else _ranks(stages, plan.schedule, plan.virtual_stages)
         return devices_for(plan.devices, needed, stages=stages, gpus_per_node=self.gpus_per_node)
 
     def set_stage_count(self, stages: Any) -> str:
