@@ -334,6 +334,35 @@ def test_a_plan_whose_ranks_come_to_outnumber_the_cores_is_probed_again_until_a_
     assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == taught
 
 
+def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_ranks(monkeypatch):
+    """A mesh's every rank is a process of its run: pp 2 × dp 2 on a host told it has 3 cores has
+    two pipeline ranks but four processes, so its hand-over is the loaded probe's, measured on a
+    pipeline of four ranks (as many processes as the run starts)."""
+    import importlib
+
+    from pipexplore.widgets import explore
+
+    probing = importlib.import_module("pipexplore.executors.probe")
+    real_loaded, real_step, loaded, ranks = probing.loaded_transfer, probing._probe_step, [], []
+
+    def spy(*args, **kwargs):
+        loaded.append(real_loaded(*args, **kwargs))
+        return loaded[-1]
+
+    def step(module, plan, layers, table, devices, chunks, repeats):
+        ranks.append(len(devices))
+        return real_step(module, plan, layers, table, devices, chunks, repeats)
+
+    monkeypatch.setattr(probing, "host_cores", lambda: 3)
+    monkeypatch.setattr(probing, "loaded_transfer", spy)
+    monkeypatch.setattr(probing, "_probe_step", step)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu"] * 4, chunks=4, schedule="1f1b",
+                 executor="processes", mesh={"pp": 2, "dp": 2})
+    assert ex.plan.num_devices == 2 and ex.plan.mesh_or_pipeline.size == 4
+    assert ranks == [2, 4]  # the idle probe on the pipeline's ranks, the loaded one on the mesh's
+    assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == loaded[0]
+
+
 def test_a_busy_layer_keeps_its_thread_computing_forward_and_backward():
     import time
 
