@@ -363,6 +363,34 @@ def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_rank
     assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == loaded[0]
 
 
+def test_a_torchrun_run_of_a_threads_plan_is_predicted_with_the_processes_costs(monkeypatch):
+    """The torchrun script's ranks are processes: a run of a threads plan under torchrun is predicted
+    with the processes executor's own costs (probed once, then kept beside the threads ones), and
+    the plan's executor stays threads."""
+    import pipexplore.runs.roundtrip as roundtrip
+    from pipexplore.widgets import explore
+
+    given = []
+
+    class Stop(Exception):
+        pass
+
+    def launched(model, sample, plan, **options):
+        given.append(plan)
+        raise Stop
+
+    monkeypatch.setattr(roundtrip, "torchrun_result", launched)
+    ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu", "cpu"], splits=[4], chunks=4, schedule="1f1b")
+    assert ex.plan.executor == "threads" and "processes" not in ex.plan.corrections.overheads
+    with pytest.raises(Stop):
+        ex.run(executor="torchrun")
+    (plan,) = given
+    assert plan.executor == "processes" and plan.splits == ex.plan.splits
+    assert plan.corrections.overheads["processes"]["forward"] > 0 and plan.corrections.transfer("processes") > 0
+    assert plan.corrections.overheads["threads"] == ex.plan.corrections.overheads["threads"]
+    assert ex.plan.executor == "threads"
+
+
 def test_a_busy_layer_keeps_its_thread_computing_forward_and_backward():
     import time
 

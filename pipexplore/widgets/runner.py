@@ -147,7 +147,8 @@ class Runner:
 
     def run_torchrun(self, nodes: int = 2, *, timeout: Optional[float] = None) -> pd.Series:
         """Export the current plan, run it under ``nodes`` torchrun node agents on this machine
-        (c10d rendezvous on loopback, gloo), wait with progress on the status line (Cancel stops
+        (c10d rendezvous on loopback, gloo; predicted, whatever the plan's executor, with the
+        processes executor's own costs, probed once: its ranks are processes), wait with progress on the status line (Cancel stops
         every agent and rank), and load the run as :meth:`load_run` does. Returns its row.
 
         Raises:
@@ -161,6 +162,8 @@ class Runner:
         with self._lock:
             with state.lock:
                 plan, number = state.plan, state.log.next_number
+                if plan.executor != "processes":  # its ranks are processes: predicted with what an action costs them
+                    plan = state.with_executor_costs(plan.with_options(executor="processes"))
             state.say(f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
             result = torchrun_result(state.model, state.sample, plan, nodes=nodes, **state.training.keywords(),
                                      run=number, timeout=timeout,

@@ -209,7 +209,7 @@ class ExplorerState:
         self._subscribers: list[Callable[[str], None]] = []
         self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
         self.status = Status()
-        self._plan = self._with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(plan_devices), chunks,
+        self._plan = self.with_executor_costs(Plan(self.layer_table, tuple(splits), tuple(plan_devices), chunks,
                                                     checkpoint, schedule, executor=executor,
                                                     batch=batch_size(sample), gpus_per_node=self.gpus_per_node,
                                                     mesh=self.mesh, **self.meshes.options))
@@ -370,13 +370,13 @@ class ExplorerState:
             plan = change(self._plan)
             if splits_backward(plan.schedule) and self.with_backward_split() is not plan.layer_table:
                 plan = replace(plan, layer_table=self.layer_table)
-            plan = self._with_executor_costs(plan)
+            plan = self.with_executor_costs(plan)
             _ = plan.predicted
             self._plan = plan
             self.notify("plan")
             return plan
 
-    def _with_executor_costs(self, plan: Plan) -> Plan:
+    def with_executor_costs(self, plan: Plan) -> Plan:
         """``plan`` with its executor's own cost per action, probed once per executor (see
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it; a
         processes plan whose ranks start or stop outnumbering the cores is probed again for its
