@@ -5,13 +5,16 @@ machine's links.
 A plan for catalogue devices costs a tensor-parallel rank with the roofline of its shard (torch's
 ``parallelize_module`` on a fake process group counts it: :mod:`pipexplore.models.sharded`). Here the
 whole model's layers are timed instead (:func:`pipexplore.models.profile.profile_model`), and the
-same count says what a rank keeps of each: its forward and backward seconds scale by the rank's
-FLOPs over the whole layer's (a matmul sharded over ``tp`` ranks does ``1/tp`` of the work; a norm
-kept whole does all of it), its parameters and optimizer step by the bytes it holds, and the
-collectives ``DTensor`` runs (their bytes counted) cost gloo's ring over loopback
+same count says what a rank keeps of each: its forward and backward seconds scale by what the
+rank's shard of the block costs over the whole block, timed here on a micro-batch
+(:func:`pipexplore.models.rank_timing.timed_shares`: torch's ``DTensor`` shard run for real, once a
+kind of block; on small layers it costs more than the whole block, its operators' dispatch
+undivided), else by the rank's FLOPs over the whole layer's (a matmul sharded over ``tp`` ranks
+does ``1/tp`` of the work; a norm kept whole does all of it); its parameters and optimizer step
+scale by the bytes it holds, and the collectives ``DTensor`` runs (their bytes counted) cost gloo's ring over loopback
 (:data:`pipexplore.predict.collectives.HOST_LINK`), on the critical path of their phase
-(``forward_comm``, ``backward_comm``). A run here corrects what the scaling leaves out (a narrower
-matmul's efficiency, the ranks sharing the cores).
+(``forward_comm``, ``backward_comm``). A run here corrects what the scaling leaves out (the ranks
+sharing the cores beyond what the plan's replicas count, the collectives' real cost).
 
 Example::
 
@@ -27,7 +30,9 @@ import pandas as pd
 
 from pipexplore.models.experts import routed_experts
 from pipexplore.models.meta import EXPERT_COLUMNS, count_layers
+from pipexplore.models.inputs import first_microbatch, sample_rows
 from pipexplore.models.opcount import meta_copy, to_meta
+from pipexplore.models.rank_timing import timed_shares
 from pipexplore.predict.collectives import HOST_LINK, Group, ops_collective_seconds
 from pipexplore.training import LossFn
 
@@ -38,7 +43,9 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
               tp_plan: Optional[dict[str, str]] = None, loss_fn: Optional[LossFn] = None,
               target: Any = None) -> pd.DataFrame:
     """``table`` (``model``'s, measured here) as one of ``tp`` tensor-parallel ranks runs it (the
-    module docstring), counted at ``microbatch_rows`` rows (default: the whole batch); ``attrs["tp"]``.
+    module docstring), counted at ``microbatch_rows`` rows (default: the whole batch); ``attrs["tp"]``,
+    and ``attrs["tp_timed"]``: each block timed sharded, its rank's forward and backward over the
+    whole block's.
 
     Raises:
         ValueError: a plan that cannot shard the model (as :func:`pipexplore.models.sharded.check_plan`
@@ -53,12 +60,19 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
         raise ValueError(f"tp={tp} here: the count's layers ({list(counted['name'])[:3]} …) are not the measured "
                          f"table's ({names[:3]} …): plan the model's blocks (granularity='blocks')")
     out = table.copy()
+    shares = {}
     for phase in ("forward", "backward"):
         whole = counted[f"{phase}_flops"].to_numpy(dtype=float)
         mine = counted[f"rank_{phase}_flops"].to_numpy(dtype=float)
-        share = np.where(np.isfinite(whole) & (whole > 0), mine / np.where(whole > 0, whole, 1.0), 1.0)
+        shares[phase] = np.where(np.isfinite(whole) & (whole > 0), mine / np.where(whole > 0, whole, 1.0), 1.0)
+    divided = [name for k, name in enumerate(names) if min(shares["forward"][k], shares["backward"][k]) < 1.0]
+    timed = timed_shares(model, _microbatch(sample, microbatch_rows), divided, tp=tp, tp_plan=tp_plan) if divided else {}
+    for k, name in enumerate(names):
+        if name in timed:
+            shares["forward"][k], shares["backward"][k] = timed[name]
+    for phase in ("forward", "backward"):
         for column in (f"{phase}_a", f"{phase}_b"):
-            out[column] = out[column].to_numpy(dtype=float) * share
+            out[column] = out[column].to_numpy(dtype=float) * shares[phase]
     ops = counted.attrs["ops"]
     at = float(table.attrs.get("batch") or ops.attrs["rows"])  # the rows the table's whole-batch columns are at
     comm = _sum_by_kind(ops, ops_collective_seconds(ops, at, Group(tp, *HOST_LINK)))
@@ -76,8 +90,15 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
     if "optimizer" in out:
         out["optimizer"] = out["optimizer"].to_numpy(dtype=float) * np.where(whole_bytes > 0,
                                                                               held / np.maximum(whole_bytes, 1), 1.0)
-    out.attrs = {**table.attrs, "tp": int(tp)}
+    out.attrs = {**table.attrs, "tp": int(tp), "tp_timed": timed}
     return with_expert_counts(model, sample, out, counted=counted)
+
+
+def _microbatch(sample: Any, rows: Optional[int]) -> Any:
+    """``sample``'s first micro-batch of ``rows`` rows (all of it where ``rows`` is None or does not
+    divide it)."""
+    total = sample_rows(sample)
+    return first_microbatch(sample, total // rows) if rows and 0 < rows < total and total % rows == 0 else sample
 
 
 def with_expert_counts(model: Any, sample: Any, table: pd.DataFrame, *, microbatch_rows: Optional[int] = None,

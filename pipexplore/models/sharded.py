@@ -380,8 +380,10 @@ def _rotary_reduced(rope: int, group_name: str) -> Any:
     return hook
 
 
-def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, gather_once: bool = True) -> nn.Module:
-    """A copy of ``block`` (named ``name`` in its model) on the meta device, its modules that
+def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, gather_once: bool = True,
+          on_meta: bool = True) -> nn.Module:
+    """A copy of ``block`` (named ``name`` in its model) on the meta device (``on_meta=False``: where
+    its parameters are, their values copied, to run it), its modules that
     ``plan`` names sharded over ``mesh`` by torch's ``parallelize_module``, each module holding
     projections whose output stays column-sharded at its rank's share of heads; ``gather_once``: each
     module holding column-sharded projections takes its input replicated once (the module docstring).
@@ -393,7 +395,7 @@ def shard(block: nn.Module, name: str, plan: Mapping[str, str], mesh: Any, *, ga
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     tp = mesh.size()
-    rank_block = meta_copy(block)
+    rank_block = meta_copy(block) if on_meta else copy.deepcopy(block)
     modules = dict(rank_block.named_modules())
     planned = _rank_styles({sub: style for sub in modules
                             if (style := style_of(plan, f"{name}.{sub}" if sub else name)) is not None
