@@ -64,7 +64,7 @@ def test_a_block_that_does_not_run_sharded_keeps_its_share_of_the_flops(monkeypa
 
 def test_a_blocks_inputs_are_fresh_leaves_and_what_is_no_tensor_is_left_out():
     model, ids = tiny_llama()
-    (args, kwargs), = rank_timing.block_inputs(model, ids, ["model.layers.0"]).values()
+    (args, kwargs), = rank_timing.first_calls(model, ids, ["model.layers.0"]).values()
     fresh_args, fresh_kwargs = rank_timing._fresh((args, kwargs))
     assert fresh_args[0].requires_grad and fresh_args[0].is_leaf and torch.equal(fresh_args[0], args[0])
     assert all(t.requires_grad for t in fresh_kwargs["position_embeddings"])

@@ -28,7 +28,7 @@ from torch import nn
 from pipexplore.models import sharded
 from pipexplore.models.inputs import call_inputs
 
-__all__ = ["timed_shares", "block_inputs", "TIMED_SECONDS"]
+__all__ = ["timed_shares", "first_calls", "TIMED_SECONDS"]
 
 #: The most seconds one kind of block is timed for (whole and rank together), after a first call of each.
 TIMED_SECONDS = 0.5
@@ -36,7 +36,7 @@ TIMED_SECONDS = 0.5
 ROUNDS = (3, 9)
 
 
-def block_inputs(model: nn.Module, sample: Any, names: Sequence[str]) -> dict[str, tuple[tuple, dict]]:
+def first_calls(model: nn.Module, sample: Any, names: Sequence[str]) -> dict[str, tuple[tuple, dict]]:
     """The ``(args, kwargs)`` of the first call of each of ``model``'s modules ``names``, in a forward
     of ``sample`` without gradients."""
     modules = dict(model.named_modules())
@@ -112,7 +112,7 @@ def timed_shares(model: nn.Module, sample: Any, names: Sequence[str], *, tp: int
     """
     modules = dict(model.named_modules())
     plan = sharded.tensor_parallel_plan(model, tp_plan)
-    inputs = block_inputs(model, sample, names)
+    inputs = first_calls(model, sample, names)
     by_kind: dict[tuple[str, int], Optional[tuple[float, float]]] = {}
     out: dict[str, tuple[float, float]] = {}
     with sharded.fake_group(tp) as mesh:
