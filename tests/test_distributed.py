@@ -336,8 +336,8 @@ def test_a_plan_whose_ranks_come_to_outnumber_the_cores_is_probed_again_until_a_
 
 def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_ranks(monkeypatch):
     """A mesh's every rank is a process of its run: pp 2 × dp 2 on a host told it has 3 cores has
-    two pipeline ranks but four processes, so its hand-over is the loaded probe's, measured on a
-    pipeline of four ranks (as many processes as the run starts)."""
+    two pipeline ranks but four processes, so its hand-over is the loaded probe's; both probes run
+    a pipeline of four ranks (as many processes as the run starts, in one pool)."""
     import importlib
 
     from pipexplore.widgets import explore
@@ -359,7 +359,7 @@ def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_rank
     ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu"] * 4, chunks=4, schedule="1f1b",
                  executor="processes", mesh={"pp": 2, "dp": 2})
     assert ex.plan.num_devices == 2 and ex.plan.mesh_or_pipeline.size == 4
-    assert ranks == [2, 4]  # the idle probe on the pipeline's ranks, the loaded one on the mesh's
+    assert ranks == [4, 4]  # the idle probe and the loaded one on the mesh's every rank (one pool)
     assert len(loaded) == 1 and ex.plan.corrections.transfer("processes") == loaded[0]
 
 

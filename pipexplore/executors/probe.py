@@ -104,12 +104,16 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
 
 def _probe_shape(plan: Plan, all_devices: bool = False) -> tuple[tuple[Any, ...], int, int]:
     """The devices, stages and micro-batches a probe of ``plan`` runs: at most :data:`PROBE_DEVICES`
-    devices (``all_devices``: every one) with the plan's stages a device, at most
-    :data:`PROBE_CHUNKS` micro-batches (or as many as the schedule needs)."""
+    devices (``all_devices``: every one, a mesh's every rank: as many processes share the cores as
+    its run starts) with the plan's stages a device, at most :data:`PROBE_CHUNKS` micro-batches (or
+    as many as the schedule needs)."""
     per_device = plan.num_stages // plan.num_devices
-    devices = tuple(plan.devices[:plan.num_devices if all_devices else min(plan.num_devices, PROBE_DEVICES)])
+    count = plan.mesh_or_pipeline.size if all_devices else min(plan.num_devices, PROBE_DEVICES)
+    devices = tuple(plan.devices[:count])
     stages = len(devices) * per_device
     chunks = min(plan.chunks, max(PROBE_CHUNKS, len(devices)))
+    if count > plan.num_devices:  # a mesh's ranks as one pipeline: as many micro-batches as its stages
+        chunks = max(chunks, stages)
     if plan.schedule in ("interleaved", "interleaved-zero-bubble"):  # a multiple of the devices, as they need
         chunks -= chunks % len(devices)
     if plan.schedule == "dualpipev":  # at least as many micro-batches as stages
@@ -229,17 +233,12 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     measured: a 4-rank step 40 % longer than its actions and median hand-overs predict). Here the
     plan's schedule runs on stages that compute as long as the plan's own actions (per micro-batch,
     the median over its stages, within :data:`LOADED_SECONDS`; ``stages`` and ``chunks`` as the
-    idle probe ran them; a mesh's ranks run as one pipeline of as many ranks, so that as many
-    processes share the cores as its run starts), and the hand-over is the one that makes the simulator reproduce the
+    idle probe ran them: a mesh's every rank a stage, :func:`_probe_shape`), and the hand-over is the one that makes the simulator reproduce the
     measured step (:meth:`Corrections.step_fitted`, the same fit a real run's learning makes).
     ``transfer`` (the idle one) where the step says nothing more."""
     from pipexplore.executors import processes
 
-    ranks = plan.mesh_or_pipeline.size
-    if ranks > plan.num_devices:  # a mesh: its replicas' ranks share the cores too, a stage each here
-        stages = ranks * max(1, stages // plan.num_devices)
-        chunks = max(chunks, stages)
-    devices = plan.devices[:ranks]
+    devices = plan.devices[:plan.mesh_or_pipeline.size]
     batch = plan.step_batch
     rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
     low, high = LOADED_SECONDS
