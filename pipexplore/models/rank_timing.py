@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipexplore.models import sharded
+from pipexplore.models.hf import cache_off
 from pipexplore.models.inputs import call_inputs
 
 __all__ = ["timed_shares", "first_calls", "TIMED_SECONDS"]
@@ -38,7 +39,7 @@ ROUNDS = (3, 9)
 
 def first_calls(model: nn.Module, sample: Any, names: Sequence[str]) -> dict[str, tuple[tuple, dict]]:
     """The ``(args, kwargs)`` of the first call of each of ``model``'s modules ``names``, in a forward
-    of ``sample`` without gradients."""
+    of ``sample`` without gradients (a Hugging Face model's KV cache off: :func:`~pipexplore.models.hf.cache_off`)."""
     modules = dict(model.named_modules())
     seen: dict[str, tuple[tuple, dict]] = {}
     hooks = []
@@ -48,7 +49,7 @@ def first_calls(model: nn.Module, sample: Any, names: Sequence[str]) -> dict[str
         hooks.append(modules[name].register_forward_pre_hook(keep, with_kwargs=True))
     args, kwargs = call_inputs(sample)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), cache_off(model):
             model(*args, **kwargs)
     finally:
         for hook in hooks:
