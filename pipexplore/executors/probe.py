@@ -147,8 +147,8 @@ def _probe_step(module: Any, plan: Plan, layers: nn.Sequential, table: pd.DataFr
 def probe_kind(plan: Plan) -> tuple[str, bool]:
     """What a probe of ``plan`` stands for: its executor, and whether the hand-over is the loaded
     one (:func:`loaded_transfer`: processes whose ranks, a mesh's every one, outnumber this host's
-    cores). A plan of
-    another kind needs a probe of its own; one of the same kind takes the last one's figures."""
+    cores). A plan of another kind needs a probe of its own; one of the same kind takes the last
+    one's figures."""
     executor = plan.predict_executor
     return executor, (executor == "processes" and plan.mesh_or_pipeline.size > host_cores()
                       and not is_csv(plan.schedule))
@@ -226,16 +226,16 @@ class BusyLayer(nn.Module):
 def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer: float, stages: int, chunks: int,
                     repeats: int = 3) -> float:
     """The processes executor's hand-over where the plan's ranks (a mesh's every rank) outnumber this
-    host's cores: the
-    idle probe's median hand-over (a few tenths of a millisecond) is what a rank costs when a
-    core is free to take it; when every core computes another rank's action, a rank woken by a
-    send or receive waits for the OS scheduler to give it one (~1–2 ms on a 2-core Linux host,
-    measured: a 4-rank step 40 % longer than its actions and median hand-overs predict). Here the
-    plan's schedule runs on stages that compute as long as the plan's own actions (per micro-batch,
-    the median over its stages, within :data:`LOADED_SECONDS`; ``stages`` and ``chunks`` as the
-    idle probe ran them: a mesh's every rank a stage, :func:`_probe_shape`), and the hand-over is the one that makes the simulator reproduce the
-    measured step (:meth:`Corrections.step_fitted`, the same fit a real run's learning makes).
-    ``transfer`` (the idle one) where the step says nothing more."""
+    host's cores: the idle probe's median hand-over (a few tenths of a millisecond) is what a rank
+    costs when a core is free to take it; when every core computes another rank's action, a rank
+    woken by a send or receive waits for the OS scheduler to give it one (~1–2 ms on a 2-core Linux
+    host, measured: a 4-rank step 40 % longer than its actions and median hand-overs predict). Here
+    the plan's schedule runs on stages that compute as long as the plan's own actions (per
+    micro-batch, the median over its stages, within :data:`LOADED_SECONDS`; ``stages`` and
+    ``chunks`` as the idle probe ran them: a mesh's every rank a stage, :func:`_probe_shape`), and
+    the hand-over is the one that makes the simulator reproduce the measured step
+    (:meth:`Corrections.step_fitted`, the same fit a real run's learning makes). ``transfer`` (the
+    idle one) where the step says nothing more."""
     from pipexplore.executors import processes
 
     devices = plan.devices[:plan.mesh_or_pipeline.size]

@@ -11,8 +11,8 @@ rank's shard of the block costs over the whole block, timed here on a micro-batc
 kind of block; on small layers it costs more than the whole block, its operators' dispatch
 undivided), else by the rank's FLOPs over the whole layer's (a matmul sharded over ``tp`` ranks
 does ``1/tp`` of the work; a norm kept whole does all of it); its parameters and optimizer step
-scale by the bytes it holds, and the collectives ``DTensor`` runs (their bytes counted) cost gloo's ring over loopback
-(:data:`pipexplore.predict.collectives.HOST_LINK`), on the critical path of their phase
+scale by the bytes it holds, and the collectives ``DTensor`` runs (their bytes counted) cost
+gloo's ring over loopback (:data:`pipexplore.predict.collectives.HOST_LINK`), on the critical path of their phase
 (``forward_comm``, ``backward_comm``). A run here corrects what the scaling leaves out (the ranks
 sharing the cores beyond what the plan's replicas count, the collectives' real cost).
 
@@ -65,8 +65,10 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
         whole = counted[f"{phase}_flops"].to_numpy(dtype=float)
         mine = counted[f"rank_{phase}_flops"].to_numpy(dtype=float)
         shares[phase] = np.where(np.isfinite(whole) & (whole > 0), mine / np.where(whole > 0, whole, 1.0), 1.0)
-    divided = [name for k, name in enumerate(names) if min(shares["forward"][k], shares["backward"][k]) < 1.0]
-    timed = timed_shares(model, _microbatch(sample, microbatch_rows), divided, tp=tp, tp_plan=tp_plan) if divided else {}
+    kinds = counted["kind"].to_numpy()
+    divided = {name: kinds[k] for k, name in enumerate(names) if min(shares["forward"][k], shares["backward"][k]) < 1}
+    timed = (timed_shares(model, _microbatch(sample, microbatch_rows), divided, tp=tp, tp_plan=tp_plan)
+             if divided else {})
     for k, name in enumerate(names):
         if name in timed:
             shares["forward"][k], shares["backward"][k] = timed[name]
@@ -76,7 +78,6 @@ def rank_here(model: Any, sample: Any, table: pd.DataFrame, *, tp: int, microbat
     ops = counted.attrs["ops"]
     at = float(table.attrs.get("batch") or ops.attrs["rows"])  # the rows the table's whole-batch columns are at
     comm = _sum_by_kind(ops, ops_collective_seconds(ops, at, Group(tp, *HOST_LINK)))
-    kinds = counted["kind"].to_numpy()
     for phase in ("forward", "backward"):
         seconds = comm[phase].reindex(kinds).fillna(0.0).to_numpy() if phase in comm else np.zeros(len(out))
         out[f"{phase}_comm"] = seconds

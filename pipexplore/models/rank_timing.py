@@ -13,13 +13,13 @@ does meanwhile falls on both. The fake group's collectives run nothing: they are
 
 Example::
 
-    shares = timed_shares(model, first_rows, ["model.layers.0"], tp=2)   # {"model.layers.0": (8.5, 6.6)}
+    shares = timed_shares(model, first_rows, {"model.layers.0": "block"}, tp=2)   # {"model.layers.0": (8.5, 6.6)}
 """
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -97,32 +97,32 @@ def _ratios(whole: nn.Module, rank: nn.Module, inputs: tuple[tuple, dict]) -> tu
         times["whole"].append(_call(whole, inputs))
         times["rank"].append(_call(rank, inputs))
     medians = {key: [statistics.median(t[phase] for t in value) for phase in (0, 1)] for key, value in times.items()}
-    return tuple(r / w if w > 0 else 1.0 for r, w in zip(medians["rank"], medians["whole"]))  # type: ignore[return-value]
+    (forward, backward), (whole_forward, whole_backward) = medians["rank"], medians["whole"]
+    return (forward / whole_forward if whole_forward > 0 else 1.0,
+            backward / whole_backward if whole_backward > 0 else 1.0)
 
 
-def _kind(module: nn.Module) -> tuple[str, int]:
-    return type(module).__name__, sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def timed_shares(model: nn.Module, sample: Any, names: Sequence[str], *, tp: int,
+def timed_shares(model: nn.Module, sample: Any, kinds: Mapping[str, Hashable], *, tp: int,
                  tp_plan: Optional[dict[str, str]] = None) -> dict[str, tuple[float, float]]:
-    """For each of ``model``'s blocks ``names``: the seconds one of ``tp`` tensor-parallel ranks
-    spends in its forward and backward over the whole block's, timed here on ``sample`` (a
-    micro-batch) once a kind of block (the module docstring); blocks of the same kind take the
-    first's. A block that does not run sharded for real (the count then says its share) is left out.
+    """For each of ``model``'s blocks named in ``kinds``: the seconds one of ``tp`` tensor-parallel
+    ranks spends in its forward and backward over the whole block's, timed here on ``sample`` (a
+    micro-batch) once a kind of block (the module docstring); ``kinds`` gives each block's kind as
+    :func:`~pipexplore.models.meta.count_layers` groups them (its ``kind`` column), and a block takes
+    the first of its kind's ratios. A block that does not run sharded for real (the count then says
+    its share) is left out.
     """
     modules = dict(model.named_modules())
     plan = sharded.tensor_parallel_plan(model, tp_plan)
-    inputs = first_calls(model, sample, names)
-    by_kind: dict[tuple[str, int], Optional[tuple[float, float]]] = {}
+    inputs = first_calls(model, sample, list(kinds))
+    by_kind: dict[Hashable, Optional[tuple[float, float]]] = {}
     out: dict[str, tuple[float, float]] = {}
     with sharded.fake_group(tp) as mesh:
-        for name in names:
-            kind = _kind(modules[name])
+        for name, kind in kinds.items():
             if kind not in by_kind:
                 by_kind[kind] = _timed(modules[name], name, plan, mesh, inputs.get(name))
-            if by_kind[kind] is not None:
-                out[name] = by_kind[kind]  # type: ignore[assignment]
+            ratios = by_kind[kind]
+            if ratios is not None:
+                out[name] = ratios
     return out
 
 

@@ -148,8 +148,9 @@ class Runner:
     def run_torchrun(self, nodes: int = 2, *, timeout: Optional[float] = None) -> pd.Series:
         """Export the current plan, run it under ``nodes`` torchrun node agents on this machine
         (c10d rendezvous on loopback, gloo; predicted, whatever the plan's executor, with the
-        processes executor's own costs, probed once: its ranks are processes), wait with progress on the status line (Cancel stops
-        every agent and rank), and load the run as :meth:`load_run` does. Returns its row.
+        processes executor's own costs, probed once: its ranks are processes), wait with progress on
+        the status line (Cancel stops every agent and rank), and load the run as :meth:`load_run`
+        does. Returns its row.
 
         Raises:
             pipexplore.runs.launch.TorchrunError: a rank failed (its rank, host and exit code), or a timeout.
