@@ -213,7 +213,7 @@ def test_the_prediction_refuses_what_torch_refuses(options, reason):
 def test_the_page_retimes_the_v_schedules_as_simulate_predicts(tmp_path):
     from pipexplore.predict.retime import retime_model
     from pipexplore.widgets.timeline_figure import PHASES
-    from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
+    from pipexplore.widgets.timeline_canvas import block_panel, lane_of, retime_panel
     from test_retime import run_page, table
 
     import base64
@@ -224,7 +224,7 @@ def test_the_page_retimes_the_v_schedules_as_simulate_predicts(tmp_path):
         options = dict(chunks=6, schedule=schedule, devices=["cuda:0", "cuda:1", "cuda:2"], executor="threads")
         before, after = [2, 4, 6, 8, 10], [1, 3, 6, 9, 11]
         model = retime_model(frame, before, samples=30, bubble_by="device", **options)
-        panel = retime_panel(block_panel(simulate(frame, before, **options), PHASES)["lane_stage"], PHASES, model)
+        panel = retime_panel(lane_of(simulate(frame, before, **options))[0], PHASES, model)
         page = run_page(model, panel, [after], tmp_path)[0]
         assert "error" not in page, page
         predicted = simulate(frame, after, **options)

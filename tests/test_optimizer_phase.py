@@ -269,7 +269,7 @@ def test_the_page_retimes_a_drag_with_optimizer_steps_as_simulate_does(case, tmp
 
     from pipexplore.predict.retime import retime_model
     from pipexplore.widgets.timeline_figure import PHASES
-    from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
+    from pipexplore.widgets.timeline_canvas import block_panel, lane_of, retime_panel
 
     options = {"1f1b threads, crowded host": dict(chunks=6, schedule="1f1b", devices=["cpu"] * 3, executor="threads"),
                "gpipe autograd": dict(chunks=4, schedule="gpipe", devices=["cpu"] * 3),
@@ -280,7 +280,7 @@ def test_the_page_retimes_a_drag_with_optimizer_steps_as_simulate_does(case, tmp
     frame["optimizer"] = 3e-4 * (0.5 + np.random.default_rng(3).random(12))
     model = retime_model(frame, [4, 8], samples=30, **options)
     assert model["optimizer"]
-    panel = retime_panel(block_panel(simulate(frame, [4, 8], **options), PHASES)["lane_stage"], PHASES, model)
+    panel = retime_panel(lane_of(simulate(frame, [4, 8], **options))[0], PHASES, model)
     afters = [[3, 9], [1, 2]]
     for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
         assert "error" not in page, page

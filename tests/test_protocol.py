@@ -161,12 +161,14 @@ def test_the_retime_model_and_the_canvas_state_are_as_declared():
     model = retime_model(plan.layer_table, list(plan.splits), samples=6, **options)
     seen: dict[str, set[str]] = {}
     check(model, P.RetimeModel, seen)
+    check(retime_model(plan.layer_table, list(plan.splits), collectives=True, **{**options, "batch": 6})["collectives"],
+          P.RetimeCollectives, seen)  # (a mesh rank's: the same layers' collectives)
     view = TimelineView(plan.predicted)
-    view.retime(key, {**model, "key": key}, [stage for stage, _ in lane_of(plan.predicted)[0]])
+    view.retime(key, {**model, "key": key}, lane_of(plan.predicted)[0])
     check(view.figure.retime, P.RetimePayload, seen)
     view.figure.group = "g"
     check(widget_state(view.figure), P.TimelineCanvasState, seen)
-    assert_all_seen(seen, P.RetimeModel, P.RetimePayload, P.RetimePanel, P.TimelineCanvasState)
+    assert_all_seen(seen, P.RetimeModel, P.RetimePayload, P.RetimePanel, P.RetimeCollectives, P.TimelineCanvasState)
 
 
 def test_the_residual_grid_is_as_declared():

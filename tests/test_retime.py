@@ -16,7 +16,7 @@ from pipexplore.predict.costs import Corrections
 from pipexplore.predict.retime import retime_key, retime_model
 from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.timeline_figure import PHASES
-from pipexplore.widgets.timeline_canvas import block_panel, retime_panel
+from pipexplore.widgets.timeline_canvas import block_panel, lane_labels, lane_of, retime_panel
 
 NODE = shutil.which("node")
 SOURCE = pathlib.Path(__file__).parents[1] / "pipexplore" / "widgets" / "retime.js"
@@ -71,9 +71,10 @@ def run_page(model: dict, panel: dict, splits: list[list[int]], tmp_path: pathli
     return json.loads(done.stdout)
 
 
-def assert_actions_as_simulated(page: dict, model: dict, predicted: pd.DataFrame) -> None:
+def assert_actions_as_simulated(page: dict, model: dict, predicted: pd.DataFrame, step: bool = True) -> None:
     """Each action's start and end in the page (float64 seconds) as ``predicted`` (simulate's) has
-    them, to 1e-9 of the step; the step (ms) to 1e-9 relative."""
+    them, to 1e-9 of the step; the step (ms) to 1e-9 relative (``step``: where the page draws
+    nothing beyond the actions)."""
     times = np.frombuffer(base64.b64decode(page["times"]), np.float64).reshape(-1, 2)
     kinds = np.frombuffer(model["kind"], np.uint8)
     keys = zip(np.frombuffer(model["stage"], np.int32).tolist(), [model["kind_names"][k] for k in kinds],
@@ -81,9 +82,10 @@ def assert_actions_as_simulated(page: dict, model: dict, predicted: pd.DataFrame
     rows = predicted[predicted["phase"] != "copy"].set_index(["stage", "phase", "microbatch"])
     assert len(rows) == len(times) and rows.index.is_unique
     kernel = rows.loc[list(keys), ["start", "end"]].to_numpy(dtype=float)
-    step = tl.step_time(predicted)
-    np.testing.assert_allclose(times - times.min(), kernel - kernel.min(), rtol=1e-9, atol=1e-9 * step)
-    assert page["step"] == pytest.approx(step * 1e3, rel=1e-9)
+    span = tl.step_time(predicted)
+    np.testing.assert_allclose(times - times.min(), kernel - kernel.min(), rtol=1e-9, atol=1e-9 * span)
+    if step:
+        assert page["step"] == pytest.approx(span * 1e3, rel=1e-9)
 
 
 def table(n: int, seed: int = 0, shares: bool = True, fit: bool = True) -> pd.DataFrame:
@@ -137,7 +139,7 @@ def test_the_page_retimes_a_drag_as_simulate_predicts_it(name, tmp_path):
     by = "device" if options["schedule"] == "interleaved" else "stage"
     model = retime_model(frame, before, samples=30, bubble_by=by, **options)
     current = simulate(frame, before, **options)
-    panel = retime_panel(block_panel(current, PHASES)["lane_stage"], PHASES, model)
+    panel = retime_panel(lane_of(current)[0], PHASES, model)
     for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
         assert "error" not in page, page
         kernel = block_panel(simulate(frame, splits, **options), PHASES)
@@ -167,6 +169,18 @@ def llama_table() -> pd.DataFrame:
                          devices=FSDP_DEVICES, gpus_per_node=8, chunks=4, optimizer=torch.optim.AdamW)
 
 
+@pytest.fixture(scope="module")
+def llama_tp_table() -> pd.DataFrame:
+    """The same Llama's tensor-parallel rank of tp 2 (its all-reduces counted)."""
+    import torch
+
+    from models import meta_llama
+    from pipexplore.models.profile import profile_model
+
+    return profile_model(meta_llama(8, heads=8), torch.zeros(8, 256, dtype=torch.long, device="meta"),
+                         devices=FSDP_DEVICES, gpus_per_node=8, chunks=4, optimizer=torch.optim.AdamW, tp=2)
+
+
 FSDP_DEVICES = tuple(f"H100:{i}" for i in range(4))
 FSDP_CASES = {  # name: (splits before, splits after, Plan options): pp 2 · dp 2, FSDP (gathers slowed 40×: SLOW)
     "1f1b, a stage a rank: gathers at the start, reduce-scatters hidden by nothing": (
@@ -185,11 +199,39 @@ FSDP_CASES = {  # name: (splits before, splits after, Plan options): pp 2 · dp 
 }
 
 
+def with_collectives(predicted: pd.DataFrame, rank: pd.DataFrame, splits: list[int], plan) -> pd.DataFrame:
+    """``predicted`` with its mesh rank's collective rows, as :meth:`pipexplore.Plan.predict` joins them."""
+    from pipexplore.predict.mesh_costs import collective_rows
+
+    extra = collective_rows(predicted, rank, splits, batch=plan.batch, chunks=plan.chunks,
+                            data_parallel=plan.data_parallel)
+    joined = pd.concat([predicted.assign(collective="", exposed=False), extra], ignore_index=True)
+    joined.attrs = predicted.attrs
+    return joined
+
+
+def assert_page_draws(page: dict, kernel: dict, wide: bool, lanes: list[str]) -> None:
+    """The page's blocks as the kernel's panel has them: lanes, phases, micro-batches, times.
+    ``lanes``: the page's (the plan's before the move); a stage's collectives lane that the moved
+    split leaves without a collective (a stage of no parameters) stays, empty, until the kernel's
+    scene comes."""
+    assert "error" not in page, page
+    counts = dict(zip(lanes, np.diff(page["offsets"]).tolist(), strict=True))
+    assert set(kernel["lanes"]) <= set(counts) and not any(counts[k] for k in set(counts) - set(kernel["lanes"]))
+    assert [counts[k] for k in kernel["lanes"]] == np.diff(kernel["offsets"]).tolist()
+    for key, dtype in (("phase", np.uint8), ("micro", np.int32 if wide else np.uint16)):
+        assert np.array_equal(np.frombuffer(base64.b64decode(page[key]), dtype), np.frombuffer(kernel[key], dtype)), key
+    for key in ("start", "end"):
+        np.testing.assert_allclose(np.frombuffer(base64.b64decode(page[key]), np.float32),
+                                   np.frombuffer(kernel[key], np.float32), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", list(FSDP_CASES))
 def test_the_page_places_fsdps_gathers_and_reduce_scatters_as_simulate_does(name, llama_table, tmp_path):
     """A mesh plan with FSDP (its rank table costs ``unshard_seconds``, ``reduce_grad_seconds``): the
     page's re-timing of a moved split (FSDP's actions placed from the lowering the model carries)
-    gives every action's start and end, the step and the bubble simulate gives."""
+    gives every action's start and end, the step and the bubble simulate gives, and draws the
+    collectives' lanes as the plan's prediction has them."""
     from pipexplore.plan import Plan
     from pipexplore.widgets.protocol import RetimeFsdp
 
@@ -201,34 +243,82 @@ def test_the_page_places_fsdps_gathers_and_reduce_scatters_as_simulate_does(name
         rank = rank.assign(unshard_seconds=rank["unshard_seconds"] * 40,
                            reduce_grad_seconds=rank["reduce_grad_seconds"] * 40)
     by = tl.bubble_by(plan.schedule)
-    model = retime_model(rank, list(before), samples=8, bubble_by=by, **options)
+    model = retime_model(rank, list(before), samples=8, bubble_by=by, collectives=True, **options)
     assert model["fsdp"] is not None and set(model["fsdp"]) == RetimeFsdp.__required_keys__
-    panel = retime_panel(block_panel(simulate(rank, list(before), **options), PHASES)["lane_stage"], PHASES, model)
+    current = with_collectives(simulate(rank, list(before), **options), rank, list(before), plan)
+    panel = retime_panel(lane_of(current)[0], PHASES, model)
+    assert min(panel["collective_lane"]) >= 0  # every stage's collectives have a lane
     for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
-        assert "error" not in page, page
         predicted = simulate(rank, splits, **options)
         placed = predicted.attrs["fsdp"]
         assert placed  # gathers and reduce-scatters were placed
         if "SLOW" in name:  # a gather issued mid-step that its use waits for, a reduce-scatter not all hidden
             assert any(r[0] == "unshard" and r[4] is None and r[5] > 0 for r in placed)
             assert any(r[0] == "reduce_grad" and r[4] < r[3] for r in placed)
-        kernel = block_panel(predicted, PHASES)
-        assert page["offsets"] == kernel["offsets"]
-        for key in ("start", "end"):
-            np.testing.assert_allclose(np.frombuffer(base64.b64decode(page[key]), np.float32),
-                                       np.frombuffer(kernel[key], np.float32), rtol=1e-6, atol=1e-6)
-        assert_actions_as_simulated(page, model, predicted)
-        assert page["bubble"] == pytest.approx(tl.bubble_fraction(predicted, by=by), abs=1e-9)
+        joined = with_collectives(predicted, rank, splits, plan)
+        assert (joined["phase"] == "collective").sum() > 0
+        assert_page_draws(page, block_panel(joined, PHASES), wide=panel["micro_bytes"] == 4,
+                          lanes=lane_labels(lane_of(current)[0]))
+        assert_actions_as_simulated(page, model, predicted, step=False)
+        assert page["step"] == pytest.approx(tl.step_time(joined) * 1e3, rel=1e-9)
+        assert page["bubble"] == pytest.approx(tl.bubble_fraction(joined, by=by), abs=1e-9)
     ddp = Plan(llama_table, splits=before, devices=FSDP_DEVICES, chunks=4, executor="processes", batch=8,
                gpus_per_node=8, mesh={"pp": 2, "dp": 2}, data_parallel="ddp", **extra)
     assert retime_model(ddp.rank_table, list(before), **ddp.simulate_options())["fsdp"] is None
+
+
+MESH_CASES = {  # name: (mesh, Plan options, splits before, splits after): every collective but FSDP's
+    "tp 2 · pp 2, 1f1b: all-reduces close each action": ({"tp": 2, "pp": 2}, dict(schedule="1f1b"), (5,),
+                                                        [[3], [8]]),
+    "tp 2 · pp 2, zero-bubble, sequence parallel": ({"tp": 2, "pp": 2}, dict(schedule="zero-bubble",
+                                                                               sequence_parallel=True), (5,), [[2]]),
+    "cp 2 · pp 2, gpipe checkpointed: key-value gathers open each action": (
+        {"cp": 2, "pp": 2}, dict(schedule="gpipe", checkpoint="always"), (5,), [[4], [7]]),
+    "dp 2 · pp 2, ddp: the step-end all-reduce opens the update": ({"dp": 2, "pp": 2}, dict(data_parallel="ddp"),
+                                                                  (5,), [[3]]),
+    "dp 2 · pp 2, zero1, interleaved": ({"dp": 2, "pp": 2}, dict(data_parallel="zero1", schedule="interleaved",
+                                                                virtual_stages=2), (3, 6, 9), [[2, 5, 8]]),
+}
+
+
+@pytest.mark.parametrize("name", list(MESH_CASES))
+def test_the_page_draws_a_meshs_collectives_as_the_plan_predicts_them(name, llama_table, llama_tp_table, tmp_path):
+    """A mesh rank's tensor-parallel all-reduces, context-parallel gathers and data-parallel
+    collectives, in each stage's collectives lane, after a moved split: the page's blocks are the
+    plan's prediction's (``Plan.predict``, laid out by ``block_panel``), lanes, phases and times."""
+    from pipexplore.plan import Plan
+
+    mesh, extra, before, afters = MESH_CASES[name]
+    llama_table = llama_tp_table if "tp" in mesh else llama_table
+    plan = Plan(llama_table, splits=before, devices=FSDP_DEVICES, chunks=4, executor="processes", batch=8,
+                gpus_per_node=8, mesh=mesh, **extra)
+    options, rank, by = plan.simulate_options(), plan.rank_table, tl.bubble_by(plan.schedule)
+    model = retime_model(rank, list(before), samples=8, bubble_by=by, collectives=True, **options)
+    panel = retime_panel(lane_of(plan.predicted)[0], PHASES, model)
+    assert min(panel["collective_lane"]) >= 0
+    for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
+        moved = Plan(llama_table, splits=tuple(splits), devices=FSDP_DEVICES, chunks=4, executor="processes",
+                     batch=8, gpus_per_node=8, mesh=mesh, **extra)
+        assert moved.simulate_options() == options
+        joined = moved.predicted
+        named = {"tp": "tp all_reduce", "cp": "cp all_gather K,V", "dp": "dp "}[next(iter(mesh))]
+        assert joined["collective"].str.startswith(named).any()
+        assert_page_draws(page, block_panel(joined, PHASES), wide=panel["micro_bytes"] == 4,
+                          lanes=lane_labels(lane_of(plan.predicted)[0]))
+        assert page["step"] == pytest.approx(tl.step_time(joined) * 1e3, rel=1e-9)
+        assert page["bubble"] == pytest.approx(tl.bubble_fraction(joined, by=by), abs=1e-9)
+    without = retime_model(rank, list(before), **options)  # a model that is not told of the mesh draws none
+    assert without["collectives"] is None
+    bare = run_page(without, panel, [afters[0]], tmp_path)[0]
+    phases = np.frombuffer(base64.b64decode(bare["phase"]), np.uint8)
+    assert not (phases == panel["collective_code"]).any()
 
 
 def test_the_page_refuses_splits_of_another_stage_count_or_out_of_order(tmp_path):
     frame = table(8)
     options = dict(chunks=2, schedule="gpipe", devices=["cpu"] * 3)
     model = retime_model(frame, [3, 5], **options)
-    panel = retime_panel(block_panel(simulate(frame, [3, 5], **options), PHASES)["lane_stage"], PHASES, model)
+    panel = retime_panel(lane_of(simulate(frame, [3, 5], **options))[0], PHASES, model)
     pages = run_page(model, panel, [[4], [5, 3], [3, 8]], tmp_path)
     assert "3 stages need 2 splits, got 1" in pages[0]["error"]
     assert "out of order" in pages[1]["error"] and "out of order" in pages[2]["error"]
@@ -272,3 +362,44 @@ def test_the_explorer_gives_the_page_a_model_once_drawn_and_again_only_when_the_
     ex.update(chunks=6)  # another shape: a new model, named by the new scenes
     assert ex.figure.retime["key"] != model["key"] and ex.figure.retime["key"] == ex.figure.scene["retime_key"]
     assert ex.figure.retime["micro_batches"] == 6
+
+
+def test_a_meshs_collectives_need_the_batchs_rows():
+    frame = table(6)
+    frame.attrs = {}
+    with pytest.raises(ValueError, match=r"collectives scale with the batch's rows: give batch="):
+        retime_model(frame, [3], collectives=True, chunks=2, devices=["cpu"] * 2)
+    assert retime_model(frame, [3], collectives=True, chunks=2, batch=4, devices=["cpu"] * 2)["collectives"]["names"]
+
+
+def test_the_page_draws_the_experts_exchange_as_the_plan_predicts_it(tmp_path):
+    """A mixture of experts (Qwen3-MoE's shape, 4 layers, on the meta device) at ep 2: each action's
+    routed tokens sent to their experts and back, in its stage's collectives lane, after a moved split."""
+    import warnings
+
+    import torch
+    import transformers
+
+    import pipexplore
+
+    config = transformers.Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                                         num_experts_per_tok=2, vocab_size=512, num_hidden_layers=4)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.Qwen3MoeForCausalLM(config)
+    ex = pipexplore.explore(model, torch.zeros(8, 128, dtype=torch.long, device="meta"), devices=["H100"] * 4,
+                            chunks=4, schedule="1f1b", mesh={"pp": 2, "dp": 2, "ep": 2})
+    plan = ex.plan
+    options, rank = plan.simulate_options(), plan.rank_table
+    page_model = retime_model(rank, list(plan.splits), samples=8, collectives=True, **options)
+    panel = retime_panel(lane_of(plan.predicted)[0], PHASES, page_model)
+    layers = len(plan.layer_table)
+    afters = [[s] for s in (2, layers - 3) if s != plan.splits[0]]
+    for splits, page in zip(afters, run_page(page_model, panel, afters, tmp_path), strict=True):
+        moved = plan.with_options(splits=tuple(splits))
+        joined = moved.predicted
+        assert joined["collective"].eq("ep all_to_all").any()
+        assert_page_draws(page, block_panel(joined, PHASES), wide=panel["micro_bytes"] == 4,
+                          lanes=lane_labels(lane_of(plan.predicted)[0]))
+        assert page["step"] == pytest.approx(tl.step_time(joined) * 1e3, rel=1e-9)

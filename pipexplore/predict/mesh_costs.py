@@ -87,7 +87,8 @@ from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import collective_seconds, linear_cost
 from pipexplore.predict.moe_dispatch import check_dispatcher, dispatch_cost
 
-__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "COLLECTIVE_LANE"]
+__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "collective_layers",
+           "COLLECTIVE_LANE"]
 
 #: Bytes a gradient bucket holds (DDP's ``bucket_cap_mb=25``): a step-end collective's latency is paid per bucket.
 BUCKET_BYTES = 25 * 2**20
@@ -341,6 +342,28 @@ def _placed_rows(predicted: pd.DataFrame, placed: tuple) -> list[tuple]:
     return rows
 
 
+def collective_layers(table: pd.DataFrame, batch: int) -> dict[str, np.ndarray]:
+    """Per layer of a mesh rank's table (:func:`mesh_layer_table`), what :func:`collective_rows` sums
+    per stage: a micro-batch row's tensor-parallel all-reduces (``tp_forward``, ``tp_backward``), its
+    context-parallel key-value gather or scatter (``context``) and its routed tokens' exchange
+    (``exchange``); once a step the data-parallel collectives (``step_end``), FSDP's reduce-scatter
+    (``reduce_grad``, part of ``step_end``), its gathers (``gather``) and what of them a forward or
+    backward waits for (``forward_gather_exposed``, ``backward_gather_exposed``). The page's
+    re-timing (:mod:`pipexplore.predict.retime`) draws the same rows from the same arrays."""
+    whole = float(table.attrs.get("batch") or batch)
+    table = table.copy(deep=False)
+    table.attrs = {}  # (each column read copies the attrs)
+
+    def column(name: str) -> np.ndarray:
+        return table[name].to_numpy(dtype=float) if name in table else np.zeros(len(table))
+
+    return {"tp_forward": column("forward_comm") / whole, "tp_backward": column("backward_comm") / whole,
+            "context": column("cp_seconds") / 2 / whole, "exchange": column("ep_seconds") / 2 / whole,
+            "step_end": column("dp_seconds"), "reduce_grad": column("reduce_grad_seconds"),
+            "gather": column("gather_seconds"), "forward_gather_exposed": column("forward_gather_exposed"),
+            "backward_gather_exposed": column("backward_gather_exposed")}
+
+
 #: What a collective row's device says after the rank's device: its lane of its own, under the rank's.
 COLLECTIVE_LANE = " · collectives"
 _TP_PHASE = {"forward": "forward_comm", "recompute": "forward_comm", "backward": "backward_comm",
@@ -363,20 +386,13 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
 
     points = [0, *splits, len(table)]
     rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
-    whole = float(table.attrs.get("batch") or batch)
-    table = table.copy(deep=False)
-    table.attrs = {}  # (each column read copies the attrs)
-
-    def per_stage(column: str) -> np.ndarray:
-        values = table[column].to_numpy(dtype=float) if column in table else np.zeros(len(table))
-        return stage_sums(values, points)
-
-    comm = {column: per_stage(column) / whole for column in ("forward_comm", "backward_comm")}  # a row's seconds
-    step_end = per_stage("dp_seconds")
-    gathers = per_stage("gather_seconds")
-    exposed_gathers = {phase: per_stage(f"{phase}_gather_exposed") for phase in ("forward", "backward")}
-    context = per_stage("cp_seconds") / 2 / whole  # a row's key-value gather (forward) or scatter (backward)
-    exchange = per_stage("ep_seconds") / 2 / whole  # a row's routed tokens sent to their experts and back
+    per_stage = {name: stage_sums(values, points) for name, values in collective_layers(table, batch).items()}
+    comm = {"forward_comm": per_stage["tp_forward"], "backward_comm": per_stage["tp_backward"]}  # a row's seconds
+    step_end = per_stage["step_end"]
+    gathers = per_stage["gather"]
+    exposed_gathers = {phase: per_stage[f"{phase}_gather_exposed"] for phase in ("forward", "backward")}
+    context = per_stage["context"]
+    exchange = per_stage["exchange"]
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
@@ -384,7 +400,7 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
                   for r in predicted.attrs.get("moe_overlap") or ()}  # paired actions' all-to-alls, what is exposed
     regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
     if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
-        step_end = step_end - per_stage("reduce_grad_seconds")
+        step_end = step_end - per_stage["reduce_grad"]
     stage = predicted["stage"].to_numpy()
     micro = predicted["microbatch"].to_numpy()
     phase = predicted["phase"].to_numpy()

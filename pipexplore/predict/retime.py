@@ -8,9 +8,11 @@ into plain data with binary buffers, once per plan shape; the explorer's timelin
 layers of the new split, times the graph and draws it the moment a handle is released, while the
 kernel predicts the same plan. A mesh plan with FSDP carries its lowering too (``fsdp``: torch's
 ``UNSHARD``/``REDUCE_GRAD`` per worker, :mod:`pipexplore.predict.fsdp_actions`), from which the page
-places its gathers and reduce-scatters for the new split's seconds as the simulator does. Tests
-run the page's code on these models and compare its timeline with
-:func:`~pipexplore.predict.simulator.simulate`'s.
+places its gathers and reduce-scatters for the new split's seconds as the simulator does; a mesh
+rank's model carries its collectives per layer (``collectives``), which the page draws in each
+stage's collectives lane as :meth:`pipexplore.Plan.predict` does. Tests run the page's code on these
+models and compare its timeline with :func:`~pipexplore.predict.simulator.simulate`'s (with a mesh,
+``Plan.predict``'s).
 
 Example::
 
@@ -72,8 +74,21 @@ def _fsdp_model(table: pd.DataFrame, graph: Any, microbatches: int, executor: st
             "updates": _i32(np.flatnonzero(graph.kind == OPTIMIZER)), "again": _i32(regathered(graph))}
 
 
+def _collectives_model(table: pd.DataFrame, batch: int, chunks: int) -> dict[str, Any]:
+    """A mesh rank's collectives as the page draws them (:func:`~pipexplore.predict.mesh_costs.collective_rows`'s
+    inputs that a moved split keeps): per layer, each of ``names``
+    (:func:`~pipexplore.predict.mesh_costs.collective_layers`), name-major in ``seconds``; each
+    micro-batch's rows (``rows``)."""
+    from pipexplore.predict.costs import microbatch_rows
+    from pipexplore.predict.mesh_costs import collective_layers
+
+    layers = collective_layers(table, batch)
+    return {"names": list(layers), "seconds": _f64(np.concatenate(list(layers.values()))),
+            "rows": _f64(microbatch_rows(int(batch), int(chunks)))}
+
+
 def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: Optional[int] = None,
-                 bubble_by: str = "stage", **options: Any) -> dict[str, Any]:
+                 bubble_by: str = "stage", collectives: bool = False, **options: Any) -> dict[str, Any]:
     """The split-independent part of ``simulate(layer_table, splits, **options)`` as plain data.
 
     Per layer, kind (``F B R I W O``, then ``C``: a checkpointed micro-batch's forward, for
@@ -92,6 +107,8 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     per ``stage`` or per ``device`` (``bubble_key``: each stage's), as
     :func:`pipexplore.timeline.bubble_fraction` takes it. ``fsdp``: where the table costs FSDP's
     gathers and reduce-scatters, what places them as torch's lowering does (:func:`_fsdp_model`), else None.
+    ``collectives``: the table is a mesh rank's, whose collectives the page draws in their lanes
+    (:func:`_collectives_model`; else None), as :meth:`pipexplore.Plan.predict` has them.
     """
     if bubble_by not in ("stage", "device"):
         raise ValueError(f"bubble_by must be 'stage' or 'device', got {bubble_by!r}")
@@ -112,6 +129,11 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
     resource, devices, lanes_at, lanes = loop_layout(graph, setup.resource)
     out_bytes = table["output_bytes"].to_numpy(dtype=float) if "output_bytes" in table else np.zeros(L)
     fsdp = _fsdp_model(table, graph, len(setup.sizes), executor)
+    batch = options.get("batch") or table.attrs.get("batch")
+    if collectives and not batch:
+        raise ValueError("a mesh rank's collectives scale with the batch's rows: give batch= (or a table with "
+                         "attrs['batch'])")
+    mesh = _collectives_model(table, int(batch), int(options["chunks"])) if collectives else None
     # What each layer's gradients cost to allocate, once a step (micro-batch 0's backward).
     fresh = fresh_gradient_seconds(table, corrections.scale(executor, "backward") if corrections is not None else None)
     return {
@@ -129,7 +151,7 @@ def retime_model(layer_table: pd.DataFrame, splits: Sequence[int], *, samples: O
         "kind": np.ascontiguousarray(graph.kind, dtype=np.uint8).tobytes(), "micro": _i32(graph.micro),
         "optimizer": bool((graph.kind == OPTIMIZER).any()),
         "queue_len": _i32([len(q) for q in graph.queues]),
-        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes), "fsdp": fsdp,
+        "lanes_at": _i32(lanes_at), "lanes": _i32(lanes), "fsdp": fsdp, "collectives": mesh,
         "forward": FORWARD, "backward": BACKWARD, "input_grad": INPUT_GRAD, "kind_names": list(PHASE_NAMES),
         "stage_device": list(setup.stage_device), "samples": samples,
         "bubble_key": (list(range(S)) if bubble_by == "stage"

@@ -45,7 +45,7 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
 def _busy(timeline: pd.DataFrame, by: str,
           phases: Optional[Iterable[str]] = None) -> tuple[dict[Any, float], float]:
     """Seconds each stage (or device) computed, overlapping spans counted once, keyed in order of
-    their names; and the span of the frame's events (of ``phases``, where given).
+    their names (those that computed); and the span of the frame's events (of ``phases``, where given).
 
     Array by array: sorted by key and start, each span adds what reaches past the furthest end of
     the spans before it (a 64-stage step has ~100k spans)."""
@@ -55,9 +55,9 @@ def _busy(timeline: pd.DataFrame, by: str,
     start, end = timeline["start"].to_numpy(dtype=float)[keep], timeline["end"].to_numpy(dtype=float)[keep]
     total = float(end.max() - start.min()) if len(start) else 0.0
     compute = pd.Index(COMPUTE_PHASES).get_indexer(phase[keep]) >= 0
-    keys = timeline[by].to_numpy()[keep]
+    keys = timeline[by].to_numpy()[keep][compute]  # (a mesh's collectives lane is no device of its own)
     names = sorted(pd.unique(keys).tolist(), key=str)
-    codes = pd.Index(names).get_indexer(keys[compute])
+    codes = pd.Index(names).get_indexer(keys)
     start, end = start[compute], end[compute]
     order = lexsort((start, codes))  # by key, then start (spans that start together in any order)
     codes, start, end = codes[order], start[order], end[order]

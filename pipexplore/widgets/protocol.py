@@ -27,9 +27,10 @@ from typing import Literal, TypedDict
 
 __all__ = [
     "NOT_READ_BY_PAGE", "BlockPanel", "DrawnMessage", "FrontChartState", "MemoryPanel", "MemoryPeak",
-    "MemorySeries", "MicroBytes", "PageEvent", "PanelRole", "ResidualCanvasState", "ResidualGrid", "RetimeFsdp",
-    "RetimeModel", "RetimePanel", "RetimePayload", "ScenePhase", "ScheduleGridState", "SplitBarState", "StripLayer",
-    "StripSkip", "StripView", "TimelineCanvasState", "TimelineScene",
+    "MemorySeries", "MicroBytes", "PageEvent", "PanelRole", "ResidualCanvasState", "ResidualGrid",
+    "RetimeCollectives", "RetimeFsdp", "RetimeModel", "RetimePanel", "RetimePayload", "ScenePhase",
+    "ScheduleGridState", "SplitBarState", "StripLayer", "StripSkip", "StripView", "TimelineCanvasState",
+    "TimelineScene",
 ]
 
 # ---- the split strip (splitbar.py, panels/stages.py) -------------------------------------------
@@ -165,6 +166,16 @@ class RetimePanel(TypedDict):
     codes: list[int]
     micro_bytes: MicroBytes
     bubble_key: list[int]
+    collective_lane: list[int]
+    collective_code: int
+
+
+class RetimeCollectives(TypedDict):
+    """A mesh rank's collectives per layer (``retime_model``'s ``collectives``); read by retime.js."""
+
+    names: list[str]
+    seconds: bytes
+    rows: bytes
 
 
 class RetimeFsdp(TypedDict):
@@ -215,6 +226,7 @@ class RetimeModel(TypedDict):
     lanes_at: bytes
     lanes: bytes
     fsdp: RetimeFsdp | None
+    collectives: RetimeCollectives | None
     forward: int
     backward: int
     input_grad: int

@@ -3,9 +3,10 @@
 // (the same steps: each action starts when its worker is free and its inputs are there; actions
 // on one device that ask for more than all of it slow down in proportion), and the result laid out
 // as the predicted panel's blocks. FSDP's gathers and reduce-scatters are placed from torch's
-// lowering the model carries (fsdpCosts, as pipexplore/predict/fsdp_actions.py places them). The
-// kernel predicts the same plan meanwhile and its scene then replaces this one (a mesh's
-// collectives lanes are the kernel's: empty here until it comes); tests compare the two.
+// lowering the model carries (fsdpCosts, as pipexplore/predict/fsdp_actions.py places them), and a
+// mesh rank's collectives drawn in each stage's collectives lane (collectiveRows, as
+// pipexplore/predict/mesh_costs.py's collective_rows). The kernel predicts the same plan meanwhile
+// and its scene then replaces this one; tests compare the two.
 
 // A typed array over a binary buffer of the scene (a DataView from the widget's message).
 function typed(view, Type) {
@@ -27,6 +28,8 @@ function decodeRetime(raw) {
     size_of_micro: i32("size_of_micro"), resource: i32("resource"), first: i32("first"), second: i32("second"),
     stage: i32("stage"), kind: typed(raw.kind, Uint8Array), micro: i32("micro"), queue_len: i32("queue_len"),
     lanes_at: i32("lanes_at"), lanes: i32("lanes"), fsdp: decodeFsdp(raw.fsdp),
+    collectives: raw.collectives ? { ...raw.collectives, seconds: typed(raw.collectives.seconds, Float64Array),
+      rows: typed(raw.collectives.rows, Float64Array) } : null,
   };
 }
 
@@ -146,8 +149,8 @@ function actionCosts(m, points) {
     }
     if (m.second[a] < n) secondWait[a] = edge(s, i) + m.handoff;
   }
-  if (m.fsdp) fsdpCosts(m, points, seconds, secondWait);
-  return { seconds, share, copy, firstWait, secondWait };
+  const placed = m.fsdp ? fsdpCosts(m, points, seconds, secondWait) : null;
+  return { seconds, share, copy, firstWait, secondWait, placed };
 }
 
 // FSDP's UNSHARDs and REDUCE_GRADs placed where torch's lowering puts them, and what they add to
@@ -158,13 +161,16 @@ function actionCosts(m, points) {
 // where it has one); one issued later adds what the compute between its issue and its use does not
 // hide; a reduce-scatter runs after its stage's last backward behind the compute left, and what that
 // hides comes off its stage's update. Backwards that gather their stage again add its gather.
+// Returns the placements (placement_record's): per gather [use, seconds, at the start, release,
+// exposed], per reduce-scatter [the action it follows, seconds, hidden], and the backwards that
+// gather again.
 function fsdpCosts(m, points, seconds, secondWait) {
   const f = m.fsdp, S = m.stages, L = m.layers, n = m.actions, stage = m.stage, second = m.second;
   const unshard = stageSums(f.unshard, 0, points, S, L), reduceGrad = stageSums(f.reduce_grad, 0, points, S, L);
   const regather = stageSums(f.regather, 0, points, S, L);
   const release = new Float64Array(n), extra = new Float64Array(n), less = new Float64Array(S);
   const issuedAt = new Int32Array(S), done = new Float64Array(S);  // a stage's pending gather
-  const ops = f.ops, at = f.ops_at;
+  const ops = f.ops, at = f.ops_at, unshards = [], reduces = [];
   for (let w = 0; w + 1 < at.length; w++) {
     const lo = at[w], hi = at[w + 1];
     let count = 0;
@@ -175,7 +181,7 @@ function fsdpCosts(m, points, seconds, secondWait) {
       if (ops[2 * j] === 0) { clock[count + 1] = clock[count] + seconds[ops[2 * j + 1]]; count++; }
     }
     const total = clock[count];
-    let stream = 0.0, scatter = 0.0, seen = 0;
+    let stream = 0.0, scatter = 0.0, seen = 0, last = -1;
     issuedAt.fill(-1);
     for (let j = lo; j < hi; j++) {
       const code = ops[2 * j], value = ops[2 * j + 1];
@@ -187,15 +193,24 @@ function fsdpCosts(m, points, seconds, secondWait) {
       } else if (code === 2) {  // REDUCE_GRAD of stage `value`
         const before = Math.max(0.0, scatter - total);
         scatter = Math.max(scatter, clock[seen]) + reduceGrad[value];
-        less[value] += reduceGrad[value] - (Math.max(0.0, scatter - total) - before);
+        const hidden = reduceGrad[value] - (Math.max(0.0, scatter - total) - before);
+        less[value] += hidden;
+        reduces.push([last, reduceGrad[value], hidden]);
       } else {  // compute action `value`
         const s = stage[value], issued = issuedAt[s];
         if (issued >= 0) {
           issuedAt[s] = -1;
-          if (issued === 0) release[value] = Math.max(release[value], done[s]);
-          else extra[value] += Math.max(0.0, done[s] - (clock[seen] - clock[issued]));
+          if (issued === 0) {
+            release[value] = Math.max(release[value], done[s]);
+            unshards.push([value, unshard[s], true, done[s], 0.0]);
+          } else {
+            const exposed = Math.max(0.0, done[s] - (clock[seen] - clock[issued]));
+            extra[value] += exposed;
+            unshards.push([value, done[s], false, 0.0, exposed]);
+          }
         }
         seen++;
+        last = value;
       }
     }
   }
@@ -208,7 +223,9 @@ function fsdpCosts(m, points, seconds, secondWait) {
     }
   }
   for (const a of f.updates) seconds[a] -= less[stage[a]];
-  for (const a of f.again) seconds[a] += regather[stage[a]];
+  const again = regather.some((v) => v !== 0) ? f.again : new Int32Array(0);  // (fsdp_actions: regather.any())
+  for (const a of again) seconds[a] += regather[stage[a]];
+  return { unshards, reduces, again };
 }
 
 // The processor-sharing loop (pipexplore/predict/_sharing.c's run): rows in the order it emits them.
@@ -330,6 +347,64 @@ function shareLoop(m, c) {
   return { action: outAction, start: outStart, end: outEnd, copy: outCopy, count };
 }
 
+// A mesh rank's collectives for the loop's rows (pipexplore/predict/mesh_costs.py's collective_rows,
+// in its order: per action as the loop emitted them, then FSDP's placements): a tensor-parallel
+// all-reduce closes its action, a context-parallel gather opens it, the experts' exchange follows,
+// FSDP's gathers open a forward (and a backward that gathers again), the step-end data-parallel
+// collectives open the update. Each row: its action (its lane is the action's stage's), start, end.
+function collectiveRows(m, points, loop, placed) {
+  const c = m.collectives, S = m.stages, L = m.layers, n = m.actions;
+  const sums = {};
+  c.names.forEach((name, k) => { sums[name] = stageSums(c.seconds, k * L, points, S, L); });
+  const rows = c.rows, names = m.kind_names, stage = m.stage, micro = m.micro, kind = m.kind;
+  const begin = new Float64Array(n), finish = new Float64Array(n);
+  for (let r = 0; r < loop.count; r++) {
+    if (!loop.copy[r]) { begin[loop.action[r]] = loop.start[r]; finish[loop.action[r]] = loop.end[r]; }
+  }
+  const any = placed && (placed.unshards.length || placed.reduces.length || placed.again.length);
+  const stepEnd = any ? sums.step_end.map((v, s) => v - sums.reduce_grad[s]) : sums.step_end;
+  const wide = m.micro_batches + 1, again = new Set();  // (stage, micro-batch) of backwards that gather again
+  if (placed) for (const a of placed.again) again.add(stage[a] * wide + micro[a]);
+  const action = [], start = [], end = [];
+  const add = (a, from, to) => { action.push(a); start.push(from); end.push(to); };
+  for (let r = 0; r < loop.count; r++) {
+    if (loop.copy[r]) continue;
+    const a = loop.action[r], s = stage[a], i = micro[a], p = names[kind[a]], t0 = begin[a], t1 = finish[a];
+    const forwardLike = p === "forward" || p === "recompute";
+    if ((forwardLike || p === "backward" || p === "input_grad") && i >= 0) {
+      const size = rows[i % rows.length];
+      const tp = (forwardLike ? sums.tp_forward : sums.tp_backward)[s] * size;
+      if (tp > 0) add(a, Math.max(t0, t1 - tp), t1);
+      if (sums.context[s] > 0) add(a, t0, Math.min(t1, t0 + sums.context[s] * size));
+      if (sums.exchange[s] > 0) {
+        const from = t0 + sums.context[s] * size;
+        add(a, from, Math.min(t1, from + sums.exchange[s] * size));
+      }
+      const gather = sums.gather[s];
+      if (gather > 0 && (p === "forward" || (p === "backward" && again.has(s * wide + i)))) {
+        const shown = Math.min(sums[`${p}_gather_exposed`][s], gather);
+        if (shown > 0) add(a, t0, Math.min(t1, t0 + shown));
+        if (gather > shown) add(a, t0 + shown, Math.min(t1, t0 + gather));
+      }
+    } else if (p === "optimizer" && stepEnd[s] > 0) {
+      add(a, t0, Math.min(t1, t0 + stepEnd[s]));
+    }
+  }
+  for (const [use, seconds, atStart, release, exposed] of placed ? placed.unshards : []) {
+    if (!(seconds > 0)) continue;  // a stage without parameters gathers nothing
+    if (atStart) {
+      add(use, release - seconds, release);
+    } else {
+      if (seconds > exposed) add(use, begin[use] - (seconds - exposed), begin[use]);
+      if (exposed > 0) add(use, begin[use], begin[use] + exposed);
+    }
+  }
+  for (const [after, seconds] of placed ? placed.reduces : []) {
+    if (seconds > 0) add(after, finish[after], finish[after] + seconds);
+  }
+  return { action, start, end, count: action.length };
+}
+
 // The bubble of a step: per key (a stage, or a device for interleaved: `keyOf[stage]`), the share
 // of the step it computed nothing (overlapping spans counted once), averaged over the keys. `order`
 // holds the rows by lane then start, `offsets` each lane's bounds, `laneKey` each lane's key.
@@ -357,9 +432,30 @@ function bubbleOf(rows, m, order, offsets, laneKey, total) {
   return sum / keys.size;
 }
 
+// The loop's rows, then a mesh rank's collectives where the panel has their stage's lane
+// (`collective_lane`; -1: none): one list of action, start, end and whether a copy.
+function withCollectives(m, points, loop, placed, panel) {
+  if (!m.collectives) return loop;
+  const extra = collectiveRows(m, points, loop, placed), lanes = panel.collective_lane || [];
+  const keep = [];
+  for (let k = 0; k < extra.count; k++) if ((lanes[m.stage[extra.action[k]]] ?? -1) >= 0) keep.push(k);
+  const n = loop.count + keep.length;
+  const action = new Int32Array(n), start = new Float64Array(n), end = new Float64Array(n), copy = new Uint8Array(n);
+  action.set(loop.action.subarray(0, loop.count));
+  start.set(loop.start.subarray(0, loop.count));
+  end.set(loop.end.subarray(0, loop.count));
+  copy.set(loop.copy.subarray(0, loop.count));
+  keep.forEach((k, j) => {
+    const r = loop.count + j;
+    action[r] = extra.action[k]; start[r] = extra.start[k]; end[r] = extra.end[k];
+  });
+  return { action, start, end, copy, count: n };
+}
+
 // The plan with `splits` re-timed: the predicted panel's blocks (as block_panel lays them out:
-// by lane, then start), its step (ms) and bubble. `panel` supplies each stage's lane (`lane_of`)
-// and the phase code of each kind and of a copy (`codes`: F B R I W O, then copy).
+// by lane, then start), its step (ms) and bubble. `panel` supplies each stage's lane (`lane_of`),
+// its collectives lane (`collective_lane`), the phase code of each kind and of a copy (`codes`:
+// F B R I W O, then copy) and of a collective (`collective_code`).
 function retime(m, splits, panel) {
   const S = m.stages, L = m.layers;
   if (splits.length !== S - 1) throw new Error(`${S} stages need ${S - 1} splits, got ${splits.length}`);
@@ -367,13 +463,18 @@ function retime(m, splits, panel) {
   for (let s = 0; s < S; s++) {
     if (!(Number.isInteger(points[s + 1]) && points[s + 1] > points[s])) throw new Error(`splits out of order: ${splits}`);
   }
-  const rows = shareLoop(m, actionCosts(m, points));
+  const costs = actionCosts(m, points);
+  const loop = shareLoop(m, costs);
+  const rows = withCollectives(m, points, loop, costs.placed, panel);
   const n = rows.count, laneOf = panel.stage_lane, lanes = panel.lanes;
   let origin = Infinity, last = -Infinity;
   for (let r = 0; r < n; r++) { origin = Math.min(origin, rows.start[r]); last = Math.max(last, rows.end[r]); }
   // By lane (counting), then start, then the order the loop emitted them (as the kernel's sorts).
   const lane = new Int32Array(n), offsets = new Array(lanes + 1).fill(0), stageOf = m.stage;
-  for (let r = 0; r < n; r++) { lane[r] = laneOf[stageOf[rows.action[r]]]; offsets[lane[r] + 1]++; }
+  for (let r = 0; r < n; r++) {
+    lane[r] = r < loop.count ? laneOf[stageOf[rows.action[r]]] : panel.collective_lane[stageOf[rows.action[r]]];
+    offsets[lane[r] + 1]++;
+  }
   for (let q = 0; q < lanes; q++) offsets[q + 1] += offsets[q];
   const order = new Int32Array(n), fill = offsets.slice(0, lanes);
   for (let r = 0; r < n; r++) order[fill[lane[r]]++] = r;
@@ -398,7 +499,7 @@ function retime(m, splits, panel) {
     const r = order[i], a = action[r];
     start[i] = (starts[r] - origin) * 1e3;
     stop[i] = (ends[r] - origin) * 1e3;
-    phase[i] = copied[r] ? copyCode : codes[kinds[a]];
+    phase[i] = r >= loop.count ? panel.collective_code : copied[r] ? copyCode : codes[kinds[a]];
     micro[i] = micros[a];
   }
   const keyOf = panel.bubble_key || Array.from({ length: S }, (_, s) => s);

@@ -171,18 +171,24 @@ def block_panel(frame: Optional[pd.DataFrame], phases: Sequence[str], *, title: 
     return cast(BlockPanel, panel)  # (built up in steps: the protocol test holds its keys)
 
 
-def retime_panel(lane_stage: Sequence[int], phases: Sequence[str], model: Mapping[str, Any]) -> RetimePanel:
+def retime_panel(lanes: Sequence[tuple[int, str]], phases: Sequence[str], model: Mapping[str, Any]) -> RetimePanel:
     """How the page lays out a re-timed step (:mod:`pipexplore.predict.retime`) as :func:`block_panel` lays
-    out the plan's (``lane_stage``: each lane's stage, as :func:`lane_of` pairs them): each stage's
-    first lane (its compute: a mesh's collectives lane follows it, filled by the kernel's scene), how
-    many lanes, the phase code of each of the graph's kinds and of a copy, the micro-batch bytes, and
-    each stage's bubble key."""
-    stage_lane = [0] * int(model["stages"])
-    for lane, stage in reversed(list(enumerate(lane_stage))):  # (the first lane of a stage wins)
-        stage_lane[stage] = lane
+    out the plan's (``lanes``: its (stage, device) pairs, :func:`lane_of`'s): each stage's first lane
+    (its compute) and its collectives lane (a mesh's, -1 where it has none), how many lanes, the
+    phase code of each of the graph's kinds, of a copy and of a collective, the micro-batch bytes,
+    and each stage's bubble key."""
+    from pipexplore.predict.mesh_costs import COLLECTIVE_LANE
+
+    stage_lane, collective_lane = [0] * int(model["stages"]), [-1] * int(model["stages"])
+    for lane, (stage, device) in reversed(list(enumerate(lanes))):  # (the first lane of a stage wins)
+        if str(device).endswith(COLLECTIVE_LANE):
+            collective_lane[stage] = lane
+        else:
+            stage_lane[stage] = lane
     index = {name: k for k, name in enumerate(phases)}
-    return {"stage_lane": stage_lane, "lanes": len(lane_stage),
+    return {"stage_lane": stage_lane, "collective_lane": collective_lane, "lanes": len(lanes),
             "codes": [index.get(name, len(phases)) for name in model["kind_names"]],
+            "collective_code": index.get("collective", len(phases)),
             # (4 bytes, signed, where micro-batch numbers pass 2 bytes or an optimizer step's -1 is among them)
             "micro_bytes": 4 if int(model["micro_batches"]) > 2**16 or model.get("optimizer") else 2,
             "bubble_key": model["bubble_key"]}

@@ -249,16 +249,17 @@ class TimelineView:
             self._summaries[id(frame)] = cached
         return cached[1]
 
-    def retime(self, key: str, model: Optional[dict[str, Any]] = None, lane_stage: Sequence[int] = ()) -> None:
+    def retime(self, key: str, model: Optional[dict[str, Any]] = None, lanes: Sequence[tuple[int, str]] = ()) -> None:
         """Let the page re-time a moved split of the predicted plan itself. ``key`` names the
         predicted plan's shape (:func:`pipexplore.predict.retime.retime_key`; scenes drawn from now on
         carry it; ``''``: none); ``model``: :func:`pipexplore.predict.retime.retime_model` of that plan
-        with the same ``key``, ``lane_stage`` the stage of each of its lanes (may come later: the
-        page re-times only with a model whose key is its scene's)."""
+        with the same ``key``, ``lanes`` the (stage, device) of each of its lanes
+        (:func:`~pipexplore.widgets.timeline_canvas.lane_of`; may come later: the page re-times only
+        with a model whose key is its scene's)."""
         self._retime_key = key
         if model is not None and isinstance(self.figure, canvas.TimelineCanvas):
             # (a protocol.RetimePayload: retime_model's fields, the key, and the panel)
-            self.figure.retime = {**model, "panel": canvas.retime_panel(lane_stage, PHASES, model)}
+            self.figure.retime = {**model, "panel": canvas.retime_panel(lanes, PHASES, model)}
 
     def highlight(self, stage: Optional[int]) -> None:
         """Shade ``stage``'s lane in both timelines (what hovering a layer of the strip does);

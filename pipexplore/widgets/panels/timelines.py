@@ -101,8 +101,8 @@ class TimelinesPanel:
     def send_retime(self) -> None:
         """Name the current plan's shape to the timeline, and give the page what it needs to
         re-time a moved split itself (:mod:`pipexplore.predict.retime`; FSDP's gathers and
-        reduce-scatters too, placed as torch's lowering places them) when that shape or the costs
-        changed since it was last given. Not before the first picture is drawn: the model
+        reduce-scatters too, placed as torch's lowering places them, and a mesh's collectives)
+        when that shape or the costs changed since it was last given. Not before the first picture is drawn: the model
         is about as large as a scene, and the page waits for the kernel until it has one."""
         from pipexplore.predict.retime import retime_key, retime_model
         from pipexplore.widgets.timeline_canvas import lane_of
@@ -123,13 +123,13 @@ class TimelinesPanel:
             return
         try:
             model = retime_model(table, list(plan.splits), samples=batch_size(self.state.sample),
-                                 bubble_by=tl.bubble_by(plan.schedule), **options)
+                                 bubble_by=tl.bubble_by(plan.schedule), collectives=plan.mesh is not None, **options)
         except Exception:  # nothing the page can re-time: it waits for the kernel's scenes
             self.timelines.retime("")
             return
         # (the table and corrections are held with the key, which names them by identity)
         self._retime_for = (key, table, options["corrections"])
-        self.timelines.retime(key, {**model, "key": key}, [stage for stage, _ in lane_of(plan.predicted)[0]])
+        self.timelines.retime(key, {**model, "key": key}, lane_of(plan.predicted)[0])
 
     def refresh_timelines(self) -> None:
         """The predicted panel shows the current plan; the measured one the shown run, titled with
