@@ -210,3 +210,18 @@ def test_actions_are_counted_per_stage_while_the_measured_steps_run(executor, sc
     with counting_actions() as other:  # a new block counts from zero; outside any block nothing counts
         pass
     assert other.done() == {}
+
+
+def test_a_lane_of_collectives_is_no_idle_device_in_the_bubble():
+    """A mesh's timeline draws its collectives on a lane of their own (``'<device> · collectives'``):
+    by device, that lane is not a device that computed nothing; the step's span still counts them."""
+    compute = pd.DataFrame({"stage": [0, 0, 1, 1], "device": ["H100:0", "H100:0", "H100:1", "H100:1"],
+                            "phase": ["forward", "backward", "forward", "backward"],
+                            "start": [0.0, 2.0, 1.0, 3.0], "end": [1.0, 4.0, 2.0, 4.0]})
+    collectives = pd.DataFrame({"stage": [0, 1], "device": ["H100:0 · collectives", "H100:1 · collectives"],
+                                "phase": ["collective"] * 2, "start": [3.5, 4.0], "end": [4.0, 5.0]})
+    joined = pd.concat([compute, collectives], ignore_index=True)
+    # busy 3 of 5 s and 2 of 5 s: (0.4 + 0.6) / 2 by device and by stage alike
+    assert bubble_fraction(joined, by="device") == pytest.approx(0.5)
+    assert bubble_fraction(joined, by="stage") == pytest.approx(0.5)
+    assert list(bubble_fraction(joined, by="device", per_stage=True).index) == ["H100:0", "H100:1"]
