@@ -385,7 +385,9 @@ class Plan:
         Each action measured is matched with the predicted one (stage, micro-batch, phase); per
         stage and phase their ratio rescales the layers of that stage, for this plan's executor,
         and the executor's own time between actions is measured (see
-        :class:`pipexplore.predict.costs.Corrections`). The corrected layer costs carry over to other
+        :class:`pipexplore.predict.costs.Corrections`); for the threads and processes executors
+        the hand-over is then the one that reproduces the run's step
+        (:meth:`~pipexplore.predict.costs.Corrections.step_fitted`). The corrected layer costs carry over to other
         splits, chunks and schedules of the same executor, on the same kind of device
         (:attr:`device_kind`: a planned device's runs, brought back from a cluster, correct plans
         for those devices only, and this machine's runs this machine's plans only).
@@ -394,7 +396,7 @@ class Plan:
         learnt = self.learnt.fitted(
             self.layer_table, list(self.splits), executor,
             lambda corrections: replace(self, corrections=self.corrections.with_kind(kind, corrections)).predict(),
-            measured, fit_step=executor == "processes")
+            measured, fit_step=executor in ("threads", "processes"))
         return replace(self, corrections=self.corrections.with_kind(kind, learnt))
 
     @property
