@@ -25,7 +25,7 @@ from pipexplore import validate
 from pipexplore.devices import device_kind, is_planned, node_of
 from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.memory import check_data_parallel
-from pipexplore.predict.mesh_costs import collective_rows, mesh_layer_table
+from pipexplore.predict.mesh_costs import mesh_layer_table, with_collective_rows
 from pipexplore.predict.moe_dispatch import check_dispatcher
 from pipexplore.predict.costs import Corrections
 from pipexplore.predict.simulator import SCHEDULES, simulate, stage_costs
@@ -341,11 +341,8 @@ class Plan:
         if self.mesh is None:
             return frame
         batch = options.get("batch") or self.rank_table.attrs.get("batch")
-        extra = collective_rows(frame, self.rank_table, list(self.splits), batch=int(batch), chunks=options["chunks"],
-                                data_parallel=self.data_parallel)
-        joined = pd.concat([frame.assign(collective="", exposed=False), extra], ignore_index=True)
-        joined.attrs = frame.attrs
-        return joined
+        return with_collective_rows(frame, self.rank_table, list(self.splits), batch=int(batch),
+                                    chunks=options["chunks"], data_parallel=self.data_parallel)
 
     @cached_property
     def rank_table(self) -> pd.DataFrame:

@@ -13,6 +13,7 @@ import pytest
 
 from pipexplore import timeline as tl
 from pipexplore.predict.costs import Corrections
+from pipexplore.predict.mesh_costs import with_collective_rows
 from pipexplore.predict.retime import retime_key, retime_model
 from pipexplore.predict.simulator import simulate
 from pipexplore.widgets.timeline_figure import PHASES
@@ -199,17 +200,6 @@ FSDP_CASES = {  # name: (splits before, splits after, Plan options): pp 2 · dp 
 }
 
 
-def with_collectives(predicted: pd.DataFrame, rank: pd.DataFrame, splits: list[int], plan) -> pd.DataFrame:
-    """``predicted`` with its mesh rank's collective rows, as :meth:`pipexplore.Plan.predict` joins them."""
-    from pipexplore.predict.mesh_costs import collective_rows
-
-    extra = collective_rows(predicted, rank, splits, batch=plan.batch, chunks=plan.chunks,
-                            data_parallel=plan.data_parallel)
-    joined = pd.concat([predicted.assign(collective="", exposed=False), extra], ignore_index=True)
-    joined.attrs = predicted.attrs
-    return joined
-
-
 def assert_page_draws(page: dict, kernel: dict, wide: bool, lanes: list[str]) -> None:
     """The page's blocks as the kernel's panel has them: lanes, phases, micro-batches, times.
     ``lanes``: the page's (the plan's before the move); a stage's collectives lane that the moved
@@ -245,7 +235,8 @@ def test_the_page_places_fsdps_gathers_and_reduce_scatters_as_simulate_does(name
     by = tl.bubble_by(plan.schedule)
     model = retime_model(rank, list(before), samples=8, bubble_by=by, collectives=True, **options)
     assert model["fsdp"] is not None and set(model["fsdp"]) == RetimeFsdp.__required_keys__
-    current = with_collectives(simulate(rank, list(before), **options), rank, list(before), plan)
+    current = with_collective_rows(simulate(rank, list(before), **options), rank, list(before), batch=plan.batch,
+                                   chunks=plan.chunks, data_parallel=plan.data_parallel)
     panel = retime_panel(lane_of(current)[0], PHASES, model)
     assert min(panel["collective_lane"]) >= 0  # every stage's collectives have a lane
     for splits, page in zip(afters, run_page(model, panel, afters, tmp_path), strict=True):
@@ -255,7 +246,8 @@ def test_the_page_places_fsdps_gathers_and_reduce_scatters_as_simulate_does(name
         if "SLOW" in name:  # a gather issued mid-step that its use waits for, a reduce-scatter not all hidden
             assert any(r[0] == "unshard" and r[4] is None and r[5] > 0 for r in placed)
             assert any(r[0] == "reduce_grad" and r[4] < r[3] for r in placed)
-        joined = with_collectives(predicted, rank, splits, plan)
+        joined = with_collective_rows(predicted, rank, splits, batch=plan.batch, chunks=plan.chunks,
+                                      data_parallel=plan.data_parallel)
         assert (joined["phase"] == "collective").sum() > 0
         assert_page_draws(page, block_panel(joined, PHASES), wide=panel["micro_bytes"] == 4,
                           lanes=lane_labels(lane_of(current)[0]))

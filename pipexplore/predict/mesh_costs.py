@@ -87,8 +87,8 @@ from pipexplore.devices.mesh import Mesh
 from pipexplore.predict.collectives import collective_seconds, linear_cost
 from pipexplore.predict.moe_dispatch import check_dispatcher, dispatch_cost
 
-__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "collective_layers",
-           "COLLECTIVE_LANE"]
+__all__ = ["BUCKET_BYTES", "mesh_layer_table", "MESH_COLUMNS", "collective_rows", "with_collective_rows",
+           "collective_layers", "COLLECTIVE_LANE"]
 
 #: Bytes a gradient bucket holds (DDP's ``bucket_cap_mb=25``): a step-end collective's latency is paid per bucket.
 BUCKET_BYTES = 25 * 2**20
@@ -366,8 +366,8 @@ def collective_layers(table: pd.DataFrame, batch: int) -> dict[str, np.ndarray]:
 
 #: What a collective row's device says after the rank's device: its lane of its own, under the rank's.
 COLLECTIVE_LANE = " · collectives"
-_TP_PHASE = {"forward": "forward_comm", "recompute": "forward_comm", "backward": "backward_comm",
-             "input_grad": "backward_comm"}
+_TP_PHASE = {"forward": "tp_forward", "recompute": "tp_forward", "backward": "tp_backward",
+             "input_grad": "tp_backward"}  # each phase's all-reduces (collective_layers' names)
 
 
 def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequence[int], *, batch: int,
@@ -387,7 +387,6 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     points = [0, *splits, len(table)]
     rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
     per_stage = {name: stage_sums(values, points) for name, values in collective_layers(table, batch).items()}
-    comm = {"forward_comm": per_stage["tp_forward"], "backward_comm": per_stage["tp_backward"]}  # a row's seconds
     step_end = per_stage["step_end"]
     gathers = per_stage["gather"]
     exposed_gathers = {phase: per_stage[f"{phase}_gather_exposed"] for phase in ("forward", "backward")}
@@ -412,11 +411,11 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
         s, p = int(stage[i]), str(phase[i])
         if p in _TP_PHASE and int(micro[i]) >= 0:
             size = rows[int(micro[i]) % len(rows)]
-            seconds = comm[_TP_PHASE[p]][s] * size
+            seconds = per_stage[_TP_PHASE[p]][s] * size
             if seconds > 0:
                 out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce", True))
             if context[s] > 0:
-                name = "cp all_gather K,V" if _TP_PHASE[p] == "forward_comm" else "cp reduce_scatter dK,dV"
+                name = "cp all_gather K,V" if _TP_PHASE[p] == "tp_forward" else "cp reduce_scatter dK,dV"
                 out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
             paired = overlapped.get((s, p, int(micro[i])))
             if paired is not None:  # exposed inside its action, hidden under its partner's compute
@@ -453,3 +452,14 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     if "memory" in frame:
         frame["memory"] = np.nan
     return frame.reset_index(drop=True)
+
+
+def with_collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequence[int], *, batch: int,
+                         chunks: int, data_parallel: str) -> pd.DataFrame:
+    """``predicted`` (a mesh rank's simulated step) with its :func:`collective_rows` after its own
+    rows (theirs ``collective=''``, ``exposed=False``), its attrs kept: what
+    :meth:`pipexplore.Plan.predict` gives for a mesh."""
+    extra = collective_rows(predicted, table, splits, batch=batch, chunks=chunks, data_parallel=data_parallel)
+    joined = pd.concat([predicted.assign(collective="", exposed=False), extra], ignore_index=True)
+    joined.attrs = predicted.attrs
+    return joined
