@@ -37,6 +37,21 @@ def test_across_nodes_nccl_runs_the_tree_for_small_all_reduces_and_the_ring_for_
         nccl_cost("all_reduce", MiB, ranks=8, nodes=1, fabric=FABRICS["A100-80GB"], algorithm="nvls")
 
 
+def test_beyond_two_h100_nodes_nccl_leaves_nvlink_sharp_for_the_ring():
+    """NCCL's tuner costs NVLS Tree's inter-node part at half its bandwidth beyond two nodes
+    (tuning.cc, 2.19–2.28): a large all-reduce runs NVLS Tree on two H100 nodes, the ring on four and
+    eight (where NVLink SHARP on or off measures the same, NVIDIA/nccl#1221)."""
+    assert collective_cost("all_reduce", GiB, nodes("H100", 2)).algorithm == "nvls_tree"
+    for count in (4, 8):
+        group = nodes("H100", count)
+        assert collective_cost("all_reduce", GiB, group).algorithm == "ring"
+        forced = collective_cost("all_reduce", GiB, group, algorithm="nvls_tree")
+        assert forced.bus_bandwidth < 0.6 * collective_cost("all_reduce", GiB, group, algorithm="ring").bus_bandwidth
+    two = collective_cost("all_reduce", GiB, nodes("H100", 2), algorithm="nvls_tree")
+    four = collective_cost("all_reduce", GiB, nodes("H100", 4), algorithm="nvls_tree")
+    assert four.bus_bandwidth < 0.5 * two.bus_bandwidth
+
+
 def test_a_ring_across_nodes_runs_at_the_nodes_nics_not_one_gpus_share():
     """Tensor parallelism 16 over two DGX H100s: NCCL's channels each cross nodes through a NIC of
     their own, so the ring moves at eight NICs' bandwidth (and NVLink's inside), where the plain

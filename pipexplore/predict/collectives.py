@@ -14,7 +14,9 @@ algorithm and protocol and runs the fastest; this module does the same with its 
     tree        all_reduce across nodes        double binary tree between nodes (a chain inside
                                                each): a node sends 2(N−1)/N of the tensor, not ~2
     nvls        all_reduce inside a node       NVLink SHARP (NVSwitch reduces; Hopper and later)
-    nvls_tree   all_reduce across nodes        NVLink SHARP inside, the tree between nodes
+    nvls_tree   all_reduce across nodes        NVLink SHARP inside, the tree between nodes (beyond
+                                               two nodes at half its bandwidth across them, as NCCL's
+                                               tuner costs it: the ring runs large ones there)
 
     protocol    bandwidth              latency (NCCL's base + per hop, µs)
     LL          min(½ B, LL's cap)     lowest: 8-byte stores with a flag, no fences
@@ -82,6 +84,11 @@ _BASE = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4), "p2p": (6.6, 14.0, 
 _HOP_NVLINK = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "p2p": (0.6, 1.9, 3.4)}
 _HOP_NET = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0), "p2p": (2.7, 4.0, 14.0)}
 _NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tuning.cc, NVLS/NVLS Tree)
+# Beyond two nodes NCCL's tuner costs NVLS Tree's inter-node part at half the bandwidth it gives it on two
+# (tuning.cc, NCCL 2.19–2.28: ``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter/2)``), so that it runs the
+# ring (or the tree) for large all-reduces on 4 and more H100 nodes: there NVLink SHARP on or off gives the
+# same bus bandwidth, where on one or two nodes it adds ~30 % (NVIDIA/nccl#1221, NCCL 2.19.3).
+_NVLS_TREE_BEYOND_TWO = 0.5
 # The LL128 protocol's payload (120 of 128 bytes) at 92 % of Simple's rate, and the tree's 92 % (tuning.cc).
 _LL128 = 0.92 * 120 / 128
 _TREE = 0.92
@@ -298,7 +305,8 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
                 add("tree", p, latency, tree, depth * fabric.ramp)
             if fabric.nvls_busbw and most > 1:
                 add("nvls_tree", 2, _NVLS_LATENCY + 2 * levels * _HOP_NET["tree"][2],
-                    min(fabric.nvls_busbw, kept * tree_net), fabric.nvls_ramp + 2 * levels * fabric.ramp)
+                    min(fabric.nvls_busbw, kept * tree_net * (1.0 if nodes <= 2 else _NVLS_TREE_BEYOND_TWO)),
+                    fabric.nvls_ramp + 2 * levels * fabric.ramp)
         if kind == "all_reduce" and nodes == 1 and fabric.nvls_busbw:
             add("nvls", 2, _NVLS_LATENCY, fabric.nvls_busbw, fabric.nvls_ramp)
     if algorithm is not None:
