@@ -1,9 +1,13 @@
 """A mesh of this machine's CPUs, predicted and run: pipeline × data parallelism (pp 2 × dp 2, four
 ranks on this machine's cores) of a Llama-shaped model, for each way the replicas share a stage
-(DDP, ZeRO-1, FSDP2), and pipeline × tensor parallelism (pp 2 × tp 2). Each is run three times under torchrun (``ex.run()``: the exported script's
-ranks, a warm-up and ten measured steps, the median kept): the first run teaches the prediction,
-the next two are held against it. Printed: each run's measured and predicted step and the error,
-and the spread of the measured steps between the held runs (this machine's run-to-run noise).
+(DDP, ZeRO-1, FSDP2), and pipeline × tensor parallelism (pp 2 × tp 2); and, where the actions are
+small enough for the ranks' own costs to weigh, notebook 07's FSDP2 mesh (eight ``Linear(64)`` +
+GELU, 32 rows). Each is run three times under torchrun (``ex.run()``: the exported script's ranks,
+a warm-up and ten measured steps, the median kept): the first run teaches the prediction, the next
+two are held against it. Printed: each run's measured and predicted step and the error, the spread
+of the measured steps between the held runs (this machine's run-to-run noise), and the first and
+the held runs' median and largest |error| (what ``pipexplore.predict.basis.MESH_HERE_ERROR`` says
+beside a mesh's prediction).
 
 Run: ``python benchmarks/mesh_here.py``.
 """
@@ -26,20 +30,34 @@ def model_and_batch():
     return transformers.LlamaForCausalLM(config), torch.randint(0, 1000, (8, 128))
 
 
+def small_model_and_batch():
+    """Notebook 07's mesh: eight ``Linear(64)`` + GELU, 32 rows, its target and loss."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(8)])
+    sample, target = torch.randn(32, 64), torch.randn(32, 64)
+    return model, sample, dict(target=target, loss_fn=torch.nn.functional.mse_loss)
+
+
 def main() -> None:
     print(machine())
-    errors = []
+    first, errors = [], []
     for name, mesh, data_parallel in (("pp 2 x dp 2", {"pp": 2, "dp": 2}, "ddp"),
                                       ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "zero1"),
                                       ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp"),
-                                      ("pp 2 x tp 2", {"pp": 2, "tp": 2}, "ddp")):
-        model, ids = model_and_batch()
+                                      ("pp 2 x tp 2", {"pp": 2, "tp": 2}, "ddp"),
+                                      ("notebook 07's pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp")):
+        if name.startswith("notebook"):
+            model, ids, options = small_model_and_batch()
+        else:
+            model, ids = model_and_batch()
+            options = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b", executor="processes",
-                                    mesh=mesh, data_parallel=data_parallel)
+                                    mesh=mesh, data_parallel=data_parallel, **options)
         rows = [ex.run() for _ in range(3)]
         held = rows[1:]
+        first.append(abs(rows[0]["prediction_error"]))
         errors += [abs(r["prediction_error"]) for r in held]
         steps = [r["step_time"] for r in held]
         spread = (max(steps) - min(steps)) / statistics.mean(steps)
@@ -47,6 +65,7 @@ def main() -> None:
             f"run {i + 1} measured {r['step_time'] * 1e3:.1f} ms, predicted {r['predicted_step_time'] * 1e3:.1f} ms "
             f"({r['prediction_error']:+.1%})" for i, r in enumerate(rows)) + f"; held runs' spread {spread:.1%}",
             flush=True)
+    print(f"first runs: median |error| {statistics.median(first):.1%}, max {max(first):.1%}")
     print(f"held runs: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
 
 

@@ -2,6 +2,7 @@
 figures, with the error the benchmarks measured for that kind (``pipexplore.predict.basis``)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 
 from pipexplore import explore
-from pipexplore.predict.basis import BASES, MEASURED_ERROR, prediction_basis
+from pipexplore.plan import Plan
+from pipexplore.predict.basis import BASES, MEASURED_ERROR, MESH_HERE_ERROR, prediction_basis
+from pipexplore.predict.costs import Corrections
 
 
 def _explorer(**options):
@@ -38,6 +41,24 @@ def test_without_calibration_every_run_is_predicted_from_what_was_measured_here(
     ex = _explorer(devices=["cpu", "cpu"], calibrate=False)
     ex.run()
     assert prediction_basis(ex.plan).kind == "measured here"
+
+
+def test_a_mesh_here_says_what_its_own_benchmark_measured_of_meshes_here():
+    """Ranks of a mesh on this machine's cores are not what prediction_accuracy.py runs: their
+    prediction carries mesh_here.py's figures, first run and after a run taught it."""
+    table = _explorer(devices=["cpu", "cpu"]).plan.layer_table
+    pipeline = Plan(table, splits=(2,), devices=["cpu"] * 2, chunks=2, executor="processes")
+    meshed = Plan(table, splits=(2,), devices=["cpu"] * 4, chunks=2, executor="processes", mesh={"pp": 2, "dp": 2})
+    assert prediction_basis(pipeline).source.startswith("prediction_accuracy.py")
+    basis = prediction_basis(meshed)
+    assert basis.kind == "measured here" and (basis.median, basis.largest) == MESH_HERE_ERROR["measured here"][:2]
+    assert basis.text().startswith("measured here · benchmarks: median") and "(mesh_here.py, first run)" in basis.text()
+    taught = dataclasses.replace(meshed, corrections=Corrections(runs=1))
+    assert prediction_basis(taught).kind == "learnt from runs"
+    assert prediction_basis(taught).source == "mesh_here.py, runs after the first"
+    assert set(MESH_HERE_ERROR) == {"measured here", "learnt from runs"}
+    for median, largest, _ in MESH_HERE_ERROR.values():
+        assert 0 < median <= largest < 1
 
 
 def test_a_plan_for_catalogue_devices_rests_on_the_catalogue():

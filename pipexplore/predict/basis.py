@@ -13,8 +13,9 @@ Every predicted step time rests on one of three kinds of evidence:
 
 :data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
 (median and largest absolute error, and where: the script and its column), so that a number on
-the page says how sure it is. The figures are the benchmarks' (``benchmarks/README.md``), written
-here when the benchmark is run again.
+the page says how sure it is; :data:`MESH_HERE_ERROR` the same for a mesh run here (ranks under
+``torchrun`` on this machine's cores), which its own benchmark measures. The figures are the
+benchmarks' (``benchmarks/README.md``), written here when the benchmark is run again.
 
 Example::
 
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 if TYPE_CHECKING:  # the plan imports the predictions; this module is read by its users
     from pipexplore.plan import Plan
 
-__all__ = ["Basis", "BASES", "MEASURED_ERROR", "prediction_basis"]
+__all__ = ["Basis", "BASES", "MEASURED_ERROR", "MESH_HERE_ERROR", "prediction_basis"]
 
 #: The kinds of evidence, in the order of how much of the prediction was measured.
 BASES = ("learnt from runs", "measured here", "catalogue, learnt from runs", "catalogue")
@@ -69,12 +70,26 @@ MEASURED_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = Map
 })
 
 
+#: The same two kinds for a mesh run here (tensor, data or expert parallelism beside the pipeline:
+#: ``torchrun`` ranks that share this machine's cores, their collectives on gloo), which
+#: ``prediction_accuracy.py`` does not run: ``benchmarks/mesh_here.py``'s five meshes (a Llama-shaped
+#: model at pp 2 × dp 2 as DDP, ZeRO-1 and FSDP2, and at pp 2 × tp 2; notebook 07's small FSDP2 mesh,
+#: whose first run is the furthest off: the ranks' own costs), their first runs, and the two runs held
+#: against what the first taught (2026-12-06, a 2-core x86_64 machine).
+MESH_HERE_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = MappingProxyType({
+    "measured here": (0.230, 0.695, "mesh_here.py, first run"),
+    "learnt from runs": (0.074, 0.216, "mesh_here.py, runs after the first"),
+})
+
+
 def prediction_basis(plan: "Plan") -> Basis:
-    """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind."""
+    """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind
+    (:data:`MESH_HERE_ERROR`'s for a mesh run here)."""
     learnt = plan.learnt.runs > 0
     if plan.planned:
         kind = "catalogue, learnt from runs" if learnt else "catalogue"
     else:
         kind = "learnt from runs" if learnt else "measured here"
-    median, largest, source = MEASURED_ERROR[kind]
+    figures = MESH_HERE_ERROR if plan.mesh is not None and not plan.planned else MEASURED_ERROR
+    median, largest, source = figures[kind]
     return Basis(kind, median, largest, source)
