@@ -2,12 +2,13 @@
 ranks on this machine's cores) of a Llama-shaped model, for each way the replicas share a stage
 (DDP, ZeRO-1, FSDP2), and pipeline × tensor parallelism (pp 2 × tp 2); and, where the actions are
 small enough for the ranks' own costs to weigh, notebook 07's FSDP2 mesh (eight ``Linear(64)`` +
-GELU, 32 rows). Each is run three times under torchrun (``ex.run()``: the exported script's ranks,
-a warm-up and ten measured steps, the median kept): the first run teaches the prediction, the next
-two are held against it. Printed: each run's measured and predicted step and the error, the spread
-of the measured steps between the held runs (this machine's run-to-run noise), and the first and
-the held runs' median and largest |error| (what ``pipexplore.predict.basis.MESH_HERE_ERROR`` says
-beside a mesh's prediction).
+GELU, 32 rows) and its pipeline alone under two node agents (``ex.run(executor="torchrun",
+nodes=2)``). Each is run three times under torchrun (the exported script's ranks, a warm-up and
+ten measured steps, the median kept): the first run teaches the prediction, the next two are held
+against it. Printed: each run's measured and predicted step and the error, the spread of the
+measured steps between the held runs (this machine's run-to-run noise), and the first and the held
+runs' median and largest |error| (what ``pipexplore.predict.basis.TORCHRUN_HERE_ERROR`` says beside
+the prediction of ranks run here under torchrun).
 
 Run: ``python benchmarks/mesh_here.py``.
 """
@@ -45,7 +46,8 @@ def main() -> None:
                                       ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "zero1"),
                                       ("pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp"),
                                       ("pp 2 x tp 2", {"pp": 2, "tp": 2}, "ddp"),
-                                      ("notebook 07's pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp")):
+                                      ("notebook 07's pp 2 x dp 2", {"pp": 2, "dp": 2}, "fsdp"),
+                                      ("notebook 07's pipeline, two node agents", None, "ddp")):
         if name.startswith("notebook"):
             model, ids, options = small_model_and_batch()
         else:
@@ -53,15 +55,19 @@ def main() -> None:
             options = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b", executor="processes",
-                                    mesh=mesh, data_parallel=data_parallel, **options)
-        rows = [ex.run() for _ in range(3)]
+            if mesh is None:  # the pipeline alone, its two ranks under two torchrun node agents
+                ex = pipexplore.explore(model, ids, devices=["cpu"] * 2, chunks=4, schedule="1f1b", **options)
+            else:
+                ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b",
+                                        executor="processes", mesh=mesh, data_parallel=data_parallel, **options)
+        rows = [ex.run(executor="torchrun", nodes=2 if mesh is None else 1) for _ in range(3)]
         held = rows[1:]
         first.append(abs(rows[0]["prediction_error"]))
         errors += [abs(r["prediction_error"]) for r in held]
         steps = [r["step_time"] for r in held]
         spread = (max(steps) - min(steps)) / statistics.mean(steps)
-        print(f"{name}, {data_parallel if mesh.get('dp', 1) > 1 else 'no replicas'}: " + "; ".join(
+        kind = "no mesh" if mesh is None else data_parallel if mesh.get("dp", 1) > 1 else "no replicas"
+        print(f"{name}, {kind}: " + "; ".join(
             f"run {i + 1} measured {r['step_time'] * 1e3:.1f} ms, predicted {r['predicted_step_time'] * 1e3:.1f} ms "
             f"({r['prediction_error']:+.1%})" for i, r in enumerate(rows)) + f"; held runs' spread {spread:.1%}",
             flush=True)

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipexplore import explore
 from pipexplore.plan import Plan
-from pipexplore.predict.basis import BASES, MEASURED_ERROR, MESH_HERE_ERROR, prediction_basis
+from pipexplore.predict.basis import BASES, MEASURED_ERROR, TORCHRUN_HERE_ERROR, prediction_basis
 from pipexplore.predict.costs import Corrections
 
 
@@ -43,21 +43,23 @@ def test_without_calibration_every_run_is_predicted_from_what_was_measured_here(
     assert prediction_basis(ex.plan).kind == "measured here"
 
 
-def test_a_mesh_here_says_what_its_own_benchmark_measured_of_meshes_here():
-    """Ranks of a mesh on this machine's cores are not what prediction_accuracy.py runs: their
-    prediction carries mesh_here.py's figures, first run and after a run taught it."""
+def test_ranks_run_here_under_torchrun_say_what_their_own_benchmark_measured():
+    """Ranks under torchrun on this machine's cores (a mesh's, or a pipeline's under node agents)
+    are not what prediction_accuracy.py runs: their prediction carries mesh_here.py's figures,
+    first run and after a run taught it."""
     table = _explorer(devices=["cpu", "cpu"]).plan.layer_table
     pipeline = Plan(table, splits=(2,), devices=["cpu"] * 2, chunks=2, executor="processes")
     meshed = Plan(table, splits=(2,), devices=["cpu"] * 4, chunks=2, executor="processes", mesh={"pp": 2, "dp": 2})
     assert prediction_basis(pipeline).source.startswith("prediction_accuracy.py")
     basis = prediction_basis(meshed)
-    assert basis.kind == "measured here" and (basis.median, basis.largest) == MESH_HERE_ERROR["measured here"][:2]
+    assert basis.kind == "measured here" and (basis.median, basis.largest) == TORCHRUN_HERE_ERROR["measured here"][:2]
     assert basis.text().startswith("measured here · benchmarks: median") and "(mesh_here.py, first run)" in basis.text()
     taught = dataclasses.replace(meshed, corrections=Corrections(runs=1))
     assert prediction_basis(taught).kind == "learnt from runs"
     assert prediction_basis(taught).source == "mesh_here.py, runs after the first"
-    assert set(MESH_HERE_ERROR) == {"measured here", "learnt from runs"}
-    for median, largest, _ in MESH_HERE_ERROR.values():
+    assert prediction_basis(pipeline, executor="torchrun").source == "mesh_here.py, first run"
+    assert set(TORCHRUN_HERE_ERROR) == {"measured here", "learnt from runs"}
+    for median, largest, _ in TORCHRUN_HERE_ERROR.values():
         assert 0 < median <= largest < 1
 
 

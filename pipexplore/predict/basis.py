@@ -13,8 +13,8 @@ Every predicted step time rests on one of three kinds of evidence:
 
 :data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
 (median and largest absolute error, and where: the script and its column), so that a number on
-the page says how sure it is; :data:`MESH_HERE_ERROR` the same for a mesh run here (ranks under
-``torchrun`` on this machine's cores), which its own benchmark measures. The figures are the
+the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for ranks run here under ``torchrun``
+(a mesh's, or a pipeline's under node agents), which their own benchmark measures. The figures are the
 benchmarks' (``benchmarks/README.md``), written here when the benchmark is run again.
 
 Example::
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 if TYPE_CHECKING:  # the plan imports the predictions; this module is read by its users
     from pipexplore.plan import Plan
 
-__all__ = ["Basis", "BASES", "MEASURED_ERROR", "MESH_HERE_ERROR", "prediction_basis"]
+__all__ = ["Basis", "BASES", "MEASURED_ERROR", "TORCHRUN_HERE_ERROR", "prediction_basis"]
 
 #: The kinds of evidence, in the order of how much of the prediction was measured.
 BASES = ("learnt from runs", "measured here", "catalogue, learnt from runs", "catalogue")
@@ -70,26 +70,29 @@ MEASURED_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = Map
 })
 
 
-#: The same two kinds for a mesh run here (tensor, data or expert parallelism beside the pipeline:
-#: ``torchrun`` ranks that share this machine's cores, their collectives on gloo), which
-#: ``prediction_accuracy.py`` does not run: ``benchmarks/mesh_here.py``'s five meshes (a Llama-shaped
-#: model at pp 2 × dp 2 as DDP, ZeRO-1 and FSDP2, and at pp 2 × tp 2; notebook 07's small FSDP2 mesh,
-#: whose first run is the furthest off: the ranks' own costs), their first runs, and the two runs held
-#: against what the first taught (2026-12-06, a 2-core x86_64 machine).
-MESH_HERE_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = MappingProxyType({
-    "measured here": (0.230, 0.695, "mesh_here.py, first run"),
-    "learnt from runs": (0.074, 0.216, "mesh_here.py, runs after the first"),
+#: The same two kinds for ranks run here under ``torchrun`` (a mesh's: tensor, data or expert
+#: parallelism beside the pipeline; or a pipeline under node agents, ``run(executor="torchrun")``),
+#: processes that share this machine's cores and talk over gloo, which ``prediction_accuracy.py``
+#: does not run: ``benchmarks/mesh_here.py``'s six runs (a Llama-shaped model at pp 2 × dp 2 as DDP,
+#: ZeRO-1 and FSDP2, and at pp 2 × tp 2; notebook 07's small FSDP2 mesh and its pipeline under two
+#: node agents, the furthest off on their first runs: the ranks' own costs), their first runs, and
+#: the two runs held against what the first taught: the medians of two runs' medians and maxima
+#: (2026-12-06, a 2-core x86_64 machine; the first without the pipeline under node agents).
+TORCHRUN_HERE_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = MappingProxyType({
+    "measured here": (0.207, 0.716, "mesh_here.py, first run"),
+    "learnt from runs": (0.097, 0.252, "mesh_here.py, runs after the first"),
 })
 
 
-def prediction_basis(plan: "Plan") -> Basis:
-    """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind
-    (:data:`MESH_HERE_ERROR`'s for a mesh run here)."""
+def prediction_basis(plan: "Plan", executor: Optional[str] = None) -> Basis:
+    """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind:
+    :data:`TORCHRUN_HERE_ERROR`'s for ranks run here under torchrun (a mesh's, or ``executor``
+    ``'torchrun'``: the run it is set beside), else :data:`MEASURED_ERROR`'s."""
     learnt = plan.learnt.runs > 0
     if plan.planned:
         kind = "catalogue, learnt from runs" if learnt else "catalogue"
     else:
         kind = "learnt from runs" if learnt else "measured here"
-    figures = MESH_HERE_ERROR if plan.mesh is not None and not plan.planned else MEASURED_ERROR
-    median, largest, source = figures[kind]
+    ranks_here = not plan.planned and (plan.mesh is not None or executor == "torchrun")
+    median, largest, source = (TORCHRUN_HERE_ERROR if ranks_here else MEASURED_ERROR)[kind]
     return Basis(kind, median, largest, source)
