@@ -59,8 +59,6 @@ def test_ranks_run_here_under_torchrun_say_what_their_own_benchmark_measured():
     assert prediction_basis(taught).source == "mesh_here.py, runs after the first"
     assert prediction_basis(pipeline, executor="torchrun").source == "mesh_here.py, first run"
     assert set(TORCHRUN_HERE_ERROR) == {"measured here", "learnt from runs"}
-    for median, largest, _ in TORCHRUN_HERE_ERROR.values():
-        assert 0 < median <= largest < 1
 
 
 def test_a_plan_for_catalogue_devices_rests_on_the_catalogue():
@@ -74,7 +72,7 @@ def test_a_plan_for_catalogue_devices_rests_on_the_catalogue():
 
 def test_every_kind_has_its_benchmark_or_says_it_has_none():
     assert set(MEASURED_ERROR) == set(BASES)
-    for kind, (median, largest, source) in MEASURED_ERROR.items():
+    for median, largest, source in [*MEASURED_ERROR.values(), *TORCHRUN_HERE_ERROR.values()]:
         assert source
         if median is None:
             assert largest is None and "no benchmark" in source

@@ -187,13 +187,15 @@ def all_finite(parameters: Any) -> bool:
 
 
 def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: Sample, used: set[str],
-           parameters: Any = None, measured_losses: Sequence[float] = ()) -> RunResult:
+           parameters: Any = None, measured_losses: Sequence[float] = (), executor: Optional[str] = None) -> RunResult:
     """A measured step with its metrics and the plan's prediction beside it: ``loss`` the first
     step's, ``measured_losses`` the measured steps' (``metrics['measured_losses']`` too); ``finite``
-    says whether every loss (and, given ``parameters``, their values and gradients) is finite."""
+    says whether every loss (and, given ``parameters``, their values and gradients) is finite.
+    ``executor``: what ran it where not the plan's own (``'torchrun'``), for the benchmarks' error
+    said beside the prediction (:func:`~pipexplore.predict.basis.prediction_basis`)."""
     measured_losses = [float(x) for x in measured_losses]
     predicted = plan.predicted
-    basis = prediction_basis(plan)
+    basis = prediction_basis(plan, executor)
     step_seconds = tl.step_time(measured)
     predicted_seconds = tl.step_time(predicted)
     peak = measured.attrs.get("peak_memory", {})

@@ -35,7 +35,6 @@ import torch
 from pipexplore.devices import catalogue_kind, device_kind, planned_devices
 from pipexplore.executors.base import RunResult, result
 from pipexplore.plan import Plan
-from pipexplore.predict.basis import prediction_basis
 from pipexplore.runs.record import FORMAT, PLAN_FILE, PLAN_KEYS, VERSION, plan_id, rank_file
 from pipexplore.timeline import COLUMNS, COMPUTE_PHASES
 from pipexplore.validate import CHECKPOINTS
@@ -427,11 +426,10 @@ def run_result(recorded: RecordedRun, plan: Plan, *, samples: int, run: Any = 0)
     frame.attrs["peak_memory"] = {f"{r['device']}@rank{r['rank']}": p for r, p in zip(recorded.ranks, peaks) if p}
     measured_losses = recorded.measured_losses
     loss = recorded.first_loss
-    out = result(plan, frame, loss, torch.empty((samples, 0)), set(), measured_losses=measured_losses)
+    out = result(plan, frame, loss, torch.empty((samples, 0)), set(), measured_losses=measured_losses,
+                 executor="torchrun")
     finite_peaks = [float(p) for p in peaks if p is not None]
-    basis = prediction_basis(plan, executor="torchrun")  # its ranks' figures, not an in-process run's
     out.metrics.update(
-        prediction_basis=basis.kind, benchmark_error=math.nan if basis.median is None else basis.median,
         executor="torchrun", nodes=recorded.nodes, ranks=recorded.world, hosts=",".join(recorded.hosts),
         peak_bytes=max(finite_peaks) if finite_peaks else math.nan, clock_residual=recorded.clock_residual,
         rank_table=recorded.rank_table(), steps_measured=len(recorded.steps), directory=str(recorded.directory),

@@ -63,7 +63,7 @@ def load_result(directory: Any, layer_table: pd.DataFrame, plan: Plan, *, sample
                                     "rank-*.json); this pipexplore has no reader of profiler traces "
                                     "(pipexplore.runs.kineto)") from None
         timeline = kineto.read_traces(path, run=run)
-        out = result(plan, timeline, float("nan"), torch.empty((samples, 0)), set())
+        out = result(plan, timeline, float("nan"), torch.empty((samples, 0)), set(), executor="torchrun")
         out.metrics.update(executor="torchrun", directory=str(path), source="profiler traces")
         return plan, out
     recorded = read_run(path)
