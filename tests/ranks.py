@@ -74,6 +74,7 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     the ranks do not finish within ``timeout`` seconds (every rank is then killed)."""
     import multiprocessing
     import os
+    import pathlib
     import tempfile
     import time
     from multiprocessing import connection
@@ -94,6 +95,7 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
                                                          {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                                          outputs[rank]), name=f"rank{rank}")
                      for rank in range(ranks)]
+        began = time.time()
         for process in processes:
             process.start()
         deadline = time.monotonic() + timeout
@@ -107,18 +109,46 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
                 if process.exitcode is None:
                     process.kill()
                     process.join()
-        read = [tuple(open(path, errors="replace").read() for path in pair) for pair in outputs]
+        read = [tuple(pathlib.Path(path).read_text(errors="replace") for path in pair) for pair in outputs]
+    _say_if_slow(time.time() - began, began, read)
     failed = [(rank, process.exitcode) for rank, process in enumerate(processes) if process.exitcode != 0]
     assert not failed, f"ranks failed (rank, exit code; a negative one: killed): {failed}\n" + "\n".join(
         f"rank {rank} stderr:\n{read[rank][1][-2000:]}" for rank, _ in failed)
     return [out for out, _ in read]
 
 
+#: Seconds after which a run of ranks is slow: it then says where each rank was (its stack, written by
+#: ``faulthandler`` into its stderr at that moment) and when each ended, as a warning of the test that
+#: ran it. (A run here takes 2–17 s; a few suite runs have seen one take ~300 s, its ranks' timeout,
+#: and pass.)
+SLOW = 60.0
+_ENDED = "rank ended at "
+
+
+def _say_if_slow(seconds: float, began: float, read: list) -> None:
+    if seconds < SLOW:
+        return
+    import re
+    import warnings
+
+    said = []
+    for rank, (out, err) in enumerate(read):
+        ended = re.findall(_ENDED + r"([0-9.]+)", err)
+        steps = re.findall(r"^step .*$", out, re.M)
+        said.append(f"rank {rank}: ended {float(ended[-1]) - began:.1f} s after the start" if ended else
+                    f"rank {rank}: did not say it ended")
+        said.append(f"  its steps: {steps}")
+        said.append("  its stderr's last lines:\n    " + "\n    ".join(err.splitlines()[-40:]))
+    warnings.warn(f"the ranks' run took {seconds:.0f} s (slow beyond {SLOW:.0f} s):\n" + "\n".join(said))
+
+
 def _rank(script: str, args: list[str], pythonpath: str, env: dict, outputs: tuple[str, str]) -> None:
     """A forked rank: torchrun's environment, stdout and stderr to files, ``script`` as ``__main__``."""
+    import faulthandler
     import os
     import runpy
     import sys
+    import time
 
     import torch
 
@@ -128,6 +158,7 @@ def _rank(script: str, args: list[str], pythonpath: str, env: dict, outputs: tup
         os.close(file)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    faulthandler.dump_traceback_later(SLOW, file=sys.stderr)  # where it is, if the run is slow
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 would have set at the interpreter's start
@@ -136,6 +167,8 @@ def _rank(script: str, args: list[str], pythonpath: str, env: dict, outputs: tup
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        print(f"{_ENDED}{time.time():.3f}", file=sys.stderr)
+        faulthandler.dump_traceback_later(SLOW, file=sys.stderr)  # and where, if leaving is slow
         sys.stdout.flush()
         sys.stderr.flush()
 
