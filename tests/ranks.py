@@ -117,6 +117,25 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     return [out for out, _ in read]
 
 
+def forked_launch(script, *, nodes: int, nproc_per_node: int, args=(), env=None, timeout=None, steps: int = 0,
+                  progress=None):
+    """:func:`pipexplore.runs.launch.launch`'s stand-in for a test of what ``ex.run()`` makes of a
+    mesh's run (its script, its record, its row), not of torchrun's agents: the same script and
+    arguments on :func:`run_ranks`' forked ranks, with torchrun's environment, each rank's lines
+    prefixed with its rank as torchrun's ``--tee`` prefixes them. (Ranks started as new interpreters
+    under two agents cost a mesh test ~20 s of CPU here; torchrun itself runs in
+    ``test_cluster_roundtrip.py``, notebook 07 and a mesh's failing rank in ``test_mesh_here.py``.)"""
+    import time
+
+    from pipexplore.runs.launch import LaunchOutcome
+
+    began = time.monotonic()
+    outs = run_ranks(script, [str(a) for a in args], ranks=nodes * nproc_per_node, pythonpath=str(script.parent),
+                     timeout=timeout or 300.0)
+    stdout = "".join(f"[default{rank}]:{line}\n" for rank, out in enumerate(outs) for line in out.splitlines())
+    return LaunchOutcome([stdout], [""], time.monotonic() - began)
+
+
 #: Seconds after which a run of ranks is slow: it then says where each rank was (its stack, written by
 #: ``faulthandler`` into its stderr at that moment) and when each ended, as a warning of the test that
 #: ran it. (A run here takes 2–17 s; a few suite runs have seen one take ~300 s, its ranks' timeout,

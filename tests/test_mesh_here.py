@@ -45,7 +45,17 @@ def test_each_stages_replicas_share_this_machines_cores():
     assert set(dp["collective"]) == {"dp all_reduce"} and dp["exposed"].all()
 
 
-def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction():
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """ex.run() starts the exported script's ranks forked, with torchrun's environment
+    (``ranks.forked_launch``), not under torchrun's agents."""
+    from pipexplore.runs import roundtrip
+    from ranks import forked_launch
+
+    monkeypatch.setattr(roundtrip, "launch", forked_launch)
+
+
+def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction(forked_ranks):
     ex = explored({"pp": 2, "dp": 2}, data_parallel="fsdp")
     before = ex.plan.predicted["end"].max()
     row = ex.run()  # a mesh's ranks are the exported script's processes: torchrun runs them
@@ -62,7 +72,7 @@ def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_it
     assert ex.plan.mesh is not None and ex.plan.mesh.dp == 2  # the plan it teaches keeps the mesh
 
 
-def test_a_tensor_parallel_rank_here_is_the_measured_layers_at_its_share_of_their_work():
+def test_a_tensor_parallel_rank_here_is_the_measured_layers_at_its_share_of_their_work(forked_ranks):
     """pp 2 × tp 2 here: each layer's time scaled by the FLOPs a rank does of it (torch's
     parallelize_module counted on a fake group), its all-reduces on the phase's path over gloo's
     ring, the parameters a rank holds; run as the exported script's ranks, its loss the model's."""
