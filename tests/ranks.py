@@ -3,6 +3,7 @@ the rendezvous ports a test's pools used, and a check that every pool is gone af
 from __future__ import annotations
 
 import copy
+import pathlib
 import socket
 
 import psutil
@@ -74,7 +75,6 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     the ranks do not finish within ``timeout`` seconds (every rank is then killed)."""
     import multiprocessing
     import os
-    import pathlib
     import tempfile
     import time
     from multiprocessing import connection
@@ -105,12 +105,18 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
                     break
                 connection.wait([p.sentinel for p in processes if p.exitcode is None], deadline - time.monotonic())
         finally:
+            # (what the processes were when the wait gave up on them: a zombie's exit was not reported)
+            left = {rank: _proc_state(p.pid) for rank, p in enumerate(processes) if p.exitcode is None}
+            if left:
+                from multiprocessing import forkserver
+
+                left["fork server"] = _proc_state(getattr(forkserver._forkserver, "_forkserver_pid", None))
             for process in processes:
                 if process.exitcode is None:
                     process.kill()
                     process.join()
         read = [tuple(pathlib.Path(path).read_text(errors="replace") for path in pair) for pair in outputs]
-    _say_if_slow(time.time() - began, began, read)
+    _say_if_slow(time.time() - began, began, read, left)
     failed = [(rank, process.exitcode) for rank, process in enumerate(processes) if process.exitcode != 0]
     assert not failed, f"ranks failed (rank, exit code; a negative one: killed): {failed}\n" + "\n".join(
         f"rank {rank} stderr:\n{read[rank][1][-2000:]}" for rank, _ in failed)
@@ -144,7 +150,19 @@ SLOW = 60.0
 _ENDED = "rank ended at "
 
 
-def _say_if_slow(seconds: float, began: float, read: list) -> None:
+def _proc_state(pid) -> str:
+    """A process's state, where the kernel has it waiting, and its signals blocked and pending."""
+    try:
+        status = dict(line.split(":", 1) for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines())
+        wchan = pathlib.Path(f"/proc/{pid}/wchan").read_text()
+    except (OSError, ValueError):
+        return f"pid {pid}: gone"
+    said = ", ".join(f"{key} {status[key].strip()}" for key in ("State", "Threads", "SigBlk", "SigPnd", "ShdPnd")
+                     if key in status)
+    return f"pid {pid}: {said}, waiting in {wchan or '-'}"
+
+
+def _say_if_slow(seconds: float, began: float, read: list, left: dict) -> None:
     if seconds < SLOW:
         return
     import re
@@ -158,6 +176,7 @@ def _say_if_slow(seconds: float, began: float, read: list) -> None:
                     f"rank {rank}: did not say it ended")
         said.append(f"  its steps: {steps}")
         said.append("  its stderr's last lines:\n    " + "\n    ".join(err.splitlines()[-40:]))
+    said += [f"not seen to exit when the wait ended: {name}: {state}" for name, state in left.items()]
     warnings.warn(f"the ranks' run took {seconds:.0f} s (slow beyond {SLOW:.0f} s):\n" + "\n".join(said))
 
 
