@@ -100,10 +100,13 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
             process.start()
         deadline = time.monotonic() + timeout
         try:  # until every rank is done, one fails (torchrun then stops the others) or the time is up
-            while any(process.exitcode is None for process in processes) and time.monotonic() < deadline:
-                if any(process.exitcode not in (None, 0) for process in processes):
+            while time.monotonic() < deadline:
+                # (which ranks still run is read once a round: read twice, an exit reported between the
+                # two readings left the wait no sentinel, and it slept until the deadline, then passed)
+                running = [process for process in processes if process.exitcode is None]
+                if not running or any(process.exitcode not in (None, 0) for process in processes):
                     break
-                connection.wait([p.sentinel for p in processes if p.exitcode is None], deadline - time.monotonic())
+                connection.wait([process.sentinel for process in running], deadline - time.monotonic())
         finally:
             # (what the processes were when the wait gave up on them: a zombie's exit was not reported)
             left = {rank: _proc_state(p.pid) for rank, p in enumerate(processes) if p.exitcode is None}
@@ -143,9 +146,8 @@ def forked_launch(script, *, nodes: int, nproc_per_node: int, args=(), env=None,
 
 
 #: Seconds after which a run of ranks is slow: it then says where each rank was (its stack, written by
-#: ``faulthandler`` into its stderr at that moment) and when each ended, as a warning of the test that
-#: ran it. (A run here takes 2–17 s; a few suite runs have seen one take ~300 s, its ranks' timeout,
-#: and pass.)
+#: ``faulthandler`` into its stderr at that moment), when each ended, and what the processes the wait
+#: gave up on were, as a warning of the test that ran it. (A run here takes 2–17 s.)
 SLOW = 60.0
 _ENDED = "rank ended at "
 
