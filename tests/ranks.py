@@ -108,7 +108,7 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
                     break
                 connection.wait([process.sentinel for process in running], deadline - time.monotonic())
         finally:
-            # (what the processes were when the wait gave up on them: a zombie's exit was not reported)
+            # (each process the wait gave up on, and the fork server, as the kernel has them: for the report)
             left = {rank: _proc_state(p.pid) for rank, p in enumerate(processes) if p.exitcode is None}
             if left:
                 from multiprocessing import forkserver
@@ -132,14 +132,14 @@ def forked_launch(script, *, nodes: int, nproc_per_node: int, args=(), env=None,
     mesh's run (its script, its record, its row), not of torchrun's agents: the same script and
     arguments on :func:`run_ranks`' forked ranks, with torchrun's environment, each rank's lines
     prefixed with its rank as torchrun's ``--tee`` prefixes them. (Ranks started as new interpreters
-    under two agents cost a mesh test ~20 s of CPU here; torchrun itself runs in
+    under an agent cost a mesh test ~20 s of CPU here; torchrun itself runs in
     ``test_cluster_roundtrip.py``, notebook 07 and a mesh's failing rank in ``test_mesh_here.py``.)"""
     import time
 
     from pipexplore.runs.launch import LaunchOutcome
 
     began = time.monotonic()
-    outs = run_ranks(script, [str(a) for a in args], ranks=nodes * nproc_per_node, pythonpath=str(script.parent),
+    outs = run_ranks(script, args, ranks=nodes * nproc_per_node, pythonpath=str(script.parent),
                      timeout=timeout or 300.0)
     stdout = "".join(f"[default{rank}]:{line}\n" for rank, out in enumerate(outs) for line in out.splitlines())
     return LaunchOutcome([stdout], [""], time.monotonic() - began)

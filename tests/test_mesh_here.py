@@ -58,7 +58,7 @@ def forked_ranks(monkeypatch):
 def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction(forked_ranks):
     ex = explored({"pp": 2, "dp": 2}, data_parallel="fsdp")
     before = ex.plan.predicted["end"].max()
-    row = ex.run()  # a mesh's ranks are the exported script's processes: torchrun runs them
+    row = ex.run()  # a mesh's ranks are the exported script's processes (here forked, as torchrun would start them)
     assert row["executor"] == "torchrun" and row["ranks"] == 4
     model = mesh_hooks.build_model()
     inputs, target = mesh_hooks.get_batch()
