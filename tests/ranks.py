@@ -79,6 +79,7 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     import time
     from multiprocessing import connection
 
+    from pipexplore.runs.forked import rank_variables
     from pipexplore.runs.launch import rendezvous_store
 
     context = multiprocessing.get_context("forkserver")
@@ -86,13 +87,12 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     # the rendezvous store, held here as an agent holds it (TORCHELASTIC_USE_AGENT_STORE): its port
     # is the one it is bound to, so no other process can take it between choosing and binding
     store = rendezvous_store(timeout)
-    env = dict(os.environ, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", ROLE_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         outputs = [(os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err")) for rank in range(ranks)]
         processes = [context.Process(target=_rank, args=(str(script), [str(a) for a in args], pythonpath,
-                                                         {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                                         {**env, **rank_variables(rank, ranks, store.port)},
                                                          outputs[rank]), name=f"rank{rank}")
                      for rank in range(ranks)]
         began = time.time()
@@ -124,25 +124,6 @@ def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: fl
     assert not failed, f"ranks failed (rank, exit code; a negative one: killed): {failed}\n" + "\n".join(
         f"rank {rank} stderr:\n{read[rank][1][-2000:]}" for rank, _ in failed)
     return [out for out, _ in read]
-
-
-def forked_launch(script, *, nodes: int, nproc_per_node: int, args=(), env=None, timeout=None, steps: int = 0,
-                  progress=None):
-    """:func:`pipexplore.runs.launch.launch`'s stand-in for a test of what ``ex.run()`` makes of a
-    mesh's run (its script, its record, its row), not of torchrun's agents: the same script and
-    arguments on :func:`run_ranks`' forked ranks, with torchrun's environment, each rank's lines
-    prefixed with its rank as torchrun's ``--tee`` prefixes them. (Ranks started as new interpreters
-    under an agent cost a mesh test ~20 s of CPU here; torchrun itself runs in
-    ``test_cluster_roundtrip.py``, notebook 07 and a mesh's failing rank in ``test_mesh_here.py``.)"""
-    import time
-
-    from pipexplore.runs.launch import LaunchOutcome
-
-    began = time.monotonic()
-    outs = run_ranks(script, args, ranks=nodes * nproc_per_node, pythonpath=str(script.parent),
-                     timeout=timeout or 300.0)
-    stdout = "".join(f"[default{rank}]:{line}\n" for rank, out in enumerate(outs) for line in out.splitlines())
-    return LaunchOutcome([stdout], [""], time.monotonic() - began)
 
 
 #: Seconds after which a run of ranks is slow: it then says where each rank was (its stack, written by

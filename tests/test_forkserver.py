@@ -93,7 +93,7 @@ def test_a_killed_rank_is_named_with_its_signal_through_the_server():
 
 
 def test_forked_process_reports_exit_codes_as_popen_does():
-    server = pool._fork_server(None)  # the session's: started here if no other test started it
+    server = pool.fork_server(None)  # the session's: started here if no other test started it
     import multiprocessing
 
     ours, theirs = multiprocessing.Pipe()
@@ -115,7 +115,7 @@ def test_forked_process_reports_exit_codes_as_popen_does():
 def test_without_the_server_nothing_is_forked(monkeypatch):
     shutdown_pool()
     monkeypatch.setattr(pool, "FORK_SERVER", False)
-    assert pool._fork_server(None) is None and pool.fork_server_pid() is None  # ranks start as interpreters
+    assert pool.fork_server(None) is None and pool.fork_server_pid() is None  # ranks start as interpreters
     # (what they then are: test_a_server_that_cannot_start_leaves_ranks_to_start_as_interpreters)
 
 
@@ -198,7 +198,7 @@ def test_a_server_imports_installed_libraries_on_request_for_the_ranks_forked_af
     shutdown_pool()
     with warm_pool(2, ["cpu"] * 2) as (running, _):
         assert running.run([pack_job(_imported, {"name": "yaml"})] * 2, timeout=60.0) == [False, False]
-    server = pool._fork_server(None)
+    server = pool.fork_server(None)
     assert server.preload(["yaml", "pipexplore_no_such_module"]) == ["yaml"]
     assert server.preload(["yaml", "pipexplore_no_such_module"]) == []  # asked once: no request at all
     with warm_pool(3, ["cpu"] * 3) as (running, _):  # another world: new ranks, forked after the import
@@ -238,7 +238,7 @@ def test_an_import_that_starts_a_thread_stops_the_server_and_is_not_asked_for_ag
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
     monkeypatch.setattr(forkserver, "PRELOAD", ())  # servers that fork nothing here need not import torch
     shutdown_pool()
-    server = pool._fork_server(None)
+    server = pool.fork_server(None)
     with pytest.raises(forkserver.ServerStopped, match=r"the fork server stopped: an import started a thread "
                                                        r"\(pipexplore_thread_at_import\)") as stopped:
         server.preload(["yaml", "pipexplore_thread_at_import"])
@@ -269,4 +269,4 @@ def test_a_rank_whose_parent_ended_before_it_looked_leaves_at_once(monkeypatch):
     monkeypatch.setattr(_worker, "os", types.SimpleNamespace(getppid=lambda: 1, _exit=leave))  # adopted
     monkeypatch.setattr(_worker, "time", types.SimpleNamespace(sleep=lambda seconds: pytest.fail("it waited")))
     with pytest.raises(Left, match="1"):
-        _worker._exit_with_parent(4242)
+        _worker.exit_with_parent(4242)

@@ -45,20 +45,10 @@ def test_each_stages_replicas_share_this_machines_cores():
     assert set(dp["collective"]) == {"dp all_reduce"} and dp["exposed"].all()
 
 
-@pytest.fixture
-def forked_ranks(monkeypatch):
-    """ex.run() starts the exported script's ranks forked, with torchrun's environment
-    (``ranks.forked_launch``), not under torchrun's agents."""
-    from pipexplore.runs import roundtrip
-    from ranks import forked_launch
-
-    monkeypatch.setattr(roundtrip, "launch", forked_launch)
-
-
-def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction(forked_ranks):
+def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_its_prediction():
     ex = explored({"pp": 2, "dp": 2}, data_parallel="fsdp")
     before = ex.plan.predicted["end"].max()
-    row = ex.run()  # a mesh's ranks are the exported script's processes (here forked, as torchrun would start them)
+    row = ex.run()  # a mesh's ranks are the exported script's processes, forked here as torchrun would start them
     assert row["executor"] == "torchrun" and row["ranks"] == 4
     model = mesh_hooks.build_model()
     inputs, target = mesh_hooks.get_batch()
@@ -72,7 +62,7 @@ def test_a_mesh_here_runs_as_the_exported_scripts_ranks_and_comes_back_beside_it
     assert ex.plan.mesh is not None and ex.plan.mesh.dp == 2  # the plan it teaches keeps the mesh
 
 
-def test_a_tensor_parallel_rank_here_is_the_measured_layers_at_its_share_of_their_work(forked_ranks):
+def test_a_tensor_parallel_rank_here_is_the_measured_layers_at_its_share_of_their_work():
     """pp 2 × tp 2 here: each layer's time scaled by the FLOPs a rank does of it (torch's
     parallelize_module counted on a fake group), its all-reduces on the phase's path over gloo's
     ring, the parameters a rank holds; run as the exported script's ranks, its loss the model's."""
@@ -112,12 +102,13 @@ def test_a_head_tied_to_its_embedding_is_refused_before_any_rank_starts(monkeypa
     """Beside data (or tensor) parallelism the script does not sum a tied parameter's gradients
     between pipeline ranks: ex.run() refuses such a model by name before it launches anything
     (the ranks refused it too, once started: ~15 s later), the plan and runs kept."""
-    from pipexplore.runs import roundtrip
+    from pipexplore.runs import forked, roundtrip
 
     monkeypatch.setenv("MESH_HOOKS_MODEL", "llama-tied")
     ex = explored({"pp": 2, "dp": 2})
     before = ex.plan
     monkeypatch.setattr(roundtrip, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(forked, "launch_forked", lambda *a, **k: pytest.fail("a rank was started"))
     with pytest.raises(ValueError, match=r"LlamaForCausalLM ties lm_head.weight \(stages 0, 1\) across stages .* "
                                          r"untie them \(tie_word_embeddings=False\) or plan dp=1"):
         ex.run()
@@ -139,18 +130,16 @@ def dies_on_rank_3(output, target):
 def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_reaped(monkeypatch):
     import psutil
 
-    import pipexplore.runs.launch as launching
     from pipexplore.runs.launch import TorchrunError
 
-    monkeypatch.setattr(launching, "FAILURE_GRACE", 1.0)
     monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
     ex = explored({"pp": 2, "dp": 2})
     ex.state.training = dataclasses.replace(ex.state.training, loss_fn=dies_on_rank_3)
     before = ex.plan
     with pytest.raises(TorchrunError, match=r"rank 3 \(pp 1, dp 1, tp 0\) on host \S+ exited with code 3") as caught:
-        ex.run(executor="torchrun", nodes=2)  # two node agents of two ranks each
+        ex.run()  # the four ranks forked here (a node agent's failing rank: test_cluster_roundtrip.py)
     assert caught.value.rank == 3
     assert ex.runs.empty and ex.plan is before
     left = [p for p in psutil.Process().children(recursive=True)
-            if "pipexplore-torchrun" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            if p.name().startswith("pipexplore-s") and p.status() != psutil.STATUS_ZOMBIE]
     assert not left

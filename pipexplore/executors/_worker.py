@@ -24,14 +24,14 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-__all__ = ["main", "GROUP_TIMEOUT"]
+__all__ = ["main", "GROUP_TIMEOUT", "exit_with_parent"]
 
 #: How long one collective or point-to-point operation may wait inside the process group. The
 #: pool enforces each run's own ``timeout`` from the parent and kills the workers past it.
 GROUP_TIMEOUT = timedelta(hours=1)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """Leave at once when the process that started this rank is gone (killed kernel, crashed
     script, closed fork server). ``parent_pid`` is the one its starter named, not read here: a
     parent that ended before this thread began would otherwise be taken for its successor."""
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None, parent: int | None = None) -> None:
     if parent is None:
         parent = int(argv[5]) if len(argv) > 5 else os.getppid()
     faulthandler.enable()  # a crash in native code leaves its stack in this rank's captured stderr
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
     connection = Connection(fd)
     import torch.distributed as dist
 

@@ -8,7 +8,9 @@ brings in torch's compiler and DTensor, ~2 s of CPU more a rank), cloudpickle an
 touches nothing that starts threads or a device, and then forks one child per request. Each
 child is what ``python -m pipexplore.executors._worker`` would be (its own session, its own
 stderr file, the caller's environment and working directory at the time of the request, fresh
-random state) and runs :func:`pipexplore.executors._worker.main`.
+random state) and runs :func:`pipexplore.executors._worker.main`; or, asked for a script
+(:meth:`ForkServer.spawn_script`), is what ``python SCRIPT ARGS`` would be: the exported
+``torchrun`` script's rank, started in milliseconds (:mod:`pipexplore.runs.forked`).
 
 A server may also import more on request (:meth:`ForkServer.preload`): the pool asks it for the
 modules of installed libraries a job's model is made of (:func:`installed_modules`: a Hugging Face
@@ -29,6 +31,10 @@ children then leave too (each watches its parent, the server). On platforms with
 starts each rank as a new interpreter, as it did before; so it does, after one warning, where the
 server cannot start (an import fails, or an import initialised CUDA, which a forked child could
 not use), until :func:`~pipexplore.executors.pool.shutdown_pool`.
+
+Why one module: the caller's end (:class:`ForkServer`, :class:`ForkedProcess`) and the server's
+loop speak one protocol (the requests, the messages back, what a child does with the descriptors it
+is sent), which is read and changed together.
 
 Example::
 
@@ -227,13 +233,38 @@ class ForkServer:
             OSError: the server is gone or did not answer.
         """
         request = pickle.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()})
+        return self._request(request, [pass_fd, stderr_fd])
+
+    def spawn_script(self, script: str, args: Sequence[str], stdout_fd: int, stderr_fd: int,
+                     env: dict[str, str]) -> ForkedProcess:
+        """Fork a process that runs ``script`` as ``__main__`` (``sys.argv``: the script, then
+        ``args``; its folder first on ``sys.path``), as ``python SCRIPT ARGS`` would with ``env``
+        as its environment, this process's working directory, stdout on ``stdout_fd`` and stderr on
+        ``stderr_fd``: a rank of an exported script, as torchrun would start it, without its imports.
+        Torch's intra-op threads are ``OMP_NUM_THREADS`` of ``env`` where it is set (a new
+        interpreter reads it at its start; the fork inherits the server's).
+
+        Raises:
+            OSError: the server is gone or did not answer.
+        """
+        request = pickle.dumps({"script": str(script), "argv": [str(a) for a in args], "env": env, "cwd": os.getcwd()})
+        return self._request(request, [stdout_fd, stderr_fd])
+
+    def _request(self, request: bytes, fds: list[int]) -> ForkedProcess:
         with self._lock:
-            socket.send_fds(self._control, [request], [pass_fd, stderr_fd])
+            socket.send_fds(self._control, [request], fds)
             deadline = time.monotonic() + 30.0
             while not self._started:
                 if not self._read(max(0.0, deadline - time.monotonic())):
                     raise OSError("the fork server did not answer a request to start a rank")
             return ForkedProcess(self, self._started.pop())
+
+    def exited_first(self, processes: Sequence[ForkedProcess]) -> Optional[ForkedProcess]:
+        """Of ``processes`` that have ended, the one whose exit the server reported first (it reaps
+        them as they end): the root cause of a failure that took the others down."""
+        order = {pid: n for n, pid in enumerate(self._exits)}
+        ended = [process for process in processes if process.pid in order]
+        return min(ended, key=lambda process: order[process.pid]) if ended else None
 
     def preload(self, names: Sequence[str], timeout: float = 120.0) -> list[str]:
         """Have the server import ``names`` (those not imported yet), so that ranks forked from now
@@ -335,8 +366,8 @@ def _name_process(name: str) -> None:
 
 
 def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: int) -> None:
-    """In the forked child: become a fresh rank process and run the worker (which leaves when
-    ``server``, its parent, is gone); never returns."""
+    """In the forked child: become a fresh rank process and run the worker or the script asked for
+    (either leaves when ``server``, its parent, is gone); never returns."""
     code = 1
     try:
         for fd in closing:
@@ -347,6 +378,9 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()
         pipe_fd, stderr_fd = fds
+        if "script" in request:  # (its first descriptor is its stdout)
+            os.dup2(pipe_fd, 1)
+            os.close(pipe_fd)
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
         os.environ.clear()
@@ -358,12 +392,15 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
         import random
 
         random.seed()
-        argv = list(request["argv"])
-        argv[3] = str(pipe_fd)
-        _name_process(f"pipexplore-r{argv[0]}")
-        from pipexplore.executors import _worker
+        if "script" in request:
+            _run_script(request["script"], request["argv"], server)
+        else:
+            argv = list(request["argv"])
+            argv[3] = str(pipe_fd)
+            _name_process(f"pipexplore-r{argv[0]}")
+            from pipexplore.executors import _worker
 
-        _worker.main(argv, parent=server)
+            _worker.main(argv, parent=server)
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -378,6 +415,26 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
             except Exception:
                 pass
         os._exit(code)
+
+
+def _run_script(script: str, args: list[str], server: int) -> None:
+    """In a forked child: run ``script`` as ``python SCRIPT ARGS`` would (its stdout and stderr
+    already in place), leaving when ``server`` is gone."""
+    import faulthandler
+    import runpy
+
+    from pipexplore.executors._worker import exit_with_parent
+
+    _name_process("pipexplore-s" + os.environ.get("RANK", ""))
+    faulthandler.enable()  # a crash in native code leaves its stack in the rank's stderr
+    threading.Thread(target=exit_with_parent, args=(server,), daemon=True).start()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if threads.isdigit() and int(threads) > 0 and torch is not None:
+        torch.set_num_threads(int(threads))
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
 
 
 def _threads() -> int:

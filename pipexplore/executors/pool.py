@@ -42,8 +42,8 @@ from pipexplore.executors import forkserver
 from pipexplore.executors.jobs import ensure_picklable, pack_job
 from pipexplore.host import free_port as _free_port  # (its own name here: tests choose the port)
 
-__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server_pid", "preload_modules",
-           "pack_job", "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
+__all__ = ["WorkerPool", "DistributedRunError", "warm_pool", "shutdown_pool", "fork_server", "fork_server_pid",
+           "preload_modules", "pack_job", "ensure_picklable", "STARTUP_TIMEOUT", "FORK_SERVER"]
 
 #: Seconds the workers may take to start and join their process group (apart from a run's ``timeout``).
 STARTUP_TIMEOUT = 120.0
@@ -104,7 +104,7 @@ _server: Optional[forkserver.ForkServer] = None
 _server_refused: Optional[str] = None
 
 
-def _fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServer]:
+def fork_server(cancel: Optional[CancelToken]) -> Optional[forkserver.ForkServer]:
     """The session's fork server, started on first use (``None`` where ranks start as interpreters).
 
     Raises:
@@ -136,7 +136,7 @@ def _start_rank(argv: list[str], fd: int, stderr: Any, cancel: Optional[CancelTo
                 ) -> subprocess.Popen[bytes] | forkserver.ForkedProcess:
     """Start one rank: forked by the fork server, else ``python -m pipexplore.executors._worker ARGV``.
     Either way in a session of its own: a Ctrl-C in a terminal reaches this process, which stops it."""
-    server = _fork_server(cancel)
+    server = fork_server(cancel)
     if server is not None:
         try:
             return server.spawn(argv, fd, stderr.fileno(), _worker_env())
@@ -158,7 +158,7 @@ def preload_modules(names: Sequence[str], cancel: Optional[CancelToken] = None) 
     for again (the next pool starts another server); a server that fails otherwise is left to the
     next pool."""
     names = [name for name in names if name not in _not_preloaded]
-    server = _fork_server(cancel) if names else None
+    server = fork_server(cancel) if names else None
     if server is not None:
         try:
             server.preload(names)

@@ -40,7 +40,7 @@ from pipexplore.cancel import Cancelled, current_token
 from pipexplore.host import RANK_CORES_ENV, core_share, free_port, rank_cores
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
-           "HOOKS_MODULE", "STEP_LINE", "printed_losses"]
+           "HOOKS_MODULE", "STEP_LINE", "printed_losses", "rank_environment", "steps_done", "rendezvous_store"]
 
 HOOKS_MODULE = "pipexplore_run_hooks"
 #: After the first agent fails, seconds the others get to fail on their own (their reports name
@@ -186,7 +186,22 @@ def _stop(agents: Sequence[subprocess.Popen]) -> None:
         agent.wait()
 
 
-def _steps_done(outputs: Sequence[pathlib.Path]) -> int:
+def rank_environment(folder: pathlib.Path, world: int, env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment of the ranks of a run of ``world`` ranks on this machine (``env``, or this
+    process's): ``folder`` (the script's) on ``PYTHONPATH``, ``OMP_NUM_THREADS`` a share of the
+    cores and each rank's own block of them (:data:`~pipexplore.host.RANK_CORES_ENV`, which the
+    exported script keeps to), unless ``env`` sets them."""
+    environment = dict(os.environ if env is None else env)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
+    environment.setdefault("OMP_NUM_THREADS", str(core_share(world)))
+    blocks = [rank_cores(rank, world) for rank in range(world)]
+    if all(blocks):  # each rank on cores of its own (the exported script keeps to them)
+        environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks if block))
+    return environment
+
+
+def steps_done(outputs: Sequence[pathlib.Path]) -> int:
+    """Steps the script's ranks have printed so far into ``outputs`` (:data:`STEP_LINE`)."""
     done = 0
     for path in outputs:
         try:
@@ -217,13 +232,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false", "--rdzv-id",
                 f"pipexplore-{port}", "--max-restarts", "0",
                 "--tee", "3"]  # each rank's lines prefixed with its rank ("[default3]:"), and kept in --log-dir
-    environment = dict(os.environ if env is None else env)
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("PYTHONPATH", "")]))
-    world = nodes * nproc_per_node
-    environment.setdefault("OMP_NUM_THREADS", str(core_share(world)))
-    blocks = [rank_cores(rank, world) for rank in range(world)]
-    if all(blocks):  # each rank on cores of its own (the exported script keeps to them)
-        environment.setdefault(RANK_CORES_ENV, ";".join(",".join(map(str, block)) for block in blocks if block))
+    environment = rank_environment(folder, nodes * nproc_per_node, env)
     token = current_token()
     outs = [folder / f"agent-{n}.out" for n in range(nodes)]
     errs = [folder / f"agent-{n}.err" for n in range(nodes)]
@@ -252,7 +261,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                 raise TorchrunError(f"the torchrun run took longer than {timeout:.0f} s and was stopped "
                                     f"(every agent and rank); last words:\n{_tail(errs)}")
             if progress is not None:
-                done = _steps_done(outs)
+                done = steps_done(outs)
                 if done != said:
                     said = done
                     progress(f"torchrun: {nodes} node agents × {nproc_per_node} ranks, step {done} of {steps}"

@@ -1,6 +1,7 @@
 """The explorer's two ways in for a run made under ``torchrun``: load a directory (:func:`load_result`)
 or export, launch node agents here and load what they recorded (:func:`torchrun_result`) — the
-same path a cluster takes.
+same path a cluster takes (or, for a run on this machine alone, its ranks forked here with the
+environment torchrun gives them: :mod:`pipexplore.runs.forked`).
 
 Example::
 
@@ -75,7 +76,7 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
                     loss_fn: Optional[LossFn] = None, optimizer: Optional[OptimizerFactory] = None,
                     run: Any = 0, warmup: int = 2, repeats: int = 10, timeout: Optional[float] = None,
                     progress: Optional[Callable[[str], None]] = None, keep: Optional[Any] = None,
-                    tp_plan: Optional[dict[str, str]] = None) -> RunResult:
+                    tp_plan: Optional[dict[str, str]] = None, forked: bool = False) -> RunResult:
     """Export ``plan`` as the ``torchrun`` script, run it under ``nodes`` node agents on this
     machine (``plan.num_devices / nodes`` ranks each, gloo on CPUs) with ``--record``, and load the
     run: ``warmup`` steps, then ``repeats`` measured, the median kept (as every executor does; the
@@ -88,7 +89,8 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     processes executor's default for the steps).
     ``metrics['printed_losses']`` holds each step's loss as the script printed it. A plan with a
     mesh runs all its ranks (``tp_plan``: the tensor-parallel plan it was counted with), each
-    replica on the sample.
+    replica on the sample. ``forked``: the ranks forked here with torchrun's environment
+    (:func:`~pipexplore.runs.forked.launch_forked`; ``nodes`` 1), not started by its agents.
 
     Raises:
         ValueError: a plan or sample the exported script cannot run (a parameter tied across stages
@@ -102,6 +104,8 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
     world = plan.mesh_or_pipeline.size
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world % nodes:
         raise ValueError(f"nodes must be a whole number that divides the plan's {world} ranks, got {nodes!r}")
+    if forked and nodes != 1:
+        raise ValueError(f"forked ranks run on this one machine, as one node: nodes must be 1, got {nodes}")
     if not is_csv(plan.schedule) and plan.schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"the torchrun script runs {', '.join(SCHEDULE_CLASSES)} or a CSV schedule; not "
                          f"{plan.schedule!r}")
@@ -138,10 +142,17 @@ def torchrun_result(model: torch.nn.Module, sample: Any, plan: Plan, *, nodes: i
                                           device=plan.device_type, checkpoint=plan.export_checkpoint,
                                           **mesh_options(plan, tp_plan)))
         check_cancelled()
+        arguments = ["--record", str(record), "--warmup", str(warmup)]
         try:
-            outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
-                             args=["--record", str(record), "--warmup", str(warmup)], steps=warmup + repeats,
-                             progress=progress)
+            if forked:
+                from pipexplore.executors.forkserver import installed_modules
+                from pipexplore.runs.forked import launch_forked
+
+                outcome = launch_forked(script, ranks=world, args=arguments, timeout=timeout, steps=warmup + repeats,
+                                        progress=progress, preload=installed_modules(model))
+            else:
+                outcome = launch(script, nodes=nodes, nproc_per_node=world // nodes, timeout=timeout,
+                                 args=arguments, steps=warmup + repeats, progress=progress)
         except TorchrunError as failed:
             if plan.mesh is None or failed.rank is None or not 0 <= failed.rank < world:
                 raise

@@ -1,6 +1,6 @@
 """The explorer's runner: real training steps of the current plan, run here (blocking or in the
-background, cancellable) or under torchrun, or loaded from a run recorded elsewhere; each kept in the
-run log and teaching the plan.
+background, cancellable; a mesh's as the exported script's ranks forked here) or under torchrun, or
+loaded from a run recorded elsewhere; each kept in the run log and teaching the plan.
 
 :class:`Runner` is a part the explorer's state has (``state.runner``): it holds what one run in
 progress needs (its thread, its cancel token, its action counter, the lock that lets one run at a
@@ -60,7 +60,10 @@ class Runner:
         ``executor``: ``'threads'`` (the schedule executor, in this process), ``'autograd'`` (the
         ``GPipe`` module) or ``'processes'`` (one process per stage); it becomes the plan's.
         ``'torchrun'``: the exported script under ``nodes`` torchrun node agents here (see
-        :meth:`run_torchrun`; the plan's executor stays); what a plan with a mesh runs by default.
+        :meth:`run_torchrun`; the plan's executor stays). A plan with a mesh runs by default as the
+        exported script's ranks forked here with torchrun's environment (``nodes`` 1: the same
+        script and process group without the agent and each rank's imports), or under ``nodes``
+        agents where ``nodes`` is more than 1.
         ``timeout`` (seconds, ``'processes'`` and ``'torchrun'``) bounds the step in the worker processes.
 
         Raises:
@@ -74,8 +77,8 @@ class Runner:
             validate.executor(executor, (*EXECUTORS, "torchrun"))
         refuse_planned(state.plan)
         if executor == "torchrun" or (executor is None and state.plan.mesh is not None):
-            # (a mesh's ranks are the exported script's processes: torchrun runs them)
-            return self.run_torchrun(nodes=nodes, timeout=timeout)
+            # (a mesh's ranks are the exported script's processes: forked here, or under torchrun's agents)
+            return self.run_torchrun(nodes=nodes, timeout=timeout, forked=executor is None and nodes == 1)
         if executor is not None and executor != state.plan.executor:
             state.update(executor=executor)
         with self._lock:
@@ -145,12 +148,13 @@ class Runner:
                 self.running = False
                 state.notify("status")
 
-    def run_torchrun(self, nodes: int = 2, *, timeout: Optional[float] = None) -> pd.Series:
+    def run_torchrun(self, nodes: int = 2, *, timeout: Optional[float] = None, forked: bool = False) -> pd.Series:
         """Export the current plan, run it under ``nodes`` torchrun node agents on this machine
         (c10d rendezvous on loopback, gloo; predicted, whatever the plan's executor, with the
         processes executor's own costs, probed once: its ranks are processes), wait with progress on
         the status line (Cancel stops every agent and rank), and load the run as :meth:`load_run`
-        does. Returns its row.
+        does. Returns its row. ``forked``: its ranks forked here with torchrun's environment
+        instead (:mod:`pipexplore.runs.forked`; ``nodes`` 1).
 
         Raises:
             pipexplore.runs.launch.TorchrunError: a rank failed (its rank, host and exit code), or a timeout.
@@ -165,9 +169,10 @@ class Runner:
                 plan, number = state.plan, state.log.next_number
                 if plan.executor != "processes":  # its ranks are processes: predicted with what an action costs them
                     plan = state.with_executor_costs(plan.with_options(executor="processes"))
-            state.say(f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
+            state.say(f"exporting the plan for its {plan.mesh_or_pipeline.size} ranks here…" if forked else
+                      f"torchrun: exporting the plan for {nodes} node agents…", busy=True)
             result = torchrun_result(state.model, state.sample, plan, nodes=nodes, **state.training.keywords(),
-                                     run=number, timeout=timeout,
+                                     run=number, timeout=timeout, forked=forked,
                                      progress=lambda text: state.say(text, busy=True),
                                      tp_plan=state.tp_plan() if plan.mesh is not None else None)
             return self._keep_loaded(result, number)

@@ -1,0 +1,169 @@
+"""The exported script's ranks forked here: what ``torchrun --nproc-per-node N`` starts on one
+machine, without its agent and without each rank's imports.
+
+A mesh planned on this machine's CPUs runs as the exported ``torchrun`` script's ranks. Started by
+torchrun's agent, each rank is a new interpreter that imports torch, its pipelining and the model's
+library before any work (3.5–6 s of CPU a rank on a small machine, the agent ~1.6 s more), and
+every rerun pays them again. :func:`launch_forked` forks each rank from the session's fork server
+(:mod:`pipexplore.executors.forkserver`: torch and its pipelining imported once, the model's
+installed library on request) with the environment torchrun's agent gives a rank (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` of a rendezvous store held here with ``TORCHELASTIC_USE_AGENT_STORE``, as an agent
+holds it) and runs the script as ``__main__``: the same script, arguments and process group.
+
+It waits as :func:`~pipexplore.runs.launch.launch` does: progress from the steps the script prints,
+Cancel from the run's :class:`~pipexplore.cancel.CancelToken`, a timeout. A rank that fails is named
+(rank, host, exit code and its last lines of stderr; of several, the one whose exit the server
+reported first), and on a failure, a timeout or a cancel every rank is stopped and reaped. Where
+ranks cannot be forked (no fork server on this platform, or it could not start) the script runs
+under one torchrun agent instead.
+
+Example::
+
+    outcome = launch_forked(folder / "train_pipeline.py", ranks=4, args=["--record", str(folder / "run")],
+                            timeout=300)
+"""
+from __future__ import annotations
+
+import pathlib
+import socket
+import subprocess
+import time
+from typing import Callable, Optional, Sequence
+
+from pipexplore.cancel import Cancelled, current_token
+from pipexplore.executors import forkserver, pool
+from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, TorchrunError, launch, rank_environment,
+                                    rendezvous_store, steps_done)
+
+__all__ = ["launch_forked", "rank_variables"]
+
+#: Lines of a failed rank's stderr quoted in the error.
+STDERR_LINES = 8
+
+
+def rank_variables(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun's agent sets for rank ``rank`` of ``world`` on one node, whose rendezvous
+    store (the agent's) listens on ``port`` of loopback."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": f"pipexplore-{port}", "PYTHONUNBUFFERED": "1"}
+
+
+def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
+                  timeout: Optional[float] = None, steps: int = 0, progress: Optional[Callable[[str], None]] = None,
+                  preload: Sequence[str] = ()) -> LaunchOutcome:
+    """Run ``script`` as ``ranks`` ranks on this machine, forked from the session's fork server
+    (``preload``: installed modules it imports first, once a session: the model's library), with
+    torchrun's environment for each; wait for all of them. The outcome's stdout and stderr are
+    each rank's lines, prefixed with its rank as torchrun's ``--tee`` prefixes them.
+
+    Raises:
+        TorchrunError: a rank exited with an error (named: rank, host, exit code, its last words),
+            or the run took longer than ``timeout`` seconds; every rank is stopped.
+        pipexplore.cancel.Cancelled: the run's cancel token was cancelled; every rank is stopped.
+    """
+    token = current_token()
+    if preload:
+        pool.preload_modules(preload, token)
+    server = pool.fork_server(token)
+    if server is None:  # (ranks cannot be forked here: torchrun's agent starts them)
+        return launch(script, nodes=1, nproc_per_node=ranks, args=args, env=env, timeout=timeout, steps=steps,
+                      progress=progress)
+    folder = script.parent
+    outs = [folder / f"rank-{rank}.out" for rank in range(ranks)]
+    errs = [folder / f"rank-{rank}.err" for rank in range(ranks)]
+    store = rendezvous_store(timeout)  # held until every rank is gone
+    environment = rank_environment(folder, ranks, env)
+    processes: list[forkserver.ForkedProcess] = []
+    started = time.monotonic()
+    try:
+        for rank in range(ranks):
+            with open(outs[rank], "w") as out, open(errs[rank], "w") as err:
+                processes.append(server.spawn_script(str(script), list(args), out.fileno(), err.fileno(),
+                                                     {**environment, **rank_variables(rank, ranks, store.port)}))
+        said = -1
+        while any(process.poll() is None for process in processes):
+            if any(process.poll() not in (None, 0) for process in processes):
+                break
+            if token is not None and token.cancelled:
+                raise Cancelled("the run was cancelled; its ranks are stopped")
+            now = time.monotonic()
+            if timeout is not None and now - started > timeout:
+                raise TorchrunError(f"the run took longer than {timeout:.0f} s and was stopped (every rank); "
+                                    f"last words:\n{_last_words(errs)}")
+            if progress is not None:
+                done = steps_done(outs)
+                if done != said:
+                    said = done
+                    progress(f"{ranks} ranks here, step {done} of {steps}" if done else
+                             f"{ranks} ranks here starting ({now - started:.0f} s)")
+            time.sleep(POLL)
+        failed = [process for process in processes if process.poll() not in (None, 0)]
+        first = server.exited_first(failed)
+        _stop(processes)  # the others, once one failed (they would wait on it until gloo's timeout)
+    except BaseException:
+        _stop(processes)
+        raise
+    finally:
+        del store
+    seconds = time.monotonic() - started
+    stdout, stderr = _prefixed(outs), _prefixed(errs)
+    if first is not None:
+        raise _failure(processes, first, errs)
+    return LaunchOutcome([stdout], [stderr], seconds)
+
+
+def _stop(processes: Sequence[forkserver.ForkedProcess]) -> None:
+    """SIGTERM every rank that runs, SIGKILL what is left after the grace, and reap them all."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # (killed below)
+            pass
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _prefixed(paths: Sequence[pathlib.Path]) -> str:
+    """Every rank's lines, each behind ``[defaultRANK]:``."""
+    lines = []
+    for rank, path in enumerate(paths):
+        lines += [f"[default{rank}]:{line}\n" for line in _read(path).splitlines()]
+    return "".join(lines)
+
+
+def _read(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_words(paths: Sequence[pathlib.Path], lines: int = STDERR_LINES) -> str:
+    said = [f"[rank {rank}] {line}" for rank, path in enumerate(paths)
+            for line in [line for line in _read(path).splitlines() if line.strip()][-lines:]]
+    return "\n".join(said) or "(nothing)"
+
+
+def _failure(processes: Sequence[forkserver.ForkedProcess], first: forkserver.ForkedProcess,
+             errs: Sequence[pathlib.Path]) -> TorchrunError:
+    """The error of a failed run: the rank that failed first, its exit code and last words, then
+    the others that failed or were stopped."""
+    rank, host, code = processes.index(first), socket.gethostname(), first.returncode
+    others = [f"rank {n} (exit code {p.returncode})" for n, p in enumerate(processes)
+              if p is not first and p.returncode != 0]
+    said = [line for line in _read(errs[rank]).splitlines()
+            if line.strip() and "FutureWarning" not in line and "return cls.__new__" not in line][-STDERR_LINES:]
+    message = f"rank {rank} on host {host} exited with code {code}"
+    if others:
+        message += "; the run stopped the others: " + ", ".join(others)
+    message += (":\n" + "\n".join(said)) if said else " (it wrote nothing to stderr)"
+    return TorchrunError(message, rank, host, code)
