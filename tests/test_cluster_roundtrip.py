@@ -2,11 +2,12 @@
 with ``--record DIR`` under two torchrun node agents on this machine (c10d rendezvous on
 loopback, gloo, 2 ranks each), ``explorer.load_run`` reads it whole and ``explorer.run(
 executor='torchrun', nodes=2)`` does both; a rank that dies is named, a directory missing a
-rank, of another plan or truncated is refused and nothing of it is kept. The 1F1B and the
-interleaved runs have two agents of two ranks; the others (a CSV schedule with the profiler on
-beside the recorder, a cancel) have two agents of one rank: each rank is an interpreter importing
-torch's pipelining (~5 s of CPU). The test of a rank that dies (what torchrun itself reports) runs
-a script of its own that imports nothing; where the agents meet is watched in the 1F1B run's launch."""
+rank, of another plan or truncated is refused and nothing of it is kept. The 1F1B run has two
+agents of two ranks, the interleaved run and a cancel two agents of one rank: each rank is an
+interpreter importing torch's pipelining (~5 s of CPU); a CSV schedule with the profiler on beside
+the recorder runs on two ranks forked here (``pipexplore.runs.forked``). The test of a rank that
+dies (what torchrun itself reports) runs a script of its own that imports nothing; where the agents
+meet is watched in the 1F1B run's launch."""
 from __future__ import annotations
 
 import html
@@ -223,10 +224,12 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
 
 @pytest.fixture(scope="module")
 def csv_run(hooks, tmp_path_factory):
-    """A 1F1B schedule written as a CSV, run by the exported script under two node agents of one
-    rank with ``--record`` and, beside it, torch's profiler (``--profile``): the CSV runs through
+    """A 1F1B schedule written as a CSV, run by the exported script on two ranks forked here with
+    torchrun's environment (``launch_forked``: what is tested is the script's record, not the
+    agents) with ``--record`` and, beside it, torch's profiler (``--profile``): the CSV runs through
     torch's runtime schedule, which labels each action in the trace. Then the CSV is deleted, as on
     another machine, where an explorer of its own loads the run."""
+    from pipexplore.runs.forked import launch_forked
     from pipexplore.schedules.csv_files import write_csv
     from pipexplore.schedules import rank_orders
 
@@ -237,8 +240,8 @@ def csv_run(hooks, tmp_path_factory):
     script.write_text(_explorer(module, schedule=str(path), devices="cpu,cpu").export(
         "torchrun", hooks="roundtrip_hooks", steps=3))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
-    launch(script, nodes=2, nproc_per_node=1, env=env, timeout=300,
-           args=["--record", str(work / "run"), "--profile", str(work / "traces")])
+    launch_forked(script, ranks=2, env=env, timeout=300,
+                  args=["--record", str(work / "run"), "--profile", str(work / "traces")])
     text = path.read_text()
     path.unlink()
     return work, text
@@ -256,7 +259,7 @@ def test_a_run_of_a_csv_schedule_holds_the_schedule_it_ran(hooks, csv_run):
     assert ran.schedule == str(work / "run" / "schedule.csv")
     assert (work / "run" / "schedule.csv").read_text() == text
     assert row["loss"] == pytest.approx(_unsplit_loss(module), rel=1e-5) and math.isfinite(row["prediction_error"])
-    # two agents of one rank on this machine share its cores (torchrun itself would give each all of them)
+    # two ranks on this machine share its cores (torchrun itself would give an agent's one rank all of them)
     ranks = explorer.state.log.result_of(row["run"]).metrics["rank_table"]
     assert ranks["threads"].tolist() == [_shared_threads(2)] * 2
     # each on cores of its own (the launcher's PIPEXPLORE_RANK_CORES, kept to by the exported script)

@@ -17,13 +17,17 @@ SCRIPT = textwrap.dedent('''
     import torch
     import torch.distributed as dist
 
+    try:
+        from forked_helper import VALUE  # (on the PYTHONPATH a test gives)
+    except ImportError:
+        VALUE = None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     print(f"env {os.environ['RANK']} {os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} "
           f"{os.environ['LOCAL_WORLD_SIZE']} {os.environ['GROUP_RANK']} threads={torch.get_num_threads()} "
-          f"parent={os.getppid()} argv={sys.argv[1:]} main={__name__}")
+          f"parent={os.getppid()} argv={sys.argv[1:]} main={__name__} helper={VALUE}")
     how = sys.argv[1] if len(sys.argv) > 1 else ""
     if how == "fail" and rank == 1:
         raise ValueError("rank 1 cannot go on")
@@ -49,8 +53,10 @@ def _ranks_left():
 
 
 def test_the_ranks_run_the_script_with_torchruns_environment_in_one_process_group(tmp_path):
-    outcome = forked.launch_forked(_script(tmp_path), ranks=3, args=["go"], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                   timeout=120)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "forked_helper.py").write_text("VALUE = 42\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path / "lib"))
+    outcome = forked.launch_forked(_script(tmp_path), ranks=3, args=["go"], env=env, timeout=120)
     (stdout,) = outcome.stdout
     said = {int(line.split("]:env ")[1].split()[0]): line for line in stdout.splitlines() if "]:env " in line}
     assert sorted(said) == [0, 1, 2]
@@ -58,7 +64,7 @@ def test_the_ranks_run_the_script_with_torchruns_environment_in_one_process_grou
     assert server is not None
     for rank, line in said.items():
         assert line.startswith(f"[default{rank}]:env {rank} {rank} 3 3 0 threads=1 parent={server} ")
-        assert "argv=['go'] main=__main__" in line
+        assert "argv=['go'] main=__main__ helper=42" in line  # PYTHONPATH's folders on the path, as at a start
     assert printed_losses(outcome.stdout) == {0: 6.0}  # 1 + 2 + 3, all-reduced over the three ranks
     assert len(STEP_LINE.findall(stdout)) == 1 and outcome.seconds > 0
     assert not _ranks_left()

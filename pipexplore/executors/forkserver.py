@@ -433,7 +433,9 @@ def _run_script(script: str, args: list[str], server: int) -> None:
     if threads.isdigit() and int(threads) > 0 and torch is not None:
         torch.set_num_threads(int(threads))
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # (as an interpreter starts: the script's folder, then PYTHONPATH's, before what the server had)
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script)),
+                    *[path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]]
     runpy.run_path(script, run_name="__main__")
 
 
