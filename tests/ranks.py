@@ -51,147 +51,44 @@ def traced_tiny_transformer(points=("layers.1", "layers.2", "layers.3")):
     return model, tokens, target, table, [names.index(n) for n in points]
 
 
-#: What a forked rank has imported before it starts: what every exported script imports; the
-#: recorder a script imports for ``--record`` (itself only: the package imports its names on first
-#: use); and transformers with its models' shared base (``modeling_utils``), which the hooks of most
-#: scripts run here import (the Llama, MoE, zoo and Hugging Face defaults' hooks): ~1.1 s of CPU a rank
-#: when each imported it, once a test process here (as the pool's fork server imports the
-#: libraries a model is made of once, not in every rank).
-RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "pipexplore.runs.record",
-                "transformers", "transformers.modeling_utils", "ranks"]
+#: Installed libraries the fork server imports once for the ranks of :func:`run_ranks`:
+#: transformers with its models' shared base (``modeling_utils``), which the hooks of most scripts run
+#: here import (the Llama, MoE, zoo and Hugging Face defaults' hooks; ~1.1 s of CPU a rank when each
+#: imported it).
+RANK_LIBRARIES = ["transformers", "transformers.modeling_utils"]
 
 
 def run_ranks(script, args=(), ranks: int = 2, pythonpath: str = "", timeout: float = 300.0) -> list[str]:
     """Run ``script`` as ``torchrun --standalone --nproc-per-node RANKS script ARGS`` runs it: one
-    process a rank with the environment torchrun's agent gives it (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store held here, ``OMP_NUM_THREADS=1``),
-    the script run as ``__main__`` with ``sys.argv`` as torchrun sets it. Each rank is forked from
-    a process that has imported torch and its pipelining once (multiprocessing's fork server, one a
-    test process): a rank started by torchrun as a new interpreter pays ~3 s of CPU importing them,
-    and the agent ~2 s more. What torchrun itself does (agents, rendezvous, a rank that dies) is
-    tested by ``test_cluster_roundtrip.py`` and notebooks 04 and 07 under torchrun itself.
+    process a rank with the environment torchrun's agent gives it (``OMP_NUM_THREADS=1``,
+    ``pythonpath`` on the path), forked from the session's fork server
+    (:func:`pipexplore.runs.forked.launch_forked`, as ``ex.run()`` runs a mesh's ranks): a rank started
+    by torchrun as a new interpreter pays ~3 s of CPU importing torch and its pipelining, and the
+    agent ~2 s more. What torchrun itself does (agents, rendezvous, a rank that dies) is tested by
+    ``test_cluster_roundtrip.py`` and notebooks 04 and 07 under torchrun itself.
 
-    Returns each rank's stdout; fails the test (quoting its stderr) when a rank exits non-zero or
-    the ranks do not finish within ``timeout`` seconds (every rank is then killed)."""
-    import multiprocessing
+    Returns each rank's stdout; fails the test (an ``AssertionError`` quoting the failed rank's last
+    lines of stderr) when a rank exits non-zero or the ranks do not finish within ``timeout`` seconds
+    (every rank is then stopped)."""
     import os
-    import tempfile
-    import time
-    from multiprocessing import connection
+    import re
 
-    from pipexplore.runs.forked import rank_variables
-    from pipexplore.runs.launch import rendezvous_store
+    from pipexplore.runs.forked import launch_forked
+    from pipexplore.runs.launch import TorchrunError
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(RANK_PRELOAD)
-    # the rendezvous store, held here as an agent holds it (TORCHELASTIC_USE_AGENT_STORE): its port
-    # is the one it is bound to, so no other process can take it between choosing and binding
-    store = rendezvous_store(timeout)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
-    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
-        outputs = [(os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err")) for rank in range(ranks)]
-        processes = [context.Process(target=_rank, args=(str(script), [str(a) for a in args], pythonpath,
-                                                         {**env, **rank_variables(rank, ranks, store.port)},
-                                                         outputs[rank]), name=f"rank{rank}")
-                     for rank in range(ranks)]
-        began = time.time()
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout
-        try:  # until every rank is done, one fails (torchrun then stops the others) or the time is up
-            while time.monotonic() < deadline:
-                # (which ranks still run is read once a round: read twice, an exit reported between the
-                # two readings left the wait no sentinel, and it slept until the deadline, then passed)
-                running = [process for process in processes if process.exitcode is None]
-                if not running or any(process.exitcode not in (None, 0) for process in processes):
-                    break
-                connection.wait([process.sentinel for process in running], deadline - time.monotonic())
-        finally:
-            # (each process the wait gave up on, and the fork server, as the kernel has them: for the report)
-            left = {rank: _proc_state(p.pid) for rank, p in enumerate(processes) if p.exitcode is None}
-            if left:
-                from multiprocessing import forkserver
-
-                left["fork server"] = _proc_state(getattr(forkserver._forkserver, "_forkserver_pid", None))
-            for process in processes:
-                if process.exitcode is None:
-                    process.kill()
-                    process.join()
-        read = [tuple(pathlib.Path(path).read_text(errors="replace") for path in pair) for pair in outputs]
-    _say_if_slow(time.time() - began, began, read, left)
-    failed = [(rank, process.exitcode) for rank, process in enumerate(processes) if process.exitcode != 0]
-    assert not failed, f"ranks failed (rank, exit code; a negative one: killed): {failed}\n" + "\n".join(
-        f"rank {rank} stderr:\n{read[rank][1][-2000:]}" for rank, _ in failed)
-    return [out for out, _ in read]
-
-
-#: Seconds after which a run of ranks is slow: it then says where each rank was (its stack, written by
-#: ``faulthandler`` into its stderr at that moment), when each ended, and what the processes the wait
-#: gave up on were, as a warning of the test that ran it. (A run here takes 2–17 s.)
-SLOW = 60.0
-_ENDED = "rank ended at "
-
-
-def _proc_state(pid) -> str:
-    """A process's state, where the kernel has it waiting, and its signals blocked and pending."""
     try:
-        status = dict(line.split(":", 1) for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines())
-        wchan = pathlib.Path(f"/proc/{pid}/wchan").read_text()
-    except (OSError, ValueError):
-        return f"pid {pid}: gone"
-    said = ", ".join(f"{key} {status[key].strip()}" for key in ("State", "Threads", "SigBlk", "SigPnd", "ShdPnd")
-                     if key in status)
-    return f"pid {pid}: {said}, waiting in {wchan or '-'}"
-
-
-def _say_if_slow(seconds: float, began: float, read: list, left: dict) -> None:
-    if seconds < SLOW:
-        return
-    import re
-    import warnings
-
-    said = []
-    for rank, (out, err) in enumerate(read):
-        ended = re.findall(_ENDED + r"([0-9.]+)", err)
-        steps = re.findall(r"^step .*$", out, re.M)
-        said.append(f"rank {rank}: ended {float(ended[-1]) - began:.1f} s after the start" if ended else
-                    f"rank {rank}: did not say it ended")
-        said.append(f"  its steps: {steps}")
-        said.append("  its stderr's last lines:\n    " + "\n    ".join(err.splitlines()[-40:]))
-    said += [f"not seen to exit when the wait ended: {name}: {state}" for name, state in left.items()]
-    warnings.warn(f"the ranks' run took {seconds:.0f} s (slow beyond {SLOW:.0f} s):\n" + "\n".join(said))
-
-
-def _rank(script: str, args: list[str], pythonpath: str, env: dict, outputs: tuple[str, str]) -> None:
-    """A forked rank: torchrun's environment, stdout and stderr to files, ``script`` as ``__main__``."""
-    import faulthandler
-    import os
-    import runpy
-    import sys
-    import time
-
-    import torch
-
-    for fd, path in zip((1, 2), outputs, strict=True):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(file, fd)
-        os.close(file)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    faulthandler.dump_traceback_later(SLOW, file=sys.stderr)  # where it is, if the run is slow
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 would have set at the interpreter's start
-    sys.path[:0] = [os.path.dirname(os.path.abspath(script))] + [p for p in pythonpath.split(os.pathsep) if p]
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        print(f"{_ENDED}{time.time():.3f}", file=sys.stderr)
-        faulthandler.dump_traceback_later(SLOW, file=sys.stderr)  # and where, if leaving is slow
-        sys.stdout.flush()
-        sys.stderr.flush()
+        outcome = launch_forked(pathlib.Path(script), ranks=ranks, args=[str(a) for a in args], env=env,
+                                timeout=timeout, preload=RANK_LIBRARIES)
+    except TorchrunError as failed:
+        raise AssertionError(f"ranks failed: {failed}") from None
+    outs: list[list[str]] = [[] for _ in range(ranks)]
+    for line in outcome.stdout[0].splitlines(keepends=True):
+        rank = re.match(r"\[default(\d+)\]:", line)
+        assert rank, line
+        outs[int(rank[1])].append(line[rank.end():])
+    return ["".join(lines) for lines in outs]
 
 
 def torchrun_first_loss(script, pythonpath: str, ranks: int = 2) -> float:

@@ -49,13 +49,9 @@ def run_threads() -> set[str]:
 
 def pool_workers() -> list[psutil.Process]:
     """This process's worker processes that are still running (the fork server, an idle spare that
-    outlives a discarded pool until ``shutdown_pool``, is not one; nor are multiprocessing's own
-    fork server and resource tracker, which another module's ``ranks.run_ranks`` may have started
-    in this process: they leave with it, and a rank they forked would still count)."""
-    helpers = {p.pid for p in psutil.Process().children() if "from multiprocessing." in " ".join(p.cmdline())}
+    outlives a discarded pool until ``shutdown_pool``, is not one; a rank it forked is)."""
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.pid != fork_server_pid()
-            and p.pid not in helpers]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.pid != fork_server_pid()]
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,8 @@ SCRIPT = textwrap.dedent('''
     how = sys.argv[1] if len(sys.argv) > 1 else ""
     if how == "fail" and rank == 1:
         raise ValueError("rank 1 cannot go on")
+    if how == "exit":
+        raise SystemExit(f"rank {rank} leaves with a message" if rank else None)
     if how == "sleep":
         time.sleep(600)
     dist.barrier()
@@ -75,6 +77,13 @@ def test_a_rank_that_fails_is_named_with_its_last_words_and_every_rank_is_reaped
         forked.launch_forked(_script(tmp_path), ranks=3, args=["fail"], timeout=120)
     assert caught.value.rank == 1 and caught.value.exitcode == 1
     assert "ValueError: rank 1 cannot go on" in str(caught.value)
+    assert not _ranks_left()
+
+
+def test_a_rank_leaves_by_system_exit_as_an_interpreter_would(tmp_path):
+    """SystemExit(None) is a clean exit; SystemExit("message") prints the message and exits 1."""
+    with pytest.raises(TorchrunError, match=r"rank 1 on host \S+ exited with code 1:\nrank 1 leaves with a message"):
+        forked.launch_forked(_script(tmp_path), ranks=2, args=["exit"], timeout=120)
     assert not _ranks_left()
 
 

@@ -402,8 +402,10 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
 
             _worker.main(argv, parent=server)
         code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+    except SystemExit as exit_:  # as an interpreter leaves: None is 0; a message goes to stderr, then 1
+        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        if not isinstance(exit_.code, (int, type(None))):
+            print(exit_.code, file=sys.stderr)
     except BaseException:
         import traceback
 

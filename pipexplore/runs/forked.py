@@ -39,7 +39,7 @@ from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, Torchr
 __all__ = ["launch_forked", "rank_variables"]
 
 #: Lines of a failed rank's stderr quoted in the error.
-STDERR_LINES = 8
+STDERR_LINES = 20
 
 
 def rank_variables(rank: int, world: int, port: int) -> dict[str, str]:
