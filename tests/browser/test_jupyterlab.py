@@ -73,6 +73,29 @@ def lab(lab_server):
     return lab_server
 
 
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    """One Chromium (a profile of its own, a 1,280-px window) for the module's JupyterLab pages: each
+    test opens a page of its own, and JupyterLab's scripts, fetched and compiled for the first page,
+    come from the profile's caches for the next."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    folder = tmp_path_factory.mktemp("chromium")
+    with playwright_sync.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(str(folder / "profile"), executable_path=CHROMIUM,
+                                                       headless=True, args=CHROMIUM_ARGS,
+                                                       viewport={"width": 1280, "height": 1400})
+        try:
+            # (a screenshot written to a file starts the thread Playwright's event loop writes files in:
+            # started here, it is the module's, not the first test's that saves one)
+            page = context.new_page()
+            page.screenshot(path=str(folder / "blank.png"))
+            page.close()
+            yield context
+        finally:
+            context.close()
+
+
 def _output_text(page, index: int) -> str:
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
 
@@ -139,152 +162,150 @@ _TIMELINE_STATE = """
 """
 
 
-def test_drag_a_split_and_run_a_step_in_jupyterlab(lab):
+def test_drag_a_split_and_run_a_step_in_jupyterlab(lab, chromium):
     url, token = lab
     OUTPUT.mkdir(exist_ok=True)
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1400})
-            page.goto(f"{url}/lab/workspaces/pipexplore-test/tree/explorer.ipynb?reset&token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            # Wait for the kernel, then run the notebook as a person would.
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-            _run_all(page)
-            handle = page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
-            dismiss_news(page)
-            page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [2]')",
-                                   timeout=120_000)
-            assert handle.get_attribute("aria-valuenow") == "2"
-            # The predicted timeline says which split it shows once it has drawn it.
-            page.wait_for_selector(".pipexplore-timeline[data-splits='2']", timeout=60_000)
-            explorer = page.locator(".pipexplore-explorer")
-            assert "no run yet" in explorer.locator(".pipexplore-timeline").inner_text()
+    page = chromium.new_page()
+    try:
+        page.goto(f"{url}/lab/workspaces/pipexplore-test/tree/explorer.ipynb?reset&token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        # Wait for the kernel, then run the notebook as a person would.
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        _run_all(page)
+        handle = page.wait_for_selector(".pipexplore-splitbar .handle", timeout=90_000)
+        dismiss_news(page)
+        page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [2]')",
+                               timeout=120_000)
+        assert handle.get_attribute("aria-valuenow") == "2"
+        # The predicted timeline says which split it shows once it has drawn it.
+        page.wait_for_selector(".pipexplore-timeline[data-splits='2']", timeout=60_000)
+        explorer = page.locator(".pipexplore-explorer")
+        assert "no run yet" in explorer.locator(".pipexplore-timeline").inner_text()
 
-            # Drag the handle to the boundary before layer 5: the page re-times the moved split and
-            # draws it at once, then the kernel's picture of the same plan replaces it, the same step.
-            page.wait_for_selector(".pipexplore-timeline[data-retime='ready']", timeout=60_000)
-            page.evaluate(_WATCH_SOURCES)
-            _drag_handle(page, handle, 5, steps=12)
-            page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
-            # The predicted timeline is redrawn for the new split.
-            page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
-            shown = [entry for entry in page.evaluate("window.__pipexploreSources") if entry[0] == "5"]
-            assert [source for _, source, _, _ in shown][:2] == ["page", "kernel"], shown
-            assert shown[0][2] == shown[1][2] and "step" in shown[0][2], shown  # the same figures in the title
-            # (the memory panel dimmed while the page's picture is shown: it is the previous plan's)
-            assert [stale for *_, stale in shown][:2] == [True, False], shown
+        # Drag the handle to the boundary before layer 5: the page re-times the moved split and
+        # draws it at once, then the kernel's picture of the same plan replaces it, the same step.
+        page.wait_for_selector(".pipexplore-timeline[data-retime='ready']", timeout=60_000)
+        page.evaluate(_WATCH_SOURCES)
+        _drag_handle(page, handle, 5, steps=12)
+        page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
+        # The predicted timeline is redrawn for the new split.
+        page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
+        shown = [entry for entry in page.evaluate("window.__pipexploreSources") if entry[0] == "5"]
+        assert [source for _, source, _, _ in shown][:2] == ["page", "kernel"], shown
+        assert shown[0][2] == shown[1][2] and "step" in shown[0][2], shown  # the same figures in the title
+        # (the memory panel dimmed while the page's picture is shown: it is the previous plan's)
+        assert [stale for *_, stale in shown][:2] == [True, False], shown
 
-            # A move the kernel refuses: the page's own picture of it gives way to the plan kept.
-            page.evaluate(_WATCH_SOURCES)
-            _drag_until(page, page.locator(".pipexplore-splitbar .handle[aria-valuenow='5']"), 6, 6,
-                        "document.querySelector('.pipexplore-splitbar').innerText"
-                        ".includes('split [6] refused for this test')")
-            page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
-            page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
-            shown = page.evaluate("window.__pipexploreSources")
-            assert shown[0][:2] == ["6", "page"] and shown[-1][:2] == ["5", "kernel"], shown
+        # A move the kernel refuses: the page's own picture of it gives way to the plan kept.
+        page.evaluate(_WATCH_SOURCES)
+        _drag_until(page, page.locator(".pipexplore-splitbar .handle[aria-valuenow='5']"), 6, 6,
+                    "document.querySelector('.pipexplore-splitbar').innerText"
+                    ".includes('split [6] refused for this test')")
+        page.wait_for_selector(".pipexplore-timeline[data-splits='5'][data-source='kernel']", timeout=30_000)
+        page.wait_for_selector(".pipexplore-splitbar .handle[aria-valuenow='5']", timeout=30_000)
+        shown = page.evaluate("window.__pipexploreSources")
+        assert shown[0][:2] == ["6", "page"] and shown[-1][:2] == ["5", "kernel"], shown
 
-            # Hovering a layer shades its stage's lane in the timelines.
-            page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
-            page.wait_for_selector(".pipexplore-timeline[data-highlight='1']", timeout=30_000)
-            page.mouse.move(5, 5)
-            page.wait_for_selector(".pipexplore-timeline[data-highlight='-1']", timeout=30_000)
-            # Hovering a block of the predicted timeline tells what it is.
-            canvas = page.locator(".pipexplore-timeline canvas").first
-            canvas.scroll_into_view_if_needed()
-            box = _box(canvas)
-            tip = page.locator(".pipexplore-timeline .pipexplore-tl-tip")
-            for k in range(1, 40):  # along the top lane (stage 0) until the pointer is over a block
-                page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
-                if tip.is_visible():
-                    break
-            assert re.search(r"micro-batch \d+ · stage 0 · layers 0–4", tip.inner_text()), tip.inner_text()
-            # The schedule grid, opened, lights the hovered block's action (a front-end link).
-            page.mouse.move(5, 5)
-            explorer.get_by_text("schedule: the actions each rank runs").click()
-            page.wait_for_selector(".pipexplore-grid[data-rows='2']", timeout=30_000)
-            canvas.scroll_into_view_if_needed()
-            box = _box(canvas)
-            for k in range(1, 40):
-                page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
-                if tip.is_visible():
-                    break
-            phase, micro = re.search(r"(\w+) · micro-batch (\d+) · stage 0", tip.inner_text()).groups()
-            action = f"0{dict(forward='F', backward='B', recompute='R')[phase]}{micro}"
-            page.wait_for_selector(f".pipexplore-grid[data-hover='{action}'] td.hot[data-action='{action}']",
-                                   timeout=30_000)
-            # Drag across the timelines to zoom into a time range; double-click to see the whole step.
-            page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + 20)
-            page.mouse.down()
-            page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
-            page.mouse.up()
-            assert page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
-            page.mouse.dblclick(box["x"] + box["width"] * 0.6, box["y"] + 20)
-            assert not page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
+        # Hovering a layer shades its stage's lane in the timelines.
+        page.locator(".pipexplore-splitbar .cell[data-layer='6']").hover()
+        page.wait_for_selector(".pipexplore-timeline[data-highlight='1']", timeout=30_000)
+        page.mouse.move(5, 5)
+        page.wait_for_selector(".pipexplore-timeline[data-highlight='-1']", timeout=30_000)
+        # Hovering a block of the predicted timeline tells what it is.
+        canvas = page.locator(".pipexplore-timeline canvas").first
+        canvas.scroll_into_view_if_needed()
+        box = _box(canvas)
+        tip = page.locator(".pipexplore-timeline .pipexplore-tl-tip")
+        for k in range(1, 40):  # along the top lane (stage 0) until the pointer is over a block
+            page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
+            if tip.is_visible():
+                break
+        assert re.search(r"micro-batch \d+ · stage 0 · layers 0–4", tip.inner_text()), tip.inner_text()
+        # The schedule grid, opened, lights the hovered block's action (a front-end link).
+        page.mouse.move(5, 5)
+        explorer.get_by_text("schedule: the actions each rank runs").click()
+        page.wait_for_selector(".pipexplore-grid[data-rows='2']", timeout=30_000)
+        canvas.scroll_into_view_if_needed()
+        box = _box(canvas)
+        for k in range(1, 40):
+            page.mouse.move(box["x"] + box["width"] * k / 40, box["y"] + 8)
+            if tip.is_visible():
+                break
+        phase, micro = re.search(r"(\w+) · micro-batch (\d+) · stage 0", tip.inner_text()).groups()
+        action = f"0{dict(forward='F', backward='B', recompute='R')[phase]}{micro}"
+        page.wait_for_selector(f".pipexplore-grid[data-hover='{action}'] td.hot[data-action='{action}']",
+                               timeout=30_000)
+        # Drag across the timelines to zoom into a time range; double-click to see the whole step.
+        page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + 20)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
+        page.mouse.up()
+        assert page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
+        page.mouse.dblclick(box["x"] + box["width"] * 0.6, box["y"] + 20)
+        assert not page.locator(".pipexplore-timeline .pipexplore-tl-button", has_text="whole step").is_visible()
 
-            # The kernel's explorer has the new split.
-            run_cell(page, 2)
-            page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [5]')",
-                                   timeout=60_000)
+        # The kernel's explorer has the new split.
+        run_cell(page, 2)
+        page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('SPLITS [5]')",
+                               timeout=60_000)
 
-            # A third stage: double-click the boundary before layer 2; its devices follow.
-            page.locator(".pipexplore-splitbar").scroll_into_view_if_needed()
-            cell = _box(page.locator(".pipexplore-splitbar .cell[data-layer='2']"))
-            page.mouse.dblclick(cell["x"] + 1, cell["y"] + cell["height"] / 2)
-            page.wait_for_selector(".pipexplore-timeline[data-splits='2,5']", timeout=30_000)
-            assert page.locator(".pipexplore-splitbar .handle").count() == 2
-            page.wait_for_function("document.querySelector('.pipexplore-explorer').innerText.includes('3 stages: cpu "
-                                   "repeated')", timeout=30_000)
+        # A third stage: double-click the boundary before layer 2; its devices follow.
+        page.locator(".pipexplore-splitbar").scroll_into_view_if_needed()
+        cell = _box(page.locator(".pipexplore-splitbar .cell[data-layer='2']"))
+        page.mouse.dblclick(cell["x"] + 1, cell["y"] + cell["height"] / 2)
+        page.wait_for_selector(".pipexplore-timeline[data-splits='2,5']", timeout=30_000)
+        assert page.locator(".pipexplore-splitbar .handle").count() == 2
+        page.wait_for_function("document.querySelector('.pipexplore-explorer').innerText.includes('3 stages: cpu "
+                               "repeated')", timeout=30_000)
 
-            # Keyboard: a focused handle keeps its focus across moves; Delete removes it.
-            first = page.locator(".pipexplore-splitbar .handle[data-index='0']")
-            first.focus()
-            page.keyboard.press("ArrowRight")
-            page.wait_for_selector(".pipexplore-timeline[data-splits='3,5']", timeout=30_000)
-            page.keyboard.press("ArrowRight")
-            page.wait_for_selector(".pipexplore-timeline[data-splits='4,5']", timeout=30_000)
-            assert page.evaluate("document.activeElement.getAttribute('aria-valuenow')") == "4"
-            page.keyboard.press("Delete")
-            page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
-            assert page.locator(".pipexplore-splitbar .handle").count() == 1
+        # Keyboard: a focused handle keeps its focus across moves; Delete removes it.
+        first = page.locator(".pipexplore-splitbar .handle[data-index='0']")
+        first.focus()
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector(".pipexplore-timeline[data-splits='3,5']", timeout=30_000)
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector(".pipexplore-timeline[data-splits='4,5']", timeout=30_000)
+        assert page.evaluate("document.activeElement.getAttribute('aria-valuenow')") == "4"
+        page.keyboard.press("Delete")
+        page.wait_for_selector(".pipexplore-timeline[data-splits='5']", timeout=30_000)
+        assert page.locator(".pipexplore-splitbar .handle").count() == 1
 
-            # Run a real step from the button; the runs table grows by one row.
-            page.get_by_role("button", name="Run step").click()
-            page.wait_for_selector(".pipexplore-runs table tbody tr", timeout=120_000)
-            assert page.locator(".pipexplore-runs table tbody tr").count() == 1
-            run_cell(page, 2)
-            page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('RUNS 1')",
-                                   timeout=60_000)
-            page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
-                                   timeout=30_000)
-            # The run's activation memory, measured as autograd saved it, beside the prediction.
-            page.wait_for_function("document.querySelector('.pipexplore-timeline').innerText"
-                                   ".includes('measured (dashed)')", timeout=30_000)
-            # The residual mode draws the run's error per action; a cell's hover names it.
-            explorer.locator(".widget-toggle-button", has_text="residuals").click()
-            page.wait_for_selector(".pipexplore-residuals[data-rows]:not([data-rows='0'])", timeout=30_000)
-            grid = _box(page.locator(".pipexplore-residuals canvas"))
-            page.mouse.move(grid["x"] + grid["width"] * 0.6, grid["y"] + 15)
-            tip = page.locator(".pipexplore-residuals .pipexplore-tl-tip")
-            assert re.search(r"stage 0 · \w+ · micro-batch \d+: error [+-]", tip.inner_text()), tip.inner_text()
-            explorer.locator(".widget-toggle-button", has_text="timelines").click()
+        # Run a real step from the button; the runs table grows by one row.
+        page.get_by_role("button", name="Run step").click()
+        page.wait_for_selector(".pipexplore-runs table tbody tr", timeout=120_000)
+        assert page.locator(".pipexplore-runs table tbody tr").count() == 1
+        run_cell(page, 2)
+        page.wait_for_function("document.querySelector('.jp-Notebook').innerText.includes('RUNS 1')",
+                               timeout=60_000)
+        page.wait_for_function("!document.querySelector('.pipexplore-timeline').innerText.includes('no run yet')",
+                               timeout=30_000)
+        # The run's activation memory, measured as autograd saved it, beside the prediction.
+        page.wait_for_function("document.querySelector('.pipexplore-timeline').innerText"
+                               ".includes('measured (dashed)')", timeout=30_000)
+        # The residual mode draws the run's error per action; a cell's hover names it.
+        explorer.locator(".widget-toggle-button", has_text="residuals").click()
+        page.wait_for_selector(".pipexplore-residuals[data-rows]:not([data-rows='0'])", timeout=30_000)
+        grid = _box(page.locator(".pipexplore-residuals canvas"))
+        page.mouse.move(grid["x"] + grid["width"] * 0.6, grid["y"] + 15)
+        tip = page.locator(".pipexplore-residuals .pipexplore-tl-tip")
+        assert re.search(r"stage 0 · \w+ · micro-batch \d+: error [+-]", tip.inner_text()), tip.inner_text()
+        explorer.locator(".widget-toggle-button", has_text="timelines").click()
 
-            # The page fits a 1,280-px window and no text overlaps other text.
-            overflowing = explorer.evaluate(_OVERFLOWING)
-            assert overflowing == [], "\n".join(overflowing)
-            overlapping = explorer.evaluate(_OVERLAPS)
-            assert overlapping == [], "\n".join(overlapping)
-            page.set_viewport_size({"width": 1280, "height": 2400})  # the whole explorer in one picture
-            explorer.scroll_into_view_if_needed()
-            explorer.screenshot(path=str(OUTPUT / "explorer.png"))
-        except BaseException:
-            page.screenshot(path=str(OUTPUT / "failure.png"), full_page=True)
-            (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text() + "\n\n"
-                                                + page.evaluate(_TIMELINE_STATE))
-            raise
-        finally:
-            browser.close()
+        # The page fits a 1,280-px window and no text overlaps other text.
+        overflowing = explorer.evaluate(_OVERFLOWING)
+        assert overflowing == [], "\n".join(overflowing)
+        overlapping = explorer.evaluate(_OVERLAPS)
+        assert overlapping == [], "\n".join(overlapping)
+        page.set_viewport_size({"width": 1280, "height": 2400})  # the whole explorer in one picture
+        explorer.scroll_into_view_if_needed()
+        explorer.screenshot(path=str(OUTPUT / "explorer.png"))
+    except BaseException:
+        page.screenshot(path=str(OUTPUT / "failure.png"), full_page=True)
+        (OUTPUT / "failure.txt").write_text(page.locator("body").inner_text() + "\n\n"
+                                            + page.evaluate(_TIMELINE_STATE))
+        raise
+    finally:
+        page.close()
 
 
 def _box(element, timeout: float = 30.0) -> dict:
@@ -358,31 +379,29 @@ def many_layers_lab(lab_server):
 
 
 @contextlib.contextmanager
-def _notebook_ran(lab_server, notebook: str, workspace: str, ready: str, failure: str):
-    """A 1,280-px Chromium page with ``notebook`` open in JupyterLab and every cell run, once
-    ``ready`` (a selector) is drawn; a screenshot ``failure`` in test-output/ if the test fails."""
+def _notebook_ran(lab_server, chromium, notebook: str, workspace: str, ready: str, failure: str):
+    """A page of ``chromium`` with ``notebook`` open in JupyterLab and every cell run, once ``ready``
+    (a selector) is drawn; a screenshot ``failure`` in test-output/ if the test fails."""
     url, token = lab_server
     OUTPUT.mkdir(exist_ok=True)
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 1400})
-        try:
-            page.goto(f"{url}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={token}")
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-            _run_all(page)
-            page.wait_for_selector(ready, timeout=90_000)
-            dismiss_news(page)
-            yield page
-        except BaseException:
-            page.screenshot(path=str(OUTPUT / failure), full_page=True)
-            raise
-        finally:
-            browser.close()
+    page = chromium.new_page()
+    try:
+        page.goto(f"{url}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={token}")
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        _run_all(page)
+        page.wait_for_selector(ready, timeout=90_000)
+        dismiss_news(page)
+        yield page
+    except BaseException:
+        page.screenshot(path=str(OUTPUT / failure), full_page=True)
+        raise
+    finally:
+        page.close()
 
 
-def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab):
-    with _notebook_ran(many_layers_lab, "many.ipynb", "pipexplore-zoom", ".pipexplore-splitbar .overview .brush",
-                       "failure-zoom.png") as page:
+def test_a_strip_of_many_layers_zooms_with_a_brush_on_its_overview(many_layers_lab, chromium):
+    with _notebook_ran(many_layers_lab, chromium, "many.ipynb", "pipexplore-zoom",
+                       ".pipexplore-splitbar .overview .brush", "failure-zoom.png") as page:
         cells = ".pipexplore-splitbar .cell"
         assert page.locator(cells).count() == 120  # the whole strip
         # The model's blocks (blocks.N: 4 layers each) are bracketed; a click closes one into a cell.
@@ -435,11 +454,11 @@ PLANNED_CELLS = [
 ]
 
 
-def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab_server):
+def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab_server, chromium):
     """Sixteen stages on two planned nodes of eight H100s: one split is the node boundary (marked
     and named in the strip), Run step is off, the header and the measured timeline say planned,
     and no text overlaps."""
-    with _notebook_ran(lab_server, "planned.ipynb", "pipexplore-planned", ".pipexplore-splitbar .handle",
+    with _notebook_ran(lab_server, chromium, "planned.ipynb", "pipexplore-planned", ".pipexplore-splitbar .handle",
                        "failure-planned.png") as page:
         assert page.locator(".pipexplore-splitbar .handle").count() == 15
         boundary = page.locator(".pipexplore-splitbar .handle.node")
@@ -468,7 +487,7 @@ def test_a_plan_on_two_planned_nodes_reads_as_planned_with_its_node_boundary(lab
                                timeout=30_000)
 
 
-def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
+def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path, chromium):
     """``Explorer.to_html`` writes one page; Chromium opens it from disk with every network request
     refused, and the embedded canvas widgets draw its timeline and residuals."""
     import torch
@@ -476,32 +495,28 @@ def test_the_html_report_opens_in_a_browser_without_kernel_or_network(tmp_path):
 
     from pipexplore.widgets import explore
 
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
     ex = explore(model, torch.randn(16, 16), devices=["cpu", "cpu", "cpu"], splits=[2, 4], chunks=4, calibrate=False)
     ex.run()
     path = ex.to_html(tmp_path / "report.html")
     requests, errors = [], []
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1400})
-            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
-                       else (requests.append(route.request.url), route.abort()))
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto(path.resolve().as_uri())
-            page.wait_for_selector(".pipexplore-timeline[data-splits='2,4'][data-blocks] canvas", timeout=30_000)
-            blocks = page.locator(".pipexplore-timeline").get_attribute("data-blocks")
-            assert int(blocks) == len(ex.plan.predicted) + len(ex.timeline("measured"))
-            assert page.locator(".pipexplore-timeline canvas").count() == 4  # predicted, measured, memory, axis
-            page.wait_for_selector(".pipexplore-residuals[data-rows='9'] canvas", timeout=30_000)  # 3 stages × F/B/R
-            assert page.locator(".pipexplore-strip .cell").count() == 6
-            assert page.locator(".pipexplore-runs table tbody tr").count() == 1
-            assert "GPipe(model, balance=[2, 2, 2]" in page.locator("#pipexplore-code-gpipe").inner_text()
-            assert requests == [] and errors == []
-        finally:
-            browser.close()
+    page = chromium.new_page()  # (requests for anything but the file are refused here)
+    try:
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                   else (requests.append(route.request.url), route.abort()))
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(path.resolve().as_uri())
+        page.wait_for_selector(".pipexplore-timeline[data-splits='2,4'][data-blocks] canvas", timeout=30_000)
+        blocks = page.locator(".pipexplore-timeline").get_attribute("data-blocks")
+        assert int(blocks) == len(ex.plan.predicted) + len(ex.timeline("measured"))
+        assert page.locator(".pipexplore-timeline canvas").count() == 4  # predicted, measured, memory, axis
+        page.wait_for_selector(".pipexplore-residuals[data-rows='9'] canvas", timeout=30_000)  # 3 stages × F/B/R
+        assert page.locator(".pipexplore-strip .cell").count() == 6
+        assert page.locator(".pipexplore-runs table tbody tr").count() == 1
+        assert "GPipe(model, balance=[2, 2, 2]" in page.locator("#pipexplore-code-gpipe").inner_text()
+        assert requests == [] and errors == []
+    finally:
+        page.close()
 
 
 # ---- the strip at real sizes, by mouse ------------------------------------------------------------
@@ -628,13 +643,13 @@ def _wait_for_kernel_splits(page, cell: int, splits: list) -> None:
                            f".includes('SPLITS {splits}')", timeout=60_000)
 
 
-def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server):
+def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server, chromium):
     """84 layers planned on 64 H100s (FSDP): the middle of a split handle, a node boundary whose label is
     drawn over it, is the handle; a drag by mouse moves the split in the kernel and the predicted
     timeline is redrawn for it, first by the page (which re-times FSDP's gathers and reduce-scatters
     itself), then by the kernel; the header's cards (lists of per-stage figures) fit."""
-    with _notebook_ran(lab_server, "llama.ipynb", "pipexplore-llama", ".pipexplore-timeline[data-retime='ready']",
-                       "failure-llama.png") as page:
+    with _notebook_ran(lab_server, chromium, "llama.ipynb", "pipexplore-llama",
+                       ".pipexplore-timeline[data-retime='ready']", "failure-llama.png") as page:
         explorer = page.locator(".pipexplore-explorer").first
         assert page.locator(".pipexplore-splitbar .cell").count() == 84
         assert explorer.evaluate(_CARDS_OVERFLOWING) == []
@@ -651,11 +666,11 @@ def test_a_handle_is_dragged_by_mouse_on_a_planned_llama_of_84_layers(lab_server
         assert explorer.evaluate(_OVERLAPS) == []
 
 
-def test_a_handle_is_dragged_by_mouse_on_a_strip_of_1000_layers(lab_server):
+def test_a_handle_is_dragged_by_mouse_on_a_strip_of_1000_layers(lab_server, chromium):
     """1,000 cells narrower than a pixel: a handle keeps a hit area of 10 px or more, and a drag by
     mouse snaps to a layer boundary, commits a valid split and the page's timeline redraws it."""
-    with _notebook_ran(lab_server, "thousand.ipynb", "pipexplore-thousand", ".pipexplore-timeline[data-retime='ready']",
-                       "failure-thousand.png") as page:
+    with _notebook_ran(lab_server, chromium, "thousand.ipynb", "pipexplore-thousand",
+                       ".pipexplore-timeline[data-retime='ready']", "failure-thousand.png") as page:
         explorer = page.locator(".pipexplore-explorer").first
         assert page.locator(".pipexplore-splitbar .cell").count() == 1000
         assert explorer.evaluate(_CARDS_OVERFLOWING) == []
