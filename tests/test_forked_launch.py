@@ -98,11 +98,13 @@ def test_a_cancelled_run_stops_every_rank(tmp_path):
     timer = threading.Timer(2.0, token.cancel)
     timer.start()
     try:
+        said = []
         with cancel_scope(token), pytest.raises(Cancelled, match="cancelled; its ranks are stopped"):
-            forked.launch_forked(_script(tmp_path), ranks=2, args=["sleep"], timeout=120)
+            forked.launch_forked(_script(tmp_path), ranks=2, args=["sleep"], timeout=120, steps=4, progress=said.append)
     finally:
         timer.cancel()
     assert not _ranks_left()
+    assert said == ["2 ranks here starting (0 s)"]  # said once: no step was printed while they ran
 
 
 def test_where_ranks_cannot_be_forked_one_torchrun_agent_starts_them(tmp_path, monkeypatch):

@@ -33,8 +33,8 @@ from typing import Callable, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.executors import forkserver, pool
-from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, TorchrunError, launch, rank_environment,
-                                    rendezvous_store, steps_done)
+from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, StepProgress, TorchrunError, launch,
+                                    rank_environment, rendezvous_store)
 
 __all__ = ["launch_forked", "rank_variables"]
 
@@ -84,7 +84,7 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
             with open(outs[rank], "w") as out, open(errs[rank], "w") as err:
                 processes.append(server.spawn_script(str(script), list(args), out.fileno(), err.fileno(),
                                                      {**environment, **rank_variables(rank, ranks, store.port)}))
-        said = -1
+        say = StepProgress(progress, outs, steps, f"{ranks} ranks here")
         while any(process.poll() is None for process in processes):
             if any(process.poll() not in (None, 0) for process in processes):
                 break
@@ -94,12 +94,7 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
             if timeout is not None and now - started > timeout:
                 raise TorchrunError(f"the run took longer than {timeout:.0f} s and was stopped (every rank); "
                                     f"last words:\n{_last_words(errs)}")
-            if progress is not None:
-                done = steps_done(outs)
-                if done != said:
-                    said = done
-                    progress(f"{ranks} ranks here, step {done} of {steps}" if done else
-                             f"{ranks} ranks here starting ({now - started:.0f} s)")
+            say(now - started)
             time.sleep(POLL)
         failed = [process for process in processes if process.poll() not in (None, 0)]
         first = server.exited_first(failed)

@@ -40,7 +40,8 @@ from pipexplore.cancel import Cancelled, current_token
 from pipexplore.host import RANK_CORES_ENV, core_share, free_port, rank_cores
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
-           "HOOKS_MODULE", "STEP_LINE", "printed_losses", "rank_environment", "steps_done", "rendezvous_store"]
+           "HOOKS_MODULE", "STEP_LINE", "printed_losses", "rank_environment", "steps_done", "rendezvous_store",
+           "StepProgress"]
 
 HOOKS_MODULE = "pipexplore_run_hooks"
 #: After the first agent fails, seconds the others get to fail on their own (their reports name
@@ -200,6 +201,25 @@ def rank_environment(folder: pathlib.Path, world: int, env: Optional[dict[str, s
     return environment
 
 
+class StepProgress:
+    """Says through ``progress`` (if any), when it changes, how many of ``steps`` the ranks of
+    ``what`` have printed into ``outputs`` so far; called with the seconds since their start."""
+
+    def __init__(self, progress: Optional[Callable[[str], None]], outputs: Sequence[pathlib.Path], steps: int,
+                 what: str) -> None:
+        self.progress, self.outputs, self.steps, self.what = progress, outputs, steps, what
+        self.said = -1
+
+    def __call__(self, seconds: float) -> None:
+        if self.progress is None:
+            return
+        done = steps_done(self.outputs)
+        if done != self.said:
+            self.said = done
+            self.progress(f"{self.what}, step {done} of {self.steps}" if done else
+                          f"{self.what} starting ({seconds:.0f} s)")
+
+
 def steps_done(outputs: Sequence[pathlib.Path]) -> int:
     """Steps the script's ranks have printed so far into ``outputs`` (:data:`STEP_LINE`)."""
     done = 0
@@ -246,7 +266,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                                                stdin=subprocess.DEVNULL, start_new_session=True))
         failed_at: Optional[float] = None
         first_failed: Optional[int] = None
-        said = -1
+        say = StepProgress(progress, outs, steps, f"torchrun: {nodes} node agents × {nproc_per_node} ranks")
         while any(agent.poll() is None for agent in agents):
             if token is not None and token.cancelled:
                 raise Cancelled("the torchrun run was cancelled; its agents and ranks are stopped")
@@ -260,13 +280,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
                 _stop(agents)
                 raise TorchrunError(f"the torchrun run took longer than {timeout:.0f} s and was stopped "
                                     f"(every agent and rank); last words:\n{_tail(errs)}")
-            if progress is not None:
-                done = steps_done(outs)
-                if done != said:
-                    said = done
-                    progress(f"torchrun: {nodes} node agents × {nproc_per_node} ranks, step {done} of {steps}"
-                             if done else f"torchrun: {nodes} node agents × {nproc_per_node} ranks starting "
-                             f"({now - started:.0f} s)")
+            say(now - started)
             time.sleep(POLL)
         _stop(agents)  # agents that hung on after another failed; a no-op when all are done
     except BaseException:
