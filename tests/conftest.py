@@ -55,15 +55,16 @@ def global_state() -> dict[str, object]:
 _SINGLETON_THREADS = ("IPythonHistorySavingThread", "tqdm_monitor")
 
 
-def _left_threads(before: dict, grace: float = 5.0) -> dict:
+def _left_threads(before: dict, grace: float = 5.0, kept: tuple = ()) -> dict:
     """Threads started since ``before`` that are still alive after up to ``grace`` seconds (a
-    stopped worker is given the time to finish)."""
+    stopped worker is given the time to finish), but for those whose names begin with one of
+    ``kept``."""
     import time
 
     deadline = time.monotonic() + grace
     while True:
         left = {t.ident: t.name for t in threading.enumerate()
-                if t.ident not in before and t.name not in _SINGLETON_THREADS}
+                if t.ident not in before and t.name not in _SINGLETON_THREADS and not t.name.startswith(kept)}
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
@@ -73,7 +74,9 @@ def _left_threads(before: dict, grace: float = 5.0) -> dict:
 def _no_global_state_left(request):
     """No test leaves a global module or dispatch hook, a process group or a thread of its own behind.
     Threads that a module's or the session's fixtures keep for their tests (a warm pool, a server)
-    are theirs: only the threads a test starts with function-scoped fixtures are held to it."""
+    are theirs: only the threads a test starts with function-scoped fixtures are held to it. A
+    module whose fixture keeps threads that start as its tests use it names them (the beginnings of
+    their names) in ``MODULE_THREADS``."""
     before = global_state()
     yield
     after = global_state()
@@ -82,7 +85,7 @@ def _no_global_state_left(request):
     assert after == before, f"{request.node.nodeid} left global state behind: " + ", ".join(
         f"{key} {before[key]} -> {after[key]}" for key in before if before[key] != after[key])
     if "leaves_threads" not in request.keywords:
-        left = _left_threads(threads_before)  # type: ignore[arg-type]
+        left = _left_threads(threads_before, kept=tuple(getattr(request.module, "MODULE_THREADS", ())))  # type: ignore[arg-type]
         assert not left, f"{request.node.nodeid} left threads running: {sorted(left.values())}"
 
 

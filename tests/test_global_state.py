@@ -51,3 +51,23 @@ def test_a_sequential_whose_layer_raises_on_meta_leaves_nothing():
             model = nn.Sequential(nn.Linear(8, 8), _Raises())
         count_layers(model, torch.zeros(4, 8, device="meta"))
     assert _state() == before
+
+
+def test_the_thread_check_leaves_a_module_the_threads_it_names_and_reports_any_other():
+    import threading
+
+    from conftest import _left_threads
+
+    before = {t.ident: t.name for t in threading.enumerate()}
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait, name=name, daemon=True) for name in ("asyncio_3", "a-worker")]
+    for thread in threads:
+        thread.start()
+    try:
+        assert sorted(_left_threads(before, grace=0.0).values()) == ["a-worker", "asyncio_3"]
+        assert list(_left_threads(before, grace=0.0, kept=("asyncio_",)).values()) == ["a-worker"]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert _left_threads(before, grace=1.0) == {}

@@ -26,6 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "test-output"
 
 pytestmark = pytest.mark.browser
+#: Threads the module's Chromium keeps (its event loop's pool that writes files, screenshots among
+#: them: started as tests first need it, "asyncio_0", "asyncio_1", ...), left to the module by
+#: conftest.py's check that a test leaves no thread of its own.
+MODULE_THREADS = ("asyncio_",)
 
 NOTEBOOK_CELLS = [
     "%load_ext pipexplore\n"
@@ -86,11 +90,6 @@ def chromium(tmp_path_factory):
                                                        headless=True, args=CHROMIUM_ARGS,
                                                        viewport={"width": 1280, "height": 1400})
         try:
-            # (a screenshot written to a file starts the thread Playwright's event loop writes files in:
-            # started here, it is the module's, not the first test's that saves one)
-            page = context.new_page()
-            page.screenshot(path=str(folder / "blank.png"))
-            page.close()
             yield context
         finally:
             context.close()
