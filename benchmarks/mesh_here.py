@@ -3,12 +3,13 @@ ranks on this machine's cores) of a Llama-shaped model, for each way the replica
 (DDP, ZeRO-1, FSDP2), and pipeline × tensor parallelism (pp 2 × tp 2); and, where the actions are
 small enough for the ranks' own costs to weigh, notebook 07's FSDP2 mesh (eight ``Linear(64)`` +
 GELU, 32 rows) and its pipeline alone under two node agents (``ex.run(executor="torchrun",
-nodes=2)``). Each is run three times under torchrun (the exported script's ranks, a warm-up and
-ten measured steps, the median kept): the first run teaches the prediction, the next two are held
+nodes=2)``). Each is run three times as ``ex.run()`` runs it (the exported script's ranks, forked
+here with torchrun's environment for a mesh, under the agents for the pipeline; a warm-up and ten
+measured steps, the median kept): the first run teaches the prediction, the next two are held
 against it. Printed: each run's measured and predicted step and the error, the spread of the
 measured steps between the held runs (this machine's run-to-run noise), and the first and the held
 runs' median and largest |error| (what ``pipexplore.predict.basis.TORCHRUN_HERE_ERROR`` says beside
-the prediction of ranks run here under torchrun).
+the prediction of the exported script's ranks run here).
 
 Run: ``python benchmarks/mesh_here.py``.
 """
@@ -60,7 +61,7 @@ def main() -> None:
             else:
                 ex = pipexplore.explore(model, ids, devices=["cpu"] * 4, chunks=4, schedule="1f1b",
                                         executor="processes", mesh=mesh, data_parallel=data_parallel, **options)
-        rows = [ex.run(executor="torchrun", nodes=2 if mesh is None else 1) for _ in range(3)]
+        rows = [ex.run(executor="torchrun", nodes=2) if mesh is None else ex.run() for _ in range(3)]
         held = rows[1:]
         first.append(abs(rows[0]["prediction_error"]))
         errors += [abs(r["prediction_error"]) for r in held]

@@ -216,7 +216,7 @@ def test_explorer_runs_interleaved_through_torchrun_with_a_shifted_clock(hooks, 
     assert row["loss"] == pytest.approx(result.metrics["printed_losses"][0], abs=1e-6)
     assert row["loss"] == pytest.approx(_unsplit_loss(hooks[0]), rel=1e-5)
     assert math.isfinite(row["prediction_error"])
-    # beside it, what its benchmark measured of ranks run here under torchrun, not of in-process runs
+    # beside it, what its benchmark measured of the exported script's ranks run here, not of in-process runs
     assert row["prediction_basis"] == "measured here"
     assert row["benchmark_error"] == TORCHRUN_HERE_ERROR["measured here"][0] != MEASURED_ERROR["measured here"][0]
     assert explorer.plan == before and explorer.plan.executor == "processes"  # the plan stays

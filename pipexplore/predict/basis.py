@@ -13,7 +13,7 @@ Every predicted step time rests on one of three kinds of evidence:
 
 :data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
 (median and largest absolute error, and where: the script and its column), so that a number on
-the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for ranks run here under ``torchrun``
+the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for the exported script's ranks run here
 (a mesh's, or a pipeline's under node agents), which their own benchmark measures. The figures are the
 benchmarks' (``benchmarks/README.md``), written here when the benchmark is run again.
 
@@ -70,23 +70,24 @@ MEASURED_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = Map
 })
 
 
-#: The same two kinds for ranks run here under ``torchrun`` (a mesh's: tensor, data or expert
-#: parallelism beside the pipeline; or a pipeline under node agents, ``run(executor="torchrun")``),
-#: processes that share this machine's cores and talk over gloo, which ``prediction_accuracy.py``
-#: does not run: ``benchmarks/mesh_here.py``'s six runs (a Llama-shaped model at pp 2 × dp 2 as DDP,
-#: ZeRO-1 and FSDP2, and at pp 2 × tp 2; notebook 07's small FSDP2 mesh and its pipeline under two
-#: node agents, the furthest off on their first runs: the ranks' own costs), their first runs, and
-#: the two runs held against what the first taught: the medians of two runs' medians and maxima
-#: (2026-12-06, a 2-core x86_64 machine; the first without the pipeline under node agents).
+#: The same two kinds for the exported script's ranks run here (a mesh's: tensor, data or expert
+#: parallelism beside the pipeline, forked with torchrun's environment; or a pipeline under node
+#: agents, ``run(executor="torchrun")``), processes that share this machine's cores and talk over
+#: gloo, which ``prediction_accuracy.py`` does not run: ``benchmarks/mesh_here.py``'s six runs (a
+#: Llama-shaped model at pp 2 × dp 2 as DDP, ZeRO-1 and FSDP2, and at pp 2 × tp 2; notebook 07's
+#: small FSDP2 mesh and its pipeline under two node agents, the furthest off on their first runs:
+#: the ranks' own costs), their first runs, and the two runs held against what the first taught:
+#: the medians of two runs' medians and maxima (2026-12-06, a 2-core x86_64 machine, the meshes'
+#: ranks forked as ``ex.run()`` runs them).
 TORCHRUN_HERE_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = MappingProxyType({
-    "measured here": (0.207, 0.716, "mesh_here.py, first run"),
-    "learnt from runs": (0.097, 0.252, "mesh_here.py, runs after the first"),
+    "measured here": (0.186, 0.583, "mesh_here.py, first run"),
+    "learnt from runs": (0.048, 0.228, "mesh_here.py, runs after the first"),
 })
 
 
 def prediction_basis(plan: "Plan", executor: Optional[str] = None) -> Basis:
     """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind:
-    :data:`TORCHRUN_HERE_ERROR`'s for ranks run here under torchrun (a mesh's, or ``executor``
+    :data:`TORCHRUN_HERE_ERROR`'s for the exported script's ranks run here (a mesh's, or ``executor``
     ``'torchrun'``: the run it is set beside), else :data:`MEASURED_ERROR`'s."""
     learnt = plan.learnt.runs > 0
     if plan.planned:
