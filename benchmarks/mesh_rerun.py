@@ -52,7 +52,7 @@ def explorers() -> dict[str, pipexplore.Explorer]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # (make bench's --devices is not this one's: its meshes run on CPUs)
     print(machine())
     ways = {"forked": lambda ex: ex.run(), "torchrun agent": lambda ex: ex.run(executor="torchrun", nodes=1)}
     for name, ex in explorers().items():
