@@ -28,6 +28,7 @@ from __future__ import annotations
 import pathlib
 import socket
 import subprocess
+import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
@@ -72,43 +73,42 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
     if server is None:  # (ranks cannot be forked here: torchrun's agent starts them)
         return launch(script, nodes=1, nproc_per_node=ranks, args=args, env=env, timeout=timeout, steps=steps,
                       progress=progress)
-    folder = script.parent
-    outs = [folder / f"rank-{rank}.out" for rank in range(ranks)]
-    errs = [folder / f"rank-{rank}.err" for rank in range(ranks)]
-    store = rendezvous_store(timeout)  # held until every rank is gone
-    environment = rank_environment(folder, ranks, env)
-    processes: list[forkserver.ForkedProcess] = []
-    started = time.monotonic()
-    try:
-        for rank in range(ranks):
-            with open(outs[rank], "w") as out, open(errs[rank], "w") as err:
-                processes.append(server.spawn_script(str(script), list(args), out.fileno(), err.fileno(),
-                                                     {**environment, **rank_variables(rank, ranks, store.port)}))
+    # (each rank's stdout and stderr in a folder of their own: the script's may be the user's)
+    with tempfile.TemporaryDirectory(prefix="pipexplore-ranks-") as outputs:
+        outs = [pathlib.Path(outputs, f"rank-{rank}.out") for rank in range(ranks)]
+        errs = [pathlib.Path(outputs, f"rank-{rank}.err") for rank in range(ranks)]
+        store = rendezvous_store(timeout)  # held until every rank is gone
+        environment = rank_environment(script.parent, ranks, env)
         say = StepProgress(progress, outs, steps, f"{ranks} ranks here")
-        while any(process.poll() is None for process in processes):
-            if any(process.poll() not in (None, 0) for process in processes):
-                break
-            if token is not None and token.cancelled:
-                raise Cancelled("the run was cancelled; its ranks are stopped")
-            now = time.monotonic()
-            if timeout is not None and now - started > timeout:
-                raise TorchrunError(f"the run took longer than {timeout:.0f} s and was stopped (every rank); "
-                                    f"last words:\n{_last_words(errs)}")
-            say(now - started)
-            time.sleep(POLL)
-        failed = [process for process in processes if process.poll() not in (None, 0)]
-        first = server.exited_first(failed)
-        _stop(processes)  # the others, once one failed (they would wait on it until gloo's timeout)
-    except BaseException:
-        _stop(processes)
-        raise
-    finally:
-        del store
-    seconds = time.monotonic() - started
-    stdout, stderr = _prefixed(outs), _prefixed(errs)
-    if first is not None:
-        raise _failure(processes, first, errs)
-    return LaunchOutcome([stdout], [stderr], seconds)
+        processes: list[forkserver.ForkedProcess] = []
+        started = time.monotonic()
+        try:
+            for rank in range(ranks):
+                with open(outs[rank], "w") as out, open(errs[rank], "w") as err:
+                    processes.append(server.spawn_script(str(script), list(args), out.fileno(), err.fileno(),
+                                                         {**environment, **rank_variables(rank, ranks, store.port)}))
+            while any(process.poll() is None for process in processes):
+                if any(process.poll() not in (None, 0) for process in processes):
+                    break
+                if token is not None and token.cancelled:
+                    raise Cancelled("the run was cancelled; its ranks are stopped")
+                now = time.monotonic()
+                if timeout is not None and now - started > timeout:
+                    raise TorchrunError(f"the run took longer than {timeout:.0f} s and was stopped (every rank); "
+                                        f"last words:\n{_last_words(errs)}")
+                say(now - started)
+                time.sleep(POLL)
+            failed = [process for process in processes if process.poll() not in (None, 0)]
+            first = server.exited_first(failed)
+            _stop(processes)  # the others, once one failed (they would wait on it until gloo's timeout)
+        except BaseException:
+            _stop(processes)
+            raise
+        finally:
+            del store
+        if first is not None:
+            raise _failure(processes, first, errs)
+        return LaunchOutcome([_prefixed(outs)], [_prefixed(errs)], time.monotonic() - started)
 
 
 def _stop(processes: Sequence[forkserver.ForkedProcess]) -> None:
