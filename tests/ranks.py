@@ -110,6 +110,13 @@ def worker_children():
             and ("-m pipexplore.executors._worker" in " ".join(p.cmdline()) or p.name().startswith("pipexplore-r"))]
 
 
+def script_ranks_left():
+    """Ranks of a script forked by the fork server (``pipexplore.runs.forked``, named ``pipexplore-sN``)
+    that are still running below this process."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name().startswith("pipexplore-s")]
+
+
 def fork_server_left():
     """The fork server, if it still runs (``shutdown_pool`` stops it with the pool)."""
     return [p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE

@@ -4,13 +4,13 @@ import os
 import textwrap
 import threading
 
-import psutil
 import pytest
 from pipexplore.cancel import Cancelled, CancelToken, cancel_scope
 from pipexplore.executors import pool
 from pipexplore.host import core_share
 from pipexplore.runs import forked
 from pipexplore.runs.launch import STEP_LINE, TorchrunError, printed_losses
+from ranks import script_ranks_left
 
 SCRIPT = textwrap.dedent('''
     import os, sys, time
@@ -48,12 +48,6 @@ def _script(tmp_path):
     return path
 
 
-def _ranks_left():
-    """Forked script ranks still running below this process (the fork server names them ``pipexplore-sN``)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name().startswith("pipexplore-s")]
-
-
 def test_the_ranks_run_the_script_with_torchruns_environment_in_one_process_group(tmp_path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "forked_helper.py").write_text("VALUE = 42\n")
@@ -69,7 +63,8 @@ def test_the_ranks_run_the_script_with_torchruns_environment_in_one_process_grou
         assert "argv=['go'] main=__main__ helper=42" in line  # PYTHONPATH's folders on the path, as at a start
     assert printed_losses(outcome.stdout) == {0: 6.0}  # 1 + 2 + 3, all-reduced over the three ranks
     assert len(STEP_LINE.findall(stdout)) == 1 and outcome.seconds > 0
-    assert not _ranks_left()
+    assert not script_ranks_left()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lib", "train.py"]  # nothing written beside it
 
 
 def test_a_rank_that_fails_is_named_with_its_last_words_and_every_rank_is_reaped(tmp_path):
@@ -77,20 +72,20 @@ def test_a_rank_that_fails_is_named_with_its_last_words_and_every_rank_is_reaped
         forked.launch_forked(_script(tmp_path), ranks=3, args=["fail"], timeout=120)
     assert caught.value.rank == 1 and caught.value.exitcode == 1
     assert "ValueError: rank 1 cannot go on" in str(caught.value)
-    assert not _ranks_left()
+    assert not script_ranks_left()
 
 
 def test_a_rank_leaves_by_system_exit_as_an_interpreter_would(tmp_path):
     """SystemExit(None) is a clean exit; SystemExit("message") prints the message and exits 1."""
     with pytest.raises(TorchrunError, match=r"rank 1 on host \S+ exited with code 1:\nrank 1 leaves with a message"):
         forked.launch_forked(_script(tmp_path), ranks=2, args=["exit"], timeout=120)
-    assert not _ranks_left()
+    assert not script_ranks_left()
 
 
 def test_a_run_past_its_timeout_is_stopped_whole(tmp_path):
     with pytest.raises(TorchrunError, match="took longer than 3 s and was stopped"):
         forked.launch_forked(_script(tmp_path), ranks=2, args=["sleep"], timeout=3)
-    assert not _ranks_left()
+    assert not script_ranks_left()
 
 
 def test_a_cancelled_run_stops_every_rank(tmp_path):
@@ -103,7 +98,7 @@ def test_a_cancelled_run_stops_every_rank(tmp_path):
             forked.launch_forked(_script(tmp_path), ranks=2, args=["sleep"], timeout=120, steps=4, progress=said.append)
     finally:
         timer.cancel()
-    assert not _ranks_left()
+    assert not script_ranks_left()
     assert said == ["2 ranks here starting (0 s)"]  # said once: no step was printed while they ran
 
 

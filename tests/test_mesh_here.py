@@ -128,9 +128,8 @@ def dies_on_rank_3(output, target):
 
 
 def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_reaped(monkeypatch):
-    import psutil
-
     from pipexplore.runs.launch import TorchrunError
+    from ranks import script_ranks_left
 
     monkeypatch.setenv("MESH_HOOKS_MODEL", "sequential")
     ex = explored({"pp": 2, "dp": 2})
@@ -140,6 +139,4 @@ def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_
         ex.run()  # the four ranks forked here (a node agent's failing rank: test_cluster_roundtrip.py)
     assert caught.value.rank == 3
     assert ex.runs.empty and ex.plan is before
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.name().startswith("pipexplore-s") and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left
+    assert not script_ranks_left()
