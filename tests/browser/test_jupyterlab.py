@@ -53,8 +53,6 @@ NOTEBOOK_CELLS = [
 
 def _serving(tmp_path, notebooks: dict):
     """JupyterLab serving ``notebooks`` (name -> cells): yields its URL and token."""
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
     try:
         with jupyterlab(tmp_path, notebooks) as (url, token):
             yield url, token
@@ -79,9 +77,9 @@ def lab(lab_server):
 
 @pytest.fixture(scope="module")
 def chromium(tmp_path_factory):
-    """One Chromium (a profile of its own, a 1,280-px window) for the module's JupyterLab pages: each
-    test opens a page of its own, and JupyterLab's scripts, fetched and compiled for the first page,
-    come from the profile's caches for the next."""
+    """One Chromium (a profile of its own, a 1,280-px window) for the module's pages, refused by name
+    where Debian's chromium is missing: each test opens a page of its own, and JupyterLab's scripts,
+    fetched and compiled for the first page, come from the profile's caches for the next."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
     folder = tmp_path_factory.mktemp("chromium")
