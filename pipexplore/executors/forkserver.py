@@ -262,7 +262,8 @@ class ForkServer:
     def exited_first(self, processes: Sequence[ForkedProcess]) -> Optional[ForkedProcess]:
         """Of ``processes`` that have ended, the one whose exit the server reported first (it reaps
         them as they end): the root cause of a failure that took the others down."""
-        order = {pid: n for n, pid in enumerate(self._exits)}
+        with self._lock:  # (another caller's thread may be filing exits meanwhile)
+            order = {pid: n for n, pid in enumerate(self._exits)}
         ended = [process for process in processes if process.pid in order]
         return min(ended, key=lambda process: order[process.pid]) if ended else None
 
