@@ -336,8 +336,10 @@ def test_a_plan_whose_ranks_come_to_outnumber_the_cores_is_probed_again_until_a_
 
 def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_ranks(monkeypatch):
     """A mesh's every rank is a process of its run: pp 2 × dp 2 on a host told it has 3 cores has
-    two pipeline ranks but four processes, so its hand-over is the loaded probe's; both probes run
-    a pipeline of four ranks (as many processes as the run starts, in one pool)."""
+    two pipeline ranks but four processes, so where the processes probe takes it (as it takes meshes
+    of tensor, context or expert ranks, which the exported script's probe does not: here told so)
+    its hand-over is the loaded probe's; both probes run a pipeline of four ranks (as many
+    processes as the run starts, in one pool)."""
     import importlib
 
     from pipexplore.widgets import explore
@@ -356,6 +358,7 @@ def test_a_mesh_whose_ranks_outnumber_the_cores_is_probed_loaded_on_as_many_rank
     monkeypatch.setattr(probing, "host_cores", lambda: 3)
     monkeypatch.setattr(probing, "loaded_transfer", spy)
     monkeypatch.setattr(probing, "_probe_step", step)
+    monkeypatch.setattr(probing, "runs_as_script", lambda plan: False)
     ex = explore(plain_model(), torch.randn(8, 6), devices=["cpu"] * 4, chunks=4, schedule="1f1b",
                  executor="processes", mesh={"pp": 2, "dp": 2})
     assert ex.plan.num_devices == 2 and ex.plan.mesh_or_pipeline.size == 4

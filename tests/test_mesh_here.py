@@ -107,11 +107,12 @@ def test_a_head_tied_to_its_embedding_is_refused_before_any_rank_starts(monkeypa
     monkeypatch.setenv("MESH_HOOKS_MODEL", "llama-tied")
     ex = explored({"pp": 2, "dp": 2})
     before = ex.plan
-    monkeypatch.setattr(roundtrip, "launch", lambda *a, **k: pytest.fail("a rank was started"))
-    monkeypatch.setattr(forked, "launch_forked", lambda *a, **k: pytest.fail("a rank was started"))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM ties lm_head.weight \(stages 0, 1\) across stages .* "
-                                         r"untie them \(tie_word_embeddings=False\) or plan dp=1"):
-        ex.run()
+    with monkeypatch.context() as patched:
+        patched.setattr(roundtrip, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+        patched.setattr(forked, "launch_forked", lambda *a, **k: pytest.fail("a rank was started"))
+        with pytest.raises(ValueError, match=r"LlamaForCausalLM ties lm_head.weight \(stages 0, 1\) across stages "
+                                             r".* untie them \(tie_word_embeddings=False\) or plan dp=1"):
+            ex.run()
     assert ex.plan is before and ex.runs.empty
     monkeypatch.setenv("MESH_HOOKS_MODEL", "llama")
     untied = explored({"pp": 2, "dp": 2})  # the same model untied: nothing refused before the launch
@@ -140,3 +141,77 @@ def test_a_rank_that_dies_is_named_with_its_place_in_the_mesh_and_every_rank_is_
     assert caught.value.rank == 3
     assert ex.runs.empty and ex.plan is before
     assert not script_ranks_left()
+
+
+def test_a_mesh_is_probed_through_its_exported_script_before_its_first_run(monkeypatch):
+    """Its runs are the exported script's ranks forked here, so that is what the first prediction's
+    executor costs are measured on: the script's ranks run busy stages (as many parameter tensors a
+    stage as the model's stages hold), no pool of the processes executor is started for it, nothing
+    is left running, and the hand-over is the one that reproduces the probe's own step."""
+    import importlib
+
+    from ranks import script_ranks_left
+
+    from pipexplore.predict.costs import Corrections
+    from pipexplore.timeline import step_time
+
+    script = importlib.import_module("pipexplore.runs.script_probe")
+    probing = importlib.import_module("pipexplore.executors.probe")
+    roundtrip = importlib.import_module("pipexplore.runs.roundtrip")
+    real_run, real_probe, runs, pooled = roundtrip.torchrun_result, script.script_probe, [], []
+
+    def run(model, sample, plan, **options):
+        runs.append((model, plan, options, real_run(model, sample, plan, **options)))
+        return runs[-1][-1]
+
+    def probed(plan, **options):
+        runs.append(("probe", options))
+        return real_probe(plan, **options)
+
+    monkeypatch.setattr(roundtrip, "torchrun_result", run)
+    monkeypatch.setattr(script, "script_probe", probed)
+    monkeypatch.setattr(probing, "_probe_step", lambda *args, **kwargs: pooled.append(args))
+    ex = explored({"pp": 2, "dp": 2}, data_parallel="fsdp")
+    (_, given), (busy, plan, options, result) = runs
+    assert ex.state.status.text == ""  # what it said while the ranks ran: gone
+    assert not pooled and not script_ranks_left()
+    assert options["forked"] and plan.mesh == ex.plan.mesh and plan.data_parallel == "fsdp"
+    tensors = -(-sum(1 for _ in mesh_hooks.build_model().parameters()) // ex.plan.num_stages)
+    assert given["tensors"] == tensors and all(sum(1 for _ in layer.parameters()) == tensors for layer in busy)
+    assert given["optimizer"] is torch.optim.SGD
+    corrections = ex.plan.corrections
+    overheads = corrections.overheads["processes"]
+    assert {"forward", "backward", "all"} <= set(overheads) and min(overheads.values()) >= 0
+    assert corrections.transfer("processes") > 0
+    # The probe's plan, predicted with what it measured, takes the step its run took (the hand-over fitted
+    # to it), or longer (the median hand-over, where that alone already gave more).
+    again = plan.with_options(corrections=Corrections().with_executor_costs(
+        "processes", corrections.overheads["processes"], corrections.gap("processes"),
+        corrections.transfer("processes")))
+    assert step_time(again.predicted) >= step_time(result.timeline) * 0.99
+
+
+def test_a_mesh_whose_script_cannot_be_probed_takes_the_processes_probe_and_says_why(monkeypatch):
+    import importlib
+
+    script = importlib.import_module("pipexplore.runs.script_probe")
+
+    def refused(plan, **options):
+        raise RuntimeError("no fork server here")
+
+    monkeypatch.setattr(script, "script_probe", refused)
+    model = mesh_hooks.build_model()
+    inputs, target = mesh_hooks.get_batch()
+    with pytest.warns(RuntimeWarning, match="exported script's ranks were not probed .*no fork server here"):
+        ex = explore(model, inputs, devices=["cpu"] * 4, chunks=2, schedule="1f1b", executor="processes",
+                     mesh={"pp": 2, "dp": 2}, loss_fn=mesh_hooks.loss_fn, target=target)
+    assert ex.plan.corrections.overheads["processes"]["forward"] > 0  # the processes probe's
+
+
+def test_a_busy_layer_holds_the_parameter_tensors_it_is_given():
+    from pipexplore.executors.probe import BusyLayer
+
+    assert [sum(1 for _ in BusyLayer(0.0, 0.0, tensors=n).parameters()) for n in (1, 2, 3, 8)] == [2, 2, 2, 8]
+    out = BusyLayer(0.0, 0.0, tensors=8)(torch.ones(3, 1, requires_grad=True))
+    out.sum().backward()
+    assert out.shape == (3, 1)

@@ -6,7 +6,7 @@ import math
 import time
 import warnings
 from collections import Counter
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import pandas as pd
@@ -24,7 +24,8 @@ from pipexplore.schedules import is_csv, splits_backward
 from pipexplore.skip.skippable import Skippable
 from pipexplore.training import OptimizerFactory, Training
 
-__all__ = ["probe", "probe_kind", "needs_probe", "with_probed_costs", "loaded_transfer", "PROBE_DEVICES",
+__all__ = ["probe", "probe_kind", "runs_as_script", "needs_probe", "with_probed_costs", "loaded_transfer",
+           "busy_seconds", "busy_table", "BusyLayer", "PROBE_DEVICES",
            "PROBE_CHUNKS", "LOADED_SECONDS", "co_run_shares", "CO_RUN_SECONDS", "CO_RUN_LIMIT"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
@@ -97,7 +98,7 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     overhead["all"] = float(spans["span"].median()) if len(spans) else 0.0
     gap, transfer = handoff_gaps(measured)
     gap, transfer = float(gap or 0.0), float(transfer or 0.0)
-    if probe_kind(plan)[1]:
+    if _loaded(plan):
         transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
 
@@ -144,14 +145,32 @@ def _probe_step(module: Any, plan: Plan, layers: nn.Sequential, table: pd.DataFr
     return probe_plan, measured
 
 
-def probe_kind(plan: Plan) -> tuple[str, bool]:
-    """What a probe of ``plan`` stands for: its executor, and whether the hand-over is the loaded
-    one (:func:`loaded_transfer`: processes whose ranks, a mesh's every one, outnumber this host's
-    cores). A plan of another kind needs a probe of its own; one of the same kind takes the last
-    one's figures."""
+def runs_as_script(plan: Plan) -> bool:
+    """Whether ``plan``'s runs are the exported ``torchrun`` script's ranks forked here and its costs
+    are probed through that script (``pipexplore.runs.script_probe``): a mesh of this machine's CPUs
+    run by processes, of pipeline and data parallelism only (the probe's stages hold no layer to
+    shard across tensor, context or expert ranks: those meshes take the processes probe)."""
+    mesh = plan.mesh
+    return (mesh is not None and not plan.planned and plan.executor == "processes" and plan.device_type == "cpu"
+            and mesh.tp == mesh.cp == mesh.ep == mesh.etp == 1 and not is_csv(plan.schedule))
+
+
+def _loaded(plan: Plan) -> bool:
+    """Whether the processes probe's hand-over is the loaded one (:func:`loaded_transfer`): processes
+    whose ranks, a mesh's every one, outnumber this host's cores."""
+    return (plan.predict_executor == "processes" and plan.mesh_or_pipeline.size > host_cores()
+            and not is_csv(plan.schedule))
+
+
+def probe_kind(plan: Plan) -> tuple[str, str]:
+    """What a probe of ``plan`` stands for: its executor, and how it is probed — ``"script fsdp"``
+    (its data parallelism named: the exported script's ranks, :func:`runs_as_script`), ``"loaded"``
+    (:func:`loaded_transfer`'s hand-over) or ``"idle"``. A plan of another kind needs a probe of its
+    own; one of the same kind takes the last one's figures."""
     executor = plan.predict_executor
-    return executor, (executor == "processes" and plan.mesh_or_pipeline.size > host_cores()
-                      and not is_csv(plan.schedule))
+    if runs_as_script(plan):
+        return executor, f"script {plan.data_parallel}"
+    return executor, "loaded" if _loaded(plan) else "idle"
 
 
 def needs_probe(plan: Plan, probed: set) -> bool:
@@ -166,14 +185,16 @@ def needs_probe(plan: Plan, probed: set) -> bool:
     return probe_kind(plan) not in probed and not plan.corrections.counts.get(executor)
 
 
-def with_probed_costs(plan: Plan, probed: set) -> Plan:
-    """``plan`` with its executor's own costs as :func:`probe` measures them, its kind added to
-    ``probed``; what a run of the executor taught (gap, hand-over) wins over the probe. Rank
-    processes that cannot start here: a warning, and the plan predicted without them (not tried
-    again for this kind: the first run will say why)."""
+def with_probed_costs(plan: Plan, probed: set,
+                      measure: Optional[Callable[[Plan], tuple[dict[str, float], float, float]]] = None) -> Plan:
+    """``plan`` with its executor's own costs as :func:`probe` (or ``measure``: a probe of the same
+    figures, such as the exported script's) measures them, its kind added to ``probed``; what a run
+    of the executor taught (gap, hand-over) wins over the probe. Rank processes that cannot start
+    here: a warning, and the plan predicted without them (not tried again for this kind: the first
+    run will say why)."""
     executor = plan.predict_executor
     try:
-        overhead, gap, transfer = probe(plan)
+        overhead, gap, transfer = (measure or probe)(plan)
     except Exception as error:
         if plan.executor != "processes":
             raise
@@ -212,15 +233,41 @@ class _Spin(torch.autograd.Function):
 
 class BusyLayer(nn.Module):
     """A ``Linear(1, 1)`` whose forward and backward each keep a core busy for a set time: a
-    stage of the loaded probe (its parameter makes every stage's backward run, the first's too)."""
+    stage of the loaded probe (its parameter makes every stage's backward run, the first's too).
+    ``tensors``: the parameter tensors it holds (``Linear(1, 1)``s one after another, two each;
+    at least the one), for probes whose runtime works tensor by tensor (FSDP2, an optimizer)."""
 
-    def __init__(self, forward: float, backward: float) -> None:
+    def __init__(self, forward: float, backward: float, tensors: int = 2) -> None:
         super().__init__()
         self.linear = nn.Linear(1, 1)
+        self.more = nn.ModuleList([nn.Linear(1, 1) for _ in range(max(0, int(tensors) // 2 - 1))])
         self.seconds = (float(forward), float(backward))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Spin.apply(self.linear(x), *self.seconds)
+        x = self.linear(x)
+        for linear in self.more:
+            x = linear(x)
+        return _Spin.apply(x, *self.seconds)
+
+
+def busy_seconds(plan: Plan) -> tuple[float, float]:
+    """The seconds a busy stage's forward and backward compute a micro-batch: the median over the
+    plan's stages of its own, within :data:`LOADED_SECONDS`."""
+    batch = plan.step_batch
+    rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
+    low, high = LOADED_SECONDS
+    forward, backward = (float(np.clip(np.median(stage_seconds(plan.layer_table, list(plan.splits), rows, phase)),
+                                       low, high)) for phase in ("forward", "backward"))
+    return forward, backward
+
+
+def busy_table(stages: int, chunks: int, seconds: tuple[float, float]) -> pd.DataFrame:
+    """The profile of ``stages`` busy layers (one a stage) computing ``seconds`` a micro-batch, each
+    asking for a core of its own, over ``chunks`` micro-batches of a row."""
+    table = _layer_table(stages, forward=seconds[0] * chunks, backward=seconds[1] * chunks, share_forward=1.0,
+                         share_backward=1.0)
+    table.attrs.update(batch=chunks, device="cpu", threads=1)
+    return table
 
 
 def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer: float, stages: int, chunks: int,
@@ -239,15 +286,9 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     from pipexplore.executors import processes
 
     devices = plan.devices[:plan.mesh_or_pipeline.size]
-    batch = plan.step_batch
-    rows = microbatch_rows(int(batch), plan.chunks)[0] if batch else 1.0 / plan.chunks
-    low, high = LOADED_SECONDS
-    seconds = [float(np.clip(np.median(stage_seconds(plan.layer_table, list(plan.splits), rows, phase)), low, high))
-               for phase in ("forward", "backward")]
+    seconds = busy_seconds(plan)
     busy = nn.Sequential(*[BusyLayer(*seconds) for _ in range(stages)])
-    table = _layer_table(stages, forward=seconds[0] * chunks, backward=seconds[1] * chunks, share_forward=1.0,
-                         share_backward=1.0)
-    table.attrs.update(batch=chunks, device="cpu", threads=1)
+    table = busy_table(stages, chunks, seconds)
     busy_plan, measured = _probe_step(processes, plan, busy, table, devices, chunks, repeats)
     probed = Corrections().with_executor_costs("processes", overhead, gap, transfer)
     fitted = probed.step_fitted("processes", lambda c: busy_plan.with_options(corrections=c).predict(), measured)

@@ -204,7 +204,7 @@ class ExplorerState:
         plan_devices, note = self.placement.for_stages(file.ranks if file else _ranks(len(splits) + 1, schedule))
         self.notes += [note] if note else []
         #: What the executor probes measured (:func:`pipexplore.executors.probe.probe_kind` of each).
-        self._probed: set[tuple[str, bool]] = set()
+        self._probed: set[tuple[str, str]] = set()
         self._plan_lock = threading.RLock()  # plan changes, run completion and what subscribers do
         self._subscribers: list[Callable[[str], None]] = []
         self._figures_of: tuple[Optional[Plan], dict[str, Any]] = (None, {})
@@ -381,16 +381,21 @@ class ExplorerState:
         :func:`pipexplore.executors.probe`), so that even a first prediction includes it; a
         processes plan whose ranks start or stop outnumbering the cores is probed again for its
         hand-over (:func:`~pipexplore.executors.probe.needs_probe`) until a run teaches one."""
-        from pipexplore.executors.probe import co_run_shares, needs_probe, with_probed_costs
+        from pipexplore.executors.probe import co_run_shares, needs_probe, runs_as_script, with_probed_costs
 
         if not self.calibrate or not needs_probe(plan, self._probed):
             return plan
         before = self.status
-        if plan.executor == "processes":  # its rank processes start now, once: say so while they do
+        measure = None
+        if runs_as_script(plan):  # its runs are the exported script's ranks: probed through the script
+            self.say(f"measuring what the exported script's {plan.mesh_or_pipeline.size} ranks cost beside their "
+                     "layers (a few steps of busy stages, once)", busy=True)
+            measure = self._script_probe
+        elif plan.executor == "processes":  # its rank processes start now, once: say so while they do
             self.say(f"measuring what an action costs the processes executor: starting its {plan.num_devices} rank "
                      "processes (once; the first run then finds them started)", busy=True)
         try:
-            plan = with_probed_costs(plan, self._probed)
+            plan = with_probed_costs(plan, self._probed, measure)
             if self.options.layer_table is None:  # (a table the user gave is costed as given)
                 try:
                     shared = co_run_shares(plan, self.model, self.sample)
@@ -405,6 +410,21 @@ class ExplorerState:
         finally:
             if self.status is not before:
                 self.say(before.text, busy=before.busy, error=before.error, trace=before.traceback)
+
+    def _script_probe(self, plan: Plan) -> tuple[dict[str, float], float, float]:
+        """The executor's costs of a mesh run as the exported script's ranks
+        (:func:`pipexplore.runs.script_probe.script_probe`), else the processes probe's, with a warning
+        saying why."""
+        from pipexplore.executors.probe import probe
+        from pipexplore.runs.script_probe import parameter_tensors, script_probe
+
+        try:
+            return script_probe(plan, tensors=parameter_tensors(self.model, plan.num_stages),
+                                optimizer=self.training.optimizer)
+        except Exception as error:  # a refinement of the first prediction: never a reason to stop
+            warnings.warn(f"the exported script's ranks were not probed ({type(error).__name__}: {error}); the first "
+                          "prediction takes the processes executor's costs", RuntimeWarning, stacklevel=2)
+            return probe(plan)
 
     def with_backward_split(self) -> pd.DataFrame:
         """The layer table with its input/weight-gradient split, measured the first time a plan needs it."""
