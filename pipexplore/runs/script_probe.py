@@ -13,7 +13,8 @@ taking longer than the whole predicted step.
 Here the script itself runs, forked as the plan's runs are, on stages that keep their ranks
 computing as long as the plan's own actions do (:class:`~pipexplore.executors.probe.BusyLayer`,
 :func:`~pipexplore.executors.probe.busy_seconds`), each holding as many parameter tensors as the
-plan's stages hold, trained by the plan's optimizer: a warm-up and :data:`STEPS` measured steps.
+plan's stages hold, trained by the plan's optimizer, for the warm-up and measured steps a run of the
+plan takes (:func:`~pipexplore.runs.roundtrip.torchrun_result`'s; its median step kept).
 Each action's span beyond its layer's seconds is the executor's overhead for its phase; the
 dispatch gap is the median's; and the hand-over is the one with which the simulator reproduces the
 measured step (:meth:`~pipexplore.predict.costs.Corrections.step_fitted`, the fit a run's learning
@@ -34,10 +35,8 @@ from pipexplore.plan import Plan
 from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps
 from pipexplore.training import OptimizerFactory
 
-__all__ = ["script_probe", "parameter_tensors", "STEPS", "TIMEOUT"]
+__all__ = ["script_probe", "parameter_tensors", "TIMEOUT"]
 
-#: Measured steps of the probe's run (after one warm-up; the median is kept, as a run keeps it).
-STEPS = 10
 #: Seconds the probe's run may take, its ranks' start included.
 TIMEOUT = 60.0
 
@@ -47,7 +46,7 @@ def _mean(output: torch.Tensor, target: Any) -> torch.Tensor:
 
 
 def script_probe(plan: Plan, *, tensors: int = 2, optimizer: Optional[OptimizerFactory] = None,
-                 steps: int = STEPS, timeout: float = TIMEOUT) -> tuple[dict[str, float], float, float]:
+                 timeout: float = TIMEOUT) -> tuple[dict[str, float], float, float]:
     """``(overhead, gap, transfer)`` of ``plan``'s executor as :func:`pipexplore.executors.probe.probe`
     returns them, measured by running the exported script's ranks forked here (the module
     docstring) on busy stages of ``tensors`` parameter tensors each, trained by ``optimizer`` (a
@@ -70,7 +69,7 @@ def script_probe(plan: Plan, *, tensors: int = 2, optimizer: Optional[OptimizerF
                 executor=plan.executor, batch=chunks, mesh=plan.mesh, data_parallel=plan.data_parallel,
                 reshard_after_forward=plan.reshard_after_forward)
     result = torchrun_result(layers, torch.randn(chunks, 1), busy, nodes=1, loss_fn=_mean, optimizer=optimizer,
-                             warmup=2, repeats=steps, timeout=timeout, forked=True)
+                             timeout=timeout, forked=True)
     measured = result.timeline
     compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
     layer = compute["phase"].map({"forward": seconds[0], "backward": seconds[1]}).fillna(0.0)
