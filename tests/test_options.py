@@ -150,3 +150,20 @@ def test_the_state_holds_its_options_made_once_from_a_value_or_keywords():
     over = ExplorerState(model, sample, options, chunks=4, layer_table=from_value.layer_table)
     assert over.options == replace(options, chunks=4, layer_table=from_value.layer_table) and over.plan.chunks == 4
     assert over.layer_table is from_value.layer_table  # the table given, not profiled again
+
+
+def test_an_option_a_plan_holds_defaults_to_the_plans_own_default():
+    """One default each: an option the plan takes as it is given (checkpoint, schedule, executor,
+    nodes, the mesh's data parallelism, the experts' options) starts where a plan made without it
+    starts, so an explorer and a plan built by hand agree."""
+    from dataclasses import fields
+
+    from pipexplore.plan import Plan
+
+    plan = {f.name: f.default for f in fields(Plan)}
+    shared = {f.name for f in fields(ExploreOptions)} & set(plan) - {"devices", "chunks", "splits", "layer_table",
+                                                                       "mesh", "batch"}
+    assert {"checkpoint", "schedule", "executor", "gpus_per_node", "data_parallel", "sequence_parallel",
+            "reshard_after_forward", "moe_overlap", "moe_dispatcher", "capacity_factor"} <= shared
+    options = ExploreOptions()
+    assert {name: getattr(options, name) for name in shared} == {name: plan[name] for name in shared}

@@ -24,13 +24,18 @@ from pipexplore import validate
 from pipexplore.devices import chosen_devices
 from pipexplore.devices.mesh import Mesh
 from pipexplore.models.trace.candidates import GRANULARITIES
-from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES
+from pipexplore.plan import EXECUTORS, PLAN_SCHEDULES, Plan
 from pipexplore.predict.memory import check_data_parallel
 from pipexplore.predict.moe_dispatch import check_dispatcher
 from pipexplore.training import LossFn, OptimizerFactory
 from pipexplore.widgets.header import parse_bytes
 
-__all__ = ["ExploreOptions"]
+__all__ = ["ExploreOptions", "PLAN_DEFAULTS"]
+
+#: The defaults of the options a plan holds as they are given (checkpoint, schedule, executor, nodes,
+#: the mesh's data parallelism and the experts' options): :class:`~pipexplore.plan.Plan`'s own, one
+#: default each.
+PLAN_DEFAULTS: Mapping[str, Any] = {f.name: f.default for f in fields(Plan)}
 
 
 @dataclass(frozen=True)
@@ -57,9 +62,9 @@ class ExploreOptions:
     #: Micro-batches a step (None: 4, or fewer for a smaller batch; a CSV schedule's own).
     chunks: Optional[int] = None
     #: Activation checkpointing: ``'always'``, ``'except_last'`` or ``'never'``.
-    checkpoint: str = "except_last"
+    checkpoint: str = PLAN_DEFAULTS["checkpoint"]
     #: A schedule of :data:`pipexplore.plan.PLAN_SCHEDULES`, or the path of a CSV file in torch's format.
-    schedule: str = "gpipe"
+    schedule: str = PLAN_DEFAULTS["schedule"]
     #: The first stage's split points (None: balanced by time).
     splits: Optional[Sequence[int]] = None
     #: A layer table to plan with instead of profiling (from :func:`pipexplore.profile_model`).
@@ -67,7 +72,7 @@ class ExploreOptions:
     #: Timed repeats a layer's profile takes.
     profile_repeats: int = 3
     #: What runs the plan: one of :data:`pipexplore.plan.EXECUTORS` (planned devices: processes).
-    executor: str = "threads"
+    executor: str = PLAN_DEFAULTS["executor"]
     #: Whether runs teach the predictions (the executor's own costs, corrections per action).
     calibrate: bool = True
     #: A traced model's candidate split points: one of ``'blocks'`` or ``'children'``.
@@ -77,7 +82,7 @@ class ExploreOptions:
     #: Bytes of activation memory a stage may hold, drawn (a number or ``'2 GiB'``); None: no cap.
     memory_cap: Optional[float] = None
     #: Planned devices a node (which copies cross nodes).
-    gpus_per_node: int = 8
+    gpus_per_node: int = PLAN_DEFAULTS["gpus_per_node"]
     #: Whether memory is counted for 16-bit training with fp32 master weights and gradients.
     mixed_precision: bool = False
     #: Whether a traced model is profiled as the stages its runs execute (one more trace).
@@ -86,23 +91,23 @@ class ExploreOptions:
     #: None: every device a pipeline rank.
     mesh: Union[None, Mesh, Mapping[str, int]] = None
     #: How the mesh's replicas share the work: one of :data:`pipexplore.predict.memory.DATA_PARALLEL`.
-    data_parallel: str = "ddp"
+    data_parallel: str = PLAN_DEFAULTS["data_parallel"]
     #: Whether a tensor-parallel block's norms and dropout are split along the sequence.
-    sequence_parallel: bool = True
+    sequence_parallel: bool = PLAN_DEFAULTS["sequence_parallel"]
     #: Whether FSDP frees a stage's gathered parameters after its forward.
-    reshard_after_forward: bool = False
+    reshard_after_forward: bool = PLAN_DEFAULTS["reshard_after_forward"]
     #: Whether a mixture of experts' all-to-alls hide behind another micro-batch's compute where the
     #: schedule pairs a forward and a backward (1f1b, interleaved, dualpipev: :class:`~pipexplore.plan.Plan`'s).
-    moe_overlap: bool = False
+    moe_overlap: bool = PLAN_DEFAULTS["moe_overlap"]
     #: How a mixture of experts' tokens reach their experts (:data:`pipexplore.predict.moe_dispatch.MOE_DISPATCHERS`):
     #: ``alltoall`` each routed copy, ``hybridep``/``deepep`` once a destination node and GPU.
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: str = PLAN_DEFAULTS["moe_dispatcher"]
     #: A mixture of experts' routing imbalance, a what-if of routing (not a token-dropping policy: Megatron-LM's
     #: ``--moe-expert-capacity-factor`` drops tokens, and no export writes it): the busiest expert-parallel rank
     #: receives this many times its balanced share of the routed tokens, its experts' token-bound kernels and its
     #: all-to-alls' bytes scaled so (:func:`pipexplore.predict.mesh_costs.mesh_layer_table`). A number from 1
     #: (balanced routing, as NVIDIA's published benchmarks force it) to the mesh's ``ep``; only 1 without experts.
-    capacity_factor: float = 1.0
+    capacity_factor: float = PLAN_DEFAULTS["capacity_factor"]
     #: The tensor-parallel plan (module FQN pattern to style); None: the model's own.
     tp_plan: Optional[Mapping[str, str]] = None
 
