@@ -25,7 +25,7 @@ from pipexplore.skip.skippable import Skippable
 from pipexplore.training import OptimizerFactory, Training
 
 __all__ = ["probe", "probe_kind", "runs_as_script", "needs_probe", "with_probed_costs", "loaded_transfer",
-           "busy_seconds", "busy_table", "BusyLayer", "PROBE_DEVICES",
+           "busy_seconds", "busy_table", "BusyLayer", "action_overheads", "fitted_transfer", "PROBE_DEVICES",
            "PROBE_CHUNKS", "LOADED_SECONDS", "co_run_shares", "CO_RUN_SECONDS", "CO_RUN_LIMIT"]
 
 #: The probe runs at most this many devices' stages and micro-batches: what an action costs the
@@ -89,18 +89,39 @@ def probe(plan: Plan, repeats: int = 3) -> tuple[dict[str, float], float, float]
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
     _, measured = _probe_step(module, plan, tiny, _layer_table(stages, forward=0.0, backward=0.0), devices, chunks,
                               repeats)
-    compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
-    spans = compute.assign(span=compute["end"] - compute["start"])
-    if splits_backward(plan.schedule):
-        # The first stage's W does nothing (its I ran the whole backward): not an action's cost.
-        spans = spans[~((spans["stage"] == 0) & (spans["phase"] == "weight_grad"))]
-    overhead = {str(phase): float(group.median()) for phase, group in spans.groupby("phase")["span"]}
-    overhead["all"] = float(spans["span"].median()) if len(spans) else 0.0
+    overhead = action_overheads(measured, plan.schedule)
     gap, transfer = handoff_gaps(measured)
     gap, transfer = float(gap or 0.0), float(transfer or 0.0)
     if _loaded(plan):
         transfer = loaded_transfer(plan, overhead, gap, transfer, stages, chunks, repeats)
     return overhead, gap, transfer
+
+
+def action_overheads(measured: pd.DataFrame, schedule: str,
+                     layer: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """What the executor costs an action in a probe's ``measured`` step: per phase the median seconds
+    of an action's span beyond its layer's (``layer``: a busy layer's seconds per phase; nothing
+    where not given; never below 0), ``"all"`` over every phase. Under a ``schedule`` that splits
+    the backward, the first stage's W is left out: it does nothing (its I ran the whole backward)."""
+    compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
+    if splits_backward(schedule):
+        compute = compute[~((compute["stage"] == 0) & (compute["phase"] == "weight_grad"))]
+    seconds = compute["phase"].map(layer or {}).fillna(0.0)
+    beyond = (compute["end"] - compute["start"] - seconds).clip(lower=0.0)
+    overhead = {str(phase): float(values.median()) for phase, values in beyond.groupby(compute["phase"])}
+    overhead["all"] = float(beyond.median()) if len(beyond) else 0.0
+    return overhead
+
+
+def fitted_transfer(busy_plan: Plan, overhead: dict[str, float], gap: float, transfer: float,
+                    measured: pd.DataFrame) -> float:
+    """The hand-over with which the simulator gives ``busy_plan`` (a probe's plan of busy stages) the
+    step of ``measured`` (:meth:`Corrections.step_fitted`, the fit a run's learning makes), its
+    executor's other costs ``overhead`` and ``gap``; never less than ``transfer``, the measured median."""
+    executor = busy_plan.predict_executor
+    probed = Corrections().with_executor_costs(executor, overhead, gap, transfer)
+    fitted = probed.step_fitted(executor, lambda c: busy_plan.with_options(corrections=c).predict(), measured)
+    return max(transfer, fitted.transfer(executor))
 
 
 def _probe_shape(plan: Plan, all_devices: bool = False) -> tuple[tuple[Any, ...], int, int]:
@@ -290,9 +311,7 @@ def loaded_transfer(plan: Plan, overhead: dict[str, float], gap: float, transfer
     busy = nn.Sequential(*[BusyLayer(*seconds) for _ in range(stages)])
     table = busy_table(stages, chunks, seconds)
     busy_plan, measured = _probe_step(processes, plan, busy, table, devices, chunks, repeats)
-    probed = Corrections().with_executor_costs("processes", overhead, gap, transfer)
-    fitted = probed.step_fitted("processes", lambda c: busy_plan.with_options(corrections=c).predict(), measured)
-    return max(transfer, fitted.transfer("processes"))
+    return fitted_transfer(busy_plan, overhead, gap, transfer, measured)
 
 
 #: The co-run probe runs only where its steps stay this short (the representative layer's profiled

@@ -23,16 +23,15 @@ critical path as the run will have them.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from pipexplore.executors.probe import BusyLayer, busy_seconds, busy_table
+from pipexplore.executors.probe import BusyLayer, action_overheads, busy_seconds, busy_table, fitted_transfer
 from pipexplore.plan import Plan
-from pipexplore.predict.costs import PHASE_SOURCE, Corrections, handoff_gaps
+from pipexplore.predict.costs import handoff_gaps
 from pipexplore.training import OptimizerFactory
 
 __all__ = ["script_probe", "parameter_tensors", "TIMEOUT"]
@@ -71,19 +70,10 @@ def script_probe(plan: Plan, *, tensors: int = 2, optimizer: Optional[OptimizerF
     result = torchrun_result(layers, torch.randn(chunks, 1), busy, nodes=1, loss_fn=_mean, optimizer=optimizer,
                              timeout=timeout, forked=True)
     measured = result.timeline
-    compute = measured[measured["phase"].isin(list(PHASE_SOURCE))]
-    layer = compute["phase"].map({"forward": seconds[0], "backward": seconds[1]}).fillna(0.0)
-    beyond = (compute["end"] - compute["start"] - layer).clip(lower=0.0)
-    overhead = {str(phase): float(values.median()) for phase, values in beyond.groupby(compute["phase"])}
-    overhead["all"] = float(beyond.median()) if len(beyond) else 0.0
+    overhead = action_overheads(measured, busy.schedule, {"forward": seconds[0], "backward": seconds[1]})
     gap, transfer = handoff_gaps(measured)
     gap, transfer = float(gap or 0.0), float(transfer or 0.0)
-    executor = busy.predict_executor
-    probed = Corrections().with_executor_costs(executor, overhead, gap, transfer)
-    fitted = probed.step_fitted(executor, lambda corrections: busy.with_options(corrections=corrections).predict(),
-                                measured)
-    fitted_transfer = fitted.transfer(executor)
-    return overhead, gap, max(transfer, fitted_transfer if math.isfinite(fitted_transfer) else transfer)
+    return overhead, gap, fitted_transfer(busy, overhead, gap, transfer, measured)
 
 
 def parameter_tensors(model: nn.Module, stages: int) -> int:
