@@ -34,8 +34,8 @@ from typing import Callable, Optional, Sequence
 
 from pipexplore.cancel import Cancelled, current_token
 from pipexplore.executors import forkserver, pool
-from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, StepProgress, TorchrunError, launch,
-                                    rank_environment, rendezvous_store)
+from pipexplore.runs.launch import (POLL, TERMINATE_GRACE, LaunchOutcome, StepProgress, TorchrunError, last_words,
+                                    launch, rank_environment, rendezvous_store, worth_quoting)
 
 __all__ = ["launch_forked", "rank_variables"]
 
@@ -95,7 +95,7 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
                 now = time.monotonic()
                 if timeout is not None and now - started > timeout:
                     raise TorchrunError(f"the run took longer than {timeout:.0f} s and was stopped (every rank); "
-                                        f"last words:\n{_last_words(errs)}")
+                                        f"last words:\n{last_words(errs, 'rank', STDERR_LINES)}")
                 say(now - started)
                 time.sleep(POLL)
             failed = [process for process in processes if process.poll() not in (None, 0)]
@@ -142,12 +142,6 @@ def _read(path: pathlib.Path) -> str:
         return ""
 
 
-def _last_words(paths: Sequence[pathlib.Path], lines: int = STDERR_LINES) -> str:
-    said = [f"[rank {rank}] {line}" for rank, path in enumerate(paths)
-            for line in [line for line in _read(path).splitlines() if line.strip()][-lines:]]
-    return "\n".join(said) or "(nothing)"
-
-
 def _failure(processes: Sequence[forkserver.ForkedProcess], first: forkserver.ForkedProcess,
              errs: Sequence[pathlib.Path]) -> TorchrunError:
     """The error of a failed run: the rank that failed first, its exit code and last words, then
@@ -155,8 +149,7 @@ def _failure(processes: Sequence[forkserver.ForkedProcess], first: forkserver.Fo
     rank, host, code = processes.index(first), socket.gethostname(), first.returncode
     others = [f"rank {n} (exit code {p.returncode})" for n, p in enumerate(processes)
               if p is not first and p.returncode != 0]
-    said = [line for line in _read(errs[rank]).splitlines()
-            if line.strip() and "FutureWarning" not in line and "return cls.__new__" not in line][-STDERR_LINES:]
+    said = [line for line in _read(errs[rank]).splitlines() if line.strip() and worth_quoting(line)][-STDERR_LINES:]
     message = f"rank {rank} on host {host} exited with code {code}"
     if others:
         message += "; the run stopped the others: " + ", ".join(others)

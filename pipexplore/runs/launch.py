@@ -41,7 +41,7 @@ from pipexplore.host import RANK_CORES_ENV, core_share, free_port, rank_cores
 
 __all__ = ["TorchrunError", "LaunchOutcome", "launch", "write_hooks", "free_port", "torchrun_failures",
            "HOOKS_MODULE", "STEP_LINE", "printed_losses", "rank_environment", "steps_done", "rendezvous_store",
-           "StepProgress"]
+           "StepProgress", "last_words", "worth_quoting"]
 
 HOOKS_MODULE = "pipexplore_run_hooks"
 #: After the first agent fails, seconds the others get to fail on their own (their reports name
@@ -279,7 +279,7 @@ def launch(script: pathlib.Path, *, nodes: int, nproc_per_node: int, args: Seque
             if timeout is not None and now - started > timeout:
                 _stop(agents)
                 raise TorchrunError(f"the torchrun run took longer than {timeout:.0f} s and was stopped "
-                                    f"(every agent and rank); last words:\n{_tail(errs)}")
+                                    f"(every agent and rank); last words:\n{last_words(errs, 'agent')}")
             say(now - started)
             time.sleep(POLL)
         _stop(agents)  # agents that hung on after another failed; a no-op when all are done
@@ -302,15 +302,22 @@ def printed_losses(stdout: Sequence[str]) -> dict[int, float]:
     return {int(m["step"]): float(m["loss"]) for text in stdout for m in STEP_LINE.finditer(text)}
 
 
-def _tail(paths: Sequence[pathlib.Path], lines: int = 15) -> str:
+def last_words(paths: Sequence[pathlib.Path], who: str, lines: int = 15) -> str:
+    """The last ``lines`` lines that say something of each file of ``paths`` (the stderr of each
+    agent or rank, named ``who`` and its number), each behind ``[who N]``."""
     text = []
     for n, path in enumerate(paths):
         try:
-            last = [line for line in path.read_text().splitlines() if line.strip()][-lines:]
+            last = [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
         except OSError:
             last = []
-        text.append(f"[agent {n}] " + "\n[agent {n}] ".join(last) if last else f"[agent {n}] (nothing)")
+        text.append(f"[{who} {n}] " + f"\n[{who} {n}] ".join(last) if last else f"[{who} {n}] (nothing)")
     return "\n".join(text)
+
+
+def worth_quoting(line: str) -> bool:
+    """Whether a rank's line of stderr may say something of its failure: not one of torch's warnings."""
+    return "FutureWarning" not in line and "return cls.__new__" not in line
 
 
 def _failure(codes: Sequence[Optional[int]], stderr: Sequence[str], first: Optional[int] = None) -> TorchrunError:
@@ -331,7 +338,7 @@ def _failure(codes: Sequence[Optional[int]], stderr: Sequence[str], first: Optio
               if (f["rank"], f["exitcode"]) != (cause["rank"], cause["exitcode"])]
     prefix = re.compile(rf"^\[\D*{cause['rank']}\]:")
     said = [prefix.sub("", line) for text in stderr for line in text.splitlines() if prefix.match(line)]
-    said = [line for line in said if "FutureWarning" not in line and "return cls.__new__" not in line][-8:]
+    said = [line for line in said if worth_quoting(line)][-8:]
     message = (f"rank {cause['rank']} on host {cause['host']} exited with code {cause['exitcode']} "
                f"(torchrun's root cause, at {cause['time']})")
     if others:
