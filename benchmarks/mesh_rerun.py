@@ -23,12 +23,11 @@ import transformers
 
 import pipexplore
 from common import machine
+from mesh_here import small_model_and_batch
 
 
 def explorers() -> dict[str, pipexplore.Explorer]:
-    torch.manual_seed(0)
-    small = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(8)])
-    sample, target = torch.randn(32, 64), torch.randn(32, 64)
+    small, sample, options = small_model_and_batch()
     config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=128)
     llama = transformers.LlamaForCausalLM(config)
@@ -41,8 +40,8 @@ def explorers() -> dict[str, pipexplore.Explorer]:
         warnings.simplefilter("ignore")
         return {
             "notebook 07's pp 2 x dp 2 (fsdp)": pipexplore.explore(
-                small, sample, target=target, loss_fn=torch.nn.functional.mse_loss, devices=["cpu"] * 4, chunks=4,
-                schedule="1f1b", executor="processes", mesh={"pp": 2, "dp": 2}, data_parallel="fsdp"),
+                small, sample, devices=["cpu"] * 4, chunks=4, schedule="1f1b", executor="processes",
+                mesh={"pp": 2, "dp": 2}, data_parallel="fsdp", **options),
             "llama pp 2 x tp 2": pipexplore.explore(
                 llama, ids, target=ids, loss_fn=next_token_loss, devices=["cpu"] * 4, chunks=2, schedule="1f1b",
                 executor="processes", mesh={"pp": 2, "tp": 2}),
