@@ -36,11 +36,13 @@ def rank_then_all_names() -> tuple[set[str], set[str]]:
             "    assert getattr(pipexplore, name) is not None, name\n"
             "    exec(f'from pipexplore import {name}')\n"
             "assert set(pipexplore.__all__) <= set(dir(pipexplore)), dir(pipexplore)\n"
+            "print(json.dumps(sorted(sys.modules)))\n"
+            "import pipexplore.widgets.state\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    rank, everything = out.stdout.splitlines()[-2:]
-    return set(json.loads(rank)), set(json.loads(everything))
+    rank, everything, state = out.stdout.splitlines()[-3:]
+    return set(json.loads(rank)), set(json.loads(everything)), set(json.loads(state))
 
 
 def test_a_rank_importing_the_recorder_imports_nothing_else_of_the_package(rank_then_all_names):
@@ -56,6 +58,15 @@ def test_every_public_name_resolves(rank_then_all_names):
     for name in pipexplore.__all__:
         exec(f"from pipexplore import {name}", {})
         assert getattr(pipexplore, name) is not None, name
+
+
+def test_the_library_and_the_explorers_state_leave_torchs_pipelining_until_a_script_is_written(rank_then_all_names):
+    """torch's pipelining (with dynamo, export and DTensor: ~1.4 s of a fresh interpreter's import)
+    is imported by what runs it — a rank, a traced split, a script's export — not by planning or by
+    the explorer's state."""
+    everything, state = rank_then_all_names[1:]
+    assert {"pipexplore.export.torchrun", "pipexplore.widgets.state"} <= state
+    assert not {"torch.distributed.pipelining", "pipexplore.export.script_parts"} & (everything | state)
 
 
 def test_importing_the_package_imports_no_module_of_it_nor_torch():

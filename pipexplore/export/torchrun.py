@@ -20,7 +20,7 @@ import pandas as pd
 from pipexplore import validate
 from pipexplore.executors import tied
 from pipexplore.executors.distributed import _load_schedule_csv, _no_self_warmup
-from pipexplore.export import mesh_parts, script_parts
+from pipexplore.export import mesh_parts
 from pipexplore.models.trace import SCHEDULE_CLASSES
 from pipexplore.models.trace.split import contiguous_boundaries, run_generated_code
 from pipexplore.schedules import csv_schedule, is_csv, is_multi_stage, is_v_shaped
@@ -108,6 +108,9 @@ def _sources(*parts: Any) -> str:
 
 def _script(values: dict[str, Any], *, doc: str, mesh: bool) -> str:
     """The script: its docstring, imports, the plan's values, then the source of what it runs."""
+    # here, not at the top: script_parts imports torch's pipelining (~1 s), which planning, the
+    # explorer and its page never need until a script is written
+    from pipexplore.export import script_parts
     schedule_class = values["SCHEDULE_CLASS"]
     home = "torch.distributed.pipelining.schedules" if schedule_class.__name__.startswith("_") else \
         "torch.distributed.pipelining"
