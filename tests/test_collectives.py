@@ -3,6 +3,8 @@ choose by size, a ring across nodes at every NIC the group has on a node, a late
 bandwidths in order, and a few published nccl-tests figures held within 15 % (computations, not timings)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipexplore.devices import planned_devices
@@ -50,6 +52,27 @@ def test_beyond_two_h100_nodes_nccl_leaves_nvlink_sharp_for_the_ring():
     two = collective_cost("all_reduce", GiB, nodes("H100", 2), algorithm="nvls_tree")
     four = collective_cost("all_reduce", GiB, nodes("H100", 4), algorithm="nvls_tree")
     assert four.bus_bandwidth < 0.5 * two.bus_bandwidth
+
+
+def test_beyond_two_nodes_a_trees_channel_keeps_what_nccls_caps_leave_it_per_protocol():
+    """NCCL caps a tree's channel at ``perChMaxTreeBws`` (every protocol), then LL128 at 120/128 of
+    that and at ``perChMaxTreeLL128Bws`` (tuning.cc): from two Hopper nodes to four, Simple keeps
+    36.0/41.4 and LL128 29.0/36.7; on Ampere, whose LL128 cap is 20 GB/s at any count, LL128 keeps
+    what the tree's own cap leaves it (17.8·120/128 of 20)."""
+    h100, a100 = FABRICS["H100"], FABRICS["A100-80GB"]
+    assert h100.tree_beyond_two(2) == pytest.approx(36.0 / 41.4)
+    assert h100.tree_beyond_two(1) == pytest.approx(29.0 / 36.7)
+    assert h100.tree_beyond_two(0) == h100.tree_beyond_two(2)  # LL: the tree's cap, then llMaxBws by nodes
+    assert a100.tree_beyond_two(2) == pytest.approx(17.8 / 23.6)
+    assert a100.tree_beyond_two(1) == pytest.approx(17.8 * 120 / 128 / 20.0)
+    # the tree's LL128 on four H100 nodes against two: its work (size / bandwidth) shrinks by that ratio
+    def work(count, protocol_caps):
+        fabric = dataclasses.replace(h100, tree_ll128_caps=protocol_caps)
+        return nccl_cost("all_reduce", 8 * MiB, ranks=8 * count, nodes=count, fabric=fabric, algorithm="tree")
+    same = work(4, (36.7, 36.7))
+    capped = work(4, (36.7, 29.0))
+    assert capped.protocol == "LL128" and capped.bus_bandwidth < same.bus_bandwidth
+    assert work(2, (36.7, 29.0)).seconds == work(2, (36.7, 36.7)).seconds  # two nodes: not beyond two
 
 
 def test_a_ring_across_nodes_runs_at_the_nodes_nics_not_one_gpus_share():

@@ -12,7 +12,9 @@ algorithm and protocol and runs the fastest; this module does the same with its 
     ring        all_reduce, all_gather,        min(NVLink ring inside a node, the node's NICs the
                 reduce_scatter                 group uses across nodes)
     tree        all_reduce across nodes        double binary tree between nodes (a chain inside
-                                               each): a node sends 2(N−1)/N of the tensor, not ~2
+                                               each): a node sends 2(N−1)/N of the tensor, not ~2;
+                                               beyond two nodes at what NCCL's per-channel caps
+                                               leave each protocol (Fabric.tree_beyond_two)
     nvls        all_reduce inside a node       NVLink SHARP (NVSwitch reduces; Hopper and later)
     nvls_tree   all_reduce across nodes        NVLink SHARP inside, the tree between nodes (beyond
                                                two nodes at half its bandwidth across them, as NCCL's
@@ -126,9 +128,11 @@ class Fabric:
     crosses nodes at ``k · nics_per_gpu · nic_bandwidth · nic_efficiency``; a group with one GPU on
     a node (a data-parallel group beside tensor parallelism 8, a send between stages) reaches only
     ``lone_nic_efficiency`` of its NIC (NCCL opens fewer channels over it). ``ll_busbw``: NCCL's cap
-    on the LL protocol inside one node, across two, across more (``llMaxBws``); ``tree_beyond_two``:
-    what the tree keeps of its bandwidth beyond two nodes (the ratio of NCCL's per-channel tree caps
-    ``perChMaxTreeBws`` for four nodes and more to two's: its reduction tree deepens). ``ramp``:
+    on the LL protocol inside one node, across two, across more (``llMaxBws``); ``tree_caps`` and
+    ``tree_ll128_caps``: NCCL's bandwidth caps on a tree's channel across two nodes and across four
+    or more (``perChMaxTreeBws``, every protocol; ``perChMaxTreeLL128Bws``, LL128 besides), whose
+    ratio is what the tree keeps of its two-node bandwidth beyond two (:meth:`tree_beyond_two`: its
+    reduction tree deepens). ``ramp``:
     seconds a pipeline step adds to the fill of the module docstring's formula (a ring all-reduce
     has ``2(n−1)`` steps, a tree ``2·(GPUs a node − 1 + log2 N)``, an all-to-all ``n−1`` rounds of
     sends, a send one); ``nvls_ramp``: NVLink
@@ -143,10 +147,22 @@ class Fabric:
     nic_efficiency: float = 0.9
     lone_nic_efficiency: float = 0.75
     ll_busbw: tuple[float, float, float] = (87.7e9, 22.5e9, 19.0e9)
-    tree_beyond_two: float = 17.8 / 23.6
+    tree_caps: tuple[float, float] = (23.6, 17.8)
+    tree_ll128_caps: tuple[float, float] = (20.0, 20.0)
     ramp: float = 0.1e-6
     nvls_ramp: float = 5e-6
     source: str = ""
+
+    def tree_beyond_two(self, protocol: int) -> float:
+        """What a tree keeps of its two-node bandwidth on four nodes and more, with ``protocol`` (an
+        index of :data:`PROTOCOLS`), as NCCL's tuner caps a channel (``tuning.cc``): every protocol at
+        ``perChMaxTreeBws``; LL128 then at 120/128 of that and at ``perChMaxTreeLL128Bws``, which on
+        Hopper falls further beyond two nodes (36.7 → 29.0 GB/s) than the tree's own cap (41.4 → 36.0)."""
+        two, more = self.tree_caps
+        if PROTOCOLS[protocol] != "LL128":
+            return more / two
+        ll128_two, ll128_more = self.tree_ll128_caps
+        return min(more * 120 / 128, ll128_more) / min(two * 120 / 128, ll128_two)
 
 
 # DGX A100 — NVIDIA DGX A100 User Guide, "Introduction to the NVIDIA DGX A100 System"
@@ -163,7 +179,8 @@ _DGX_A100 = Fabric(
     # one A100 a node, two nodes: all-reduce 18.65 GB/s at 1 GiB (mscclpp docs/performance-ndmv4.md)
     lone_nic_efficiency=0.75,
     ll_busbw=(87.7e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Ampere in one node; AMD hosts across nodes
-    tree_beyond_two=17.8 / 23.6,  # tuning.cc perChMaxTreeBws, Ampere: 17.8 GB/s a channel on 4+ nodes, 23.6 on 2
+    # tuning.cc perChMaxTreeBws and perChMaxTreeLL128Bws, Ampere: GB/s a channel on 2 nodes, on 4+
+    tree_caps=(23.6, 17.8), tree_ll128_caps=(20.0, 20.0),
     ramp=6e-6 / 14,  # read from the published single-node all-reduce curve, 14 steps (benchmarks/nccl_tests.py)
     source="DGX A100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 # DGX H100 — NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System"
@@ -179,7 +196,8 @@ _DGX_H100 = Fabric(
     nic_bandwidth=50e9, nic_efficiency=0.97,
     lone_nic_efficiency=0.75,  # not published for H100s: the A100's
     ll_busbw=(141e9, 39.0e9, 20.4e9),  # tuning.cc llMaxBws: Hopper in one node; Intel hosts across nodes
-    tree_beyond_two=36.0 / 41.4,  # tuning.cc perChMaxTreeBws, Hopper: 36.0 GB/s a channel on 4+ nodes, 41.4 on 2
+    # tuning.cc perChMaxTreeBws and perChMaxTreeLL128Bws, Hopper: GB/s a channel on 2 nodes, on 4+
+    tree_caps=(41.4, 36.0), tree_ll128_caps=(36.7, 29.0),
     ramp=0.2e-6 / 14, nvls_ramp=5e-6,  # read from the published single-node all-reduce curves (nccl_tests.py)
     source="DGX H100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 #: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
@@ -296,16 +314,17 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         if kind == "all_reduce" and nodes > 1:
             # a double binary tree: a node sends 2(N−1)/N of the tensor through its NICs, where a ring's send ~2
             tree_net = net * factor / (2 * (nodes - 1) / nodes)
-            kept = _TREE * (1.0 if nodes <= 2 else fabric.tree_beyond_two)
-            tree = kept * min(nvlink * efficiency, tree_net)
+            def kept(p: int) -> float:
+                return _TREE * (1.0 if nodes <= 2 else fabric.tree_beyond_two(p))
+
             levels = math.ceil(math.log2(nodes))
             depth = 2 * (most - 1 + levels)  # up the chain and the tree, and down again
             for p in range(3):
                 latency = _BASE["tree"][p] + 2 * ((most - 1) * _HOP_NVLINK["tree"][p] + levels * _HOP_NET["tree"][p])
-                add("tree", p, latency, tree, depth * fabric.ramp)
+                add("tree", p, latency, kept(p) * min(nvlink * efficiency, tree_net), depth * fabric.ramp)
             if fabric.nvls_busbw and most > 1:
                 add("nvls_tree", 2, _NVLS_LATENCY + 2 * levels * _HOP_NET["tree"][2],
-                    min(fabric.nvls_busbw, kept * tree_net * (1.0 if nodes <= 2 else _NVLS_TREE_BEYOND_TWO)),
+                    min(fabric.nvls_busbw, kept(2) * tree_net * (1.0 if nodes <= 2 else _NVLS_TREE_BEYOND_TWO)),
                     fabric.nvls_ramp + 2 * levels * fabric.ramp)
         if kind == "all_reduce" and nodes == 1 and fabric.nvls_busbw:
             add("nvls", 2, _NVLS_LATENCY, fabric.nvls_busbw, fabric.nvls_ramp)
@@ -335,7 +354,8 @@ def _layout(devices: Sequence[str], gpus_per_node: int) -> tuple[int, int, Fabri
             nics_per_gpu=min(f.nics_per_gpu for f in fabrics), nic_efficiency=min(f.nic_efficiency for f in fabrics),
             lone_nic_efficiency=min(f.lone_nic_efficiency for f in fabrics),
             ll_busbw=tuple(min(f.ll_busbw[i] for f in fabrics) for i in range(3)),  # type: ignore[arg-type]
-            tree_beyond_two=min(f.tree_beyond_two for f in fabrics),
+            tree_caps=(min(f.tree_caps[0] for f in fabrics), min(f.tree_caps[1] for f in fabrics)),
+            tree_ll128_caps=(min(f.tree_ll128_caps[0] for f in fabrics), min(f.tree_ll128_caps[1] for f in fabrics)),
             ramp=max(f.ramp for f in fabrics), nvls_ramp=max(f.nvls_ramp for f in fabrics))
     return len(counts), min(counts.values()), fabric
 
