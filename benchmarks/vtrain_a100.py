@@ -254,17 +254,21 @@ def summary(frame: pd.DataFrame, column: str) -> str:
             f"max |e| {e.abs().max():6.1%}  ({len(e)} rows)")
 
 
-def regret(frame: pd.DataFrame, column: str, by: str = "group") -> pd.DataFrame:
+def regret(frame: pd.DataFrame, column: str, by: str = "group", per_sample: bool = False) -> pd.DataFrame:
     """Per group (``by``: ``group``, one model shape on the same GPUs with the same global batch, or
     ``model_gpus``, one model shape on the same GPUs): the measured time of the plan predicted
-    fastest over the measured fastest."""
+    fastest over the measured fastest. ``per_sample``: times per sample of the global batch (a
+    step's milliseconds over its global batch: the plan that trains fastest, where the group's
+    plans differ in their global batch), else a step's."""
     out = []
     for name, rows in frame.groupby(by):
         if len(rows) < 2:
             continue
-        chosen = rows.loc[rows[column].idxmin()]
-        best = rows["ms"].min()
-        out.append({"group": name, "plans": len(rows), "regret": float(chosen["ms"] / best - 1.0),
+        scale = rows["global_batch"] if per_sample else 1
+        predicted, measured = rows[column] / scale, rows["ms"] / scale
+        chosen = rows.loc[predicted.idxmin()]
+        out.append({"group": name, "plans": len(rows),
+                    "regret": float(measured[predicted.idxmin()] / measured.min() - 1.0),
                     "chosen": f"tp{chosen.tp} pp{chosen.pp} dp{chosen.dp} mb{chosen.micro_batch}"})
     return pd.DataFrame(out)
 
@@ -362,9 +366,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for column in ("default", "learnt"):
         for name, part in (("learning half", learning), ("held-out half", held_out), ("whole file", frame)):
             print(f"  {column:8} {name:13}: {summary(part, column)}")
-    for by, what in (("model_gpus", "model shape, GPUs"), ("group", "model shape, GPUs, global batch")):
+    for by, what, per_sample in (("model_gpus", "model shape, GPUs: a step", False),
+                                 ("model_gpus", "model shape, GPUs: a sample", True),
+                                 ("group", "model shape, GPUs, global batch", False)):
         for column in ("default", "learnt"):
-            table = regret(frame, column, by)
+            table = regret(frame, column, by, per_sample)
             print(f"regret ({column:7}), {len(table):3} groups ({what}): median {table['regret'].median():5.1%}, "
                   f"mean {table['regret'].mean():5.1%}, max {table['regret'].max():5.1%}; "
                   f"{(table['regret'] <= 0.05).sum()} within 5 %")
