@@ -361,13 +361,15 @@ class TimelineView:
 
 
 def warm_up() -> None:
-    """Pay the first-use costs of an explorer ahead of it: the widget modules, the simulator and
-    autograd's first backward, by laying out a tiny timeline and running one. ``%load_ext
-    pipexplore`` runs this in a background thread while the user writes the next cell; what a
-    run needs comes after (:func:`warm_up_runs`)."""
+    """Pay the first-use costs of an explorer ahead of it: the widget modules, the simulator,
+    autograd's first backward and torch's first optimizer (the profile times the optimizer's step;
+    an optimizer's construction imports ``torch._dynamo``, ~1 s on 2 cores), by laying out a tiny
+    timeline and running one step of it. ``%load_ext pipexplore`` runs this in a background thread
+    while the user writes the next cell; what a run needs besides comes after (:func:`warm_up_runs`)."""
     import torch
 
     from pipexplore.predict.simulator import simulate
+    from pipexplore.training import Training
 
     table = pd.DataFrame({"name": ["0", "1"], "forward": [1e-3, 1e-3], "backward": [2e-3, 2e-3],
                           "output_bytes": 0.0, "param_bytes": 0.0})
@@ -377,19 +379,15 @@ def warm_up() -> None:
     # A first backward imports torch's symbolic shapes (and sympy: ~0.5 s); the profile's first is one.
     out = torch.nn.Linear(1, 1)(torch.ones(1, 1))
     torch.autograd.backward([out], [torch.ones_like(out)])  # (with its gradient given, as the profile's)
+    Training.of().optimizer([torch.zeros(1, requires_grad=True)])  # the optimizer the profile times where none is given
 
 
 def warm_up_runs() -> None:
-    """Pay what a first run needs ahead of it: torch's optimizers and the pipelining helpers of
-    zero-bubble schedules (together they import ``torch._dynamo``: ~1.5 s on 2 cores). An
-    explorer starts this in the background once the page has drawn it; a run waits for it
+    """Pay what a first run needs ahead of it: the pipelining helpers of zero-bubble schedules
+    (with torch's export and DTensor, ~1 s on 2 cores; the optimizers came with :func:`warm_up`).
+    An explorer starts this in the background once the page has drawn it; a run waits for it
     (:func:`pipexplore.background.wait`)."""
-    import torch
     import torch.distributed.pipelining._backward  # noqa: F401
-
-    from pipexplore.training import Training
-
-    Training.of().optimizer([torch.zeros(1, requires_grad=True)])  # the optimizer a run makes where none is given
 
 
 def timeline_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
