@@ -154,10 +154,9 @@ class Fabric:
     source: str = ""
 
     def tree_beyond_two(self, protocol: int) -> float:
-        """What a tree keeps of its two-node bandwidth on four nodes and more, with ``protocol`` (an
-        index of :data:`PROTOCOLS`), as NCCL's tuner caps a channel (``tuning.cc``): every protocol at
-        ``perChMaxTreeBws``; LL128 then at 120/128 of that and at ``perChMaxTreeLL128Bws``, which on
-        Hopper falls further beyond two nodes (36.7 → 29.0 GB/s) than the tree's own cap (41.4 → 36.0)."""
+        """What a tree keeps of its two-node bandwidth on 4+ nodes with ``protocol`` (an index of
+        :data:`PROTOCOLS`) as NCCL's tuner caps a channel (``tuning.cc``): every protocol at
+        ``perChMaxTreeBws``, LL128 then at 120/128 of it and at ``perChMaxTreeLL128Bws``."""
         two, more = self.tree_caps
         if PROTOCOLS[protocol] != "LL128":
             return more / two
@@ -179,8 +178,7 @@ _DGX_A100 = Fabric(
     # one A100 a node, two nodes: all-reduce 18.65 GB/s at 1 GiB (mscclpp docs/performance-ndmv4.md)
     lone_nic_efficiency=0.75,
     ll_busbw=(87.7e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Ampere in one node; AMD hosts across nodes
-    # tuning.cc perChMaxTreeBws and perChMaxTreeLL128Bws, Ampere: GB/s a channel on 2 nodes, on 4+
-    tree_caps=(23.6, 17.8), tree_ll128_caps=(20.0, 20.0),
+    tree_caps=(23.6, 17.8), tree_ll128_caps=(20.0, 20.0),  # tuning.cc per-channel tree caps, Ampere: 2 nodes, 4+
     ramp=6e-6 / 14,  # read from the published single-node all-reduce curve, 14 steps (benchmarks/nccl_tests.py)
     source="DGX A100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 # DGX H100 — NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System"
@@ -196,8 +194,7 @@ _DGX_H100 = Fabric(
     nic_bandwidth=50e9, nic_efficiency=0.97,
     lone_nic_efficiency=0.75,  # not published for H100s: the A100's
     ll_busbw=(141e9, 39.0e9, 20.4e9),  # tuning.cc llMaxBws: Hopper in one node; Intel hosts across nodes
-    # tuning.cc perChMaxTreeBws and perChMaxTreeLL128Bws, Hopper: GB/s a channel on 2 nodes, on 4+
-    tree_caps=(41.4, 36.0), tree_ll128_caps=(36.7, 29.0),
+    tree_caps=(41.4, 36.0), tree_ll128_caps=(36.7, 29.0),  # tuning.cc per-channel tree caps, Hopper: 2 nodes, 4+
     ramp=0.2e-6 / 14, nvls_ramp=5e-6,  # read from the published single-node all-reduce curves (nccl_tests.py)
     source="DGX H100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 #: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
