@@ -84,9 +84,9 @@ class TimelinesPanel:
         return ""
 
     def on_figure_message(self, widget: Any, content: Any, buffers: Any) -> None:
-        """The page drew the explorer's first timeline: now import what a first run needs (torch's
-        optimizers, the pipelining helpers: ~1.5 s) in the background, while the explorer is
-        looked at; a run waits for it. Not before: beside the import, the kernel would put the
+        """The page drew the explorer's first timeline: now import what a first run needs besides
+        (torch's pipelining helpers: ~1 s) in the background, while the explorer is looked at; a
+        run waits for it. Not before: beside the import, the kernel would put the
         explorer on the screen ~1 s later. ``content``: a :class:`~pipexplore.widgets.protocol.DrawnMessage`
         (its keys exactly; anything else is ignored)."""
         if isinstance(content, dict) and content.keys() == DrawnMessage.__required_keys__ \
