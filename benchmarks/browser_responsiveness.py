@@ -17,6 +17,7 @@ Needs Debian's chromium (/usr/bin/chromium) and playwright (the test extra).
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import statistics
 import sys
@@ -56,19 +57,18 @@ CASES = {
         "ex"),
 }
 
-# The quickstart as notebook 01 has it (its setup cell imports no widget module: %load_ext's
-# background warm-up does), its explorer's cell run right after: what Run All, or a person's quick
-# Shift+Enters through the notebook, sees.
-QUICKSTART = ("%load_ext pipexplore\n"
-              "import torch\n"
-              "from torch import nn\n"
-              "import pipexplore\n\n"
-              "torch.manual_seed(0)\n"
-              "model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])\n"
-              "sample = torch.randn(128, 256)\n"
-              "print('READY')",
-              "ex = pipexplore.explore(model, sample, devices=['cpu', 'cpu'], chunks=4, splits=[4])\n"
-              "ex")
+# The quickstart as notebook 01 has it, read from the notebook (its setup cell imports no widget
+# module: %load_ext's background warm-up does), its explorer's cell run right after: what Run All,
+# or a person's quick Shift+Enters through the notebook, sees.
+QUICKSTART_NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
+
+
+def quickstart_cells() -> tuple[str, str]:
+    """Notebook 01's first two code cells: its setup (READY printed at its end) and its explorer."""
+    cells = [cell for cell in json.loads(QUICKSTART_NOTEBOOK.read_text())["cells"] if cell["cell_type"] == "code"]
+    setup, explorer = ("".join(cell["source"]) for cell in cells[:2])
+    return setup + "\nprint('READY')", explorer
+
 
 # In the page: when the pointer is released, and when the predicted timeline's data-splits changes.
 WATCH = """
@@ -155,7 +155,8 @@ def main() -> None:
     print(f"machine: {machine()}; Chromium headless, 1,280 × 1,400 px")
     runs = [(name, cell, setup, when) for name, cell in CASES.items()
             for setup, when in ((SETUP, "right after %load_ext"), (WARM_SETUP, "after its warm-up"))]
-    runs.append(("the quickstart (notebook 01's first two cells)", QUICKSTART[1], QUICKSTART[0],
+    quickstart_setup, quickstart_explorer = quickstart_cells()
+    runs.append(("the quickstart (notebook 01's first two cells)", quickstart_explorer, quickstart_setup,
                  "right after its setup cell"))
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
@@ -168,10 +169,11 @@ def main() -> None:
                     page.goto(f"{url}/lab/workspaces/bench{k}/tree/case{k}.ipynb?reset&token={token}")
                     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
                     setup, on_screen, drags, kernel = _measure(page, cell, drags=10)
-                    print(f"{name}, {when}: setup cell {setup:.2f} s, on screen {on_screen:.2f} s; drag → new predicted timeline: median "
-                          f"{statistics.median(drags) * 1e3:.0f} ms, max {max(drags) * 1e3:.0f} ms; → the kernel's "
-                          f"picture of it: median {statistics.median(kernel) * 1e3:.0f} ms, max "
-                          f"{max(kernel) * 1e3:.0f} ms ({len(drags)} drags)")
+                    print(f"{name}, {when}: setup cell {setup:.2f} s, on screen {on_screen:.2f} s; drag → new "
+                          f"predicted timeline: median {statistics.median(drags) * 1e3:.0f} ms, max "
+                          f"{max(drags) * 1e3:.0f} ms; → the kernel's picture of it: median "
+                          f"{statistics.median(kernel) * 1e3:.0f} ms, max {max(kernel) * 1e3:.0f} ms "
+                          f"({len(drags)} drags)")
                     page.close()
             finally:
                 browser.close()

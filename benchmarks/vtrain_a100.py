@@ -266,9 +266,9 @@ def regret(frame: pd.DataFrame, column: str, by: str = "group", per_sample: bool
             continue
         scale = rows["global_batch"] if per_sample else 1
         predicted, measured = rows[column] / scale, rows["ms"] / scale
-        chosen = rows.loc[predicted.idxmin()]
-        out.append({"group": name, "plans": len(rows),
-                    "regret": float(measured[predicted.idxmin()] / measured.min() - 1.0),
+        pick = predicted.idxmin()
+        chosen = rows.loc[pick]
+        out.append({"group": name, "plans": len(rows), "regret": float(measured[pick] / measured.min() - 1.0),
                     "chosen": f"tp{chosen.tp} pp{chosen.pp} dp{chosen.dp} mb{chosen.micro_batch}"})
     return pd.DataFrame(out)
 
