@@ -6,7 +6,8 @@ The guard is the one a pipeline gives a partition that shares the CPU with anoth
 (``rng_locks``), taught by one forward first, as a pipeline's first micro-batch teaches it:
 
 - ``forward``: with autograd, as a pipeline's forward that is not checkpointed; guarded by
-  ``guard.drawing()`` (the partition's draws under the CPU's lock);
+  ``guard.drawing()`` (on a CPU, once the guard knows whether the partition draws, a forward as
+  without a guard: nothing swaps a stream's states into the CPU's generator, so no draw takes a lock);
 - ``checkpointed``: under ``no_grad``, as a checkpointed forward; guarded by
   ``guard.checkpointed()`` (a stream of its own, seeded from the shared generator).
 

@@ -16,10 +16,10 @@ the checkpoint's backward needs it::
 Partitions that share a device (stages on one host's cores, or on one GPU) run at once in their
 own threads and share its random generator. Each checkpointed forward of a partition that draws
 then draws from a stream of its own, seeded from the shared generator, which its recomputation
-replays; every random operator of such a partition that draws from the shared generator takes the
-device's lock for the moment it draws (:class:`RNGGuard`). The partitions' forwards still overlap:
-only their draws take turns. A partition that cannot draw (its dropouts' probabilities 0) pays
-nothing.
+replays; on a GPU, every random operator of such a partition that draws from the shared generator
+takes the device's lock for the moment it draws (:class:`RNGGuard`; on a CPU no draw needs it). The
+partitions' forwards still overlap. A partition that cannot draw (its dropouts' probabilities 0)
+pays nothing.
 """
 from __future__ import annotations
 

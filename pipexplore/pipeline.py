@@ -81,8 +81,9 @@ class Pipeline:
     It records into the ``record()`` block of the thread that makes it (none: nothing recorded),
     and stops between clock ticks when that thread's run is cancelled.
 
-    ``rng_locks[j]`` (or ``None``) is taken by each random operator of partition ``j``'s forward
-    while it draws, when another partition shares its device's generator (see ``rng_guard.RNGGuard``).
+    ``rng_locks[j]`` (or ``None``) guards partition ``j``'s draws when another partition shares its
+    device's generator: on a GPU its random operators take it while they draw, and its checkpointed
+    forwards draw from streams of their own (see ``rng_guard.RNGGuard``).
     """
 
     def __init__(self, batches: list[Batch], partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],

@@ -1,12 +1,13 @@
-"""The random generator of a device shared by partitions in other threads: each draw takes its turn.
+"""The random generator of a device shared by partitions in other threads, and what their draws replay.
 
 Partitions that share a device (stages on one host's cores, or on one GPU) run at once in their
 own threads and share its random generator. Each checkpointed forward of a partition that draws
 then draws from a stream of its own, seeded from the shared generator, which its recomputation
-replays (:mod:`pipexplore.checkpoint`); every random operator of such a partition that draws from
-the shared generator takes the device's lock for the moment it draws (:class:`RNGGuard`). The
-partitions' forwards still overlap: only their draws take turns. A partition that cannot draw (its
-dropouts' probabilities 0) pays nothing.
+replays (:mod:`pipexplore.checkpoint`). On a GPU, every random operator of such a partition that
+draws from the shared generator takes the device's lock for the moment it draws
+(:class:`RNGGuard`): the partitions' forwards still overlap, only their draws take turns. On a CPU
+no draw needs the lock, and a forward that draws from the shared generator runs as it would without
+a guard. A partition that cannot draw (its dropouts' probabilities 0) pays nothing anywhere.
 """
 from __future__ import annotations
 
@@ -36,36 +37,46 @@ def set_states(device: torch.device, states: RNGStates) -> None:
 
 
 class RNGGuard:
-    """The lock of a device's random generator, as one partition that shares the device takes it.
+    """The lock of a device's random generator, as one partition that shares the device takes it,
+    and the streams that the partition's checkpointed forwards draw from.
 
     While a partition's forward runs within :meth:`drawing`, :meth:`checkpointed` or
     :meth:`recomputing`, each random operator it runs (those torch tags
-    ``nondeterministic_seeded``: dropout, ``torch.rand``, ...) that draws from the shared generator
-    takes the lock for as long as it draws, never the whole forward: partitions sharing the device
-    overlap their forwards, and only their draws take turns. Holding the lock for the whole
-    forward, as before, made drawing forwards on one host run one at a time: GPT-2 small's step on
-    four CPU stages took 20–21 s with its dropout (16.7 s without); 16.7–18.2 s now.
+    ``nondeterministic_seeded``: dropout, ``torch.rand``, ...) is caught as it draws, never the rest
+    of the forward: partitions sharing the device overlap their forwards. Holding the lock for the
+    whole forward, as before, made drawing forwards on one host run one at a time: GPT-2 small's
+    step on four CPU stages took 20–21 s with its dropout (16.7 s without); 16.7–18.2 s now.
 
     A checkpointed forward draws from a stream of its own (generators seeded from the shared
     generator), which its recomputation replays: the same dropout masks whatever the other
     partitions drew meanwhile. A random operator that takes a generator is given the stream's and
-    takes no lock (the shared generator stays untouched); one that takes none (a GPU's fused dropout
-    and attention, ``torch.rand``) runs under the lock, on the stream's states swapped into the
-    device's generators.
+    takes no lock (the shared generator stays untouched). One that takes none:
+
+    - on a GPU (a fused dropout or attention, ``torch.rand``) it runs under the lock, on the stream's
+      states swapped into the device's generators; so every draw from the shared generator takes
+      the lock too, lest it draw from a stream swapped in (``swaps``);
+    - on a CPU it runs as it is, and each operator it calls that takes a generator is caught in turn
+      and given the stream's: each CPU kernel of torch's random operators draws through one
+      (``tests/test_gpipe.py`` holds every one that takes no generator to it). Nothing is swapped,
+      no draw takes the lock, and a forward drawing from the shared CPU generator is not watched.
 
     The random operators are caught in torch's dispatcher, not by a dispatch mode: within a watched
     forward this thread's dispatch includes a key at which only the random operators have a kernel
     (ours), and every other operator falls through at no cost, not one Python call. A dispatch mode
     called Python for every operator: a two-layer ``nn.TransformerEncoderLayer(128, 4, 256)`` (batch
-    4 × 64) ran its forward 1.4–1.6× as long under it at dropout 0.0, 1.4× at 0.1. Now a draw costs one
-    call into Python (15–20 µs within that forward on a 2-core CPU): 3–6 % of it at dropout 0.1 (its
-    eight draws), nothing at dropout 0.0 (``benchmarks/rng_guard.py``).
+    4 × 64) ran its forward 1.4–1.6× as long under it at dropout 0.0, 1.4× at 0.1. Now each caught
+    draw costs a call into Python: on a 2-core CPU, a checkpointed forward of that encoder at
+    dropout 0.1 (eight draws, each given its stream's generator) takes 5–7 % longer than without a
+    guard; its forward that is not checkpointed, no longer watched on a CPU, 0.5–1.7 % (4–4.3 % when
+    the lock took its draws; ``benchmarks/rng_guard.py``).
 
     ``draws``: True, a partition known to draw (a dropout of ``p`` > 0 and kin, or ``uses_rng =
-    True``), watched every time; None, not known yet (its forward may still call ``F.dropout`` or
-    ``torch.rand``), watched until a forward in training mode (``module``'s) has shown whether it
-    draws: if it drew, watched from then on; if not, ``draws`` becomes False and its forwards cost
-    nothing, neither a watch nor a stream of their own, until one of ``module``'s dropouts is given
+    True``), watched where it needs to be (every forward on a GPU, a checkpointed one on a CPU);
+    None, not known yet (its forward may still call ``F.dropout`` or ``torch.rand``), watched until
+    a forward in training mode (``module``'s) has shown whether it draws (on a CPU, such a forward
+    draws from a stream of its own, whose generator shows each draw): if it drew, ``draws`` becomes
+    True; if not, False, and its forwards cost nothing, neither a watch nor a stream of their own,
+    until one of ``module``'s dropouts is given
     a probability above 0. Only a draw counts: an operator tagged random that leaves the generator
     as it was (attention with a dropout of 0) does not.
 
@@ -86,10 +97,18 @@ class RNGGuard:
         #: ``module``'s dropouts, each with the name of its probability: any raised above 0 makes it draw.
         self._dropouts = [(m, name) for m in (module.modules() if module is not None else ())
                           if (name := _dropout_attribute(m)) is not None]
+        #: Whether a stream's operator that takes no generator runs on the stream's states swapped
+        #: into the device's generators (a GPU's), so that each draw from them takes the lock.
+        self.swaps = device.type != "cpu"
 
     def drawing(self) -> AbstractContextManager[None]:
-        """Within (this thread): a forward that draws from the shared generator, one operator at a time."""
-        return _Watched(self, None) if self._watches() else _UNWATCHED
+        """Within (this thread): a forward that draws from the shared generator: on a GPU, one
+        operator at a time under the lock; on a CPU, as without a guard once ``draws`` is known."""
+        if not self._watches():
+            return _UNWATCHED
+        if self.swaps:
+            return _Watched(self, None)
+        return _Watched(self, self._seed()) if self.draws is None else _UNWATCHED
 
     def checkpointed(self, rng_states: deque) -> AbstractContextManager[None]:
         """Within (this thread): a checkpointed forward, drawing from a stream of its own; where
@@ -97,8 +116,7 @@ class RNGGuard:
         if not self._watches():
             rng_states.append(None)
             return _UNWATCHED
-        with self.lock:  # a seed from the shared generator: each stream its own numbers
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = self._seed()
         rng_states.append(seed)
         return _Watched(self, seed)
 
@@ -106,6 +124,11 @@ class RNGGuard:
         """Within (this thread): the recomputation of a checkpointed forward, drawing what it drew."""
         seed = rng_states.pop()
         return _UNWATCHED if seed is None else _Watched(self, seed)
+
+    def _seed(self) -> int:
+        """A stream's seed, from the shared generator: each stream its own numbers."""
+        with self.lock:
+            return int(torch.randint(0, 2**62, (1,)).item())
 
     def _watches(self) -> bool:
         """Whether the next forward is watched: one that draws, or may (``draws`` not False, or a
@@ -145,15 +168,15 @@ class _Watched:
 
 
 class _Draws:
-    """What one watched forward draws from: the shared generator (``generators`` None) or a
-    stream of its own (``generators``: the CPU's and, on a GPU, the device's, that the stream's
+    """What one watched forward draws from: the shared generator (``generators`` None, a GPU's) or
+    a stream of its own (``generators``: the CPU's and, on a GPU, the device's, that the stream's
     seed starts); ``drew``, while ``learning``: whether a random operator moved a generator.
     """
 
-    __slots__ = ("guard", "lock", "generators", "learning", "drew", "plain")
+    __slots__ = ("guard", "lock", "swaps", "generators", "learning", "drew", "plain")
 
     def __init__(self, guard: RNGGuard, seed: Optional[int], learning: bool) -> None:
-        self.guard, self.lock, self.learning, self.drew = guard, guard.lock, learning, False
+        self.guard, self.lock, self.swaps, self.learning, self.drew = guard, guard.lock, guard.swaps, learning, False
         self.generators = None if seed is None else _seeded(guard.device, seed)
         #: Each draw from the shared generator, nothing to learn: only the lock to take.
         self.plain = self.generators is None and not learning
@@ -273,21 +296,31 @@ def _install() -> Any:
         at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "generator"), None)
         if namespace not in libraries:
             libraries[namespace] = Library(namespace, "IMPL")
-        libraries[namespace].impl(name.partition("::")[2], _kernel(op._op, at, key), _KEY_NAME)
+        kernel = _kernel(op._op, op._handle.redispatch_boxed, at, key)
+        libraries[namespace].impl(name.partition("::")[2], kernel, _KEY_NAME, with_keyset=True)
     _libraries.extend([fallback, *libraries.values()])
     return key
 
 
-def _kernel(op: Callable[..., Any], at: Optional[int], key: Any) -> Callable[..., Any]:
+def _kernel(op: Callable[..., Any], redispatch: Callable[..., Any], at: Optional[int], key: Any
+            ) -> Callable[..., Any]:
     """The kernel of random operator ``op`` (``at``: the position of its ``generator`` argument,
-    None if it takes none) in a watched forward: under the guard's lock, or given the stream's
-    generator (:func:`_stream_draw`). ``op`` is called again with ``key`` left out of this
-    thread's dispatch: not caught again, nor the operators it calls. (Every name it needs is its
-    own: it runs at each draw, and a draw's Python is most of what a guard costs.)"""
+    None if it takes none) in a watched forward: given the stream's generator; else, on a GPU,
+    under the guard's lock (:meth:`_Draws.shared`), and on a CPU run as it is below ``key``
+    (``redispatch``), each random operator it calls caught in turn. Given a generator or under the
+    lock, ``op`` is called again with ``key`` left out of this thread's dispatch: not caught again,
+    nor the operators it calls. (Every name it needs is its own: it runs at each draw, and a draw's
+    Python is most of what a guard costs.)"""
     watch, exclude = _watch, torch._C._dispatch_tls_set_dispatch_key_excluded
+    below = torch._C._dispatch_keyset_full_after(key)
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         draws = watch.draws
+        generator = None
+        if draws is not None and not draws.plain:
+            args, kwargs, generator = _given(draws, at, args, kwargs)
+            if generator is None and not draws.swaps:
+                return redispatch(keyset & below, *args, **kwargs)
         exclude(key, True)
         try:
             if draws is None:  # not a guard's forward
@@ -295,32 +328,30 @@ def _kernel(op: Callable[..., Any], at: Optional[int], key: Any) -> Callable[...
             if draws.plain:
                 with draws.lock:
                     return op(*args, **kwargs)
-            return _stream_draw(draws, op, at, args, kwargs)
+            if generator is not None:
+                return draws.own(op, args, kwargs, generator)
+            with draws.lock:
+                return draws.shared(op, args, kwargs)
         finally:
             exclude(key, False)
 
     return kernel
 
 
-def _stream_draw(draws: _Draws, op: Callable[..., Any], at: Optional[int], args: Any, kwargs: Any) -> Any:
-    """Random operator ``op`` in a forward with a stream of its own or learning whether it draws:
-    given the stream's generator where it takes one and is given none, else under the guard's
-    lock (on the stream's states swapped in)."""
+def _given(draws: _Draws, at: Optional[int], args: Any, kwargs: Any) -> tuple[Any, Any, Optional[torch.Generator]]:
+    """A random operator's arguments in a forward with a stream of its own (or learning whether it
+    draws), given the stream's generator where the operator takes one and was given none; and that
+    generator (None: none given)."""
     generator = draws.generator(args, kwargs) if at is not None else None
-    if generator is not None and at is not None:
-        if len(args) > at:
-            if args[at] is None:
-                args = (*args[:at], generator, *args[at + 1:])
-            else:
-                generator = None  # a generator of the caller's: drawn as it says
-        elif kwargs.get("generator") is None:
-            kwargs["generator"] = generator
-        else:
-            generator = None
-    if generator is not None:
-        return draws.own(op, args, kwargs, generator)
-    with draws.lock:
-        return draws.shared(op, args, kwargs)
+    if generator is None or at is None:
+        return args, kwargs, None
+    if len(args) > at:
+        if args[at] is not None:
+            return args, kwargs, None  # a generator of the caller's: drawn as it says
+        return (*args[:at], generator, *args[at + 1:]), kwargs, generator
+    if kwargs.get("generator") is not None:
+        return args, kwargs, None
+    return args, {**kwargs, "generator": generator}, generator
 
 
 def rng_locks(partitions: list[torch.nn.Module], devices: list[torch.device]) -> list[Optional[RNGGuard]]:

@@ -202,10 +202,18 @@ def test_rng_guard_learns_whether_a_partition_draws():
     assert drawing.draws is True
 
 
+def _as_on_a_gpu(guard: RNGGuard) -> RNGGuard:
+    """``guard`` as a GPU's: a stream's operator that takes no generator (a fused dropout) runs on
+    the stream's states swapped into the device's generator, so each draw from it takes the lock.
+    (The paths are the device's kind's, not its kernels': the CPU's generator runs them here.)"""
+    guard.swaps = True
+    return guard
+
+
 def test_a_draw_takes_the_devices_lock_and_the_rest_of_the_forward_does_not():
-    """Two drawing partitions on one device overlap their forwards: only their draws take turns
+    """Two drawing partitions on one GPU overlap their forwards: only their draws take turns
     (a forward that held the lock throughout made GPT-2's stages on one host run one at a time)."""
-    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=True)
+    guard = _as_on_a_gpu(RNGGuard(threading.Lock(), torch.device("cpu"), draws=True))
     guard.lock.acquire()  # another partition is drawing now
     done = threading.Event()
 
@@ -327,11 +335,114 @@ def test_random_operators_that_draw_nothing_do_not_count_as_draws():
     assert guard.draws is False
 
 
-def test_a_drawing_partition_takes_the_lock_for_its_random_operators_only():
-    """Dropout > 0: no dispatch mode runs; the lock is taken once per random operator (a dropout's
-    ``bernoulli_``, ``torch.rand``), never for the matmuls and the rest around them."""
+def test_a_forward_drawing_on_a_cpu_is_not_watched_and_takes_no_lock():
+    """On a CPU nothing swaps a stream's states into the shared generator, so a forward that draws
+    from it runs as without a guard (no key of the guard's, the lock never taken), while another
+    partition holds the lock; a checkpointed forward still draws from its stream and replays."""
+    from collections import deque
+
     seen: list = []
     guard = RNGGuard(_CountingLock(), torch.device("cpu"), draws=True)
+    assert guard.swaps is False
+    guard.lock.lock.acquire()  # another partition takes the lock: nothing here waits for it
+    x = torch.randn(8, 8)
+    with guard.drawing():
+        y = _Watched(seen)(F.dropout(x, 0.5)) * torch.rand(x.shape)
+    assert seen == [(0, False)] and guard.lock.taken == 0 and (y == 0).any()
+    guard.lock.lock.release()
+    kept: deque = deque()
+    with guard.checkpointed(kept):
+        first = F.dropout(x, 0.5) * torch.rand(x.shape)
+    with guard.drawing():
+        torch.rand(100)  # another forward draws from the shared generator meanwhile
+    with guard.recomputing(kept):
+        assert torch.equal(first, F.dropout(x, 0.5) * torch.rand(x.shape))
+    assert guard.lock.taken == 1  # the stream's seed, drawn from the shared generator
+
+
+#: Torch's random operators that take no generator, as a CPU runs them: each draws through an
+#: operator that takes one (``bernoulli_``, ``uniform_``, ...), or draws nothing on a CPU (its
+#: flash attention has no dropout, ``_fused_sdp_choice`` only chooses). A new one must join with
+#: a call below, or the guard must swap states on a CPU again.
+_CPU_RANDOM_WITHOUT_GENERATOR = {
+    "aten::rand": lambda x: torch.rand(5),
+    "aten::rand.out": lambda x: torch.rand(5, out=torch.empty(5)),
+    "aten::rand_like": lambda x: torch.rand_like(x),
+    "aten::rand_like.out": lambda x: torch.ops.aten.rand_like.out(x, out=torch.empty_like(x)),
+    "aten::randn": lambda x: torch.randn(5),
+    "aten::randn_like": lambda x: torch.randn_like(x),
+    "aten::randn_like.out": lambda x: torch.ops.aten.randn_like.out(x, out=torch.empty_like(x)),
+    "aten::randint": lambda x: torch.randint(10, (5,)),
+    "aten::randint.out": lambda x: torch.randint(10, (5,), out=torch.empty(5, dtype=torch.long)),
+    "aten::randint.low": lambda x: torch.randint(3, 10, (5,)),
+    "aten::randint.low_out": lambda x: torch.randint(3, 10, (5,), out=torch.empty(5, dtype=torch.long)),
+    "aten::randint_like": lambda x: torch.randint_like(x, 10),
+    "aten::randint_like.out": lambda x: torch.ops.aten.randint_like.out(x, 10, out=torch.empty_like(x)),
+    "aten::randint_like.Tensor": lambda x: torch.ops.aten.randint_like.Tensor(x, torch.tensor(10)),
+    "aten::randint_like.Tensor_out": lambda x: torch.ops.aten.randint_like.Tensor_out(
+        x, torch.tensor(10), out=torch.empty_like(x)),
+    "aten::randint_like.low_dtype": lambda x: torch.randint_like(x, 3, 10),
+    "aten::randint_like.low_dtype_out": lambda x: torch.ops.aten.randint_like.low_dtype_out(
+        x, 3, 10, out=torch.empty_like(x)),
+    "aten::randperm": lambda x: torch.randperm(7),
+    "aten::randperm.out": lambda x: torch.randperm(7, out=torch.empty(7, dtype=torch.long)),
+    "aten::native_dropout": lambda x: torch.native_dropout(x, 0.5, True)[0],
+    "aten::native_dropout.out": lambda x: torch.ops.aten.native_dropout.out(
+        x, 0.5, True, out0=torch.empty_like(x), out1=torch.empty_like(x, dtype=torch.bool))[0],
+    "aten::_scaled_dot_product_flash_attention_for_cpu": lambda x: F.scaled_dot_product_attention(x, x, x),
+    "aten::_fused_sdp_choice": lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
+}
+
+
+#: Kernels for no CPU, though torch's registry says otherwise: the attention a backend of its own
+#: overrides (on a CPU it raises), and the out= form of Triton's attention.
+_NOT_ON_A_CPU = {"aten::_scaled_dot_product_fused_attention_overrideable", "aten::_triton_scaled_dot_attention.out"}
+
+
+def test_every_random_operator_without_a_generator_replays_on_a_cpu_without_the_shared_generator():
+    """The premise of running a CPU's draws unwatched: in a checkpointed forward each of torch's
+    random operators that takes no generator and runs on a CPU leaves the shared generator as it
+    was and draws again what it drew, the shared generator drawn from in between."""
+    from collections import deque
+
+    def on_a_cpu(name: str) -> bool:
+        kernels = ("CPU", "CompositeExplicitAutograd")
+        return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in kernels)
+
+    seeded = torch.Tag.nondeterministic_seeded
+    runs_here = []
+    for name in torch._C._dispatch_get_all_op_names():
+        qualname, _, overload = name.partition(".")
+        try:
+            schema, tags = torch._C._get_schema(qualname, overload), torch._C._get_operation_overload(
+                qualname, overload)[2]
+        except Exception:
+            continue
+        if (seeded not in tags or any(a.name == "generator" for a in schema.arguments) or name in _NOT_ON_A_CPU
+                or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")):
+            continue
+        # an out= form of another device's operator (cuDNN's, MIOpen's, MPS's) runs on no CPU
+        if on_a_cpu(name) and (not overload.endswith("out") or on_a_cpu(qualname)):
+            runs_here.append(name)
+    assert sorted(runs_here) == sorted(_CPU_RANDOM_WITHOUT_GENERATOR), "torch's random operators changed"
+    guard = RNGGuard(threading.Lock(), torch.device("cpu"), draws=True)
+    x = torch.randn(2, 2, 8, 4)
+    for name, call in _CPU_RANDOM_WITHOUT_GENERATOR.items():
+        kept: deque = deque()
+        with guard.checkpointed(kept):
+            shared = torch.get_rng_state()
+            first = call(x)
+            assert torch.equal(shared, torch.get_rng_state()), name
+        torch.rand(100)
+        with guard.recomputing(kept):
+            assert torch.equal(first, call(x)), name
+
+
+def test_a_drawing_partition_takes_the_lock_for_its_random_operators_only():
+    """Dropout > 0 on a GPU: no dispatch mode runs; the lock is taken once per random operator (a
+    dropout's ``bernoulli_``, ``torch.rand``), never for the matmuls and the rest around them."""
+    seen: list = []
+    guard = _as_on_a_gpu(RNGGuard(_CountingLock(), torch.device("cpu"), draws=True))
     watched = _Watched(seen)
     x = torch.randn(8, 8)
     with guard.drawing():
