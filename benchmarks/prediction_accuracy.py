@@ -34,7 +34,9 @@ on one node of A100s, planned from documented defaults, what is learnt learnt on
 reported on the other (``benchmarks/vtrain_a100.py``). Goal: mean absolute error ≤ 10 % on the
 held-out half and the whole file. Likewise ``--sections megatron_bridge``: Megatron-Bridge's published
 mixture-of-experts rows on DGX-H100 planned from the recipes' documented defaults
-(``benchmarks/megatron_bridge_moe.py``; goal ≤ 15 % a row).
+(``benchmarks/megatron_bridge_moe.py``; goal ≤ 15 % a row). And ``--sections drift``: the machine's own
+speed, a fixed matmul's throughput in windows of half a second (min, median, max against the median),
+what no prediction made before a run can know of it.
 """
 from __future__ import annotations
 
@@ -227,6 +229,23 @@ def bubbles(schedule: str, p: int, m: int, v: int) -> tuple[float, float, float]
             tl.step_time(measured) / tl.step_time(predicted) - 1)
 
 
+def drift(seconds: float = 40.0, window: float = 0.5) -> list[float]:
+    """The machine's speed in windows of ``window`` seconds for ``seconds``: a 256 × 256 matmul's
+    calls a second in each window, over their median (1.0: the median window)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    rates = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < window:
+            for _ in range(20):
+                a @ b
+            calls += 20
+        rates.append(calls / (time.perf_counter() - start))
+    middle = statistics.median(rates)
+    return [r / middle for r in rates]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", help="the device every stage runs on (cpu, or cuda:0)")
@@ -237,7 +256,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     parser.add_argument("--sections", default="configs,stale,bubbles",
                         help="comma-separated: configs (the table), stale (stale profile), bubbles (default: those "
-                             "three); vtrain (catalogue A100s against the vTrain runs: benchmarks/vtrain_a100.py); "
+                             "three); drift (the machine's own speed over 40 s); vtrain (catalogue A100s against the vTrain runs: benchmarks/vtrain_a100.py); "
                              "megatron_bridge (catalogue H100s against Megatron-Bridge's MoE table: "
                              "benchmarks/megatron_bridge_moe.py)")
     args = parser.parse_args()
@@ -288,6 +307,11 @@ def main() -> None:
             bubble, theory, step_error = bubbles(schedule, p, m, v)
             print(f"  {schedule:12} p={p} m={m} v={v}: bubble {bubble:.3f} (theory {theory:.3f}), "
                   f"step {step_error * 100:+.1f} % against the prediction")
+    if "drift" in sections:
+        speeds = drift()
+        beyond = sum(abs(x - 1) > 0.15 for x in speeds)
+        print(f"\nthe machine's speed, a 256 x 256 matmul in {len(speeds)} windows of 0.5 s over their median: "
+              f"min {min(speeds):.2f}, max {max(speeds):.2f}; {beyond} windows beyond ±15 %")
     if "vtrain" in sections:
         import vtrain_a100
 
