@@ -25,13 +25,18 @@ and simulated (``Plan.predicted``).
 **Learnt on half, reported on the other.** The rows are split in two fixed halves by the SHA-256
 of each row's configuration (its first ten fields as the CSV writes them, joined by commas): the
 720 with the smallest digests are the *learning* half, the others *held out*. What is learnt is
-learnt on the learning half only, from all of its rows at once (never row by row): the launch
-floor (:attr:`pipexplore.predict.roofline.Efficiency.launch`: the host's time to issue a kernel,
-which Megatron-DeepSpeed's Python sets, not the GPU), by least squares over the rows' relative
-errors. Reported: mean, median and max absolute error on the held-out half and on the whole file,
-with the catalogue's defaults and with what was learnt; and per group (one model shape on the same
-number of GPUs and the same global batch: the same work), the regret: the measured time of the
-plan predicted fastest over the measured fastest.
+learnt on the learning half only, from all of its rows at once (never row by row), by least
+squares over the rows' relative errors (:class:`Learnt`): the launch floor
+(:attr:`pipexplore.predict.roofline.Efficiency.launch`: the host's time to issue a kernel, which
+Megatron-DeepSpeed's Python sets, not the GPU), the large GEMMs' fraction of peak, and the
+framework's time per pipeline action (``Plan.action_overhead``, with two stages or more: each
+forward, recomputation and backward of a micro-batch on a stage comes with Megatron's point-to-point
+exchange with the next stage and the device's synchronisation after it; a time a pipeline pays once
+an action however few layers its stage holds, so that without it the deeper pipelines of small
+micro-batches were predicted 10–12 % short). Reported: mean, median and max absolute error on the
+held-out half and on the whole file, with the catalogue's defaults and with what was learnt; and
+per group (one model shape on the same number of GPUs and the same global batch: the same work),
+the regret: the measured time of the plan predicted fastest over the measured fastest.
 
 Run: ``python benchmarks/vtrain_a100.py`` (``--sample N``: every N-th row only; ``--data PATH``).
 """
@@ -42,10 +47,9 @@ import dataclasses
 import hashlib
 import math
 import pathlib
-import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -225,21 +229,32 @@ def layer_table(row: Any, efficiency: Optional[Efficiency]) -> pd.DataFrame:
     return with_layers(_COSTED[key], int(row.layers))
 
 
-def plan_of(row: Any, efficiency: Optional[Efficiency]) -> Plan:
+class Learnt(NamedTuple):
+    """What :func:`learn` learns: the kernels' efficiency (its launch floor and the large GEMMs'
+    fraction of peak) and the framework's seconds per pipeline action (``Plan.action_overhead``)."""
+
+    efficiency: Efficiency
+    action: float = 0.0
+
+
+def plan_of(row: Any, learnt: Optional[Learnt]) -> Plan:
+    """One row's plan, costed with ``learnt`` (None: the catalogue's defaults, no time per action); the
+    time per action where there is a pipeline (its stages exchange a micro-batch's activations)."""
     batch = int(row.global_batch) // int(row.dp)
-    table = layer_table(row, efficiency)
+    table = layer_table(row, learnt.efficiency if learnt is not None else None)
     devices = tuple(f"{NODE}:{i}" for i in range(int(row.gpus)))
     return Plan(table, splits=tuple(even_splits(table, int(row.pp))), devices=devices,
                 chunks=batch // int(row.micro_batch), checkpoint="always", schedule="1f1b", executor="processes",
-                batch=batch, gpus_per_node=GPUS_PER_NODE, mesh={"tp": int(row.tp), "pp": int(row.pp), "dp": int(row.dp)},
-                data_parallel="ddp", sequence_parallel=True)
+                batch=batch, gpus_per_node=GPUS_PER_NODE, data_parallel="ddp", sequence_parallel=True,
+                mesh={"tp": int(row.tp), "pp": int(row.pp), "dp": int(row.dp)},
+                action_overhead=learnt.action if learnt is not None and int(row.pp) > 1 else 0.0)
 
 
-def predict(rows: pd.DataFrame, efficiency: Optional[Efficiency]) -> np.ndarray:
-    """Predicted step (ms) of each row."""
+def predict(rows: pd.DataFrame, learnt: Optional[Learnt]) -> np.ndarray:
+    """Predicted step (ms) of each row (``learnt`` None: the catalogue's defaults)."""
     out = []
     for row in rows.itertuples():
-        predicted = plan_of(row, efficiency).predicted
+        predicted = plan_of(row, learnt).predicted
         out.append(float(predicted["end"].max() - predicted["start"].min()) * 1e3)
     return np.array(out)
 
@@ -297,40 +312,42 @@ def check_against_profile_model(frame: pd.DataFrame) -> None:
 
 
 #: What :func:`learn` learnt on the learning half the last time it ran (benchmarks/README.md): the
-#: launch floor and the large-GEMM fraction of peak. ``--learnt`` plans with it without learning again;
-#: tests/test_kernels.py holds a few held-out rows to it.
-LEARNT = Efficiency(flops=0.911, launch=46.4e-6)
+#: launch floor, the large-GEMM fraction of peak and the time per pipeline action. ``--learnt`` plans
+#: with it without learning again; tests/test_kernels.py holds a few held-out rows to it.
+LEARNT = Learnt(Efficiency(flops=0.942, launch=44.8e-6), action=0.554e-3)
 #: The learning's start: a launch of 20 µs (eager PyTorch's per-operator host time, before a
-#: framework's own) and the catalogue's large-GEMM fraction.
-START = (20e-6, CATALOGUE[BASE].flops_efficiency)
+#: framework's own), the catalogue's large-GEMM fraction, and 0.1 ms an action (a step of Python).
+START = (20e-6, CATALOGUE[BASE].flops_efficiency, 1e-4)
 
 
-def efficiency_of(x: np.ndarray) -> Efficiency:
-    """The efficiency at ``x = (log launch, log large-GEMM fraction)``."""
-    return Efficiency(flops=float(min(1.0, math.exp(x[1]))), launch=float(math.exp(x[0])))
+def learnt_at(x: np.ndarray) -> Learnt:
+    """What is learnt at ``x = (log launch, log large-GEMM fraction, log seconds an action)``."""
+    return Learnt(Efficiency(flops=float(min(1.0, math.exp(x[1]))), launch=float(math.exp(x[0]))),
+                  float(math.exp(x[2])))
 
 
-def learn(rows: pd.DataFrame, *, iterations: int = 6, log: Any = print) -> Efficiency:
-    """The launch floor and the large-GEMM fraction that make the predictions of ``rows`` closest to
-    their measured steps: least squares over the relative errors of all the rows at once, by
-    Gauss–Newton (derivatives by finite differences of the whole prediction, 5 % steps of each
-    parameter in log space), from :data:`START`."""
+def learn(rows: pd.DataFrame, *, iterations: int = 6, log: Any = print) -> Learnt:
+    """The launch floor, the large-GEMM fraction and the time per action that make the predictions
+    of ``rows`` closest to their measured steps: least squares over the relative errors of all the
+    rows at once, by Gauss–Newton (derivatives by finite differences of the whole prediction, 5 %
+    steps of each parameter in log space), from :data:`START`."""
     measured = rows["ms"].to_numpy(dtype=float)
     x = np.log(np.array(START))
     step = 0.05
     for _ in range(iterations):
-        base = predict(rows, efficiency_of(x)) / measured - 1.0
-        jacobian = np.stack([(predict(rows, efficiency_of(x + step * np.eye(2)[k])) / measured - 1.0 - base) / step
-                             for k in range(2)], axis=1)
+        base = predict(rows, learnt_at(x)) / measured - 1.0
+        jacobian = np.stack([(predict(rows, learnt_at(x + step * np.eye(len(x))[k])) / measured - 1.0 - base) / step
+                             for k in range(len(x))], axis=1)
         delta, *_ = np.linalg.lstsq(jacobian, -base, rcond=None)
         delta = np.clip(delta, -1.0, 1.0)
-        log(f"    launch {math.exp(x[0]) * 1e6:5.1f} µs, large GEMMs {min(1.0, math.exp(x[1])):.3f} of peak: "
-            f"MAE {np.abs(base).mean():.2%}, RMS {np.sqrt((base ** 2).mean()):.2%}")
+        log(f"    launch {math.exp(x[0]) * 1e6:5.1f} µs, large GEMMs {min(1.0, math.exp(x[1])):.3f} of peak, "
+            f"{math.exp(x[2]) * 1e3:.3f} ms an action: MAE {np.abs(base).mean():.2%}, "
+            f"RMS {np.sqrt((base ** 2).mean()):.2%}")
         x = x + delta
         x[1] = min(x[1], 0.0)  # at most the peak
         if np.abs(delta).max() < 0.01:
             break
-    return efficiency_of(x)
+    return learnt_at(x)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -359,8 +376,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"learning on the learning half ({len(learning)} rows):")
         learnt = learn(learning)
         print(f"  learnt in {time.perf_counter() - started:.0f} s")
-    print(f"learnt: launch {learnt.launch_for(device_spec(NODE)) * 1e6:.1f} µs, large GEMMs "
-          f"{learnt.flops_for('float16', device_spec(NODE)):.3f} of peak")
+    efficiency = learnt.efficiency
+    print(f"learnt: launch {efficiency.launch_for(device_spec(NODE)) * 1e6:.1f} µs, large GEMMs "
+          f"{efficiency.flops_for('float16', device_spec(NODE)):.3f} of peak, {learnt.action * 1e3:.3f} ms an action")
     frame["learnt"] = predict(frame, learnt)
     learning, held_out = frame[frame["half"] == 0], frame[frame["half"] == 1]
     for column in ("default", "learnt"):

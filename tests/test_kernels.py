@@ -174,7 +174,7 @@ def vtrain():
 
 def test_twenty_held_out_vtrain_runs_are_predicted_within_the_bound(vtrain):
     """20 rows of the held-out half (every 36th, in the file's order), planned with what the learning
-    half taught (``LEARNT``): deterministic, no timing. The benchmark's method reaches 6.7 % on them;
+    half taught (``LEARNT``): deterministic, no timing. The benchmark's method reaches 6.0 % on them;
     a regression past 12 % fails."""
     frame = vtrain.load(vtrain.DATA)
     rows = frame[frame["half"] == 1].iloc[::36].head(20)
