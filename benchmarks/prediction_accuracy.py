@@ -256,7 +256,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     parser.add_argument("--sections", default="configs,stale,bubbles",
                         help="comma-separated: configs (the table), stale (stale profile), bubbles (default: those "
-                             "three); drift (the machine's own speed over 40 s); vtrain (catalogue A100s against the vTrain runs: benchmarks/vtrain_a100.py); "
+                             "three); drift (the machine's own speed over 40 s); vtrain (catalogue A100s against "
+                             "the vTrain runs: benchmarks/vtrain_a100.py); "
                              "megatron_bridge (catalogue H100s against Megatron-Bridge's MoE table: "
                              "benchmarks/megatron_bridge_moe.py)")
     args = parser.parse_args()

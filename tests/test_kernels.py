@@ -2,9 +2,6 @@
 the vTrain runs a few held-out rows of which the prediction is held to."""
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,7 +10,8 @@ from torch import nn
 
 from benchmark_scripts import benchmark_script
 from pipexplore.devices import DeviceSpec, GiB, device_spec
-from pipexplore.predict.kernels import KERNELS, GPUKernels, gemm_seconds, gemm_work, gpu_kernels, issued, register_gpu_kernels
+from pipexplore.predict.kernels import (KERNELS, GPUKernels, gemm_seconds, gemm_work, gpu_kernels, issued,
+                                        register_gpu_kernels)
 from pipexplore.predict.roofline import Efficiency, fit_efficiency, kind_seconds, op_seconds
 
 A100 = device_spec("A100-80GB")
