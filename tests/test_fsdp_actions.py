@@ -42,6 +42,9 @@ def test_the_lowering_is_torchs_own():
         theirs = _add_reduce_grad(_add_unshard_reshard([_Action(s, letters[k], i) for s, k, i in order]), 4)
         assert [str(a) for a in theirs] == [f"{s}{k}{'' if i < 0 else i}" for s, k, i in lowered(order, 4)]
     assert Counter(k for _, k, _ in lowered(orders[0], 4))["UNSHARD"] > 4  # four stages a rank: some gathered again
+    mine = lowered(orders[0], 4)  # kept for the next mesh of the same queue, as a copy of its own each time
+    mine.clear()
+    assert lowered(orders[0], 4) and lowered(orders[0], 4) == lowered(list(orders[0]), 4)
 
 
 def test_one_stage_a_rank_gathers_at_the_start_and_reduce_scatters_after_its_last_backward(table):
@@ -97,6 +100,8 @@ def test_four_stages_a_rank_are_gathered_as_often_as_torch_gathers_them(table):
     assert len(scatters) == 8
     assert (~scatters["exposed"]).sum() >= 2
     placed = {r[1]: r for r in predicted.attrs["fsdp"] if r[0] == "reduce_grad"}
+    # the placement is shared by every frame and column taken from the timeline, never copied into them
+    assert predicted["start"].attrs["fsdp"] is predicted.attrs["fsdp"] is scatters.attrs["fsdp"]
     rank = plan.rank_table
     points = [0, 3, 4, 5, 6, 7, 8, 9, len(rank)]
     updates = predicted[predicted["phase"] == "optimizer"].set_index("stage").sort_index()

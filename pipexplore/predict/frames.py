@@ -18,13 +18,29 @@ from pipexplore.predict.sharing import Records
 from pipexplore.schedules import PHASES
 from pipexplore.timeline.metrics import lexsort
 
-__all__ = ["PHASE_NAMES", "KIND_PHASES", "graph_frame", "records_frame", "timeline_frame", "held_activations"]
+__all__ = ["PHASE_NAMES", "KIND_PHASES", "FrozenRecords", "graph_frame", "records_frame", "timeline_frame",
+           "held_activations"]
 
 #: The timeline phase of each of the graph's kind letters: the schedule's, and ``optimizer``.
 KIND_PHASES = {**PHASES, "O": "optimizer"}
 #: Phase names by the graph's kind numbers, then ``copy``.
 PHASE_NAMES = np.array([*(KIND_PHASES[k] for k in KINDS), "copy"], dtype=object)
 _PHASE_INDEX = pd.Index(PHASE_NAMES)
+
+
+class FrozenRecords(tuple):
+    """Records a timeline's ``attrs`` carry (tuples of numbers and names: FSDP's placement, the
+    experts' overlapped exchanges), shared by every frame and column taken from the timeline, not
+    copied: pandas deep-copies a frame's attrs into each of them, and a search that read a mesh's
+    timeline column by column spent seconds copying these. Nothing in them can change."""
+
+    __slots__ = ()
+
+    def __copy__(self) -> "FrozenRecords":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "FrozenRecords":
+        return self
 
 
 def graph_frame(graph: ActionGraph, times: tuple[np.ndarray, np.ndarray], copy: np.ndarray,

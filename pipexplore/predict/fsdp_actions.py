@@ -28,6 +28,7 @@ the per-layer seconds (:func:`fsdp_columns`) that :func:`pipexplore.predict.reti
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -47,6 +48,14 @@ def lowered(queue: Sequence[tuple[int, str, int]], microbatches: int) -> list[tu
     """``queue`` (a worker's ``(stage, kind, micro-batch)``, compute kinds ``F``/``B``/``I``/``W``; others
     are left out) with the ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` actions torch's own lowering
     adds (micro-batch ``-1``)."""
+    return list(_lowered(tuple(queue), microbatches))
+
+
+@functools.lru_cache(maxsize=512)
+def _lowered(queue: tuple[tuple[int, str, int], ...], microbatches: int) -> tuple[tuple[int, str, int], ...]:
+    """:func:`lowered`, kept for each queue and count of micro-batches: a search lowers the same
+    worker's queue for every mesh of its pipeline's depth and micro-batches, and torch's lowering
+    walks the whole queue for each stage it unshards."""
     from torch.distributed.pipelining.schedules import (_Action, _add_reduce_grad, _add_unshard_reshard,
                                                         _ComputationType)
 
@@ -59,7 +68,7 @@ def lowered(queue: Sequence[tuple[int, str, int]], microbatches: int) -> list[tu
         kind = letter.get(action.computation_type, action.computation_type.name)
         micro = action.microbatch_index
         out.append((action.stage_index, kind, -1 if micro is None else int(micro)))
-    return out
+    return tuple(out)
 
 
 class Unshard(NamedTuple):
@@ -118,7 +127,7 @@ def lowered_steps(graph: Any, microbatches: int,
             continue
         number = {action: int(starts[lane]) + j for j, action in enumerate(queue)}
         steps: list[tuple[int, int]] = []
-        for s, kind, i in lowered(queue, microbatches):
+        for s, kind, i in _lowered(tuple(queue), microbatches):
             if kind == "UNSHARD":
                 steps.append((UNSHARD, s))
             elif kind == "REDUCE_GRAD":
@@ -145,7 +154,8 @@ def fsdp_placement(graph, took: np.ndarray, unshard: np.ndarray, reduce_grad: np
     reduces: list[ReduceGrad] = []
     for lane, ops in (steps if steps is not None else lowered_steps(graph, microbatches, lanes)):
         computes = [value for code, value in ops if code == COMPUTE]
-        clock = np.concatenate([[0.0], np.cumsum(took[np.asarray(computes, dtype=np.int64)])])  # compute done before each
+        # compute done before each
+        clock = np.concatenate([[0.0], np.cumsum(took[np.asarray(computes, dtype=np.int64)])])
         total = float(clock[-1])
         stream = 0.0  # when the worker's all-gather stream is free, for gathers issued at the start
         scatter = 0.0  # when its reduce-scatter stream is, on the compute's clock (its idle time left out)

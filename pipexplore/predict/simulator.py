@@ -45,7 +45,8 @@ from pipexplore.predict.dataflow import (BACKWARD, FORWARD, INPUT_GRAD, KINDS, O
 from pipexplore.predict.costs import (Corrections, fresh_gradient_seconds, has_fit, microbatch_rows, stage_seconds,
                                       stage_shares, stage_sums)
 from pipexplore.predict.fsdp_actions import placed_fsdp, placement_record
-from pipexplore.predict.frames import KIND_PHASES, PHASE_NAMES, graph_frame, held_activations, records_frame
+from pipexplore.predict.frames import (KIND_PHASES, PHASE_NAMES, FrozenRecords, graph_frame, held_activations,
+                                      records_frame)
 from pipexplore.predict.moe_overlap import hide_exchanges
 from pipexplore.predict.sharing import ActionCosts, loop_layout, may_oversubscribe, processor_sharing
 from pipexplore.schedules import (SCHEDULES, check_schedule, checkpointed, csv_schedule, is_csv, is_multi_stage,
@@ -305,9 +306,9 @@ def simulate(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: int, s
                                                   * max(fractions)).tolist()
     frame.attrs["peak_memory"] = {}
     if placement is not None:
-        frame.attrs["fsdp"] = placement_record(graph, placement)
+        frame.attrs["fsdp"] = FrozenRecords(placement_record(graph, placement))
     if overlapped:
-        frame.attrs["moe_overlap"] = overlapped
+        frame.attrs["moe_overlap"] = FrozenRecords(overlapped)
     if any(is_planned(d) for d in stage_device):
         frame.attrs["gpus_per_node"] = gpus_per_node  # which planned devices share a node (the page draws it)
     return frame
@@ -442,7 +443,8 @@ def prepare_step(layer_table: pd.DataFrame, splits: Sequence[int], *, chunks: in
     return Setup(layer_table, splits, costs, graph, executor, sizes, sorted(set(sizes)), fractions, stop, stage_device,
                  resource, share_cap, extra, corrections.gap(executor) if corrections is not None else 0.0,
                  corrections.transfer(executor) if corrections is not None else 0.0,
-                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1], gpus_per_node) for b in range(S - 1)], fit, batch,
+                 [_copy_rate(copy_cost, stage_device[b], stage_device[b + 1], gpus_per_node) for b in range(S - 1)],
+                 fit, batch,
                  np.where(host, float(replicas), 1.0))
 
 
