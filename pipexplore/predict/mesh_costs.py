@@ -385,13 +385,15 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     from pipexplore.predict.costs import microbatch_rows, stage_sums
 
     points = [0, *splits, len(table)]
-    rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
+    # (the loop below reads Python numbers: a NumPy scalar's each read and product cost several times more)
+    rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float).tolist()
     per_stage = {name: stage_sums(values, points) for name, values in collective_layers(table, batch).items()}
     step_end = per_stage["step_end"]
-    gathers = per_stage["gather"]
-    exposed_gathers = {phase: per_stage[f"{phase}_gather_exposed"] for phase in ("forward", "backward")}
-    context = per_stage["context"]
-    exchange = per_stage["exchange"]
+    gathers = per_stage["gather"].tolist()
+    exposed_gathers = {phase: per_stage[f"{phase}_gather_exposed"].tolist() for phase in ("forward", "backward")}
+    context = per_stage["context"].tolist()
+    exchange = per_stage["exchange"].tolist()
+    tp_seconds = {name: per_stage[name].tolist() for name in set(_TP_PHASE.values())}
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
@@ -400,18 +402,17 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
     if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
         step_end = step_end - per_stage["reduce_grad"]
-    stage = predicted["stage"].to_numpy()
-    micro = predicted["microbatch"].to_numpy()
-    phase = predicted["phase"].to_numpy()
-    start = predicted["start"].to_numpy(dtype=float)
-    end = predicted["end"].to_numpy(dtype=float)
+    step_end = step_end.tolist()
+    stage, micro, phase = predicted["stage"].tolist(), predicted["microbatch"].tolist(), predicted["phase"].tolist()
+    start = predicted["start"].to_numpy(dtype=float).tolist()
+    end = predicted["end"].to_numpy(dtype=float).tolist()
     where = ({(int(stage[i]), str(phase[i]), int(micro[i])): i for i in range(len(predicted))} if overlapped else {})
     out: list[tuple] = []
     for i in range(len(predicted)):
         s, p = int(stage[i]), str(phase[i])
         if p in _TP_PHASE and int(micro[i]) >= 0:
             size = rows[int(micro[i]) % len(rows)]
-            seconds = per_stage[_TP_PHASE[p]][s] * size
+            seconds = tp_seconds[_TP_PHASE[p]][s] * size
             if seconds > 0:
                 out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce", True))
             if context[s] > 0:
