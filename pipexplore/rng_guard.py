@@ -76,9 +76,9 @@ class RNGGuard:
     a forward in training mode (``module``'s) has shown whether it draws (on a CPU, such a forward
     draws from a stream of its own, whose generator shows each draw): if it drew, ``draws`` becomes
     True; if not, False, and its forwards cost nothing, neither a watch nor a stream of their own,
-    until one of ``module``'s dropouts is given
-    a probability above 0. Only a draw counts: an operator tagged random that leaves the generator
-    as it was (attention with a dropout of 0) does not.
+    until one of ``module``'s dropouts is given a probability above 0. Only a draw counts: an
+    operator tagged random that leaves the generator as it was (attention with a dropout of 0) does
+    not.
 
     Example::
 
