@@ -75,6 +75,29 @@ def test_a_rank_that_fails_is_named_with_its_last_words_and_every_rank_is_reaped
     assert not script_ranks_left()
 
 
+def test_of_ranks_that_failed_the_one_that_failed_first_is_named_in_whatever_order_they_were_reaped(tmp_path):
+    """Each forked rank stamps the moment it failed on its stderr file: a rank that a peer's exit took
+    down may be reaped before that peer (two cores, the server woken late), but it failed after it.
+    Stamps alike: the order the server reaped them in decides."""
+    class Reaped:
+        def __init__(self, first):
+            self.first = first
+
+        def exited_first(self, failed):
+            return self.first
+
+    processes = [object(), object(), object()]
+    errs = [tmp_path / f"rank{r}.err" for r in range(3)]
+    for path, stamp in zip(errs, (2_000, 1_000, 3_000)):
+        path.write_text("")
+        os.utime(path, ns=(stamp, stamp))
+    assert forked._failed_first(processes, processes[:2], errs, Reaped(processes[0])) is processes[1]
+    assert forked._failed_first(processes, processes, errs, Reaped(processes[2])) is processes[1]
+    os.utime(errs[0], ns=(1_000, 1_000))
+    assert forked._failed_first(processes, processes[:2], errs, Reaped(processes[0])) is processes[0]
+    assert forked._failed_first(processes, [], errs, Reaped(None)) is None
+
+
 def test_a_rank_leaves_by_system_exit_as_an_interpreter_would(tmp_path):
     """SystemExit(None) is a clean exit; SystemExit("message") prints the message and exits 1."""
     with pytest.raises(TorchrunError, match=r"rank 1 on host \S+ exited with code 1:\nrank 1 leaves with a message"):

@@ -57,7 +57,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ForkServer", "ForkedProcess", "ServerStopped", "supported", "installed_modules", "PRELOAD"]
+__all__ = ["ForkServer", "ForkedProcess", "ServerStopped", "supported", "installed_modules", "failed_at", "PRELOAD"]
 
 #: Modules the server imports before it forks: what every rank imports anyway, and the library a
 #: rank's job may call (the modules of ``pipexplore``'s public names, which ``import pipexplore``
@@ -368,8 +368,11 @@ def _name_process(name: str) -> None:
 
 def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: int) -> None:
     """In the forked child: become a fresh rank process and run the worker or the script asked for
-    (either leaves when ``server``, its parent, is gone); never returns."""
-    code = 1
+    (either leaves when ``server``, its parent, is gone); never returns. A child that fails stamps
+    the moment it failed on its stderr file (its modification time, to the nanosecond, set last):
+    which of several failed ranks failed first (:func:`failed_at`), where the order they are reaped in
+    may put a rank whose peer's exit took it down before that peer."""
+    code, failed = 1, 0
     try:
         for fd in closing:
             os.close(fd)
@@ -405,9 +408,11 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
         code = 0
     except SystemExit as exit_:  # as an interpreter leaves: None is 0; a message goes to stderr, then 1
         code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        failed = time.time_ns() if code else 0
         if not isinstance(exit_.code, (int, type(None))):
             print(exit_.code, file=sys.stderr)
     except BaseException:
+        failed = time.time_ns()
         import traceback
 
         traceback.print_exc()
@@ -417,7 +422,21 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], server: 
                 stream.flush()
             except Exception:
                 pass
+        if failed:
+            try:
+                os.utime(2, ns=(failed, failed))
+            except OSError:  # (a stderr that is not a file)
+                pass
         os._exit(code)
+
+
+def failed_at(path: str | os.PathLike) -> int:
+    """When the rank whose stderr file is ``path`` failed (nanoseconds since the epoch), as its
+    forked child stamped it (:func:`_child`); else when it last wrote (0 if there is no file)."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _run_script(script: str, args: list[str], server: int) -> None:

@@ -13,10 +13,10 @@ holds it) and runs the script as ``__main__``: the same script, arguments and pr
 
 It waits as :func:`~pipexplore.runs.launch.launch` does: progress from the steps the script prints,
 Cancel from the run's :class:`~pipexplore.cancel.CancelToken`, a timeout. A rank that fails is named
-(rank, host, exit code and its last lines of stderr; of several, the one whose exit the server
-reported first), and on a failure, a timeout or a cancel every rank is stopped and reaped. Where
-ranks cannot be forked (no fork server on this platform, or it could not start) the script runs
-under one torchrun agent instead.
+(rank, host, exit code and its last lines of stderr; of several, the one that failed first, as
+each stamps its failure on its stderr file), and on a failure, a timeout or a cancel every rank is
+stopped and reaped. Where ranks cannot be forked (no fork server on this platform, or it could not
+start) the script runs under one torchrun agent instead.
 
 Example::
 
@@ -99,7 +99,7 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
                 say(now - started)
                 time.sleep(POLL)
             failed = [process for process in processes if process.poll() not in (None, 0)]
-            first = server.exited_first(failed)
+            first = _failed_first(processes, failed, errs, server)
             _stop(processes)  # the others, once one failed (they would wait on it until gloo's timeout)
         except BaseException:
             _stop(processes)
@@ -109,6 +109,19 @@ def launch_forked(script: pathlib.Path, *, ranks: int, args: Sequence[str] = (),
         if first is not None:
             raise _failure(processes, first, errs)
         return LaunchOutcome([_prefixed(outs)], [_prefixed(errs)], time.monotonic() - started)
+
+
+def _failed_first(processes: Sequence[forkserver.ForkedProcess], failed: Sequence[forkserver.ForkedProcess],
+                  errs: Sequence[pathlib.Path], server: forkserver.ForkServer
+                  ) -> Optional[forkserver.ForkedProcess]:
+    """Of the ranks that failed, the one that failed first: the earliest failure its child stamped
+    on its stderr file (a rank raises, prints its last words and exits; a peer then finds it gone
+    and fails in turn), the order the server reaped them in where two stamps are alike."""
+    if not failed:
+        return None
+    reaped = server.exited_first(failed)
+    return min(failed, key=lambda process: (forkserver.failed_at(errs[processes.index(process)]),
+                                            process is not reaped))
 
 
 def _stop(processes: Sequence[forkserver.ForkedProcess]) -> None:
