@@ -17,7 +17,7 @@ Partitions that share a device (stages on one host's cores, or on one GPU) run a
 own threads and share its random generator. Each checkpointed forward of a partition that draws
 then draws from a stream of its own, seeded from the shared generator, which its recomputation
 replays; on a GPU, every random operator of such a partition that draws from the shared generator
-takes the device's lock for the moment it draws (:class:`RNGGuard`; on a CPU no draw needs it). The
+takes the device's lock for the moment it draws (:class:`RNGGuard`; on a CPU no operator needs it). The
 partitions' forwards still overlap. A partition that cannot draw (its dropouts' probabilities 0)
 pays nothing.
 """

@@ -6,8 +6,9 @@ then draws from a stream of its own, seeded from the shared generator, which its
 replays (:mod:`pipexplore.checkpoint`). On a GPU, every random operator of such a partition that
 draws from the shared generator takes the device's lock for the moment it draws
 (:class:`RNGGuard`): the partitions' forwards still overlap, only their draws take turns. On a CPU
-no draw needs the lock, and a forward that draws from the shared generator runs as it would without
-a guard. A partition that cannot draw (its dropouts' probabilities 0) pays nothing anywhere.
+no random operator needs the lock (only a stream's seed is drawn under it), and a forward that
+draws from the shared generator runs as it would without a guard. A partition that cannot draw
+(its dropouts' probabilities 0) pays nothing anywhere.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class RNGGuard:
     - on a CPU it runs as it is, and each operator it calls that takes a generator is caught in turn
       and given the stream's: each CPU kernel of torch's random operators draws through one
       (``tests/test_gpipe.py`` holds every one that takes no generator to it). Nothing is swapped,
-      no draw takes the lock, and a forward drawing from the shared CPU generator is not watched.
+      no operator's draw takes the lock, and a forward drawing from the shared CPU generator is not
+      watched.
 
     The random operators are caught in torch's dispatcher, not by a dispatch mode: within a watched
     forward this thread's dispatch includes a key at which only the random operators have a kernel
