@@ -144,7 +144,8 @@ def test_a_meta_sequential_is_planned_too():
 def test_a_sweep_predicts_planned_plans_and_refuses_to_measure_them(state):
     plan = state.plan
     table = state.sweep(stages=[2, 4], chunks=[4, 8], schedules=["1f1b", "gpipe"])
-    assert len(table) == 8 and table["predicted_step_time"].is_monotonic_increasing and (table["predicted_step_time"] > 0).all()
+    predicted = table["predicted_step_time"]
+    assert len(table) == 8 and predicted.is_monotonic_increasing and (predicted > 0).all()
     assert all(str(d).startswith("H100:") for devices in table["devices"] for d in
                (devices.split(",") if isinstance(devices, str) else devices))
     with pytest.raises(RuntimeError, match="planned devices"):
@@ -197,8 +198,8 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     """A planned kind that this machine has (here: a spec of this CPU, found as present) times the
     model's blocks on it, one at a time, and learns the efficiency that reproduces them. The spec
     is 100× faster than any 2-core CPU in every term (FLOP/s, bandwidth, a kernel's launch), so the
-    catalogue's guess is far off by construction, never
-    right by chance; what is learnt is held against the very timings it was learnt from."""
+    catalogue's guess is far off by construction, never right by chance; what is learnt is held
+    against the very timings it was learnt from, as closely as the roofline's shape allows."""
     import pipexplore.devices as devices
     from pipexplore.devices import DeviceSpec, register_device
 
@@ -224,19 +225,26 @@ def test_where_a_device_of_the_kind_is_here_its_blocks_teach_the_roofline(monkey
     measured = taught[0]
     planned = state.layer_table
 
-    def at_microbatch(table: pd.DataFrame) -> pd.Series:  # what the prediction uses: 32 rows a micro-batch
-        return table["forward_a"] + table["backward_a"] + 32 * (table["forward_b"] + table["backward_b"])
+    def at_microbatch(table: pd.DataFrame, phase: str) -> pd.Series:  # what the prediction uses: 32 rows
+        return table[f"{phase}_a"] + 32 * table[f"{phase}_b"]
 
-    took = at_microbatch(measured)
-    ratio = float((at_microbatch(planned) / took).median())
-    guess = float((at_microbatch(guessed) / took).median())
-    assert guess < 0.1, guess  # the made-up spec's guess: far too fast
-    # Near the blocks it learnt from: the roofline ties a block's backward to its forward (twice the
-    # FLOPs), while this machine's ratio moves with its load (1.5-2.0 seen), so the fit may miss each
-    # phase by ~15 % in opposite directions (seen: 0.88-1.09 beside a running suite); a learning that
-    # leans one way (the loss counted into the blocks: 7-14 % short every time) is held exactly by
-    # the next test.
-    assert 0.8 < ratio < 1.25, (at_microbatch(planned).tolist(), took.tolist(), state.all_notes())
+    def over_timed(phase: str, table: pd.DataFrame = planned) -> float:
+        return float((at_microbatch(table, phase) / at_microbatch(measured, phase)).median())
+
+    guess = over_timed("forward", guessed) + over_timed("backward", guessed)
+    assert guess < 0.2, guess  # the made-up spec's guess: far too fast
+    # The roofline fixes a block's backward against its forward (here ~2x: twice the FLOPs and
+    # bytes), while this machine's timed backward/forward moves with its load and caches (0.65-1.4
+    # seen), so no efficiency reproduces both phases. What is learnt is a scale s of the planned
+    # forward over the timed one, the backward then at k·s (k: the two phases' shapes apart), and
+    # fit_efficiency's least squares over relative errors, (s − 1)² + (k·s − 1)², puts s at
+    # (1 + k) / (1 + k²): between the forward's exact fit (1) and the backward's (1/k), each phase
+    # missed in opposite directions — whatever the machine's ratio (a learning that leans one way,
+    # the loss counted into the blocks, is held exactly by the next test).
+    forward, backward = over_timed("forward"), over_timed("backward")
+    k = backward / forward
+    assert forward == pytest.approx((1 + k) / (1 + k * k), rel=0.03), (forward, backward, state.all_notes())
+    assert min(forward, backward) <= 1.0 <= max(forward, backward), (forward, backward)
     # An optimizer step over the largest block, made real here, taught the bandwidth a step reaches:
     # every trained layer's update scales by it alike (the counted bytes stay).
     assert re.search(r"an optimizer step \d+% of it", learnt[0]), learnt[0]
@@ -359,7 +367,8 @@ def test_the_page_says_planned_and_draws_the_node_boundaries(state):
 def test_profiling_on_a_planned_device_is_refused_with_what_to_do():
     from pipexplore import profile
 
-    with pytest.raises(ValueError, match=r"'H100' is a planned device .* explore\(model, sample, devices=\['H100'\] \* N\)"):
+    refusal = r"'H100' is a planned device .* explore\(model, sample, devices=\['H100'\] \* N\)"
+    with pytest.raises(ValueError, match=refusal):
         profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), device="H100")
 
 

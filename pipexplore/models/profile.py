@@ -37,7 +37,7 @@ from torch import nn
 
 from pipexplore import devices as devices_here
 from pipexplore import validate
-from pipexplore.devices import device_spec
+from pipexplore.devices import device_spec, dtype_name
 from pipexplore.devices.placement import Placement, place
 from pipexplore.host import sharing_cores, stage_threads
 from pipexplore.samples import Sample, TensorOrTensors, batch_size, to_device
@@ -308,10 +308,16 @@ def _learnt_efficiency(model: nn.Module, sample: Sample, counted: pd.DataFrame, 
         finally:
             if here.type == "cuda":
                 torch.cuda.empty_cache()
+    computing = ops.loc[ops["flops"].to_numpy(dtype=float) != 0, "dtype"]
+    dtype = dtype_name(computing.mode().iloc[0]) if len(computing) else "float32"
+
+    def fraction(value: float, default: float, of: str) -> str:  # (fit_efficiency keeps a default nothing timed needs)
+        return f"{value:.0%} of {of}" + (" (kept: no timed operator is bound by it)" if value == default else "")
+
     return learnt, (f"The roofline's efficiency was learnt on {here} here, a {spec.name}: "
-                    f"{learnt.flops_for('bfloat16', spec):.0%} of peak FLOP/s and {learnt.bandwidth_for(spec):.0%} "
-                    f"of memory bandwidth{stepped} (the catalogue's defaults: {spec.flops_efficiency:.0%}, "
-                    f"{spec.bandwidth_efficiency:.0%}).")
+                    f"{fraction(learnt.flops_for(dtype, spec), spec.flops_efficiency, f'peak {dtype} FLOP/s')} and "
+                    f"{fraction(learnt.bandwidth_for(spec), spec.bandwidth_efficiency, 'memory bandwidth')}{stepped} "
+                    f"(the catalogue's defaults: {spec.flops_efficiency:.0%}, {spec.bandwidth_efficiency:.0%}).")
 
 
 def with_backward_split(model: nn.Module, sample: Sample, table: pd.DataFrame, *,
@@ -321,4 +327,5 @@ def with_backward_split(model: nn.Module, sample: Sample, table: pd.DataFrame, *
     if table.attrs.get("backward_split", True) or not isinstance(model, nn.Sequential):
         return table
     profiled = copy.deepcopy(model).to(device)
-    return backward_split(profiled, cast(TensorOrTensors, sample), table, repeats=repeats)  # (not a dict: a Sequential's)
+    # (the sample is not a dict: a Sequential's)
+    return backward_split(profiled, cast(TensorOrTensors, sample), table, repeats=repeats)
