@@ -30,9 +30,10 @@ theirs (24 GB/s of 25 for HDR; 192 GB/s across DGX A100 nodes), the latencies NC
 Across nodes: beside the 2-node A100 figures at 1 GiB, H100 all-reduce curves (1 MiB–8 GiB) on 2, 4
 and 8 HGX H100 nodes with eight 400 Gb/s NDR NICs each, as NCCL chooses (NVIDIA/nccl-tests#309: two
 clusters, bare metal and VMs), and all-reduce and all-gather curves (32 MiB–8 GiB) on 2–32 AWS
-p5.48xlarge (eight H100s, 32 EFA interfaces of 100 Gb/s: 400 Gb/s a GPU, as a DGX H100's; the same
-catalogue fabric, as no EFA efficiency is published), where aws-ofi-nccl's tuner plugin, not NCCL's
-own tuner, chose the algorithm. Every one of them is a check; none was read into a default. Not
+p5.48xlarge (eight H100s, 32 EFA interfaces of 100 Gb/s: 400 Gb/s a GPU, as a DGX H100's; the
+catalogue's ``H100-p5``: the DGX H100's fabric with EFA's step latency as aws-ofi-nccl's tuner models
+it, 20 µs, as no EFA efficiency is published), where aws-ofi-nccl's tuner plugin, not NCCL's own
+tuner, chose the algorithm. Every one of them is a check; none was read into a default. Not
 found published (left out, not invented): per-size tables on 4 or more DGX-class A100 nodes (eight
 HDR NICs a node), and H100 reduce-scatter curves across nodes.
 
@@ -162,8 +163,8 @@ PUBLISHED = [
     Published("msccl-h100", "H100", 1, 8, "all_gather", dict(zip(SIZES, _H100_AG_US)), times=True),
     *(Published("hgx-h100-a", "H100", n, 8, "all_reduce", dict(zip(_TO_8G, v))) for n, v in _HGX_A.items()),
     *(Published("hgx-h100-b", "H100", n, 8, "all_reduce", dict(zip(_TO_8G, v))) for n, v in _HGX_B.items()),
-    *(Published("p5-efa", "H100", n, 8, "all_reduce", dict(zip(_P5_SIZES, v))) for n, v in _P5_AR.items()),
-    *(Published("p5-efa", "H100", n, 8, "all_gather", dict(zip(_P5_SIZES, v))) for n, v in _P5_AG.items()),
+    *(Published("p5-efa", "H100-p5", n, 8, "all_reduce", dict(zip(_P5_SIZES, v))) for n, v in _P5_AR.items()),
+    *(Published("p5-efa", "H100-p5", n, 8, "all_gather", dict(zip(_P5_SIZES, v))) for n, v in _P5_AG.items()),
 ]
 
 

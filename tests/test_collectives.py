@@ -234,4 +234,33 @@ def test_the_published_multi_node_h100_curves_are_read_and_held_to_their_recorde
     assert 0.05 < by_nodes[4]["median"] < 0.25 and by_nodes[4]["signed"] > 0
     assert 0.05 < by_nodes[8]["median"] < 0.25 and by_nodes[8]["signed"] > 0
     p5_nodes = bench.summary(p5, lambda r: r["nodes"])
-    assert p5_nodes[2]["median"] < 0.15 and p5_nodes[32]["signed"] > 0.3  # EFA's per-step latency: not modelled
+    # EFA's step at aws-ofi-nccl's 20 µs (the p5's fabric) halved the 32-node miss (+62 % before); what is
+    # left there is the all-gather's ring of 255 steps at ~10 µs each, which no published figure explains
+    assert p5_nodes[2]["median"] < 0.15 and 0.3 < p5_nodes[32]["signed"] < 0.6
+    assert sum(abs(r["error"]) <= 0.15 for r in p5) >= 35
+
+
+def test_a_step_across_p5_nodes_pays_efas_latency_as_aws_ofi_nccl_models_it():
+    """AWS's p5.48xlarge (the catalogue's ``H100-p5``): a DGX H100's GPUs and NVLink, EFA across
+    nodes. A latency-bound collective across them pays, for each step that crosses nodes,
+    aws-ofi-nccl's 20 µs (LL, LL128; 23 µs Simple) where InfiniBand pays NCCL's 2.7–14 µs; inside a
+    node, and for large messages, nothing changes."""
+    from pipexplore.devices import device_spec
+    from pipexplore.predict.kernels import gpu_kernels
+
+    assert device_spec("p5.48xlarge").name == "H100-p5" and device_spec("p5").name == "H100-p5"
+    p5, h100 = device_spec("H100-p5"), device_spec("H100")
+    assert p5.peak_flops == h100.peak_flops and p5.memory_bandwidth == h100.memory_bandwidth
+    assert "EFA" in p5.inter_node_link and gpu_kernels("H100-p5").sms == gpu_kernels("H100").sms
+    efa, infiniband = fabric_of("H100-p5"), fabric_of("H100")
+    assert efa.net_hop == (20.0, 20.0, 23.0) and infiniband.net_hop is None
+    assert efa.hop_across("tree", 1) == 20.0 and infiniband.hop_across("tree", 1) == 8.5
+    tiny = {name: collective_cost("all_gather", 8, nodes(name, 32)) for name in ("H100-p5", "H100")}
+    assert tiny["H100-p5"].protocol == tiny["H100"].protocol == "LL" and tiny["H100"].algorithm == "ring"
+    crossings = 32 - 1  # the ring's steps from node to node
+    assert tiny["H100-p5"].seconds - tiny["H100"].seconds == pytest.approx(crossings * (20.0 - 2.7) * 1e-6, rel=1e-3)
+    # inside a node, and at 8 GiB across nodes (the bytes, not the steps), the two are alike
+    assert collective_seconds("all_reduce", GiB, nodes("H100-p5", 1)) == collective_seconds("all_reduce", GiB,
+                                                                                             nodes("H100", 1))
+    large = [collective_cost("all_gather", 8 * GiB, nodes(name, 4)).bus_bandwidth for name in ("H100-p5", "H100")]
+    assert large[0] == pytest.approx(large[1], rel=0.02)

@@ -12,7 +12,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Optional, Union
 
@@ -211,6 +211,17 @@ CATALOGUE: dict[str, DeviceSpec] = {
         source="https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"
                "amd-instinct-mi300x-data-sheet.pdf"),
 }
+# AWS p5.48xlarge — https://aws.amazon.com/ec2/instance-types/p5/ : eight H100 SXM5 80 GB (the H100
+# above) on NVSwitch, 3,200 Gb/s of EFA v2 a node (32 interfaces of 100 Gb/s: four, 400 Gb/s, a
+# GPU), 3rd-generation AMD EPYC hosts. An EFA message's latency is aws-ofi-nccl's (the plugin that
+# runs NCCL over EFA): 20 µs a network step in its tuner's model of the p5 (src/tuner/nccl_ofi_model
+# and nccl_ofi_param.h, TUNER_NET_LATENCY), where InfiniBand's few µs are the default here. How
+# NCCL's collectives run across these nodes: pipexplore.predict.fabrics.FABRICS["H100-p5"].
+CATALOGUE["H100-p5"] = replace(
+    CATALOGUE["H100"], name="H100-p5", inter_node_link="EFA v2 400 Gb/s (4 x 100 Gb/s)", inter_node_latency=20e-6,
+    source="https://aws.amazon.com/ec2/instance-types/p5/ (p5.48xlarge: H100 SXM5, EFA v2); the H100's datasheet; "
+           "EFA latency: aws-ofi-nccl's tuner (TUNER_NET_LATENCY, 20 µs)")
 #: Other names of catalogue devices.
 ALIASES: dict[str, str] = {"A100": "A100-80GB", "H100-SXM": "H100", "H100-80GB": "H100", "H200-SXM": "H200",
+                           "p5": "H100-p5", "p5.48xlarge": "H100-p5",
                            "A100-SXM-80GB": "A100-80GB", "A100-SXM-40GB": "A100-40GB"}

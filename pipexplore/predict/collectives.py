@@ -43,7 +43,8 @@ hundreds of MiB, more slowly than a latency alone gives (:class:`Fabric`).
 of its tensor, the part for ranks of its node over NVLink, the rest through its own NIC, at the
 slower of the two. ``send_recv`` is one point-to-point message (a pipeline's activations).
 
-The bandwidths and efficiencies of each node kind are in :data:`FABRICS`, with their sources;
+The bandwidths, efficiencies and network latencies of each node kind are in
+:data:`~pipexplore.predict.fabrics.FABRICS` (:mod:`pipexplore.predict.fabrics`), with their sources;
 ``benchmarks/nccl_tests.py`` holds the model against published nccl-tests figures. Devices of this
 machine (gloo over loopback) are costed by a plain ring at :data:`HOST_LINK` instead.
 
@@ -55,14 +56,13 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-from pipexplore.devices import device_spec, is_planned, link_latency, link_seconds_per_byte, node_of
-from pipexplore.devices.catalogue import DeviceSpec
+from pipexplore.devices import is_planned, link_latency, link_seconds_per_byte, node_of
+from pipexplore.predict.fabrics import FABRICS, PROTOCOLS, Fabric, fabric_of
 
 __all__ = ["KINDS", "COLLECTIVES", "ALGORITHMS", "PROTOCOLS", "HOST_LINK", "Fabric", "FABRICS", "fabric_of", "Cost",
            "Group", "ring_seconds", "nccl_cost", "collective_cost", "collective_seconds", "linear_cost",
@@ -78,13 +78,12 @@ KINDS = {
 #: What :func:`collective_cost` costs: the ring's three, experts' all-to-all, and a point-to-point message.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "p2p")
-PROTOCOLS = ("LL", "LL128", "Simple")
 
 # NCCL's tuning constants (src/graph/tuning.cc, NCCL 2.18–2.29, unchanged across them), µs: the base
-# latency of an algorithm and protocol, and the latency a step adds over NVLink or the network.
+# latency of an algorithm and protocol, and the latency a step adds over NVLink (over the network:
+# the fabric's, Fabric.hop_across).
 _BASE = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4), "p2p": (6.6, 14.0, 8.4)}
 _HOP_NVLINK = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "p2p": (0.6, 1.9, 3.4)}
-_HOP_NET = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0), "p2p": (2.7, 4.0, 14.0)}
 _NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tuning.cc, NVLS/NVLS Tree)
 # Beyond two nodes NCCL's tuner costs NVLS Tree's inter-node part at half the bandwidth it gives it on two
 # (tuning.cc, NCCL 2.19–2.28: ``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter/2)``), so that it runs the
@@ -113,104 +112,6 @@ def _tree_correction(protocol: int, nbytes: float) -> float:
     log = int(nbytes) >> 6
     log = log.bit_length() - 1
     return _TREE_CORRECTION[protocol][log] if log < len(_TREE_CORRECTION[protocol]) else 1.0
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """What a node of one device kind gives NCCL, bandwidths in bytes per second per direction.
-
-    ``nvlink_busbw``: the bus bandwidth NCCL's ring reaches inside a node on large messages that move
-    data (an all-gather's), below the NVLink line rate by NCCL's protocol overhead;
-    ``reduce_efficiency``: the fraction of it a reducing collective (all-reduce, reduce-scatter)
-    keeps (the GPU adds as it forwards); ``nvls_busbw``: an all-reduce's bus bandwidth with NVLink
-    SHARP (``None`` where the NVSwitch has none). ``nics_per_gpu`` NICs of ``nic_bandwidth`` each
-    (line rate) per GPU, ``nic_efficiency`` of it reached by NCCL: a group with ``k`` GPUs on a node
-    crosses nodes at ``k · nics_per_gpu · nic_bandwidth · nic_efficiency``; a group with one GPU on
-    a node (a data-parallel group beside tensor parallelism 8, a send between stages) reaches only
-    ``lone_nic_efficiency`` of its NIC (NCCL opens fewer channels over it). ``ll_busbw``: NCCL's cap
-    on the LL protocol inside one node, across two, across more (``llMaxBws``); ``tree_caps`` and
-    ``tree_ll128_caps``: NCCL's bandwidth caps on a tree's channel across two nodes and across four
-    or more (``perChMaxTreeBws``, every protocol; ``perChMaxTreeLL128Bws``, LL128 besides), whose
-    ratio is what the tree keeps of its two-node bandwidth beyond two (:meth:`tree_beyond_two`: its
-    reduction tree deepens). ``ramp``:
-    seconds a pipeline step adds to the fill of the module docstring's formula (a ring all-reduce
-    has ``2(n−1)`` steps, a tree ``2·(GPUs a node − 1 + log2 N)``, an all-to-all ``n−1`` rounds of
-    sends, a send one); ``nvls_ramp``: NVLink
-    SHARP's, for its one step inside a node.
-    """
-
-    nvlink_busbw: float
-    nic_bandwidth: float
-    reduce_efficiency: float = 1.0
-    nvls_busbw: Optional[float] = None
-    nics_per_gpu: float = 1.0
-    nic_efficiency: float = 0.9
-    lone_nic_efficiency: float = 0.75
-    ll_busbw: tuple[float, float, float] = (87.7e9, 22.5e9, 19.0e9)
-    tree_caps: tuple[float, float] = (23.6, 17.8)
-    tree_ll128_caps: tuple[float, float] = (20.0, 20.0)
-    ramp: float = 0.1e-6
-    nvls_ramp: float = 5e-6
-    source: str = ""
-
-    def tree_beyond_two(self, protocol: int) -> float:
-        """What a tree keeps of its two-node bandwidth on 4+ nodes with ``protocol`` (an index of
-        :data:`PROTOCOLS`) as NCCL's tuner caps a channel (``tuning.cc``): every protocol at
-        ``perChMaxTreeBws``, LL128 then at 120/128 of it and at ``perChMaxTreeLL128Bws``."""
-        two, more = self.tree_caps
-        if PROTOCOLS[protocol] != "LL128":
-            return more / two
-        ll128_two, ll128_more = self.tree_ll128_caps
-        return min(more * 120 / 128, ll128_more) / min(two * 120 / 128, ll128_two)
-
-
-# DGX A100 — NVIDIA DGX A100 User Guide, "Introduction to the NVIDIA DGX A100 System"
-# (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html): eight A100 SXM4 on
-# six NVSwitches, NVLink 3 at 600 GB/s a GPU (300 a direction); eight single-port ConnectX-6 at
-# 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU; two AMD EPYC 7742 CPUs.
-_DGX_A100 = Fabric(
-    # all-gather 253.6 and all-to-all 254.7 GB/s bus bandwidth at 1 GiB on eight A100s (Microsoft,
-    # mscclpp docs/performance-ndmv4.md, NCCL 2.17.1); all-reduce 231.5 there: 91 % of it
-    nvlink_busbw=255e9, reduce_efficiency=0.91,
-    # "the peak for 200G HDR is 24GB/s" (NCCL's maintainer, NVIDIA/nccl#412, 2023-04-24): 96 %; so a
-    # node's eight reach 192 GB/s, what NVIDIA measures on DGX A100 (NVIDIA/nccl#812, 2023-03-31)
-    nic_bandwidth=25e9, nic_efficiency=0.96,
-    # one A100 a node, two nodes: all-reduce 18.65 GB/s at 1 GiB (mscclpp docs/performance-ndmv4.md)
-    lone_nic_efficiency=0.75,
-    ll_busbw=(87.7e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Ampere in one node; AMD hosts across nodes
-    tree_caps=(23.6, 17.8), tree_ll128_caps=(20.0, 20.0),  # tuning.cc per-channel tree caps, Ampere: 2 nodes, 4+
-    ramp=6e-6 / 14,  # read from the published single-node all-reduce curve, 14 steps (benchmarks/nccl_tests.py)
-    source="DGX A100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
-# DGX H100 — NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System"
-# (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html): eight H100 SXM5 on
-# four NVSwitches (NVLink 4, 900 GB/s a GPU, 450 a direction, NVLink SHARP); eight ConnectX-7 at
-# 400 Gb/s NDR InfiniBand (in four OSFP cages, two ports each), one per GPU; Intel Xeon 8480C CPUs.
-_DGX_H100 = Fabric(
-    # "with the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s ...
-    # [with NVLink SHARP] on 8 GPUs you should reach a peak busBw of ~480GB/s" (NCCL's maintainer,
-    # NVIDIA/nccl-tests#212, 2024-05-06)
-    nvlink_busbw=370e9, reduce_efficiency=1.0, nvls_busbw=480e9,
-    # "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC" (NVIDIA/nccl-tests#267)
-    nic_bandwidth=50e9, nic_efficiency=0.97,
-    lone_nic_efficiency=0.75,  # not published for H100s: the A100's
-    ll_busbw=(141e9, 39.0e9, 20.4e9),  # tuning.cc llMaxBws: Hopper in one node; Intel hosts across nodes
-    tree_caps=(41.4, 36.0), tree_ll128_caps=(36.7, 29.0),  # tuning.cc per-channel tree caps, Hopper: 2 nodes, 4+
-    ramp=0.2e-6 / 14, nvls_ramp=5e-6,  # read from the published single-node all-reduce curves (nccl_tests.py)
-    source="DGX H100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
-#: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
-#: NVSwitches and NICs); other kinds get :func:`fabric_of`'s default from their spec.
-FABRICS: dict[str, Fabric] = {"A100-40GB": _DGX_A100, "A100-80GB": _DGX_A100, "H100": _DGX_H100, "H200": _DGX_H100}
-
-
-def fabric_of(device: str | DeviceSpec) -> Fabric:
-    """The fabric of a planned device's kind: :data:`FABRICS`'s, else one read from its spec —
-    NCCL's ring at 80 % of the intra-node link (its ~20 % protocol overhead), one NIC a GPU at the
-    spec's ``inter_node_bandwidth`` (its share of the node's NICs) and 90 % of it, no NVLink SHARP."""
-    spec = device_spec(device)
-    if spec.name in FABRICS:
-        return FABRICS[spec.name]
-    return Fabric(nvlink_busbw=0.8 * spec.intra_node_bandwidth, nic_bandwidth=spec.inter_node_bandwidth,
-                  source=f"{spec.name}: read from its spec (intra_node_bandwidth, inter_node_bandwidth)")
 
 
 class Cost(NamedTuple):
@@ -293,7 +194,7 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         else:  # each rank's (n−1)/n: the part for its node's ranks over NVLink, the rest through its NIC
             intra, inter = nbytes * (most - 1) / ranks, nbytes * (ranks - most) / ranks
         for p in range(3):
-            hop = _HOP_NET["p2p"][p] if inter > 0 else _HOP_NVLINK["p2p"][p]
+            hop = fabric.hop_across("p2p", p) if inter > 0 else _HOP_NVLINK["p2p"][p]
             scale = {0: 0.5, 1: _LL128, 2: 1.0}[p]
             work = max(intra / (fabric.nvlink_busbw * scale), inter / (nic * scale))
             if p == 0:  # LL's cap on its own rate
@@ -306,7 +207,7 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         ring = min(nvlink * efficiency, net if nodes > 1 else math.inf)
         for p in range(3):
             latency = (_BASE["ring"][p] + (steps - crossings) * _HOP_NVLINK["ring"][p]
-                       + crossings * _HOP_NET["ring"][p])
+                       + crossings * fabric.hop_across("ring", p))
             add("ring", p, latency, ring, steps * fabric.ramp)
         if kind == "all_reduce" and nodes > 1:
             # a double binary tree: a node sends 2(N−1)/N of the tensor through its NICs, where a ring's send ~2
@@ -317,10 +218,11 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
             levels = math.ceil(math.log2(nodes))
             depth = 2 * (most - 1 + levels)  # up the chain and the tree, and down again
             for p in range(3):
-                latency = _BASE["tree"][p] + 2 * ((most - 1) * _HOP_NVLINK["tree"][p] + levels * _HOP_NET["tree"][p])
+                chain, across = (most - 1) * _HOP_NVLINK["tree"][p], levels * fabric.hop_across("tree", p)
+                latency = _BASE["tree"][p] + 2 * (chain + across)
                 add("tree", p, latency, kept(p) * min(nvlink * efficiency, tree_net), depth * fabric.ramp)
             if fabric.nvls_busbw and most > 1:
-                add("nvls_tree", 2, _NVLS_LATENCY + 2 * levels * _HOP_NET["tree"][2],
+                add("nvls_tree", 2, _NVLS_LATENCY + 2 * levels * fabric.hop_across("tree", 2),
                     min(fabric.nvls_busbw, kept(2) * tree_net * (1.0 if nodes <= 2 else _NVLS_TREE_BEYOND_TWO)),
                     fabric.nvls_ramp + 2 * levels * fabric.ramp)
         if kind == "all_reduce" and nodes == 1 and fabric.nvls_busbw:

@@ -52,7 +52,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
@@ -152,6 +152,8 @@ KERNELS: dict[str, GPUKernels] = {
     "MI300X": GPUKernels("MI300X", 304, _A100_REUSE,
                          source="304 compute units: AMD Instinct MI300X data sheet; tiles and waves as " + _GUIDE),
 }
+# H100-p5: the H100 in AWS's p5.48xlarge (its links differ, not its kernels).
+KERNELS["H100-p5"] = replace(KERNELS["H100"], name="H100-p5")
 
 
 def register_gpu_kernels(name: str, kernels: GPUKernels, *, replace: bool = False) -> GPUKernels:
