@@ -87,3 +87,25 @@ def test_the_page_says_beside_the_predicted_step_what_it_rests_on():
     assert "measured here · benchmarks: median 5 %" in ex.w_header.value
     ex.run()
     assert "learnt from runs · benchmarks: median" in ex.w_header.value
+
+
+def test_a_mixture_of_experts_on_catalogue_devices_says_what_its_own_benchmark_measured():
+    """Narayanan's dense GPTs do not measure a mixture of experts: its catalogue plan carries
+    megatron_bridge_moe.py's figures (Megatron-Bridge's MoE rows), a dense one Narayanan's."""
+    import transformers
+
+    from pipexplore.predict.basis import EXPERTS_ERROR
+
+    config = transformers.Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                         num_experts_per_tok=2, num_hidden_layers=2, vocab_size=1024)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.Qwen3MoeForCausalLM(config)
+        ex = explore(model, torch.zeros(2, 64, dtype=torch.long, device="meta"), devices=["H100"] * 2, chunks=2)
+    assert ex.plan.layer_table.attrs["experts"]["count"] == 8
+    basis = prediction_basis(ex.plan)
+    assert basis.kind == "catalogue" and (basis.median, basis.largest, basis.source) == EXPERTS_ERROR
+    assert "(megatron_bridge_moe.py, Megatron-Bridge's MoE rows)" in ex.state.figures()["prediction_basis"]
+    median, largest, _ = EXPERTS_ERROR
+    assert 0 < median <= largest < 1 and EXPERTS_ERROR != MEASURED_ERROR["catalogue"]

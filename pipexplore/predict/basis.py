@@ -14,7 +14,8 @@ Every predicted step time rests on one of three kinds of evidence:
 :data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
 (median and largest absolute error, and where: the script and its column), so that a number on
 the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for the exported script's ranks run here
-(a mesh's, or a pipeline's under node agents), which their own benchmark measures. The figures are the
+(a mesh's, or a pipeline's under node agents), which their own benchmark measures, and
+:data:`EXPERTS_ERROR` the catalogue's for a mixture of experts, which its own benchmark measures. The figures are the
 benchmarks' (``benchmarks/README.md``), written here when the benchmark is run again.
 
 Example::
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 if TYPE_CHECKING:  # the plan imports the predictions; this module is read by its users
     from pipexplore.plan import Plan
 
-__all__ = ["Basis", "BASES", "MEASURED_ERROR", "TORCHRUN_HERE_ERROR", "prediction_basis"]
+__all__ = ["Basis", "BASES", "MEASURED_ERROR", "TORCHRUN_HERE_ERROR", "EXPERTS_ERROR", "prediction_basis"]
 
 #: The kinds of evidence, in the order of how much of the prediction was measured.
 BASES = ("learnt from runs", "measured here", "catalogue, learnt from runs", "catalogue")
@@ -69,6 +70,13 @@ MEASURED_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] = Map
     "catalogue, learnt from runs": (None, None, "no benchmark has measured runs brought back from a cluster yet"),
 })
 
+#: The catalogue's figures for a mixture of experts (a layer table that counts routed experts), which
+#: Narayanan's dense GPTs do not measure: ``benchmarks/megatron_bridge_moe.py``, Megatron-Bridge's
+#: published DGX-H100 rows (GPT-OSS 120B, Qwen3-30B-A3B, Qwen3-235B-A22B) planned from the models'
+#: configs and the recipes' documented defaults (tokens/s/GPU: +13.1, +13.6, +12.1 %; 2026-12-06).
+EXPERTS_ERROR: tuple[Optional[float], Optional[float], str] = (
+    0.131, 0.136, "megatron_bridge_moe.py, Megatron-Bridge's MoE rows")
+
 
 #: The same two kinds for the exported script's ranks run here (a mesh's: tensor, data or expert
 #: parallelism beside the pipeline, forked with torchrun's environment; or a pipeline under node
@@ -88,12 +96,16 @@ TORCHRUN_HERE_ERROR: Mapping[str, tuple[Optional[float], Optional[float], str]] 
 def prediction_basis(plan: "Plan", executor: Optional[str] = None) -> Basis:
     """What ``plan``'s prediction rests on (:data:`BASES`), with the benchmarks' error for that kind:
     :data:`TORCHRUN_HERE_ERROR`'s for the exported script's ranks run here (a mesh's, or ``executor``
-    ``'torchrun'``: the run it is set beside), else :data:`MEASURED_ERROR`'s."""
+    ``'torchrun'``: the run it is set beside), :data:`EXPERTS_ERROR` for the catalogue's plan of a
+    mixture of experts, else :data:`MEASURED_ERROR`'s."""
     learnt = plan.learnt.runs > 0
     if plan.planned:
         kind = "catalogue, learnt from runs" if learnt else "catalogue"
     else:
         kind = "learnt from runs" if learnt else "measured here"
     ranks_here = not plan.planned and (plan.mesh is not None or executor == "torchrun")
-    median, largest, source = (TORCHRUN_HERE_ERROR if ranks_here else MEASURED_ERROR)[kind]
+    if kind == "catalogue" and (plan.layer_table.attrs.get("experts") or {}).get("count"):
+        median, largest, source = EXPERTS_ERROR
+    else:
+        median, largest, source = (TORCHRUN_HERE_ERROR if ranks_here else MEASURED_ERROR)[kind]
     return Basis(kind, median, largest, source)
