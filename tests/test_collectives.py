@@ -251,7 +251,11 @@ def test_a_step_across_p5_nodes_pays_efas_latency_as_aws_ofi_nccl_models_it():
     assert device_spec("p5.48xlarge").name == "H100-p5" and device_spec("p5").name == "H100-p5"
     p5, h100 = device_spec("H100-p5"), device_spec("H100")
     assert p5.peak_flops == h100.peak_flops and p5.memory_bandwidth == h100.memory_bandwidth
-    assert "EFA" in p5.inter_node_link and gpu_kernels("H100-p5").sms == gpu_kernels("H100").sms
+    assert "EFA" in p5.inter_node_link and p5.chip == "H100" and gpu_kernels("H100-p5") is gpu_kernels("H100")
+    # an H100 here is of its kind (it teaches a plan on p5s), and a GPU's name is never read as the p5
+    from pipexplore.devices.names import _same_kind, catalogue_kind
+    assert _same_kind("H100-p5", "NVIDIA H100 80GB HBM3") and not _same_kind("H100-p5", "NVIDIA A100-SXM4-80GB")
+    assert catalogue_kind("NVIDIA H100 80GB HBM3") == "H100"
     efa, infiniband = fabric_of("H100-p5"), fabric_of("H100")
     assert efa.net_hop == (20.0, 20.0, 23.0) and infiniband.net_hop is None
     assert efa.hop_across("tree", 1) == 20.0 and infiniband.hop_across("tree", 1) == 8.5

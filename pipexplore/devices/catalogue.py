@@ -62,6 +62,8 @@ class DeviceSpec:
     (``torch.optim``'s foreach kernels: several operands each, bf16 computed in fp32), below a
     copy's; ``None``: ``bandwidth_efficiency``
     (:func:`~pipexplore.predict.planned_optimizer.optimizer_bandwidth` learns it on a device of the kind).
+    ``chip``: for the same GPU in other nodes (AWS's p5: ``"H100"``), the kind whose GPU it is: its
+    kernels are that kind's, and a device of that kind here teaches it (``None``: the spec's own name).
     """
 
     name: str
@@ -79,6 +81,7 @@ class DeviceSpec:
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
     optimizer_efficiency: Optional[float] = None
+    chip: Optional[str] = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -218,7 +221,8 @@ CATALOGUE: dict[str, DeviceSpec] = {
 # and nccl_ofi_param.h, TUNER_NET_LATENCY), where InfiniBand's few µs are the default here. How
 # NCCL's collectives run across these nodes: pipexplore.predict.fabrics.FABRICS["H100-p5"].
 CATALOGUE["H100-p5"] = replace(
-    CATALOGUE["H100"], name="H100-p5", inter_node_link="EFA v2 400 Gb/s (4 x 100 Gb/s)", inter_node_latency=20e-6,
+    CATALOGUE["H100"], name="H100-p5", chip="H100", inter_node_link="EFA v2 400 Gb/s (4 x 100 Gb/s)",
+    inter_node_latency=20e-6,
     source="https://aws.amazon.com/ec2/instance-types/p5/ (p5.48xlarge: H100 SXM5, EFA v2); the H100's datasheet; "
            "EFA latency: aws-ofi-nccl's tuner (TUNER_NET_LATENCY, 20 µs)")
 #: Other names of catalogue devices.

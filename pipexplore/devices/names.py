@@ -231,8 +231,10 @@ def device_memory(device: Device) -> float:
 
 def _same_kind(spec: Union[str, DeviceSpec], gpu_name: str) -> bool:
     """Whether a GPU's name (``torch.cuda.get_device_name``) holds every part of the catalogue
-    spec's name: ``'A100-80GB'`` matches ``'NVIDIA A100-SXM4-80GB'``."""
-    parts = [p.lower() for p in device_spec(spec).name.split("-") if p]
+    spec's name (its chip's, for a node variant: ``DeviceSpec.chip``): ``'A100-80GB'`` matches
+    ``'NVIDIA A100-SXM4-80GB'``, ``'H100-p5'`` an H100's."""
+    spec = device_spec(spec)
+    parts = [p.lower() for p in (spec.chip or spec.name).split("-") if p]
     return all(part in gpu_name.lower() for part in parts)
 
 
@@ -251,13 +253,14 @@ def present_device(spec: Union[str, DeviceSpec]) -> Optional[torch.device]:
 
 def catalogue_kind(gpu_name: str) -> Optional[str]:
     """The catalogue's name for a GPU by its name as torch gives it (``'NVIDIA H100 80GB HBM3'`` →
-    ``'H100'``; the most specific entry whose every part it holds), or None (not catalogued).
+    ``'H100'``; the most specific entry whose every part it holds, never a node variant such as
+    ``'H100-p5'``: a GPU's name says its chip, not its node), or None (not catalogued).
 
     Example::
 
         catalogue_kind("NVIDIA A100-SXM4-40GB")   # 'A100-40GB'
     """
-    matches = [name for name in CATALOGUE if _same_kind(name, gpu_name)]
+    matches = [name for name, spec in CATALOGUE.items() if spec.chip is None and _same_kind(name, gpu_name)]
     return max(matches, key=lambda name: len(name.split("-")), default=None)
 
 

@@ -52,7 +52,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
@@ -152,8 +152,6 @@ KERNELS: dict[str, GPUKernels] = {
     "MI300X": GPUKernels("MI300X", 304, _A100_REUSE,
                          source="304 compute units: AMD Instinct MI300X data sheet; tiles and waves as " + _GUIDE),
 }
-# H100-p5: the H100 in AWS's p5.48xlarge (its links differ, not its kernels).
-KERNELS["H100-p5"] = replace(KERNELS["H100"], name="H100-p5")
 
 
 def register_gpu_kernels(name: str, kernels: GPUKernels, *, replace: bool = False) -> GPUKernels:
@@ -173,17 +171,18 @@ def register_gpu_kernels(name: str, kernels: GPUKernels, *, replace: bool = Fals
 
 
 def gpu_kernels(spec: Union[str, DeviceSpec]) -> Optional[GPUKernels]:
-    """How the device ``spec`` (a spec or its catalogue name) runs kernels; None where nothing says
-    (a spec of this machine's CPU, a custom device never registered here): the plain roofline."""
+    """How the device ``spec`` (a spec or its catalogue name) runs kernels — a node variant's
+    (``DeviceSpec.chip``) as its chip's; None where nothing says (a spec of this machine's CPU, a
+    custom device never registered here): the plain roofline."""
     name = spec.name if isinstance(spec, DeviceSpec) else str(spec)
     if name in KERNELS:
         return KERNELS[name]
     if isinstance(spec, str):
         try:
-            return KERNELS.get(device_spec(spec).name)
+            spec = device_spec(spec)
         except ValueError:
             return None
-    return None
+    return KERNELS.get(spec.name) or (KERNELS.get(spec.chip) if spec.chip else None)  # (a node variant: its chip's)
 
 
 def waves(tiles: Union[int, np.ndarray], slots: int) -> np.ndarray:
