@@ -13,9 +13,9 @@ Every predicted step time rests on one of three kinds of evidence:
 
 :data:`MEASURED_ERROR` holds, for each, what the benchmarks measured of that kind of prediction
 (median and largest absolute error, and where: the script and its column), so that a number on
-the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for the exported script's ranks run here
-(a mesh's, or a pipeline's under node agents), which their own benchmark measures, and
-:data:`EXPERTS_ERROR` the catalogue's for a mixture of experts, which its own benchmark measures. The figures are the
+the page says how sure it is; :data:`TORCHRUN_HERE_ERROR` the same for the exported script's ranks
+run here (a mesh's, or a pipeline's under node agents), and :data:`EXPERTS_ERROR` the catalogue's
+for a mixture of experts, each of which its own benchmark measures. The figures are the
 benchmarks' (``benchmarks/README.md``), written here when the benchmark is run again.
 
 Example::
