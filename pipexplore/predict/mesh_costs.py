@@ -77,7 +77,7 @@ backward, and the columns ``dp_seconds``/``gather_seconds`` say which is which.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -385,71 +385,97 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     from pipexplore.predict.costs import microbatch_rows, stage_sums
 
     points = [0, *splits, len(table)]
-    # (the loop below reads Python numbers: a NumPy scalar's each read and product cost several times more)
-    rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float).tolist()
+    rows = np.asarray(microbatch_rows(int(batch), int(chunks)), dtype=float)
     per_stage = {name: stage_sums(values, points) for name, values in collective_layers(table, batch).items()}
-    step_end = per_stage["step_end"]
-    gathers = per_stage["gather"].tolist()
-    exposed_gathers = {phase: per_stage[f"{phase}_gather_exposed"].tolist() for phase in ("forward", "backward")}
-    context = per_stage["context"].tolist()
-    exchange = per_stage["exchange"].tolist()
-    tp_seconds = {name: per_stage[name].tolist() for name in set(_TP_PHASE.values())}
     dp_name = {"ddp": "dp all_reduce", "zero1": "dp reduce_scatter + all_gather",
                "fsdp": "fsdp reduce_scatter"}[data_parallel]
     placed = predicted.attrs.get("fsdp") or ()
     overlapped = {tuple(r[:3]): (float(r[3]), float(r[4]), tuple(r[5]))
                   for r in predicted.attrs.get("moe_overlap") or ()}  # paired actions' all-to-alls, what is exposed
     regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
-    if placed:  # torch's REDUCE_GRAD, drawn where the lowering put it (below), not at the update
-        step_end = step_end - per_stage["reduce_grad"]
-    step_end = step_end.tolist()
-    stage, micro, phase = predicted["stage"].tolist(), predicted["microbatch"].tolist(), predicted["phase"].tolist()
-    start = predicted["start"].to_numpy(dtype=float).tolist()
-    end = predicted["end"].to_numpy(dtype=float).tolist()
-    where = ({(int(stage[i]), str(phase[i]), int(micro[i])): i for i in range(len(predicted))} if overlapped else {})
-    out: list[tuple] = []
-    for i in range(len(predicted)):
-        s, p = int(stage[i]), str(phase[i])
-        if p in _TP_PHASE and int(micro[i]) >= 0:
-            size = rows[int(micro[i]) % len(rows)]
-            seconds = tp_seconds[_TP_PHASE[p]][s] * size
-            if seconds > 0:
-                out.append((i, max(start[i], end[i] - seconds), end[i], "tp all_reduce", True))
-            if context[s] > 0:
-                name = "cp all_gather K,V" if _TP_PHASE[p] == "tp_forward" else "cp reduce_scatter dK,dV"
-                out.append((i, start[i], min(end[i], start[i] + context[s] * size), name, True))
-            paired = overlapped.get((s, p, int(micro[i])))
-            if paired is not None:  # exposed inside its action, hidden under its partner's compute
-                begin = start[i] + context[s] * size
-                seconds, shown, partner = paired
-                if shown > 0:
-                    out.append((i, begin, min(end[i], begin + shown), "ep all_to_all", True))
-                j = where.get(partner)
-                if seconds > shown and j is not None:
-                    after = start[j] + context[int(stage[j])] * rows[int(micro[j]) % len(rows)] + overlapped[partner][1]
-                    out.append((j, after, min(end[j], after + seconds - shown), "ep all_to_all", False))
-            elif exchange[s] > 0:
-                begin = start[i] + context[s] * size
-                out.append((i, begin, min(end[i], begin + exchange[s] * size), "ep all_to_all", True))
-            if gathers[s] > 0 and (p == "forward" or (p == "backward" and (s, int(micro[i])) in regathered)):
-                shown = min(exposed_gathers[p][s], gathers[s])
-                if shown > 0:
-                    out.append((i, start[i], min(end[i], start[i] + shown), "fsdp all_gather", True))
-                if gathers[s] > shown:
-                    out.append((i, start[i] + shown, min(end[i], start[i] + gathers[s]), "fsdp all_gather", False))
-        elif p == "optimizer" and step_end[s] > 0:
-            out.append((i, start[i], min(end[i], start[i] + step_end[s]), dp_name, True))
-    out += _placed_rows(predicted, placed)
-    if not out:
+    step_end = per_stage["step_end"] - (per_stage["reduce_grad"] if placed else 0.0)  # (placed: REDUCE_GRAD
+    # is drawn where the lowering put it, below, not at the update)
+    # Every action's collectives at once, by kind (a step of hundreds of stages and micro-batches,
+    # and a search predicts hundreds of meshes): a row's index in the step, its order among that
+    # action's rows, start, end, name and whether the step waits for it; sorted as the actions run.
+    stage = predicted["stage"].to_numpy(dtype=np.int64)
+    micro = predicted["microbatch"].to_numpy(dtype=np.int64)
+    start = predicted["start"].to_numpy(dtype=float)
+    end = predicted["end"].to_numpy(dtype=float)
+    codes, names = pd.factorize(predicted["phase"], sort=False)
+
+    def phase_in(*wanted: str) -> np.ndarray:  # (each distinct phase compared once, not each row's)
+        return np.isin(codes, [k for k, name in enumerate(names) if name in wanted])
+
+    forward, backward = phase_in("forward"), phase_in("backward")
+    tp_forward = phase_in(*(p for p, kind in _TP_PHASE.items() if kind == "tp_forward"))
+    acting = phase_in(*_TP_PHASE) & (micro >= 0)  # the actions whose layers run (all-reduces, gathers, exchanges)
+    size = np.where(acting, rows[np.where(micro >= 0, micro, 0) % len(rows)], 0.0)
+    context = per_stage["context"][stage] * size
+    parts: list[tuple] = []
+
+    def add(mask: np.ndarray, order: int, begin: np.ndarray, finish: np.ndarray, name: Union[str, np.ndarray],
+            exposed: bool) -> None:
+        index = np.flatnonzero(mask)
+        if len(index):
+            parts.append((index, np.full(len(index), order), begin[index], finish[index],
+                          np.full(len(index), name, dtype=object) if isinstance(name, str) else name[index],
+                          np.full(len(index), exposed), index))
+
+    tp = np.where(acting, np.where(tp_forward, per_stage["tp_forward"][stage], per_stage["tp_backward"][stage]) * size,
+                  0.0)
+    add(tp > 0, 0, np.maximum(start, end - tp), end, "tp all_reduce", True)
+    add(acting & (per_stage["context"][stage] > 0), 1, start, np.minimum(end, start + context),
+        np.where(tp_forward, "cp all_gather K,V", "cp reduce_scatter dK,dV").astype(object), True)
+    paired = np.zeros(len(stage), dtype=bool)
+    if overlapped:  # exposed inside its action, hidden under its partner's compute (a few pairs: one by one)
+        phase = predicted["phase"].tolist()
+        where = {(int(stage[i]), str(phase[i]), int(micro[i])): i for i in range(len(stage))}
+        for (s, p, m), (seconds, shown, partner) in overlapped.items():
+            i = where.get((s, p, m))
+            if i is None or not acting[i]:
+                continue
+            paired[i] = True
+            begin = start[i] + context[i]
+            if shown > 0:
+                parts.append(([i], [2], [begin], [min(end[i], begin + shown)], ["ep all_to_all"], [True], [i]))
+            j = where.get(partner)
+            if seconds > shown and j is not None:
+                after = (start[j] + per_stage["context"][stage[j]] * rows[int(micro[j]) % len(rows)]
+                         + overlapped[partner][1])
+                parts.append(([i], [3], [after], [min(end[j], after + seconds - shown)], ["ep all_to_all"], [False],
+                              [j]))
+    exchange = per_stage["exchange"][stage]
+    add(acting & ~paired & (exchange > 0), 4, start + context, np.minimum(end, start + context + exchange * size),
+        "ep all_to_all", True)
+    gathers = per_stage["gather"][stage]
+    gathering = acting & (gathers > 0) & forward
+    if regathered:
+        again = np.flatnonzero(acting & (gathers > 0) & backward)
+        gathering[again] = [(int(stage[i]), int(micro[i])) in regathered for i in again]
+    shown = np.minimum(np.where(forward, per_stage["forward_gather_exposed"][stage],
+                                per_stage["backward_gather_exposed"][stage]), gathers)
+    add(gathering & (shown > 0), 5, start, np.minimum(end, start + shown), "fsdp all_gather", True)
+    add(gathering & (gathers > shown), 6, start + shown, np.minimum(end, start + gathers), "fsdp all_gather", False)
+    ending = step_end[stage]
+    add(phase_in("optimizer") & (ending > 0), 7, start, np.minimum(end, start + ending), dp_name, True)
+    placed_rows = _placed_rows(predicted, placed)
+    if placed_rows:  # after every action's own rows, in the order the lowering placed them
+        rows_at, begins, finishes, named, shows = (list(column) for column in zip(*placed_rows))
+        parts.append((np.full(len(rows_at), len(stage)), np.full(len(rows_at), 8), begins, finishes,
+                      np.array(named, dtype=object), shows, rows_at))
+    if not parts:
         return predicted.iloc[:0].assign(collective=pd.Series(dtype=object), exposed=pd.Series(dtype=bool))
-    index = [o[0] for o in out]
-    frame = predicted.iloc[index].copy()
+    action, order, begin, finish, collective, exposed, at = (np.concatenate([np.asarray(part[k]) for part in parts])
+                                                             for k in range(7))
+    ranked = np.lexsort((np.arange(len(order)), order, action))
+    frame = predicted.iloc[at[ranked]].copy()
     frame["device"] = frame["device"].astype(str) + COLLECTIVE_LANE
     frame["phase"] = "collective"
-    frame["start"] = [o[1] for o in out]
-    frame["end"] = [o[2] for o in out]
-    frame["collective"] = [o[3] for o in out]
-    frame["exposed"] = [o[4] for o in out]
+    frame["start"] = begin[ranked].astype(float)
+    frame["end"] = finish[ranked].astype(float)
+    frame["collective"] = collective[ranked].astype(object)
+    frame["exposed"] = exposed[ranked].astype(bool)
     if "memory" in frame:
         frame["memory"] = np.nan
     return frame.reset_index(drop=True)
