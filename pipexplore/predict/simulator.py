@@ -100,7 +100,8 @@ def schedule_graph(schedule: str, stages: int, m: int, *, executor: str, checkpo
         steps = [(s, "O", OPTIMIZER_MICRO) for s in range(S)]
         if executor == "processes":  # each rank steps its stages' optimizers once its schedule is done
             for queue in lane_queues:
-                queue += [step for step in steps if step[0] in {s for s, _, _ in queue}]
+                held = {s for s, _, _ in queue}
+                queue += [step for step in steps if step[0] in held]
         else:  # the caller's thread, once the workers are done: stage after stage
             lane_queues.append(steps)
     return ActionGraph.build(lane_queues, S, "I" if splits_backward(schedule) else "B")
