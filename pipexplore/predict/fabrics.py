@@ -120,10 +120,13 @@ _DGX_H100 = Fabric(
 # over EFA through aws-ofi-nccl, whose tuner models the p5's network step at 20 µs for LL and LL128 and
 # 23 µs for Simple (TUNER_NET_LATENCY 20 plus TUNER_NET_COMP_OVERHEAD 3: "~2µsec cost in the device
 # and ~1µsec cost to write that completion up to the host stack"; src/tuner/nccl_ofi_model.cpp,
-# nccl_ofi_param.h), where NCCL's InfiniBand figures are 2.7–14 µs. No EFA efficiency is published:
-# the NIC's is the NDR one's.
+# nccl_ofi_param.h), where NCCL's InfiniBand figures are 2.7–14 µs. The 20 µs is the catalogue's
+# (the spec's inter_node_latency, with the same source). No EFA efficiency is published: the NIC's
+# is the NDR one's.
+_EFA_STEP = device_spec("H100-p5").inter_node_latency * 1e6  # µs
+_EFA_COMPLETION = 3.0  # µs more for Simple (TUNER_NET_COMP_OVERHEAD)
 _P5 = replace(
-    _DGX_H100, nic_bandwidth=12.5e9, nics_per_gpu=4, net_hop=(20.0, 20.0, 23.0),
+    _DGX_H100, nic_bandwidth=12.5e9, nics_per_gpu=4, net_hop=(_EFA_STEP, _EFA_STEP, _EFA_STEP + _EFA_COMPLETION),
     ll_busbw=(141e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Hopper in one node; AMD hosts across nodes
     source="AWS p5 instance page; aws-ofi-nccl's tuner (EFA latency); the DGX H100's NVLink figures")
 #: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
