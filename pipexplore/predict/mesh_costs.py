@@ -393,8 +393,8 @@ def collective_rows(predicted: pd.DataFrame, table: pd.DataFrame, splits: Sequen
     overlapped = {tuple(r[:3]): (float(r[3]), float(r[4]), tuple(r[5]))
                   for r in predicted.attrs.get("moe_overlap") or ()}  # paired actions' all-to-alls, what is exposed
     regathered = {(r[1], r[2][2]) for r in placed if r[0] == "regather"}  # backwards that gather again
-    step_end = per_stage["step_end"] - (per_stage["reduce_grad"] if placed else 0.0)  # (placed: REDUCE_GRAD
-    # is drawn where the lowering put it, below, not at the update)
+    # (with FSDP placed, its REDUCE_GRAD is drawn where the lowering put it, below, not at the update)
+    step_end = per_stage["step_end"] - (per_stage["reduce_grad"] if placed else 0.0)
     # Every action's collectives at once, by kind (a step of hundreds of stages and micro-batches,
     # and a search predicts hundreds of meshes): a row's index in the step, its order among that
     # action's rows, start, end, name and whether the step waits for it; sorted as the actions run.
