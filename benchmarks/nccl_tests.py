@@ -31,9 +31,10 @@ Across nodes: beside the 2-node A100 figures at 1 GiB, H100 all-reduce curves (1
 and 8 HGX H100 nodes with eight 400 Gb/s NDR NICs each, as NCCL chooses (NVIDIA/nccl-tests#309: two
 clusters, bare metal and VMs), and all-reduce and all-gather curves (32 MiB–8 GiB) on 2–32 AWS
 p5.48xlarge (eight H100s, 32 EFA interfaces of 100 Gb/s: 400 Gb/s a GPU, as a DGX H100's; the
-catalogue's ``H100-p5``: the DGX H100's fabric with EFA's step latency as aws-ofi-nccl's tuner models
-it, 20 µs, as no EFA efficiency is published), where aws-ofi-nccl's tuner plugin, not NCCL's own
-tuner, chose the algorithm. Every one of them is a check; none was read into a default. Not
+catalogue's ``H100-p5``: the DGX H100's fabric, with the 75 µs network latency aws-ofi-nccl reports to
+NCCL on p5s added to each step across nodes as NCCL's tuner adds it, and the NDR NIC's efficiency, as
+no EFA efficiency is published), where aws-ofi-nccl's tuner plugin, not NCCL's own tuner, chose the
+all-reduce's algorithm. Every one of them is a check; none was read into a default. Not
 found published (left out, not invented): per-size tables on 4 or more DGX-class A100 nodes (eight
 HDR NICs a node), and H100 reduce-scatter curves across nodes.
 

@@ -234,17 +234,19 @@ def test_the_published_multi_node_h100_curves_are_read_and_held_to_their_recorde
     assert 0.05 < by_nodes[4]["median"] < 0.25 and by_nodes[4]["signed"] > 0
     assert 0.05 < by_nodes[8]["median"] < 0.25 and by_nodes[8]["signed"] > 0
     p5_nodes = bench.summary(p5, lambda r: r["nodes"])
-    # EFA's step at aws-ofi-nccl's 20 µs (the p5's fabric) halved the 32-node miss (+62 % before); what is
-    # left there is the all-gather's ring of 255 steps at ~10 µs each, which no published figure explains
-    assert p5_nodes[2]["median"] < 0.15 and 0.3 < p5_nodes[32]["signed"] < 0.6
-    assert sum(abs(r["error"]) <= 0.15 for r in p5) >= 35
+    # NCCL costing each step across p5 nodes with the 75 µs aws-ofi-nccl reports to it (the p5's fabric)
+    # took the 32-node all-gather's ring of 255 steps from +118 % to within 27 % (35 points within 15 % before)
+    assert p5_nodes[2]["median"] < 0.15 and p5_nodes[32]["median"] < 0.15 and -0.2 < p5_nodes[32]["signed"] < 0
+    assert max(abs(r["error"]) for r in p5) < 0.3
+    assert sum(abs(r["error"]) <= 0.15 for r in p5) >= 51
 
 
-def test_a_step_across_p5_nodes_pays_efas_latency_as_aws_ofi_nccl_models_it():
+def test_a_step_across_p5_nodes_pays_efas_latency_as_nccl_costs_it():
     """AWS's p5.48xlarge (the catalogue's ``H100-p5``): a DGX H100's GPUs and NVLink, EFA across
-    nodes. A latency-bound collective across them pays, for each step that crosses nodes,
-    aws-ofi-nccl's 20 µs (LL, LL128; 23 µs Simple) where InfiniBand pays NCCL's 2.7–14 µs; inside a
-    node, and for large messages, nothing changes."""
+    nodes, AMD hosts. NCCL's tuner costs each step that crosses nodes at its network figure plus the
+    75 µs aws-ofi-nccl reports for EFA (twice with Simple), and each step of such a ring inside a node
+    at no less than posting a network operation from the host (2 µs on AMD, 1 on Intel; three times
+    with Simple); inside a node, and for large messages, nothing changes."""
     from pipexplore.devices import device_spec
     from pipexplore.predict.kernels import gpu_kernels
 
@@ -257,14 +259,21 @@ def test_a_step_across_p5_nodes_pays_efas_latency_as_aws_ofi_nccl_models_it():
     assert _same_kind("H100-p5", "NVIDIA H100 80GB HBM3") and not _same_kind("H100-p5", "NVIDIA A100-SXM4-80GB")
     assert catalogue_kind("NVIDIA H100 80GB HBM3") == "H100"
     efa, infiniband = fabric_of("H100-p5"), fabric_of("H100")
-    assert efa.net_hop == (20.0, 20.0, 23.0) and infiniband.net_hop is None
-    assert efa.hop_across("tree", 1) == 20.0 and infiniband.hop_across("tree", 1) == 8.5
+    assert (efa.net_latency, efa.net_post) == (75.0, 2.0) and (infiniband.net_latency, infiniband.net_post) == (0, 1)
+    assert efa.hop_across("tree", 1) == 8.5 + 75.0 and efa.hop_across("ring", 2) == 14.0 + 2 * 75.0
+    assert infiniband.hop_across("tree", 1) == 8.5 and infiniband.hop_across("ring", 0, lone=True) == 5.0
+    assert [efa.ring_step(p) for p in range(3)] == [2.0, 2.0, 6.0]
+    assert [infiniband.ring_step(p) for p in range(3)] == [1.0, 1.9, 3.4]
     tiny = {name: collective_cost("all_gather", 8, nodes(name, 32)) for name in ("H100-p5", "H100")}
     assert tiny["H100-p5"].protocol == tiny["H100"].protocol == "LL" and tiny["H100"].algorithm == "ring"
-    crossings = 32 - 1  # the ring's steps from node to node
-    assert tiny["H100-p5"].seconds - tiny["H100"].seconds == pytest.approx(crossings * (20.0 - 2.7) * 1e-6, rel=1e-3)
-    # inside a node, and at 8 GiB across nodes (the bytes, not the steps), the two are alike
+    crossings, inside = 32 - 1, 256 - 32  # the ring's steps from node to node, and inside nodes
+    assert tiny["H100-p5"].seconds - tiny["H100"].seconds == pytest.approx((crossings * 75.0 + inside * (2.0 - 1.0))
+                                                                           * 1e-6, rel=1e-3)
+    # one GPU a node: every step of the ring crosses nodes, at NCCL's tree figure ("fully exposed")
+    lone = collective_cost("all_gather", 8, [f"H100:{8 * i}" for i in range(4)], gpus_per_node=8)
+    assert lone.protocol == "LL" and lone.seconds == pytest.approx((6.6 + 3 * 5.0) * 1e-6, rel=1e-3)
+    # inside a node the two are alike, and at 8 GiB across nodes (the bytes, not the steps) within 3 %
     assert collective_seconds("all_reduce", GiB, nodes("H100-p5", 1)) == collective_seconds("all_reduce", GiB,
                                                                                              nodes("H100", 1))
     large = [collective_cost("all_gather", 8 * GiB, nodes(name, 4)).bus_bandwidth for name in ("H100-p5", "H100")]
-    assert large[0] == pytest.approx(large[1], rel=0.02)
+    assert large[0] < large[1] and large[0] == pytest.approx(large[1], rel=0.03)

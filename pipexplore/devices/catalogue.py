@@ -219,7 +219,8 @@ CATALOGUE: dict[str, DeviceSpec] = {
 # GPU), 3rd-generation AMD EPYC hosts. An EFA message's latency is aws-ofi-nccl's (the plugin that
 # runs NCCL over EFA): 20 µs a network step in its tuner's model of the p5 (src/tuner/nccl_ofi_model.cpp
 # and nccl_ofi_param.h, TUNER_NET_LATENCY), where the other kinds' InfiniBand takes 8 µs here. How
-# NCCL's collectives run across these nodes: pipexplore.predict.fabrics.FABRICS["H100-p5"].
+# NCCL's collectives run across these nodes (each step at the 75 µs the plugin reports to NCCL):
+# pipexplore.predict.fabrics.FABRICS["H100-p5"].
 CATALOGUE["H100-p5"] = replace(
     CATALOGUE["H100"], name="H100-p5", chip="H100", inter_node_link="EFA v2 400 Gb/s (4 x 100 Gb/s)",
     inter_node_latency=20e-6,

@@ -34,10 +34,13 @@ all-gather or a reduce-scatter, whose ``bytes`` is the whole tensor: the gathere
 scattered input), so that ``bus_bandwidth`` is what nccl-tests prints as ``busbw``. The latency is
 NCCL's: a base per algorithm and protocol plus a hop latency per step over NVLink or the network
 (the ring pays one a step, ``2(n−1)`` steps for an all-reduce; the tree ``2·log2(N)`` network hops
-and a chain inside each node). The last term is the time a message's pipeline takes to fill through
-its ``steps`` (chunks cut at their best size, the classic pipelined transfer: ``(√(steps·ramp) +
-√W)²``), which NCCL's model leaves out: published nccl-tests curves reach their plateau only at
-hundreds of MiB, more slowly than a latency alone gives (:class:`Fabric`).
+and a chain inside each node); a step across nodes adds the latency the network's plugin reports to
+NCCL (75 µs over AWS's EFA, none over InfiniBand), and a ring that crosses nodes pays at least the
+host's cost of posting a network operation at each of its steps (:class:`Fabric`). The last term
+is the time a message's pipeline takes to fill through its ``steps`` (chunks cut at their best
+size, the classic pipelined transfer: ``(√(steps·ramp) + √W)²``), which NCCL's model leaves out:
+published nccl-tests curves reach their plateau only at hundreds of MiB, more slowly than a latency
+alone gives (:class:`Fabric`).
 
 ``all_to_all`` (experts' token exchange) is NCCL's grouped send/receive: each rank sends ``(n−1)/n``
 of its tensor, the part for ranks of its node over NVLink, the rest through its own NIC, at the
@@ -62,7 +65,7 @@ import numpy as np
 import pandas as pd
 
 from pipexplore.devices import is_planned, link_latency, link_seconds_per_byte, node_of
-from pipexplore.predict.fabrics import FABRICS, PROTOCOLS, Fabric, fabric_of
+from pipexplore.predict.fabrics import FABRICS, HOP_NVLINK, PROTOCOLS, Fabric, fabric_of
 
 __all__ = ["KINDS", "COLLECTIVES", "ALGORITHMS", "PROTOCOLS", "HOST_LINK", "Fabric", "FABRICS", "fabric_of", "Cost",
            "Group", "ring_seconds", "nccl_cost", "collective_cost", "collective_seconds", "linear_cost",
@@ -80,10 +83,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "p2p")
 
 # NCCL's tuning constants (src/graph/tuning.cc, NCCL 2.18–2.29, unchanged across them), µs: the base
-# latency of an algorithm and protocol, and the latency a step adds over NVLink (over the network:
-# the fabric's, Fabric.hop_across).
+# latency of an algorithm and protocol (a step's: HOP_NVLINK over NVLink, Fabric.hop_across across nodes).
 _BASE = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4), "p2p": (6.6, 14.0, 8.4)}
-_HOP_NVLINK = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "p2p": (0.6, 1.9, 3.4)}
 _NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tuning.cc, NVLS/NVLS Tree)
 # Beyond two nodes NCCL's tuner costs NVLS Tree's inter-node part at half the bandwidth it gives it on two
 # (tuning.cc, NCCL 2.19–2.28: ``bw = min(bwIntra, nNodes <= 2 ? bwInter : bwInter/2)``), so that it runs the
@@ -194,7 +195,7 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         else:  # each rank's (n−1)/n: the part for its node's ranks over NVLink, the rest through its NIC
             intra, inter = nbytes * (most - 1) / ranks, nbytes * (ranks - most) / ranks
         for p in range(3):
-            hop = fabric.hop_across("p2p", p) if inter > 0 else _HOP_NVLINK["p2p"][p]
+            hop = fabric.hop_across("p2p", p) if inter > 0 else HOP_NVLINK["p2p"][p]
             scale = {0: 0.5, 1: _LL128, 2: 1.0}[p]
             work = max(intra / (fabric.nvlink_busbw * scale), inter / (nic * scale))
             if p == 0:  # LL's cap on its own rate
@@ -206,8 +207,9 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
         efficiency = fabric.reduce_efficiency if reducing else 1.0
         ring = min(nvlink * efficiency, net if nodes > 1 else math.inf)
         for p in range(3):
-            latency = (_BASE["ring"][p] + (steps - crossings) * _HOP_NVLINK["ring"][p]
-                       + crossings * fabric.hop_across("ring", p))
+            inside = fabric.ring_step(p) if nodes > 1 else HOP_NVLINK["ring"][p]
+            across = fabric.hop_across("ring", p, lone=most == 1)
+            latency = _BASE["ring"][p] + (steps - crossings) * inside + crossings * across
             add("ring", p, latency, ring, steps * fabric.ramp)
         if kind == "all_reduce" and nodes > 1:
             # a double binary tree: a node sends 2(N−1)/N of the tensor through its NICs, where a ring's send ~2
@@ -218,7 +220,7 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
             levels = math.ceil(math.log2(nodes))
             depth = 2 * (most - 1 + levels)  # up the chain and the tree, and down again
             for p in range(3):
-                chain, across = (most - 1) * _HOP_NVLINK["tree"][p], levels * fabric.hop_across("tree", p)
+                chain, across = (most - 1) * HOP_NVLINK["tree"][p], levels * fabric.hop_across("tree", p)
                 latency = _BASE["tree"][p] + 2 * (chain + across)
                 add("tree", p, latency, kept(p) * min(nvlink * efficiency, tree_net), depth * fabric.ramp)
             if fabric.nvls_busbw and most > 1:
@@ -255,7 +257,8 @@ def _layout(devices: Sequence[str], gpus_per_node: int) -> tuple[int, int, Fabri
             ll_busbw=tuple(min(f.ll_busbw[i] for f in fabrics) for i in range(3)),  # type: ignore[arg-type]
             tree_caps=(min(f.tree_caps[0] for f in fabrics), min(f.tree_caps[1] for f in fabrics)),
             tree_ll128_caps=(min(f.tree_ll128_caps[0] for f in fabrics), min(f.tree_ll128_caps[1] for f in fabrics)),
-            ramp=max(f.ramp for f in fabrics), nvls_ramp=max(f.nvls_ramp for f in fabrics))
+            ramp=max(f.ramp for f in fabrics), nvls_ramp=max(f.nvls_ramp for f in fabrics),
+            net_latency=max(f.net_latency for f in fabrics), net_post=max(f.net_post for f in fabrics))
     return len(counts), min(counts.values()), fabric
 
 

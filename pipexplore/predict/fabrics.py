@@ -7,7 +7,7 @@ them: :mod:`pipexplore.predict.collectives`.
 Example::
 
     fabric_of("H100").nvls_busbw                  # 480e9: NVLink SHARP on eight H100s
-    fabric_of("H100-p5").hop_across("ring", 2)    # 23.0 µs: a Simple step over EFA
+    fabric_of("H100-p5").hop_across("ring", 2)    # 164.0 µs: a Simple step over EFA, as NCCL costs it
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from typing import Optional
 from pipexplore.devices import device_spec
 from pipexplore.devices.catalogue import DeviceSpec
 
-__all__ = ["PROTOCOLS", "Fabric", "FABRICS", "fabric_of"]
+__all__ = ["PROTOCOLS", "HOP_NVLINK", "Fabric", "FABRICS", "fabric_of"]
 
 PROTOCOLS = ("LL", "LL128", "Simple")
-# NCCL's latency of a step across nodes (src/graph/tuning.cc, NCCL 2.18–2.29), µs per protocol, by
-# algorithm: what InfiniBand (or RoCE) costs; a fabric whose network differs gives its own (net_hop).
+# NCCL's latency of a step (src/graph/tuning.cc hwLat, NCCL 2.18–2.29), µs per protocol, by algorithm:
+# over NVLink, and across nodes before the network's own latency (Fabric.net_latency) is added.
+HOP_NVLINK = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0), "p2p": (0.6, 1.9, 3.4)}
 _HOP_NET = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0), "p2p": (2.7, 4.0, 14.0)}
 
 
@@ -46,9 +47,11 @@ class Fabric:
     seconds a pipeline step adds to the fill of the module docstring's formula (a ring all-reduce
     has ``2(n−1)`` steps, a tree ``2·(GPUs a node − 1 + log2 N)``, an all-to-all ``n−1`` rounds of
     sends, a send one); ``nvls_ramp``: NVLink
-    SHARP's, for its one step inside a node. ``net_hop``: the latency (µs) a step across nodes
-    adds, per protocol (LL, LL128, Simple), where the network is not the InfiniBand NCCL's own
-    constants are for (``None``: theirs, per algorithm).
+    SHARP's, for its one step inside a node. ``net_latency``: the latency (µs) the network's plugin
+    reports to NCCL (``ncclNetProperties.latency``; 0 for NCCL's own InfiniBand), which NCCL's tuner
+    adds to every step across nodes (:meth:`hop_across`). ``net_post``: NCCL's cost (µs) of posting a
+    network operation from the node's CPUs (``getNetOverhead``: 1 on Intel hosts, 2 on AMD ones),
+    below which no step of a ring that crosses nodes goes (:meth:`ring_step`).
     """
 
     nvlink_busbw: float
@@ -63,13 +66,23 @@ class Fabric:
     tree_ll128_caps: tuple[float, float] = (20.0, 20.0)
     ramp: float = 0.1e-6
     nvls_ramp: float = 5e-6
-    net_hop: Optional[tuple[float, float, float]] = None
+    net_latency: float = 0.0
+    net_post: float = 1.0
     source: str = ""
 
-    def hop_across(self, algorithm: str, protocol: int) -> float:
-        """The latency (µs) a step across nodes adds with ``algorithm`` and ``protocol``: the fabric's
-        own (``net_hop``, per protocol) where its network is not NCCL's InfiniBand, else NCCL's."""
-        return self.net_hop[protocol] if self.net_hop is not None else _HOP_NET[algorithm][protocol]
+    def hop_across(self, algorithm: str, protocol: int, lone: bool = False) -> float:
+        """The latency (µs) of a step across nodes with ``algorithm`` and ``protocol`` (an index of
+        :data:`PROTOCOLS`), as NCCL's tuner costs it (``tuning.cc``): its network figure (the tree's
+        for a ring where one GPU a node takes part, ``lone``: "latencies are fully exposed"), plus
+        the network's own latency (``net_latency``), twice with Simple ("the flush extra latency")."""
+        figure = _HOP_NET["tree" if lone and algorithm == "ring" else algorithm][protocol]
+        return figure + self.net_latency * (2 if PROTOCOLS[protocol] == "Simple" else 1)
+
+    def ring_step(self, protocol: int) -> float:
+        """The least latency (µs) of a step inside a node of a ring that crosses nodes: NCCL's tuner
+        has every step post its network operation ("inter-node rings still have to launch nsteps *
+        net overhead"), Simple's three (``net_post`` × 3)."""
+        return max(HOP_NVLINK["ring"][protocol], self.net_post * (3 if PROTOCOLS[protocol] == "Simple" else 1))
 
     def tree_beyond_two(self, protocol: int) -> float:
         """What a tree keeps of its two-node bandwidth on 4+ nodes with ``protocol`` (an index of
@@ -98,6 +111,7 @@ _DGX_A100 = Fabric(
     ll_busbw=(87.7e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Ampere in one node; AMD hosts across nodes
     tree_caps=(23.6, 17.8), tree_ll128_caps=(20.0, 20.0),  # tuning.cc per-channel tree caps, Ampere: 2 nodes, 4+
     ramp=6e-6 / 14,  # read from the published single-node all-reduce curve, 14 steps (benchmarks/nccl_tests.py)
+    net_post=2.0,  # tuning.cc getNetOverhead: AMD hosts
     source="DGX A100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 # DGX H100 — NVIDIA DGX H100 User Guide, "Introduction to the NVIDIA DGX H100 System"
 # (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html): eight H100 SXM5 on
@@ -114,21 +128,21 @@ _DGX_H100 = Fabric(
     ll_busbw=(141e9, 39.0e9, 20.4e9),  # tuning.cc llMaxBws: Hopper in one node; Intel hosts across nodes
     tree_caps=(41.4, 36.0), tree_ll128_caps=(36.7, 29.0),  # tuning.cc per-channel tree caps, Hopper: 2 nodes, 4+
     ramp=0.2e-6 / 14, nvls_ramp=5e-6,  # read from the published single-node all-reduce curves (nccl_tests.py)
+    net_post=1.0,  # tuning.cc getNetOverhead: Intel hosts
     source="DGX H100 User Guide; nccl-tests figures in benchmarks/nccl_tests.py")
 # AWS p5.48xlarge (https://aws.amazon.com/ec2/instance-types/p5/): a DGX H100's GPUs and NVSwitches;
 # across nodes 32 EFA v2 interfaces of 100 Gb/s, four (400 Gb/s) a GPU, and AMD EPYC hosts. NCCL runs
-# over EFA through aws-ofi-nccl, whose tuner models the p5's network step at 20 µs for LL and LL128 and
-# 23 µs for Simple (TUNER_NET_LATENCY 20 plus TUNER_NET_COMP_OVERHEAD 3: "~2µsec cost in the device
-# and ~1µsec cost to write that completion up to the host stack"; src/tuner/nccl_ofi_model.cpp,
-# nccl_ofi_param.h), where NCCL's InfiniBand figures are 2.7–14 µs. The 20 µs is the catalogue's
-# (the spec's inter_node_latency, with the same source). No EFA efficiency is published: the NIC's
-# is the NDR one's.
-_EFA_STEP = device_spec("H100-p5").inter_node_latency * 1e6  # µs
-_EFA_COMPLETION = 3.0  # µs more for Simple (TUNER_NET_COMP_OVERHEAD)
+# over EFA through aws-ofi-nccl, which reports a network latency of 75 µs to NCCL on p5 and p5e
+# (src/platform-aws.cpp, platform "p5/p5e", ``.latency = 75.0``, v1.16.3: "Empirical testing on P5 had
+# shown that NCCL's internal tuner choices work better with this value"); NCCL's tuner adds it to each
+# step across nodes, where its own InfiniBand figures are 2.7–14 µs. No EFA efficiency is published:
+# the NIC's is the NDR one's.
 _P5 = replace(
-    _DGX_H100, nic_bandwidth=12.5e9, nics_per_gpu=4, net_hop=(_EFA_STEP, _EFA_STEP, _EFA_STEP + _EFA_COMPLETION),
+    _DGX_H100, nic_bandwidth=12.5e9, nics_per_gpu=4, net_latency=75.0,
     ll_busbw=(141e9, 22.5e9, 19.0e9),  # tuning.cc llMaxBws: Hopper in one node; AMD hosts across nodes
-    source="AWS p5 instance page; aws-ofi-nccl's tuner (EFA latency); the DGX H100's NVLink figures")
+    net_post=2.0,  # tuning.cc getNetOverhead: AMD hosts
+    source="AWS p5 instance page; aws-ofi-nccl (EFA's latency as it reports it to NCCL); the DGX H100's NVLink "
+           "figures")
 #: The fabric of the catalogue's kinds that run in DGX nodes (the DGX H200 has the DGX H100's
 #: NVSwitches and NICs) and in AWS's p5; other kinds get :func:`fabric_of`'s default from their spec.
 FABRICS: dict[str, Fabric] = {"A100-40GB": _DGX_A100, "A100-80GB": _DGX_A100, "H100": _DGX_H100, "H200": _DGX_H100,
