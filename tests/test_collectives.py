@@ -277,3 +277,23 @@ def test_a_step_across_p5_nodes_pays_efas_latency_as_nccl_costs_it():
                                                                                              nodes("H100", 1))
     large = [collective_cost("all_gather", 8 * GiB, nodes(name, 4)).bus_bandwidth for name in ("H100-p5", "H100")]
     assert large[0] < large[1] and large[0] == pytest.approx(large[1], rel=0.03)
+
+
+def test_a_ring_simple_all_reduce_across_nodes_pays_nccls_plateau_factor(monkeypatch):
+    """NCCL's tuner costs a ring Simple all-reduce across nodes at 1.4 times its latency once each
+    channel's share of each rank reaches 64 bytes ("plateau effect of ring"); below it, and inside a
+    node, its latency as it is."""
+    import pipexplore.predict.collectives as collectives
+
+    fabric = FABRICS["H100"]
+    latency = 8.4 + (30 - 2) * 3.4 + 2 * 14.0  # base, 28 steps over NVLink, 2 across nodes (µs)
+
+    def ring(nbytes, nodes=2):
+        return collectives.nccl_cost("all_reduce", nbytes, ranks=16, nodes=nodes, fabric=fabric,
+                                     algorithm="ring").seconds
+
+    large, small = 8 * GiB, 16 * 32 * 64 - 1  # at 8 GiB Simple runs; below 32 KiB no plateau
+    with_plateau, below, inside = ring(large), ring(small), ring(large, nodes=1)
+    monkeypatch.setattr(collectives, "_RING_PLATEAU", 1.0)
+    assert with_plateau - ring(large) == pytest.approx(0.4 * latency * 1e-6, rel=1e-6)
+    assert below == ring(small) and inside == ring(large, nodes=1)

@@ -36,7 +36,8 @@ NCCL's: a base per algorithm and protocol plus a hop latency per step over NVLin
 (the ring pays one a step, ``2(n−1)`` steps for an all-reduce; the tree ``2·log2(N)`` network hops
 and a chain inside each node); a step across nodes adds the latency the network's plugin reports to
 NCCL (75 µs over AWS's EFA, none over InfiniBand), and a ring that crosses nodes pays at least the
-host's cost of posting a network operation at each of its steps (:class:`Fabric`). The last term
+host's cost of posting a network operation at each of its steps (:class:`Fabric`); a ring Simple
+all-reduce across nodes pays 1.4 times its latency (NCCL's "plateau effect of ring"). The last term
 is the time a message's pipeline takes to fill through its ``steps`` (chunks cut at their best
 size, the classic pipelined transfer: ``(√(steps·ramp) + √W)²``), which NCCL's model leaves out:
 published nccl-tests curves reach their plateau only at hundreds of MiB, more slowly than a latency
@@ -91,6 +92,11 @@ _NVLS_LATENCY = 25.0  # NVLink SHARP, Simple only: its NVLink hop latency (tunin
 # ring (or the tree) for large all-reduces on 4 and more H100 nodes: there NVLink SHARP on or off gives the
 # same bus bandwidth, where on one or two nodes it adds ~30 % (NVIDIA/nccl#1221, NCCL 2.19.3).
 _NVLS_TREE_BEYOND_TWO = 0.5
+# "Plateau effect of ring": NCCL's tuner (ncclTopoGetAlgoTime, NCCL 2.19–2.27) costs a ring Simple
+# all-reduce across nodes at 1.4 times its latency (1.9 before Ampere) once each channel's share of
+# each rank is 64 bytes or more; taken here at NCCL's most channels, 32 (from 64 KiB a rank).
+_RING_PLATEAU = 1.4
+_CHANNELS = 32
 # The LL128 protocol's payload (120 of 128 bytes) at 92 % of Simple's rate, and the tree's 92 % (tuning.cc).
 _LL128 = 0.92 * 120 / 128
 _TREE = 0.92
@@ -210,6 +216,8 @@ def nccl_cost(kind: str, nbytes: float, *, ranks: int, nodes: int, fabric: Fabri
             inside = fabric.ring_step(p) if nodes > 1 else HOP_NVLINK["ring"][p]
             across = fabric.hop_across("ring", p, lone=most == 1)
             latency = _BASE["ring"][p] + (steps - crossings) * inside + crossings * across
+            if p == 2 and kind == "all_reduce" and nodes > 1 and nbytes / (_CHANNELS * ranks) >= 64:
+                latency *= _RING_PLATEAU
             add("ring", p, latency, ring, steps * fabric.ramp)
         if kind == "all_reduce" and nodes > 1:
             # a double binary tree: a node sends 2(N−1)/N of the tensor through its NICs, where a ring's send ~2
