@@ -145,8 +145,10 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
         measured.append(float(row["step_time"]))
         predicted.append(float(row["predicted_step_time"]))
         errors.append(float(row["prediction_error"]))
+        stolen = float(row["host_steal"])  # the host's CPU time other guests held while it was measured
         notes.append(f"{label}: predicted {row['predicted_step_time'] * 1e3:.1f} ms, "
-                     f"measured {row['step_time'] * 1e3:.1f} ms ({row['prediction_error'] * 100:+.0f} %)")
+                     f"measured {row['step_time'] * 1e3:.1f} ms ({row['prediction_error'] * 100:+.0f} %)"
+                     + ("" if math.isnan(stolen) or stolen < 0.01 else f", {stolen * 100:.0f} % stolen"))
 
     measure("first")
     measure("again")

@@ -10,11 +10,20 @@ what runs::
 
     with sharing_cores(stage_threads(["cpu", "cpu"])):    # 1 thread each on 2 cores
         executor.step(x)
+
+On a virtual machine the cores are not all the host's to give: the hypervisor runs other guests on
+them, and what it takes (Linux's *steal* time) slows a measurement as no prediction made before it
+can know. :class:`StealMeter` says how much it took while a step was measured::
+
+    meter = StealMeter()
+    executor.step(x)
+    meter.share()                                          # 0.0 on a quiet machine; nan off Linux
 """
 from __future__ import annotations
 
 import contextvars
 import ctypes
+import math
 import os
 import socket
 import threading
@@ -24,7 +33,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 import torch
 
 __all__ = ["host_cores", "free_port", "core_share", "rank_cores", "RANK_CORES_ENV", "keep_to_rank_cores",
-           "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker", "stage_worker_matters"]
+           "stage_threads", "sharing_cores", "use_stage_threads", "as_stage_worker", "stage_worker_matters",
+           "CPU_STAT", "cpu_ticks", "StealMeter"]
 
 
 def free_port() -> int:
@@ -169,3 +179,41 @@ def as_stage_worker(work: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+#: Where Linux counts the host's CPU time, by kind, since boot.
+CPU_STAT = "/proc/stat"
+
+
+def cpu_ticks(path: str = CPU_STAT) -> Optional[tuple[int, int]]:
+    """The host's CPU time so far, in the kernel's ticks, from ``path``'s ``cpu`` line (``user nice
+    system idle iowait irq softirq steal …``): the part the hypervisor gave other guests (steal), and
+    all of it (the first eight fields; guest time is inside user's). None where there is no such
+    file or line (not Linux)."""
+    try:
+        with open(path) as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] == "cpu":
+                    ticks = [int(value) for value in fields[1:9]]
+                    return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class StealMeter:
+    """The share of the host's CPU time the hypervisor gave to other guests from this meter's start
+    to each :meth:`share` (see the module docstring); ``path``: where the kernel counts it."""
+
+    def __init__(self, path: str = CPU_STAT) -> None:
+        self.path = path
+        self.start = cpu_ticks(path)
+
+    def share(self) -> float:
+        """Stolen ticks over all ticks since the start: 0 to 1; nan where the kernel does not count
+        them, or no tick has passed yet (a window under the kernel's 10 ms clock)."""
+        now = cpu_ticks(self.path)
+        if self.start is None or now is None or now[1] <= self.start[1]:
+            return math.nan
+        return (now[0] - self.start[0]) / (now[1] - self.start[1])

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipexplore import timeline as tl
 from pipexplore.cancel import check_cancelled
-from pipexplore.host import sharing_cores, stage_threads
+from pipexplore.host import StealMeter, sharing_cores, stage_threads
 from pipexplore.executors.tied import own_parameters
 from pipexplore.samples import Sample, batch_size
 from pipexplore.plan import Plan
@@ -124,7 +124,9 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
     Gives the timeline of the measured step whose time is the median (one step alone is at the
     mercy of the machine's noise), the loss of the first step (warm-up or not: at the weights the
     run started from, so that it equals the unsplit model's loss, and two runs of the same plan
-    report the same loss) and the measured steps' losses. A cancelled run
+    report the same loss) and the measured steps' losses. The timeline's ``attrs["host_steal"]``:
+    the share of the host's CPU time the hypervisor gave other guests while the steps were measured
+    (:class:`~pipexplore.host.StealMeter`). A cancelled run
     (:func:`pipexplore.cancel.check_cancelled`) stops between steps with
     :class:`~pipexplore.cancel.Cancelled`, and is never returned."""
     measured, losses = [], []
@@ -132,6 +134,7 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
         for _ in range(warmup):
             check_cancelled()
             losses.append(step())
+        meter = StealMeter()
         for _ in range(max(1, repeats)):
             check_cancelled()
             with tl.record(run=run) as rec:
@@ -141,6 +144,7 @@ def measure(step: Callable[[], float], warmup: int, run: Any, repeats: int = 3,
     measured_losses = losses[len(losses) - len(measured):]
     measured.sort(key=lambda item: item[0])
     _, timeline = measured[len(measured) // 2]
+    timeline.attrs["host_steal"] = meter.share()
     return Measured(timeline, losses[0], measured_losses)
 
 
@@ -206,6 +210,8 @@ def result(plan: Plan, measured: pd.DataFrame, loss: float, sample: Sample, used
         "peak_bytes": max((v for d, v in peak.items() if d in used), default=math.nan),
         "predicted_step_time": predicted_seconds,
         "prediction_error": predicted_seconds / step_seconds - 1 if step_seconds > 0 else math.nan,
+        # the host's CPU time the hypervisor gave other guests while the steps were measured
+        "host_steal": measured.attrs.get("host_steal", math.nan),
         # what the prediction rested on, and the error the benchmarks measured for that kind
         "prediction_basis": basis.kind,
         "benchmark_error": math.nan if basis.median is None else basis.median,

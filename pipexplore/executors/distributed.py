@@ -43,6 +43,7 @@ from torch import nn
 
 from pipexplore.cancel import check_cancelled, current_token
 from pipexplore.samples import to_device
+from pipexplore.host import StealMeter
 from pipexplore.models.inputs import call_inputs, first_microbatch, sample_rows
 from pipexplore.plan import Plan
 from pipexplore.executors.forkserver import installed_modules
@@ -426,7 +427,9 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     check_cancelled()  # tracing and pickling take a while: a run cancelled meanwhile starts no rank
     preload_modules(installed_modules(model), token)  # e.g. transformers' modules: imported once, not per rank
     with warm_pool(world, devices) as (pool, startup_seconds):
+        meter = StealMeter()  # the ranks' steps are timed in their processes: the host's steal while they ran
         replies = pool.run(payloads, timeout, cancel=token)
+        stolen = meter.share()
         pids = list(pool.pids)
         check_cancelled()  # cancelled as the replies came: not recorded, and no rank is left running
     outputs = [torch.load(io.BytesIO(reply), weights_only=False) for reply in replies]
@@ -446,6 +449,7 @@ def run_processes(model: nn.Module, sample: Any, plan: Plan, *, target: Any = No
     _, frame, losses = sorted(steps, key=lambda step: step[0])[len(steps) // 2]
     frame.attrs["peak_memory"] = {}
     frame.attrs["startup_seconds"] = startup_seconds
+    frame.attrs["host_steal"] = stolen
     first = [loss for payload in outputs for loss in payload["first_losses"]]
     result = _result(plan, frame, _mean(first), sample, set(devices),
                      measured_losses=[_mean(step_losses) for _, _, step_losses in steps])

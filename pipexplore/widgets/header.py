@@ -15,8 +15,8 @@ from pipexplore.predict.costs import microbatch_rows
 from pipexplore.predict.memory import activation_peaks
 from pipexplore.schedules import checkpointed
 
-__all__ = ["plan_figures", "header_html", "format_bytes", "plan_text", "short_plan_text", "splits_text", "parse_bytes",
-           "plan_difference", "mesh_text", "plan_devices_text", "model_flops_utilisation",
+__all__ = ["plan_figures", "header_html", "format_bytes", "STEAL_NOTED", "steal_note", "plan_text", "short_plan_text",
+           "splits_text", "parse_bytes", "plan_difference", "mesh_text", "plan_devices_text", "model_flops_utilisation",
            "hardware_flops_utilisation", "recomputed_share"]
 
 
@@ -245,9 +245,12 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         error = last_run.get("prediction_error", math.nan)
         bad = isinstance(error, float) and not math.isnan(error) and abs(error) > 0.25
         known = isinstance(error, float) and not math.isnan(error)
-        cards.append(_card(f"measured · run {last_run['run']}", f"{last_run['step_time'] * 1e3:.2f} ms",
-                           f"predicted {last_run['predicted_step_time'] * 1e3:.2f} ms then ({error * 100:+.0f} %)"
-                           if known else "prediction error –",
+        said = (f"predicted {last_run['predicted_step_time'] * 1e3:.2f} ms then ({error * 100:+.0f} %)"
+                if known else "prediction error –")
+        stolen = last_run.get("host_steal", math.nan)
+        if isinstance(stolen, float) and stolen >= STEAL_NOTED:
+            said += f"; {html.escape(steal_note(stolen))}"
+        cards.append(_card(f"measured · run {last_run['run']}", f"{last_run['step_time'] * 1e3:.2f} ms", said,
                            "pipexplore-bad" if bad else ""))
     elif planned:
         cards.append(_card("measured", "planned", f"{html.escape(planned)} are not here: export the plan and run it "
@@ -257,6 +260,17 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
     return ("<div class='pipexplore-header'>"
             f"<div class='pipexplore-title'><b>pipexplore</b> · {html.escape(title)}</div>"
             f"<div class='pipexplore-cards'>{''.join(cards)}</div></div>")
+
+
+#: The share of the host's CPU time taken by other guests while a run was measured from which the
+#: page says so beside the run (``host_steal``, :class:`~pipexplore.host.StealMeter`).
+STEAL_NOTED = 0.05
+
+
+def steal_note(share: float) -> str:
+    """What the page says of a run measured while other guests held ``share`` of the host's CPU time."""
+    return (f"other guests on this machine held {share * 100:.0f} % of its CPU time while it was measured: "
+            "the step is slower than this machine runs it")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from pipexplore.widgets.header import format_bytes
+from pipexplore.widgets.header import STEAL_NOTED, format_bytes
 
 __all__ = ["RUNS_VIEW_COLUMNS", "SORT_KEYS", "runs_styler", "runs_html", "error_color"]
 
@@ -16,6 +16,7 @@ RUNS_VIEW_COLUMNS = {
     "run": "run", "executor": "executor", "schedule": "schedule", "splits": "splits", "chunks": "chunks",
     "checkpoint": "checkpoint", "devices": "devices", "step_time": "step ms", "predicted_step_time": "predicted ms",
     "prediction_error": "error %", "prediction_basis": "predicted from", "benchmark_error": "benchmarks' error %",
+    "host_steal": "other guests' CPU %",
     "bubble": "bubble %", "throughput": "samples/s", "startup_seconds": "startup s",
     "peak_bytes": "peak memory", "loss": "loss", "finite": "finite",
 }
@@ -60,7 +61,8 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
     frame = runs.tail(limit) if limit else runs
     frame = frame.sort_values(sort_by, ascending=not descending, kind="stable", na_position="last")
     columns = [c for c in RUNS_VIEW_COLUMNS if c in frame and not _empty(frame[c])
-               and not (c == "finite" and frame[c].astype(bool).all())]  # "finite" only when one is not
+               and not (c == "finite" and frame[c].astype(bool).all())  # "finite" only when one is not
+               and not (c == "host_steal" and not (frame[c] >= STEAL_NOTED).any())]  # and the steal where noted
     frame = frame[columns].reset_index(drop=True)
     if "splits" in frame:
         frame["splits"] = [",".join(map(str, s)) if isinstance(s, (list, tuple)) else str(s) for s in frame["splits"]]
@@ -71,6 +73,7 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
         "prediction_error": lambda v: f"{v * 100:+.1f}", "benchmark_error": lambda v: f"±{v * 100:.0f}", "bubble": lambda v: f"{v * 100:.1f}",
         "throughput": lambda v: f"{v:,.0f}", "startup_seconds": lambda v: f"{v:.2f}",
         "peak_bytes": format_bytes, "loss": lambda v: f"{v:.5g}",
+        "host_steal": lambda v: f"{v * 100:.0f}",
     }
     styler = frame.style.format({k: f for k, f in formats.items() if k in frame}, na_rep="–")
     styler = styler.relabel_index([RUNS_VIEW_COLUMNS[c] for c in columns], axis="columns")
