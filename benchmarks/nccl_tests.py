@@ -29,7 +29,7 @@ theirs (24 GB/s of 25 for HDR; 192 GB/s across DGX A100 nodes), the latencies NC
 
 Across nodes: beside the 2-node A100 figures at 1 GiB, H100 all-reduce curves (1 MiB–8 GiB) on 2, 4
 and 8 HGX H100 nodes with eight 400 Gb/s NDR NICs each, as NCCL chooses (NVIDIA/nccl-tests#309: two
-clusters, bare metal and VMs), and all-reduce and all-gather curves (32 MiB–8 GiB) on 2–32 AWS
+clusters, bare metal and VMs), and all-reduce, all-gather and all-to-all curves (32 MiB–8 GiB) on 2–32 AWS
 p5.48xlarge (eight H100s, 32 EFA interfaces of 100 Gb/s: 400 Gb/s a GPU, as a DGX H100's; the
 catalogue's ``H100-p5``: the DGX H100's fabric, with the 75 µs network latency aws-ofi-nccl reports to
 NCCL on p5s added to each step across nodes as NCCL's tuner adds it, and the NDR NIC's efficiency, as
@@ -95,10 +95,11 @@ SOURCES = {
                   "InfiniBand (eight NICs a node: '~400 GB/s IB limit'), all_reduce_perf -b 1M -e 8G -f 2 -g 1 "
                   "by mpirun, default settings (the runs with NCCL_MIN_CTAS=24 left out), in-place busbw; "
                   "2, 4 and 8 nodes. https://github.com/NVIDIA/nccl-tests/issues/309",
-    "p5-efa": "crazyguitar, aws-gpu-communication-benchmark, data/nccl_all_reduce.csv and nccl_all_gather.csv "
-              "(in busbw), commit a77f70d, 2025-10-14: SageMaker HyperPod ml.p5.48xlarge (eight H100 SXM5, "
-              "32 EFA of 100 Gb/s), NCCL 2.27.7, aws-ofi-nccl 1.16.3 with NCCL_TUNER_PLUGIN=libnccl-ofi-tuner, "
-              "-g 1, -n 1000 (k8s/nccl_all_reduce_perf.yaml); sizes in MiB. "
+    "p5-efa": "crazyguitar, aws-gpu-communication-benchmark, data/nccl_all_reduce.csv, nccl_all_gather.csv and "
+              "nccl_alltoall.csv (in busbw), commit a77f70d, 2025-10-14: SageMaker HyperPod ml.p5.48xlarge (eight "
+              "H100 SXM5, 32 EFA of 100 Gb/s), NCCL 2.27.7, aws-ofi-nccl 1.16.3 with "
+              "NCCL_TUNER_PLUGIN=libnccl-ofi-tuner, -g 1, -n 1000 (k8s/nccl_all_reduce_perf.yaml, "
+              "nccl_alltoall_perf.yaml); sizes in MiB. "
               "https://github.com/crazyguitar/aws-gpu-communication-benchmark/tree/main/data",
     "mscclpp-a100": "Microsoft, mscclpp, docs/performance-ndmv4.md, 'NDmv4 Performance', NCCL columns (8 ranks a "
                     "node by mpirun, -g 1, in-place busbw; NCCL 2.17.1), commit 85e664c, 2023-06-05. "
@@ -139,6 +140,12 @@ _P5_AG = {2: [136.42, 204.07, 237.77, 214.14, 276.79, 325.83, 334.26],
           8: [45.82, 87.00, 144.42, 213.96, 262.83, 226.18, 295.21],
           16: [25.49, 46.62, 87.28, 146.73, 221.40, 261.42, 264.48],
           32: [12.73, 24.54, 45.88, 87.96, 148.06, 225.44, 263.66]}
+# the same, all-to-all 32 MiB … 2 GiB (experts' token exchange; NCCL's grouped send/receive)
+_P5_A2A = {2: [47.49, 62.08, 69.41, 74.05, 75.79, 77.80, 79.31],
+           4: [39.06, 43.03, 52.20, 54.13, 53.64, 53.61, 54.00],
+           8: [31.81, 35.06, 36.23, 44.70, 46.25, 48.44, 50.01],
+           16: [25.83, 26.25, 31.73, 34.72, 40.18, 42.49, 44.22],
+           32: [20.25, 24.96, 26.37, 30.39, 32.84, 38.68, 41.06]}
 
 PUBLISHED = [
     Published("azure-a100", "A100-80GB", 1, 8, "all_reduce", dict(zip(SIZES, _A100_AR)), gpus_per_process=8,
@@ -166,6 +173,7 @@ PUBLISHED = [
     *(Published("hgx-h100-b", "H100", n, 8, "all_reduce", dict(zip(_TO_8G, v))) for n, v in _HGX_B.items()),
     *(Published("p5-efa", "H100-p5", n, 8, "all_reduce", dict(zip(_P5_SIZES, v))) for n, v in _P5_AR.items()),
     *(Published("p5-efa", "H100-p5", n, 8, "all_gather", dict(zip(_P5_SIZES, v))) for n, v in _P5_AG.items()),
+    *(Published("p5-efa", "H100-p5", n, 8, "all_to_all", dict(zip(_P5_SIZES, v))) for n, v in _P5_A2A.items()),
 ]
 
 
@@ -246,7 +254,8 @@ def main() -> int:
               f"(checks only: {check_text})")
     print()
     print(f"{'by':>9} {'':>16} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'within 15 %':>11}  signed median")
-    for label, key in (("source", lambda r: r["source"]), ("nodes", lambda r: f"{r['device']} x{r['nodes']}")):
+    for label, key in (("source", lambda r: r["source"]), ("nodes", lambda r: f"{r['device']} x{r['nodes']}"),
+                       ("collective", lambda r: f"{r['collective']}{'' if r['nodes'] == 1 else ' xN'}")):
         for name, members in summary(out, key).items():
             print(f"{label:>9} {name:>16} {members['n']:>6} {members['median']:>14.1%} {members['max']:>11.1%} "
                   f"{members['within']:>7}/{members['n']:<3}  {members['signed']:>+7.1%}")
