@@ -206,14 +206,17 @@ class StealMeter:
     """The share of the host's CPU time the hypervisor gave to other guests from this meter's start
     to each :meth:`share` (see the module docstring); ``path``: where the kernel counts it."""
 
+    #: Fewer ticks than this (the kernel counts 100 a second a core) say too little to share out.
+    MIN_TICKS = 20
+
     def __init__(self, path: str = CPU_STAT) -> None:
         self.path = path
         self.start = cpu_ticks(path)
 
     def share(self) -> float:
         """Stolen ticks over all ticks since the start: 0 to 1; nan where the kernel does not count
-        them, or no tick has passed yet (a window under the kernel's 10 ms clock)."""
+        them, or fewer than :attr:`MIN_TICKS` have passed (on two cores, a window under 0.1 s)."""
         now = cpu_ticks(self.path)
-        if self.start is None or now is None or now[1] <= self.start[1]:
+        if self.start is None or now is None or now[1] - self.start[1] < self.MIN_TICKS:
             return math.nan
         return (now[0] - self.start[0]) / (now[1] - self.start[1])
