@@ -247,9 +247,9 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
         known = isinstance(error, float) and not math.isnan(error)
         said = (f"predicted {last_run['predicted_step_time'] * 1e3:.2f} ms then ({error * 100:+.0f} %)"
                 if known else "prediction error –")
-        stolen = last_run.get("host_steal", math.nan)
-        if isinstance(stolen, float) and stolen >= STEAL_NOTED:
-            said += f"; {html.escape(steal_note(stolen))}"
+        stolen = steal_note(last_run.get("host_steal"))
+        if stolen:
+            said += f"; {html.escape(stolen)}"
         cards.append(_card(f"measured · run {last_run['run']}", f"{last_run['step_time'] * 1e3:.2f} ms", said,
                            "pipexplore-bad" if bad else ""))
     elif planned:
@@ -267,8 +267,11 @@ def header_html(title: str, figures: Mapping[str, Any], last_run: Optional[Mappi
 STEAL_NOTED = 0.05
 
 
-def steal_note(share: float) -> str:
-    """What the page says of a run measured while other guests held ``share`` of the host's CPU time."""
+def steal_note(share: Any) -> str:
+    """What the page says of a run measured while other guests held ``share`` of the host's CPU time:
+    nothing ('') below :data:`STEAL_NOTED`, or where it was not measured (nan, absent)."""
+    if not (isinstance(share, float) and share >= STEAL_NOTED):
+        return ""
     return (f"other guests on this machine held {share * 100:.0f} % of its CPU time while it was measured: "
             "the step is slower than this machine runs it")
 

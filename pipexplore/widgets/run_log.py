@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any, Optional
 
@@ -22,7 +21,7 @@ import pandas as pd
 from pipexplore.executors.base import RunResult
 from pipexplore.plan import Plan
 from pipexplore.predict.residuals import residuals
-from pipexplore.widgets.header import STEAL_NOTED, steal_note
+from pipexplore.widgets.header import steal_note
 
 __all__ = ["RunLog", "RUN_COLUMNS", "run_summary", "refuse_planned"]
 
@@ -36,9 +35,9 @@ def run_summary(row: dict[str, Any]) -> str:
     """The status line after a run; a run whose loss or gradients are not finite says so."""
     text = (f"run {row['run']}: step {row['step_time'] * 1e3:.1f} ms, bubble {row['bubble'] * 100:.1f} %, "
             f"loss {row['loss']:.4f}")
-    stolen = row.get("host_steal", math.nan)
-    if isinstance(stolen, float) and stolen >= STEAL_NOTED:
-        text += f" · {steal_note(stolen)}"
+    stolen = steal_note(row.get("host_steal"))
+    if stolen:
+        text += f" · {stolen}"
     if not row.get("finite", True):
         text += (" ⚠ the loss or a gradient is not finite (NaN or inf): this run does not calibrate predictions; "
                  "check the model, the learning rate and the data")

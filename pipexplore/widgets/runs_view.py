@@ -7,7 +7,7 @@ from typing import Any, Optional
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from pipexplore.widgets.header import STEAL_NOTED, format_bytes
+from pipexplore.widgets.header import format_bytes, steal_note
 
 __all__ = ["RUNS_VIEW_COLUMNS", "SORT_KEYS", "runs_styler", "runs_html", "error_color"]
 
@@ -62,7 +62,7 @@ def runs_styler(runs: pd.DataFrame, *, sort_by: str = "run", descending: bool = 
     frame = frame.sort_values(sort_by, ascending=not descending, kind="stable", na_position="last")
     columns = [c for c in RUNS_VIEW_COLUMNS if c in frame and not _empty(frame[c])
                and not (c == "finite" and frame[c].astype(bool).all())  # "finite" only when one is not
-               and not (c == "host_steal" and not (frame[c] >= STEAL_NOTED).any())]  # and the steal where noted
+               and not (c == "host_steal" and not any(map(steal_note, frame[c])))]  # and the steal where noted
     frame = frame[columns].reset_index(drop=True)
     if "splits" in frame:
         frame["splits"] = [",".join(map(str, s)) if isinstance(s, (list, tuple)) else str(s) for s in frame["splits"]]
