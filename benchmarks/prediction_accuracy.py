@@ -7,7 +7,10 @@ three model kinds): ``explore(model, sample, chunks=…, schedule=…, devices=�
 1. first run (the profile only), 2. the same plan again (after learning from run 1),
 3. chunks changed, 4. the first split moved by one layer, 5. schedule changed; and beside them how
 far the second measurement of the plan is from the first (the machine's own noise: a floor for
-what any prediction can reach).
+what any prediction can reach). Beside the first run, the median of ``--first-runs`` first runs, each
+from a fresh ``explore()`` (profiled and run anew): one draw of this machine's speed against another
+is what a single first run's error mostly holds (the noise column), the median of several what the
+prediction itself misses.
 
 Each column prints the median and max |error| of ``predicted_step_time`` against the measured
 ``step_time`` in ``explorer.runs`` (what the explorer shows). Goal on a 2-core CPU: median ≤ 10 %
@@ -46,6 +49,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +63,8 @@ COLUMNS = ["first run", "same plan again", "chunks changed", "split moved", "sch
 #: Not a prediction: how far the second measurement of the same plan is from the first. No
 #: prediction of one run from another can be reliably closer than the machine repeats itself.
 NOISE = "measured twice (noise)"
+#: The median of several first runs of the config, each from its own fresh explorer (``--first-runs``).
+FIRST_MEDIAN = "first run, median of fresh ones"
 
 
 def fixed(device: str) -> tuple[nn.Sequential, torch.Tensor]:
@@ -129,15 +135,22 @@ def _moved_split(splits: list[int], layers: int) -> list[int]:
     return list(splits)  # every stage holds one layer: nothing moves
 
 
-def run_config(model_name: str, schedule: str, chunks: int, stages: int, executor: str,
-               device: str) -> tuple[list[float], list[str], tuple[float, float]]:
-    """The errors of each column, notes, and how moving the split changed the step: ``(predicted,
-    measured)`` relative changes (nan with one stage)."""
+def _explorer(model_name: str, schedule: str, chunks: int, stages: int, executor: str, device: str) -> Any:
+    """A fresh explorer of the config, as a user opens it (profiled anew)."""
     torch.manual_seed(0)
     model, sample = MODELS[model_name](device)
     devices = [device] * (stages // 2 if schedule in MULTI_STAGE else stages)
-    ex = pipexplore.explore(model, sample, chunks=chunks, schedule=schedule, devices=devices, executor=executor,
-                            loss_fn=None)
+    return pipexplore.explore(model, sample, chunks=chunks, schedule=schedule, devices=devices, executor=executor,
+                              loss_fn=None)
+
+
+def run_config(model_name: str, schedule: str, chunks: int, stages: int, executor: str,
+               device: str, first_runs: int = 1) -> tuple[list[float], list[str], tuple[float, float]]:
+    """The errors of each column (:data:`COLUMNS`, :data:`NOISE`, then :data:`FIRST_MEDIAN`: the
+    median of ``first_runs`` first runs, this config's and ``first_runs − 1`` more from fresh
+    explorers), notes, and how moving the split changed the step: ``(predicted, measured)`` relative
+    changes (nan with one stage)."""
+    ex = _explorer(model_name, schedule, chunks, stages, executor, device)
     errors, notes, measured, predicted = [], [], [], []
 
     def measure(label: str) -> None:
@@ -174,6 +187,12 @@ def run_config(model_name: str, schedule: str, chunks: int, stages: int, executo
             ex.update(schedule=other)
         measure("schedule")
     errors.append(measured[1] / measured[0] - 1)
+    firsts = [errors[0]]
+    for _ in range(first_runs - 1):
+        fresh = _explorer(model_name, schedule, chunks, stages, executor, device)
+        firsts.append(float(fresh.run()["prediction_error"]))
+    notes.append("first runs " + ", ".join(f"{e * 100:+.0f} %" for e in firsts))
+    errors.append(statistics.median(firsts))
     return errors, notes, order
 
 
@@ -254,6 +273,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model names to run (default: all)")
     parser.add_argument("--schedules", default="", help="comma-separated schedules to run (default: all)")
     parser.add_argument("--no-processes", action="store_true", help="skip the configs run in processes")
+    parser.add_argument("--first-runs", type=int, default=3,
+                        help="first runs a config, each from a fresh explorer, whose median is the last column")
     parser.add_argument("--devices", default="", help="as the other benchmarks take it: the first device is used")
     parser.add_argument("--repeats", type=int, default=0, help="ignored (the other benchmarks' option)")
     parser.add_argument("--sections", default="configs,stale,bubbles",
@@ -278,7 +299,8 @@ def main() -> None:
             continue
         if args.schedules and schedule not in args.schedules.split(","):
             continue
-        errors, notes, order = run_config(model_name, schedule, chunks, stages, executor, args.device)
+        errors, notes, order = run_config(model_name, schedule, chunks, stages, executor, args.device,
+                                          first_runs=max(1, args.first_runs))
         table.append(errors)
         orders.append(order)
         cells = " ".join("   n/a" if math.isnan(e) else f"{e * 100:+5.0f}%" for e in errors)
@@ -290,7 +312,7 @@ def main() -> None:
         print(f"\n{len(table)} configs in {time.perf_counter() - started:.0f} s; |error| per column:")
         print(f"| {'column':18} | median | max |")
         print("|---|---:|---:|")
-        for k, column in enumerate([*COLUMNS, NOISE]):
+        for k, column in enumerate([*COLUMNS, NOISE, FIRST_MEDIAN]):
             values = [abs(row[k]) for row in table if not math.isnan(row[k])]
             if values:
                 print(f"| {column:18} | {statistics.median(values) * 100:5.1f} % | {max(values) * 100:5.1f} % |")
