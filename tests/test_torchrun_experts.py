@@ -130,7 +130,14 @@ def test_the_run_loads_back_with_its_all_to_alls_on_the_collectives_lane(name, t
         count = 3 if action["phase"] == "forward" else 2 + 3 * (recomputes and action["microbatch"] < CHUNKS - 1)
         mine = exchanges[(exchanges["rank"] == action["rank"]) & (exchanges["microbatch"] == action["microbatch"])
                          & (exchanges["start"] >= action["cpu_start"]) & (exchanges["start"] <= action["cpu_end"])]
-        assert len(mine) == count, (action["phase"], action["rank"], action["microbatch"], len(mine))
+        assert len(mine) == count, (action["phase"], action["rank"], action["microbatch"], len(mine), _seen(
+            timeline, action["rank"]))
+
+
+def _seen(timeline: pd.DataFrame, rank: int) -> str:
+    """What the reader made of ``rank``'s step: each action's and collective's times (a failure's context)."""
+    rows = timeline[timeline["rank"] == rank]
+    return "\n" + rows[["phase", "microbatch", "collective", "start", "end", "cpu_start", "cpu_end"]].to_string()
 
 
 def test_a_mesh_the_script_cannot_fold_is_refused_at_export_naming_what_would():
