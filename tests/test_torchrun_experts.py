@@ -116,6 +116,9 @@ def test_the_run_loads_back_with_its_all_to_alls_on_the_collectives_lane(name, t
     print(f"{name}: measured {row['step_time'] * 1e3:.1f} ms a step, predicted {row['predicted_step_time'] * 1e3:.1f} "
           f"ms, prediction error {row['prediction_error'] * 100:+.1f} %")
     assert "ep 2" in row["mesh"]  # the plan the run ran keeps its expert parallelism
+    # every rank's trace marks its steps (ProfilerStep#N): the reader takes each step's span from them
+    files = sorted(pathlib.Path(traces).glob("trace_rank*.json"))
+    assert len(files) == 4 and all('"ProfilerStep#1"' in path.read_text() for path in files), files
     timeline = read_traces(traces, stages={0: 0, 1: 0, 2: 1, 3: 1})  # GPipe labels no stage
     lanes = timeline[timeline["phase"] == "collective"]
     assert lanes["device"].str.endswith(" · collectives").all()

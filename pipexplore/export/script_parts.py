@@ -404,7 +404,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiler = torch.profiler.profile(activities=activities)
+            # a schedule (every step recorded) makes the profiler mark each step ProfilerStep#N
+            profiler = torch.profiler.profile(activities=activities,
+                                              schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
             profiler.start()
         for optimizer in filter(None, optimizers):
             optimizer.zero_grad(set_to_none=True)
